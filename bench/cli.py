@@ -1,0 +1,18 @@
+"""`antiphon bench ...`: each benchmark is a sub-command."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_bench_parser(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="run a benchmark")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    from antiphon.bench import serving
+
+    serving.add_parser(kinds)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args.bench_func(args))

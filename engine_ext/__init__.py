@@ -1,0 +1,1 @@
+"""antiphon.engine_ext."""

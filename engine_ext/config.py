@@ -1,0 +1,51 @@
+"""Configuration of the engine: which model, how much KV memory, how vLLM is started."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from antiphon.configfields import doc
+
+GiB = 1 << 30
+
+SCHEDULER_CLS = "antiphon.engine_ext.scheduler.AntiphonScheduler"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = doc(
+        "Hugging Face model folder to serve; unset serves the default model "
+        "(prepared by `antiphon model prepare`)", default=None)
+    served_model_name: str | None = doc(
+        "Model id reported by /v1/models and accepted in requests; unset uses the folder name",
+        default=None)
+    max_model_len: int = doc("Longest prompt plus output, in tokens", default=8192)
+    kv_cache_gib: float = doc("Memory for vLLM's KV cache pool, in GiB", default=2.0)
+    num_kv_pages: int | None = doc(
+        "Cap on the number of KV pages (vLLM's num_gpu_blocks_override); unset: from memory",
+        default=None)
+    max_num_seqs: int = doc("Most sequences in one engine step", default=64)
+    max_num_batched_tokens: int = doc("Token budget of one engine step", default=2048)
+    dtype: str = doc("Model weight and activation dtype", default="bfloat16")
+    enforce_eager: bool = doc(
+        "Skip graph compilation (start-up about 20 s instead of 70 s; slower steps)",
+        default=False)
+    enable_prefix_caching: bool = doc("vLLM prefix caching of KV pages", default=True)
+    seed: int = doc("Random seed of the engine", default=0)
+    scheduler_cls: str = doc("Scheduler class (qualified name) vLLM runs", default=SCHEDULER_CLS)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 16:
+            raise ValueError(f"max_model_len must be at least 16, got {self.max_model_len}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.dtype not in ("bfloat16", "float16", "float32", "auto"):
+            raise ValueError(f"dtype must be bfloat16, float16, float32 or auto, got {self.dtype}")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return int(self.kv_cache_gib * GiB)

@@ -1,0 +1,169 @@
+"""The engine interface the server talks to, and its vLLM implementation.
+
+The server never touches vLLM types: it renders a conversation to token ids, submits them with
+`GenerationParams`, and reads `Delta`s. `VllmEngine` runs vLLM's `AsyncLLM` in this process
+(the EngineCore runs in its own process) with `AntiphonScheduler` wired in through
+`scheduler_cls`.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+from antiphon.engine_ext.config import EngineConfig
+from antiphon.engine_ext.types import ChatTurn, Delta, EngineHealth, GenerationParams, RequestClass
+
+logger = logging.getLogger(__name__)
+
+# vLLM orders waiting requests by ascending priority value.
+_PRIORITY = {RequestClass.RT: 0, RequestClass.BE: 1}
+
+
+class EngineRequestError(ValueError):
+    """The engine refused a request as invalid (the caller's fault, not the engine's)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process has failed; no further requests can be served."""
+
+
+class Engine(abc.ABC):
+    """What the server needs from a model engine."""
+
+    model_name: str
+    max_model_len: int
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model and start serving; returns when the engine accepts requests."""
+
+    @abc.abstractmethod
+    def render_chat(self, turns: Sequence[ChatTurn]) -> list[int]:
+        """Prompt token ids for a conversation, ending with the assistant's turn opened."""
+
+    @abc.abstractmethod
+    def count_tokens(self, text: str) -> int:
+        """Number of tokens of a plain text (no special tokens)."""
+
+    @abc.abstractmethod
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[Delta]:
+        """Stream the output of one request. Cancelling the iteration aborts the request and
+        frees its KV pages. Raises `EngineRequestError` or `EngineDeadError`."""
+
+    @abc.abstractmethod
+    async def health(self) -> EngineHealth: ...
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the engine and its processes; idempotent."""
+
+
+class VllmEngine(Engine):
+    """vLLM `AsyncLLM` in process, with Antiphon's scheduler."""
+
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.model_name = config.served_model_name or model_dir.name
+        self.max_model_len = config.max_model_len
+        self._llm: Any = None
+        self._tokenizer: Any = None
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        c = self.config
+        args = AsyncEngineArgs(
+            model=str(self.model_dir),
+            served_model_name=[self.model_name],
+            max_model_len=c.max_model_len,
+            kv_cache_memory_bytes=c.kv_cache_bytes,
+            num_gpu_blocks_override=c.num_kv_pages,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=max(c.max_num_batched_tokens, c.max_model_len),
+            dtype=c.dtype,
+            enforce_eager=c.enforce_eager,
+            enable_prefix_caching=c.enable_prefix_caching,
+            seed=c.seed,
+            scheduler_cls=c.scheduler_cls,
+            disable_log_stats=True,
+        )
+        started = time.monotonic()
+        self._llm = AsyncLLM.from_engine_args(args)
+        logger.info("vLLM engine for %s up in %.1f s", self.model_name, time.monotonic() - started)
+
+    def render_chat(self, turns: Sequence[ChatTurn]) -> list[int]:
+        conversation = [{"role": t.role, "content": t.content} for t in turns]
+        text = self._tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=False
+        )
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def count_tokens(self, text: str) -> int:
+        return len(self._tokenizer.encode(text, add_special_tokens=False))
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[Delta]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
+
+        sampling = SamplingParams(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            stop=list(params.stop) or None,
+            seed=params.seed,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"antiphon_class": params.request_class.value,
+                        "antiphon_session": params.session_id},
+        )
+        stream = self._llm.generate(
+            TokensPrompt(prompt_token_ids=prompt_token_ids),
+            sampling,
+            request_id,
+            priority=_PRIORITY[params.request_class],
+        )
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    completion = out.outputs[0]
+                    yield Delta(
+                        text=completion.text,
+                        num_new_tokens=len(completion.token_ids),
+                        finished=out.finished,
+                        finish_reason=completion.finish_reason,
+                        num_prompt_tokens=len(out.prompt_token_ids or ()),
+                        num_cached_tokens=out.num_cached_tokens or 0,
+                    )
+        except VllmDeadError as exc:
+            raise EngineDeadError(str(exc)) from exc
+        except ValueError as exc:  # vLLM's request validation errors derive from ValueError
+            raise EngineRequestError(str(exc)) from exc
+
+    async def health(self) -> EngineHealth:
+        if self._llm is None:
+            return EngineHealth(False, self.model_name, "not started")
+        try:
+            await self._llm.check_health()
+        except Exception as exc:
+            return EngineHealth(False, self.model_name, f"{type(exc).__name__}: {exc}")
+        return EngineHealth(True, self.model_name)
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None

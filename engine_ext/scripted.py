@@ -1,0 +1,83 @@
+"""An engine that emits scripted tokens: a test double and a readable reference for `Engine`.
+
+Tokens are whitespace-separated words; the prompt "tokenizer" counts one token per character so
+context limits can be exercised with small inputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from antiphon.engine_ext.engine import Engine, EngineRequestError
+from antiphon.engine_ext.types import ChatTurn, Delta, EngineHealth, GenerationParams
+
+
+def echo_reply(turns: Sequence[ChatTurn]) -> str:
+    last_user = next((t.content for t in reversed(turns) if t.role == "user"), "")
+    return f"You said: {last_user}"
+
+
+class ScriptedEngine(Engine):
+    def __init__(
+        self,
+        reply: Callable[[Sequence[ChatTurn]], str] = echo_reply,
+        token_delay_s: float = 0.0,
+        max_model_len: int = 4096,
+        model_name: str = "scripted",
+    ) -> None:
+        self.reply = reply
+        self.token_delay_s = token_delay_s
+        self.max_model_len = max_model_len
+        self.model_name = model_name
+        self.active_request_ids: set[str] = set()
+        self.finished_request_ids: list[str] = []
+        self._replies: dict[tuple[int, ...], str] = {}
+        self._is_running = False
+
+    async def start(self) -> None:
+        self._is_running = True
+
+    def render_chat(self, turns: Sequence[ChatTurn]) -> list[int]:
+        text = "".join(f"<{t.role}>{t.content}\n" for t in turns) + "<assistant>"
+        ids = [ord(c) for c in text]
+        self._replies[tuple(ids)] = self.reply(turns)
+        return ids
+
+    def count_tokens(self, text: str) -> int:
+        return len(text)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[Delta]:
+        if request_id in self.active_request_ids:
+            raise EngineRequestError(f"request {request_id} is already running")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise EngineRequestError("prompt is longer than the model context")
+        reply = self._replies.get(tuple(prompt_token_ids), "ok")
+        words = reply.split(" ")
+        self.active_request_ids.add(request_id)
+        try:
+            for i, word in enumerate(words[: params.max_tokens]):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                is_last = i == min(len(words), params.max_tokens) - 1
+                reason = None
+                if is_last:
+                    reason = "stop" if len(words) <= params.max_tokens else "length"
+                yield Delta(
+                    text=word if i == 0 else " " + word,
+                    num_new_tokens=1,
+                    finished=is_last,
+                    finish_reason=reason,
+                    num_prompt_tokens=len(prompt_token_ids),
+                )
+        finally:
+            self.active_request_ids.discard(request_id)
+            self.finished_request_ids.append(request_id)
+
+    async def health(self) -> EngineHealth:
+        return EngineHealth(self._is_running, self.model_name)
+
+    async def shutdown(self) -> None:
+        self._is_running = False

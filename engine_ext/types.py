@@ -1,0 +1,51 @@
+"""Plain data exchanged between the server and an engine: no tensors, no vLLM types."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class RequestClass(enum.StrEnum):
+    """Latency-critical chat turns (RT) or background document work (BE)."""
+
+    RT = "rt"
+    BE = "be"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTurn:
+    """One message of a conversation as the chat template sees it."""
+
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int  # output tokens, at most
+    temperature: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    request_class: RequestClass = RequestClass.RT
+    session_id: str | None = None  # lets the engine keep a session's KV across turns
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """New output of one request since the previous delta."""
+
+    text: str  # detokenised text of the new tokens
+    num_new_tokens: int  # tokens generated since the previous delta
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineHealth:
+    is_healthy: bool
+    model: str
+    detail: str = ""

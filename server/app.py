@@ -1,0 +1,65 @@
+"""The FastAPI application: routes, error handling, static UI, and the engine's lifetime."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import resources
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+
+from antiphon.config import AppConfig
+from antiphon.engine_ext.engine import Engine
+from antiphon.server import openai_api, rest
+from antiphon.server.context import AppContext
+from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.http import error_response
+from antiphon.server.ws import websocket_endpoint
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(config: AppConfig, engine: Engine) -> FastAPI:
+    """An app that starts `engine` on start-up and shuts it down on exit."""
+    ctx = AppContext.build(config, engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        ctx.is_ready = True
+        logger.info("Antiphon serving %s on http://%s:%d", engine.model_name,
+                    config.server.host, config.server.port)
+        try:
+            yield
+        finally:
+            ctx.is_ready = False
+            await engine.shutdown()
+            ctx.store.close()
+
+    app = FastAPI(title="Antiphon", version="0.1.0", lifespan=lifespan)
+    app.state.ctx = ctx
+    app.include_router(openai_api.router)
+    app.include_router(rest.router)
+    app.add_api_websocket_route("/v1/ws", websocket_endpoint)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_request: Request, err: ApiError) -> JSONResponse:
+        ctx.metrics.errors.labels(err.code.value).inc()
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await on_api_error(_request, ApiError(ErrorCode.BAD_MESSAGE, str(exc.errors()[0])))
+
+    static = resources.files("antiphon.web_ui") / "static"
+    app.mount("/static", StaticFiles(directory=str(static)), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        return FileResponse(str(static / "index.html"))
+
+    return app

@@ -1,0 +1,46 @@
+"""API keys: who is calling, as an owner id that sessions are filed under.
+
+Raw keys are never stored: an owner is the fingerprint of the key that opened the session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from antiphon.server.errors import ApiError, ErrorCode
+
+ANONYMOUS_OWNER = "local"
+
+
+class Authenticator:
+    def __init__(self, api_keys: tuple[str, ...]) -> None:
+        self._fingerprints = {self.fingerprint(k) for k in api_keys}
+
+    @property
+    def is_required(self) -> bool:
+        return bool(self._fingerprints)
+
+    @staticmethod
+    def fingerprint(key: str) -> str:
+        return "key_" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+    def owner_for(self, key: str | None) -> str:
+        """The owner id of a request carrying `key`; raises `unauthorized` for a bad key."""
+        if not self.is_required:
+            return ANONYMOUS_OWNER
+        if not key:
+            raise ApiError(ErrorCode.UNAUTHORIZED, "an API key is required")
+        fp = self.fingerprint(key)
+        if not any(hmac.compare_digest(fp, known) for known in self._fingerprints):
+            raise ApiError(ErrorCode.UNAUTHORIZED, "invalid API key")
+        return fp
+
+
+def key_from_headers(authorization: str | None, api_key_param: str | None = None) -> str | None:
+    """The key from `Authorization: Bearer KEY`, else from an `api_key` query parameter."""
+    if authorization:
+        scheme, _, value = authorization.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    return api_key_param or None

@@ -1,0 +1,159 @@
+"""Generation shared by every API: validate limits, render the prompt, stream, time, count.
+
+`ChatService.prepare` turns a conversation into a `Generation` or raises a typed `ApiError`
+without side effects; `ChatService.stream` runs it on the engine and yields text pieces while
+filling in the generation's usage and timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+
+from antiphon.engine_ext.engine import Engine, EngineDeadError, EngineRequestError
+from antiphon.engine_ext.types import ChatTurn, Delta, GenerationParams, RequestClass
+from antiphon.server.config import ServerConfig
+from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.metrics import ServerMetrics
+
+
+@dataclasses.dataclass
+class Generation:
+    """One request: its prompt, then its output and timings as they arrive."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: GenerationParams
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    pieces: list[str] = dataclasses.field(default_factory=list)
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (seconds); None with fewer than 2."""
+        if self.first_token_at is None or self.last_token_at is None or self.num_output_tokens < 2:
+            return None
+        return (self.last_token_at - self.first_token_at) / (self.num_output_tokens - 1)
+
+    def usage(self) -> dict[str, int]:
+        n_prompt = len(self.prompt_token_ids)
+        return {"prompt_tokens": n_prompt, "completion_tokens": self.num_output_tokens,
+                "total_tokens": n_prompt + self.num_output_tokens,
+                "cached_prompt_tokens": self.num_cached_tokens}
+
+    def timings(self) -> dict[str, float | None]:
+        end = self.last_token_at or time.perf_counter()
+        return {"ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "total_s": end - self.arrival}
+
+
+class ChatService:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, config: ServerConfig) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.config = config
+
+    def check_content(self, content: str) -> None:
+        if len(content) > self.config.max_content_chars:
+            raise ApiError(ErrorCode.TOO_LARGE, f"message has {len(content)} characters; the "
+                           f"limit is {self.config.max_content_chars}")
+        if not content.strip():
+            raise ApiError(ErrorCode.BAD_MESSAGE, "message content is empty")
+
+    def prepare(
+        self,
+        request_id: str,
+        turns: Sequence[ChatTurn],
+        max_tokens: int | None,
+        temperature: float | None,
+        request_class: RequestClass = RequestClass.RT,
+        session_id: str | None = None,
+        **sampling: object,
+    ) -> Generation:
+        """Validate and render a request; raises `ApiError` and changes nothing on bad input."""
+        if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
+            raise ApiError(ErrorCode.MAX_TOKENS_TOO_LARGE, f"max_tokens {max_tokens} exceeds "
+                           f"the limit of {self.config.max_tokens_limit}")
+        prompt = self.engine.render_chat(turns)
+        room = self.engine.max_model_len - len(prompt)
+        if room < 1:
+            raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                           f"the conversation is {len(prompt)} tokens; the model's context is "
+                           f"{self.engine.max_model_len} tokens")
+        if max_tokens is not None and max_tokens > room:
+            raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                           f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
+                           f"exceeds the model's context of {self.engine.max_model_len} tokens")
+        limit = max_tokens if max_tokens is not None else min(self.config.default_max_tokens, room)
+        params = GenerationParams(
+            max_tokens=limit,
+            temperature=0.0 if temperature is None else temperature,
+            request_class=request_class,
+            session_id=session_id,
+            **sampling,  # type: ignore[arg-type]
+        )
+        return Generation(request_id, prompt, params)
+
+    async def stream(self, gen: Generation, api: str) -> AsyncIterator[str]:
+        """Run `gen` on the engine, yielding text pieces. Cancelling aborts the request."""
+        cls = gen.params.request_class.value
+        self.metrics.inflight.labels(cls).inc()
+        outcome = "error"
+        try:
+            deltas = self.engine.generate(gen.request_id, gen.prompt_token_ids, gen.params)
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    self._apply(gen, delta)
+                    if delta.text:
+                        yield delta.text
+            outcome = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            gen.finish_reason = "cancelled"
+            raise
+        except EngineRequestError as exc:
+            raise ApiError(ErrorCode.BAD_MESSAGE, str(exc)) from exc
+        except EngineDeadError as exc:
+            raise ApiError(ErrorCode.ENGINE_ERROR, f"the engine failed: {exc}") from exc
+        finally:
+            self._record(gen, api, outcome)
+
+    @staticmethod
+    def _apply(gen: Generation, delta: Delta) -> None:
+        if delta.num_new_tokens:
+            now = time.perf_counter()
+            if gen.first_token_at is None:
+                gen.first_token_at = now
+            gen.last_token_at = now
+            gen.num_output_tokens += delta.num_new_tokens
+        gen.num_cached_tokens = max(gen.num_cached_tokens, delta.num_cached_tokens)
+        if delta.finished:
+            gen.finish_reason = delta.finish_reason
+        if delta.text:
+            gen.pieces.append(delta.text)
+
+    def _record(self, gen: Generation, api: str, outcome: str) -> None:
+        m, cls = self.metrics, gen.params.request_class.value
+        m.inflight.labels(cls).dec()
+        m.requests.labels(api, cls, outcome).inc()
+        m.prompt_tokens.labels(cls).inc(len(gen.prompt_token_ids))
+        m.cached_prompt_tokens.labels(cls).inc(gen.num_cached_tokens)
+        m.generation_tokens.labels(cls).inc(gen.num_output_tokens)
+        if gen.ttft_s is not None:
+            m.ttft.labels(cls).observe(gen.ttft_s)
+        if gen.tpot_s is not None:
+            m.tpot.labels(cls).observe(gen.tpot_s)

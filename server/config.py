@@ -1,0 +1,54 @@
+"""Configuration of the API server: address, keys, and every input limit."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+
+from antiphon.configfields import doc
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = doc("Address to bind", default="127.0.0.1")
+    port: int = doc("Port to bind", default=8000)
+    api_keys: tuple[str, ...] = doc(
+        "Accepted API key (repeat the option for several; also ANTIPHON_API_KEYS). "
+        "Optional on loopback, required on any other address", default=())
+    max_frame_bytes: int = doc("Largest websocket message or REST body, in bytes",
+                               default=256 * 1024)
+    max_content_chars: int = doc("Longest user message, in characters", default=32_000)
+    max_messages: int = doc("Most messages in one /v1/chat/completions request", default=256)
+    default_max_tokens: int = doc("Output tokens when a request does not say", default=512)
+    max_tokens_limit: int = doc("Largest max_tokens a request may ask for", default=4096)
+    max_inflight_per_connection: int = doc(
+        "Most generations in flight on one websocket connection", default=16)
+    max_connections: int = doc("Most open websocket connections", default=512)
+    max_sessions_listed: int = doc("Most sessions returned by one listing", default=200)
+
+    def __post_init__(self) -> None:
+        if not (0 < self.port < 65536):
+            raise ValueError(f"port must be 1..65535, got {self.port}")
+        if not self.api_keys and not is_loopback(self.host):
+            raise ValueError(
+                f"binding to {self.host} needs at least one API key (--api-keys or "
+                "ANTIPHON_API_KEYS); without keys the server only binds to loopback"
+            )
+        if any(len(k) < 8 for k in self.api_keys):
+            raise ValueError("API keys must be at least 8 characters long")
+        for name in ("max_frame_bytes", "max_content_chars", "max_messages", "default_max_tokens",
+                     "max_tokens_limit", "max_inflight_per_connection", "max_connections",
+                     "max_sessions_listed"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens must not exceed max_tokens_limit")

@@ -1,0 +1,34 @@
+"""Everything a request handler needs, built once per app."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from antiphon.config import AppConfig
+from antiphon.engine_ext.engine import Engine
+from antiphon.server.auth import Authenticator
+from antiphon.server.chat import ChatService
+from antiphon.server.metrics import ServerMetrics
+from antiphon.server.turns import SessionTurns
+from antiphon.sessions.store import SessionStore
+
+
+@dataclasses.dataclass
+class AppContext:
+    config: AppConfig
+    engine: Engine
+    store: SessionStore
+    metrics: ServerMetrics
+    auth: Authenticator
+    chat: ChatService
+    turns: SessionTurns
+    num_connections: int = 0  # open websocket connections
+    is_ready: bool = False  # the engine accepts requests
+
+    @classmethod
+    def build(cls, config: AppConfig, engine: Engine) -> AppContext:
+        store = SessionStore(config.sessions.db_path, config.sessions.sqlite_synchronous)
+        metrics = ServerMetrics()
+        chat = ChatService(engine, metrics, config.server)
+        return cls(config, engine, store, metrics, Authenticator(config.server.api_keys),
+                   chat, SessionTurns(store, chat, metrics))

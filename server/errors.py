@@ -1,0 +1,56 @@
+"""Typed API errors shared by the websocket and REST layers."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    BAD_JSON = "bad_json"
+    BAD_MESSAGE = "bad_message"
+    UNKNOWN_TYPE = "unknown_type"
+    TOO_LARGE = "too_large"
+    MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    SESSION_NOT_FOUND = "session_not_found"
+    REQUEST_NOT_FOUND = "request_not_found"
+    DUPLICATE_REQUEST = "duplicate_request"
+    MODEL_NOT_FOUND = "model_not_found"
+    UNAUTHORIZED = "unauthorized"
+    TOO_MANY_REQUESTS = "too_many_requests"
+    SESSION_BUSY = "session_busy"
+    ENGINE_ERROR = "engine_error"
+    SHUTTING_DOWN = "shutting_down"
+
+
+# HTTP status for each code, used by the REST layer.
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.BAD_JSON: 400,
+    ErrorCode.BAD_MESSAGE: 400,
+    ErrorCode.UNKNOWN_TYPE: 400,
+    ErrorCode.TOO_LARGE: 413,
+    ErrorCode.MAX_TOKENS_TOO_LARGE: 400,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
+    ErrorCode.SESSION_NOT_FOUND: 404,
+    ErrorCode.REQUEST_NOT_FOUND: 404,
+    ErrorCode.DUPLICATE_REQUEST: 409,
+    ErrorCode.MODEL_NOT_FOUND: 404,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.TOO_MANY_REQUESTS: 429,
+    ErrorCode.SESSION_BUSY: 409,
+    ErrorCode.ENGINE_ERROR: 500,
+    ErrorCode.SHUTTING_DOWN: 503,
+}
+
+
+class ApiError(Exception):
+    """An error the client caused or must know about; carries a stable code."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS[self.code]

@@ -1,0 +1,62 @@
+"""REST helpers: authentication, bounded body parsing, and the error format."""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from antiphon.server.auth import key_from_headers
+from antiphon.server.context import AppContext
+from antiphon.server.errors import ApiError, ErrorCode
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def authorize(request: Request) -> str:
+    """The caller's owner id; raises `unauthorized`."""
+    ctx: AppContext = request.app.state.ctx
+    key = key_from_headers(request.headers.get("authorization"),
+                           request.query_params.get("api_key"))
+    return ctx.auth.owner_for(key)
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refusing more than `max_frame_bytes` without reading it all."""
+    limit = request.app.state.ctx.config.server.max_frame_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(ErrorCode.TOO_LARGE, f"body of {declared} bytes exceeds {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(ErrorCode.TOO_LARGE, f"body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_model(request: Request, model: type[M]) -> M:
+    """Parse and validate a JSON body into `model`; raises typed `ApiError`s."""
+    raw = await read_body(request)
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(ErrorCode.BAD_JSON, f"body is not valid JSON: {exc}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise ApiError(ErrorCode.BAD_MESSAGE, f"{where}: {first['msg']}") from None
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    """OpenAI's error shape, with Antiphon's stable code."""
+    return JSONResponse(
+        {"error": {"code": err.code.value, "message": err.message,
+                   "type": "invalid_request_error" if err.http_status < 500 else "server_error"}},
+        status_code=err.http_status)

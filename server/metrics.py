@@ -1,0 +1,43 @@
+"""Prometheus metrics of the server, in a registry of their own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "antiphon_requests", "Generation requests by API, class and outcome",
+            ["api", "request_class", "outcome"], registry=r)
+        self.ttft = Histogram(
+            "antiphon_ttft_seconds", "Time to first token", ["request_class"],
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "antiphon_tpot_seconds", "Time per output token after the first", ["request_class"],
+            buckets=_TPOT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(
+            "antiphon_prompt_tokens", "Prompt tokens submitted", ["request_class"], registry=r)
+        self.cached_prompt_tokens = Counter(
+            "antiphon_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+            ["request_class"], registry=r)
+        self.generation_tokens = Counter(
+            "antiphon_generation_tokens", "Output tokens generated", ["request_class"],
+            registry=r)
+        self.inflight = Gauge(
+            "antiphon_inflight_requests", "Generations in flight", ["request_class"], registry=r)
+        self.connections = Gauge(
+            "antiphon_websocket_connections", "Open websocket connections", registry=r)
+        self.advisories = Counter(
+            "antiphon_advisories", "Advisory requests received, by source", ["source"],
+            registry=r)
+        self.errors = Counter(
+            "antiphon_errors", "Errors answered to clients, by code", ["code"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,108 @@
+"""Websocket chat protocol (`/v1/ws`): typed JSON messages with one decode and one encode.
+
+Client to server::
+
+    {"type": "session.open", "session_id": null | str, "title": str?}
+    {"type": "session.list"}
+    {"type": "message", "session_id": str, "content": str, "request_id": str?,
+     "max_tokens": int?, "temperature": float?}
+    {"type": "typing", "session_id": str}
+    {"type": "cancel", "request_id": str}
+
+Server to client::
+
+    {"type": "session", "session": {...}, "messages": [...]}
+    {"type": "sessions", "sessions": [...]}
+    {"type": "accepted", "request_id": str, "session_id": str, "prompt_tokens": int}
+    {"type": "token", "request_id": str, "session_id": str, "text": str}
+    {"type": "done", "request_id": str, "session_id": str, "finish_reason": str, "text": str,
+     "usage": {...}, "timings": {"ttft_s": float, "tpot_s": float | null, "total_s": float}}
+    {"type": "error", "code": str, "message": str, "request_id": str | null}
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from antiphon.server.errors import ApiError, ErrorCode
+
+# Ids are opaque tokens chosen by the server or the client; restricting their alphabet keeps them
+# safe to log and to use as keys.
+ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SessionOpen(_Msg):
+    type: Literal["session.open"]
+    session_id: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
+    """Existing session to resume; null opens a new one."""
+    title: Annotated[str, Field(max_length=200)] | None = None
+
+
+class SessionList(_Msg):
+    type: Literal["session.list"]
+
+
+class ChatMessage(_Msg):
+    type: Literal["message"]
+    session_id: Annotated[str, Field(pattern=ID_PATTERN)]
+    content: str
+    """The user's message; its size limit is the server's `max_content_chars`."""
+    request_id: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
+    """Client-chosen id for correlating replies; the server assigns one when absent."""
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+
+
+class Typing(_Msg):
+    type: Literal["typing"]
+    session_id: Annotated[str, Field(pattern=ID_PATTERN)]
+
+
+class Cancel(_Msg):
+    type: Literal["cancel"]
+    request_id: Annotated[str, Field(pattern=ID_PATTERN)]
+
+
+ClientMessage = Annotated[
+    SessionOpen | SessionList | ChatMessage | Typing | Cancel, Field(discriminator="type")
+]
+_client_adapter: TypeAdapter[ClientMessage] = TypeAdapter(ClientMessage)
+CLIENT_TYPES = ("session.open", "session.list", "message", "typing", "cancel")
+
+
+def decode_client_message(raw: str | bytes) -> ClientMessage:
+    """Parse one client frame; raises `ApiError` with a typed code on any defect."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(ErrorCode.BAD_JSON, f"message is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(ErrorCode.BAD_MESSAGE, "message must be a JSON object")
+    kind = data.get("type")
+    if kind not in CLIENT_TYPES:
+        raise ApiError(
+            ErrorCode.UNKNOWN_TYPE,
+            f"unknown message type {kind!r}; expected one of {', '.join(CLIENT_TYPES)}",
+        )
+    try:
+        return _client_adapter.validate_python(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"][1:]) or "message"
+        raise ApiError(ErrorCode.BAD_MESSAGE, f"{kind}: {where}: {first['msg']}") from None
+
+
+def encode(kind: str, **fields: Any) -> str:
+    """Encode one server-to-client message."""
+    return json.dumps({"type": kind, **fields}, ensure_ascii=False, separators=(",", ":"))
+
+
+def error_frame(err: ApiError, request_id: str | None = None) -> str:
+    return encode("error", code=err.code.value, message=err.message, request_id=request_id)

@@ -1,0 +1,92 @@
+"""REST endpoints besides the OpenAI ones: sessions, advisories, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from antiphon.server.context import AppContext
+from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.http import authorize, read_model
+from antiphon.server.protocol import ID_PATTERN
+
+router = APIRouter()
+
+
+class NewSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    title: Annotated[str, Field(max_length=200)] | None = None
+
+
+class Advisory(BaseModel):
+    """Symphony's advisory request: a turn of `session_id` is coming."""
+
+    model_config = ConfigDict(extra="forbid")
+    session_id: Annotated[str, Field(pattern=ID_PATTERN)]
+    model_id: str | None = None
+    expected_arrival: Annotated[float, Field(ge=0)] | None = None  # seconds from now
+    ordered: bool = False
+    priority: int = 0
+
+
+def _ctx(request: Request) -> AppContext:
+    return request.app.state.ctx  # type: ignore[no-any-return]
+
+
+@router.get("/v1/sessions")
+async def list_sessions(request: Request) -> dict[str, Any]:
+    ctx, owner = _ctx(request), authorize(request)
+    sessions = await asyncio.to_thread(ctx.store.list_sessions, owner,
+                                       ctx.config.server.max_sessions_listed)
+    return {"sessions": [s.to_json() for s in sessions]}
+
+
+@router.post("/v1/sessions", status_code=201)
+async def create_session(request: Request) -> dict[str, Any]:
+    ctx, owner = _ctx(request), authorize(request)
+    body = await read_model(request, NewSession)
+    session, _ = await ctx.turns.open(owner, None, body.title)
+    return session.to_json()
+
+
+@router.get("/v1/sessions/{session_id}")
+async def get_session(session_id: str, request: Request) -> dict[str, Any]:
+    ctx, owner = _ctx(request), authorize(request)
+    session, messages = await ctx.turns.open(owner, session_id)
+    return {"session": session.to_json(), "messages": [m.to_json() for m in messages]}
+
+
+@router.delete("/v1/sessions/{session_id}", status_code=204)
+async def delete_session(session_id: str, request: Request) -> Response:
+    ctx, owner = _ctx(request), authorize(request)
+    if not await asyncio.to_thread(ctx.store.delete_session, owner, session_id):
+        raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
+    return Response(status_code=204)
+
+
+@router.post("/v1/advisory", status_code=202)
+async def advisory(request: Request) -> dict[str, Any]:
+    ctx, owner = _ctx(request), authorize(request)
+    body = await read_model(request, Advisory)
+    if body.model_id is not None and body.model_id != ctx.engine.model_name:
+        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"model {body.model_id!r} is not served here")
+    await ctx.turns.record_advisory(owner, body.session_id, "rest")
+    return {"accepted": True, "session_id": body.session_id}
+
+
+@router.get("/healthz")
+async def healthz(request: Request) -> Response:
+    ctx = _ctx(request)
+    health = await ctx.engine.health()
+    ok = ctx.is_ready and health.is_healthy
+    return JSONResponse({"status": "ok" if ok else "unavailable", "model": health.model,
+                         "detail": health.detail}, status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_ctx(request).metrics.render(), media_type="text/plain; version=0.0.4")

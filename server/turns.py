@@ -1,0 +1,116 @@
+"""Chat turns of persistent sessions: history in, reply out, both committed to the store.
+
+A turn is accepted once its user message is committed; from then on it is never lost. One turn
+per session is in flight at a time, so the conversation has a single order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+
+from antiphon.engine_ext.types import ChatTurn
+from antiphon.server import protocol
+from antiphon.server.chat import ChatService, Generation
+from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.metrics import ServerMetrics
+from antiphon.sessions.store import Message, Session, SessionStore
+
+Emit = Callable[[str], Awaitable[None]]
+
+
+class SessionTurns:
+    def __init__(self, store: SessionStore, chat: ChatService, metrics: ServerMetrics) -> None:
+        self.store = store
+        self.chat = chat
+        self.metrics = metrics
+        self._busy_session_ids: set[str] = set()
+
+    async def open(self, owner: str, session_id: str | None,
+                   title: str | None = None) -> tuple[Session, list[Message]]:
+        """Create a session (no id) or load one of `owner`'s; raises `session_not_found`."""
+        if session_id is None:
+            session = await asyncio.to_thread(self.store.create_session, owner,
+                                              title or "New chat")
+            return session, []
+        session = await self.get(owner, session_id)
+        return session, await asyncio.to_thread(self.store.messages, session_id)
+
+    async def get(self, owner: str, session_id: str) -> Session:
+        session = await asyncio.to_thread(self.store.get_session, owner, session_id)
+        if session is None:
+            raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
+        return session
+
+    async def record_advisory(self, owner: str, session_id: str, source: str) -> None:
+        """Record that `session_id` is about to send a turn (typing, agent hook, REST)."""
+        await self.get(owner, session_id)
+        await asyncio.to_thread(self.store.record_advisory, session_id, source, time.time())
+        self.metrics.advisories.labels(source).inc()
+
+    async def accept(self, owner: str, msg: protocol.ChatMessage, request_id: str) -> Generation:
+        """Validate a turn, commit its user message and mark the session busy.
+
+        Raises `ApiError` (nothing changed) when the session is unknown or busy, or the message
+        breaks a limit. The caller must follow up with `run`, which clears the busy mark.
+        """
+        self.chat.check_content(msg.content)
+        await self.get(owner, msg.session_id)
+        if msg.session_id in self._busy_session_ids:
+            raise ApiError(ErrorCode.SESSION_BUSY,
+                           f"session {msg.session_id} is already answering a message")
+        self._busy_session_ids.add(msg.session_id)
+        try:
+            history = await asyncio.to_thread(self.store.messages, msg.session_id)
+            turns = [ChatTurn(m.role, m.content) for m in history]
+            turns.append(ChatTurn("user", msg.content))
+            gen = self.chat.prepare(request_id, turns, msg.max_tokens, msg.temperature,
+                                    session_id=msg.session_id)
+            await asyncio.to_thread(self.store.append_message, msg.session_id, "user",
+                                    msg.content, self.chat.engine.count_tokens(msg.content))
+        except BaseException:
+            self._busy_session_ids.discard(msg.session_id)
+            raise
+        return gen
+
+    async def run(self, session_id: str, gen: Generation, emit: Emit,
+                  is_user_cancel: Callable[[], bool]) -> None:
+        """Stream an accepted turn to `emit`, then commit the reply and emit `done`.
+
+        A cancel (the task is cancelled and `is_user_cancel()` is true) commits the partial
+        reply and emits `done` with finish_reason "cancelled"; a disconnect commits it too.
+        """
+        rid = gen.request_id
+        is_committed = False
+        try:
+            try:
+                async with aclosing(self.chat.stream(gen, api="ws")) as pieces:
+                    async for text in pieces:
+                        await emit(protocol.encode("token", request_id=rid,
+                                                   session_id=session_id, text=text))
+            except asyncio.CancelledError:
+                if not is_user_cancel():
+                    raise
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            except ApiError as err:
+                await emit(protocol.error_frame(err, rid))
+                return
+            await self._commit_reply(session_id, gen)
+            is_committed = True
+            await emit(protocol.encode(
+                "done", request_id=rid, session_id=session_id, finish_reason=gen.finish_reason,
+                text=gen.text, usage=gen.usage(), timings=gen.timings()))
+        except BaseException:
+            # Disconnected or shut down mid-reply: keep what the user already saw.
+            if not is_committed and gen.pieces:
+                gen.finish_reason = gen.finish_reason or "cancelled"
+                await asyncio.shield(self._commit_reply(session_id, gen))
+            raise
+        finally:
+            self._busy_session_ids.discard(session_id)
+
+    async def _commit_reply(self, session_id: str, gen: Generation) -> None:
+        await asyncio.to_thread(self.store.append_message, session_id, "assistant", gen.text,
+                                gen.num_output_tokens, gen.finish_reason)

@@ -1,0 +1,140 @@
+"""The websocket chat API, `/v1/ws`: one `Connection` per client socket.
+
+The connection validates each frame, answers typed errors, and runs every accepted turn in a task
+of its own, so several sessions and requests can be in flight on one socket. Closing the socket
+cancels its turns, which aborts their generations and frees their KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+from fastapi import WebSocket, WebSocketDisconnect
+
+from antiphon.server import protocol
+from antiphon.server.auth import key_from_headers
+from antiphon.server.context import AppContext
+from antiphon.server.errors import ApiError, ErrorCode
+
+logger = logging.getLogger(__name__)
+
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_TRY_AGAIN = 1013
+
+
+class Connection:
+    def __init__(self, ws: WebSocket, ctx: AppContext, owner: str) -> None:
+        self.ws = ws
+        self.ctx = ctx
+        self.owner = owner
+        self._send_lock = asyncio.Lock()
+        self._turns: dict[str, asyncio.Task[None]] = {}
+        self._cancelled_request_ids: set[str] = set()
+
+    async def send(self, frame: str) -> None:
+        async with self._send_lock:
+            await self.ws.send_text(frame)
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                raw = await self.ws.receive()
+                if raw["type"] == "websocket.disconnect":
+                    return
+                data = raw.get("text") if raw.get("text") is not None else raw.get("bytes")
+                await self._handle_frame(data or "")
+        except WebSocketDisconnect:
+            return
+        finally:
+            await self._cancel_all()
+
+    async def _handle_frame(self, data: str | bytes) -> None:
+        request_id: str | None = None
+        try:
+            if len(data) > self.ctx.config.server.max_frame_bytes:
+                raise ApiError(ErrorCode.TOO_LARGE, f"message of {len(data)} bytes exceeds the "
+                               f"limit of {self.ctx.config.server.max_frame_bytes}")
+            msg = protocol.decode_client_message(data)
+            if isinstance(msg, protocol.ChatMessage):
+                request_id = msg.request_id
+            await self._dispatch(msg)
+        except ApiError as err:
+            self.ctx.metrics.errors.labels(err.code.value).inc()
+            await self.send(protocol.error_frame(err, request_id))
+
+    async def _dispatch(self, msg: protocol.ClientMessage) -> None:
+        turns = self.ctx.turns
+        if isinstance(msg, protocol.SessionOpen):
+            session, messages = await turns.open(self.owner, msg.session_id, msg.title)
+            await self.send(protocol.encode("session", session=session.to_json(),
+                                            messages=[m.to_json() for m in messages]))
+        elif isinstance(msg, protocol.SessionList):
+            limit = self.ctx.config.server.max_sessions_listed
+            sessions = await asyncio.to_thread(self.ctx.store.list_sessions, self.owner, limit)
+            await self.send(protocol.encode("sessions", sessions=[s.to_json() for s in sessions]))
+        elif isinstance(msg, protocol.Typing):
+            await turns.record_advisory(self.owner, msg.session_id, "typing")
+        elif isinstance(msg, protocol.Cancel):
+            task = self._turns.get(msg.request_id)
+            if task is None:
+                raise ApiError(ErrorCode.REQUEST_NOT_FOUND,
+                               f"no request {msg.request_id} in flight on this connection")
+            self._cancelled_request_ids.add(msg.request_id)
+            task.cancel()
+        else:
+            await self._start_turn(msg)
+
+    async def _start_turn(self, msg: protocol.ChatMessage) -> None:
+        request_id = msg.request_id or "r_" + secrets.token_urlsafe(9)
+        if request_id in self._turns:
+            raise ApiError(ErrorCode.DUPLICATE_REQUEST, f"request {request_id} is in flight")
+        if len(self._turns) >= self.ctx.config.server.max_inflight_per_connection:
+            raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many requests in flight on this "
+                           f"connection (limit {self.ctx.config.server.max_inflight_per_connection})")
+        gen = await self.ctx.turns.accept(self.owner, msg, request_id)
+        await self.send(protocol.encode("accepted", request_id=request_id,
+                                        session_id=msg.session_id,
+                                        prompt_tokens=len(gen.prompt_token_ids)))
+        task = asyncio.create_task(self.ctx.turns.run(
+            msg.session_id, gen, self.send,
+            is_user_cancel=lambda: request_id in self._cancelled_request_ids))
+        self._turns[request_id] = task
+        task.add_done_callback(lambda _t: self._finish_turn(request_id))
+
+    def _finish_turn(self, request_id: str) -> None:
+        self._turns.pop(request_id, None)
+        self._cancelled_request_ids.discard(request_id)
+
+    async def _cancel_all(self) -> None:
+        tasks = list(self._turns.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def websocket_endpoint(ws: WebSocket) -> None:
+    ctx: AppContext = ws.app.state.ctx
+    await ws.accept()
+    try:
+        owner = ctx.auth.owner_for(
+            key_from_headers(ws.headers.get("authorization"), ws.query_params.get("api_key")))
+    except ApiError as err:
+        await ws.send_text(protocol.error_frame(err))
+        await ws.close(code=CLOSE_UNAUTHORIZED, reason=err.message)
+        return
+    if ctx.num_connections >= ctx.config.server.max_connections:
+        await ws.send_text(protocol.error_frame(
+            ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many open connections")))
+        await ws.close(code=CLOSE_TRY_AGAIN)
+        return
+    ctx.num_connections += 1
+    ctx.metrics.connections.inc()
+    try:
+        await Connection(ws, ctx, owner).serve()
+    finally:
+        ctx.num_connections -= 1
+        ctx.metrics.connections.dec()
+

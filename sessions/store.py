@@ -1,0 +1,199 @@
+"""Sessions and their messages, persisted in SQLite (WAL) under the data directory.
+
+A session belongs to one owner (an API key's fingerprint); every read takes the owner and a
+session of another owner is reported as absent. Writes commit before they return, so an accepted
+message survives a crash of the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    owner      TEXT NOT NULL,
+    title      TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sessions_owner ON sessions(owner, updated_at);
+CREATE TABLE IF NOT EXISTS messages (
+    session_id    TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE,
+    seq           INTEGER NOT NULL,
+    role          TEXT NOT NULL,
+    content       TEXT NOT NULL,
+    num_tokens    INTEGER NOT NULL,
+    finish_reason TEXT,
+    created_at    REAL NOT NULL,
+    PRIMARY KEY (session_id, seq)
+);
+CREATE TABLE IF NOT EXISTS advisories (
+    session_id  TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE,
+    source      TEXT NOT NULL,
+    received_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS advisories_session ON advisories(session_id, received_at);
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    session_id: str
+    owner: str
+    title: str
+    created_at: float  # unix seconds
+    updated_at: float
+    num_messages: int = 0
+
+    def to_json(self) -> dict[str, object]:
+        return {"session_id": self.session_id, "title": self.title,
+                "created_at": self.created_at, "updated_at": self.updated_at,
+                "num_messages": self.num_messages}
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    role: str  # "user" | "assistant"
+    content: str
+    num_tokens: int
+    created_at: float
+    finish_reason: str | None = None  # assistant messages: "stop", "length", "cancelled"
+
+    def to_json(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+def new_session_id() -> str:
+    return "s_" + secrets.token_urlsafe(12)
+
+
+class SessionStore:
+    """Thread-safe; one connection guarded by a lock (SQLite serialises writers anyway)."""
+
+    def __init__(self, path: Path, synchronous: str = "FULL") -> None:
+        if synchronous not in ("FULL", "NORMAL"):
+            raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous}")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def create_session(self, owner: str, title: str = "New chat") -> Session:
+        now = time.time()
+        session = Session(new_session_id(), owner, title, now, now)
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?)",
+                (session.session_id, owner, title, now, now),
+            )
+        return session
+
+    def get_session(self, owner: str, session_id: str) -> Session | None:
+        """The session, or None when it does not exist or belongs to another owner."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT s.session_id, s.owner, s.title, s.created_at, s.updated_at,"
+                " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id)"
+                " FROM sessions s WHERE s.session_id = ? AND s.owner = ?",
+                (session_id, owner),
+            ).fetchone()
+        return Session(*row) if row else None
+
+    def list_sessions(self, owner: str, limit: int = 100) -> list[Session]:
+        """The owner's sessions, most recently updated first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT s.session_id, s.owner, s.title, s.created_at, s.updated_at,"
+                " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id)"
+                " FROM sessions s WHERE s.owner = ? ORDER BY s.updated_at DESC LIMIT ?",
+                (owner, limit),
+            ).fetchall()
+        return [Session(*r) for r in rows]
+
+    def rename_session(self, owner: str, session_id: str, title: str) -> bool:
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE sessions SET title = ?, updated_at = ? WHERE session_id = ? AND owner = ?",
+                (title, time.time(), session_id, owner),
+            )
+        return cur.rowcount == 1
+
+    def delete_session(self, owner: str, session_id: str) -> bool:
+        with self._lock:
+            cur = self._db.execute(
+                "DELETE FROM sessions WHERE session_id = ? AND owner = ?", (session_id, owner)
+            )
+        return cur.rowcount == 1
+
+    def messages(self, session_id: str) -> list[Message]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT role, content, num_tokens, created_at, finish_reason FROM messages"
+                " WHERE session_id = ? ORDER BY seq",
+                (session_id,),
+            ).fetchall()
+        return [Message(*r) for r in rows]
+
+    def append_message(
+        self, session_id: str, role: str, content: str, num_tokens: int,
+        finish_reason: str | None = None,
+    ) -> Message:
+        """Append and commit one message (durable on return); bumps the session's updated_at."""
+        now = time.time()
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(
+                    "INSERT INTO messages SELECT ?, COALESCE(MAX(seq), -1) + 1, ?, ?, ?, ?, ?"
+                    " FROM messages WHERE session_id = ?",
+                    (session_id, role, content, num_tokens, finish_reason, now, session_id),
+                )
+                self._db.execute(
+                    "UPDATE sessions SET updated_at = ? WHERE session_id = ?", (now, session_id)
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return Message(role, content, num_tokens, now, finish_reason)
+
+    def record_advisory(self, session_id: str, source: str, received_at: float) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO advisories VALUES (?, ?, ?)", (session_id, source, received_at)
+            )
+
+    def advisories(self, session_id: str) -> list[tuple[str, float]]:
+        """(source, received_at) of each advisory the session received, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT source, received_at FROM advisories WHERE session_id = ?"
+                " ORDER BY received_at",
+                (session_id,),
+            ).fetchall()
+        return [(r[0], r[1]) for r in rows]
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the database violates its invariants."""
+        with self._lock:
+            (status,) = self._db.execute("PRAGMA integrity_check").fetchone()
+            assert status == "ok", status
+            orphans = self._db.execute(
+                "SELECT COUNT(*) FROM messages m LEFT JOIN sessions s USING (session_id)"
+                " WHERE s.session_id IS NULL"
+            ).fetchone()[0]
+            assert orphans == 0, f"{orphans} messages without a session"

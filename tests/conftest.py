@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from antiphon.config import AppConfig
+from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.server.config import ServerConfig
+from antiphon.sessions.config import SessionConfig
+from tests.liveserver import live_server
+
+
+@dataclasses.dataclass
+class Scripted:
+    url: str
+    engine: ScriptedEngine
+    config: AppConfig
+
+    @property
+    def ws_url(self) -> str:
+        return self.url.replace("http://", "ws://") + "/v1/ws"
+
+
+def scripted_config(data_dir: Path, **server: object) -> AppConfig:
+    return AppConfig(server=ServerConfig(**server),  # type: ignore[arg-type]
+                     sessions=SessionConfig(data_dir=data_dir))
+
+
+@pytest.fixture
+def scripted(tmp_path: Path) -> Iterator[Scripted]:
+    """A live server over a scripted engine (echoes the last user message, 10 ms a token)."""
+    engine = ScriptedEngine(token_delay_s=0.01, max_model_len=2000)
+    config = scripted_config(tmp_path, max_content_chars=1000, max_tokens_limit=100,
+                             max_frame_bytes=8192)
+    with live_server(config, engine) as url:
+        yield Scripted(url, engine, config)

@@ -1,0 +1,43 @@
+"""Run the real app under uvicorn in a background thread, on a free loopback port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from antiphon.config import AppConfig
+from antiphon.engine_ext.engine import Engine
+from antiphon.server.app import create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def live_server(config: AppConfig, engine: Engine) -> Iterator[str]:
+    """Yield the base URL (http://127.0.0.1:PORT) of a running server."""
+    port = free_port()
+    app = create_app(config, engine)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning",
+        ws_max_size=4 * config.server.max_frame_bytes))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
