@@ -8,14 +8,15 @@ decisions without changing this class's place in the engine.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger tree, so the message shows in the EngineCore process's log.
+logger = init_logger("vllm.antiphon.scheduler")
 
 
 class SchedulerTimer:
@@ -40,7 +41,7 @@ class AntiphonScheduler(AsyncScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.timer = SchedulerTimer()
-        logger.info("AntiphonScheduler installed")
+        logger.info("AntiphonScheduler installed (%s)", type(self).__mro__[1].__name__)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         started = time.perf_counter()

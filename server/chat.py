@@ -104,7 +104,7 @@ class ChatService:
             temperature=0.0 if temperature is None else temperature,
             request_class=request_class,
             session_id=session_id,
-            **sampling,  # type: ignore[arg-type]
+            **sampling,
         )
         return Generation(request_id, prompt, params)
 

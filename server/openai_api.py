@@ -108,7 +108,8 @@ def _prepare(ctx: AppContext, body: ChatCompletionRequest) -> Generation:
     try:
         request_class = RequestClass(xargs.get("request_class", "rt"))
     except ValueError:
-        raise ApiError(ErrorCode.BAD_MESSAGE, "vllm_xargs.request_class must be 'rt' or 'be'")
+        raise ApiError(ErrorCode.BAD_MESSAGE,
+                       "vllm_xargs.request_class must be 'rt' or 'be'") from None
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return ctx.chat.prepare(
         secrets.token_hex(12), turns, body.max_completion_tokens or body.max_tokens,

@@ -34,7 +34,7 @@ class Advisory(BaseModel):
 
 
 def _ctx(request: Request) -> AppContext:
-    return request.app.state.ctx  # type: ignore[no-any-return]
+    return request.app.state.ctx
 
 
 @router.get("/v1/sessions")

@@ -70,6 +70,9 @@ class SessionTurns:
                                     session_id=msg.session_id)
             await asyncio.to_thread(self.store.append_message, msg.session_id, "user",
                                     msg.content, self.chat.engine.count_tokens(msg.content))
+            if not history:
+                await asyncio.to_thread(self.store.title_if_untitled, msg.session_id,
+                                        " ".join(msg.content.split())[:60])
         except BaseException:
             self._busy_session_ids.discard(msg.session_id)
             raise

@@ -124,6 +124,12 @@ class SessionStore:
             ).fetchall()
         return [Session(*r) for r in rows]
 
+    def title_if_untitled(self, session_id: str, title: str, untitled: str = "New chat") -> None:
+        """Name a session after its first message unless it was named already."""
+        with self._lock:
+            self._db.execute("UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?",
+                             (title, session_id, untitled))
+
     def rename_session(self, owner: str, session_id: str, title: str) -> bool:
         with self._lock:
             cur = self._db.execute(

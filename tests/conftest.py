@@ -32,8 +32,9 @@ def scripted_config(data_dir: Path, **server: object) -> AppConfig:
 @pytest.fixture
 def scripted(tmp_path: Path) -> Iterator[Scripted]:
     """A live server over a scripted engine (echoes the last user message, 10 ms a token)."""
-    engine = ScriptedEngine(token_delay_s=0.01, max_model_len=2000)
+    engine = ScriptedEngine(token_delay_s=0.01, max_model_len=1000)
     config = scripted_config(tmp_path, max_content_chars=1000, max_tokens_limit=100,
+                             default_max_tokens=100,
                              max_frame_bytes=8192)
     with live_server(config, engine) as url:
         yield Scripted(url, engine, config)

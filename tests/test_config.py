@@ -1,0 +1,57 @@
+from pathlib import Path
+
+import pytest
+
+from antiphon.cli import build_parser
+from antiphon.configfields import dataclass_from_args
+from antiphon.engine_ext.config import EngineConfig
+from antiphon.server.auth import Authenticator
+from antiphon.server.config import ServerConfig
+from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.sessions.config import SessionConfig
+
+
+def test_non_loopback_needs_api_key() -> None:
+    with pytest.raises(ValueError, match="API key"):
+        ServerConfig(host="0.0.0.0")
+    assert ServerConfig(host="0.0.0.0", api_keys=("k" * 16,)).api_keys
+    assert ServerConfig(host="::1").host == "::1"
+
+
+@pytest.mark.parametrize("kwargs", [{"port": 0}, {"max_frame_bytes": 0},
+                                    {"default_max_tokens": 10, "max_tokens_limit": 5},
+                                    {"api_keys": ("short",)}])
+def test_server_config_rejects_bad_limits(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        ServerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kwargs", [{"max_model_len": 1}, {"kv_cache_gib": 0},
+                                    {"dtype": "int3"}, {"num_kv_pages": 0}])
+def test_engine_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        EngineConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_cli_options_build_configs(tmp_path: Path) -> None:
+    args = build_parser().parse_args([
+        "serve", "--port", "9001", "--api-keys", "k" * 12, "--api-keys", "j" * 12,
+        "--max-model-len", "1024", "--enforce-eager", "--data-dir", str(tmp_path)])
+    server = dataclass_from_args(ServerConfig, args)
+    engine = dataclass_from_args(EngineConfig, args)
+    sessions = dataclass_from_args(SessionConfig, args)
+    assert server.port == 9001 and server.api_keys == ("k" * 12, "j" * 12)
+    assert engine.max_model_len == 1024 and engine.enforce_eager
+    assert engine.dtype == "bfloat16"  # untouched options keep the dataclass default
+    assert sessions.db_path == tmp_path / "sessions.sqlite3"
+
+
+def test_authenticator() -> None:
+    open_auth = Authenticator(())
+    assert open_auth.owner_for(None) == "local"
+    auth = Authenticator(("a" * 10, "b" * 10))
+    assert auth.owner_for("a" * 10) != auth.owner_for("b" * 10)
+    for key in (None, "", "c" * 10):
+        with pytest.raises(ApiError) as info:
+            auth.owner_for(key)
+        assert info.value.code == ErrorCode.UNAUTHORIZED

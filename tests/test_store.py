@@ -1,0 +1,50 @@
+from pathlib import Path
+
+from antiphon.sessions.store import SessionStore
+
+
+def test_sessions_persist_across_reopen(tmp_path: Path) -> None:
+    db = tmp_path / "s.sqlite3"
+    store = SessionStore(db)
+    s = store.create_session("alice", "first")
+    store.append_message(s.session_id, "user", "hello", 2)
+    store.append_message(s.session_id, "assistant", "hi!", 3, "stop")
+    store.close()
+
+    reopened = SessionStore(db)
+    assert [m.content for m in reopened.messages(s.session_id)] == ["hello", "hi!"]
+    got = reopened.get_session("alice", s.session_id)
+    assert got is not None and got.num_messages == 2 and got.title == "first"
+    reopened.check_integrity()
+
+
+def test_owner_isolation(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "s.sqlite3")
+    s = store.create_session("alice")
+    assert store.get_session("mallory", s.session_id) is None
+    assert store.list_sessions("mallory") == []
+    assert not store.delete_session("mallory", s.session_id)
+    assert not store.rename_session("mallory", s.session_id, "mine")
+    assert store.get_session("alice", s.session_id) is not None
+
+
+def test_list_orders_by_update_and_delete_cascades(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "s.sqlite3")
+    a = store.create_session("o", "a")
+    b = store.create_session("o", "b")
+    store.append_message(a.session_id, "user", "x", 1)
+    assert [s.session_id for s in store.list_sessions("o")] == [a.session_id, b.session_id]
+    store.record_advisory(a.session_id, "typing", 1.0)
+    assert store.advisories(a.session_id) == [("typing", 1.0)]
+    assert store.delete_session("o", a.session_id)
+    assert store.messages(a.session_id) == []
+    assert store.advisories(a.session_id) == []
+    store.check_integrity()
+
+
+def test_first_message_names_untitled_session(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "s.sqlite3")
+    s = store.create_session("o")
+    store.title_if_untitled(s.session_id, "What is KV caching")
+    store.title_if_untitled(s.session_id, "second")
+    assert store.get_session("o", s.session_id).title == "What is KV caching"  # type: ignore[union-attr]

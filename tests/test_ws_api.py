@@ -1,0 +1,172 @@
+"""The websocket API over a live server and a scripted engine, with a real websockets client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from antiphon.engine_ext.scripted import ScriptedEngine
+from tests.conftest import Scripted, scripted_config
+from tests.liveserver import live_server
+from tests.wsclient import chat, open_session, recv, recv_until, send
+
+
+async def test_streams_tokens_then_done(scripted: Scripted) -> None:
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        r = await chat(ws, sid, "hello there", request_id="r-1")
+    assert r["accepted"] == {"type": "accepted", "request_id": "r-1", "session_id": sid,
+                             "prompt_tokens": r["accepted"]["prompt_tokens"]}
+    assert "".join(t["text"] for t in r["tokens"]) == "You said: hello there"
+    done = r["done"]
+    assert done["finish_reason"] == "stop" and done["text"] == "You said: hello there"
+    assert done["usage"]["completion_tokens"] == 4
+    assert 0 < done["timings"]["ttft_s"] < done["timings"]["total_s"]
+    assert done["timings"]["tpot_s"] > 0
+
+
+async def test_follow_up_sees_history_and_reopen_returns_it(scripted: Scripted) -> None:
+    scripted.engine.reply = lambda turns: " ".join(t.content for t in turns if t.role == "user")
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await chat(ws, sid, "one")
+        second = await chat(ws, sid, "two")
+        assert second["done"]["text"] == "one two"
+    async with connect(scripted.ws_url) as ws:
+        opened = await open_session(ws, sid)
+    assert [(m["role"], m["content"]) for m in opened["messages"]] == [
+        ("user", "one"), ("assistant", "one"), ("user", "two"), ("assistant", "one two")]
+    assert opened["session"]["title"] == "one"
+
+
+async def test_several_sessions_in_flight_on_one_connection(scripted: Scripted) -> None:
+    async with connect(scripted.ws_url) as ws:
+        sids = [(await open_session(ws))["session"]["session_id"] for _ in range(3)]
+        for i, sid in enumerate(sids):
+            await send(ws, type="message", session_id=sid, content=f"m{i} a b c d e",
+                       request_id=f"r{i}")
+        done: dict[str, dict[str, object]] = {}
+        while len(done) < 3:
+            frame = await recv(ws)
+            if frame["type"] == "done":
+                done[frame["request_id"]] = frame
+    assert {rid: f["text"] for rid, f in done.items()} == {
+        f"r{i}": f"You said: m{i} a b c d e" for i in range(3)}
+
+
+async def test_cancel_keeps_partial_reply(scripted: Scripted) -> None:
+    scripted.engine.token_delay_s = 0.05
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="w " * 200, request_id="long")
+        await recv_until(ws, "token")
+        await send(ws, type="cancel", request_id="long")
+        frames = await recv_until(ws, "done")
+        assert frames[-1]["finish_reason"] == "cancelled"
+        assert frames[-1]["usage"]["completion_tokens"] < 200
+        history = (await open_session(ws, sid))["messages"]
+    assert history[-1]["role"] == "assistant" and history[-1]["finish_reason"] == "cancelled"
+    assert not scripted.engine.active_request_ids
+
+
+async def test_disconnect_mid_stream_aborts_generation(scripted: Scripted) -> None:
+    scripted.engine.token_delay_s = 0.05
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="w " * 200, request_id="gone")
+        await recv_until(ws, "token")
+        assert scripted.engine.active_request_ids == {"gone"}
+    for _ in range(100):
+        if not scripted.engine.active_request_ids:
+            break
+        await asyncio.sleep(0.02)
+    assert not scripted.engine.active_request_ids
+    assert "gone" in scripted.engine.finished_request_ids
+
+
+@pytest.mark.parametrize(("message", "code"), [
+    ({"session_id": "s_nope", "content": "hi"}, "session_not_found"),
+    ({"content": "x" * 1001}, "too_large"),
+    ({"content": "   "}, "bad_message"),
+    ({"content": "hi", "max_tokens": 101}, "max_tokens_too_large"),
+    ({"content": "y" * 950, "max_tokens": 100}, "context_length_exceeded"),
+    ({"content": "y" * 999}, "context_length_exceeded"),
+])
+async def test_bad_messages_get_typed_errors_and_change_nothing(
+        scripted: Scripted, message: dict[str, object], code: str) -> None:
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", **{"session_id": sid, **message}, request_id="bad")
+        frame = await recv(ws)
+        assert (frame["type"], frame["code"], frame["request_id"]) == ("error", code, "bad")
+        assert (await open_session(ws, sid))["messages"] == []
+
+
+async def test_oversize_frame_and_unknown_request(scripted: Scripted) -> None:
+    async with connect(scripted.ws_url) as ws:
+        await ws.send(json.dumps({"type": "session.list", "pad": "x" * 9000}))
+        assert (await recv(ws))["code"] == "too_large"
+        await send(ws, type="cancel", request_id="never")
+        assert (await recv(ws))["code"] == "request_not_found"
+        await send(ws, type="session.list")  # the connection still works
+        assert (await recv(ws))["type"] == "sessions"
+
+
+async def test_one_turn_per_session_at_a_time(scripted: Scripted) -> None:
+    scripted.engine.token_delay_s = 0.05
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="a b c d e f", request_id="r1")
+        await recv(ws)  # accepted
+        await send(ws, type="message", session_id=sid, content="again", request_id="r2")
+        frames = await recv_until(ws, "error")
+        assert frames[-1]["code"] == "session_busy" and frames[-1]["request_id"] == "r2"
+        await recv_until(ws, "done")
+
+
+async def test_typing_records_an_advisory(scripted: Scripted) -> None:
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="typing", session_id=sid)
+        await send(ws, type="typing", session_id="s_unknown")
+        assert (await recv(ws))["code"] == "session_not_found"
+    import httpx
+    metrics = httpx.get(scripted.url + "/metrics").text
+    assert 'antiphon_advisories_total{source="typing"} 1.0' in metrics
+
+
+async def test_api_keys_and_session_ownership(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    keys = ("alice-key-123", "bob-key-4567")
+    config = scripted_config(tmp_path, api_keys=keys)
+    with live_server(config, ScriptedEngine()) as url:
+        ws_url = url.replace("http://", "ws://") + "/v1/ws"
+        async with connect(ws_url) as ws:
+            frame = await recv(ws)
+            assert frame["code"] == "unauthorized"
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.recv()
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4401
+        async with connect(ws_url + "?api_key=" + keys[0]) as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            await chat(ws, sid, "secret")
+        async with connect(ws_url, additional_headers={"Authorization": f"Bearer {keys[1]}"}) as ws:
+            await send(ws, type="session.open", session_id=sid)
+            assert (await recv(ws))["code"] == "session_not_found"
+            await send(ws, type="session.list")
+            assert (await recv(ws))["sessions"] == []
+
+
+async def test_restart_loses_no_accepted_message(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = scripted_config(tmp_path)
+    with live_server(config, ScriptedEngine()) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            await chat(ws, sid, "remember me")
+    with live_server(config, ScriptedEngine()) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            messages = (await open_session(ws, sid))["messages"]
+    assert [m["content"] for m in messages] == ["remember me", "You said: remember me"]
