@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from antiphon.engine_ext.engine import VllmEngine
-    from antiphon.model import ModelPrepareError, resolve_model
+    from antiphon.model import DEFAULT_MODEL_NAME, ModelPrepareError, resolve_model
     from antiphon.server.app import create_app
 
     try:
@@ -29,6 +30,9 @@ def _serve(args: argparse.Namespace) -> int:
             sessions=dataclass_from_args(SessionConfig, args, data_dir=env.data_dir()),
         )
         model_dir = resolve_model(config.engine.model)
+        if config.engine.model is None and config.engine.served_model_name is None:
+            config = dataclasses.replace(config, engine=dataclasses.replace(
+                config.engine, served_model_name=DEFAULT_MODEL_NAME))
     except (ValueError, ModelPrepareError) as exc:
         print(f"antiphon serve: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,182 @@
-"""Placeholder replaced below."""
+"""`antiphon bench serve`: what the server costs over vLLM alone.
+
+Runs one workload twice in one run, side by side: through vLLM's own `AsyncLLM` in this process
+(stock scheduler), and through a real `antiphon serve` process over websockets (one connection
+and session per simulated user). Reports short-prompt TTFT and output tokens/s at 1 and at 16
+concurrent sessions, each system started with the same engine settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
+
+from antiphon.bench.report import print_table, write_json
+from antiphon.bench.serverproc import ServerProcess
+
+SHORT_PROMPT = "What is the capital of France? Answer in one word."
+TOPICS = ["a lighthouse keeper", "a lost robot", "the first city on Mars", "a chess prodigy",
+          "an old bookshop", "a storm at sea", "a talking cat", "a mountain village",
+          "a time traveller", "a forgotten song", "a desert caravan", "a clockmaker",
+          "a deep-sea diver", "a haunted train", "a garden in winter", "a young inventor"]
+
+# One request: prompt -> (ttft_s, num_output_tokens, total_s)
+Runner = Callable[[str, int], Awaitable[tuple[float, int, float]]]
+
+
+def story_prompt(i: int) -> str:
+    return f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]}."
+
+
+async def measure(run: Runner, concurrency: tuple[int, ...], max_tokens: int, rounds: int,
+                  ttft_repeats: int) -> dict[str, Any]:
+    """Run the workload through `run` and summarise it."""
+    await run(SHORT_PROMPT, 4)  # warm-up
+    ttfts = [(await run(SHORT_PROMPT, 8))[0] for _ in range(ttft_repeats)]
+    result: dict[str, Any] = {"ttft_short_p50_s": statistics.median(ttfts),
+                              "ttft_short_min_s": min(ttfts)}
+    for c in concurrency:
+        tokens, wall, load_ttfts = 0, 0.0, []
+        for r in range(rounds):
+            started = time.perf_counter()
+            outs = await asyncio.gather(*(run(story_prompt(r * c + i), max_tokens)
+                                          for i in range(c)))
+            wall += time.perf_counter() - started
+            tokens += sum(o[1] for o in outs)
+            load_ttfts += [o[0] for o in outs]
+        result[f"c{c}_output_tokens_per_s"] = tokens / wall
+        result[f"c{c}_output_tokens"] = tokens
+        result[f"c{c}_ttft_p50_s"] = statistics.median(load_ttfts)
+    return result
+
+
+async def run_direct(model_dir: Path, engine_args: dict[str, Any], **workload: Any) -> dict:
+    """The workload through vLLM's AsyncLLM with its stock scheduler."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), **engine_args))
+    counter = iter(range(1 << 30))
+
+    async def run(prompt: str, max_tokens: int) -> tuple[float, int, float]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                             add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                output_kind=RequestOutputKind.DELTA)
+        started, first, n = time.perf_counter(), None, 0
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=ids), params,
+                                      f"b{next(counter)}"):
+            if out.outputs[0].token_ids and first is None:
+                first = time.perf_counter()
+            n += len(out.outputs[0].token_ids)
+        end = time.perf_counter()
+        return (first or end) - started, n, end - started
+
+    try:
+        return await measure(run, **workload)
+    finally:
+        llm.shutdown()
+
+
+async def run_server(ws_url: str, **workload: Any) -> dict:
+    """The workload through Antiphon's websocket API, one connection and session per user."""
+    from websockets.asyncio.client import connect
+
+    async def run(prompt: str, max_tokens: int) -> tuple[float, int, float]:
+        async with connect(ws_url, max_size=None) as ws:
+            await ws.send(json.dumps({"type": "session.open"}))
+            sid = json.loads(await ws.recv())["session"]["session_id"]
+            started, first = time.perf_counter(), None
+            await ws.send(json.dumps({"type": "message", "session_id": sid, "content": prompt,
+                                      "max_tokens": max_tokens}))
+            while True:
+                frame = json.loads(await ws.recv())
+                if frame["type"] == "token" and first is None:
+                    first = time.perf_counter()
+                elif frame["type"] == "done":
+                    end = time.perf_counter()
+                    return (first or end) - started, frame["usage"]["completion_tokens"], \
+                        end - started
+                elif frame["type"] == "error":
+                    raise RuntimeError(f"server error: {frame}")
+
+    return await measure(run, **workload)
+
+
+def main(args: argparse.Namespace) -> int:
+    from antiphon.model import resolve_model
+
+    model_dir = resolve_model(args.model)
+    engine = {"max_model_len": 2048, "enforce_eager": args.enforce_eager, "dtype": "bfloat16",
+              "max_num_seqs": 64, "kv_cache_memory_bytes": 2 << 30, "seed": 0,
+              "enable_prefix_caching": True, "max_num_batched_tokens": 2048}
+    workload = {"concurrency": (1, 16), "max_tokens": args.max_tokens,
+                "rounds": 1 if args.quick else args.rounds,
+                "ttft_repeats": 5 if args.quick else 10}
+    results: dict[str, Any] = {}
+    for repeat in range(args.repeats):
+        print(f"[repeat {repeat + 1}/{args.repeats}] vLLM AsyncLLM directly ...", flush=True)
+        direct = asyncio.run(run_direct(model_dir, engine, **workload))
+        print(f"[repeat {repeat + 1}/{args.repeats}] antiphon serve over websockets ...",
+              flush=True)
+        cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
+               "--max-model-len", "2048", "--kv-cache-gib", "2", "--max-num-seqs", "64",
+               "--data-dir", str(Path(args.out).with_suffix(".data"))]
+        cmd += ["--enforce-eager"] if args.enforce_eager else ["--no-enforce-eager"]
+        with ServerProcess(cmd) as server:
+            served = asyncio.run(run_server(server.ws_url, **workload))
+        for name, value in (("vllm", direct), ("antiphon", served)):
+            results.setdefault(name, []).append(value)
+    systems = {name: _median_of(runs) for name, runs in results.items()}
+    record = {"benchmark": "serve", "config": {"model": str(model_dir), "engine": engine,
+                                              "workload": workload, "repeats": args.repeats,
+                                              "machine": _machine()},
+              "systems": systems}
+    write_json(args.out, record)
+    print_table(systems, baseline="vllm")
+    return 0
+
+
+def _median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def _machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "platform": sys.platform,
+            "cpu_model": subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo"],
+                                        capture_output=True, text=True).stdout.strip(),
+            "date": time.strftime("%Y-%m-%d")}
 
 
 def add_parser(kinds: Any) -> None:
-    pass
+    p = kinds.add_parser("serve", help="server overhead against vLLM's AsyncLLM directly")
+    p.add_argument("--out", default="bench-serve.json", help="JSON record to write")
+    p.add_argument("--model", default=None, help="model folder (default: the default model)")
+    p.add_argument("--quick", action="store_true", help="one round, eager engines (minutes)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per concurrency level")
+    p.add_argument("--repeats", type=int, default=1, help="run both systems this many times")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="skip graph compilation (default: on with --quick)")
+    p.set_defaults(bench_func=lambda a: main(_defaults(a)))
+
+
+def _defaults(args: argparse.Namespace) -> argparse.Namespace:
+    if args.enforce_eager is None:
+        args.enforce_eager = bool(args.quick)
+    return args

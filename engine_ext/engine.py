@@ -117,6 +117,7 @@ class VllmEngine(Engine):
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
     ) -> AsyncIterator[Delta]:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
@@ -151,17 +152,17 @@ class VllmEngine(Engine):
                     )
         except VllmDeadError as exc:
             raise EngineDeadError(str(exc)) from exc
-        except ValueError as exc:  # vLLM's request validation errors derive from ValueError
+        except (VLLMClientError, ValueError) as exc:  # the request was invalid
             raise EngineRequestError(str(exc)) from exc
 
     async def health(self) -> EngineHealth:
         if self._llm is None:
-            return EngineHealth(False, self.model_name, "not started")
+            return EngineHealth(False, self.model_name, detail="not started")
         try:
             await self._llm.check_health()
         except Exception as exc:
-            return EngineHealth(False, self.model_name, f"{type(exc).__name__}: {exc}")
-        return EngineHealth(True, self.model_name)
+            return EngineHealth(False, self.model_name, detail=f"{type(exc).__name__}: {exc}")
+        return EngineHealth(True, self.model_name, self._llm.get_num_unfinished_requests())
 
     async def shutdown(self) -> None:
         if self._llm is not None:

@@ -77,7 +77,7 @@ class ScriptedEngine(Engine):
             self.finished_request_ids.append(request_id)
 
     async def health(self) -> EngineHealth:
-        return EngineHealth(self._is_running, self.model_name)
+        return EngineHealth(self._is_running, self.model_name, len(self.active_request_ids))
 
     async def shutdown(self) -> None:
         self._is_running = False

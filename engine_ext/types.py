@@ -48,4 +48,5 @@ class Delta:
 class EngineHealth:
     is_healthy: bool
     model: str
+    num_unfinished_requests: int = 0  # requests the engine holds (running or waiting)
     detail: str = ""

@@ -84,6 +84,7 @@ async def healthz(request: Request) -> Response:
     health = await ctx.engine.health()
     ok = ctx.is_ready and health.is_healthy
     return JSONResponse({"status": "ok" if ok else "unavailable", "model": health.model,
+                         "num_unfinished_requests": health.num_unfinished_requests,
                          "detail": health.detail}, status_code=200 if ok else 503)
 
 

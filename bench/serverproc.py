@@ -1,0 +1,81 @@
+"""Start `antiphon serve` as a child process on a free port and wait until it is healthy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """`with ServerProcess([... "antiphon", "serve", ...]) as s:` runs it on `s.port`."""
+
+    def __init__(self, cmd: list[str], log_path: Path | None = None,
+                 start_timeout_s: float = 300.0, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.cmd = [*cmd, "--port", str(self.port)]
+        self.log_path = log_path or Path(f"/tmp/antiphon-serve-{self.port}.log")
+        self.start_timeout_s = start_timeout_s
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/ws"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def start(self) -> None:
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
+                                   + self.log()[-4000:])
+            try:
+                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {self.start_timeout_s} s:\n"
+                           + self.log()[-4000:])
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> None:
+        """Signal the server's whole process group and wait; SIGKILL if it does not exit."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest_asyncio
+
+from antiphon.engine_ext.config import EngineConfig
+from antiphon.engine_ext.engine import VllmEngine
+from antiphon.model import resolve_model
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def engine() -> AsyncIterator[VllmEngine]:
+    """One real vLLM engine with the default model for the whole test run.
+
+    AsyncLLM binds to the event loop it starts on, so every test shares the session loop.
+    """
+    config = EngineConfig(max_model_len=2048, kv_cache_gib=0.5, enforce_eager=True)
+    eng = VllmEngine(config, resolve_model(None))
+    await eng.start()
+    yield eng
+    await eng.shutdown()

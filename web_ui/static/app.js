@@ -1,0 +1,308 @@
+// Chat page controller: wires the websocket client to the DOM.
+import { ChatClient, newRequestId } from "/static/ws-client.js";
+import { setupComposer } from "/static/composer.js";
+import { setupAuthDialog } from "/static/auth-dialog.js";
+import { KEYS, load, store } from "/static/storage.js";
+import {
+  $, el, formatTimings, hideError, makeBubble, renderSessionList, sessionTitle, setTimings, showError,
+} from "/static/view.js";
+
+const ui = {
+  body: document.body, messages: $("#messages"), send: $("#send"), stop: $("#stop"),
+  sessionList: $("#session-list"), title: $("#session-title"), status: $("#conn-status"),
+  sidebarToggle: $("#sidebar-toggle"), backdrop: $("#backdrop"),
+};
+
+const state = {
+  sessions: [],
+  currentId: load(KEYS.sessionId) || null,
+  pending: new Map(), // request_id -> {sessionId, root, text: Text node, streamed, cancelling}
+  queued: null, // message content waiting for a freshly opened session
+  stick: true, // keep the conversation scrolled to the bottom while streaming
+  restoring: false, // re-opening a remembered session (it may be gone)
+  cancelled: new Set(), // request ids we sent `cancel` for
+};
+
+const client = new ChatClient();
+const composer = setupComposer($("#composer"), {
+  onSubmit: submit,
+  onChange: refreshControls,
+  onTyping: () => Boolean(state.currentId) && client.typing(state.currentId),
+});
+const promptForKey = setupAuthDialog({ onKey: (key) => client.setApiKey(key) });
+
+// ---------- helpers ----------
+
+function setCurrentSession(id) {
+  state.currentId = id;
+  store(KEYS.sessionId, id);
+}
+
+function nearBottom() {
+  const m = ui.messages;
+  return m.scrollHeight - m.scrollTop - m.clientHeight < 80;
+}
+
+function scrollToBottom(force = false) {
+  if (force || state.stick) ui.messages.scrollTop = ui.messages.scrollHeight;
+}
+
+function isGenerating() {
+  for (const p of state.pending.values()) if (p.sessionId === state.currentId) return true;
+  return false;
+}
+
+function refreshControls() {
+  const generating = isGenerating();
+  ui.stop.hidden = !generating;
+  ui.send.hidden = generating;
+  ui.send.disabled = !client.connected || composer.isBlank();
+  const current = [...state.pending.values()].filter((p) => p.sessionId === state.currentId);
+  ui.stop.disabled = current.length > 0 && current.every((p) => p.cancelling);
+  ui.body.dataset.generating = String(generating);
+}
+
+function renderSessions() {
+  renderSessionList(ui.sessionList, state.sessions, state.currentId, pickSession);
+}
+
+function upsertSession(session) {
+  const i = state.sessions.findIndex((s) => s.session_id === session.session_id);
+  if (i >= 0) state.sessions[i] = { ...state.sessions[i], ...session };
+  else state.sessions.push({ num_messages: 0, ...session });
+}
+
+function showBlankChat() {
+  setCurrentSession(null);
+  ui.messages.replaceChildren();
+  ui.title.textContent = "New chat";
+  renderSessions();
+}
+
+function setSidebar(open) {
+  ui.body.classList.toggle("sidebar-open", open);
+  ui.backdrop.hidden = !open;
+  ui.sidebarToggle.setAttribute("aria-expanded", String(open));
+}
+
+function addAssistantBubble(requestId, sessionId, text = "") {
+  const bubble = makeBubble("assistant", null, requestId);
+  const node = document.createTextNode(text);
+  bubble.body.append(node);
+  if (!text) bubble.root.classList.add("waiting");
+  const entry = { sessionId, root: bubble.root, text: node, streamed: text !== "", cancelling: false };
+  state.pending.set(requestId, entry);
+  ui.messages.append(bubble.root);
+  return entry;
+}
+
+function finishEntry(requestId, { cls = null, note = null } = {}) {
+  const entry = state.pending.get(requestId);
+  if (!entry) return;
+  state.pending.delete(requestId);
+  entry.root.classList.remove("waiting", "streaming");
+  if (cls) entry.root.classList.add(cls);
+  if (entry.text.data === "") entry.root.classList.add("empty");
+  if (note) entry.root.append(el("div", "msg-note", note));
+  refreshControls();
+}
+
+// ---------- user actions ----------
+
+function pickSession(id) {
+  setSidebar(false);
+  if (!client.connected) showError("disconnected", "Not connected to the server; reconnecting…");
+  else client.openSession(id);
+}
+
+function newSession() {
+  setSidebar(false);
+  state.queued = null;
+  if (client.connected) {
+    client.openSession(null);
+  } else {
+    showBlankChat(); // the session is opened once a message is sent
+  }
+  composer.focus();
+}
+
+function sendMessage(content) {
+  const requestId = newRequestId();
+  const user = makeBubble("user", content, requestId);
+  ui.messages.append(user.root);
+  const entry = addAssistantBubble(requestId, state.currentId);
+  if (!client.sendMessage(state.currentId, content, requestId)) {
+    finishEntry(requestId, { cls: "failed", note: "Not sent: connection lost." });
+    return;
+  }
+  entry.root.classList.add("streaming");
+  scrollToBottom(true);
+  refreshControls();
+}
+
+function submit() {
+  const content = composer.value;
+  if (composer.isBlank() || isGenerating()) return;
+  if (!client.connected) {
+    showError("disconnected", "Not connected to the server; reconnecting…");
+    return;
+  }
+  hideError();
+  composer.clear();
+  if (state.currentId) {
+    sendMessage(content);
+  } else {
+    state.queued = content;
+    client.openSession(null);
+  }
+  refreshControls();
+}
+
+function stop() {
+  for (const [rid, p] of state.pending) {
+    if (p.sessionId === state.currentId && !p.cancelling) {
+      p.cancelling = client.cancel(rid);
+      if (p.cancelling) state.cancelled.add(rid);
+    }
+  }
+  refreshControls();
+}
+
+// ---------- server messages ----------
+
+const handlers = {
+  sessions(msg) {
+    state.sessions = Array.isArray(msg.sessions) ? msg.sessions : [];
+    const current = state.sessions.find((s) => s.session_id === state.currentId);
+    if (current) ui.title.textContent = sessionTitle(current);
+    renderSessions();
+  },
+
+  session(msg) {
+    const s = msg.session || {};
+    state.restoring = false;
+    setCurrentSession(s.session_id || null);
+    ui.title.textContent = sessionTitle(s);
+    const bubbles = (Array.isArray(msg.messages) ? msg.messages : []).map(
+      (m) => makeBubble(m.role, m.content ?? "").root,
+    );
+    // Replies still streaming for this session stay visible after a re-open.
+    for (const p of state.pending.values()) if (p.sessionId === s.session_id) bubbles.push(p.root);
+    ui.messages.replaceChildren(...bubbles);
+    scrollToBottom(true);
+    if (s.session_id) upsertSession(s);
+    renderSessions();
+    refreshControls();
+    if (state.queued !== null && s.session_id) {
+      const content = state.queued;
+      state.queued = null;
+      sendMessage(content);
+    }
+  },
+
+  accepted(msg) {
+    const entry = state.pending.get(msg.request_id);
+    if (entry && typeof msg.prompt_tokens === "number") entry.root.dataset.promptTokens = msg.prompt_tokens;
+  },
+
+  token(msg) {
+    let entry = state.pending.get(msg.request_id);
+    if (!entry) {
+      if (msg.session_id !== state.currentId) return;
+      entry = addAssistantBubble(msg.request_id, msg.session_id);
+    }
+    state.stick = nearBottom();
+    entry.root.classList.remove("waiting");
+    entry.root.classList.add("streaming");
+    entry.text.appendData(String(msg.text ?? ""));
+    entry.streamed = true;
+    scrollToBottom();
+  },
+
+  done(msg) {
+    let entry = state.pending.get(msg.request_id);
+    if (!entry && msg.session_id === state.currentId) {
+      entry = addAssistantBubble(msg.request_id, msg.session_id);
+    }
+    if (!entry) return;
+    state.stick = nearBottom();
+    if (typeof msg.text === "string" && (msg.text !== "" || !entry.streamed)) entry.text.data = msg.text;
+    const line = formatTimings(msg);
+    if (line) setTimings(entry.root, line);
+    const cancelled = msg.finish_reason === "cancelled";
+    finishEntry(msg.request_id, { cls: cancelled ? "cancelled" : null });
+    scrollToBottom();
+    client.listSessions();
+  },
+
+  error(msg) {
+    // Cancelling a reply that finished meanwhile is not worth a banner.
+    if (msg.code === "request_not_found" && state.cancelled.delete(msg.request_id)) return;
+    const silent = msg.code === "session_not_found" && !msg.request_id && state.restoring;
+    if (!silent) showError(msg.code, msg.message);
+    if (msg.request_id && state.pending.has(msg.request_id)) {
+      finishEntry(msg.request_id, { cls: "failed", note: `${msg.code}: ${msg.message}` });
+    } else if (msg.code === "session_not_found") {
+      // A remembered session that no longer exists: start fresh.
+      state.restoring = false;
+      state.queued = null;
+      showBlankChat();
+    }
+  },
+};
+
+// ---------- wiring ----------
+
+client.addEventListener("open", () => {
+  ui.body.dataset.connected = "true";
+  ui.status.textContent = "Connected";
+  const box = $("#error");
+  if (!box.hidden && ["disconnected", "unauthorized"].includes(box.dataset.code)) hideError();
+  client.listSessions();
+  state.restoring = Boolean(state.currentId);
+  if (state.currentId) client.openSession(state.currentId);
+  else if (state.queued !== null) client.openSession(null);
+  refreshControls();
+});
+
+client.addEventListener("close", (ev) => {
+  ui.body.dataset.connected = "false";
+  const { retryInMs } = ev.detail;
+  if (client.authRequired) ui.status.textContent = "API key required";
+  else if (retryInMs === null) ui.status.textContent = "Disconnected";
+  else ui.status.textContent = `Reconnecting in ${Math.max(1, Math.round(retryInMs / 1000))}s…`;
+  for (const rid of [...state.pending.keys()]) {
+    finishEntry(rid, { cls: "failed", note: "Connection lost before the reply finished." });
+  }
+  refreshControls();
+});
+
+client.addEventListener("auth-required", (ev) => {
+  ui.status.textContent = "API key required";
+  showError("unauthorized", ev.detail.reason || "The server requires an API key.");
+  promptForKey(ev.detail.reason);
+});
+
+client.addEventListener("message", (ev) => {
+  const handler = handlers[ev.detail.type];
+  if (handler) handler(ev.detail);
+});
+
+$("#composer-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  submit();
+});
+ui.stop.addEventListener("click", stop);
+$("#new-session").addEventListener("click", newSession);
+ui.sidebarToggle.addEventListener("click", () => setSidebar(!ui.body.classList.contains("sidebar-open")));
+ui.backdrop.addEventListener("click", () => setSidebar(false));
+$("#error .error-close").addEventListener("click", hideError);
+$("#api-key-button").addEventListener("click", () => promptForKey(""));
+ui.messages.addEventListener("scroll", () => (state.stick = nearBottom()));
+document.addEventListener("keydown", (ev) => {
+  if (ev.key === "Escape") setSidebar(false);
+});
+
+renderSessions();
+refreshControls();
+client.connect();

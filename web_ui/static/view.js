@@ -1,0 +1,105 @@
+// DOM rendering helpers. Dynamic text is only ever set through textContent;
+// nothing here parses strings as HTML.
+
+export const $ = (sel) => document.querySelector(sel);
+
+export function el(tag, className = "", text = null) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== null && text !== undefined) node.textContent = String(text);
+  return node;
+}
+
+/** Compact age of a unix-seconds timestamp: "now", "5m", "3h", "2d", or a date. */
+export function formatAge(unixSeconds) {
+  if (typeof unixSeconds !== "number" || !Number.isFinite(unixSeconds)) return "";
+  const secs = Math.max(0, Date.now() / 1000 - unixSeconds);
+  if (secs < 60) return "now";
+  if (secs < 3600) return `${Math.floor(secs / 60)}m`;
+  if (secs < 86400) return `${Math.floor(secs / 3600)}h`;
+  if (secs < 7 * 86400) return `${Math.floor(secs / 86400)}d`;
+  return new Date(unixSeconds * 1000).toLocaleDateString();
+}
+
+export function sessionTitle(session) {
+  const t = session && typeof session.title === "string" ? session.title.trim() : "";
+  return t || "New chat";
+}
+
+/** Rebuild the sidebar list; `onPick(sessionId)` fires on click. */
+export function renderSessionList(listEl, sessions, currentId, onPick) {
+  const sorted = [...sessions].sort((a, b) => (b.updated_at || 0) - (a.updated_at || 0));
+  const items = sorted.map((s) => {
+    const li = el("li");
+    const btn = el("button", "session-item");
+    btn.type = "button";
+    btn.dataset.sessionId = s.session_id;
+    if (s.session_id === currentId) {
+      btn.classList.add("active");
+      btn.setAttribute("aria-current", "true");
+    }
+    btn.append(el("span", "session-name", sessionTitle(s)));
+    const meta = [];
+    if (typeof s.num_messages === "number") meta.push(`${s.num_messages} msg`);
+    const age = formatAge(s.updated_at ?? s.created_at);
+    if (age) meta.push(age);
+    btn.append(el("span", "session-meta", meta.join(" · ")));
+    btn.addEventListener("click", () => onPick(s.session_id));
+    li.append(btn);
+    return li;
+  });
+  if (items.length === 0) items.push(el("li", "session-empty", "No chats yet"));
+  listEl.replaceChildren(...items);
+}
+
+/** A chat bubble; returns handles to its parts. */
+export function makeBubble(role, text = "", requestId = null) {
+  const root = el("div", `msg ${role === "user" ? "user" : "assistant"}`);
+  if (requestId) root.dataset.requestId = requestId;
+  const body = el("div", "bubble", text);
+  root.append(body);
+  return { root, body };
+}
+
+/** Set (or replace) the timing line under a bubble. */
+export function setTimings(root, line) {
+  let meta = root.querySelector(":scope > .timings");
+  if (!meta) {
+    meta = el("div", "timings");
+    root.append(meta);
+  }
+  meta.textContent = line;
+}
+
+/** The per-reply timing line from a `done` frame; null when there is nothing to show. */
+export function formatTimings(done) {
+  const parts = [];
+  const t = done.timings || {};
+  const completion = done.usage ? done.usage.completion_tokens : null;
+  if (typeof t.ttft_s === "number" && Number.isFinite(t.ttft_s)) {
+    parts.push(`TTFT ${Math.round(t.ttft_s * 1000)} ms`);
+  }
+  const decode = typeof t.total_s === "number" && typeof t.ttft_s === "number" ? t.total_s - t.ttft_s : 0;
+  if (typeof completion === "number" && completion > 1 && decode > 1e-6) {
+    const rate = completion / decode;
+    parts.push(`${rate >= 100 ? Math.round(rate) : rate.toFixed(1)} tok/s`);
+  }
+  if (typeof completion === "number") parts.push(`${completion} tokens`);
+  if (done.finish_reason && done.finish_reason !== "stop") parts.push(String(done.finish_reason));
+  return parts.length ? parts.join(" · ") : null;
+}
+
+/** Show the error banner with a code and message (both rendered as text). */
+export function showError(code, message) {
+  const box = $("#error");
+  box.querySelector(".error-code").textContent = code || "error";
+  box.querySelector(".error-message").textContent = message || "";
+  box.dataset.code = code || "error";
+  box.hidden = false;
+}
+
+export function hideError() {
+  const box = $("#error");
+  box.hidden = true;
+  delete box.dataset.code;
+}
