@@ -1,0 +1,100 @@
+"""`antiphon serve` with the real default model, driven as a user would: a websockets client and
+the official openai client against a server process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from websockets.asyncio.client import connect
+
+from antiphon.bench.serverproc import ServerProcess
+from antiphon.model import DEFAULT_MODEL_NAME
+from tests.wsclient import chat, open_session, recv_until, send
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = "What is the capital of France? Answer in one word."
+FOLLOW_UP = "What is the population of that city, roughly?"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    data_dir = tmp_path_factory.mktemp("serve-data")
+    cmd = [sys.executable, "-m", "antiphon", "serve", "--enforce-eager", "--kv-cache-gib", "0.5",
+           "--max-model-len", "4096", "--data-dir", str(data_dir)]
+    with ServerProcess(cmd, log_path=data_dir / "serve.log") as proc:
+        yield proc
+
+
+async def test_websocket_chat_answers_paris_and_follows_up(server: ServerProcess) -> None:
+    async with connect(server.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        first = await chat(ws, sid, QUESTION)
+        assert len(first["tokens"]) > 1  # streamed, not sent in one piece
+        assert "Paris" in first["done"]["text"]
+        assert first["done"]["timings"]["ttft_s"] > 0
+        second = await chat(ws, sid, FOLLOW_UP)
+        assert "Paris" in second["done"]["text"]
+        assert second["accepted"]["prompt_tokens"] > first["accepted"]["prompt_tokens"]
+
+
+def test_openai_client_chat_and_stream(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
+    messages: list[dict[str, str]] = [{"role": "user", "content": QUESTION}]
+    out = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=messages,
+                                         temperature=0)  # type: ignore[arg-type]
+    answer = out.choices[0].message.content or ""
+    assert "Paris" in answer
+    messages += [{"role": "assistant", "content": answer},
+                 {"role": "user", "content": FOLLOW_UP}]
+    stream = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=messages,
+                                            temperature=0, stream=True)  # type: ignore[arg-type]
+    assert "Paris" in "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def test_engine_runs_the_antiphon_scheduler(server: ServerProcess) -> None:
+    assert "AntiphonScheduler installed" in server.log()
+
+
+async def test_disconnect_mid_stream_frees_the_request(server: ServerProcess) -> None:
+    async with connect(server.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, max_tokens=2000,
+                   content="Write a very long essay about the history of the sea.")
+        await recv_until(ws, "token")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if httpx.get(server.url + "/healthz").json()["num_unfinished_requests"] == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert httpx.get(server.url + "/healthz").json()["num_unfinished_requests"] == 0
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'antiphon_requests_total{api="ws",outcome="cancelled",request_class="rt"}' in metrics
+
+
+async def test_kill_9_loses_no_accepted_message(server: ServerProcess) -> None:
+    async with connect(server.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await chat(ws, sid, QUESTION)
+        await send(ws, type="message", session_id=sid, max_tokens=2000,
+                   content="Now write a very long essay about Paris.")
+        accepted = json.loads(await ws.recv())
+        assert accepted["type"] == "accepted"
+        server.stop(signal.SIGKILL)
+    server.start()
+    async with connect(server.ws_url) as ws:
+        messages = (await open_session(ws, sid))["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[-1]["content"] == "Now write a very long essay about Paris."
+    log = Path(server.log_path).read_text()
+    assert "Application startup complete" in log
