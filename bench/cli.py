@@ -8,6 +8,7 @@ from typing import Any
 
 def add_bench_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark")
+    bench.set_defaults(func=run)
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     from antiphon.bench import serving
 
