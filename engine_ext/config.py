@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from antiphon.configfields import doc
 
@@ -33,6 +34,9 @@ class EngineConfig:
     enable_prefix_caching: bool = doc("vLLM prefix caching of KV pages", default=True)
     seed: int = doc("Random seed of the engine", default=0)
     scheduler_cls: str = doc("Scheduler class (qualified name) vLLM runs", default=SCHEDULER_CLS)
+    policy: str = doc("Scheduling policy: fcfs, priority (stock vLLM) or bros", default="bros")
+    rt_ttft_slo_s: float = doc("Default TTFT target of RT requests, in seconds", default=1.0)
+    rt_tpot_slo_s: float = doc("Default TPOT target of RT requests, in seconds", default=0.1)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 16:
@@ -46,6 +50,36 @@ class EngineConfig:
         if self.dtype not in ("bfloat16", "float16", "float32", "auto"):
             raise ValueError(f"dtype must be bfloat16, float16, float32 or auto, got {self.dtype}")
 
+        if self.rt_ttft_slo_s <= 0 or self.rt_tpot_slo_s <= 0:
+            raise ValueError("rt_ttft_slo_s and rt_tpot_slo_s must be positive")
+        from antiphon.engine_ext.policies import policy_class
+
+        policy_class(self.policy)  # fails with the list of valid names
+
     @property
     def kv_cache_bytes(self) -> int:
         return int(self.kv_cache_gib * GiB)
+
+    @property
+    def scheduler_settings(self) -> SchedulerSettings:
+        return SchedulerSettings(self.policy, self.rt_ttft_slo_s, self.rt_tpot_slo_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSettings:
+    """What the scheduler needs in the EngineCore process, carried in vLLM's
+    `additional_config` under the key `antiphon_scheduler`."""
+
+    policy: str = "fcfs"
+    rt_ttft_slo_s: float = 1.0
+    rt_tpot_slo_s: float = 0.1
+
+    KEY = "antiphon_scheduler"
+
+    def to_additional_config(self) -> dict[str, Any]:
+        return {self.KEY: dataclasses.asdict(self)}
+
+    @classmethod
+    def from_additional_config(cls, additional: Any) -> SchedulerSettings:
+        values = additional.get(cls.KEY, {}) if isinstance(additional, dict) else {}
+        return cls(**values)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from antiphon.engine_ext.config import EngineConfig
+from antiphon.engine_ext.policies import policy_class
 from antiphon.engine_ext.types import ChatTurn, Delta, EngineHealth, GenerationParams, RequestClass
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def health(self) -> EngineHealth: ...
 
+    async def scheduler_stats(self) -> dict[str, Any]:
+        """Scheduler counters; engines without a scheduler of their own report none."""
+        return {}
+
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Stop the engine and its processes; idempotent."""
@@ -97,6 +102,8 @@ class VllmEngine(Engine):
             enable_prefix_caching=c.enable_prefix_caching,
             seed=c.seed,
             scheduler_cls=c.scheduler_cls,
+            scheduling_policy=policy_class(c.policy).vllm_scheduling_policy,
+            additional_config=c.scheduler_settings.to_additional_config(),
             disable_log_stats=True,
         )
         started = time.monotonic()
@@ -128,6 +135,7 @@ class VllmEngine(Engine):
             top_p=params.top_p,
             stop=list(params.stop) or None,
             seed=params.seed,
+            ignore_eos=params.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             extra_args={"antiphon_class": params.request_class.value,
                         "antiphon_session": params.session_id},
@@ -163,6 +171,13 @@ class VllmEngine(Engine):
         except Exception as exc:
             return EngineHealth(False, self.model_name, detail=f"{type(exc).__name__}: {exc}")
         return EngineHealth(True, self.model_name, self._llm.get_num_unfinished_requests())
+
+    async def scheduler_stats(self) -> dict[str, Any]:
+        """Counters of the scheduler in the EngineCore process (steps, time, preemptions,
+        recomputed tokens per class, cost-model error)."""
+        if self._llm is None:
+            return {}
+        return dict(await self._llm.engine_core.call_utility_async("antiphon_scheduler_stats"))
 
     async def shutdown(self) -> None:
         if self._llm is not None:

@@ -1,9 +1,17 @@
-"""`AntiphonScheduler`: the vLLM scheduler subclass Antiphon's decisions grow into.
+"""`AntiphonScheduler`: vLLM's scheduler with Antiphon's decisions.
 
-It runs inside vLLM's EngineCore process, installed through `scheduler_cls`. It subclasses
-`AsyncScheduler` (not `Scheduler`) so engines that overlap scheduling with execution keep doing
-so. Today it keeps vLLM's decisions and measures what they cost; the RT/BE policies replace the
-decisions without changing this class's place in the engine.
+It runs inside vLLM's EngineCore process, installed through `scheduler_cls`, and subclasses
+`AsyncScheduler` so engines that overlap scheduling with execution keep doing so. vLLM's
+mechanism stays (token budget, chunked prefill, page allocation, output handling); before each
+step the policy's `StepPlan` is applied to vLLM's queues:
+
+    preempt   running requests named by the plan give up their pages (RT takes from BE)
+    order     running and waiting queues are reordered, most important first
+    sit out   with a restrictive plan, requests not chosen leave the queues for this step
+              and return right after it, keeping their pages
+
+Every preempted token that has to be computed again is counted per request class, and each
+measured step latency trains the cost model the policies predict with.
 """
 
 from __future__ import annotations
@@ -14,38 +22,161 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.request import Request
+
+from antiphon.engine_ext.config import SchedulerSettings
+from antiphon.engine_ext.costmodel import CostModel, StepShape
+from antiphon.engine_ext.policies import make_policy
+from antiphon.engine_ext.schedstats import SchedulerStats
+from antiphon.engine_ext.types import RequestClass
+from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
 # Under vLLM's logger tree, so the message shows in the EngineCore process's log.
 logger = init_logger("vllm.antiphon.scheduler")
 
 
-class SchedulerTimer:
-    """Running totals of time spent inside `schedule()` (seconds) and the steps counted."""
-
-    def __init__(self) -> None:
-        self.num_steps = 0
-        self.total_s = 0.0
-        self.max_s = 0.0
-
-    def record(self, elapsed_s: float) -> None:
-        self.num_steps += 1
-        self.total_s += elapsed_s
-        self.max_s = max(self.max_s, elapsed_s)
-
-    @property
-    def mean_s(self) -> float:
-        return self.total_s / self.num_steps if self.num_steps else 0.0
+def request_class_of(request: Request) -> RequestClass:
+    extra = request.sampling_params.extra_args if request.sampling_params else None
+    return RequestClass((extra or {}).get("antiphon_class", "rt"))
 
 
 class AntiphonScheduler(AsyncScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.timer = SchedulerTimer()
-        logger.info("AntiphonScheduler installed (%s)", type(self).__mro__[1].__name__)
+        self.settings = SchedulerSettings.from_additional_config(
+            self.vllm_config.additional_config)
+        self.cost_model = CostModel()
+        self.step_policy = make_policy(self.settings.policy, self.cost_model)
+        self.stats = SchedulerStats()
+        self.page_tokens = self.cache_config.block_size
+        self._lost_tokens: dict[str, int] = {}  # preempted, computed tokens not yet redone
+        self._step_shape: StepShape | None = None
+        self._step_started = 0.0
+        logger.info("AntiphonScheduler installed (%s, policy %s)",
+                    type(self).__mro__[1].__name__, self.step_policy.name)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         started = time.perf_counter()
-        output = super().schedule(throttle_prefills)
+        sat_out: tuple[list[Request], list[Request]] = ([], [])
+        if self.running or self.waiting:
+            plan = self.step_policy.plan(self._views(), self._budget())
+            sat_out = self._apply(plan)
+        planned = time.perf_counter()
+        try:
+            output = super().schedule(throttle_prefills)
+        finally:
+            self.running.extend(sat_out[0])
+            for request in sat_out[1]:
+                self.waiting.add_request(request)
+        self._count_recomputed(output)
         if output.total_num_scheduled_tokens:
-            self.timer.record(time.perf_counter() - started)
+            self._step_shape = StepShape.of(
+                (n, self.requests[rid].num_computed_tokens)
+                for rid, n in output.num_scheduled_tokens.items())
+            self._step_started = time.perf_counter()
+            self.stats.record_step(planned - started, self._step_started - started)
         return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: Any) -> Any:
+        if self._step_shape is not None:
+            self.cost_model.observe(self._step_shape, time.perf_counter() - self._step_started)
+            self.stats.cost_model_mape = self.cost_model.mape
+            self._step_shape = None
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _preempt_request(self, request: Request, timestamp: float,
+                         drop_stale_output: bool = False) -> None:
+        rid = request.request_id
+        self._lost_tokens[rid] = max(self._lost_tokens.get(rid, 0), request.num_computed_tokens)
+        self.stats.num_preemptions[request_class_of(request).value] += 1
+        super()._preempt_request(request, timestamp, drop_stale_output)
+
+    def _views(self) -> list[RequestView]:
+        return [self._view(r, is_running=True) for r in self.running] + [
+            self._view(r, is_running=False) for r in self.waiting]
+
+    def _view(self, request: Request, is_running: bool) -> RequestView:
+        cls = request_class_of(request)
+        extra = request.sampling_params.extra_args or {} if request.sampling_params else {}
+        is_rt = cls is RequestClass.RT
+        return RequestView(
+            request_id=request.request_id,
+            request_class=cls,
+            arrival_s=request.arrival_time,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+            num_output_tokens=request.num_output_tokens,
+            is_running=is_running,
+            ttft_slo_s=extra.get("ttft_slo_s", self.settings.rt_ttft_slo_s) if is_rt else None,
+            tpot_slo_s=extra.get("tpot_slo_s", self.settings.rt_tpot_slo_s) if is_rt else None,
+            priority=request.priority,
+            num_preemptions=request.num_preemptions,
+            num_lost_tokens=max(0, self._lost_tokens.get(request.request_id, 0)
+                                - request.num_computed_tokens),
+        )
+
+    def _budget(self) -> StepBudget:
+        return StepBudget(
+            now_s=time.time(),  # the clock of Request.arrival_time
+            max_num_seqs=self.max_num_running_reqs,
+            max_num_tokens=self.max_num_scheduled_tokens,
+            num_free_pages=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            page_tokens=self.page_tokens,
+        )
+
+    def _apply(self, plan: StepPlan) -> tuple[list[Request], list[Request]]:
+        """Apply `plan` to vLLM's queues; returns (running, waiting) requests sitting out."""
+        now = time.monotonic()
+        for rid in plan.preempt:
+            request = self.requests.get(rid)
+            if request is not None and request in self.running:
+                self.running.remove(request)
+                self._preempt_request(request, now)
+        if not plan.order and not plan.is_restrictive:
+            return [], []
+        rank = plan.rank()
+        last = len(rank)
+        running = sorted(self.running, key=lambda r: rank.get(r.request_id, last))
+        waiting = sorted(self.waiting, key=lambda r: rank.get(r.request_id, last))
+        self.waiting.remove_requests(list(self.waiting))
+        if plan.is_restrictive:
+            self.running = [r for r in running if r.request_id in rank]
+            sat_out = ([r for r in running if r.request_id not in rank],
+                       [r for r in waiting if r.request_id not in rank])
+            waiting = [r for r in waiting if r.request_id in rank]
+        else:
+            self.running, sat_out = running, ([], [])
+        for request in waiting:
+            self.waiting.add_request(request)
+        return sat_out
+
+    def _count_recomputed(self, output: SchedulerOutput) -> None:
+        """Charge each scheduled position below a preempted request's old progress as
+        recomputed; positions the prefix cache supplied are skipped and not charged."""
+        for rid, num_scheduled in output.num_scheduled_tokens.items():
+            lost_upto = self._lost_tokens.get(rid)
+            if lost_upto is None:
+                continue
+            request = self.requests[rid]
+            end = request.num_computed_tokens  # already advanced past this step
+            start = end - num_scheduled
+            redo = max(0, min(end, lost_upto) - start)
+            self.stats.recomputed_tokens[request_class_of(request).value] += redo
+            if end >= lost_upto:
+                del self._lost_tokens[rid]
+
+    def antiphon_stats(self) -> dict[str, Any]:
+        return self.stats.snapshot(policy=self.step_policy.name,
+                                   batch_size=getattr(self.step_policy, "batch_size", None))
+
+
+def _engine_core_stats(self: EngineCore) -> dict[str, Any]:
+    """EngineCore utility method: the Antiphon scheduler's counters (see VllmEngine)."""
+    scheduler = self.scheduler
+    return scheduler.antiphon_stats() if isinstance(scheduler, AntiphonScheduler) else {}
+
+
+# vLLM calls utility methods on EngineCore by name; this adds one, without changing vLLM.
+EngineCore.antiphon_scheduler_stats = _engine_core_stats  # type: ignore[attr-defined]

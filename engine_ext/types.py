@@ -28,6 +28,7 @@ class GenerationParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
     request_class: RequestClass = RequestClass.RT
     session_id: str | None = None  # lets the engine keep a session's KV across turns
 

@@ -15,7 +15,9 @@ async def engine() -> AsyncIterator[VllmEngine]:
 
     AsyncLLM binds to the event loop it starts on, so every test shares the session loop.
     """
-    config = EngineConfig(max_model_len=2048, kv_cache_gib=0.5, enforce_eager=True)
+    # 20 pages of 128 tokens: small enough that a few long requests contend for memory.
+    config = EngineConfig(max_model_len=2048, kv_cache_gib=0.5, num_kv_pages=20,
+                          enforce_eager=True, policy="bros")
     eng = VllmEngine(config, resolve_model(None))
     await eng.start()
     yield eng

@@ -1,0 +1,31 @@
+"""The policy interface: request views and a step budget in, a step plan out."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+from antiphon.engine_ext.costmodel import CostModel
+from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
+
+
+class Policy(abc.ABC):
+    name: str
+    vllm_scheduling_policy = "fcfs"  # the vLLM queue discipline the policy runs on top of
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self.cost_model = cost_model
+
+    @abc.abstractmethod
+    def plan(self, views: Sequence[RequestView], budget: StepBudget) -> StepPlan:
+        """Decide one step. Pure: reads the views, returns a plan, changes nothing else."""
+
+
+def pages_for(num_tokens: int, page_tokens: int) -> int:
+    return -(-num_tokens // page_tokens)
+
+
+def new_pages(view: RequestView, num_new_tokens: int, page_tokens: int) -> int:
+    """KV pages `view` must allocate to compute `num_new_tokens` more tokens."""
+    held = pages_for(view.num_computed_tokens, page_tokens) if view.is_running else 0
+    return pages_for(view.num_computed_tokens + num_new_tokens, page_tokens) - held

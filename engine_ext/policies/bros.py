@@ -1,0 +1,110 @@
+"""BROS priority packing (Algorithm 1) with TCP-like adaptive batch size.
+
+Each step:
+1. RT requests (running and waiting) in ascending slack to their next token deadline
+   (`arrival + TTFT + i * TPOT - now`). The step must finish within the smallest slack,
+   `T_res`, so the most urgent RT token is on time.
+2. Add RT requests while the batch is under `B_curr`, the token budget and memory allow, and the
+   predicted step time stays within `T_res`. An RT request short of pages takes them from running
+   BE requests (cheapest to redo first), never the other way round.
+3. Add BE requests, those with the least KV to restore first, under the same limits; they may
+   only use free pages. With no RT request in the system there is no time limit.
+4. `B_curr` doubles after a step with no RT at risk and falls back to its base as soon as the
+   time limit turns a request away.
+
+Requests not chosen sit the step out and keep their pages (BROS's pending queue).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from antiphon.engine_ext.costmodel import CostModel, StepShape
+from antiphon.engine_ext.policies.base import Policy, new_pages, pages_for
+from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
+
+
+class _Batch:
+    """The step under construction: members, predicted shape, tokens and pages left."""
+
+    def __init__(self, budget: StepBudget) -> None:
+        self.ids: list[str] = []
+        self.requests: list[tuple[int, int]] = []  # (new tokens, context tokens)
+        self.tokens_left = budget.max_num_tokens
+        self.pages_left = budget.num_free_pages
+
+    def with_request(self, view: RequestView) -> tuple[int, StepShape]:
+        """(new tokens this step, shape if `view` joined)."""
+        new = min(view.num_new_tokens, self.tokens_left)
+        shape = StepShape.of([*self.requests, (new, view.num_computed_tokens + new)])
+        return new, shape
+
+    def add(self, view: RequestView, new: int, pages: int) -> None:
+        self.ids.append(view.request_id)
+        self.requests.append((new, view.num_computed_tokens + new))
+        self.tokens_left -= new
+        self.pages_left -= pages
+
+
+class BrosPolicy(Policy):
+    name = "bros"
+
+    def __init__(self, cost_model: CostModel, base_batch_size: int = 8) -> None:
+        super().__init__(cost_model)
+        self.base_batch_size = base_batch_size
+        self.batch_size = base_batch_size  # B_curr
+
+    def plan(self, views: Sequence[RequestView], budget: StepBudget) -> StepPlan:
+        now = budget.now_s
+        rts = sorted((v for v in views if v.is_rt), key=lambda v: v.slack_s(now))
+        bes = sorted((v for v in views if not v.is_rt),
+                     key=lambda v: (not v.is_running, v.num_lost_tokens, v.arrival_s))
+        cap = min(self.batch_size, budget.max_num_seqs)
+        batch = _Batch(budget)
+        plan = StepPlan(is_restrictive=True)
+        # Running BE requests whose pages an RT request may take, cheapest to redo first.
+        victims = sorted((v for v in bes if v.is_running), key=lambda v: v.num_computed_tokens,
+                         reverse=True)
+        time_limit = rts[0].slack_s(now) if rts else float("inf")
+        is_at_risk = False
+
+        for view in rts:
+            if len(batch.ids) >= cap or batch.tokens_left <= 0:
+                break
+            new, shape = batch.with_request(view)
+            if batch.ids and self.cost_model.predict_s(shape) > time_limit:
+                is_at_risk = True
+                break
+            pages = new_pages(view, new, budget.page_tokens)
+            while pages > batch.pages_left and victims:
+                victim = victims.pop()
+                plan.preempt.append(victim.request_id)
+                batch.pages_left += pages_for(victim.num_computed_tokens, budget.page_tokens)
+            if pages > batch.pages_left:
+                break
+            batch.add(view, new, pages)
+
+        preempted = set(plan.preempt)
+        for view in bes:
+            if view.request_id in preempted:
+                continue
+            if len(batch.ids) >= cap or batch.tokens_left <= 0:
+                break
+            new, shape = batch.with_request(view)
+            if rts and self.cost_model.predict_s(shape) > time_limit:
+                is_at_risk = True
+                break
+            pages = new_pages(view, new, budget.page_tokens)
+            if pages > batch.pages_left:
+                continue  # a smaller BE request may still fit
+            batch.add(view, new, pages)
+
+        self._adapt_batch_size(is_at_risk, budget.max_num_seqs)
+        plan.order = batch.ids
+        return plan
+
+    def _adapt_batch_size(self, is_at_risk: bool, max_num_seqs: int) -> None:
+        if is_at_risk:
+            self.batch_size = self.base_batch_size
+        else:
+            self.batch_size = min(self.batch_size * 2, max_num_seqs)

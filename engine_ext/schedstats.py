@@ -1,0 +1,32 @@
+"""Counters the scheduler keeps in the EngineCore process and reports on request."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from antiphon.engine_ext.types import RequestClass
+
+
+def _per_class() -> dict[str, int]:
+    return {c.value: 0 for c in RequestClass}
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    policy_s: float = 0.0  # total time in the policy's plan (seconds)
+    schedule_s: float = 0.0  # total time in schedule(), plan included (seconds)
+    max_schedule_s: float = 0.0
+    num_preemptions: dict[str, int] = dataclasses.field(default_factory=_per_class)
+    recomputed_tokens: dict[str, int] = dataclasses.field(default_factory=_per_class)
+    cost_model_mape: float | None = None
+
+    def record_step(self, policy_s: float, schedule_s: float) -> None:
+        self.num_steps += 1
+        self.policy_s += policy_s
+        self.schedule_s += schedule_s
+        self.max_schedule_s = max(self.max_schedule_s, schedule_s)
+
+    def snapshot(self, **extra: Any) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), **extra}

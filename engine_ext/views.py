@@ -1,0 +1,81 @@
+"""What a scheduling policy sees and decides: plain dataclasses of ids and integers.
+
+The scheduler builds one `RequestView` per running or waiting request and a `StepBudget` for the
+step, asks its policy for a `StepPlan`, and applies the plan through vLLM's own mechanism. No
+tensors and no vLLM types cross this boundary, so policies run under unit tests and simulators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from antiphon.engine_ext.types import RequestClass
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestView:
+    request_id: str
+    request_class: RequestClass
+    arrival_s: float  # when the engine received it (seconds, the scheduler's clock)
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose KV exists on the device
+    num_output_tokens: int  # tokens generated so far
+    is_running: bool  # holds KV pages and was scheduled before
+    ttft_slo_s: float | None = None  # RT only: first token due this long after arrival
+    tpot_slo_s: float | None = None  # RT only: each later token due this much after the last
+    priority: int = 0  # lower is more important (vLLM's convention)
+    num_preemptions: int = 0
+    num_lost_tokens: int = 0  # computed tokens thrown away by preemptions, to recompute
+
+    @property
+    def is_rt(self) -> bool:
+        return self.request_class is RequestClass.RT
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens + max(
+            0, self.num_output_tokens - 1)
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the next step would compute for this request (all remaining prefill, or 1)."""
+        remaining = self.num_prompt_tokens + self.num_output_tokens - self.num_computed_tokens
+        return max(1, remaining)
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Tokens the next step attends over (context after the step)."""
+        return self.num_computed_tokens + self.num_new_tokens
+
+    def deadline_s(self) -> float:
+        """When the next token is due: `arrival + TTFT + i * TPOT` for token i (RT only)."""
+        assert self.ttft_slo_s is not None and self.tpot_slo_s is not None, "not an RT request"
+        return self.arrival_s + self.ttft_slo_s + self.num_output_tokens * self.tpot_slo_s
+
+    def slack_s(self, now_s: float) -> float:
+        """Time left until the next token's deadline (negative once missed)."""
+        return self.deadline_s() - now_s
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBudget:
+    now_s: float
+    max_num_seqs: int  # engine limit on requests in one step
+    max_num_tokens: int  # engine token budget of one step
+    num_free_pages: int  # KV pages free now
+    page_tokens: int  # tokens per KV page
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """A policy's decision for one step. An empty plan leaves vLLM's behaviour unchanged."""
+
+    order: list[str] = dataclasses.field(default_factory=list)
+    """Request ids to schedule this step, most important first (running and waiting)."""
+    preempt: list[str] = dataclasses.field(default_factory=list)
+    """Running requests to preempt before the step (their pages go to `order`)."""
+    is_restrictive: bool = False
+    """True: requests not in `order` sit this step out. False: `order` only sets priority."""
+
+    def rank(self) -> dict[str, int]:
+        return {rid: i for i, rid in enumerate(self.order)}

@@ -1,0 +1,60 @@
+"""AntiphonScheduler inside a real vLLM engine: RT turns take memory from BE work."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from antiphon.engine_ext.engine import VllmEngine
+from antiphon.engine_ext.types import ChatTurn, GenerationParams, RequestClass
+
+pytestmark = pytest.mark.engine
+
+DOC = ("The history of navigation spans thousands of years, from coastal piloting by "
+       "landmarks to celestial navigation and satellite systems. ") * 12
+
+
+async def run(engine: VllmEngine, rid: str, content: str, max_tokens: int,
+              cls: RequestClass, ignore_eos: bool = False) -> tuple[str, float]:
+    """(text, TTFT in seconds)."""
+    started, first, text = time.perf_counter(), None, ""
+    params = GenerationParams(max_tokens=max_tokens, request_class=cls, ignore_eos=ignore_eos)
+    async for delta in engine.generate(rid, engine.render_chat([ChatTurn("user", content)]),
+                                       params):
+        if delta.num_new_tokens and first is None:
+            first = time.perf_counter()
+        text += delta.text
+    return text, (first or time.perf_counter()) - started
+
+
+async def test_rt_turn_preempts_be_work_under_memory_pressure(engine: VllmEngine) -> None:
+    before = await engine.scheduler_stats()
+    assert before["policy"] == "bros"
+    # Two BE jobs of about 1,120 prompt tokens take 18 of the 20 pages (10 once they have
+    # written 60 tokens each, so together they fit); the RT turn (about 300 tokens, 3 pages)
+    # then finds too few free pages and must take them from BE work.
+    be = [asyncio.create_task(run(engine, f"be-{i}", f"Document {i}. {DOC * 4} Summarise it.",
+                                  60, RequestClass.BE, ignore_eos=True)) for i in range(2)]
+    await asyncio.sleep(1.0)
+    rt_text, rt_ttft = await run(engine, "rt-0", f"Answer briefly: {DOC} What is this about?",
+                                 32, RequestClass.RT)
+    be_texts = await asyncio.gather(*be)
+    after = await engine.scheduler_stats()
+
+    assert rt_text and all(text for text, _ in be_texts)
+    assert after["num_preemptions"]["be"] > before["num_preemptions"]["be"]
+    assert after["num_preemptions"]["rt"] == before["num_preemptions"]["rt"]
+    # Until BE work is checkpointed, a preempted BE request recomputes; it is counted.
+    assert after["recomputed_tokens"]["be"] > before["recomputed_tokens"]["be"]
+    assert after["recomputed_tokens"]["rt"] == 0
+    assert rt_ttft < 5.0, rt_ttft
+
+
+async def test_scheduler_reports_steps_and_cost_model_error(engine: VllmEngine) -> None:
+    await run(engine, "stats-0", "Count from one to twenty.", 40, RequestClass.RT)
+    stats = await engine.scheduler_stats()
+    assert stats["num_steps"] > 40
+    assert 0 < stats["schedule_s"] / stats["num_steps"] < 0.01  # well under 10 ms a step
+    assert stats["cost_model_mape"] is not None

@@ -1,0 +1,125 @@
+"""Scheduling policies driven by hand-built request views: no engine, no torch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from antiphon.engine_ext.costmodel import CostModel, StepShape
+from antiphon.engine_ext.policies import make_policy, policy_class
+from antiphon.engine_ext.policies.bros import BrosPolicy
+from antiphon.engine_ext.types import RequestClass
+from antiphon.engine_ext.views import RequestView, StepBudget
+
+RT, BE = RequestClass.RT, RequestClass.BE
+PAGE = 16
+
+
+def view(rid: str, cls: RequestClass = RT, *, arrival: float = 0.0, prompt: int = 32,
+         computed: int = 0, output: int = 0, running: bool = False, **kw: object) -> RequestView:
+    slo = {"ttft_slo_s": 1.0, "tpot_slo_s": 0.1} if cls is RT else {}
+    return RequestView(rid, cls, arrival, prompt, computed, output, running,
+                       **{**slo, **kw})  # type: ignore[arg-type]
+
+
+def decoding(rid: str, cls: RequestClass = RT, **kw: object) -> RequestView:
+    """A running request in its decode phase."""
+    return view(rid, cls, prompt=32, computed=32 + 4, output=5, running=True, **kw)
+
+
+def budget(now: float = 0.0, free_pages: int = 1000, max_seqs: int = 64) -> StepBudget:
+    return StepBudget(now_s=now, max_num_seqs=max_seqs, max_num_tokens=2048,
+                      num_free_pages=free_pages, page_tokens=PAGE)
+
+
+def constant_cost(seconds: float) -> CostModel:
+    return CostModel(coefficients=(0.0, 0.0, 0.0, seconds))
+
+
+def per_request_cost(seconds: float) -> CostModel:
+    return CostModel(coefficients=(0.0, 0.0, seconds, 0.0))
+
+
+def test_unknown_policy_lists_valid_names() -> None:
+    with pytest.raises(ValueError, match="bros, fcfs, priority"):
+        policy_class("edf")
+    assert make_policy("fcfs").plan([view("a")], budget()).order == []
+
+
+def test_deadline_follows_ttft_then_tpot() -> None:
+    v = view("a", arrival=10.0, output=3)
+    assert v.deadline_s() == pytest.approx(10.0 + 1.0 + 3 * 0.1)
+    assert v.slack_s(11.0) == pytest.approx(0.3)
+
+
+def test_bros_orders_rt_by_slack_then_be() -> None:
+    policy = BrosPolicy(constant_cost(0.01), base_batch_size=64)
+    views = [view("be1", BE), view("late", arrival=0.5), view("urgent", arrival=0.0),
+             decoding("be0", BE)]
+    plan = policy.plan(views, budget(now=0.2))
+    assert plan.order == ["urgent", "late", "be0", "be1"]  # running BE before waiting BE
+    assert plan.is_restrictive and plan.preempt == []
+
+
+def test_bros_keeps_step_within_the_most_urgent_slack() -> None:
+    # 0.05 s per request; the urgent RT has 0.12 s of slack: it and one more fit.
+    policy = BrosPolicy(per_request_cost(0.05), base_batch_size=64)
+    views = [view("rt", arrival=0.0), view("be1", BE), view("be2", BE), view("be3", BE)]
+    plan = policy.plan(views, budget(now=0.88))
+    assert plan.order == ["rt", "be1"]
+    assert policy.batch_size == policy.base_batch_size  # at risk: back off
+
+
+def test_bros_without_rt_fills_the_batch_and_grows_it() -> None:
+    policy = BrosPolicy(per_request_cost(1.0), base_batch_size=2)
+    views = [view(f"be{i}", BE, arrival=i) for i in range(5)]
+    assert policy.plan(views, budget()).order == ["be0", "be1"]
+    assert policy.batch_size == 4
+    assert policy.plan(views, budget()).order == ["be0", "be1", "be2", "be3"]
+
+
+def test_rt_takes_pages_from_be_never_the_reverse() -> None:
+    policy = BrosPolicy(constant_cost(0.01), base_batch_size=64)
+    small_be = decoding("be_small", BE)  # holds 3 pages
+    big_be = view("be_big", BE, prompt=32, computed=160, output=129, running=True)
+    rt = view("rt", prompt=80)  # needs 5 pages: 1 free + 3 from be_small is not enough
+    plan = policy.plan([big_be, small_be, rt], budget(free_pages=1))
+    assert plan.preempt == ["be_small", "be_big"]  # fewest computed tokens first
+    assert plan.order[0] == "rt"
+    # A waiting BE request never preempts anything.
+    plan = policy.plan([decoding("rt_run"), view("be_new", BE, prompt=64)],
+                       budget(free_pages=1))
+    assert plan.preempt == [] and "be_new" not in plan.order
+
+
+def test_preempted_be_with_least_lost_work_goes_first() -> None:
+    policy = BrosPolicy(constant_cost(0.01), base_batch_size=64)
+    views = [view("lost_much", BE, num_lost_tokens=500), view("lost_little", BE,
+             num_lost_tokens=10), decoding("running_be", BE)]
+    assert policy.plan(views, budget()).order == ["running_be", "lost_little", "lost_much"]
+
+
+def test_cost_model_learns_a_linear_step_time() -> None:
+    rng = np.random.default_rng(0)
+    truth = np.array([1e-4, 2e-8, 3e-4, 0.01])
+    model = CostModel(refit_every=16)
+    for _ in range(200):
+        reqs = [(int(rng.integers(1, 300)), int(rng.integers(1, 2000)))
+                for _ in range(int(rng.integers(1, 16)))]
+        shape = StepShape.of(reqs)
+        model.observe(shape, float(np.dot(truth, shape.features())))
+    assert model.num_refits > 0
+    probe = StepShape.of([(100, 1000), (1, 500)])
+    assert model.predict_s(probe) == pytest.approx(float(np.dot(truth, probe.features())),
+                                                   rel=1e-3)
+    assert model.mape is not None and model.mape < 0.5
+
+
+def test_views_are_plain_data() -> None:
+    v = view("a")
+    assert dataclasses.asdict(v)["request_class"] is RT
+    assert v.is_prefill and v.num_new_tokens == 32
+    d = decoding("b")
+    assert not d.is_prefill and d.num_new_tokens == 1
