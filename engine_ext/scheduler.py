@@ -115,6 +115,7 @@ class AntiphonScheduler(AsyncScheduler):
             num_preemptions=request.num_preemptions,
             num_lost_tokens=max(0, self._lost_tokens.get(request.request_id, 0)
                                 - request.num_computed_tokens),
+            prefix_page_hashes=tuple(request.block_hashes),
         )
 
     def _budget(self) -> StepBudget:

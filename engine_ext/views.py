@@ -26,6 +26,9 @@ class RequestView:
     priority: int = 0  # lower is more important (vLLM's convention)
     num_preemptions: int = 0
     num_lost_tokens: int = 0  # computed tokens thrown away by preemptions, to recompute
+    prefix_page_hashes: tuple[bytes, ...] = ()
+    """Chained hashes of the prompt's full KV pages (vLLM's block hashes): two requests share
+    their first k pages exactly when their first k hashes are equal."""
 
     @property
     def is_rt(self) -> bool:
