@@ -1,4 +1,4 @@
-"""The `antiphon` command line: serve, model, bench."""
+"""The `antiphon` command line: serve, model, batch, bench."""
 
 from __future__ import annotations
 
@@ -76,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     model_commands.add_parser("path", help="print where the default model is prepared")
     model.set_defaults(func=_model)
 
+    from antiphon.batch_cli import add_batch_parser
     from antiphon.bench.cli import add_bench_parser
 
+    add_batch_parser(commands)
     add_bench_parser(commands)
     return parser
 

@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 
 from antiphon.config import AppConfig
 from antiphon.engine_ext.engine import Engine
-from antiphon.server import openai_api, rest
+from antiphon.server import batch_api, openai_api, rest
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.http import error_response
@@ -30,6 +30,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        await ctx.batches.start()
         ctx.is_ready = True
         logger.info("Antiphon serving %s on http://%s:%d", engine.model_name,
                     config.server.host, config.server.port)
@@ -37,13 +38,16 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
             yield
         finally:
             ctx.is_ready = False
+            await ctx.batches.stop()
             await engine.shutdown()
             ctx.store.close()
+            ctx.batch_store.close()
 
     app = FastAPI(title="Antiphon", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
     app.include_router(openai_api.router)
     app.include_router(rest.router)
+    app.include_router(batch_api.router)
     app.add_api_websocket_route("/v1/ws", websocket_endpoint)
 
     @app.exception_handler(ApiError)

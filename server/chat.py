@@ -74,6 +74,11 @@ class ChatService:
         if not content.strip():
             raise ApiError(ErrorCode.BAD_MESSAGE, "message content is empty")
 
+    def check_max_tokens(self, max_tokens: int | None) -> None:
+        if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
+            raise ApiError(ErrorCode.MAX_TOKENS_TOO_LARGE, f"max_tokens {max_tokens} exceeds "
+                           f"the limit of {self.config.max_tokens_limit}")
+
     def prepare(
         self,
         request_id: str,
@@ -85,9 +90,7 @@ class ChatService:
         **sampling: object,
     ) -> Generation:
         """Validate and render a request; raises `ApiError` and changes nothing on bad input."""
-        if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
-            raise ApiError(ErrorCode.MAX_TOKENS_TOO_LARGE, f"max_tokens {max_tokens} exceeds "
-                           f"the limit of {self.config.max_tokens_limit}")
+        self.check_max_tokens(max_tokens)
         prompt = self.engine.render_chat(turns)
         room = self.engine.max_model_len - len(prompt)
         if room < 1:

@@ -34,6 +34,11 @@ class ServerConfig:
         "Most generations in flight on one websocket connection", default=16)
     max_connections: int = doc("Most open websocket connections", default=512)
     max_sessions_listed: int = doc("Most sessions returned by one listing", default=200)
+    max_batch_file_bytes: int = doc("Largest file uploaded to /v1/files, in bytes",
+                                    default=64 * 1024 * 1024)
+    max_batch_items: int = doc("Most requests (lines) in one batch input file", default=50_000)
+    max_batch_concurrency: int = doc(
+        "Most batch (BE) requests running on the engine at once, over all batches", default=8)
 
     def __post_init__(self) -> None:
         if not (0 < self.port < 65536):
@@ -47,7 +52,8 @@ class ServerConfig:
             raise ValueError("API keys must be at least 8 characters long")
         for name in ("max_frame_bytes", "max_content_chars", "max_messages", "default_max_tokens",
                      "max_tokens_limit", "max_inflight_per_connection", "max_connections",
-                     "max_sessions_listed"):
+                     "max_sessions_listed", "max_batch_file_bytes", "max_batch_items",
+                     "max_batch_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.default_max_tokens > self.max_tokens_limit:

@@ -7,7 +7,10 @@ import dataclasses
 from antiphon.config import AppConfig
 from antiphon.engine_ext.engine import Engine
 from antiphon.server.auth import Authenticator
+from antiphon.server.batch_runner import BatchRunner
+from antiphon.server.batch_store import BatchStore
 from antiphon.server.chat import ChatService
+from antiphon.server.file_store import FileStore
 from antiphon.server.metrics import ServerMetrics
 from antiphon.server.turns import SessionTurns
 from antiphon.sessions.store import SessionStore
@@ -22,6 +25,9 @@ class AppContext:
     auth: Authenticator
     chat: ChatService
     turns: SessionTurns
+    batch_store: BatchStore
+    files: FileStore
+    batches: BatchRunner
     num_connections: int = 0  # open websocket connections
     is_ready: bool = False  # the engine accepts requests
 
@@ -30,5 +36,9 @@ class AppContext:
         store = SessionStore(config.sessions.db_path, config.sessions.sqlite_synchronous)
         metrics = ServerMetrics()
         chat = ChatService(engine, metrics, config.server)
+        data_dir = config.sessions.data_dir
+        batch_store = BatchStore(data_dir / "batches.sqlite3", config.sessions.sqlite_synchronous)
+        files = FileStore(data_dir / "files")
         return cls(config, engine, store, metrics, Authenticator(config.server.api_keys),
-                   chat, SessionTurns(store, chat, metrics))
+                   chat, SessionTurns(store, chat, metrics), batch_store, files,
+                   BatchRunner(batch_store, files, chat, metrics))

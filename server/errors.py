@@ -21,6 +21,15 @@ class ErrorCode(enum.StrEnum):
     SESSION_BUSY = "session_busy"
     ENGINE_ERROR = "engine_error"
     SHUTTING_DOWN = "shutting_down"
+    FILE_NOT_FOUND = "file_not_found"
+    INVALID_FILE = "invalid_file"
+    BATCH_NOT_FOUND = "batch_not_found"
+    BATCH_NOT_CANCELLABLE = "batch_not_cancellable"
+    MISSING_CUSTOM_ID = "missing_custom_id"
+    DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
+    UNSUPPORTED_URL = "unsupported_url"
+    TOO_MANY_ITEMS = "too_many_items"
+    BATCH_EXPIRED = "batch_expired"
 
 
 # HTTP status for each code, used by the REST layer.
@@ -40,6 +49,15 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SESSION_BUSY: 409,
     ErrorCode.ENGINE_ERROR: 500,
     ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.FILE_NOT_FOUND: 404,
+    ErrorCode.INVALID_FILE: 400,
+    ErrorCode.BATCH_NOT_FOUND: 404,
+    ErrorCode.BATCH_NOT_CANCELLABLE: 409,
+    ErrorCode.MISSING_CUSTOM_ID: 400,
+    ErrorCode.DUPLICATE_CUSTOM_ID: 400,
+    ErrorCode.UNSUPPORTED_URL: 400,
+    ErrorCode.TOO_MANY_ITEMS: 413,
+    ErrorCode.BATCH_EXPIRED: 408,
 }
 
 

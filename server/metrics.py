@@ -36,6 +36,13 @@ class ServerMetrics:
         self.advisories = Counter(
             "antiphon_advisories", "Advisory requests received, by source", ["source"],
             registry=r)
+        self.batch_items = Counter(
+            "antiphon_batch_items", "Batch (BE) items answered, by outcome (completed, failed)",
+            ["outcome"], registry=r)
+        self.batch_queue = Gauge(
+            "antiphon_batch_queue_items",
+            "Batch (BE) items of in-progress batches waiting for a slot on the engine",
+            registry=r)
         self.errors = Counter(
             "antiphon_errors", "Errors answered to clients, by code", ["code"], registry=r)
 

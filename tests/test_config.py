@@ -20,7 +20,8 @@ def test_non_loopback_needs_api_key() -> None:
 
 @pytest.mark.parametrize("kwargs", [{"port": 0}, {"max_frame_bytes": 0},
                                     {"default_max_tokens": 10, "max_tokens_limit": 5},
-                                    {"api_keys": ("short",)}])
+                                    {"api_keys": ("short",)}, {"max_batch_concurrency": 0},
+                                    {"max_batch_file_bytes": 0}])
 def test_server_config_rejects_bad_limits(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         ServerConfig(**kwargs)  # type: ignore[arg-type]

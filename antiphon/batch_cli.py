@@ -1,0 +1,204 @@
+"""`antiphon batch ...`: submit a JSONL file of chat completion requests as a batch (BE) job,
+watch it, fetch its results, cancel it. A plain HTTP client of a running server (httpx only)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from antiphon import env
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+BAR_WIDTH = 30
+FINISHED = ("completed", "failed", "expired", "cancelled")
+
+
+class BatchCliError(Exception):
+    """A request the server refused or could not answer; the message is for the user."""
+
+
+class BatchClient:
+    def __init__(self, url: str, api_key: str | None, timeout_s: float = 60.0) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=url.rstrip("/") + "/v1", headers=headers,
+                                 timeout=timeout_s)
+
+    def upload(self, path: Path) -> dict[str, Any]:
+        with path.open("rb") as f:
+            return self._json("POST", "/files", data={"purpose": "batch"},
+                              files={"file": (path.name, f, "application/jsonl")})
+
+    def create(self, input_file_id: str) -> dict[str, Any]:
+        return self._json("POST", "/batches", json={
+            "input_file_id": input_file_id, "endpoint": "/v1/chat/completions",
+            "completion_window": "24h"})
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        return self._json("GET", f"/batches/{batch_id}")
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        return self._json("POST", f"/batches/{batch_id}/cancel")
+
+    def download(self, batch: dict[str, Any], out: Path) -> int:
+        """Write the batch's output lines, then its error lines, to `out`; returns lines."""
+        num_lines = 0
+        with out.open("wb") as f:
+            for file_id in (batch["output_file_id"], batch["error_file_id"]):
+                if file_id is None:
+                    continue
+                try:
+                    with self.http.stream("GET", f"/files/{file_id}/content") as r:
+                        _check(r)
+                        for chunk in r.iter_bytes():
+                            f.write(chunk)
+                            num_lines += chunk.count(b"\n")
+                except httpx.HTTPError as exc:
+                    raise BatchCliError(f"cannot reach the server: {exc}") from None
+        return num_lines
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        try:
+            r = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise BatchCliError(f"cannot reach the server: {exc}") from None
+        _check(r)
+        result: dict[str, Any] = r.json()
+        return result
+
+
+def _check(r: httpx.Response) -> None:
+    if r.is_success:
+        return
+    r.read()
+    try:
+        error = r.json()["error"]
+        detail = f"{error['code']}: {error['message']}"
+    except (ValueError, KeyError, TypeError):
+        detail = r.text[:200]
+    raise BatchCliError(f"HTTP {r.status_code}: {detail}")
+
+
+def progress_line(batch: dict[str, Any]) -> str:
+    """`[#####.....] 120/200 completed, 0 failed (in_progress)`."""
+    counts = batch.get("request_counts") or {}
+    total, done, failed = counts.get("total", 0), counts.get("completed", 0), counts.get(
+        "failed", 0)
+    filled = BAR_WIDTH * (done + failed) // total if total else 0
+    bar = "#" * filled + "." * (BAR_WIDTH - filled)
+    return f"[{bar}] {done}/{total} completed, {failed} failed ({batch['status']})"
+
+
+def watch(client: BatchClient, batch_id: str, poll_s: float, out: TextIO) -> dict[str, Any]:
+    """Poll until the batch finishes, redrawing one progress line in place on a terminal
+    (one line per change elsewhere); returns the finished batch."""
+    is_tty, last = out.isatty(), ""
+    while True:
+        batch = client.get(batch_id)
+        line = progress_line(batch)
+        if is_tty:
+            out.write("\r" + line.ljust(len(last)))
+        elif line != last:
+            out.write(line + "\n")
+        out.flush()
+        last = line
+        if batch["status"] in FINISHED:
+            if is_tty:
+                out.write("\n")
+            return batch
+        time.sleep(poll_s)
+
+
+def _results_path(input_path: Path) -> Path:
+    return input_path.with_name(input_path.stem + ".results.jsonl")
+
+
+def _submit(client: BatchClient, args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    if not path.is_file():
+        raise BatchCliError(f"no such file: {path}")
+    uploaded = client.upload(path)
+    batch = client.create(uploaded["id"])
+    print(f"batch {batch['id']} created from {path} ({uploaded['bytes']} bytes)")
+    if not args.wait:
+        return 0
+    try:
+        batch = watch(client, batch["id"], args.poll_interval, sys.stdout)
+    except KeyboardInterrupt:
+        print(f"\nstopped watching; the batch keeps running: antiphon batch status {batch['id']}")
+        return 130
+    _fetch(client, batch, _results_path(path))
+    return 0 if batch["status"] == "completed" else 1
+
+
+def _fetch(client: BatchClient, batch: dict[str, Any], out: Path) -> None:
+    for error in (batch.get("errors") or {}).get("data", []):
+        print(f"batch {batch['status']}: {error['code']}: {error['message']}")
+    num_lines = client.download(batch, out)
+    print(f"{num_lines} results written to {out}")
+
+
+def _status(client: BatchClient, args: argparse.Namespace) -> int:
+    batch = client.get(args.batch_id)
+    print(f"{batch['id']}: {progress_line(batch)}")
+    for name in ("output_file_id", "error_file_id"):
+        if batch.get(name):
+            print(f"  {name}: {batch[name]}")
+    for error in (batch.get("errors") or {}).get("data", []):
+        print(f"  {error['code']}: {error['message']}")
+    return 0
+
+
+def _results(client: BatchClient, args: argparse.Namespace) -> int:
+    batch = client.get(args.batch_id)
+    if batch["status"] not in FINISHED:
+        raise BatchCliError(f"batch {batch['id']} is {batch['status']}; results come when it "
+                            "finishes (antiphon batch submit --wait, or try again later)")
+    _fetch(client, batch, Path(args.out or f"{batch['id']}.results.jsonl"))
+    return 0
+
+
+def _cancel(client: BatchClient, args: argparse.Namespace) -> int:
+    print(progress_line(client.cancel(args.batch_id)))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll would bury the bar
+    keys = env.api_keys()
+    client = BatchClient(args.url, args.api_key or (keys[0] if keys else None))
+    try:
+        return int(args.batch_func(client, args))
+    except BatchCliError as exc:
+        print(f"antiphon batch: {exc}", file=sys.stderr)
+        return 1
+
+
+def add_batch_parser(commands: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=DEFAULT_URL, help=f"server (default {DEFAULT_URL})")
+    common.add_argument("--api-key", help="API key (default: the first of ANTIPHON_API_KEYS)")
+    batch = commands.add_parser("batch", help="run batch (BE) jobs on a running server")
+    actions = batch.add_subparsers(dest="batch_command", required=True)
+    submit = actions.add_parser("submit", parents=[common],
+                                help="upload a JSONL file of requests and start a batch")
+    submit.add_argument("file", help="JSONL: one {custom_id, method, url, body} per line")
+    submit.add_argument("--wait", action="store_true",
+                        help="show progress until it finishes, then download the results "
+                             "to FILE's name with .results.jsonl")
+    submit.add_argument("--poll-interval", type=float, default=0.5, help="seconds (0.5)")
+    submit.set_defaults(batch_func=_submit)
+    for name, func, text in (("status", _status, "show a batch's progress"),
+                             ("results", _results, "download a finished batch's results"),
+                             ("cancel", _cancel, "cancel a batch, keeping results so far")):
+        action = actions.add_parser(name, parents=[common], help=text)
+        action.add_argument("batch_id")
+        action.set_defaults(batch_func=func)
+        if name == "results":
+            action.add_argument("--out", help="file to write (default ID.results.jsonl)")
+    batch.set_defaults(func=run)

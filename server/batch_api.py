@@ -1,0 +1,141 @@
+"""OpenAI-compatible Batch API: `/v1/files` (upload, metadata, download) and `/v1/batches`
+(create, get, list, cancel). The routes validate, record and wake the runner; the work happens
+in `BatchRunner`. Files and batches belong to the caller's owner id; others get 404."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from antiphon.server.batch_types import (
+    BATCH_ENDPOINT,
+    COMPLETION_WINDOWS_S,
+    Batch,
+    BatchStatus,
+    FileRecord,
+    new_file_id,
+)
+from antiphon.server.context import AppContext
+from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.http import authorize, read_model
+from antiphon.server.uploads import receive_upload
+
+router = APIRouter()
+INPUT_PURPOSE = "batch"
+
+
+class NewBatch(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)],
+                             Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+
+
+def _ctx(request: Request) -> AppContext:
+    return request.app.state.ctx
+
+
+async def _file(ctx: AppContext, owner: str, file_id: str) -> FileRecord:
+    record = await asyncio.to_thread(ctx.batch_store.get_file, owner, file_id)
+    if record is None:
+        raise ApiError(ErrorCode.FILE_NOT_FOUND, f"no file {file_id}")
+    return record
+
+
+async def _batch(ctx: AppContext, owner: str, batch_id: str) -> Batch:
+    batch = await asyncio.to_thread(ctx.batch_store.get_batch, owner, batch_id)
+    if batch is None:
+        raise ApiError(ErrorCode.BATCH_NOT_FOUND, f"no batch {batch_id}")
+    return batch
+
+
+@router.post("/v1/files")
+async def upload_file(request: Request) -> dict[str, Any]:
+    """Multipart upload (`file`, `purpose=batch`), streamed to disk under a new id."""
+    ctx, owner = _ctx(request), authorize(request)
+    limits = ctx.config.server
+    file_id = new_file_id()
+    with ctx.files.create(file_id, limits.max_batch_file_bytes) as writer:
+        upload = await receive_upload(request, writer, limits.max_batch_items)
+        if upload.fields.get("purpose") != INPUT_PURPOSE:
+            raise ApiError(ErrorCode.BAD_MESSAGE, f"purpose must be {INPUT_PURPOSE!r}")
+        await asyncio.to_thread(writer.commit)
+    record = FileRecord(file_id, owner, INPUT_PURPOSE, upload.filename, upload.num_bytes,
+                        time.time())
+    await asyncio.to_thread(ctx.batch_store.add_file, record)
+    return record.to_json()
+
+
+@router.get("/v1/files/{file_id}")
+async def get_file(file_id: str, request: Request) -> dict[str, Any]:
+    ctx, owner = _ctx(request), authorize(request)
+    return (await _file(ctx, owner, file_id)).to_json()
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(file_id: str, request: Request) -> FileResponse:
+    ctx, owner = _ctx(request), authorize(request)
+    await _file(ctx, owner, file_id)
+    return FileResponse(ctx.files.path(file_id), media_type="application/jsonl")
+
+
+@router.post("/v1/batches")
+async def create_batch(request: Request) -> dict[str, Any]:
+    ctx, owner = _ctx(request), authorize(request)
+    body = await read_model(request, NewBatch)
+    if body.endpoint != BATCH_ENDPOINT:
+        raise ApiError(ErrorCode.UNSUPPORTED_URL, f"endpoint {body.endpoint!r} is not "
+                       f"supported; use {BATCH_ENDPOINT!r}")
+    window_s = COMPLETION_WINDOWS_S.get(body.completion_window)
+    if window_s is None:
+        raise ApiError(ErrorCode.BAD_MESSAGE, "completion_window must be one of "
+                       + ", ".join(map(repr, COMPLETION_WINDOWS_S)))
+    input_file = await _file(ctx, owner, body.input_file_id)
+    if input_file.purpose != INPUT_PURPOSE:
+        raise ApiError(ErrorCode.INVALID_FILE,
+                       f"file {input_file.file_id} has purpose {input_file.purpose!r}, not "
+                       f"{INPUT_PURPOSE!r}")
+    batch = await asyncio.to_thread(ctx.batch_store.create_batch, owner, input_file.file_id,
+                                    body.completion_window, window_s, body.metadata)
+    ctx.batches.notify()
+    return batch.to_json()
+
+
+@router.get("/v1/batches")
+async def list_batches(request: Request, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                       after: str | None = None) -> dict[str, Any]:
+    """The caller's batches, newest first, a page at a time (`after` = last id seen)."""
+    ctx, owner = _ctx(request), authorize(request)
+    batches = await asyncio.to_thread(ctx.batch_store.list_batches, owner, limit + 1, after)
+    page = batches[:limit]
+    return {"object": "list", "data": [b.to_json() for b in page],
+            "first_id": page[0].batch_id if page else None,
+            "last_id": page[-1].batch_id if page else None,
+            "has_more": len(batches) > limit}
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(batch_id: str, request: Request) -> dict[str, Any]:
+    ctx, owner = _ctx(request), authorize(request)
+    return (await _batch(ctx, owner, batch_id)).to_json()
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:
+    """Stop starting items, abort running ones, and finalize with the results so far."""
+    ctx, owner = _ctx(request), authorize(request)
+    batch = await asyncio.to_thread(ctx.batch_store.request_cancel, owner, batch_id)
+    if batch is None:
+        raise ApiError(ErrorCode.BATCH_NOT_FOUND, f"no batch {batch_id}")
+    if batch.status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+        raise ApiError(ErrorCode.BATCH_NOT_CANCELLABLE, f"batch {batch_id} is {batch.status}")
+    ctx.batches.notify()
+    return batch.to_json()

@@ -1,0 +1,110 @@
+"""Validation of a batch input file, line by line. Each line becomes a request to run or a failure
+to report with a typed code; one bad line never fails the batch. Needs no tokenizer, so it can
+run in a worker thread; checks that need one (context length) happen when the item runs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from pydantic import ValidationError
+
+from antiphon.server.batch_types import BATCH_ENDPOINT, InputItem
+from antiphon.server.chat import ChatService
+from antiphon.server.completions import ChatCompletionRequest, completion_turns
+from antiphon.server.errors import ApiError, ErrorCode
+
+MAX_CUSTOM_ID_CHARS = 512
+
+
+def read_items(path: Path, chat: ChatService, max_line_bytes: int,
+               max_items: int) -> list[InputItem]:
+    """Every non-blank line of the JSONL file at `path`, validated, in order. Lines longer than
+    `max_line_bytes` and lines after the first `max_items` fail. Raises OSError."""
+    items: list[InputItem] = []
+    seen_custom_ids: set[str] = set()
+    with path.open("rb") as f:
+        for line_index, raw in enumerate(_lines(f, max_line_bytes)):
+            if raw is not None and not raw.strip():
+                continue
+            try:
+                if raw is None:
+                    raise ApiError(ErrorCode.TOO_LARGE,
+                                   f"the line is longer than {max_line_bytes} bytes")
+                if len(items) >= max_items:
+                    raise ApiError(ErrorCode.TOO_MANY_ITEMS,
+                                   f"a batch holds at most {max_items} requests")
+                data = _parse(raw)
+            except ApiError as err:
+                items.append(_failed(line_index, None, err))
+                continue
+            items.append(_check(line_index, data, chat, seen_custom_ids))
+    return items
+
+
+def _check(line_index: int, data: dict[str, Any], chat: ChatService,
+           seen_custom_ids: set[str]) -> InputItem:
+    custom_id = data.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return _failed(line_index, None, ApiError(
+            ErrorCode.MISSING_CUSTOM_ID, "custom_id must be a non-empty string"))
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        return _failed(line_index, None, ApiError(
+            ErrorCode.BAD_MESSAGE, f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters"))
+    if custom_id in seen_custom_ids:
+        return _failed(line_index, custom_id, ApiError(
+            ErrorCode.DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} is used by an earlier line"))
+    seen_custom_ids.add(custom_id)
+    try:
+        body = _check_request(data)
+        completion_turns(chat, body)
+    except ApiError as err:
+        return _failed(line_index, custom_id, err)
+    return InputItem(line_index, custom_id, json.dumps(data["body"], ensure_ascii=False))
+
+
+def _check_request(data: dict[str, Any]) -> ChatCompletionRequest:
+    if data.get("method") != "POST":
+        raise ApiError(ErrorCode.BAD_MESSAGE, "method must be \"POST\"")
+    if data.get("url") != BATCH_ENDPOINT:
+        raise ApiError(ErrorCode.UNSUPPORTED_URL,
+                       f"url {data.get('url')!r} is not supported; use {BATCH_ENDPOINT!r}")
+    try:
+        body = ChatCompletionRequest.model_validate(data.get("body"))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise ApiError(ErrorCode.BAD_MESSAGE, f"body.{where}: {first['msg']}") from None
+    if body.stream:
+        raise ApiError(ErrorCode.BAD_MESSAGE, "body.stream: streaming is not available in a batch")
+    return body
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(ErrorCode.BAD_JSON, f"the line is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(ErrorCode.BAD_MESSAGE, "the line must be a JSON object")
+    return data
+
+
+def _failed(line_index: int, custom_id: str | None, err: ApiError) -> InputItem:
+    return InputItem(line_index, custom_id, None,
+                     (err.code, f"line {line_index + 1}: {err.message}"))
+
+
+def _lines(f: IO[bytes], max_line_bytes: int) -> Iterator[bytes | None]:
+    """The file's lines without their newline, reading at most `max_line_bytes + 2` bytes at
+    a time; None stands for a line that is too long (its bytes are skipped)."""
+    while line := f.readline(max_line_bytes + 2):
+        if line.endswith(b"\n") or len(line) <= max_line_bytes:
+            body = line.rstrip(b"\r\n")
+            yield body if len(body) <= max_line_bytes else None
+            continue
+        while line and not line.endswith(b"\n"):  # skip the rest of an over-long line
+            line = f.readline(max_line_bytes + 2)
+        yield None

@@ -1,0 +1,236 @@
+"""Runs batches in the background: validate the input, run its items on the engine as BE
+requests with bounded concurrency, finalize the result files, handle cancel and expiry.
+
+Crash safety comes from the store: all progress is in SQLite, and the runner only ever acts on
+what is committed there. An item is answered when its result commits (once, keyed by batch and
+line); an item that was in flight when the process died has no result, so it runs again after
+a restart, and its first answer, never committed, was never shown to anyone. Result files are
+built from committed results only, under fresh ids, and registered in the same transaction that
+finishes the batch; a crash before that leaves unregistered files that `start` sweeps away, and
+the batch is finalized again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from contextlib import aclosing
+
+from antiphon.engine_ext.types import RequestClass
+from antiphon.server.batch_input import read_items
+from antiphon.server.batch_store import BatchStore
+from antiphon.server.batch_types import (
+    Batch,
+    BatchStatus,
+    FileRecord,
+    ItemResult,
+    ItemState,
+    PendingItem,
+    new_file_id,
+)
+from antiphon.server.chat import ChatService
+from antiphon.server.completions import ChatCompletionRequest, completion_object, prepare_completion
+from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.file_store import FileStore
+from antiphon.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+# An item started this many times without an answer (each start was cut short by a crash, a
+# restart or an engine failure) fails instead of running again, so no request can keep a batch
+# (or a server) in a crash loop.
+MAX_ITEM_ATTEMPTS = 3
+# Seconds between looks at the store when nothing happens (how late expiry can be noticed).
+POLL_INTERVAL_S = 1.0
+# Seconds to hold new items back after the engine failed one.
+RETRY_DELAY_S = 1.0
+
+ItemKey = tuple[str, int]  # (batch_id, line_index)
+
+
+class BatchRunner:
+    def __init__(self, store: BatchStore, files: FileStore, chat: ChatService,
+                 metrics: ServerMetrics) -> None:
+        self.store = store
+        self.files = files
+        self.chat = chat
+        self.metrics = metrics
+        self.config = chat.config
+        self._inflight: dict[ItemKey, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._paused_until = 0.0  # time.monotonic() before which no new item starts
+
+    async def start(self) -> None:
+        """Remove files a crash left unregistered, then resume every unfinished batch."""
+        registered = await asyncio.to_thread(self.store.file_sizes)
+        swept = await asyncio.to_thread(self.files.sweep, registered.keys())
+        if swept:
+            logger.info("removed %d unregistered batch files", len(swept))
+        self._task = asyncio.create_task(self._loop(), name="batch-runner")
+
+    async def stop(self) -> None:
+        """Abort in-flight items (they stay unanswered and run again after a restart)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def notify(self) -> None:
+        """Look at the store now (a batch was created or cancelled)."""
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                self._wake.clear()
+                try:
+                    await self._step()
+                except Exception:
+                    logger.exception("batch runner step failed; retrying")
+                    await asyncio.sleep(RETRY_DELAY_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), POLL_INTERVAL_S)
+        finally:
+            await self._abort(list(self._inflight))
+
+    async def _step(self) -> None:
+        """Move each unfinished batch one stage on, then fill free slots with items."""
+        runnable: list[Batch] = []
+        for b in await asyncio.to_thread(self.store.unfinished_batches):
+            if b.status == BatchStatus.VALIDATING:
+                await self._validate(b)
+            elif b.status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
+                await self._abort([k for k in self._inflight if k[0] == b.batch_id])
+                await self._finalize(b)
+            elif time.time() >= b.times["expires_at"]:
+                num_expired = await asyncio.to_thread(self.store.expire_batch, b.batch_id)
+                self.metrics.batch_items.labels("failed").inc(num_expired)
+                self.notify()
+            elif b.counts.num_pending == 0:
+                await asyncio.to_thread(self.store.begin_finalize, b.batch_id)
+                self.notify()
+            else:
+                runnable.append(b)
+        await self._dispatch(runnable)
+        num_waiting = sum(b.counts.num_pending for b in runnable) - len(self._inflight)
+        self.metrics.batch_queue.set(max(0, num_waiting))
+
+    async def _validate(self, b: Batch) -> None:
+        path = self.files.path(b.input_file_id)
+        try:
+            items = await asyncio.to_thread(read_items, path, self.chat,
+                                            self.config.max_frame_bytes,
+                                            self.config.max_batch_items)
+        except OSError as exc:
+            await asyncio.to_thread(self.store.fail_batch, b.batch_id, ErrorCode.INVALID_FILE,
+                                    f"the input file cannot be read: {exc.strerror}")
+            return
+        if not items:
+            await asyncio.to_thread(self.store.fail_batch, b.batch_id, ErrorCode.INVALID_FILE,
+                                    "the input file has no requests")
+            return
+        await asyncio.to_thread(self.store.start_batch, b.batch_id, items)
+        logger.info("batch %s: %d requests", b.batch_id, len(items))
+        self.notify()
+
+    async def _dispatch(self, batches: list[Batch]) -> None:
+        """Start pending items, taking the batches in turn, while slots are free."""
+        num_free = self.config.max_batch_concurrency - len(self._inflight)
+        if num_free <= 0 or not batches or time.monotonic() < self._paused_until:
+            return
+        queues = []
+        for b in batches:
+            pending = await asyncio.to_thread(self.store.pending_items, b.batch_id,
+                                              num_free + len(self._inflight))
+            queues.append([(b, it) for it in pending if (b.batch_id, it.line_index)
+                           not in self._inflight])
+        chosen: list[tuple[Batch, PendingItem]] = []
+        while len(chosen) < num_free and any(queues):
+            chosen += [q.pop(0) for q in queues if q][:num_free - len(chosen)]
+        for b in batches:
+            mine = [it for owner, it in chosen if owner is b]
+            if mine:
+                await asyncio.to_thread(self.store.record_attempts, b.batch_id,
+                                        [it.line_index for it in mine])
+            for it in mine:
+                key = (b.batch_id, it.line_index)
+                self._inflight[key] = asyncio.create_task(self._run_item(b.batch_id, it))
+
+    async def _run_item(self, batch_id: str, item: PendingItem) -> None:
+        try:
+            if item.num_attempts >= MAX_ITEM_ATTEMPTS:
+                result: ItemResult | None = ItemResult(
+                    None, None, ErrorCode.ENGINE_ERROR.value,
+                    f"stopped after {item.num_attempts} attempts that did not finish")
+            else:
+                result = await self._answer(item)
+            if result is not None and await self._commit(batch_id, item.line_index, result):
+                outcome = "completed" if result.state == ItemState.SUCCEEDED else "failed"
+                self.metrics.batch_items.labels(outcome).inc()
+        except Exception:
+            logger.exception("batch %s line %d failed; it will run again", batch_id,
+                             item.line_index)
+            self._paused_until = time.monotonic() + RETRY_DELAY_S
+        finally:
+            self._inflight.pop((batch_id, item.line_index), None)
+            self.notify()
+
+    async def _commit(self, batch_id: str, line_index: int, result: ItemResult) -> bool:
+        """Commit in a thread. A cancel waits for the commit to land, so once `_abort` returns
+        no late commit can slip in behind result files being written."""
+        commit = asyncio.ensure_future(asyncio.to_thread(
+            self.store.commit_item, batch_id, line_index, result))
+        try:
+            return await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            await commit
+            raise
+
+    async def _answer(self, item: PendingItem) -> ItemResult | None:
+        """Run one request on the engine as BE; None when the engine failed (not the request),
+        so the item stays pending and runs again."""
+        body = ChatCompletionRequest.model_validate_json(item.body)
+        try:
+            gen = prepare_completion(self.chat, body, RequestClass.BE)
+            async with aclosing(self.chat.stream(gen, api="batch")) as pieces:
+                async for _ in pieces:
+                    pass
+        except ApiError as err:
+            if err.http_status < 500:
+                return ItemResult(None, None, err.code.value, err.message)
+            logger.warning("batch item %s: %s; it will run again", item.custom_id, err.message)
+            self._paused_until = time.monotonic() + RETRY_DELAY_S
+            return None
+        return ItemResult(gen.request_id, json.dumps(completion_object(gen, body.model),
+                                                     ensure_ascii=False))
+
+    async def _abort(self, keys: list[ItemKey]) -> None:
+        tasks = [self._inflight[k] for k in keys if k in self._inflight]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _finalize(self, b: Batch) -> None:
+        """Write the result files from committed results and finish the batch."""
+        output = await asyncio.to_thread(self._write_results, b, ItemState.SUCCEEDED, "output")
+        error = await asyncio.to_thread(self._write_results, b, ItemState.FAILED, "error")
+        await asyncio.to_thread(self.store.finish_batch, b, output, error)
+        logger.info("batch %s %s", b.batch_id, b.final_status)
+
+    def _write_results(self, b: Batch, state: ItemState, kind: str) -> FileRecord | None:
+        """The JSONL file of the batch's results in `state`, durable; None when there are none.
+        Blocking: run it in a thread."""
+        file_id = new_file_id()
+        with self.files.create(file_id) as writer:
+            for line_index, custom_id, result in self.store.results(b.batch_id, state):
+                writer.write(result.to_line(b.batch_id, line_index, custom_id).encode())
+            if writer.num_bytes == 0:
+                return None
+            writer.commit()
+        return FileRecord(file_id, b.owner, "batch_output", f"{b.batch_id}_{kind}.jsonl",
+                          writer.num_bytes, time.time())

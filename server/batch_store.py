@@ -1,0 +1,316 @@
+"""Batch jobs, their items and file records, persisted in SQLite (WAL) in the data directory.
+
+Every write commits before it returns (synchronous FULL survives power loss), and each status
+change is guarded by the status it expects, so racing writers (a cancel and the runner) never
+both win. An item's result is committed exactly once, keyed by (batch_id, line_index): the
+commit only applies to a PENDING item, and `num_commits` counts it so `check_integrity` can
+prove it. Files and batches belong to one owner; a read by another owner finds nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from antiphon.server.batch_types import (
+    Batch,
+    BatchStatus,
+    FileRecord,
+    InputItem,
+    ItemResult,
+    ItemState,
+    PendingItem,
+    RequestCounts,
+    new_batch_id,
+)
+from antiphon.server.errors import ErrorCode
+from antiphon.server.sqlite import SqliteDb
+
+_STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+           "cancelling_at", "cancelled_at")
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS files (
+    file_id TEXT PRIMARY KEY, owner TEXT NOT NULL, purpose TEXT NOT NULL,
+    filename TEXT NOT NULL, num_bytes INTEGER NOT NULL, created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id TEXT PRIMARY KEY, owner TEXT NOT NULL,
+    input_file_id TEXT NOT NULL REFERENCES files(file_id),
+    completion_window TEXT NOT NULL, metadata TEXT,
+    status TEXT NOT NULL, final_status TEXT,  -- BatchStatus; final: where finalizing ends
+    output_file_id TEXT REFERENCES files(file_id), error_file_id TEXT REFERENCES files(file_id),
+    errors TEXT,  -- why the batch failed as a whole, JSON
+    created_at REAL NOT NULL, expires_at REAL NOT NULL,
+    {", ".join(f"{s} REAL" for s in _STAMPS)}
+);
+CREATE INDEX IF NOT EXISTS batches_owner ON batches(owner, created_at);
+CREATE TABLE IF NOT EXISTS items (
+    batch_id   TEXT NOT NULL REFERENCES batches(batch_id),
+    line_index INTEGER NOT NULL,  -- 0-based line of the input file
+    custom_id  TEXT,
+    body       TEXT,              -- the request; NULL when the line failed validation
+    state      INTEGER NOT NULL,  -- ItemState
+    request_id TEXT, response TEXT, error_code TEXT, error_message TEXT,  -- the result
+    num_attempts INTEGER NOT NULL DEFAULT 0,  -- times started
+    num_commits  INTEGER NOT NULL DEFAULT 0,  -- times a result was committed: 0 or 1
+    PRIMARY KEY (batch_id, line_index)
+);
+CREATE UNIQUE INDEX IF NOT EXISTS items_custom_id ON items(batch_id, custom_id)
+    WHERE body IS NOT NULL;
+CREATE INDEX IF NOT EXISTS items_state ON items(batch_id, state, line_index);
+"""
+_BATCH_COLUMNS = ("batch_id, owner, input_file_id, completion_window, metadata, status, "
+                  "final_status, output_file_id, error_file_id, errors, created_at, expires_at, "
+                  + ", ".join(_STAMPS))
+_COUNTS = ("(SELECT COUNT(*) FROM items i WHERE i.batch_id = b.batch_id),"
+           " (SELECT COUNT(*) FROM items i WHERE i.batch_id = b.batch_id AND i.state = 1),"
+           " (SELECT COUNT(*) FROM items i WHERE i.batch_id = b.batch_id AND i.state = 2)")
+_SELECT_BATCH = f"SELECT {_BATCH_COLUMNS}, {_COUNTS} FROM batches b"
+_FINISHED = str(tuple(s.value for s in BatchStatus if s.is_finished))  # an SQL list literal
+
+
+def _batch(row: Sequence[Any]) -> Batch:
+    (batch_id, owner, input_file_id, window, metadata, status, final_status, output_file_id,
+     error_file_id, errors, created_at, expires_at) = row[:12]
+    stamps = dict(zip(_STAMPS, row[12:12 + len(_STAMPS)], strict=True))
+    times = {"created_at": created_at, "expires_at": expires_at,
+             **{k: v for k, v in stamps.items() if v is not None}}
+    return Batch(batch_id, owner, input_file_id, window,
+                 json.loads(metadata) if metadata else None, BatchStatus(status),
+                 BatchStatus(final_status) if final_status else None, times, output_file_id,
+                 error_file_id, json.loads(errors) if errors else None,
+                 RequestCounts(*row[12 + len(_STAMPS):]))
+
+
+class BatchStore:
+    """Thread-safe: one connection under a lock (SQLite serialises writers anyway)."""
+
+    def __init__(self, path: Path, synchronous: str = "FULL") -> None:
+        self.db = SqliteDb(path, _SCHEMA, synchronous)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # Files.
+
+    def add_file(self, f: FileRecord) -> None:
+        with self.db.locked() as db:
+            _insert_file(db, f)
+
+    def get_file(self, owner: str, file_id: str) -> FileRecord | None:
+        with self.db.locked() as db:
+            row = db.execute("SELECT * FROM files WHERE file_id = ? AND owner = ?",
+                             (file_id, owner)).fetchone()
+        return FileRecord(*row) if row else None
+
+    def file_sizes(self) -> dict[str, int]:
+        """Bytes of every registered file, by id."""
+        with self.db.locked() as db:
+            return dict(db.execute("SELECT file_id, num_bytes FROM files").fetchall())
+
+    # Batches.
+
+    def create_batch(self, owner: str, input_file_id: str, completion_window: str,
+                     window_s: float, metadata: dict[str, str] | None) -> Batch:
+        """A new batch in VALIDATING, expiring `window_s` seconds from now."""
+        batch_id, now = new_batch_id(), time.time()
+        with self.db.locked() as db:
+            db.execute(
+                "INSERT INTO batches (batch_id, owner, input_file_id, completion_window,"
+                " metadata, status, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (batch_id, owner, input_file_id, completion_window,
+                 json.dumps(metadata) if metadata else None, BatchStatus.VALIDATING.value, now,
+                 now + window_s))
+        batch = self.get_batch(owner, batch_id)
+        assert batch is not None
+        return batch
+
+    def get_batch(self, owner: str, batch_id: str) -> Batch | None:
+        with self.db.locked() as db:
+            row = db.execute(f"{_SELECT_BATCH} WHERE batch_id = ? AND owner = ?",
+                             (batch_id, owner)).fetchone()
+        return _batch(row) if row else None
+
+    def list_batches(self, owner: str, limit: int, after: str | None = None) -> list[Batch]:
+        """The owner's batches, newest first, starting after the batch `after`."""
+        with self.db.locked() as db:
+            rows = db.execute(
+                f"{_SELECT_BATCH} WHERE owner = ? AND (? IS NULL OR created_at <"
+                " (SELECT created_at FROM batches WHERE batch_id = ? AND owner = ?))"
+                " ORDER BY created_at DESC LIMIT ?", (owner, after, after, owner, limit)).fetchall()
+        return [_batch(r) for r in rows]
+
+    def unfinished_batches(self) -> list[Batch]:
+        """Every batch not in a final status, oldest first: the runner's work list."""
+        with self.db.locked() as db:
+            rows = db.execute(f"{_SELECT_BATCH} WHERE status NOT IN {_FINISHED}"
+                              " ORDER BY created_at").fetchall()
+        return [_batch(r) for r in rows]
+
+    def request_cancel(self, owner: str, batch_id: str) -> Batch | None:
+        """Move a validating or in-progress batch to CANCELLING; other statuses are unchanged.
+        Returns the batch as it is now, or None if the owner has no such batch."""
+        with self.db.locked() as db:
+            db.execute(
+                "UPDATE batches SET status = ?, final_status = ?, cancelling_at = ?"
+                " WHERE batch_id = ? AND owner = ? AND status IN (?, ?)",
+                (BatchStatus.CANCELLING.value, BatchStatus.CANCELLED.value, time.time(), batch_id,
+                 owner, BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value))
+        return self.get_batch(owner, batch_id)
+
+    def start_batch(self, batch_id: str, items: Sequence[InputItem]) -> bool:
+        """VALIDATING -> IN_PROGRESS with the validated `items`, in one transaction. False (and
+        nothing written) when the batch left VALIDATING meanwhile (cancelled)."""
+        rows = [(batch_id, it.line_index, it.custom_id, it.body,
+                 ItemState.FAILED if it.error else ItemState.PENDING,
+                 it.error[0].value if it.error else None, it.error[1] if it.error else None,
+                 1 if it.error else 0) for it in items]
+        with self.db.transaction() as db:
+            if not _move(db, batch_id, (BatchStatus.VALIDATING,), BatchStatus.IN_PROGRESS):
+                return False
+            db.executemany(
+                "INSERT INTO items (batch_id, line_index, custom_id, body, state, error_code,"
+                " error_message, num_commits) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        return True
+
+    def fail_batch(self, batch_id: str, code: ErrorCode, message: str) -> None:
+        """VALIDATING -> FAILED: the input as a whole is unusable (missing, empty)."""
+        errors = json.dumps([{"code": code.value, "message": message, "line": None,
+                              "param": "input_file_id"}])
+        with self.db.transaction() as db:
+            if _move(db, batch_id, (BatchStatus.VALIDATING,), BatchStatus.FAILED):
+                db.execute("UPDATE batches SET errors = ? WHERE batch_id = ?",
+                                 (errors, batch_id))
+
+    def begin_finalize(self, batch_id: str) -> bool:
+        """IN_PROGRESS -> FINALIZING towards COMPLETED: every item is answered."""
+        with self.db.transaction() as db:
+            return _move(db, batch_id, (BatchStatus.IN_PROGRESS,), BatchStatus.FINALIZING,
+                         BatchStatus.COMPLETED)
+
+    def expire_batch(self, batch_id: str) -> int:
+        """IN_PROGRESS -> FINALIZING towards EXPIRED, failing every unanswered item with
+        `batch_expired` in the same transaction. Returns the number of items failed."""
+        with self.db.transaction() as db:
+            if not _move(db, batch_id, (BatchStatus.IN_PROGRESS,), BatchStatus.FINALIZING,
+                         BatchStatus.EXPIRED):
+                return 0
+            return db.execute(
+                "UPDATE items SET state = ?, error_code = ?, error_message = ?,"
+                " num_commits = num_commits + 1 WHERE batch_id = ? AND state = ?",
+                (ItemState.FAILED, ErrorCode.BATCH_EXPIRED.value,
+                 "the batch expired before this request ran", batch_id, ItemState.PENDING),
+            ).rowcount
+
+    def finish_batch(self, batch: Batch, output: FileRecord | None,
+                     error: FileRecord | None) -> None:
+        """FINALIZING or CANCELLING -> its final status, registering the result files (written
+        already) and marking never-run items SKIPPED, in one transaction."""
+        assert batch.final_status is not None
+        with self.db.transaction() as db:
+            for f in (output, error):
+                if f is not None:
+                    _insert_file(db, f)
+            db.execute("UPDATE items SET state = ? WHERE batch_id = ? AND state = ?",
+                       (ItemState.SKIPPED, batch.batch_id, ItemState.PENDING))
+            db.execute(
+                "UPDATE batches SET output_file_id = ?, error_file_id = ? WHERE batch_id = ?",
+                (output.file_id if output else None, error.file_id if error else None,
+                 batch.batch_id))
+            is_moved = _move(db, batch.batch_id,
+                             (BatchStatus.FINALIZING, BatchStatus.CANCELLING), batch.final_status)
+            assert is_moved, f"{batch.batch_id} left {batch.status} while finalizing"
+
+    # Items.
+
+    def pending_items(self, batch_id: str, limit: int) -> list[PendingItem]:
+        """Up to `limit` unanswered items, in line order."""
+        with self.db.locked() as db:
+            rows = db.execute(
+                "SELECT line_index, custom_id, body, num_attempts FROM items"
+                " WHERE batch_id = ? AND state = ? ORDER BY line_index LIMIT ?",
+                (batch_id, ItemState.PENDING, limit)).fetchall()
+        return [PendingItem(*r) for r in rows]
+
+    def record_attempts(self, batch_id: str, line_indexes: Sequence[int]) -> None:
+        """Count one more start of each item (before it is sent to the engine)."""
+        with self.db.transaction() as db:
+            db.executemany(
+                "UPDATE items SET num_attempts = num_attempts + 1"
+                " WHERE batch_id = ? AND line_index = ?", [(batch_id, i) for i in line_indexes])
+
+    def commit_item(self, batch_id: str, line_index: int, result: ItemResult) -> bool:
+        """Commit an item's result, durable on return. False (nothing written) when the item
+        is no longer pending: it was answered, expired or skipped already."""
+        with self.db.locked() as db:
+            cur = db.execute(
+                "UPDATE items SET state = ?, request_id = ?, response = ?, error_code = ?,"
+                " error_message = ?, num_commits = num_commits + 1"
+                " WHERE batch_id = ? AND line_index = ? AND state = ?",
+                (result.state, result.request_id, result.response, result.error_code,
+                 result.error_message, batch_id, line_index, ItemState.PENDING))
+        return cur.rowcount == 1
+
+    def results(self, batch_id: str, state: ItemState,
+                page_size: int = 1000) -> Iterator[tuple[int, str | None, ItemResult]]:
+        """(line_index, custom_id, result) of the batch's items in `state`, in line order,
+        read a page at a time so the lock is never held for long."""
+        last = -1
+        while True:
+            with self.db.locked() as db:
+                rows = db.execute(
+                    "SELECT line_index, custom_id, request_id, response, error_code,"
+                    " error_message FROM items WHERE batch_id = ? AND state = ?"
+                    " AND line_index > ? ORDER BY line_index LIMIT ?",
+                    (batch_id, state, last, page_size)).fetchall()
+            for line_index, custom_id, *result in rows:
+                yield line_index, custom_id, ItemResult(*result)
+            if len(rows) < page_size:
+                return
+            last = rows[-1][0]
+
+    def commit_counts(self, batch_id: str) -> dict[int, tuple[int, int]]:
+        """line_index -> (num_attempts, num_commits) of every item of the batch."""
+        with self.db.locked() as db:
+            rows = db.execute("SELECT line_index, num_attempts, num_commits FROM items"
+                              " WHERE batch_id = ?", (batch_id,)).fetchall()
+        return {r[0]: (r[1], r[2]) for r in rows}
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the database violates its invariants."""
+        self.db.check({
+            "items committed other than once": "SELECT COUNT(*) FROM items WHERE"
+            " num_commits != (CASE WHEN state IN (1, 2) THEN 1 ELSE 0 END)",
+            "successes without a response": "SELECT COUNT(*) FROM items WHERE state = 1"
+            " AND (response IS NULL OR request_id IS NULL OR error_code IS NOT NULL)",
+            "failures without an error": "SELECT COUNT(*) FROM items WHERE state = 2"
+            " AND (error_code IS NULL OR response IS NOT NULL)",
+            "pending items of finished batches": "SELECT COUNT(*) FROM items i JOIN batches b"
+            f" USING (batch_id) WHERE i.state = 0 AND b.status IN {_FINISHED}",
+            "result files of another owner": "SELECT COUNT(*) FROM batches b JOIN files f"
+            " ON f.file_id IN (b.output_file_id, b.error_file_id) WHERE f.owner != b.owner",
+            "finalizing batches without a final status": "SELECT COUNT(*) FROM batches WHERE"
+            " status IN ('finalizing', 'cancelling') AND final_status IS NULL",
+        })
+
+
+def _insert_file(db: sqlite3.Connection, f: FileRecord) -> None:
+    db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)",
+               (f.file_id, f.owner, f.purpose, f.filename, f.num_bytes, f.created_at))
+
+
+def _move(db: sqlite3.Connection, batch_id: str, expected: Sequence[BatchStatus],
+          new: BatchStatus, final_status: BatchStatus | None = None) -> bool:
+    """Set the status (and its `<status>_at` stamp) if it is one of `expected`."""
+    stamp = f", {new.value}_at = ?" if f"{new.value}_at" in _STAMPS else ""
+    args: list[Any] = [new.value, final_status and final_status.value]
+    args += [time.time()] if stamp else []
+    cur = db.execute(
+        f"UPDATE batches SET status = ?, final_status = COALESCE(?, final_status){stamp}"
+        f" WHERE batch_id = ? AND status IN ({','.join('?' * len(expected))})",
+        [*args, batch_id, *(s.value for s in expected)])
+    return cur.rowcount == 1

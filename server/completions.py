@@ -1,0 +1,102 @@
+"""OpenAI chat-completion requests: the request model, its translation into a `Generation`, and
+the `chat.completion` response object. Shared by `/v1/chat/completions` and the Batch API."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from antiphon.engine_ext.types import ChatTurn, RequestClass
+from antiphon.server.chat import ChatService, Generation
+from antiphon.server.errors import ApiError, ErrorCode
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class OpenAIMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    messages: Annotated[list[OpenAIMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    n: Literal[1] = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    """Antiphon reads `request_class` ("rt" or "be") from here."""
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[ChatTurn]:
+    """The request's conversation, after every check that needs no tokenizer (model, message
+    count and size, max_tokens); raises `ApiError`."""
+    if body.model != chat.engine.model_name:
+        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"model {body.model!r} is not served here; "
+                       f"this server serves {chat.engine.model_name!r}")
+    limits = chat.config
+    if len(body.messages) > limits.max_messages:
+        raise ApiError(ErrorCode.TOO_LARGE, f"{len(body.messages)} messages; the limit is "
+                       f"{limits.max_messages}")
+    chat.check_max_tokens(body.requested_max_tokens)
+    turns = []
+    for m in body.messages:
+        text = m.text()
+        chat.check_content(text)
+        turns.append(ChatTurn("system" if m.role == "developer" else m.role, text))
+    return turns
+
+
+def prepare_completion(chat: ChatService, body: ChatCompletionRequest,
+                       request_class: RequestClass | None = None) -> Generation:
+    """A generation for `body`; its class is `request_class`, else the one `vllm_xargs` names
+    (RT by default). Raises `ApiError` and changes nothing on bad input."""
+    turns = completion_turns(chat, body)
+    if request_class is None:
+        xargs = body.vllm_xargs or {}
+        try:
+            request_class = RequestClass(xargs.get("request_class", "rt"))
+        except ValueError:
+            raise ApiError(ErrorCode.BAD_MESSAGE,
+                           "vllm_xargs.request_class must be 'rt' or 'be'") from None
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return chat.prepare(
+        secrets.token_hex(12), turns, body.requested_max_tokens, body.temperature,
+        request_class, top_p=body.top_p, stop=stop, seed=body.seed)
+
+
+def completion_object(gen: Generation, model: str) -> dict[str, Any]:
+    """The non-streaming `chat.completion` response of a finished generation."""
+    return {
+        "id": "chatcmpl-" + gen.request_id, "object": "chat.completion",
+        "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
+                     "finish_reason": gen.finish_reason}],
+        "usage": gen.usage(),
+    }

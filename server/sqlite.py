@@ -1,0 +1,60 @@
+"""One SQLite database (WAL) shared by threads under a lock, with transactions and checks."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class SqliteDb:
+    """A connection in autocommit mode: each statement outside `transaction()` commits (and,
+    with synchronous FULL, is durable) before it returns."""
+
+    def __init__(self, path: Path, schema: str, synchronous: str = "FULL") -> None:
+        if synchronous not in ("FULL", "NORMAL"):
+            raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous}")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(schema)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def locked(self) -> Iterator[sqlite3.Connection]:
+        """The connection, for statements that each commit on their own."""
+        with self._lock:
+            yield self._db
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """The connection inside BEGIN IMMEDIATE ... COMMIT; any exception rolls back."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def check(self, violations: Mapping[str, str]) -> None:
+        """Raise AssertionError unless SQLite's own checks pass and each query in
+        `violations` (what it finds -> `SELECT COUNT(*) ...`) counts zero rows."""
+        with self._lock:
+            (status,) = self._db.execute("PRAGMA integrity_check").fetchone()
+            assert status == "ok", status
+            (dangling,) = self._db.execute(
+                "SELECT COUNT(*) FROM pragma_foreign_key_check").fetchone()
+            assert dangling == 0, f"{dangling} dangling references"
+            for what, sql in violations.items():
+                (n,) = self._db.execute(sql).fetchone()
+                assert n == 0, f"{n} {what}"

@@ -1,0 +1,133 @@
+"""Streaming multipart/form-data uploads: the one file part goes straight to a `FileWriter` as
+its bytes arrive, so the size and line limits hold before anything is buffered."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import Request
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.file_store import FileWriter
+
+FILE_FIELD = "file"
+_MAX_FIELD_BYTES = 1024  # form fields besides the file ("purpose") are short
+_MAX_FIELDS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Upload:
+    filename: str  # as the client named it, at most 255 characters
+    fields: dict[str, str]  # the other form fields
+    num_bytes: int
+    num_lines: int  # lines with anything but whitespace
+
+
+class _LineCounter:
+    """Counts non-blank lines of a byte stream fed in arbitrary pieces."""
+
+    def __init__(self) -> None:
+        self.num_lines = 0
+        self._is_open_line_blank = True
+
+    def feed(self, data: bytes) -> None:
+        *ended, rest = data.split(b"\n")
+        for piece in ended:
+            if not (self._is_open_line_blank and not piece.strip()):
+                self.num_lines += 1
+            self._is_open_line_blank = True
+        self._is_open_line_blank = self._is_open_line_blank and not rest.strip()
+
+    def finish(self) -> int:
+        return self.num_lines + (0 if self._is_open_line_blank else 1)
+
+
+class _Receiver:
+    """python-multipart callbacks: file bytes to the writer, other fields to a dict."""
+
+    def __init__(self, writer: FileWriter, max_lines: int) -> None:
+        self.writer = writer
+        self.max_lines = max_lines
+        self.lines = _LineCounter()
+        self.fields: dict[str, str] = {}
+        self.filename: str | None = None
+        self._header_name = bytearray()
+        self._header_value = bytearray()
+        self._disposition = b""
+        self._name = ""
+        self._is_file = False
+        self._value = bytearray()
+
+    def on_part_begin(self) -> None:
+        self._disposition, self._is_file, self._value = b"", False, bytearray()
+
+    def on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self._header_name += data[start:end]
+
+    def on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self._header_value += data[start:end]
+
+    def on_header_end(self) -> None:
+        if self._header_name.lower() == b"content-disposition":
+            self._disposition = bytes(self._header_value)
+        self._header_name, self._header_value = bytearray(), bytearray()
+
+    def on_headers_finished(self) -> None:
+        _, options = parse_options_header(self._disposition)
+        self._name = options.get(b"name", b"").decode("utf-8", "replace")
+        if b"filename" not in options:
+            if len(self.fields) >= _MAX_FIELDS:
+                raise ApiError(ErrorCode.BAD_MESSAGE, "too many form fields")
+            return
+        if self._name != FILE_FIELD or self.filename is not None:
+            raise ApiError(ErrorCode.BAD_MESSAGE,
+                           f"send exactly one file, in the form field {FILE_FIELD!r}")
+        self.filename = options[b"filename"].decode("utf-8", "replace")[:255]
+        self._is_file = True
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        piece = data[start:end]
+        if self._is_file:
+            self.writer.write(piece)
+            self.lines.feed(piece)
+            if self.lines.num_lines > self.max_lines:
+                raise ApiError(ErrorCode.TOO_MANY_ITEMS,
+                               f"file has more than {self.max_lines} lines")
+        else:
+            self._value += piece
+            if len(self._value) > _MAX_FIELD_BYTES:
+                raise ApiError(ErrorCode.TOO_LARGE, f"form field {self._name!r} is too long")
+
+    def on_part_end(self) -> None:
+        if not self._is_file:
+            self.fields[self._name] = self._value.decode("utf-8", "replace")
+
+
+async def receive_upload(request: Request, writer: FileWriter, max_lines: int) -> Upload:
+    """Stream the request's multipart body: its file part into `writer` (which enforces the
+    byte limit), its other fields into `Upload.fields`. Raises `ApiError` on a malformed body,
+    a missing file, more than `max_lines` lines, or more bytes than the writer takes."""
+    _, params = parse_options_header(request.headers.get("content-type"))
+    boundary = params.get(b"boundary")
+    if not boundary:
+        raise ApiError(ErrorCode.BAD_MESSAGE, "expected a multipart/form-data body")
+    declared = request.headers.get("content-length", "")
+    if writer.max_bytes and declared.isdigit() and int(declared) > writer.max_bytes + 64 * 1024:
+        raise ApiError(ErrorCode.TOO_LARGE, f"file exceeds {writer.max_bytes} bytes")
+    r = _Receiver(writer, max_lines)
+    parser = MultipartParser(boundary, {
+        "on_part_begin": r.on_part_begin, "on_part_data": r.on_part_data,
+        "on_part_end": r.on_part_end, "on_header_field": r.on_header_field,
+        "on_header_value": r.on_header_value, "on_header_end": r.on_header_end,
+        "on_headers_finished": r.on_headers_finished})
+    try:
+        async for chunk in request.stream():
+            parser.write(chunk)
+        parser.finalize()
+    except MultipartParseError as exc:
+        raise ApiError(ErrorCode.BAD_MESSAGE, f"malformed multipart body: {exc}") from None
+    if r.filename is None:
+        raise ApiError(ErrorCode.BAD_MESSAGE, f"no file in the form field {FILE_FIELD!r}")
+    return Upload(r.filename, r.fields, writer.num_bytes, r.lines.finish())

@@ -1,0 +1,95 @@
+"""The batch runner without a server: expiry, and a crash in the middle of finalizing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.server.batch_runner import BatchRunner
+from antiphon.server.batch_store import BatchStore
+from antiphon.server.batch_types import (
+    Batch,
+    BatchStatus,
+    FileRecord,
+    InputItem,
+    ItemResult,
+    new_file_id,
+)
+from antiphon.server.chat import ChatService
+from antiphon.server.config import ServerConfig
+from antiphon.server.file_store import FileStore
+from antiphon.server.metrics import ServerMetrics
+from tests.test_batches import jsonl
+
+
+def direct_runner(tmp_path: Path, token_delay_s: float = 0.0,
+                  ) -> tuple[BatchStore, FileStore, ScriptedEngine, BatchRunner]:
+    """A runner without a server, over a store and files in `tmp_path`."""
+    store, files = BatchStore(tmp_path / "b.sqlite3"), FileStore(tmp_path / "files")
+    engine = ScriptedEngine(token_delay_s=token_delay_s)
+    metrics = ServerMetrics()
+    config = ServerConfig(max_batch_concurrency=2)
+    return store, files, engine, BatchRunner(store, files, ChatService(engine, metrics, config),
+                                             metrics)
+
+
+def add_input(store: BatchStore, files: FileStore, n: int, window_s: float = 3600.0) -> str:
+    file_id = new_file_id()
+    with files.create(file_id) as w:
+        w.write(jsonl(n))
+        w.commit()
+    store.add_file(FileRecord(file_id, "o", "batch", "in.jsonl", w.num_bytes, time.time()))
+    return store.create_batch("o", file_id, "24h", window_s, None).batch_id
+
+
+async def run_until_finished(store: BatchStore, runner: BatchRunner, batch_id: str) -> Batch:
+    await runner.start()
+    try:
+        for _ in range(200):
+            batch = store.get_batch("o", batch_id)
+            if batch is not None and batch.status.is_finished:
+                return batch
+            await asyncio.sleep(0.05)
+    finally:
+        await runner.stop()
+    raise TimeoutError(f"batch {batch_id} did not finish")
+
+
+async def test_expiry_fails_unfinished_items(tmp_path: Path) -> None:
+    store, files, engine, runner = direct_runner(tmp_path, token_delay_s=0.05)
+    await engine.start()
+    batch = await run_until_finished(store, runner, add_input(store, files, 20, window_s=0.5))
+    assert batch.status == BatchStatus.EXPIRED
+    assert batch.counts.total == 20 and batch.counts.completed + batch.counts.failed == 20
+    assert 0 < batch.counts.completed < 20 and batch.error_file_id is not None
+    errors = files.path(batch.error_file_id).read_text().splitlines()
+    assert {json.loads(e)["error"]["code"] for e in errors} == {"batch_expired"}
+    assert not engine.active_request_ids
+    store.check_integrity()
+    files.check_integrity(store.file_sizes())
+
+
+async def test_crash_during_finalize_rebuilds_the_files(tmp_path: Path) -> None:
+    """All items committed, the batch FINALIZING, result files half written when the process
+    died: the next start sweeps the strays and finalizes from the committed results."""
+    store, files, engine, runner = direct_runner(tmp_path)
+    batch_id = add_input(store, files, 5)
+    store.start_batch(batch_id, [InputItem(i, f"item-{i}", "{}") for i in range(5)])
+    for i in range(5):
+        store.commit_item(batch_id, i, ItemResult(f"r{i}", json.dumps({"n": i})))
+    assert store.begin_finalize(batch_id)
+    stray, partial = new_file_id(), new_file_id()
+    files.path(stray).write_text("a whole but unregistered output file\n")
+    files.path(partial).with_suffix(".part").write_text("half")
+    batch = await run_until_finished(store, runner, batch_id)
+    assert batch.status == BatchStatus.COMPLETED and batch.output_file_id is not None
+    assert not files.path(stray).exists() and not list(files.directory.glob("*.part"))
+    out = [json.loads(line) for line in files.path(batch.output_file_id).read_text().splitlines()]
+    assert [r["custom_id"] for r in out] == [f"item-{i}" for i in range(5)]
+    assert [r["response"]["body"] for r in out] == [{"n": i} for i in range(5)]
+    assert not engine.finished_request_ids  # nothing ran again
+    store.check_integrity()
+    files.check_integrity(store.file_sizes())

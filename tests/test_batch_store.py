@@ -1,0 +1,174 @@
+"""Batch store, file store and input validation, without a server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.server.batch_input import read_items
+from antiphon.server.batch_store import BatchStore
+from antiphon.server.batch_types import (
+    BatchStatus,
+    FileRecord,
+    InputItem,
+    ItemResult,
+    ItemState,
+    new_file_id,
+)
+from antiphon.server.chat import ChatService
+from antiphon.server.config import ServerConfig
+from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.file_store import FileStore
+from antiphon.server.metrics import ServerMetrics
+
+
+def make_batch(store: BatchStore, owner: str = "alice", window_s: float = 3600.0) -> str:
+    file_id = new_file_id()
+    store.add_file(FileRecord(file_id, owner, "batch", "in.jsonl", 10, 0.0))
+    return store.create_batch(owner, file_id, "24h", window_s, {"k": "v"}).batch_id
+
+
+def items(n: int, failed: tuple[int, ...] = ()) -> list[InputItem]:
+    return [InputItem(i, f"c{i}", None, (ErrorCode.BAD_JSON, "bad")) if i in failed
+            else InputItem(i, f"c{i}", '{"model": "m"}') for i in range(n)]
+
+
+def ok(i: int) -> ItemResult:
+    return ItemResult(f"r{i}", json.dumps({"answer": i}))
+
+
+def test_lifecycle_commits_each_item_once_and_survives_reopen(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path / "b.sqlite3")
+    bid = make_batch(store)
+    assert store.start_batch(bid, items(5, failed=(3,)))
+    assert not store.start_batch(bid, items(5))  # no longer validating: nothing written
+    assert [p.line_index for p in store.pending_items(bid, 10)] == [0, 1, 2, 4]
+    store.record_attempts(bid, [0, 1])
+    assert store.commit_item(bid, 0, ok(0))
+    assert not store.commit_item(bid, 0, ok(0))  # answered already: the second commit is refused
+    assert store.commit_item(bid, 1, ItemResult("r1", None, "context_length_exceeded", "long"))
+    store.close()
+
+    store = BatchStore(tmp_path / "b.sqlite3")
+    batch = store.get_batch("alice", bid)
+    assert batch is not None and batch.status == BatchStatus.IN_PROGRESS
+    assert (batch.counts.total, batch.counts.completed, batch.counts.failed) == (5, 1, 2)
+    assert store.commit_counts(bid) == {0: (1, 1), 1: (1, 1), 2: (0, 0), 3: (0, 1), 4: (0, 0)}
+    for i in (2, 4):
+        assert store.commit_item(bid, i, ok(i))
+    assert store.begin_finalize(bid)
+    assert store.get_batch("alice", bid).status == BatchStatus.FINALIZING  # type: ignore[union-attr]
+    out = FileRecord(new_file_id(), "alice", "batch_output", "o.jsonl", 3, 1.0)
+    store.finish_batch(store.get_batch("alice", bid), out, None)  # type: ignore[arg-type]
+    done = store.get_batch("alice", bid)
+    assert done is not None and done.status == BatchStatus.COMPLETED
+    assert done.output_file_id == out.file_id and done.error_file_id is None
+    assert "completed_at" in done.times and done.to_json()["metadata"] == {"k": "v"}
+    assert [r[0] for r in store.results(bid, ItemState.SUCCEEDED, page_size=2)] == [0, 2, 4]
+    store.check_integrity()
+
+
+def test_cancel_races_are_settled_by_status_guards(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path / "b.sqlite3")
+    bid = make_batch(store)
+    assert store.request_cancel("mallory", bid) is None
+    cancelled = store.request_cancel("alice", bid)
+    assert cancelled is not None and cancelled.status == BatchStatus.CANCELLING
+    assert not store.start_batch(bid, items(3))  # validation lost the race to the cancel
+    assert store.get_batch("alice", bid).counts.total == 0  # type: ignore[union-attr]
+
+    other = make_batch(store)
+    store.start_batch(other, items(4))
+    store.commit_item(other, 0, ok(0))
+    assert store.request_cancel("alice", other).status == BatchStatus.CANCELLING  # type: ignore[union-attr]
+    assert not store.begin_finalize(other)  # cancelling: completion cannot take over
+    store.finish_batch(store.get_batch("alice", other), None, None)  # type: ignore[arg-type]
+    batch = store.get_batch("alice", other)
+    assert batch is not None and batch.status == BatchStatus.CANCELLED
+    assert (batch.counts.total, batch.counts.completed, batch.counts.failed) == (4, 1, 0)
+    assert not store.commit_item(other, 1, ok(1))  # skipped items take no late answer
+    assert store.request_cancel("alice", other).status == BatchStatus.CANCELLED  # type: ignore[union-attr]
+    store.check_integrity()
+
+
+def test_expiry_fails_unanswered_items(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path / "b.sqlite3")
+    bid = make_batch(store)
+    store.start_batch(bid, items(4))
+    store.commit_item(bid, 0, ok(0))
+    assert store.expire_batch(bid) == 3
+    assert store.expire_batch(bid) == 0
+    failed = list(store.results(bid, ItemState.FAILED))
+    assert [r.error_code for _, _, r in failed] == ["batch_expired"] * 3
+    store.check_integrity()
+
+
+def test_owner_isolation_and_listing(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path / "b.sqlite3")
+    ids = [make_batch(store) for _ in range(3)]
+    make_batch(store, owner="bob")
+    assert store.get_batch("bob", ids[0]) is None
+    listed = [b.batch_id for b in store.list_batches("alice", 10)]
+    assert sorted(listed) == sorted(ids) and len(listed) == 3
+    assert [b.batch_id for b in store.list_batches("alice", 10, after=listed[0])] == listed[1:]
+    file_id = store.get_batch("alice", ids[0]).input_file_id  # type: ignore[union-attr]
+    assert store.get_file("bob", file_id) is None and store.get_file("alice", file_id)
+
+
+def test_file_store_writes_atomically_and_sweeps(tmp_path: Path) -> None:
+    files = FileStore(tmp_path / "files")
+    kept, orphan = new_file_id(), new_file_id()
+    for file_id in (kept, orphan):
+        with files.create(file_id) as w:
+            w.write(b"abc\n")
+            w.commit()
+    with pytest.raises(ApiError) as info, files.create(new_file_id(), max_bytes=5) as w:
+        w.write(b"1234")
+        w.write(b"56")
+    assert info.value.code == ErrorCode.TOO_LARGE
+    (tmp_path / "files" / "file-000000000000000000000000.part").write_bytes(b"x")
+    assert sorted(files.sweep({kept})) == sorted([f"{orphan}.jsonl",
+                                                   "file-000000000000000000000000.part"])
+    files.check_integrity({kept: 4})
+    with pytest.raises(AssertionError):
+        files.check_integrity({orphan: 4})
+    with pytest.raises(ValueError):
+        files.path("../sessions.sqlite3")
+
+
+def test_input_lines_fail_one_by_one(tmp_path: Path) -> None:
+    chat = ChatService(ScriptedEngine(), ServerMetrics(),
+                       ServerConfig(max_content_chars=50, max_tokens_limit=100,
+                                    default_max_tokens=100))
+
+    def line(custom_id: object = "a", **over: object) -> str:
+        body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
+        record = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                  "body": body, **over}
+        return json.dumps(record)
+
+    good = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
+    lines = [line("a"), "", "{nope", line(None), line("a"), line("b", url="/v1/embeddings"),
+             line("c", method="GET"), line("d", body={"model": "scripted", "messages": []}),
+             line("e", body={**good, "model": "gpt-9"}), line("f", body={**good, "stream": True}),
+             line("g", body={**good, "max_tokens": 1000}),
+             line("h", body={"model": "scripted",
+                             "messages": [{"role": "user", "content": "x" * 51}]}),
+             line("i" * 200), "[1, 2]", line("j")]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    got = read_items(path, chat, max_line_bytes=300, max_items=12)
+    codes = {it.line_index: it.error[0].value if it.error else "ok" for it in got}
+    assert codes == {0: "ok", 2: "bad_json", 3: "missing_custom_id", 4: "duplicate_custom_id",
+                     5: "unsupported_url", 6: "bad_message", 7: "bad_message",
+                     8: "model_not_found", 9: "bad_message", 10: "max_tokens_too_large",
+                     11: "too_large", 12: "too_large", 13: "too_many_items",
+                     14: "too_many_items"}
+    by_line = {it.line_index: it for it in got}
+    assert by_line[0].body is not None and json.loads(by_line[0].body) == good
+    duplicate = by_line[4]
+    assert duplicate.custom_id == "a" and duplicate.body is None and duplicate.error is not None
+    assert duplicate.error[1].startswith("line 5: ")

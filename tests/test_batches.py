@@ -1,0 +1,307 @@
+"""The Batch API over a live server and a scripted engine: the official openai client, bad lines,
+owners, cancel, limits, the CLI, and a kill -9 in the middle of a batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from antiphon.bench.serverproc import ServerProcess
+from antiphon.cli import main
+from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.server.batch_store import BatchStore
+from antiphon.server.batch_types import BatchStatus
+from antiphon.server.file_store import FileStore
+from tests.conftest import scripted_config
+from tests.liveserver import live_server
+
+ROOT = Path(__file__).resolve().parent.parent
+FINISHED = ("completed", "failed", "expired", "cancelled")
+
+
+@dataclasses.dataclass
+class Live:
+    url: str
+    engine: ScriptedEngine
+    data_dir: Path
+
+    def client(self, key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+
+@contextmanager
+def batch_server(data_dir: Path, token_delay_s: float = 0.0, max_model_len: int = 4096,
+                 **server: Any) -> Iterator[Live]:
+    engine = ScriptedEngine(token_delay_s=token_delay_s, max_model_len=max_model_len)
+    with live_server(scripted_config(data_dir, **server), engine) as url:
+        yield Live(url, engine, data_dir)
+    check_stores(data_dir)
+
+
+def check_stores(data_dir: Path) -> None:
+    store = BatchStore(data_dir / "batches.sqlite3")
+    try:
+        store.check_integrity()
+        FileStore(data_dir / "files").check_integrity(store.file_sizes())
+    finally:
+        store.close()
+
+
+def request_line(custom_id: str, content: str, **body: Any) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "scripted",
+                                "messages": [{"role": "user", "content": content}], **body}})
+
+
+def jsonl(n: int) -> bytes:
+    return "".join(request_line(f"item-{i}", f"doc {i}") + "\n" for i in range(n)).encode()
+
+
+def submit(client: openai.OpenAI, data: bytes) -> str:
+    uploaded = client.files.create(file=("in.jsonl", data), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    assert batch.status == "validating" and batch.input_file_id == uploaded.id
+    return batch.id
+
+
+def wait_finished(url: str, batch_id: str, timeout_s: float = 30.0,
+                  headers: dict[str, str] | None = None) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch: dict[str, Any] = httpx.get(f"{url}/v1/batches/{batch_id}", headers=headers).json()
+        if batch["status"] in FINISHED:
+            return batch
+        time.sleep(0.02)
+    raise TimeoutError(f"batch {batch_id} did not finish: {batch}")
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_round_trip_with_the_openai_client(tmp_path: Path) -> None:
+    with batch_server(tmp_path, token_delay_s=0.001) as live:
+        client = live.client()
+        batch_id = submit(client, jsonl(30))
+        wait_finished(live.url, batch_id)
+        batch = client.batches.retrieve(batch_id)
+        assert batch.status == "completed" and batch.error_file_id is None
+        assert batch.request_counts is not None
+        assert (batch.request_counts.total, batch.request_counts.completed) == (30, 30)
+        assert batch.in_progress_at and batch.completed_at and batch.finalizing_at
+        out = lines_of(client, batch.output_file_id)
+        assert [r["custom_id"] for r in out] == [f"item-{i}" for i in range(30)]
+        first = out[0]
+        assert first["error"] is None and first["response"]["status_code"] == 200
+        assert first["response"]["body"]["object"] == "chat.completion"
+        assert first["response"]["body"]["choices"][0]["message"]["content"] == "You said: doc 0"
+        output_file = client.files.retrieve(batch.output_file_id)  # type: ignore[arg-type]
+        assert output_file.purpose == "batch_output" and output_file.bytes > 0
+        assert [b.id for b in client.batches.list()] == [batch_id]
+        metrics = httpx.get(live.url + "/metrics").text
+        assert 'antiphon_batch_items_total{outcome="completed"} 30.0' in metrics
+        assert ('antiphon_requests_total{api="batch",outcome="ok",request_class="be"} 30.0'
+                in metrics)
+        assert 'antiphon_generation_tokens_total{request_class="be"} 120.0' in metrics
+        assert "antiphon_batch_queue_items 0.0" in metrics
+
+
+def test_malformed_lines_fail_individually(tmp_path: Path) -> None:
+    lines = [request_line("ok-1", "fine"), "{not json", json.dumps({"method": "POST"}),
+             request_line("ok-1", "again"), request_line("url", "x").replace(
+                 "/v1/chat/completions", "/v1/embeddings"),
+             request_line("body", "x", temperature=9), request_line("big", "x", max_tokens=500),
+             request_line("context", "y" * 400), "", request_line("ok-2", "also fine")]
+    with batch_server(tmp_path, max_model_len=300, max_tokens_limit=100,
+                      default_max_tokens=100) as live:
+        client = live.client()
+        batch_id = submit(client, ("\n".join(lines) + "\n").encode())
+        wait_finished(live.url, batch_id)
+        batch = client.batches.retrieve(batch_id)
+        assert batch.status == "completed" and batch.request_counts is not None
+        assert (batch.request_counts.total, batch.request_counts.completed,
+                batch.request_counts.failed) == (9, 2, 7)
+        assert [r["custom_id"] for r in lines_of(client, batch.output_file_id)] == [
+            "ok-1", "ok-2"]
+        errors = lines_of(client, batch.error_file_id)
+        assert all(r["response"] is None and r["id"].startswith("batch_req_") for r in errors)
+        assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [
+            (None, "bad_json"), (None, "missing_custom_id"), ("ok-1", "duplicate_custom_id"),
+            ("url", "unsupported_url"), ("body", "bad_message"), ("big", "max_tokens_too_large"),
+            ("context", "context_length_exceeded")]
+        assert errors[0]["error"]["message"].startswith("line 2: ")
+
+
+def test_owner_isolation(tmp_path: Path) -> None:
+    alice, bob = "alice-key-123", "bob-key-4567"
+    with batch_server(tmp_path, api_keys=(alice, bob)) as live:
+        batch_id = submit(live.client(alice), jsonl(3))
+        file_id = live.client(alice).batches.retrieve(batch_id).input_file_id
+        other = live.client(bob)
+        for call in (lambda: other.files.retrieve(file_id),
+                     lambda: other.files.content(file_id),
+                     lambda: other.batches.retrieve(batch_id),
+                     lambda: other.batches.cancel(batch_id),
+                     lambda: other.batches.create(input_file_id=file_id, completion_window="24h",
+                                                  endpoint="/v1/chat/completions")):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        assert list(other.batches.list()) == []
+        with pytest.raises(openai.AuthenticationError):
+            live.client("wrong-key-000").batches.retrieve(batch_id)
+        batch = wait_finished(live.url, batch_id, headers={"Authorization": f"Bearer {alice}"})
+        assert batch["status"] == "completed"
+
+
+def test_cancel_aborts_running_items_and_keeps_partial_results(tmp_path: Path) -> None:
+    with batch_server(tmp_path, token_delay_s=0.03, max_batch_concurrency=2) as live:
+        client = live.client()
+        batch_id = submit(client, jsonl(40))
+        while (client.batches.retrieve(batch_id).request_counts or
+               pytest.fail("no counts")).completed < 3 or not live.engine.active_request_ids:
+            time.sleep(0.005)  # until items are done and others running
+        cancelled = client.batches.cancel(batch_id)
+        assert cancelled.status in ("cancelling", "cancelled") and cancelled.cancelling_at
+        batch = wait_finished(live.url, batch_id)
+        assert batch["status"] == "cancelled" and batch["cancelled_at"]
+        counts = batch["request_counts"]
+        assert counts["total"] == 40 and 3 <= counts["completed"] < 40 and counts["failed"] == 0
+        assert len(lines_of(client, batch["output_file_id"])) == counts["completed"]
+        assert not live.engine.active_request_ids
+        assert client.batches.cancel(batch_id).status == "cancelled"  # idempotent
+        done_id = submit(client, jsonl(1))
+        wait_finished(live.url, done_id)
+        with pytest.raises(openai.ConflictError):
+            client.batches.cancel(done_id)
+
+
+def test_upload_and_create_limits(tmp_path: Path) -> None:
+    with batch_server(tmp_path, max_batch_file_bytes=2000, max_batch_items=5) as live:
+        client, files_dir = live.client(), tmp_path / "files"
+
+        def refused(status: int, code: str, **kwargs: Any) -> None:
+            r = httpx.post(live.url + "/v1/files", **kwargs)
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+
+        refused(413, "too_large", files={"file": ("a.jsonl", b"x" * 3000)},
+                data={"purpose": "batch"})
+        refused(413, "too_many_items", files={"file": ("a.jsonl", b"{}\n" * 6)},
+                data={"purpose": "batch"})
+        refused(400, "bad_message", files={"file": ("a.jsonl", b"{}\n")},
+                data={"purpose": "fine-tune"})
+        refused(400, "bad_message", data={"purpose": "batch"}, files={"other": ("a", b"x")})
+        refused(400, "bad_message", json={"purpose": "batch"})
+        assert list(files_dir.iterdir()) == []  # refused uploads leave nothing behind
+
+        file_id = client.files.create(file=("a.jsonl", b"\n{}\n\n" + b"{}\n" * 4),
+                                      purpose="batch").id
+        for kwargs, error in (({"endpoint": "/v1/embeddings"}, openai.BadRequestError),
+                              ({"completion_window": "1h"}, openai.BadRequestError),
+                              ({"input_file_id": "file-nope"}, openai.NotFoundError)):
+            args: dict[str, Any] = {"input_file_id": file_id, "completion_window": "24h",
+                                    "endpoint": "/v1/chat/completions", **kwargs}
+            with pytest.raises(error):
+                client.batches.create(**args)
+        assert httpx.get(live.url + "/v1/batches?limit=0").status_code == 400
+
+
+def test_empty_input_fails_the_batch(tmp_path: Path) -> None:
+    with batch_server(tmp_path) as live:
+        client = live.client()
+        batch_id = submit(client, b"\n \n")
+        batch = wait_finished(live.url, batch_id)
+        assert batch["status"] == "failed" and batch["failed_at"]
+        assert batch["errors"]["data"][0]["code"] == "invalid_file"
+
+
+def test_cli_submit_wait_status_results_cancel(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(jsonl(12))
+    with batch_server(tmp_path / "data", token_delay_s=0.005) as live:
+        url = ["--url", live.url]
+        assert main(["batch", "submit", str(path), "--wait", "--poll-interval", "0.05",
+                     *url]) == 0
+        out = capsys.readouterr().out
+        assert "12/12 completed, 0 failed (completed)" in out
+        batch_id = out.split()[1]
+        results = tmp_path / "docs.results.jsonl"
+        assert len(results.read_text().splitlines()) == 12
+        assert main(["batch", "status", batch_id, *url]) == 0
+        assert "[" + "#" * 30 + "] 12/12 completed" in capsys.readouterr().out
+        assert main(["batch", "results", batch_id, "--out", str(tmp_path / "r.jsonl"),
+                     *url]) == 0
+        assert (tmp_path / "r.jsonl").read_bytes() == results.read_bytes()
+        assert main(["batch", "cancel", batch_id, *url]) == 1
+        assert "batch_not_cancellable" in capsys.readouterr().err
+        assert main(["batch", "status", "batch_nope", *url]) == 1
+        assert "HTTP 404: batch_not_found" in capsys.readouterr().err
+
+
+def is_mid_batch(url: str, batch_id: str, min_completed: int) -> bool:
+    """At least `min_completed` items answered and some running on the engine right now (an
+    item takes 80 ms, so they are still running when the kill lands a moment later)."""
+    counts = httpx.get(f"{url}/v1/batches/{batch_id}").json()["request_counts"]
+    return (counts["completed"] >= min_completed
+            and httpx.get(url + "/healthz").json()["num_unfinished_requests"] > 0)
+
+
+def test_kill_9_mid_batch_resumes_without_losing_or_repeating_items(tmp_path: Path) -> None:
+    n = 200
+    cmd = [sys.executable, "-m", "tests.batchserver", "--data-dir", str(tmp_path),
+           "--token-delay", "0.02", "--concurrency", "8"]
+    env = {"PYTHONPATH": str(ROOT)}
+    db = tmp_path / "batches.sqlite3"
+    first = ServerProcess(cmd, log_path=tmp_path / "first.log", start_timeout_s=60, env=env)
+    first.start()
+    try:
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key="unused", max_retries=0)
+        batch_id = submit(client, jsonl(n))
+        deadline = time.monotonic() + 30
+        while not is_mid_batch(first.url, batch_id, n // 5):
+            assert time.monotonic() < deadline, "the batch did not start"
+            time.sleep(0.005)
+    finally:
+        first.stop(signal.SIGKILL)
+    store = BatchStore(db)
+    at_kill = store.get_batch("local", batch_id)
+    store.close()
+    assert at_kill is not None and at_kill.status == BatchStatus.IN_PROGRESS
+    assert n // 5 <= at_kill.counts.completed < n
+
+    with ServerProcess(cmd, log_path=tmp_path / "second.log", start_timeout_s=60,
+                       env=env) as second:
+        batch = wait_finished(second.url, batch_id)
+        client = openai.OpenAI(base_url=second.url + "/v1", api_key="unused", max_retries=0)
+        out = lines_of(client, batch["output_file_id"])
+    assert batch["status"] == "completed" and batch["error_file_id"] is None
+    assert batch["request_counts"] == {"total": n, "completed": n, "failed": 0}
+    custom_ids = [r["custom_id"] for r in out]
+    assert len(out) == n and sorted(custom_ids) == sorted(f"item-{i}" for i in range(n))
+    for r in out:
+        i = r["custom_id"].removeprefix("item-")
+        assert r["response"]["body"]["choices"][0]["message"]["content"] == f"You said: doc {i}"
+    store = BatchStore(db)
+    counts = store.commit_counts(batch_id)
+    store.close()
+    assert len(counts) == n and all(commits == 1 for _, commits in counts.values())
+    rerun = [i for i, (attempts, _) in counts.items() if attempts > 1]
+    assert rerun, "no item was in flight at the kill"  # those ran again, answered once
+    assert not list((tmp_path / "files").glob("*.part"))
+    check_stores(tmp_path)
+    assert os.path.getsize(tmp_path / "files" / (batch["output_file_id"] + ".jsonl")) > 0
