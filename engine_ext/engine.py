@@ -26,6 +26,17 @@ logger = logging.getLogger(__name__)
 _PRIORITY = {RequestClass.RT: 0, RequestClass.BE: 1}
 
 
+def _extra_args(params: GenerationParams) -> dict[str, Any]:
+    """What the scheduler reads from `SamplingParams.extra_args` in the EngineCore process."""
+    extra: dict[str, Any] = {"antiphon_class": params.request_class.value,
+                             "antiphon_session": params.session_id}
+    if params.ttft_slo_s is not None:
+        extra["ttft_slo_s"] = params.ttft_slo_s
+    if params.tpot_slo_s is not None:
+        extra["tpot_slo_s"] = params.tpot_slo_s
+    return extra
+
+
 class EngineRequestError(ValueError):
     """The engine refused a request as invalid (the caller's fault, not the engine's)."""
 
@@ -137,8 +148,7 @@ class VllmEngine(Engine):
             seed=params.seed,
             ignore_eos=params.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
-            extra_args={"antiphon_class": params.request_class.value,
-                        "antiphon_session": params.session_id},
+            extra_args=_extra_args(params),
         )
         stream = self._llm.generate(
             TokensPrompt(prompt_token_ids=prompt_token_ids),

@@ -17,6 +17,7 @@ class SchedulerStats:
     num_steps: int = 0
     policy_s: float = 0.0  # total time in the policy's plan (seconds)
     schedule_s: float = 0.0  # total time in schedule(), plan included (seconds)
+    step_s: float = 0.0  # total time from a step's schedule to its output (seconds)
     max_schedule_s: float = 0.0
     num_preemptions: dict[str, int] = dataclasses.field(default_factory=_per_class)
     recomputed_tokens: dict[str, int] = dataclasses.field(default_factory=_per_class)
@@ -27,6 +28,9 @@ class SchedulerStats:
         self.policy_s += policy_s
         self.schedule_s += schedule_s
         self.max_schedule_s = max(self.max_schedule_s, schedule_s)
+
+    def record_step_latency(self, step_s: float) -> None:
+        self.step_s += step_s
 
     def snapshot(self, **extra: Any) -> dict[str, Any]:
         return {**dataclasses.asdict(self), **extra}

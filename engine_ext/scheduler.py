@@ -81,7 +81,9 @@ class AntiphonScheduler(AsyncScheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
         if self._step_shape is not None:
-            self.cost_model.observe(self._step_shape, time.perf_counter() - self._step_started)
+            latency = time.perf_counter() - self._step_started
+            self.cost_model.observe(self._step_shape, latency)
+            self.stats.record_step_latency(latency)
             self.stats.cost_model_mape = self.cost_model.mape
             self._step_shape = None
         return super().update_from_output(scheduler_output, model_runner_output)

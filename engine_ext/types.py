@@ -29,6 +29,8 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
+    ttft_slo_s: float | None = None  # RT targets for this request; None: deployment default
+    tpot_slo_s: float | None = None
     request_class: RequestClass = RequestClass.RT
     session_id: str | None = None  # lets the engine keep a session's KV across turns
 

