@@ -28,7 +28,7 @@ def live_server(config: AppConfig, engine: Engine) -> Iterator[str]:
     app = create_app(config, engine)
     server = uvicorn.Server(uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning",
-        ws_max_size=4 * config.server.max_frame_bytes))
+        ws_max_size=4 * config.server.max_frame_bytes, ws_per_message_deflate=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
