@@ -7,7 +7,7 @@ ARGS     ?=
 BIN       = $(VENV)/bin
 STAMP     = $(VENV)/.antiphon-installed-$(EXTRA)
 
-.PHONY: install model serve test test-fast lint bench-serve clean
+.PHONY: install model serve test test-fast lint bench-serve bench-mixed clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ lint: install
 
 bench-serve: model
 	$(BIN)/antiphon bench serve $(ARGS)
+
+bench-mixed: model
+	$(BIN)/pip install -q -e ".[$(EXTRA),dev,bench]"
+	$(BIN)/antiphon bench mixed $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
