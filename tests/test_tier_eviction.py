@@ -1,0 +1,184 @@
+"""Eviction policies, the chunk index, and capacity behaviour of a tier under each policy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from antiphon.tiering.eviction import (
+    EVICTION_POLICIES,
+    LayerPriorityPolicy,
+    LruPolicy,
+    get_eviction_policy,
+)
+from antiphon.tiering.index import ChunkIndex
+from antiphon.tiering.keys import ChunkKey
+from antiphon.tiering.memory_tier import MemoryTier
+
+MODEL = "m"
+
+
+def key(prefix: str, chunk: int = 0, layer: int = 0) -> ChunkKey:
+    return ChunkKey(MODEL, prefix.encode(), chunk, layer)
+
+
+def drain(policy: LruPolicy | LayerPriorityPolicy) -> list[ChunkKey]:
+    order = []
+    while (victim := policy.pop_victim()) is not None:
+        order.append(victim)
+    return order
+
+
+def test_registry_lists_valid_names() -> None:
+    assert set(EVICTION_POLICIES) == {"lru", "layer_priority"}
+    assert isinstance(get_eviction_policy("lru"), LruPolicy)
+    with pytest.raises(ValueError, match="valid eviction policies: layer_priority, lru"):
+        get_eviction_policy("fifo")
+
+
+def test_lru_order_follows_use() -> None:
+    policy = LruPolicy()
+    a, b, c = key("a"), key("b"), key("c")
+    for k in (a, b, c):
+        policy.on_insert(k)
+    policy.on_access(a)
+    policy.on_remove(b)
+    assert drain(policy) == [c, a]
+
+
+def test_layer_priority_evicts_highest_layers_first() -> None:
+    policy = LayerPriorityPolicy()
+    keys = [key("s", chunk, layer) for layer in range(3) for chunk in range(2)]
+    for k in keys:
+        policy.on_insert(k)
+    assert [(k.layer, k.chunk_index) for k in drain(policy)] == [
+        (2, 1), (2, 0), (1, 1), (1, 0), (0, 1), (0, 0)]
+
+
+def test_layer_priority_likelihood_then_size() -> None:
+    policy = LayerPriorityPolicy()
+    likely = [key("likely", 0, layer) for layer in range(2)]
+    small = [key("small", 0, layer) for layer in range(2)]
+    big = [key("big0", 0, layer) for layer in range(2)]
+    for k in likely + small + big:
+        policy.on_insert(k)
+    policy.set_hint("advised", [b"likely"], 1.0)
+    policy.set_hint("small-session", [b"small"], 0.2)
+    policy.set_hint("big-session", [b"big0", b"big1", b"big2"], 0.2)
+    order = drain(policy)
+    # Unlikely sessions go first, top layers before bottom ones, the smaller session first;
+    # the session with a pending advisory goes last.
+    assert order == [small[1], big[1], small[0], big[0], likely[1], likely[0]]
+
+
+def test_clearing_a_hint_makes_a_session_evictable_again() -> None:
+    policy = LayerPriorityPolicy()
+    kept, other = key("kept", 0, 5), key("other", 0, 0)
+    policy.on_insert(kept)
+    policy.on_insert(other)
+    policy.set_hint("s", [b"kept"], 1.0)
+    assert policy.pop_victim() == other
+    policy.on_insert(other)
+    policy.clear_hint("s")
+    assert policy.pop_victim() == kept  # layer 5 before layer 0 once the hint is gone
+    with pytest.raises(ValueError):
+        policy.set_hint("s", [b"kept"], 1.5)
+
+
+def test_layer_priority_heap_matches_naive_sort() -> None:
+    """The lazy heap pops in exactly the order a full sort by `priority` gives."""
+    rng = random.Random(7)
+    policy = LayerPriorityPolicy()
+    tracked: set[ChunkKey] = set()
+    universe = [key(f"p{p}", c, layer) for p in range(4) for c in range(3) for layer in range(4)]
+    for step in range(2000):
+        k = rng.choice(universe)
+        op = rng.random()
+        if op < 0.4:
+            if k not in tracked:
+                policy.on_insert(k)
+                tracked.add(k)
+        elif op < 0.6:
+            policy.on_access(k)
+        elif op < 0.7:
+            policy.on_remove(k)
+            tracked.discard(k)
+        elif op < 0.8:
+            policy.set_hint(rng.randrange(3), [f"p{rng.randrange(4)}".encode()], rng.random())
+        elif op < 0.85:
+            policy.clear_hint(rng.randrange(3))
+        elif tracked:
+            expected = min(tracked, key=policy.priority)
+            assert policy.pop_victim() == expected
+            tracked.discard(expected)
+        if step % 100 == 0:
+            policy.check_integrity(tracked)
+    expected_order = sorted(tracked, key=policy.priority)
+    assert drain(policy) == expected_order
+
+
+def test_index_make_room_refuses_when_pins_forbid() -> None:
+    index: ChunkIndex[int] = ChunkIndex(30, LruPolicy())
+    a, b, c = key("a"), key("b"), key("c")
+    index.insert(a, 0, 10, pin=True)
+    index.insert(b, 1, 10)
+    index.insert(c, 2, 10)
+    assert index.make_room(25) is None  # only 20 evictable bytes: evict nothing
+    assert len(index) == 3
+    evicted = index.make_room(10)
+    assert evicted is not None and [k for k, _ in evicted] == [b]
+    index.unpin(a)
+    with pytest.raises(ValueError):
+        index.unpin(a)
+    index.unpin(key("absent"))  # dropped while pinned: a no-op
+    index.check_integrity()
+
+
+@pytest.mark.parametrize("policy_name", ["lru", "layer_priority"])
+def test_tier_capacity_evicts_and_never_evicts_pinned(policy_name: str) -> None:
+    tier = MemoryTier(40, policy=get_eviction_policy(policy_name))
+    pinned = key("pinned", 0, 9)  # the top layer: first to go if it were not pinned
+    assert tier.put(pinned, b"p" * 10, pin=True)
+    for i in range(10):
+        assert tier.put(key(f"k{i}", 0, i % 3), bytes([i]) * 10)
+        tier.check_integrity()
+        assert tier.used_bytes <= 40
+        assert tier.contains(pinned)
+    assert tier.stats.evictions == 7
+    assert len(tier.keys()) == 4
+    assert not tier.remove(pinned)  # pinned entries are not removed either
+    tier.unpin(pinned)
+    assert tier.remove(pinned)
+    tier.check_integrity()
+
+
+def test_tier_refuses_when_everything_is_pinned() -> None:
+    tier = MemoryTier(20)
+    assert tier.put(key("a"), b"a" * 10, pin=True)
+    assert tier.put(key("b"), b"b" * 10, pin=True)
+    assert not tier.put(key("c"), b"c" * 10)
+    assert tier.stats.refused == 1
+    assert not tier.put(key("big"), b"x" * 21)  # larger than the whole tier
+    assert tier.evict(20) == 0
+    tier.unpin(key("a"))
+    assert tier.evict(10) == 1 and not tier.contains(key("a"))
+    tier.check_integrity()
+
+
+def test_layer_priority_tier_drops_top_layers_of_unlikely_session() -> None:
+    tier = MemoryTier(6 * 4, policy=LayerPriorityPolicy())
+    for prefix in ("advised", "idle"):
+        for layer in range(3):
+            tier.put(key(prefix, 0, layer), b"x" * 4)
+    tier.set_hint("s1", [b"advised"], 1.0)
+    tier.set_hint("s2", [b"idle"], 0.1)
+    tier.set_hint("s3", [b"new"], 0.5)
+    for layer in range(2):
+        assert tier.put(key("new", 0, layer), b"y" * 4)
+    stored = tier.keys()
+    held = {(k.prefix_hash, k.layer) for k in stored}
+    assert (b"idle", 2) not in held and (b"idle", 1) not in held
+    assert (b"idle", 0) in held
+    assert all((b"advised", layer) in held for layer in range(3))
+    tier.check_integrity()

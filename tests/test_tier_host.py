@@ -1,0 +1,167 @@
+"""Host tier: slot allocator, shared-memory arena (in and across processes), host tier."""
+
+from __future__ import annotations
+
+import multiprocessing
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from antiphon.tiering.eviction import LayerPriorityPolicy
+from antiphon.tiering.host_arena import HostArena
+from antiphon.tiering.host_tier import HostTier
+from antiphon.tiering.keys import ChunkKey
+from antiphon.tiering.slots import SlotAllocator
+
+SLOT = 64
+
+
+def key(prefix: str, chunk: int = 0, layer: int = 0) -> ChunkKey:
+    return ChunkKey("m", prefix.encode(), chunk, layer)
+
+
+def shm_name() -> str:
+    return f"antiphon-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def tier() -> Iterator[HostTier]:
+    tier = HostTier.create(shm_name(), capacity_bytes=4 * SLOT, slot_bytes=SLOT)
+    yield tier
+    tier.close()
+
+
+def test_slot_allocator() -> None:
+    slots = SlotAllocator(3)
+    taken = [slots.allocate() for _ in range(3)]
+    assert sorted(taken) == [0, 1, 2] and not slots.can_allocate()
+    with pytest.raises(MemoryError):
+        slots.allocate()
+    slots.free(1)
+    with pytest.raises(ValueError):
+        slots.free(1)  # double free
+    with pytest.raises(ValueError):
+        slots.free(7)
+    assert slots.allocate() == 1  # the just-freed slot is reused first
+    slots.check_integrity()
+
+
+def test_arena_geometry_and_bounds() -> None:
+    name = shm_name()
+    with HostArena.create(name, num_slots=3, slot_bytes=SLOT) as arena:
+        arena.write(2, b"abc", offset=5)
+        assert arena.read(2, 8) == b"\0" * 5 + b"abc"
+        with pytest.raises(ValueError):
+            arena.write(0, b"x" * (SLOT + 1))
+        with pytest.raises(IndexError):
+            arena.read(3)
+        with HostArena.attach(name) as other:
+            assert (other.num_slots, other.slot_bytes) == (3, SLOT)
+            assert other.read(2, 8) == b"\0" * 5 + b"abc"
+            other.slot_array(1, np.float32)[:] = 1.5  # writes through a numpy view
+            other.check_integrity()
+        assert np.all(arena.slot_array(1, np.float32, (4, 4)) == 1.5)
+    with pytest.raises(FileNotFoundError):
+        HostArena.attach(name)  # the owner unlinked it on close
+
+
+def test_arena_refuses_foreign_segment_and_cleans_stale() -> None:
+    from multiprocessing.shared_memory import SharedMemory
+
+    name = shm_name()
+    foreign = SharedMemory(name=name, create=True, size=8192)
+    try:
+        with pytest.raises(ValueError, match="not a host arena"):
+            HostArena.attach(name)
+        with pytest.raises(FileExistsError):
+            HostArena.create(name, 1, SLOT)
+    finally:
+        foreign.close()
+    assert HostArena.unlink_stale(name)
+    assert not HostArena.unlink_stale(name)
+
+
+def test_round_trip_and_eviction(tier: HostTier) -> None:
+    for i in range(6):
+        assert tier.put(key(f"k{i}"), bytes([i]) * (SLOT - i))
+        tier.check_integrity()
+    assert tier.used_bytes == tier.capacity_bytes == 4 * SLOT
+    assert tier.stats.evictions == 2
+    assert tier.get(key("k0")) is None
+    assert tier.get(key("k5")) == bytes([5]) * (SLOT - 5)
+    assert tier.stats.hits == 1 and tier.stats.misses == 1
+    with pytest.raises(ValueError):
+        tier.put(key("big"), b"x" * (SLOT + 1))
+    assert tier.remove(key("k5")) and not tier.contains(key("k5"))
+    tier.check_integrity()
+
+
+def test_reserve_commit_abort(tier: HostTier) -> None:
+    slot = tier.reserve(key("a"))
+    assert slot is not None
+    assert not tier.contains(key("a")) and tier.is_reserved(key("a"))
+    assert tier.reserve(key("a")) is None  # already being written
+    tier.arena.write(slot, b"written elsewhere")
+    tier.check_integrity()
+    assert tier.commit(key("a"), len(b"written elsewhere"), pin=True)
+    assert tier.get(key("a")) == b"written elsewhere"
+    assert tier.slot_of(key("a")) == slot
+    assert tier.reserve(key("a")) is None  # already stored
+    other = tier.reserve(key("b"))
+    assert other is not None and other != slot
+    tier.abort(key("b"))
+    assert not tier.commit(key("b"))  # aborted
+    tier.check_integrity()
+    for i in range(3):
+        assert tier.reserve(key(f"r{i}")) is not None
+    assert tier.reserve(key("full")) is None  # 1 pinned + 3 reserved: nothing evictable
+    assert tier.stats.refused == 1
+    tier.unpin(key("a"))
+    assert tier.reserve(key("full")) is not None  # evicts "a"
+    assert not tier.contains(key("a"))
+    tier.check_integrity()
+
+
+def test_layer_priority_in_host_tier() -> None:
+    tier = HostTier.create(shm_name(), 3 * SLOT, SLOT, policy=LayerPriorityPolicy())
+    try:
+        for layer in range(3):
+            tier.put(key("s", 0, layer), b"x")
+        tier.put(key("t", 0, 0), b"y")
+        stored = tier.keys()
+        assert [k.layer for k in stored if k.prefix_hash == b"s"] == [0, 1]
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
+def _worker(name: str, read_slot: int, write_slot: int, out: multiprocessing.Queue) -> None:
+    """Child process: attach by name, read one slot, fill another."""
+    arena = HostArena.attach(name)
+    out.put(arena.read(read_slot, 11))
+    arena.write(write_slot, b"from child " + bytes(range(32)))
+    arena.close()
+
+
+def test_cross_process_slots(tier: HostTier) -> None:
+    assert tier.put(key("parent"), b"from parent", pin=True)
+    read_slot = tier.slot_of(key("parent"))
+    write_slot = tier.reserve(key("child"))
+    assert read_slot is not None and write_slot is not None
+    ctx = multiprocessing.get_context("spawn")
+    out: multiprocessing.Queue = ctx.Queue()
+    child = ctx.Process(target=_worker, args=(tier.arena.name, read_slot, write_slot, out))
+    child.start()
+    assert out.get(timeout=60) == b"from parent"
+    child.join(60)
+    assert child.exitcode == 0
+    payload = b"from child " + bytes(range(32))
+    assert tier.commit(key("child"), len(payload))
+    assert tier.get(key("child")) == payload
+    tier.unpin(key("parent"))
+    tier.check_integrity()
+    # The child's exit must not have unlinked the segment.
+    with HostArena.attach(tier.arena.name) as again:
+        assert again.read(write_slot, len(payload)) == payload

@@ -1,0 +1,70 @@
+"""Chunk keys and chained prefix hashes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from antiphon.tiering.keys import ChunkKey, chunk_keys, prefix_hashes, prefix_seed
+
+MODEL = "smollm2-135m"
+
+
+def test_full_chunks_only() -> None:
+    assert len(prefix_hashes(list(range(10)), 4, MODEL)) == 2  # 8 tokens hashed, 2 left over
+    assert prefix_hashes(list(range(3)), 4, MODEL) == []
+    assert all(len(h) == 32 for h in prefix_hashes(list(range(8)), 4, MODEL))
+
+
+def test_shared_prefixes_share_hashes_and_diverge_after() -> None:
+    a = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], 4, MODEL)
+    b = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0], 4, MODEL)
+    assert a[:2] == b[:2]
+    assert a[2] != b[2]
+
+
+def test_hash_is_chained_over_the_whole_prefix() -> None:
+    a = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, MODEL)
+    b = prefix_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4, MODEL)  # same chunk 1, other chunk 0
+    assert a[0] != b[0] and a[1] != b[1]
+
+
+def test_models_and_salts_never_collide() -> None:
+    tokens = list(range(64))
+    base = set(prefix_hashes(tokens, 8, MODEL))
+    assert base.isdisjoint(prefix_hashes(tokens, 8, MODEL + "-other"))
+    assert base.isdisjoint(prefix_hashes(tokens, 8, MODEL, salt=b"tenant-a"))
+    assert prefix_seed("ab", b"c") != prefix_seed("a", b"bc")  # the model id is length-prefixed
+
+
+def test_chunk_size_changes_hashes() -> None:
+    assert prefix_hashes(list(range(8)), 8, MODEL)[0] != prefix_hashes(list(range(8)), 4, MODEL)[1]
+
+
+def test_file_stem_is_hex_and_unique() -> None:
+    h = prefix_hashes(list(range(16)), 8, "../etc/passwd model with spaces")
+    keys = [ChunkKey("../etc/passwd model with spaces", hh, c, layer)
+            for c, hh in enumerate(h) for layer in range(3)]
+    stems = {k.file_stem() for k in keys}
+    assert len(stems) == len(keys)
+    assert all(re.fullmatch(r"[0-9a-f]{32}-\d+-\d+", s) for s in stems)
+    assert keys[0].file_stem()[:32] == keys[1].file_stem()[:32]  # layers of a chunk shard together
+    other_model = ChunkKey("other", keys[0].prefix_hash, 0, 0)
+    assert other_model.file_stem() != keys[0].file_stem()
+
+
+def test_key_validation_and_helpers() -> None:
+    with pytest.raises(ValueError):
+        ChunkKey(MODEL, b"", 0, 0)
+    with pytest.raises(ValueError):
+        ChunkKey(MODEL, b"x", -1, 0)
+    with pytest.raises(ValueError):
+        ChunkKey("", b"x", 0, 0)
+    with pytest.raises(ValueError):
+        prefix_hashes([1], 0, MODEL)
+    key = ChunkKey(MODEL, b"x", 2, 0)
+    assert key.with_layer(5) == ChunkKey(MODEL, b"x", 2, 5)
+    grid = chunk_keys(MODEL, [b"a", b"b"], num_layers=3, first_chunk=4)
+    assert [[(k.chunk_index, k.layer) for k in row] for row in grid] == [
+        [(4, 0), (4, 1), (4, 2)], [(5, 0), (5, 1), (5, 2)]]

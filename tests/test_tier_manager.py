@@ -1,0 +1,208 @@
+"""The tiered store: write-through, promotion, prefix lookup, layer-order prefetch, config."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from antiphon.configfields import add_dataclass_args, dataclass_from_args
+from antiphon.tiering import (
+    HostTier,
+    MemoryTier,
+    SsdTier,
+    TieredStore,
+    TieringConfig,
+    build_tiered_store,
+    chunk_keys,
+    prefix_hashes,
+)
+from antiphon.tiering.keys import ChunkKey
+from antiphon.tiering.tier import BytesLike
+
+MODEL = "m"
+LAYERS = 3
+HASHES = prefix_hashes(list(range(40)), 8, MODEL)  # 5 chunks
+GRID = chunk_keys(MODEL, HASHES, LAYERS)  # GRID[chunk][layer]
+
+
+def data(k: ChunkKey) -> bytes:
+    return bytes([k.chunk_index, k.layer]) * 8
+
+
+class RecordingTier(MemoryTier):
+    """A memory tier that logs puts and can hold `get` of some layers until released."""
+
+    def __init__(self, capacity_bytes: int, name: str, hold_layers: frozenset[int] = frozenset()):
+        super().__init__(capacity_bytes, name=name)
+        self.put_log: list[ChunkKey] = []
+        self.hold_layers = hold_layers
+        self.gate = threading.Event()
+
+    def put(self, key: ChunkKey, data: BytesLike, *, pin: bool = False) -> bool:
+        self.put_log.append(key)
+        return super().put(key, data, pin=pin)
+
+    def get(self, key: ChunkKey) -> bytes | memoryview | None:
+        if key.layer in self.hold_layers:
+            assert self.gate.wait(10)
+        return super().get(key)
+
+
+def two_tiers(fast_bytes: int = 1000, slow_bytes: int = 10_000) -> TieredStore:
+    return TieredStore([MemoryTier(fast_bytes, name="fast"), MemoryTier(slow_bytes, name="slow")])
+
+
+def test_write_through_reaches_the_slowest_tier() -> None:
+    store = two_tiers()
+    fast, slow = store.tiers
+    assert store.put(GRID[0][0], data(GRID[0][0]))
+    assert fast.contains(GRID[0][0]) and slow.contains(GRID[0][0])
+    fast.put(GRID[1][0], b"p", pin=True)
+    tiny = two_tiers(fast_bytes=16)
+    assert tiny.tiers[0].put(GRID[4][0], b"x" * 16, pin=True)
+    assert tiny.put(GRID[0][1], data(GRID[0][1]))  # fast tier full of pins: slow tier only
+    assert not tiny.tiers[0].contains(GRID[0][1]) and tiny.tiers[1].contains(GRID[0][1])
+    store.check_integrity()
+    tiny.check_integrity()
+
+
+def test_three_tiers_skip_the_middle_when_the_top_accepts() -> None:
+    store = TieredStore([MemoryTier(100, name="a"), MemoryTier(100, name="b"),
+                         MemoryTier(100, name="c")])
+    store.put(GRID[0][0], b"x")
+    assert [t.contains(GRID[0][0]) for t in store.tiers] == [True, False, True]
+
+
+def test_promotion_on_lower_tier_hit() -> None:
+    store = two_tiers()
+    fast, slow = store.tiers
+    slow.put(GRID[0][0], data(GRID[0][0]))
+    assert store.get(GRID[0][0]) == data(GRID[0][0])
+    assert fast.contains(GRID[0][0])
+    stats = store.stats()
+    assert (stats["fast"].misses, stats["slow"].hits) == (1, 1)
+    assert store.get(GRID[0][0]) == data(GRID[0][0])
+    assert store.stats()["fast"].hits == 1
+    assert store.get(GRID[4][2]) is None
+    no_promotion = TieredStore([MemoryTier(100, name="f"), MemoryTier(100, name="s")],
+                               promote_on_hit=False)
+    no_promotion.tiers[1].put(GRID[0][0], b"x")
+    assert no_promotion.get(GRID[0][0]) == b"x" and not no_promotion.tiers[0].contains(GRID[0][0])
+
+
+def test_lookup_prefix_counts_leading_complete_chunks() -> None:
+    store = two_tiers()
+    fast, slow = store.tiers
+    for chunk in range(4):
+        for k in GRID[chunk]:
+            (fast if chunk % 2 else slow).put(k, data(k))  # spread over the tiers
+    assert store.lookup_prefix(GRID) == 4
+    slow.remove(GRID[2][1])  # one missing layer ends the prefix at chunk 2
+    assert store.lookup_prefix(GRID) == 2
+    assert store.lookup_prefix([]) == 0
+
+
+def test_write_through_from_a_committed_host_slot(tmp_path: Path) -> None:
+    host = HostTier.create(f"antiphon-test-{uuid.uuid4().hex[:12]}", 4 * 64, 64)
+    with TieredStore([host, SsdTier(tmp_path, 10_000)]) as store:
+        slot = host.reserve(GRID[0][0])
+        assert slot is not None
+        host.arena.write(slot, data(GRID[0][0]))  # what the worker process does
+        host.commit(GRID[0][0], len(data(GRID[0][0])))
+        assert store.write_through(GRID[0][0])
+        store.flush()
+        assert store.tiers[1].get(GRID[0][0]) == data(GRID[0][0])
+        assert host.stats.hits == 0  # the copy down is not a use
+        store.check_integrity()
+
+
+def test_prefetch_moves_layer_zero_first_and_reports_progress() -> None:
+    fast = RecordingTier(10_000, "fast")
+    slow = RecordingTier(10_000, "slow", hold_layers=frozenset({1, 2}))
+    store = TieredStore([fast, slow])
+    keys = [k for chunk in GRID[:3] for k in chunk]  # chunk-major on purpose
+    for k in keys:
+        slow.put(k, data(k))
+    handle = store.prefetch(keys, upto_tier=0, pin=True)
+    assert handle.wait_layer(0, timeout_s=10)
+    progress = handle.progress()
+    assert (progress[0].layer, progress[0].num_keys, progress[0].num_ready) == (0, 3, 3)
+    assert not progress[2].is_settled and handle.num_ready_layers() == 1
+    slow.gate.set()
+    assert handle.wait(timeout_s=10)
+    assert [(k.layer, k.chunk_index) for k in fast.put_log] == [
+        (layer, chunk) for layer in range(LAYERS) for chunk in range(3)]
+    assert all(fast.contains(k) for k in keys)
+    assert fast.evict(10_000) == 0  # all pinned
+    handle.release()
+    assert fast.evict(10_000) == len(keys)
+    store.close()
+
+
+def test_prefetch_failures_and_keys_already_up() -> None:
+    store = two_tiers(fast_bytes=32)  # room for two 16-byte chunk-layers
+    fast, slow = store.tiers
+    fast.put(GRID[0][0], data(GRID[0][0]))
+    slow.put(GRID[0][1], data(GRID[0][1]))
+    slow.put(GRID[0][2], data(GRID[0][2]))
+    handle = store.prefetch([GRID[0][0], GRID[0][1], GRID[0][2], GRID[1][0]], pin=True)
+    assert not handle.wait(timeout_s=10)
+    # GRID[0][0] was up already; GRID[0][1] landed (pinned); GRID[0][2] found no room; GRID[1][0]
+    # exists nowhere.
+    assert set(handle.failed_keys()) == {GRID[0][2], GRID[1][0]}
+    assert [(p.num_ready, p.num_failed) for p in handle.progress()] == [(1, 1), (1, 0), (0, 1)]
+    assert handle.num_ready_layers() == 0
+    handle.release()
+    store.check_integrity()
+    with pytest.raises(ValueError):
+        store.prefetch([], upto_tier=2)
+
+
+def test_hints_reach_every_tier_and_remove_everywhere() -> None:
+    store = TieredStore([MemoryTier(100, name="a"), MemoryTier(100, name="b")])
+    store.set_hint("s", HASHES[:2], 1.0)  # lru ignores hints; nothing breaks
+    store.clear_hint("s")
+    store.put(GRID[0][0], b"x")
+    assert store.remove(GRID[0][0]) and store.tier_of(GRID[0][0]) is None
+    with pytest.raises(ValueError, match="unique"):
+        TieredStore([MemoryTier(1, name="x"), MemoryTier(1, name="x")])
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="multiple of page_tokens"):
+        TieringConfig(chunk_tokens=100)
+    with pytest.raises(ValueError, match="valid eviction policies"):
+        TieringConfig(eviction_policy="random")
+    with pytest.raises(ValueError):
+        TieringConfig(writer_queue_depth=0)
+    with pytest.raises(ValueError):
+        TieringConfig(host_shm_name="a/b")
+    config = TieringConfig(chunk_tokens=256, ssd_dir=Path("~/kv"))
+    assert config.pages_per_chunk == 2 and config.ssd_dir == Path.home() / "kv"
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, TieringConfig)
+    args = parser.parse_args(["--ssd-dir", "/tmp/kv", "--eviction-policy", "lru",
+                              "--no-promote-on-hit"])
+    from_cli = dataclass_from_args(TieringConfig, args)
+    assert (from_cli.ssd_dir, from_cli.eviction_policy, from_cli.promote_on_hit) == (
+        Path("/tmp/kv"), "lru", False)
+
+
+def test_build_from_config(tmp_path: Path) -> None:
+    config = TieringConfig(host_tier_bytes=8 * 64, ssd_tier_bytes=1 << 20, ssd_dir=tmp_path,
+                           host_shm_name=f"antiphon-test-{uuid.uuid4().hex[:12]}")
+    with build_tiered_store(config, slot_bytes=64) as store:
+        assert [type(t) for t in store.tiers] == [HostTier, SsdTier]
+        assert store.put(GRID[0][0], data(GRID[0][0]))
+        store.flush()
+        assert store.tiers[1].contains(GRID[0][0])
+    with build_tiered_store(TieringConfig(ssd_dir=tmp_path, host_tier_bytes=0),
+                            slot_bytes=64) as reopened:
+        assert [type(t) for t in reopened.tiers] == [SsdTier]
+        assert reopened.get(GRID[0][0]) == data(GRID[0][0])  # survived the restart
+    with pytest.raises(ValueError, match="both tiers are off"):
+        build_tiered_store(TieringConfig(host_tier_bytes=0), slot_bytes=64)

@@ -1,0 +1,40 @@
+"""Build the tiered store a `TieringConfig` describes."""
+
+from __future__ import annotations
+
+from antiphon.tiering.config import TieringConfig
+from antiphon.tiering.eviction import get_eviction_policy
+from antiphon.tiering.host_arena import default_arena_name
+from antiphon.tiering.host_tier import HostTier
+from antiphon.tiering.manager import TieredStore
+from antiphon.tiering.ssd_tier import SsdTier
+from antiphon.tiering.tier import Tier
+
+
+def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore:
+    """A store with a host tier (if enabled) over an SSD tier (if enabled).
+
+    `slot_bytes` is one chunk-layer's KV size in bytes: the per-layer page size times
+    `config.pages_per_chunk`. The host arena is created here, named `config.host_shm_name`
+    (default `antiphon-kv-<pid>`); this process owns it and unlinks it on `close`.
+    """
+    if slot_bytes < 1:
+        raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
+    if not (config.is_host_tier_enabled or config.is_ssd_tier_enabled):
+        raise ValueError("both tiers are off: set host_tier_bytes > 0 or ssd_dir")
+    tiers: list[Tier] = []
+    if config.is_host_tier_enabled:
+        tiers.append(HostTier.create(config.host_shm_name or default_arena_name(),
+                                     config.host_tier_bytes, slot_bytes,
+                                     policy=get_eviction_policy(config.eviction_policy)))
+    if config.ssd_dir is not None:
+        try:
+            tiers.append(SsdTier(config.ssd_dir, config.ssd_tier_bytes,
+                                 policy=get_eviction_policy(config.eviction_policy),
+                                 max_pending_writes=config.writer_queue_depth,
+                                 fsync=config.ssd_fsync))
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+    return TieredStore(tiers, promote_on_hit=config.promote_on_hit)

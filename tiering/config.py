@@ -1,0 +1,75 @@
+"""Configuration of the KV tier store."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from antiphon.configfields import doc
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class TieringConfig:
+    host_tier_bytes: int = doc(
+        "Host RAM for session KV (a shared-memory arena), in bytes; 0 turns the host tier off",
+        default=2 * GiB)
+    ssd_tier_bytes: int = doc("Disk space for session KV files, in bytes", default=32 * GiB)
+    ssd_dir: Path | None = doc(
+        "Directory of the SSD tier (one file per chunk-layer; a restart keeps it); "
+        "unset turns the SSD tier off", default=None)
+    chunk_tokens: int = doc(
+        "Tokens per stored KV chunk; a multiple of page_tokens", default=128)
+    page_tokens: int = doc(
+        "Tokens per KV page of the engine (vLLM block size; 128 on the CPU backend)",
+        default=128)
+    eviction_policy: str = doc(
+        "Eviction order of every tier: lru or layer_priority (Symphony)",
+        default="layer_priority")
+    writer_queue_depth: int = doc(
+        "Most SSD writes queued before producers wait (each holds one chunk-layer in RAM)",
+        default=64)
+    host_shm_name: str | None = doc(
+        "Name of the host tier's shared-memory segment; unset: antiphon-kv-<pid>",
+        default=None)
+    ssd_fsync: bool = doc(
+        "fsync every SSD chunk file (survives power loss; slower)", default=False)
+    promote_on_hit: bool = doc(
+        "Copy a chunk read from a slower tier into a faster one", default=True)
+
+    def __post_init__(self) -> None:
+        if self.ssd_dir is not None:
+            object.__setattr__(self, "ssd_dir", Path(self.ssd_dir).expanduser())
+        if self.host_tier_bytes < 0:
+            raise ValueError(f"host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
+        if self.ssd_tier_bytes < 1:
+            raise ValueError(f"ssd_tier_bytes must be positive, got {self.ssd_tier_bytes}")
+        if self.page_tokens < 1:
+            raise ValueError(f"page_tokens must be at least 1, got {self.page_tokens}")
+        if self.chunk_tokens < 1 or self.chunk_tokens % self.page_tokens:
+            raise ValueError(f"chunk_tokens must be a positive multiple of page_tokens "
+                             f"({self.page_tokens}), got {self.chunk_tokens}")
+        if self.writer_queue_depth < 1:
+            raise ValueError(
+                f"writer_queue_depth must be at least 1, got {self.writer_queue_depth}")
+        if self.host_shm_name is not None and (
+                not self.host_shm_name or "/" in self.host_shm_name):
+            raise ValueError(f"host_shm_name must be a non-empty name without '/', "
+                             f"got {self.host_shm_name!r}")
+        from antiphon.tiering.eviction import eviction_policy_class
+
+        eviction_policy_class(self.eviction_policy)  # fails with the list of valid names
+
+    @property
+    def pages_per_chunk(self) -> int:
+        return self.chunk_tokens // self.page_tokens
+
+    @property
+    def is_host_tier_enabled(self) -> bool:
+        return self.host_tier_bytes > 0
+
+    @property
+    def is_ssd_tier_enabled(self) -> bool:
+        return self.ssd_dir is not None

@@ -1,0 +1,251 @@
+"""Eviction policies: which evictable chunk-layer a full tier drops next.
+
+A policy only orders keys; it stores nothing and never sees pinned entries (a tier tells it
+`on_remove` when a key is pinned and `on_insert` when it is unpinned). Policies are picked by
+name with `get_eviction_policy`; each tier owns its own instance.
+
+- `lru`: least recently stored or read first.
+- `layer_priority` (Symphony, section 3.3): the least likely session first; within it the
+  highest layers first (the lowest layers are needed first when a turn starts, so they stay);
+  then the smaller sessions (cheaper to recompute), then later chunks before earlier ones (a
+  prefix is useless without its start), then least recently used. Likelihoods are hints, for
+  example 1.0 for a session with a pending advisory.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import heapq
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence, Set
+from typing import ClassVar
+
+from antiphon.tiering.keys import ChunkKey
+
+
+class EvictionPolicy(abc.ABC):
+    """Orders the evictable keys of one tier. Not thread-safe: the tier's lock covers it."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def on_insert(self, key: ChunkKey) -> None:
+        """`key` became evictable: it was stored, or its last pin was released."""
+
+    @abc.abstractmethod
+    def on_access(self, key: ChunkKey) -> None:
+        """`key` (evictable) was read or stored again."""
+
+    @abc.abstractmethod
+    def on_remove(self, key: ChunkKey) -> None:
+        """`key` is no longer evictable: removed, or pinned. Unknown keys are ignored."""
+
+    @abc.abstractmethod
+    def pop_victim(self) -> ChunkKey | None:
+        """The next key to evict, which the policy then forgets; None when nothing is evictable."""
+
+    @abc.abstractmethod
+    def tracked_keys(self) -> Set[ChunkKey]:
+        """The keys the policy currently considers evictable."""
+
+    def set_hint(self, session: Hashable, prefix_hashes: Sequence[bytes],
+                 likelihood: float) -> None:
+        """Tell the policy how likely `session` (any hashable id, not user text) is to return.
+
+        `prefix_hashes` are the session's chunk prefix hashes in chunk order; `likelihood` is in
+        [0, 1], higher keeps the session longer. A new hint for a session replaces the old one.
+        Policies that ignore hints keep this default.
+        """
+        return None
+
+    def clear_hint(self, session: Hashable) -> None:
+        """Forget `session`'s hint (unknown sessions are ignored)."""
+        return None
+
+    def check_integrity(self, evictable: Set[ChunkKey]) -> None:
+        """Assert the policy tracks exactly `evictable`."""
+        tracked = self.tracked_keys()
+        assert tracked == evictable, (
+            f"{self.name}: policy tracks {len(tracked)} keys, tier has {len(evictable)} "
+            f"evictable; extra {list(tracked - evictable)[:3]}, "
+            f"missing {list(evictable - tracked)[:3]}")
+
+
+class LruPolicy(EvictionPolicy):
+    """Least recently used first."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[ChunkKey, None] = OrderedDict()  # oldest first
+
+    def on_insert(self, key: ChunkKey) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def on_access(self, key: ChunkKey) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def on_remove(self, key: ChunkKey) -> None:
+        self._order.pop(key, None)
+
+    def pop_victim(self) -> ChunkKey | None:
+        if not self._order:
+            return None
+        key, _ = self._order.popitem(last=False)
+        return key
+
+    def tracked_keys(self) -> Set[ChunkKey]:
+        return self._order.keys()
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionHint:
+    likelihood: float  # in [0, 1]: how likely the session is to send another turn
+    num_chunks: int  # the session's length in chunks ("size" in Symphony's order)
+    prefix_hashes: frozenset[bytes]
+
+
+Priority = tuple[float, int, int, int, int]
+
+
+class LayerPriorityPolicy(EvictionPolicy):
+    """Symphony's order; a heap with lazy deletion, so each operation costs O(log n)."""
+
+    name = "layer_priority"
+
+    def __init__(self, default_likelihood: float = 0.0) -> None:
+        self.default_likelihood = default_likelihood  # of keys no hint covers
+        self._tick = 0  # logical clock for recency
+        self._last_use: dict[ChunkKey, int] = {}
+        self._priority: dict[ChunkKey, Priority] = {}  # current priority of each tracked key
+        self._heap: list[tuple[Priority, int, ChunkKey]] = []  # may hold stale entries
+        self._seq = 0  # heap tie-breaker: keys themselves are not ordered
+        self._keys_by_prefix: dict[bytes, set[ChunkKey]] = {}
+        self._sessions: dict[Hashable, SessionHint] = {}
+        self._sessions_by_prefix: dict[bytes, set[Hashable]] = {}
+
+    def priority(self, key: ChunkKey) -> Priority:
+        """Eviction rank of a tracked key, smallest evicted first:
+        `(likelihood, -layer, session_chunks, -chunk_index, last_use_tick)`."""
+        likelihood, num_chunks = self._session_rank(key.prefix_hash)
+        return (likelihood, -key.layer, num_chunks, -key.chunk_index, self._last_use[key])
+
+    def on_insert(self, key: ChunkKey) -> None:
+        self._keys_by_prefix.setdefault(key.prefix_hash, set()).add(key)
+        self._touch(key)
+
+    def on_access(self, key: ChunkKey) -> None:
+        if key in self._priority:
+            self._touch(key)
+
+    def on_remove(self, key: ChunkKey) -> None:
+        if self._priority.pop(key, None) is None:
+            return
+        del self._last_use[key]
+        siblings = self._keys_by_prefix[key.prefix_hash]
+        siblings.discard(key)
+        if not siblings:
+            del self._keys_by_prefix[key.prefix_hash]
+        self._maybe_compact()
+
+    def pop_victim(self) -> ChunkKey | None:
+        while self._heap:
+            priority, _, key = heapq.heappop(self._heap)
+            if self._priority.get(key) == priority:
+                self.on_remove(key)
+                return key
+        return None
+
+    def tracked_keys(self) -> Set[ChunkKey]:
+        return self._priority.keys()
+
+    def set_hint(self, session: Hashable, prefix_hashes: Sequence[bytes],
+                 likelihood: float) -> None:
+        if not 0.0 <= likelihood <= 1.0:
+            raise ValueError(f"likelihood must be in [0, 1], got {likelihood}")
+        self.clear_hint(session)
+        hint = SessionHint(likelihood, len(prefix_hashes), frozenset(prefix_hashes))
+        self._sessions[session] = hint
+        for prefix in hint.prefix_hashes:
+            self._sessions_by_prefix.setdefault(prefix, set()).add(session)
+        self._reprioritise(hint.prefix_hashes)
+
+    def clear_hint(self, session: Hashable) -> None:
+        hint = self._sessions.pop(session, None)
+        if hint is None:
+            return
+        for prefix in hint.prefix_hashes:
+            sessions = self._sessions_by_prefix[prefix]
+            sessions.discard(session)
+            if not sessions:
+                del self._sessions_by_prefix[prefix]
+        self._reprioritise(hint.prefix_hashes)
+
+    def check_integrity(self, evictable: Set[ChunkKey]) -> None:
+        super().check_integrity(evictable)
+        assert self._last_use.keys() == self._priority.keys(), "recency and priority disagree"
+        for key, priority in self._priority.items():
+            assert priority == self.priority(key), f"stale priority for {key}"
+        live = {key for priority, _, key in self._heap if self._priority.get(key) == priority}
+        assert live == self._priority.keys(), "a tracked key has no live heap entry"
+        indexed = {key for keys in self._keys_by_prefix.values() for key in keys}
+        assert indexed == self._priority.keys(), "prefix index disagrees with tracked keys"
+        for session, hint in self._sessions.items():
+            for prefix in hint.prefix_hashes:
+                assert session in self._sessions_by_prefix[prefix], "session index broken"
+
+    def _session_rank(self, prefix: bytes) -> tuple[float, int]:
+        """(likelihood, num_chunks) of the most likely session holding `prefix`."""
+        sessions = self._sessions_by_prefix.get(prefix)
+        if not sessions:
+            return (self.default_likelihood, 0)
+        return max((self._sessions[s].likelihood, self._sessions[s].num_chunks)
+                   for s in sessions)
+
+    def _touch(self, key: ChunkKey) -> None:
+        self._tick += 1
+        self._last_use[key] = self._tick
+        self._push(key)
+
+    def _push(self, key: ChunkKey) -> None:
+        priority = self.priority(key)
+        self._priority[key] = priority
+        self._seq += 1
+        heapq.heappush(self._heap, (priority, self._seq, key))
+
+    def _reprioritise(self, prefixes: Set[bytes]) -> None:
+        for prefix in prefixes:
+            for key in self._keys_by_prefix.get(prefix, ()):
+                self._push(key)
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Drop stale heap entries once they outnumber the live ones."""
+        if len(self._heap) > 2 * len(self._priority) + 64:
+            live: dict[ChunkKey, tuple[Priority, int, ChunkKey]] = {}
+            for entry in self._heap:
+                if self._priority.get(entry[2]) == entry[0]:
+                    live.setdefault(entry[2], entry)  # one entry per key
+            self._heap = list(live.values())
+            heapq.heapify(self._heap)
+
+
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    p.name: p for p in (LruPolicy, LayerPriorityPolicy)}
+
+
+def eviction_policy_class(name: str) -> type[EvictionPolicy]:
+    """The policy class called `name`; raises ValueError listing the valid names."""
+    try:
+        return EVICTION_POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; valid eviction policies: "
+                         f"{', '.join(sorted(EVICTION_POLICIES))}") from None
+
+
+def get_eviction_policy(name: str) -> EvictionPolicy:
+    """A new instance of the policy called `name` (one per tier)."""
+    return eviction_policy_class(name)()

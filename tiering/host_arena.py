@@ -1,0 +1,193 @@
+"""The host arena: fixed-size slots in one POSIX shared-memory segment, reachable by name.
+
+The process that owns the host tier creates the arena; any other process (vLLM's worker)
+attaches by name and reads or writes slots by number. Slot numbers travel in the connector's
+metadata; which key lives in which slot is known only to the owner's `HostTier`.
+
+    offset 0                  HEADER_BYTES
+    [header: magic, version,  |slot 0       |slot 1       | ... |slot num_slots-1|
+     slot_bytes, num_slots]   |<-slot_bytes->|
+
+The header lets an attaching process check the geometry. Slots start page-aligned
+(HEADER_BYTES is 4096); a slot is `slot_bytes` long, whatever the payload in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+from multiprocessing.shared_memory import SharedMemory
+from types import TracebackType
+from typing import Any
+
+from antiphon.tiering.tier import BytesLike, byte_view
+
+HEADER_BYTES = 4096
+_HEADER = struct.Struct("<8sIQQ")  # magic, version, slot_bytes, num_slots
+_MAGIC = b"AKVARENA"
+_VERSION = 1
+
+
+def _map_untracked(name: str) -> mmap.mmap:
+    """Map an existing segment without registering it with multiprocessing's resource tracker.
+
+    Before Python 3.13 every `SharedMemory(name)` registers the segment, and a tracker that is
+    not the creator's unlinks it when the attaching process exits (CPython issue 82300).
+    """
+    import _posixshmem  # the shm_open that SharedMemory itself uses
+
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+class HostArena:
+    """Slots in shared memory. Create with `create`, attach with `attach`."""
+
+    def __init__(self, name: str, buffer: memoryview, slot_bytes: int, num_slots: int, *,
+                 owner: SharedMemory | None = None, mapping: mmap.mmap | None = None) -> None:
+        """Use `create` or `attach`; this wraps an already mapped segment."""
+        self.name = name
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self._buf: memoryview | None = buffer
+        self._owner = owner  # the creator's handle (None when attached)
+        self._mapping = mapping  # the attacher's mapping (None when created)
+
+    @classmethod
+    def create(cls, name: str, num_slots: int, slot_bytes: int) -> HostArena:
+        """Create segment `name` holding `num_slots` slots of `slot_bytes` bytes each.
+
+        Raises FileExistsError if a segment of that name exists (e.g. left by a killed process:
+        remove it with `HostArena.unlink_stale(name)`).
+        """
+        if slot_bytes < 1 or num_slots < 0:
+            raise ValueError(f"need slot_bytes >= 1 and num_slots >= 0, got {slot_bytes}, "
+                             f"{num_slots}")
+        shm = SharedMemory(name=name, create=True, size=HEADER_BYTES + num_slots * slot_bytes)
+        assert shm.buf is not None
+        _HEADER.pack_into(shm.buf, 0, _MAGIC, _VERSION, slot_bytes, num_slots)
+        return cls(name, shm.buf, slot_bytes, num_slots, owner=shm)
+
+    @classmethod
+    def attach(cls, name: str) -> HostArena:
+        """Map the existing segment `name` (created by another process) read-write."""
+        mapping = _map_untracked(name)
+        buffer = memoryview(mapping)
+        try:
+            magic, version, slot_bytes, num_slots = _HEADER.unpack_from(buffer, 0)
+            if magic != _MAGIC or version != _VERSION:
+                raise ValueError(f"shared memory {name!r} is not a host arena (v{_VERSION})")
+            if len(buffer) < HEADER_BYTES + num_slots * slot_bytes:
+                raise ValueError(f"shared memory {name!r} is shorter than its header says")
+        except BaseException:
+            buffer.release()
+            mapping.close()
+            raise
+        return cls(name, buffer, slot_bytes, num_slots, mapping=mapping)
+
+    @staticmethod
+    def unlink_stale(name: str) -> bool:
+        """Remove a segment left behind by a dead owner; False if there was none."""
+        try:
+            shm = SharedMemory(name=name)
+        except FileNotFoundError:
+            return False
+        shm.close()
+        shm.unlink()
+        return True
+
+    @property
+    def is_owner(self) -> bool:
+        return self._owner is not None
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of slot space (the header not counted)."""
+        return self.num_slots * self.slot_bytes
+
+    def slot_view(self, slot: int) -> memoryview:
+        """A writable view of the whole slot (`slot_bytes` long), no copy.
+
+        Release it (or drop every reference) before `close`, which cannot unmap while views live.
+        """
+        start = self._offset(slot)
+        return self._buffer[start:start + self.slot_bytes]
+
+    def write(self, slot: int, data: BytesLike, offset: int = 0) -> None:
+        """Copy `data` into `slot` at byte `offset`; ValueError if it does not fit."""
+        view = byte_view(data)
+        if offset < 0 or offset + len(view) > self.slot_bytes:
+            raise ValueError(f"{len(view)} bytes at offset {offset} overflow a "
+                             f"{self.slot_bytes}-byte slot")
+        start = self._offset(slot) + offset
+        self._buffer[start:start + len(view)] = view
+
+    def read(self, slot: int, num_bytes: int | None = None) -> bytes:
+        """A copy of the first `num_bytes` (default: all) bytes of `slot`."""
+        num_bytes = self.slot_bytes if num_bytes is None else num_bytes
+        if not 0 <= num_bytes <= self.slot_bytes:
+            raise ValueError(f"cannot read {num_bytes} bytes of a {self.slot_bytes}-byte slot")
+        start = self._offset(slot)
+        return bytes(self._buffer[start:start + num_bytes])
+
+    def slot_array(self, slot: int, dtype: Any, shape: tuple[int, ...] | None = None) -> Any:
+        """The slot as a numpy array of `dtype` (and `shape`), sharing memory: no copy.
+
+        For the connector: `torch.from_numpy(arena.slot_array(s, np.uint8))` views a slot as a
+        tensor. Drop the array before `close`.
+        """
+        import numpy as np
+
+        array = np.frombuffer(self.slot_view(slot), dtype=dtype)
+        return array if shape is None else array.reshape(shape)
+
+    def check_integrity(self) -> None:
+        """Assert the header still describes this arena."""
+        header = _HEADER.unpack_from(self._buffer, 0)
+        assert header == (_MAGIC, _VERSION, self.slot_bytes, self.num_slots), "arena header"
+        assert len(self._buffer) >= HEADER_BYTES + self.size_bytes, "arena too short"
+
+    def close(self) -> None:
+        """Unmap (the owner also unlinks the name, so no new process can attach)."""
+        if self._buf is None:
+            return
+        self._buf.release()
+        self._buf = None
+        try:
+            if self._owner is not None:
+                self._owner.close()
+            elif self._mapping is not None:
+                self._mapping.close()
+        except BufferError:
+            pass  # a caller still holds a slot view; the mapping goes when that view does
+        if self._owner is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._owner.unlink()
+
+    def __enter__(self) -> HostArena:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    @property
+    def _buffer(self) -> memoryview:
+        if self._buf is None:
+            raise ValueError(f"host arena {self.name!r} is closed")
+        return self._buf
+
+    def _offset(self, slot: int) -> int:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        return HEADER_BYTES + slot * self.slot_bytes
+
+
+def default_arena_name() -> str:
+    """A name unique to this process: `antiphon-kv-<pid>`."""
+    return f"antiphon-kv-{os.getpid()}"

@@ -1,0 +1,138 @@
+"""The host tier: chunk-layers in slots of a shared-memory `HostArena`.
+
+The index (key -> slot) and the slot allocator live in the owning process; the bytes live in
+shared memory, so another process moves them given slot numbers. Two paths fill a slot:
+
+- `put(key, data)`: this process copies the bytes in (what the manager does on promotion).
+- `reserve(key)` -> slot, another process writes the slot, then `commit(key)` (or `abort`):
+  the connector's save path. A reserved key is invisible (`contains` is False) until committed.
+
+To let another process *read* a slot, `pin(key)` first, pass `slot_of(key)`, `unpin` when it is
+done: an unpinned slot may be evicted and reused at any time.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from antiphon.tiering.eviction import EvictionPolicy, LruPolicy
+from antiphon.tiering.host_arena import HostArena
+from antiphon.tiering.index import IndexEntry
+from antiphon.tiering.indexed_tier import IndexedTier
+from antiphon.tiering.keys import ChunkKey
+from antiphon.tiering.slots import SlotAllocator
+
+
+class HostSlot(NamedTuple):
+    slot: int  # slot number in the arena
+    num_bytes: int  # payload length, <= slot_bytes; the rest of the slot is garbage
+
+
+class HostTier(IndexedTier[HostSlot]):
+    """Capacity is `num_slots * slot_bytes`; every entry is charged one whole slot."""
+
+    def __init__(self, arena: HostArena, *, name: str = "host",
+                 policy: EvictionPolicy | None = None) -> None:
+        """Take ownership of `arena` (closed, and unlinked if created here, by `close`)."""
+        super().__init__(name, arena.num_slots * arena.slot_bytes, policy or LruPolicy())
+        self.arena = arena
+        self._slots = SlotAllocator(arena.num_slots)  # allocation, apart from the index
+        self._reserved: dict[ChunkKey, int] = {}  # key -> slot being filled out of band
+
+    @classmethod
+    def create(cls, shm_name: str, capacity_bytes: int, slot_bytes: int, *,
+               name: str = "host", policy: EvictionPolicy | None = None) -> HostTier:
+        """A tier over a new arena of `capacity_bytes // slot_bytes` slots named `shm_name`."""
+        arena = HostArena.create(shm_name, capacity_bytes // slot_bytes, slot_bytes)
+        return cls(arena, name=name, policy=policy)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes in one slot: the largest payload the tier takes (one chunk-layer)."""
+        return self.arena.slot_bytes
+
+    def slot_of(self, key: ChunkKey) -> int | None:
+        """The slot holding committed `key`, or None. Pin the key while another process uses it."""
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else entry.location.slot
+
+    def reserve(self, key: ChunkKey) -> int | None:
+        """Allocate a slot for another process to fill with `key`'s payload (evicting if needed).
+
+        Returns the slot, or None when there is nothing to write (`key` is stored or already
+        reserved) or no room (everything is pinned). Follow with `commit` or `abort`.
+        """
+        with self._lock:
+            if key in self._index or key in self._reserved:
+                return None
+            if not self._make_room(self.slot_bytes):
+                self.stats.refused += 1
+                return None
+            self._index.reserve(self.slot_bytes)
+            slot = self._slots.allocate()
+            self._reserved[key] = slot
+            return slot
+
+    def commit(self, key: ChunkKey, num_bytes: int | None = None, *, pin: bool = False) -> bool:
+        """Publish a reserved slot as `key` holding `num_bytes` (default: the whole slot).
+
+        Returns False when `key` was not reserved (e.g. aborted, or the tier was closed).
+        """
+        num_bytes = self.slot_bytes if num_bytes is None else num_bytes
+        if not 0 <= num_bytes <= self.slot_bytes:
+            raise ValueError(f"num_bytes {num_bytes} outside a {self.slot_bytes}-byte slot")
+        with self._lock:
+            slot = self._reserved.pop(key, None)
+            if slot is None:
+                return False
+            self._index.release(self.slot_bytes)
+            self._index.insert(key, HostSlot(slot, num_bytes), self.slot_bytes, pin=pin)
+            self.stats.bytes_in += num_bytes
+            return True
+
+    def abort(self, key: ChunkKey) -> None:
+        """Give back a reserved slot unused (no-op when `key` is not reserved)."""
+        with self._lock:
+            slot = self._reserved.pop(key, None)
+            if slot is not None:
+                self._index.release(self.slot_bytes)
+                self._slots.free(slot)
+
+    def is_reserved(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key in self._reserved
+
+    def close(self) -> None:
+        with self._lock:
+            self.arena.close()
+
+    def _charge(self, key: ChunkKey, num_payload_bytes: int) -> int:
+        if num_payload_bytes > self.slot_bytes:
+            raise ValueError(f"{self.name}: a {num_payload_bytes}-byte payload does not fit a "
+                             f"{self.slot_bytes}-byte slot")
+        return self.slot_bytes
+
+    def _store(self, key: ChunkKey, data: memoryview) -> HostSlot:
+        slot = self._slots.allocate()
+        self.arena.write(slot, data)
+        return HostSlot(slot, len(data))
+
+    def _load(self, key: ChunkKey, entry: IndexEntry[HostSlot]) -> bytes:
+        return self.arena.read(entry.location.slot, entry.location.num_bytes)
+
+    def _free(self, key: ChunkKey, entry: IndexEntry[HostSlot]) -> None:
+        self._slots.free(entry.location.slot)
+
+    def _check_storage(self) -> None:
+        self.arena.check_integrity()
+        self._slots.check_integrity()
+        slots = [entry.location.slot for _, entry in self._index.items()]
+        slots += self._reserved.values()
+        assert len(set(slots)) == len(slots), f"{self.name}: two keys share a slot"
+        assert set(slots) == self._slots.used_slots(), f"{self.name}: allocator disagrees"
+        assert not self._reserved.keys() & set(self._index), "a key is reserved and stored"
+        assert self._index.reserved_bytes == len(self._reserved) * self.slot_bytes, "reserved"
+        for key, entry in self._index.items():
+            assert entry.nbytes == self.slot_bytes, f"{key} not charged one slot"
+            assert 0 <= entry.location.num_bytes <= self.slot_bytes, f"{key} length"

@@ -1,0 +1,174 @@
+"""The bookkeeping every local tier shares: a `ChunkIndex` behind a lock, and the put/get flow.
+
+A concrete tier says how bytes are stored with five small hooks (`_charge`, `_store`, `_load`,
+`_free`, `_check_storage`); index, pins, eviction, hints and stats live here once.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Hashable, Sequence
+from typing import Generic, TypeVar
+
+from antiphon.tiering.eviction import EvictionPolicy
+from antiphon.tiering.index import ChunkIndex, IndexEntry
+from antiphon.tiering.keys import ChunkKey
+from antiphon.tiering.stats import TierStats
+from antiphon.tiering.tier import BytesLike, Tier, byte_view
+
+Location = TypeVar("Location")  # how a subclass finds a payload (slot, file, bytes)
+
+
+class IndexedTier(Tier, Generic[Location]):
+    """A tier whose index lives in this process; subclasses supply the storage."""
+
+    def __init__(self, name: str, capacity_bytes: int, policy: EvictionPolicy) -> None:
+        self.name = name
+        self.stats = TierStats()
+        self._lock = threading.RLock()  # guards the index, the storage map and the stats
+        self._index: ChunkIndex[Location] = ChunkIndex(capacity_bytes, policy)
+
+    # Storage hooks, all called with the lock held.
+
+    @abc.abstractmethod
+    def _charge(self, key: ChunkKey, num_payload_bytes: int) -> int:
+        """Capacity bytes charged for a payload of `num_payload_bytes` (ValueError if too big)."""
+
+    @abc.abstractmethod
+    def _store(self, key: ChunkKey, data: memoryview) -> Location:
+        """Copy `data` into storage for `key`; room has been made."""
+
+    @abc.abstractmethod
+    def _load(self, key: ChunkKey, entry: IndexEntry[Location]) -> bytes:
+        """A copy of the stored payload."""
+
+    @abc.abstractmethod
+    def _free(self, key: ChunkKey, entry: IndexEntry[Location]) -> None:
+        """Release the storage of an entry the index has just dropped."""
+
+    @abc.abstractmethod
+    def _check_storage(self) -> None:
+        """Assert storage agrees with the index."""
+
+    # The Tier interface.
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._index.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._index.used_bytes + self._index.reserved_bytes
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._index.policy
+
+    def contains(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def get(self, key: ChunkKey) -> bytes | memoryview | None:
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self._index.touch(key)
+            data = self._load(key, entry)
+            self.stats.hits += 1
+            self.stats.bytes_out += len(data)
+            return data
+
+    def peek(self, key: ChunkKey) -> bytes | memoryview | None:
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else self._load(key, entry)
+
+    def put(self, key: ChunkKey, data: BytesLike, *, pin: bool = False) -> bool:
+        return self._put_locked(key, byte_view(data), pin)[0] is not None
+
+    def pin(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return self._index.pin(key)
+
+    def unpin(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._index.unpin(key)
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None or entry.pins:
+                return False
+            self._index.remove(key)
+            self._free(key, entry)
+            return True
+
+    def evict(self, num_bytes: int) -> int:
+        with self._lock:
+            before = self.stats.evictions
+            self._make_room(num_bytes)
+            return self.stats.evictions - before
+
+    def keys(self) -> list[ChunkKey]:
+        with self._lock:
+            return list(self._index)
+
+    def set_hint(self, session: Hashable, prefix_hashes: Sequence[bytes],
+                 likelihood: float) -> None:
+        with self._lock:
+            self._index.policy.set_hint(session, prefix_hashes, likelihood)
+
+    def clear_hint(self, session: Hashable) -> None:
+        with self._lock:
+            self._index.policy.clear_hint(session)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self._index.check_integrity()
+            self._check_storage()
+
+    # Helpers for subclasses.
+
+    def _put_locked(self, key: ChunkKey, data: memoryview,
+                    pin: bool) -> tuple[IndexEntry[Location] | None, bool]:
+        """The put flow under the lock: (entry, is_new), or (None, False) when refused.
+
+        A present key is only used (and pinned); a new one gets room, storage and an entry.
+        """
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is not None:
+                if pin:
+                    self._index.pin(key)
+                else:
+                    self._index.touch(key)
+                return entry, False
+            nbytes = self._charge(key, len(data))
+            if not self._make_room(nbytes):
+                self.stats.refused += 1
+                return None, False
+            self._index.insert(key, self._store(key, data), nbytes, pin=pin)
+            self.stats.bytes_in += len(data)
+            entry = self._index.get(key)
+            return entry, True
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict until `nbytes` are free; False, evicting nothing, when pins forbid it."""
+        evicted = self._index.make_room(nbytes)
+        if evicted is None:
+            return False
+        for key, entry in evicted:
+            self._free(key, entry)
+        self.stats.evictions += len(evicted)
+        return True
+
+    def _drop_corrupt(self, key: ChunkKey, entry: IndexEntry[Location]) -> None:
+        """Remove an entry whose bytes failed verification, even if pinned, and count it."""
+        if self._index.get(key) is entry:
+            self._index.remove(key)
+            self._free(key, entry)
+            self.stats.corrupt_dropped += 1

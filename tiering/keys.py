@@ -1,0 +1,93 @@
+"""Chunk keys: what one stored piece of KV is called, derived from hashes only.
+
+KV is stored per *chunk-layer*: the KV of `chunk_tokens` consecutive tokens (a whole number of
+KV pages) for one attention layer. A chunk is named by the hash of the whole token prefix up to
+its end, chained so that two sessions that share a prefix share its chunks:
+
+    tokens   |<- chunk 0 ->|<- chunk 1 ->|<- chunk 2 ->|<- partial (not stored) ->|
+    hashes        h0             h1             h2
+    h_-1 = sha256("antiphon-kv-v1" || len(model_id) || model_id || salt)
+    h_i  = sha256(h_{i-1} || int64-le tokens of chunk i)
+
+Keys never hold user text: the token ids enter only through the hash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from collections.abc import Sequence
+
+_SEED_DOMAIN = b"antiphon-kv-v1\0"
+PREFIX_HASH_BYTES = 32  # sha256
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """One chunk-layer of KV: the unit every tier stores, evicts and prefetches."""
+
+    model_id: str  # the served model (and anything else that changes KV bytes, e.g. kv dtype)
+    prefix_hash: bytes  # chained hash of all tokens up to the end of this chunk
+    chunk_index: int  # position of the chunk in its sequence (0 = first `chunk_tokens` tokens)
+    layer: int  # attention layer index, 0 = first
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix_hash, bytes) or not self.prefix_hash:
+            raise ValueError("prefix_hash must be non-empty bytes")
+        if self.chunk_index < 0 or self.layer < 0:
+            raise ValueError(f"chunk_index and layer must be >= 0, got "
+                             f"{self.chunk_index}, {self.layer}")
+        if not self.model_id:
+            raise ValueError("model_id must be non-empty")
+
+    def file_stem(self) -> str:
+        """A file name stem (lowercase hex and '-' only) unique to this key.
+
+        `<32 hex digits of blake2b(model_id, prefix_hash, chunk_index)>-<chunk_index>-<layer>`;
+        all layers of one chunk share the hex part, so they land in the same shard folder.
+        """
+        model = self.model_id.encode()
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(struct.pack("<I", len(model)) + model)
+        digest.update(struct.pack("<I", len(self.prefix_hash)) + self.prefix_hash)
+        digest.update(struct.pack("<Q", self.chunk_index))
+        return f"{digest.hexdigest()}-{self.chunk_index}-{self.layer}"
+
+    def with_layer(self, layer: int) -> ChunkKey:
+        """The same chunk at another layer."""
+        return dataclasses.replace(self, layer=layer)
+
+
+def prefix_seed(model_id: str, salt: bytes = b"") -> bytes:
+    """The hash chain's starting value for `model_id`: different models never share a key."""
+    model = model_id.encode()
+    return hashlib.sha256(_SEED_DOMAIN + struct.pack("<I", len(model)) + model + salt).digest()
+
+
+def prefix_hashes(token_ids: Sequence[int], chunk_tokens: int, model_id: str, *,
+                  salt: bytes = b"") -> list[bytes]:
+    """The chained prefix hash of every *full* chunk of `token_ids` (a partial tail gets none).
+
+    `chunk_tokens` is the chunk size in tokens; `salt` separates tenants that must not share KV
+    (vLLM's `cache_salt`), and anything else that changes KV bytes belongs in `model_id`.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    hashes: list[bytes] = []
+    previous = prefix_seed(model_id, salt)
+    for start in range(0, len(token_ids) - chunk_tokens + 1, chunk_tokens):
+        chunk = token_ids[start:start + chunk_tokens]
+        previous = hashlib.sha256(previous + struct.pack(f"<{chunk_tokens}q", *chunk)).digest()
+        hashes.append(previous)
+    return hashes
+
+
+def chunk_keys(model_id: str, hashes: Sequence[bytes], num_layers: int,
+               first_chunk: int = 0) -> list[list[ChunkKey]]:
+    """Keys by chunk, then layer: `result[c][l]` is chunk `first_chunk + c` at layer `l`.
+
+    This is the shape `TieredStore.lookup_prefix` takes.
+    """
+    return [[ChunkKey(model_id, h, first_chunk + c, layer) for layer in range(num_layers)]
+            for c, h in enumerate(hashes)]

@@ -1,0 +1,164 @@
+"""The tiered store: session KV over an ordered list of tiers, fastest first.
+
+    put(key)      ──> fastest tier that accepts it (of all but the slowest)
+                  └─> always the slowest tier too (write-through: any faster copy can go)
+    get(key)      tier 0? ─miss─> tier 1? ─miss─> ... ─hit at i─> copy up to a faster tier
+    lookup_prefix how many leading chunks have every layer in some tier
+    prefetch      bring keys up to tier `upto_tier` in layer order, in the background
+
+The store never branches on a tier's name or type: it uses only the `Tier` interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+
+from antiphon.tiering.keys import ChunkKey
+from antiphon.tiering.prefetch import PrefetchHandle
+from antiphon.tiering.stats import TierStats
+from antiphon.tiering.tier import BytesLike, Tier
+
+
+class TieredStore:
+    """Write-through, promote-on-hit storage of chunk-layers. Thread-safe."""
+
+    def __init__(self, tiers: Sequence[Tier], *, promote_on_hit: bool = True) -> None:
+        """`tiers` fastest first; the last is the persistent one. The store closes them."""
+        if not tiers:
+            raise ValueError("a tiered store needs at least one tier")
+        names = [tier.name for tier in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self.promote_on_hit = promote_on_hit
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
+
+    def put(self, key: ChunkKey, data: BytesLike) -> bool:
+        """Store `data` in the fastest tier that accepts it and in the slowest tier.
+
+        The slowest tier's write may finish later (see `flush`). Returns whether any tier took it.
+        """
+        stored = False
+        for tier in self.tiers[:-1]:
+            if tier.put(key, data):
+                stored = True
+                break
+        return self.tiers[-1].put(key, data) or stored
+
+    def put_many(self, items: Iterable[tuple[ChunkKey, BytesLike]]) -> list[bool]:
+        """`put` for each (key, data), in order."""
+        return [self.put(key, data) for key, data in items]
+
+    def write_through(self, key: ChunkKey, from_tier: int = 0) -> bool:
+        """Copy `key`, stored out of band in `tiers[from_tier]` (e.g. a committed host slot),
+        down to the slowest tier. Returns whether the slowest tier holds it."""
+        if from_tier == len(self.tiers) - 1:
+            return self.tiers[-1].contains(key)
+        data = self.tiers[from_tier].peek(key)
+        return data is not None and self.tiers[-1].put(key, data)
+
+    def get(self, key: ChunkKey) -> bytes | memoryview | None:
+        """The payload from the fastest tier holding `key`, or None.
+
+        A hit below tier 0 copies the payload into the fastest faster tier that takes it
+        (which may evict there, per that tier's policy), when `promote_on_hit`.
+        """
+        for index, tier in enumerate(self.tiers):
+            data = tier.get(key)
+            if data is not None:
+                if self.promote_on_hit:
+                    self._promote(key, data, index)
+                return data
+        return None
+
+    def get_many(self, keys: Sequence[ChunkKey]) -> list[bytes | memoryview | None]:
+        return [self.get(key) for key in keys]
+
+    def contains(self, key: ChunkKey) -> bool:
+        return self.tier_of(key) is not None
+
+    def tier_of(self, key: ChunkKey) -> int | None:
+        """Index of the fastest tier holding `key`, or None."""
+        for index, tier in enumerate(self.tiers):
+            if tier.contains(key):
+                return index
+        return None
+
+    def lookup_prefix(self, keys_by_chunk: Sequence[Sequence[ChunkKey]]) -> int:
+        """How many leading chunks have all their layers in some tier.
+
+        `keys_by_chunk[c]` lists chunk c's keys, one per layer (`keys.chunk_keys` builds it).
+        Counting stops at the first chunk with a missing layer: a later chunk is no use
+        without the ones before it. Times `chunk_tokens`, this is the externally matched
+        token count. Nothing is pinned: pin (or `prefetch(pin=True)`) before relying on it.
+        """
+        count = 0
+        for layer_keys in keys_by_chunk:
+            if not all(self.contains(key) for key in layer_keys):
+                break
+            count += 1
+        return count
+
+    def prefetch(self, keys: Sequence[ChunkKey], upto_tier: int = 0, *,
+                 pin: bool = False) -> PrefetchHandle:
+        """Bring `keys` into `tiers[upto_tier]` (or leave them in a faster one) in layer order,
+        on the background prefetch thread; returns at once.
+
+        With `pin`, each key is pinned where it lands; `handle.release()` unpins. Prefetches
+        run one at a time in the order requested.
+        """
+        if not 0 <= upto_tier < len(self.tiers):
+            raise ValueError(f"upto_tier {upto_tier} outside 0..{len(self.tiers) - 1}")
+        handle = PrefetchHandle(keys, self.tiers, upto_tier, pin)
+        self._prefetcher.submit(handle.run)
+        return handle
+
+    def remove(self, key: ChunkKey) -> bool:
+        """Delete `key` from every tier that allows it (pinned copies stay); True if any went."""
+        removed = [tier.remove(key) for tier in self.tiers]
+        return any(removed)
+
+    def set_hint(self, session: Hashable, prefix_hashes: Sequence[bytes],
+                 likelihood: float) -> None:
+        """Tell every tier's eviction policy how likely `session` is to return (0..1), e.g.
+        1.0 on an advisory; `prefix_hashes` are its chunk hashes. Replaces the old hint."""
+        for tier in self.tiers:
+            tier.set_hint(session, prefix_hashes, likelihood)
+
+    def clear_hint(self, session: Hashable) -> None:
+        for tier in self.tiers:
+            tier.clear_hint(session)
+
+    def stats(self) -> dict[str, TierStats]:
+        """A snapshot of each tier's counters, by tier name, fastest first."""
+        return {tier.name: tier.stats.snapshot() for tier in self.tiers}
+
+    def flush(self) -> None:
+        """Block until queued prefetches have run and every tier's writes are durable."""
+        self._prefetcher.submit(lambda: None).result()
+        for tier in self.tiers:
+            tier.flush()
+
+    def close(self) -> None:
+        """Finish prefetches and writes, then close every tier."""
+        self._prefetcher.shutdown(wait=True)
+        for tier in self.tiers:
+            tier.close()
+
+    def check_integrity(self) -> None:
+        for tier in self.tiers:
+            tier.check_integrity()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _promote(self, key: ChunkKey, data: bytes | memoryview, hit_index: int) -> None:
+        for tier in self.tiers[:hit_index]:
+            if tier.put(key, data):
+                return

@@ -1,0 +1,31 @@
+"""Per-tier counters: what the manager reports and `/metrics` exports."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class TierStats:
+    """Monotonic counters of one tier since it was opened (chunk-layers and bytes)."""
+
+    hits: int = 0  # `get` calls that returned data
+    misses: int = 0  # `get` calls that returned None (absent, or dropped as corrupt)
+    bytes_in: int = 0  # payload bytes stored by `put` (not counting no-op re-puts)
+    bytes_out: int = 0  # payload bytes returned by `get`
+    evictions: int = 0  # chunk-layers evicted to make room
+    refused: int = 0  # `put` calls refused for capacity (everything left is pinned)
+    corrupt_dropped: int = 0  # chunk-layers dropped because they failed verification
+
+    def snapshot(self) -> TierStats:
+        """A copy that later updates do not change."""
+        return dataclasses.replace(self)
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / (hits + misses), 0.0 before the first `get`."""
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0

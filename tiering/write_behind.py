@@ -1,0 +1,70 @@
+"""Write-behind: a bounded FIFO of write jobs run in order by one background thread.
+
+`submit` returns at once while fewer than `max_pending` jobs wait, and blocks otherwise: a
+disk that falls behind slows its producers instead of growing memory without bound.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+Job = Callable[[], bool]
+
+
+class WriteBehind:
+    """One writer thread; jobs run in submission order, each resolving its future."""
+
+    def __init__(self, name: str, max_pending: int) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self.max_pending = max_pending  # jobs queued and not yet started
+        self._queue: queue.Queue[tuple[Job, Future[bool]] | None] = queue.Queue(max_pending)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_pending(self) -> int:
+        """Jobs submitted and not yet finished (approximate while the writer runs)."""
+        return self._queue.unfinished_tasks
+
+    def submit(self, job: Job, future: Future[bool] | None = None) -> Future[bool]:
+        """Queue `job`, whose result resolves `future` (a new one if None); blocks while
+        `max_pending` jobs are queued. RuntimeError once closed."""
+        if self._closed:
+            raise RuntimeError("write-behind queue is closed")
+        future = Future() if future is None else future
+        self._queue.put((job, future))
+        return future
+
+    def flush(self) -> None:
+        """Block until every job submitted so far has finished."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Finish the queued jobs, then stop the thread (idempotent)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                job, future = item
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(job())
+                    except BaseException as e:  # the job's owner decides what a failure means
+                        future.set_exception(e)
+            finally:
+                self._queue.task_done()
