@@ -5,10 +5,14 @@ from __future__ import annotations
 from antiphon.engine_ext.costmodel import CostModel
 from antiphon.engine_ext.policies.base import Policy
 from antiphon.engine_ext.policies.bros import BrosPolicy
+from antiphon.engine_ext.policies.echo import EchoPolicy
+from antiphon.engine_ext.policies.hygen import HygenPolicy
+from antiphon.engine_ext.policies.larry import LarryPolicy
 from antiphon.engine_ext.policies.stock import FcfsPolicy, PriorityPolicy
 
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (FcfsPolicy, PriorityPolicy, BrosPolicy)}
+    p.name: p for p in (FcfsPolicy, PriorityPolicy, BrosPolicy, HygenPolicy, EchoPolicy,
+                        LarryPolicy)}
 
 
 def policy_class(name: str) -> type[Policy]:

@@ -65,6 +65,7 @@ class BrosPolicy(Policy):
         # Running BE requests whose pages an RT request may take, cheapest to redo first.
         victims = sorted((v for v in bes if v.is_running), key=lambda v: v.num_computed_tokens,
                          reverse=True)
+        victim_pages = sum(pages_for(v.num_computed_tokens, budget.page_tokens) for v in victims)
         time_limit = rts[0].slack_s(now) if rts else float("inf")
         is_at_risk = False
 
@@ -76,12 +77,14 @@ class BrosPolicy(Policy):
                 is_at_risk = True
                 break
             pages = new_pages(view, new, budget.page_tokens)
-            while pages > batch.pages_left and victims:
+            if pages > batch.pages_left + victim_pages:
+                continue  # preempting all BE would not do; a running RT request may still fit
+            while pages > batch.pages_left:
                 victim = victims.pop()
                 plan.preempt.append(victim.request_id)
-                batch.pages_left += pages_for(victim.num_computed_tokens, budget.page_tokens)
-            if pages > batch.pages_left:
-                break
+                freed = pages_for(victim.num_computed_tokens, budget.page_tokens)
+                batch.pages_left += freed
+                victim_pages -= freed
             batch.add(view, new, pages)
 
         preempted = set(plan.preempt)
@@ -91,7 +94,7 @@ class BrosPolicy(Policy):
             if len(batch.ids) >= cap or batch.tokens_left <= 0:
                 break
             new, shape = batch.with_request(view)
-            if rts and self.cost_model.predict_s(shape) > time_limit:
+            if rts and batch.ids and self.cost_model.predict_s(shape) > time_limit:
                 is_at_risk = True
                 break
             pages = new_pages(view, new, budget.page_tokens)

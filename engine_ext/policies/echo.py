@@ -1,0 +1,155 @@
+"""Echo: BE work chosen by (benefit - punishment) / time of the step (sections 3 to 5).
+
+Benefit is the tokens a step processes (Eq. 1). Punishment is the KV of evicted BE requests,
+which must be computed again (Eq. 2: a victim's `num_computed_tokens`), plus
+`late_token_penalty` benefit tokens for each RT token whose deadline the step's predicted
+latency overruns (Eq. 3's SLO constraint, made a price). Each step:
+1. RT requests, running then waiting, in arrival order (Echo keeps online work FCFS). An RT
+   request short of pages evicts the running BE request whose eviction costs least (Eq. 4 with
+   nothing else changed: the fewest computed tokens to redo).
+2. Running BE requests (the last batch, Echo's starting point) stay in the step, best marginal
+   (benefit - punishment) / time first, while that net is positive; those that would push an
+   RT token late sit the step out keeping their pages ("evict to fit tight SLOs").
+3. Waiting BE requests are added the same way. Prompt pages that running requests hold count
+   as benefit at no time (KV-aware batching, Fig. 4b). They only take free pages beyond a burst
+   headroom left for arriving RT requests (4.2): the larger of `headroom_fraction` of the pool
+   and the RT pages predicted as mean + `burst_sigmas` standard deviations of those observed
+   over the last `window_steps` steps (5.3), less the pages RT holds now.
+Echo rescans every candidate after each addition; here candidates are ranked once by their own
+marginal ratio, as a request's marginal time in a linear cost model does not depend on the
+batch: O(n log n) per step instead of O(n^2). Requests not chosen keep their pages.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+from collections.abc import Sequence
+
+from antiphon.engine_ext.costmodel import CostModel
+from antiphon.engine_ext.policies.base import Policy, new_pages, pages_for
+from antiphon.engine_ext.policies.prefix import ResidentPrefixes
+from antiphon.engine_ext.policies.stepbatch import StepBatch
+from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
+
+
+class EchoPolicy(Policy):
+    name = "echo"
+
+    def __init__(self, cost_model: CostModel, headroom_fraction: float = 0.1,
+                 burst_sigmas: float = 2.0, window_steps: int = 4096,
+                 late_token_penalty: float = 1e6) -> None:
+        super().__init__(cost_model)
+        if not 0.0 <= headroom_fraction < 1.0 or burst_sigmas < 0 or window_steps < 1:
+            raise ValueError("need 0 <= headroom_fraction < 1, burst_sigmas >= 0, "
+                             "window_steps >= 1")
+        self.headroom_fraction = headroom_fraction  # of the KV pool, kept for RT bursts
+        self.burst_sigmas = burst_sigmas
+        self.late_token_penalty = late_token_penalty  # benefit tokens one late RT token costs
+        self._rt_pages: collections.deque[int] = collections.deque(maxlen=window_steps)
+        self._rt_pages_sum = 0  # of the window, for its mean (pages)
+        self._rt_pages_sum_sq = 0  # of the window, for its variance (pages^2)
+
+    def plan(self, views: Sequence[RequestView], budget: StepBudget) -> StepPlan:
+        reserve = self.headroom_pages(views, budget)
+        rts = sorted((v for v in views if v.is_rt), key=lambda v: (not v.is_running, v.arrival_s))
+        bes = sorted((v for v in views if not v.is_rt), key=lambda v: v.arrival_s)
+        batch = StepBatch(budget, self.cost_model)
+        plan = StepPlan(is_restrictive=True)
+        self._add_rt(rts, bes, batch, plan)
+        rt_slacks = sorted(v.slack_s(budget.now_s) for v in rts if v.request_id in batch.ids)
+        evicted = set(plan.preempt)
+        resident = ResidentPrefixes(views, budget.page_tokens)
+        running = [v for v in bes if v.is_running and v.request_id not in evicted]
+        self._add_be(running, batch, rt_slacks, resident, reserve=0)
+        waiting = [v for v in bes if not v.is_running]
+        self._add_be(waiting, batch, rt_slacks, resident, reserve)
+        plan.order = batch.ids
+        plan.token_limits = batch.token_limits
+        return plan
+
+    def headroom_pages(self, views: Sequence[RequestView], budget: StepBudget) -> int:
+        """Free pages BE admissions leave for arriving RT requests; records the pages RT
+        requests hold now into the window the burst prediction is taken over."""
+        page_tokens = budget.page_tokens
+        held = rt_held = 0
+        for view in views:
+            if view.is_running:
+                pages = pages_for(view.num_computed_tokens, page_tokens)
+                held += pages
+                rt_held += pages if view.is_rt else 0
+        total = budget.num_total_pages or budget.num_free_pages + held
+        if len(self._rt_pages) == self._rt_pages.maxlen:
+            oldest = self._rt_pages[0]
+            self._rt_pages_sum -= oldest
+            self._rt_pages_sum_sq -= oldest * oldest
+        self._rt_pages.append(rt_held)
+        self._rt_pages_sum += rt_held
+        self._rt_pages_sum_sq += rt_held * rt_held
+        n = len(self._rt_pages)
+        mean = self._rt_pages_sum / n
+        std = math.sqrt(max(0.0, self._rt_pages_sum_sq / n - mean * mean))
+        burst = math.ceil(mean + self.burst_sigmas * std) - rt_held
+        return min(total, max(0, math.ceil(self.headroom_fraction * total), burst))
+
+    def _add_rt(self, rts: list[RequestView], bes: list[RequestView], batch: StepBatch,
+                plan: StepPlan) -> None:
+        """Step 1: RT requests in FCFS order, evicting the cheapest running BE for pages."""
+        victims = sorted((v for v in bes if v.is_running),
+                         key=lambda v: v.num_computed_tokens, reverse=True)  # pop(): cheapest
+        victim_pages = sum(pages_for(v.num_computed_tokens, batch.page_tokens) for v in victims)
+        for view in rts:
+            if batch.is_full:
+                return
+            new = min(view.num_new_tokens, batch.tokens_left)
+            pages = new_pages(view, new, batch.page_tokens)
+            if pages > batch.pages_left + victim_pages:  # evicting all BE would not do
+                if not view.is_running and batch.ids:
+                    return  # FCFS: a waiting RT request that cannot start holds those behind
+                continue
+            while pages > batch.pages_left:
+                victim = victims.pop()
+                plan.preempt.append(victim.request_id)
+                freed = pages_for(victim.num_computed_tokens, batch.page_tokens)
+                batch.pages_left += freed
+                victim_pages -= freed
+            batch.add(view, new, pages)
+
+    def _add_be(self, candidates: list[RequestView], batch: StepBatch, rt_slacks: list[float],
+                resident: ResidentPrefixes, reserve: int) -> None:
+        """Steps 2 and 3: add `candidates` best marginal (benefit - punishment) / time first
+        while the net is positive, leaving `reserve` pages free (unless the step is empty)."""
+        base_s = batch.time_s()
+        ranked = []
+        for view in candidates:
+            cached = resident.num_cached_tokens(view)
+            new = min(view.num_new_tokens - cached, batch.tokens_left)
+            if new <= 0:
+                continue
+            time_s = batch.time_s(new, view.num_computed_tokens + cached + new)
+            net = new + cached - self._punishment(rt_slacks, base_s, time_s)
+            rate = net / (time_s - base_s) if time_s > base_s else math.copysign(math.inf, net)
+            ranked.append((-rate, view.arrival_s, view.request_id, view, cached))
+        ranked.sort(key=lambda r: r[:3])
+        for _, _, _, view, cached in ranked:
+            if batch.is_full:
+                return
+            new = min(view.num_new_tokens - cached, batch.tokens_left)
+            start = view.num_computed_tokens + cached
+            held = (pages_for(view.num_computed_tokens, batch.page_tokens)
+                    if view.is_running else 0) + cached // batch.page_tokens
+            pages = pages_for(start + new, batch.page_tokens) - held
+            if pages > batch.pages_left - (reserve if batch.ids else 0):
+                continue
+            before_s, after_s = batch.time_s(), batch.time_s(new, start + new)
+            if new + cached - self._punishment(rt_slacks, before_s, after_s) <= 0:
+                continue
+            batch.add(view, new, pages, num_cached_tokens=cached)
+
+    def _punishment(self, rt_slacks: list[float], before_s: float, after_s: float) -> float:
+        """Benefit tokens lost to RT tokens a step growing from `before_s` to `after_s`
+        (seconds) newly makes late (RT slacks sorted, seconds)."""
+        newly_late = (bisect.bisect_left(rt_slacks, after_s)
+                      - bisect.bisect_left(rt_slacks, before_s))
+        return self.late_token_penalty * newly_late if newly_late > 0 else 0.0

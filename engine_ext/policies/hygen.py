@@ -1,0 +1,175 @@
+"""HyGen two-phase SLO-aware scheduling (Algorithms 1 and 3), with prefix-sharing maximisation.
+
+Each step has one latency budget `L`: a profiled `latency_budget_s`, or else the tightest TPOT SLO
+among RT requests times `budget_fraction` (no RT request: no time limit). The cost model
+predicts the step as it grows.
+1. Online phase (Algorithm 1), RT requests in arrival order: running decodes join while the step
+   stays within `L`; then prefills (running, then waiting) each get the largest chunk within `L`,
+   the token budget and memory (`get_max_prefill`). An RT request short of pages takes them from
+   running BE requests, least important (highest `priority`) and newest first. A prefill that
+   gets no chunk ends the phase.
+2. Offline phase (Algorithm 3), on what is left of `L`: running BE requests in arrival order,
+   then waiting BE requests, each taken either from the depth-first order of the prefix tree over
+   their page hashes (prefix-sharing requests back to back) or, against starvation, oldest
+   first; a share `utility` of picks comes from the tree. BE requests only use free pages.
+   A request that gets no chunk ends the phase.
+The first request of a step always gets its chunk, and while a step is empty a request that gets
+none is skipped rather than ending a phase, so the engine never idles when something fits.
+Requests not chosen sit the step out and keep their pages; prefill chunks cut short are returned
+as `token_limits`. The paper draws tree or freshness at random with probability `utility`; here
+the draw is a deterministic running quota (a tree pick whenever tree picks so far are below
+`utility` times all picks), kept across steps, so the share is exact and plans reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from antiphon.engine_ext.costmodel import CostModel
+from antiphon.engine_ext.policies.base import Policy, new_pages, pages_for
+from antiphon.engine_ext.policies.prefix import ResidentPrefixes, dfs_order
+from antiphon.engine_ext.policies.stepbatch import StepBatch
+from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
+
+
+class HygenPolicy(Policy):
+    name = "hygen"
+
+    def __init__(self, cost_model: CostModel, latency_budget_s: float | None = None,
+                 budget_fraction: float = 1.0, utility: float = 0.8) -> None:
+        super().__init__(cost_model)
+        if not 0.0 <= utility <= 1.0:
+            raise ValueError(f"utility must be within [0, 1], got {utility}")
+        if budget_fraction <= 0 or (latency_budget_s is not None and latency_budget_s <= 0):
+            raise ValueError("budget_fraction and latency_budget_s must be positive")
+        self.latency_budget_s = latency_budget_s  # seconds per step; None: from the TPOT SLO
+        self.budget_fraction = budget_fraction
+        self.utility = utility  # share of waiting BE picks taken from the prefix tree
+        self._num_picks = 0  # waiting BE requests seated so far, across steps
+        self._num_tree_picks = 0  # of them, taken from the prefix tree
+
+    def plan(self, views: Sequence[RequestView], budget: StepBudget) -> StepPlan:
+        rts = sorted((v for v in views if v.is_rt), key=lambda v: v.arrival_s)
+        bes = sorted((v for v in views if not v.is_rt), key=lambda v: v.arrival_s)
+        limit_s = self.step_budget_s(rts)
+        batch = StepBatch(budget, self.cost_model)
+        plan = StepPlan(is_restrictive=True)
+        # Running BE requests RT may take pages from; pop() gives the least important, newest.
+        victims = sorted((v for v in bes if v.is_running), key=lambda v: (v.priority, v.arrival_s))
+        self._online_phase(rts, batch, limit_s, victims, plan)
+        preempted = set(plan.preempt)
+        running_bes = [v for v in bes if v.is_running and v.request_id not in preempted]
+        waiting_bes = [v for v in bes if not v.is_running]
+        resident = ResidentPrefixes(views, budget.page_tokens)
+        self._offline_phase(running_bes, waiting_bes, batch, limit_s, resident)
+        plan.order = batch.ids
+        plan.token_limits = batch.token_limits
+        return plan
+
+    def step_budget_s(self, rts: Sequence[RequestView]) -> float:
+        """The step's latency budget `L` (seconds; infinite with no RT request to protect)."""
+        if self.latency_budget_s is not None:
+            return self.latency_budget_s
+        tpots = [v.tpot_slo_s for v in rts if v.tpot_slo_s is not None]
+        return self.budget_fraction * min(tpots) if tpots else math.inf
+
+    def _online_phase(self, rts: list[RequestView], batch: StepBatch, limit_s: float,
+                      victims: list[RequestView], plan: StepPlan) -> None:
+        """Algorithm 1 over RT requests; appends taken BE pages' owners to `plan.preempt`."""
+        page_tokens = batch.page_tokens
+        for view in (v for v in rts if v.is_running and not v.is_prefill):
+            if batch.is_full:
+                return
+            if batch.ids and batch.time_s(1, view.num_computed_tokens + 1) > limit_s:
+                continue
+            pages = new_pages(view, 1, page_tokens)
+            while pages > batch.pages_left and victims:
+                self._preempt(victims.pop(), batch, plan)
+            if pages <= batch.pages_left:
+                batch.add(view, 1, pages)
+        prefills = [v for v in rts if v.is_running and v.is_prefill]
+        prefills += [v for v in rts if not v.is_running]
+        for view in prefills:
+            if batch.is_full:
+                return
+            chunk, pages, is_short_of_pages = self.max_prefill(view, batch, limit_s)
+            while is_short_of_pages and victims:
+                self._preempt(victims.pop(), batch, plan)
+                chunk, pages, is_short_of_pages = self.max_prefill(view, batch, limit_s)
+            if chunk > 0:
+                batch.add(view, chunk, pages)
+            elif batch.ids:
+                return  # an empty step looks further, so the engine never idles
+
+    def _offline_phase(self, running: list[RequestView], waiting: list[RequestView],
+                       batch: StepBatch, limit_s: float, resident: ResidentPrefixes) -> None:
+        """Algorithm 3 over BE requests: running ones first, then prefix tree and freshness."""
+        for view in running:
+            if batch.is_full:
+                return
+            if view.is_prefill:
+                chunk, pages, _ = self.max_prefill(view, batch, limit_s)
+                if chunk > 0:
+                    batch.add(view, chunk, pages)
+                elif batch.ids:
+                    break
+                continue
+            if batch.ids and batch.time_s(1, view.num_computed_tokens + 1) > limit_s:
+                break
+            pages = new_pages(view, 1, batch.page_tokens)
+            if pages <= batch.pages_left:
+                batch.add(view, 1, pages)
+        tree, fresh = dfs_order(waiting), waiting  # Tp and Tf of Algorithm 3
+        taken: set[str] = set()
+        i_tree = i_fresh = 0
+        while not batch.is_full and len(taken) < len(waiting):
+            is_from_tree = self._num_tree_picks < self.utility * (self._num_picks + 1)
+            if is_from_tree:
+                while tree[i_tree].request_id in taken:
+                    i_tree += 1
+                view = tree[i_tree]
+            else:
+                while fresh[i_fresh].request_id in taken:
+                    i_fresh += 1
+                view = fresh[i_fresh]
+            taken.add(view.request_id)
+            cached = resident.num_cached_tokens(view)
+            chunk, pages, _ = self.max_prefill(view, batch, limit_s, cached)
+            if chunk <= 0:
+                if batch.ids:
+                    return
+                continue  # not a pick: an empty step looks further
+            batch.add(view, chunk, pages, num_cached_tokens=cached)
+            self._num_picks += 1
+            self._num_tree_picks += is_from_tree
+
+    def max_prefill(self, view: RequestView, batch: StepBatch, limit_s: float,
+                    num_cached_tokens: int = 0) -> tuple[int, int, bool]:
+        """HyGen's `get_max_prefill`: the most tokens `view` can compute in this step within
+        `limit_s` (seconds), the tokens and the pages left, after `num_cached_tokens` reused
+        from the prefix cache. Returns (tokens, new pages they need, whether pages rather
+        than time or tokens cut the chunk short)."""
+        page_tokens = batch.page_tokens
+        start = view.num_computed_tokens + num_cached_tokens
+        held = (pages_for(view.num_computed_tokens, page_tokens) if view.is_running else 0)
+        held += num_cached_tokens // page_tokens
+        by_pages = (held + batch.pages_left) * page_tokens - start
+        wanted = min(view.num_new_tokens - num_cached_tokens, batch.tokens_left)
+        by_time = wanted
+        if batch.ids and batch.time_s(wanted, start + wanted) > limit_s:
+            lo, hi = 0, wanted - 1  # largest chunk within the budget; time grows with it
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if batch.time_s(mid, start + mid) <= limit_s:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            by_time = lo
+        chunk = max(0, min(by_time, by_pages))
+        return chunk, pages_for(start + chunk, page_tokens) - held, by_pages < by_time
+
+    @staticmethod
+    def _preempt(victim: RequestView, batch: StepBatch, plan: StepPlan) -> None:
+        plan.preempt.append(victim.request_id)
+        batch.pages_left += pages_for(victim.num_computed_tokens, batch.page_tokens)

@@ -1,0 +1,51 @@
+"""The step a policy is building: its members, predicted latency, and what is left of the budget.
+
+Shape totals are kept incrementally, so predicting the step with one more request costs one
+cost-model call, not a walk over the batch.
+"""
+
+from __future__ import annotations
+
+from antiphon.engine_ext.costmodel import CostModel, StepShape
+from antiphon.engine_ext.views import RequestView, StepBudget
+
+
+class StepBatch:
+    def __init__(self, budget: StepBudget, cost_model: CostModel) -> None:
+        self.ids: list[str] = []  # members, in the order they were seated
+        self.token_limits: dict[str, int] = {}  # members computing less than all they could
+        self.page_tokens = budget.page_tokens
+        self.seqs_left = budget.max_num_seqs
+        self.tokens_left = budget.max_num_tokens
+        self.pages_left = budget.num_free_pages
+        self._cost_model = cost_model
+        self._num_new_tokens = 0  # Ln of the step
+        self._attention_area = 0  # sum of new times context tokens
+
+    @property
+    def is_full(self) -> bool:
+        """No seat or no token left for another request."""
+        return self.seqs_left <= 0 or self.tokens_left <= 0
+
+    def time_s(self, num_new_tokens: int = 0, num_context_tokens: int = 0) -> float:
+        """Predicted step latency (seconds); with `num_new_tokens` > 0, as if one more request
+        computed that many tokens with `num_context_tokens` of context after the step."""
+        extra = 1 if num_new_tokens > 0 else 0
+        return self._cost_model.predict_s(StepShape(
+            self._num_new_tokens + num_new_tokens,
+            self._attention_area + num_new_tokens * num_context_tokens,
+            len(self.ids) + extra))
+
+    def add(self, view: RequestView, num_new_tokens: int, num_pages: int,
+            num_cached_tokens: int = 0) -> None:
+        """Seat `view` computing `num_new_tokens` after `num_cached_tokens` reused from the
+        prefix cache; takes the tokens, `num_pages` pages and a seat from what is left."""
+        self.ids.append(view.request_id)
+        if num_cached_tokens + num_new_tokens < view.num_new_tokens:
+            self.token_limits[view.request_id] = num_new_tokens
+        context = view.num_computed_tokens + num_cached_tokens + num_new_tokens
+        self._num_new_tokens += num_new_tokens
+        self._attention_area += num_new_tokens * context
+        self.seqs_left -= 1
+        self.tokens_left -= num_new_tokens
+        self.pages_left -= num_pages

@@ -1,0 +1,357 @@
+"""HyGen, Echo and LARRY policies, and invariants every registered policy keeps: hand-built
+request views, no engine, no torch."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import statistics
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from antiphon.engine_ext.costmodel import CostModel, StepShape
+from antiphon.engine_ext.policies import POLICIES, make_policy, policy_class
+from antiphon.engine_ext.policies.base import new_pages
+from antiphon.engine_ext.policies.echo import EchoPolicy
+from antiphon.engine_ext.policies.hygen import HygenPolicy
+from antiphon.engine_ext.policies.larry import LarryPolicy
+from antiphon.engine_ext.policies.prefix import ResidentPrefixes, dfs_order
+from antiphon.engine_ext.types import RequestClass
+from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
+from tests.test_policies import PAGE, budget, constant_cost, decoding, per_request_cost, view
+
+RT, BE = RequestClass.RT, RequestClass.BE
+
+
+def chain(*labels: str) -> tuple[bytes, ...]:
+    """Chained page hashes as vLLM makes them: page k's hash covers pages 0..k."""
+    hashes, prev = [], b""
+    for label in labels:
+        prev = hashlib.sha256(prev + label.encode()).digest()
+        hashes.append(prev)
+    return tuple(hashes)
+
+
+def token_cost(per_token_s: float, step_s: float = 0.0) -> CostModel:
+    return CostModel(coefficients=(per_token_s, 0.0, 0.0, step_s))
+
+
+def predicted_s(cost: CostModel, views: list[RequestView], plan: StepPlan) -> float:
+    """The cost model's latency of the step `plan` chooses."""
+    by_id = {v.request_id: v for v in views}
+    reqs = []
+    for rid in plan.order:
+        v = by_id[rid]
+        new = plan.token_limits.get(rid, v.num_new_tokens)
+        reqs.append((new, v.num_computed_tokens + new))
+    return cost.predict_s(StepShape.of(reqs))
+
+
+def test_registry_lists_the_paper_policies() -> None:
+    assert {"hygen", "echo", "larry"} <= set(POLICIES)
+    with pytest.raises(ValueError, match="bros, echo, fcfs, hygen, larry, priority"):
+        policy_class("edf")
+
+
+# --- prefix helpers -------------------------------------------------------------------------
+
+def test_dfs_order_puts_prefix_sharing_requests_together() -> None:
+    views = [view("a1", BE, prefix_page_hashes=chain("a", "x")),
+             view("b1", BE, prefix_page_hashes=chain("b")),
+             view("a2", BE, prefix_page_hashes=chain("a", "y")),
+             view("none", BE),
+             view("a3", BE, prefix_page_hashes=chain("a"))]
+    ids = [v.request_id for v in dfs_order(views)]
+    a_positions = sorted(ids.index(r) for r in ("a1", "a2", "a3"))
+    assert a_positions == list(range(a_positions[0], a_positions[0] + 3))
+    assert ids.index("a3") < ids.index("a1")  # a node before its children
+    assert ids[0] == "none"
+
+
+def test_resident_prefixes_count_whole_shared_pages_but_never_the_last_token() -> None:
+    holder = view("run", BE, prompt=64, computed=64, output=1, running=True,
+                  prefix_page_hashes=chain("a", "b", "c", "d"))
+    resident = ResidentPrefixes([holder], PAGE)
+    sharing = view("w", BE, prompt=80, prefix_page_hashes=chain("a", "b", "c", "z", "q"))
+    assert resident.num_cached_tokens(sharing) == 3 * PAGE
+    same = view("w2", BE, prompt=64, prefix_page_hashes=chain("a", "b", "c", "d"))
+    assert resident.num_cached_tokens(same) == 3 * PAGE  # the last token is always computed
+    assert resident.num_cached_tokens(view("w3", BE, prompt=64)) == 0
+
+
+# --- HyGen ----------------------------------------------------------------------------------
+
+def test_hygen_runs_prefix_sharing_be_requests_back_to_back() -> None:
+    labels = {"a1": "a", "b1": "b", "a2": "a", "b2": "b", "a3": "a"}
+    views = [view(rid, BE, arrival=i, prompt=48, prefix_page_hashes=chain(p, p, rid))
+             for i, (rid, p) in enumerate(labels.items())]
+    plan = HygenPolicy(constant_cost(0.01), utility=1.0).plan(views, budget())
+    groups = ["".join(labels[rid] for rid in plan.order)]
+    assert groups[0] in ("aaabb", "bbaaa")
+    assert plan.is_restrictive and plan.preempt == []
+
+
+def test_hygen_mixes_in_the_oldest_be_request_by_the_utility_ratio() -> None:
+    # The oldest request sorts last in the prefix tree; it must not wait for the whole tree.
+    last = max("bcdefgh", key=lambda label: chain(label))
+    assert chain(last) > chain("a")
+    views = [view("old", BE, arrival=0.0, prefix_page_hashes=chain(last)),
+             *(view(f"a{i}", BE, arrival=1.0 + i, prefix_page_hashes=chain("a", str(i)))
+               for i in range(4))]
+    head = dfs_order(views)[0].request_id
+    assert head != "old"
+    one_seat = budget(max_seqs=1)
+    greedy = HygenPolicy(constant_cost(0.01), utility=1.0)
+    assert [greedy.plan(views, one_seat).order for _ in range(2)] == [[head], [head]]
+    mixed = HygenPolicy(constant_cost(0.01), utility=0.5)
+    assert [mixed.plan(views, one_seat).order for _ in range(2)] == [[head], ["old"]]
+    assert HygenPolicy(constant_cost(0.01), utility=0.5).plan(
+        views, budget()).order[:2] == [head, "old"]
+
+
+def test_hygen_fits_the_step_into_the_latency_budget() -> None:
+    cost = token_cost(1e-4, step_s=0.01)
+    rt_decodes = [decoding(f"rt{i}", arrival=i) for i in range(3)]  # TPOT SLO 0.1 s
+    doc = view("doc", BE, prompt=5000)
+    views = [*rt_decodes, doc]
+    policy = HygenPolicy(cost)
+    plan = policy.plan(views, budget())
+    assert policy.step_budget_s(rt_decodes) == pytest.approx(0.1)
+    assert plan.order == ["rt0", "rt1", "rt2", "doc"]
+    # 0.01 + 1e-4 * (3 + chunk) <= 0.1: the document's prefill is cut to 897 tokens.
+    assert plan.token_limits == {"doc": 897}
+    assert predicted_s(cost, views, plan) <= 0.1 + 1e-12
+
+
+def test_hygen_online_phase_admits_rt_within_the_budget() -> None:
+    policy = HygenPolicy(per_request_cost(0.04))  # 0.1 s budget: two requests a step
+    views = [decoding(f"rt{i}", arrival=i) for i in range(4)] + [decoding("be", BE)]
+    assert policy.plan(views, budget()).order == ["rt0", "rt1"]
+    tight = HygenPolicy(per_request_cost(0.04), latency_budget_s=0.01)
+    assert tight.plan(views, budget()).order == ["rt0"]  # the first request always runs
+
+
+def test_hygen_rt_takes_pages_from_be_never_the_reverse() -> None:
+    policy = HygenPolicy(constant_cost(0.01))
+    be_old = decoding("be_old", BE, arrival=0.0)
+    be_new = decoding("be_new", BE, arrival=5.0)
+    be_low = decoding("be_low", BE, arrival=1.0, priority=1)  # least important
+    rt = view("rt", prompt=48)  # 3 pages; 1 free
+    plan = policy.plan([be_old, be_new, be_low, rt], budget(free_pages=1))
+    assert plan.preempt == ["be_low"] and plan.order[0] == "rt"
+    assert "be_low" not in plan.order
+    # A waiting BE request only takes free pages: a chunk that fits them, or nothing.
+    views = [decoding("rt_run"), view("be_wait", BE, prompt=64)]
+    plan = policy.plan(views, budget(free_pages=1))
+    assert plan.preempt == [] and plan.order == ["rt_run", "be_wait"]
+    assert plan.token_limits == {"be_wait": PAGE}
+    plan = policy.plan(views, budget(free_pages=0))
+    assert plan.preempt == [] and plan.order == ["rt_run"]
+
+
+# --- Echo -----------------------------------------------------------------------------------
+
+def test_echo_refuses_a_be_addition_whose_punishment_exceeds_its_benefit() -> None:
+    cost = token_cost(1e-4)
+    rt = decoding("rt", arrival=0.0)  # next token due at 1.5 s
+    doc = view("doc", BE, prompt=1000)  # 0.1 s of prefill: pushes the RT token late
+    small = view("small", BE, prompt=100)  # 0.01 s: fits
+    at = budget(now=1.45)
+    plan = EchoPolicy(cost).plan([rt, doc, small], at)
+    assert plan.order == ["rt", "small"]
+    # Priced low enough, the document's 1,000 tokens outweigh one late RT token.
+    plan = EchoPolicy(cost, late_token_penalty=500).plan([rt, doc], at)
+    assert plan.order == ["rt", "doc"]
+    plan = EchoPolicy(cost, late_token_penalty=5000).plan([rt, doc], at)
+    assert plan.order == ["rt"]
+
+
+def test_echo_evicts_the_cheapest_be_when_rt_needs_pages() -> None:
+    big = view("be_big", BE, prompt=32, computed=160, output=129, running=True)  # 10 pages
+    small = decoding("be_small", BE)  # 36 computed tokens, 3 pages
+    rt = view("rt", prompt=48)  # 3 pages, 1 free
+    plan = EchoPolicy(constant_cost(0.01)).plan([big, small, rt], budget(free_pages=1))
+    assert plan.preempt == ["be_small"]
+    assert plan.order == ["rt", "be_big"]
+
+
+def test_echo_running_be_sits_out_rather_than_make_rt_late() -> None:
+    rt = decoding("rt", arrival=0.0)  # due at 1.5 s
+    bes = [decoding(f"be{i}", BE, arrival=i) for i in range(3)]
+    plan = EchoPolicy(per_request_cost(0.01)).plan([rt, *bes], budget(now=1.475))
+    assert plan.order[0] == "rt" and len(plan.order) == 2  # 0.02 s fits, 0.03 s does not
+    assert plan.preempt == []  # sitting out keeps their pages
+
+
+def test_echo_keeps_a_burst_headroom_for_rt() -> None:
+    running = decoding("run", BE)
+    fits = view("fits", BE, prompt=80 * PAGE)
+    too_big = view("too_big", BE, prompt=88 * PAGE)
+    at = StepBudget(now_s=0.0, max_num_seqs=8, max_num_tokens=4096, num_free_pages=100,
+                    page_tokens=PAGE, num_total_pages=100)
+    plan = EchoPolicy(constant_cost(0.01), headroom_fraction=0.1).plan(
+        [running, too_big, fits], at)
+    assert plan.order == ["run", "fits"]  # 88 pages would eat into the 10 kept for RT
+    # An empty step ignores the headroom so BE work always progresses.
+    plan = EchoPolicy(constant_cost(0.01), headroom_fraction=0.1).plan([too_big], at)
+    assert plan.order == ["too_big"]
+
+
+def test_echo_predicts_rt_bursts_from_recent_rt_pages() -> None:
+    policy = EchoPolicy(constant_cost(0.01), headroom_fraction=0.0, burst_sigmas=2.0)
+    at = StepBudget(now_s=0.0, max_num_seqs=8, max_num_tokens=2048, num_free_pages=500,
+                    page_tokens=PAGE, num_total_pages=1000)
+    rt_40_pages = [view("rt", prompt=40 * PAGE, computed=40 * PAGE, output=1, running=True)]
+    for step in range(4):
+        policy.headroom_pages(rt_40_pages if step % 2 else [], at)
+    # RT pages seen: 0, 40, 0, 40, and 0 now: mean 16, std 19.6, so keep 56 pages free.
+    assert policy.headroom_pages([], at) == 56
+
+
+def test_echo_prefers_be_work_whose_prefix_is_resident() -> None:
+    holder = view("holder", BE, prompt=64, computed=64, output=1, running=True,
+                  prefix_page_hashes=chain("a", "b", "c", "d"))
+    sharing = view("sharing", BE, arrival=5.0, prompt=80,
+                   prefix_page_hashes=chain("a", "b", "c", "d", "e"))
+    other = view("other", BE, arrival=0.0, prompt=80,
+                 prefix_page_hashes=chain("v", "w", "x", "y", "z"))
+    plan = EchoPolicy(token_cost(1e-4, 0.01)).plan([holder, other, sharing],
+                                                   budget(max_seqs=2))
+    assert plan.order == ["holder", "sharing"]
+
+
+# --- LARRY ----------------------------------------------------------------------------------
+
+def test_larry_puts_small_prompts_first_under_pressure() -> None:
+    big = view("big", arrival=0.0, prompt=128)  # 8 pages, waited 30 s
+    small = view("small", arrival=30.0, prompt=16)  # 1 page, just arrived
+    policy = LarryPolicy(constant_cost(0.01))
+    # Short queue: 2*8 - 30 < 2*1 - 0, first come first served.
+    assert policy.plan([small, big], budget(now=30.0)).order == ["big", "small"]
+    # Long queue (memory pressure): 20*8 - 30 > 20*1, the small prompt goes first.
+    fillers = [view(f"f{i}", arrival=10.0, prompt=64) for i in range(18)]
+    order = policy.plan([big, small, *fillers], budget(now=30.0)).order
+    assert order.index("small") < order.index("big")
+    assert not policy.plan([big, small], budget()).is_restrictive
+
+
+def test_larry_promotes_a_starving_request() -> None:
+    big = view("big", arrival=0.0, prompt=1008)  # 63 pages
+
+    def order_at(now: float) -> list[str]:
+        smalls = [view(f"s{i}", arrival=now - 1.0, prompt=16) for i in range(2)]  # fresh
+        return LarryPolicy(constant_cost(0.01)).plan([*smalls, big], budget(now=now)).order
+
+    assert order_at(100.0)[-1] == "big"  # 3*63 - 100 > 3*1 - 1
+    assert order_at(300.0)[0] == "big"  # 3*63 - 300 < 3*1 - 1
+
+
+def test_larry_keeps_rt_ahead_of_be_and_orders_running_rt_first() -> None:
+    views = [decoding("be_run", BE, arrival=0.0), view("be_tiny", BE, prompt=1),
+             view("rt_big", prompt=2000), decoding("rt_run", arrival=3.0)]
+    plan = LarryPolicy(constant_cost(0.01)).plan(views, budget())
+    assert plan.order == ["rt_run", "rt_big", "be_run", "be_tiny"]
+    assert plan.preempt == []
+
+
+# --- invariants of every registered policy --------------------------------------------------
+
+COSTS = [(0.0, 0.0, 0.0, 0.0), (2e-4, 1e-8, 1e-4, 0.02), (0.0, 0.0, 0.05, 0.0),
+         (1e-3, 0.0, 0.0, 0.01)]
+
+
+@st.composite
+def request_views(draw: st.DrawFn, index: int) -> RequestView:
+    is_rt = draw(st.booleans())
+    is_running = draw(st.booleans())
+    prompt = draw(st.integers(2, 200))
+    if is_running:
+        output = draw(st.integers(0, 20))
+        computed = prompt + output - 1 if output else draw(st.integers(1, prompt - 1))
+    else:
+        output, computed = draw(st.sampled_from([0, 0, 5])), 0
+    num_pages = (prompt + output) // PAGE
+    labels = draw(st.lists(st.sampled_from("ab"), min_size=num_pages, max_size=num_pages))
+    slo = {"ttft_slo_s": draw(st.sampled_from([0.05, 1.0])),
+           "tpot_slo_s": draw(st.sampled_from([0.01, 0.1]))} if is_rt else {}
+    return RequestView(
+        f"r{index}", RT if is_rt else BE, draw(st.floats(0.0, 10.0)), prompt, computed, output,
+        is_running, priority=draw(st.integers(0, 2)), prefix_page_hashes=chain(*labels),
+        num_lost_tokens=draw(st.sampled_from([0, 0, 40])), **slo)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[list[RequestView], StepBudget, tuple[float, ...]]:
+    views = [draw(request_views(i)) for i in range(draw(st.integers(0, 12)))]
+    step = StepBudget(now_s=draw(st.floats(0.0, 12.0)), max_num_seqs=draw(st.integers(1, 8)),
+                      max_num_tokens=draw(st.integers(1, 300)),
+                      num_free_pages=draw(st.integers(0, 40)), page_tokens=PAGE)
+    return views, step, draw(st.sampled_from(COSTS))
+
+
+def could_run(v: RequestView, step: StepBudget) -> bool:
+    """`v` could compute its next chunk in free pages, preempting nothing."""
+    chunk = min(v.num_new_tokens, step.max_num_tokens)
+    return new_pages(v, chunk, step.page_tokens) <= step.num_free_pages
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=150, deadline=None)
+@given(scenario=scenarios())
+def test_every_policy_keeps_the_plan_invariants(
+        name: str, scenario: tuple[list[RequestView], StepBudget, tuple[float, ...]]) -> None:
+    views, step, coefficients = scenario
+    by_id = {v.request_id: v for v in views}
+    plan = make_policy(name, CostModel(coefficients=coefficients)).plan(views, step)
+
+    assert len(set(plan.order)) == len(plan.order) and set(plan.order) <= by_id.keys()
+    assert len(set(plan.preempt)) == len(plan.preempt) and set(plan.preempt) <= by_id.keys()
+    assert not set(plan.order) & set(plan.preempt)
+    for rid in plan.preempt:  # only running BE work is ever preempted
+        assert by_id[rid].is_running and not by_id[rid].is_rt
+    if not any(v.is_rt for v in views):
+        assert plan.preempt == []
+    assert set(plan.token_limits) <= set(plan.order)
+    assert all(1 <= n < by_id[rid].num_new_tokens for rid, n in plan.token_limits.items())
+    if plan.is_restrictive:
+        assert len(plan.order) <= step.max_num_seqs
+        if any(could_run(v, step) for v in views):
+            assert plan.order, "a restrictive plan chose nothing although a request could run"
+
+    # A waiting BE request never causes a preemption.
+    without = [v for v in views if v.is_rt or v.is_running]
+    fresh = make_policy(name, CostModel(coefficients=coefficients))
+    assert fresh.plan(without, step).preempt == plan.preempt
+
+
+def test_plan_speed_over_500_views(capsys: pytest.CaptureFixture[str]) -> None:
+    """Prints each policy's planning time; asserts nothing about it (machines differ)."""
+    rng = random.Random(0)
+    views = []
+    for i in range(500):
+        is_running = i < 64
+        prompt = rng.randint(64, 2000)
+        output = rng.randint(1, 200) if is_running else 0
+        labels = [rng.choice("abcd") for _ in range((prompt + output) // PAGE)]
+        views.append(RequestView(
+            f"r{i}", RT if i % 3 == 0 else BE, rng.uniform(0, 100), prompt,
+            prompt + output - 1 if is_running else 0, output, is_running,
+            ttft_slo_s=1.0 if i % 3 == 0 else None, tpot_slo_s=0.1 if i % 3 == 0 else None,
+            prefix_page_hashes=chain(*labels)))
+    step = StepBudget(now_s=100.0, max_num_seqs=256, max_num_tokens=8192,
+                      num_free_pages=2000, page_tokens=PAGE)
+    lines = []
+    for name in sorted(POLICIES):
+        policy = make_policy(name)
+        samples = []
+        for _ in range(20):
+            started = time.perf_counter()
+            policy.plan(views, step)
+            samples.append(time.perf_counter() - started)
+        per_100_ms = statistics.median(samples) * 1e3 / 5
+        lines.append(f"{name}: {per_100_ms:.3f} ms per 100 views")
+    with capsys.disabled():
+        print("\nplan() over 500 views (median of 20): " + "; ".join(lines))
