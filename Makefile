@@ -37,7 +37,7 @@ test-fast: install
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy
+	$(BIN)/python tools/typecheck.py
 
 bench-serve: model
 	$(BIN)/antiphon bench serve $(ARGS)

@@ -34,7 +34,9 @@ class EngineConfig:
     enable_prefix_caching: bool = doc("vLLM prefix caching of KV pages", default=True)
     seed: int = doc("Random seed of the engine", default=0)
     scheduler_cls: str = doc("Scheduler class (qualified name) vLLM runs", default=SCHEDULER_CLS)
-    policy: str = doc("Scheduling policy: fcfs, priority (stock vLLM) or bros", default="bros")
+    policy: str = doc(
+        "Scheduling policy: bros, hygen, echo, larry, or stock vLLM's fcfs and priority",
+        default="bros")
     rt_ttft_slo_s: float = doc("Default TTFT target of RT requests, in seconds", default=1.0)
     rt_tpot_slo_s: float = doc("Default TPOT target of RT requests, in seconds", default=0.1)
 

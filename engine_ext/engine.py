@@ -11,10 +11,10 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from antiphon.engine_ext.config import EngineConfig
 from antiphon.engine_ext.policies import policy_class
@@ -66,7 +66,7 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         """Stream the output of one request. Cancelling the iteration aborts the request and
         frees its KV pages. Raises `EngineRequestError` or `EngineDeadError`."""
 
@@ -108,12 +108,12 @@ class VllmEngine(Engine):
             num_gpu_blocks_override=c.num_kv_pages,
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=max(c.max_num_batched_tokens, c.max_model_len),
-            dtype=c.dtype,
+            dtype=cast(Any, c.dtype),
             enforce_eager=c.enforce_eager,
             enable_prefix_caching=c.enable_prefix_caching,
             seed=c.seed,
             scheduler_cls=c.scheduler_cls,
-            scheduling_policy=policy_class(c.policy).vllm_scheduling_policy,
+            scheduling_policy=cast(Any, policy_class(c.policy).vllm_scheduling_policy),
             additional_config=c.scheduler_settings.to_additional_config(),
             disable_log_stats=True,
         )
@@ -133,7 +133,7 @@ class VllmEngine(Engine):
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
@@ -188,6 +188,11 @@ class VllmEngine(Engine):
         if self._llm is None:
             return {}
         return dict(await self._llm.engine_core.call_utility_async("antiphon_scheduler_stats"))
+
+    async def set_policy(self, name: str) -> None:
+        """Switch the scheduler's policy between steps; unknown names raise ValueError."""
+        policy_class(name)
+        await self._llm.engine_core.call_utility_async("antiphon_set_policy", name)
 
     async def shutdown(self) -> None:
         if self._llm is not None:

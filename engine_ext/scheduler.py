@@ -59,13 +59,17 @@ class AntiphonScheduler(AsyncScheduler):
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         started = time.perf_counter()
         sat_out: tuple[list[Request], list[Request]] = ([], [])
+        token_budget = self.max_num_scheduled_tokens
         if self.running or self.waiting:
-            plan = self.step_policy.plan(self._views(), self._budget())
+            views = self._views()
+            plan = self.step_policy.plan(views, self._budget())
             sat_out = self._apply(plan)
+            self.max_num_scheduled_tokens = self._planned_tokens(plan, views, token_budget)
         planned = time.perf_counter()
         try:
             output = super().schedule(throttle_prefills)
         finally:
+            self.max_num_scheduled_tokens = token_budget
             self.running.extend(sat_out[0])
             for request in sat_out[1]:
                 self.waiting.add_request(request)
@@ -126,6 +130,7 @@ class AntiphonScheduler(AsyncScheduler):
             max_num_seqs=self.max_num_running_reqs,
             max_num_tokens=self.max_num_scheduled_tokens,
             num_free_pages=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            num_total_pages=self.kv_cache_manager.block_pool.num_gpu_blocks,
             page_tokens=self.page_tokens,
         )
 
@@ -155,6 +160,19 @@ class AntiphonScheduler(AsyncScheduler):
             self.waiting.add_request(request)
         return sat_out
 
+    @staticmethod
+    def _planned_tokens(plan: StepPlan, views: list[RequestView], budget: int) -> int:
+        """The step's token budget under `plan.token_limits`.
+
+        vLLM has no per-request cap, but it fills requests in the plan's order, so capping the
+        step at the planned total chunks the last limited request where the policy wanted.
+        """
+        if not plan.token_limits:
+            return budget
+        new_tokens = {v.request_id: v.num_new_tokens for v in views}
+        planned = sum(plan.token_limits.get(rid, new_tokens.get(rid, 0)) for rid in plan.order)
+        return max(1, min(budget, planned))
+
     def _count_recomputed(self, output: SchedulerOutput) -> None:
         """Charge each scheduled position below a preempted request's old progress as
         recomputed; positions the prefix cache supplied are skipped and not charged."""
@@ -170,6 +188,11 @@ class AntiphonScheduler(AsyncScheduler):
             if end >= lost_upto:
                 del self._lost_tokens[rid]
 
+    def set_policy(self, name: str) -> None:
+        """Switch the policy between steps (the cost model and counters carry over)."""
+        self.step_policy = make_policy(name, self.cost_model)
+        logger.info("AntiphonScheduler policy is now %s", name)
+
     def antiphon_stats(self) -> dict[str, Any]:
         return self.stats.snapshot(policy=self.step_policy.name,
                                    batch_size=getattr(self.step_policy, "batch_size", None))
@@ -181,5 +204,15 @@ def _engine_core_stats(self: EngineCore) -> dict[str, Any]:
     return scheduler.antiphon_stats() if isinstance(scheduler, AntiphonScheduler) else {}
 
 
-# vLLM calls utility methods on EngineCore by name; this adds one, without changing vLLM.
+def _engine_core_set_policy(self: EngineCore, name: str) -> str:
+    """EngineCore utility method: switch the Antiphon scheduler's policy; returns its name."""
+    scheduler = self.scheduler
+    if not isinstance(scheduler, AntiphonScheduler):
+        raise RuntimeError("the engine does not run AntiphonScheduler")
+    scheduler.set_policy(name)
+    return name
+
+
+# vLLM calls utility methods on EngineCore by name; these add two, without changing vLLM.
 EngineCore.antiphon_scheduler_stats = _engine_core_stats  # type: ignore[attr-defined]
+EngineCore.antiphon_set_policy = _engine_core_set_policy  # type: ignore[attr-defined]

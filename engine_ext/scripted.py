@@ -7,7 +7,7 @@ context limits can be exercised with small inputs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from antiphon.engine_ext.engine import Engine, EngineRequestError
 from antiphon.engine_ext.types import ChatTurn, Delta, EngineHealth, GenerationParams
@@ -49,7 +49,7 @@ class ScriptedEngine(Engine):
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         if request_id in self.active_request_ids:
             raise EngineRequestError(f"request {request_id} is already running")
         if len(prompt_token_ids) >= self.max_model_len:

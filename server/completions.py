@@ -94,9 +94,9 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest,
         ignore_eos=body.ignore_eos, **_slo_overrides(body.vllm_xargs or {}))
 
 
-def _slo_overrides(xargs: dict[str, Any]) -> dict[str, float]:
+def _slo_overrides(xargs: dict[str, Any]) -> dict[str, Any]:
     """Per-request TTFT/TPOT targets from `vllm_xargs` (seconds, positive)."""
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     for key in ("ttft_slo_s", "tpot_slo_s"):
         if key in xargs:
             value = xargs[key]

@@ -43,7 +43,7 @@ def per_request_cost(seconds: float) -> CostModel:
 
 
 def test_unknown_policy_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="bros, fcfs, priority"):
+    with pytest.raises(ValueError, match="bros, echo, fcfs, hygen, larry, priority"):
         policy_class("edf")
     assert make_policy("fcfs").plan([view("a")], budget()).order == []
 

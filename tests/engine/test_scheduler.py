@@ -17,14 +17,17 @@ DOC = ("The history of navigation spans thousands of years, from coastal pilotin
 
 
 async def run(engine: VllmEngine, rid: str, content: str, max_tokens: int,
-              cls: RequestClass, ignore_eos: bool = False) -> tuple[str, float]:
-    """(text, TTFT in seconds)."""
+              cls: RequestClass, ignore_eos: bool = False,
+              first_token: asyncio.Event | None = None) -> tuple[str, float]:
+    """(text, TTFT in seconds); sets `first_token` when the first token arrives."""
     started, first, text = time.perf_counter(), None, ""
     params = GenerationParams(max_tokens=max_tokens, request_class=cls, ignore_eos=ignore_eos)
     async for delta in engine.generate(rid, engine.render_chat([ChatTurn("user", content)]),
                                        params):
         if delta.num_new_tokens and first is None:
             first = time.perf_counter()
+            if first_token is not None:
+                first_token.set()
         text += delta.text
     return text, (first or time.perf_counter()) - started
 
@@ -35,9 +38,11 @@ async def test_rt_turn_preempts_be_work_under_memory_pressure(engine: VllmEngine
     # Two BE jobs of about 1,120 prompt tokens take 18 of the 20 pages (10 once they have
     # written 60 tokens each, so together they fit); the RT turn (about 300 tokens, 3 pages)
     # then finds too few free pages and must take them from BE work.
+    started = [asyncio.Event(), asyncio.Event()]
     be = [asyncio.create_task(run(engine, f"be-{i}", f"Document {i}. {DOC * 4} Summarise it.",
-                                  60, RequestClass.BE, ignore_eos=True)) for i in range(2)]
-    await asyncio.sleep(1.0)
+                                  60, RequestClass.BE, ignore_eos=True, first_token=started[i]))
+          for i in range(2)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
     rt_text, rt_ttft = await run(engine, "rt-0", f"Answer briefly: {DOC} What is this about?",
                                  32, RequestClass.RT)
     be_texts = await asyncio.gather(*be)
@@ -50,6 +55,18 @@ async def test_rt_turn_preempts_be_work_under_memory_pressure(engine: VllmEngine
     assert after["recomputed_tokens"]["be"] > before["recomputed_tokens"]["be"]
     assert after["recomputed_tokens"]["rt"] == 0
     assert rt_ttft < 5.0, rt_ttft
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "hygen", "echo", "larry", "bros"])
+async def test_every_policy_serves_rt_and_be(engine: VllmEngine, policy: str) -> None:
+    await engine.set_policy(policy)
+    assert (await engine.scheduler_stats())["policy"] == policy
+    jobs = [run(engine, f"{policy}-be-{i}", f"Document {i}. {DOC} Summarise it.", 24,
+                RequestClass.BE, ignore_eos=True) for i in range(3)]
+    jobs.append(run(engine, f"{policy}-rt", "What is the capital of France?", 16,
+                    RequestClass.RT))
+    results = await asyncio.gather(*jobs)
+    assert all(text for text, _ in results)
 
 
 async def test_scheduler_reports_steps_and_cost_model_error(engine: VllmEngine) -> None:
