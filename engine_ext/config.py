@@ -10,6 +10,7 @@ from antiphon.configfields import doc
 GiB = 1 << 30
 
 SCHEDULER_CLS = "antiphon.engine_ext.scheduler.AntiphonScheduler"
+ASYNC_SCHEDULER_CLS = "antiphon.engine_ext.scheduler.AntiphonAsyncScheduler"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,10 @@ class EngineConfig:
         default=False)
     enable_prefix_caching: bool = doc("vLLM prefix caching of KV pages", default=True)
     seed: int = doc("Random seed of the engine", default=0)
-    scheduler_cls: str = doc("Scheduler class (qualified name) vLLM runs", default=SCHEDULER_CLS)
+    scheduler_cls: str | None = doc(
+        "Scheduler class (qualified name) vLLM runs; unset: AntiphonScheduler where vLLM "
+        "schedules synchronously (CPU), AntiphonAsyncScheduler where it overlaps (GPU)",
+        default=None)
     policy: str = doc(
         "Scheduling policy: bros, hygen, echo, larry, or stock vLLM's fcfs and priority",
         default="bros")

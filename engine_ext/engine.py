@@ -16,7 +16,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, cast
 
-from antiphon.engine_ext.config import EngineConfig
+from antiphon.engine_ext.config import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS, EngineConfig
 from antiphon.engine_ext.policies import policy_class
 from antiphon.engine_ext.types import ChatTurn, Delta, EngineHealth, GenerationParams, RequestClass
 
@@ -24,6 +24,14 @@ logger = logging.getLogger(__name__)
 
 # vLLM orders waiting requests by ascending priority value.
 _PRIORITY = {RequestClass.RT: 0, RequestClass.BE: 1}
+
+
+def default_scheduler_cls() -> str:
+    """vLLM turns async scheduling off on the CPU backend; there the plain `Scheduler` base is
+    faster, elsewhere `AsyncScheduler` keeps scheduling overlapped with execution."""
+    from vllm.platforms import current_platform
+
+    return SCHEDULER_CLS if current_platform.is_cpu() else ASYNC_SCHEDULER_CLS
 
 
 def _extra_args(params: GenerationParams) -> dict[str, Any]:
@@ -112,7 +120,7 @@ class VllmEngine(Engine):
             enforce_eager=c.enforce_eager,
             enable_prefix_caching=c.enable_prefix_caching,
             seed=c.seed,
-            scheduler_cls=c.scheduler_cls,
+            scheduler_cls=c.scheduler_cls or default_scheduler_cls(),
             scheduling_policy=cast(Any, policy_class(c.policy).vllm_scheduling_policy),
             additional_config=c.scheduler_settings.to_additional_config(),
             disable_log_stats=True,
