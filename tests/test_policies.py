@@ -123,3 +123,11 @@ def test_views_are_plain_data() -> None:
     assert v.is_prefill and v.num_new_tokens == 32
     d = decoding("b")
     assert not d.is_prefill and d.num_new_tokens == 1
+
+
+def test_a_late_rt_request_does_not_limit_the_step_to_itself() -> None:
+    # "late" missed its deadline 5 s ago; the others must still be served in the same step.
+    policy = BrosPolicy(per_request_cost(0.01), base_batch_size=64)
+    views = [view("late", arrival=0.0), decoding("rt_on_time", arrival=9.5), view("be", BE)]
+    plan = policy.plan(views, budget(now=6.0 + 0.5))
+    assert plan.order == ["late", "rt_on_time", "be"]

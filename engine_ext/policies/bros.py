@@ -46,6 +46,18 @@ class _Batch:
         self.pages_left -= pages
 
 
+def residual_time_s(rts: Sequence[RequestView], now: float) -> float:
+    """`T_res`: time left for this step, the smallest slack among RT tokens that can still be
+    on time. A token already late cannot be saved by a shorter step, so it does not shrink the
+    step below the smallest TPOT target (the step time an on-time stream needs); without this,
+    one late request would limit every step to itself and starve everything else."""
+    if not rts:
+        return float("inf")
+    floor = min(v.tpot_slo_s or 0.0 for v in rts)
+    live = [s for s in (v.slack_s(now) for v in rts) if s > 0]
+    return max(min(live), floor) if live else floor
+
+
 class BrosPolicy(Policy):
     name = "bros"
 
@@ -66,7 +78,7 @@ class BrosPolicy(Policy):
         victims = sorted((v for v in bes if v.is_running), key=lambda v: v.num_computed_tokens,
                          reverse=True)
         victim_pages = sum(pages_for(v.num_computed_tokens, budget.page_tokens) for v in victims)
-        time_limit = rts[0].slack_s(now) if rts else float("inf")
+        time_limit = residual_time_s(rts, now)
         is_at_risk = False
 
         for view in rts:
