@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
+from typing import Any
 
 from antiphon.engine_ext.engine import Engine, EngineDeadError, EngineRequestError
 from antiphon.engine_ext.types import ChatTurn, Delta, GenerationParams, RequestClass
@@ -87,7 +88,7 @@ class ChatService:
         temperature: float | None,
         request_class: RequestClass = RequestClass.RT,
         session_id: str | None = None,
-        **sampling: object,
+        **sampling: Any,
     ) -> Generation:
         """Validate and render a request; raises `ApiError` and changes nothing on bad input."""
         self.check_max_tokens(max_tokens)
@@ -111,7 +112,7 @@ class ChatService:
         )
         return Generation(request_id, prompt, params)
 
-    async def stream(self, gen: Generation, api: str) -> AsyncIterator[str]:
+    async def stream(self, gen: Generation, api: str) -> AsyncGenerator[str, None]:
         """Run `gen` on the engine, yielding text pieces. Cancelling aborts the request."""
         cls = gen.params.request_class.value
         self.metrics.inflight.labels(cls).inc()
