@@ -19,31 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from antiphon.engine_ext.costmodel import CostModel, StepShape
-from antiphon.engine_ext.policies.base import Policy, new_pages, pages_for
+from antiphon.engine_ext.costmodel import CostModel
+from antiphon.engine_ext.policies.base import Policy, new_pages
+from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
-
-
-class _Batch:
-    """The step under construction: members, predicted shape, tokens and pages left."""
-
-    def __init__(self, budget: StepBudget) -> None:
-        self.ids: list[str] = []
-        self.requests: list[tuple[int, int]] = []  # (new tokens, context tokens)
-        self.tokens_left = budget.max_num_tokens
-        self.pages_left = budget.num_free_pages
-
-    def with_request(self, view: RequestView) -> tuple[int, StepShape]:
-        """(new tokens this step, shape if `view` joined)."""
-        new = min(view.num_new_tokens, self.tokens_left)
-        shape = StepShape.of([*self.requests, (new, view.num_computed_tokens + new)])
-        return new, shape
-
-    def add(self, view: RequestView, new: int, pages: int) -> None:
-        self.ids.append(view.request_id)
-        self.requests.append((new, view.num_computed_tokens + new))
-        self.tokens_left -= new
-        self.pages_left -= pages
 
 
 def residual_time_s(rts: Sequence[RequestView], now: float) -> float:
@@ -72,31 +51,25 @@ class BrosPolicy(Policy):
         bes = sorted((v for v in views if not v.is_rt),
                      key=lambda v: (not v.is_running, v.num_lost_tokens, v.arrival_s))
         cap = min(self.batch_size, budget.max_num_seqs)
-        batch = _Batch(budget)
+        batch = StepBatch(budget, self.cost_model)
         plan = StepPlan(is_restrictive=True)
         # Running BE requests whose pages an RT request may take, cheapest to redo first.
-        victims = sorted((v for v in bes if v.is_running), key=lambda v: v.num_computed_tokens,
-                         reverse=True)
-        victim_pages = sum(pages_for(v.num_computed_tokens, budget.page_tokens) for v in victims)
+        victims = Victims(sorted((v for v in bes if v.is_running),
+                                 key=lambda v: v.num_computed_tokens), budget.page_tokens)
         time_limit = residual_time_s(rts, now)
         is_at_risk = False
 
         for view in rts:
             if len(batch.ids) >= cap or batch.tokens_left <= 0:
                 break
-            new, shape = batch.with_request(view)
-            if batch.ids and self.cost_model.predict_s(shape) > time_limit:
+            new = min(view.num_new_tokens, batch.tokens_left)
+            if batch.ids and batch.time_s(new, view.num_computed_tokens + new) > time_limit:
                 is_at_risk = True
                 break
             pages = new_pages(view, new, budget.page_tokens)
-            if pages > batch.pages_left + victim_pages:
+            if pages > batch.pages_left + victims.num_pages:
                 continue  # preempting all BE would not do; a running RT request may still fit
-            while pages > batch.pages_left:
-                victim = victims.pop()
-                plan.preempt.append(victim.request_id)
-                freed = pages_for(victim.num_computed_tokens, budget.page_tokens)
-                batch.pages_left += freed
-                victim_pages -= freed
+            victims.take_until(pages, batch, plan)
             batch.add(view, new, pages)
 
         preempted = set(plan.preempt)
@@ -105,8 +78,8 @@ class BrosPolicy(Policy):
                 continue
             if len(batch.ids) >= cap or batch.tokens_left <= 0:
                 break
-            new, shape = batch.with_request(view)
-            if rts and batch.ids and self.cost_model.predict_s(shape) > time_limit:
+            new = min(view.num_new_tokens, batch.tokens_left)
+            if rts and batch.ids and batch.time_s(new, view.num_computed_tokens + new) > time_limit:
                 is_at_risk = True
                 break
             pages = new_pages(view, new, budget.page_tokens)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from antiphon.engine_ext.costmodel import CostModel
 from antiphon.engine_ext.policies.base import Policy, new_pages, pages_for
 from antiphon.engine_ext.policies.prefix import ResidentPrefixes
-from antiphon.engine_ext.policies.stepbatch import StepBatch
+from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
 
@@ -96,24 +96,18 @@ class EchoPolicy(Policy):
     def _add_rt(self, rts: list[RequestView], bes: list[RequestView], batch: StepBatch,
                 plan: StepPlan) -> None:
         """Step 1: RT requests in FCFS order, evicting the cheapest running BE for pages."""
-        victims = sorted((v for v in bes if v.is_running),
-                         key=lambda v: v.num_computed_tokens, reverse=True)  # pop(): cheapest
-        victim_pages = sum(pages_for(v.num_computed_tokens, batch.page_tokens) for v in victims)
+        victims = Victims(sorted((v for v in bes if v.is_running),
+                                 key=lambda v: v.num_computed_tokens), batch.page_tokens)
         for view in rts:
             if batch.is_full:
                 return
             new = min(view.num_new_tokens, batch.tokens_left)
             pages = new_pages(view, new, batch.page_tokens)
-            if pages > batch.pages_left + victim_pages:  # evicting all BE would not do
+            if pages > batch.pages_left + victims.num_pages:  # evicting all BE would not do
                 if not view.is_running and batch.ids:
                     return  # FCFS: a waiting RT request that cannot start holds those behind
                 continue
-            while pages > batch.pages_left:
-                victim = victims.pop()
-                plan.preempt.append(victim.request_id)
-                freed = pages_for(victim.num_computed_tokens, batch.page_tokens)
-                batch.pages_left += freed
-                victim_pages -= freed
+            victims.take_until(pages, batch, plan)
             batch.add(view, new, pages)
 
     def _add_be(self, candidates: list[RequestView], batch: StepBatch, rt_slacks: list[float],

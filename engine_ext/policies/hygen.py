@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from antiphon.engine_ext.costmodel import CostModel
 from antiphon.engine_ext.policies.base import Policy, new_pages, pages_for
 from antiphon.engine_ext.policies.prefix import ResidentPrefixes, dfs_order
-from antiphon.engine_ext.policies.stepbatch import StepBatch
+from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
 
@@ -55,8 +55,10 @@ class HygenPolicy(Policy):
         limit_s = self.step_budget_s(rts)
         batch = StepBatch(budget, self.cost_model)
         plan = StepPlan(is_restrictive=True)
-        # Running BE requests RT may take pages from; pop() gives the least important, newest.
-        victims = sorted((v for v in bes if v.is_running), key=lambda v: (v.priority, v.arrival_s))
+        # Running BE requests RT may take pages from: the least important, newest first.
+        victims = Victims(sorted((v for v in bes if v.is_running),
+                                 key=lambda v: (v.priority, v.arrival_s), reverse=True),
+                          budget.page_tokens)
         self._online_phase(rts, batch, limit_s, victims, plan)
         preempted = set(plan.preempt)
         running_bes = [v for v in bes if v.is_running and v.request_id not in preempted]
@@ -75,7 +77,7 @@ class HygenPolicy(Policy):
         return self.budget_fraction * min(tpots) if tpots else math.inf
 
     def _online_phase(self, rts: list[RequestView], batch: StepBatch, limit_s: float,
-                      victims: list[RequestView], plan: StepPlan) -> None:
+                      victims: Victims, plan: StepPlan) -> None:
         """Algorithm 1 over RT requests; appends taken BE pages' owners to `plan.preempt`."""
         page_tokens = batch.page_tokens
         for view in (v for v in rts if v.is_running and not v.is_prefill):
@@ -84,9 +86,7 @@ class HygenPolicy(Policy):
             if batch.ids and batch.time_s(1, view.num_computed_tokens + 1) > limit_s:
                 continue
             pages = new_pages(view, 1, page_tokens)
-            while pages > batch.pages_left and victims:
-                self._preempt(victims.pop(), batch, plan)
-            if pages <= batch.pages_left:
+            if victims.take_until(pages, batch, plan):
                 batch.add(view, 1, pages)
         prefills = [v for v in rts if v.is_running and v.is_prefill]
         prefills += [v for v in rts if not v.is_running]
@@ -95,7 +95,7 @@ class HygenPolicy(Policy):
                 return
             chunk, pages, is_short_of_pages = self.max_prefill(view, batch, limit_s)
             while is_short_of_pages and victims:
-                self._preempt(victims.pop(), batch, plan)
+                victims.take_one(batch, plan)
                 chunk, pages, is_short_of_pages = self.max_prefill(view, batch, limit_s)
             if chunk > 0:
                 batch.add(view, chunk, pages)
@@ -168,8 +168,3 @@ class HygenPolicy(Policy):
             by_time = lo
         chunk = max(0, min(by_time, by_pages))
         return chunk, pages_for(start + chunk, page_tokens) - held, by_pages < by_time
-
-    @staticmethod
-    def _preempt(victim: RequestView, batch: StepBatch, plan: StepPlan) -> None:
-        plan.preempt.append(victim.request_id)
-        batch.pages_left += pages_for(victim.num_computed_tokens, batch.page_tokens)

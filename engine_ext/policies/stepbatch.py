@@ -6,8 +6,11 @@ cost-model call, not a walk over the batch.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from antiphon.engine_ext.costmodel import CostModel, StepShape
-from antiphon.engine_ext.views import RequestView, StepBudget
+from antiphon.engine_ext.policies.base import pages_for
+from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
 
 class StepBatch:
@@ -49,3 +52,29 @@ class StepBatch:
         self.seqs_left -= 1
         self.tokens_left -= num_new_tokens
         self.pages_left -= num_pages
+
+
+class Victims:
+    """Running BE requests whose pages RT requests may take, in the order they are taken."""
+
+    def __init__(self, views: Iterable[RequestView], page_tokens: int) -> None:
+        self._stack = list(views)[::-1]  # pop() takes the next victim
+        self._page_tokens = page_tokens
+        self.num_pages = sum(pages_for(v.num_computed_tokens, page_tokens) for v in self._stack)
+
+    def __bool__(self) -> bool:
+        return bool(self._stack)
+
+    def take_one(self, batch: StepBatch, plan: StepPlan) -> None:
+        """Preempt the next victim: its pages go to `batch`, its id to `plan.preempt`."""
+        victim = self._stack.pop()
+        freed = pages_for(victim.num_computed_tokens, self._page_tokens)
+        plan.preempt.append(victim.request_id)
+        batch.pages_left += freed
+        self.num_pages -= freed
+
+    def take_until(self, num_pages: int, batch: StepBatch, plan: StepPlan) -> bool:
+        """Take victims until `batch` has `num_pages` free; False if they run out first."""
+        while num_pages > batch.pages_left and self._stack:
+            self.take_one(batch, plan)
+        return num_pages <= batch.pages_left
