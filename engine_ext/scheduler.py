@@ -125,7 +125,7 @@ class AntiphonScheduler(Scheduler):
             num_preemptions=request.num_preemptions,
             num_lost_tokens=max(0, self._lost_tokens.get(request.request_id, 0)
                                 - request.num_computed_tokens),
-            prefix_page_hashes=tuple(request.block_hashes),
+            prefix_page_hashes=request.block_hashes,  # read-only; no per-step copy
         )
 
     def _budget(self) -> StepBudget:

@@ -8,6 +8,7 @@ tensors and no vLLM types cross this boundary, so policies run under unit tests 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from antiphon.engine_ext.types import RequestClass
 
@@ -26,9 +27,10 @@ class RequestView:
     priority: int = 0  # lower is more important (vLLM's convention)
     num_preemptions: int = 0
     num_lost_tokens: int = 0  # computed tokens thrown away by preemptions, to recompute
-    prefix_page_hashes: tuple[bytes, ...] = ()
+    prefix_page_hashes: Sequence[bytes] = ()
     """Chained hashes of the prompt's full KV pages (vLLM's block hashes): two requests share
-    their first k pages exactly when their first k hashes are equal."""
+    their first k pages exactly when their first k hashes are equal. The scheduler passes
+    vLLM's own list, not a copy: read it, never change it."""
 
     @property
     def is_rt(self) -> bool:

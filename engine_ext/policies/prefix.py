@@ -19,7 +19,7 @@ def dfs_order(views: Iterable[RequestView]) -> list[RequestView]:
     that tree (a node before its children, children in hash order), so the tree is walked by
     sorting, in C; requests with equal hashes keep their input order.
     """
-    return sorted(views, key=lambda v: v.prefix_page_hashes)
+    return sorted(views, key=lambda v: tuple(v.prefix_page_hashes))
 
 
 class ResidentPrefixes:
