@@ -16,7 +16,7 @@ from antiphon.config import AppConfig
 from antiphon.engine_ext.engine import Engine
 from antiphon.server import batch_api, openai_api, rest
 from antiphon.server.context import AppContext
-from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.errors import ApiError, bad_message
 from antiphon.server.http import error_response
 from antiphon.server.ws import websocket_endpoint
 
@@ -57,7 +57,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return await on_api_error(_request, ApiError(ErrorCode.BAD_MESSAGE, str(exc.errors()[0])))
+        return await on_api_error(_request, bad_message(exc.errors()))
 
     static = resources.files("antiphon.web_ui") / "static"
     app.mount("/static", StaticFiles(directory=str(static)), name="static")

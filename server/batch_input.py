@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from antiphon.server.batch_types import BATCH_ENDPOINT, InputItem
 from antiphon.server.chat import ChatService
 from antiphon.server.completions import ChatCompletionRequest, completion_turns
-from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.errors import ApiError, ErrorCode, bad_message
 
 MAX_CUSTOM_ID_CHARS = 512
 
@@ -74,9 +74,7 @@ def _check_request(data: dict[str, Any]) -> ChatCompletionRequest:
     try:
         body = ChatCompletionRequest.model_validate(data.get("body"))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise ApiError(ErrorCode.BAD_MESSAGE, f"body.{where}: {first['msg']}") from None
+        raise bad_message(exc.errors(), prefix="body.") from None
     if body.stream:
         raise ApiError(ErrorCode.BAD_MESSAGE, "body.stream: streaming is not available in a batch")
     return body

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 class ErrorCode(enum.StrEnum):
@@ -72,3 +74,12 @@ class ApiError(Exception):
     @property
     def http_status(self) -> int:
         return HTTP_STATUS[self.code]
+
+
+def bad_message(errors: Sequence[Mapping[str, Any]], prefix: str = "", skip_loc: int = 0,
+                default_loc: str = "body") -> ApiError:
+    """A `bad_message` error naming the first failed field of a pydantic validation (`errors()`
+    of a ValidationError), e.g. "messages.0.role: Input should be 'user' or ..."."""
+    first = errors[0]
+    where = ".".join(str(p) for p in first["loc"][skip_loc:]) or default_loc
+    return ApiError(ErrorCode.BAD_MESSAGE, f"{prefix}{where}: {first['msg']}")

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from antiphon.server.auth import key_from_headers
 from antiphon.server.context import AppContext
-from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.errors import ApiError, ErrorCode, bad_message
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -49,9 +49,7 @@ async def read_model(request: Request, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise ApiError(ErrorCode.BAD_MESSAGE, f"{where}: {first['msg']}") from None
+        raise bad_message(exc.errors()) from None
 
 
 def error_response(err: ApiError) -> JSONResponse:

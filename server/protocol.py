@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.errors import ApiError, ErrorCode, bad_message
 
 # Ids are opaque tokens chosen by the server or the client; restricting their alphabet keeps them
 # safe to log and to use as keys.
@@ -94,9 +94,8 @@ def decode_client_message(raw: str | bytes) -> ClientMessage:
     try:
         return _client_adapter.validate_python(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"][1:]) or "message"
-        raise ApiError(ErrorCode.BAD_MESSAGE, f"{kind}: {where}: {first['msg']}") from None
+        raise bad_message(exc.errors(), prefix=f"{kind}: ", skip_loc=1,
+                          default_loc="message") from None
 
 
 def encode(kind: str, **fields: Any) -> str:
