@@ -14,6 +14,7 @@ from antiphon.configfields import add_dataclass_args, dataclass_from_args
 from antiphon.engine_ext.config import EngineConfig
 from antiphon.server.config import ServerConfig
 from antiphon.sessions.config import SessionConfig
+from antiphon.tiering.config import TieringConfig
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -29,6 +30,8 @@ def _serve(args: argparse.Namespace) -> int:
             server=dataclass_from_args(ServerConfig, args, api_keys=env.api_keys() or None),
             sessions=dataclass_from_args(SessionConfig, args, data_dir=env.data_dir()),
         )
+        config = dataclasses.replace(config, tiering=dataclass_from_args(
+            TieringConfig, args, ssd_dir=args.ssd_dir or config.sessions.data_dir / "kv"))
         model_dir = resolve_model(config.engine.model)
         if config.engine.model is None and config.engine.served_model_name is None:
             config = dataclasses.replace(config, engine=dataclasses.replace(
@@ -36,7 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, ModelPrepareError) as exc:
         print(f"antiphon serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(config, VllmEngine(config.engine, model_dir))
+    app = create_app(config, VllmEngine(config.engine, model_dir, config.tiering))
     uvicorn.run(app, host=config.server.host, port=config.server.port,
                 ws_max_size=4 * config.server.max_frame_bytes, log_level=args.log_level.lower(),
                 # Token frames are tiny: compressing each costs more CPU than it saves.
@@ -66,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="start the API server with the engine")
-    for cls in (EngineConfig, ServerConfig, SessionConfig):
+    for cls in (EngineConfig, ServerConfig, SessionConfig, TieringConfig):
         add_dataclass_args(serve, cls)
     serve.set_defaults(func=_serve)
 

@@ -7,6 +7,7 @@ import dataclasses
 from antiphon.engine_ext.config import EngineConfig
 from antiphon.server.config import ServerConfig
 from antiphon.sessions.config import SessionConfig
+from antiphon.tiering.config import TieringConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,3 +15,4 @@ class AppConfig:
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
     sessions: SessionConfig = dataclasses.field(default_factory=SessionConfig)
+    tiering: TieringConfig = dataclasses.field(default_factory=TieringConfig)

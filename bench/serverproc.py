@@ -1,4 +1,5 @@
-"""Start `antiphon serve` as a child process on a free port and wait until it is healthy."""
+"""Start a server (`antiphon serve`, or a baseline such as vLLM's) as a child process on a free
+port and wait until it is healthy."""
 
 from __future__ import annotations
 
@@ -23,12 +24,15 @@ class ServerProcess:
     """`with ServerProcess([... "antiphon", "serve", ...]) as s:` runs it on `s.port`."""
 
     def __init__(self, cmd: list[str], log_path: Path | None = None,
-                 start_timeout_s: float = 300.0, env: dict[str, str] | None = None) -> None:
+                 start_timeout_s: float = 300.0, env: dict[str, str] | None = None,
+                 health_path: str = "/healthz") -> None:
+        """`health_path` answers 200 once the server serves (vLLM's own server: `/health`)."""
         self.port = free_port()
         self.cmd = [*cmd, "--port", str(self.port)]
         self.log_path = log_path or Path(f"/tmp/antiphon-serve-{self.port}.log")
         self.start_timeout_s = start_timeout_s
         self.env = {**os.environ, **(env or {})}
+        self.health_path = health_path
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -52,7 +56,7 @@ class ServerProcess:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
                                    + self.log()[-4000:])
             try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -19,6 +19,7 @@ from typing import Any, cast
 from antiphon.engine_ext.config import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS, EngineConfig
 from antiphon.engine_ext.policies import policy_class
 from antiphon.engine_ext.types import ChatTurn, Delta, EngineHealth, GenerationParams, RequestClass
+from antiphon.tiering.config import TieringConfig
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,9 @@ class Engine(abc.ABC):
         """Load the model and start serving; returns when the engine accepts requests."""
 
     @abc.abstractmethod
-    def render_chat(self, turns: Sequence[ChatTurn]) -> list[int]:
-        """Prompt token ids for a conversation, ending with the assistant's turn opened."""
+    def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True) -> list[int]:
+        """Prompt token ids for a conversation, ending with the assistant's turn opened (or,
+        without `open_reply`, with the last turn closed: the context a next turn extends)."""
 
     @abc.abstractmethod
     def count_tokens(self, text: str) -> int:
@@ -85,6 +87,17 @@ class Engine(abc.ABC):
         """Scheduler counters; engines without a scheduler of their own report none."""
         return {}
 
+    async def advise(self, session_id: str, context_token_ids: list[int],
+                     expected_arrival_s: float | None) -> int | None:
+        """A turn of `session_id`, whose conversation so far is `context_token_ids`, is
+        coming: prefetch its KV. Returns the context tokens the KV tiers hold, None when the
+        engine keeps no tiers."""
+        return None
+
+    async def tiering_stats(self) -> dict[str, Any]:
+        """KV tier counters (tokens served per tier, advisories, occupancy); {} without."""
+        return {}
+
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Stop the engine and its processes; idempotent."""
@@ -93,8 +106,11 @@ class Engine(abc.ABC):
 class VllmEngine(Engine):
     """vLLM `AsyncLLM` in process, with Antiphon's scheduler."""
 
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path,
+                 tiering: TieringConfig | None = None) -> None:
+        """`tiering` (when its `kv_tiering` is on) installs Antiphon's KV connector."""
         self.config = config
+        self.tiering = tiering if tiering is not None and tiering.kv_tiering else None
         self.model_dir = model_dir
         self.model_name = config.served_model_name or model_dir.name
         self.max_model_len = config.max_model_len
@@ -124,15 +140,27 @@ class VllmEngine(Engine):
             scheduling_policy=cast(Any, policy_class(c.policy).vllm_scheduling_policy),
             additional_config=c.scheduler_settings.to_additional_config(),
             disable_log_stats=True,
+            kv_transfer_config=self._kv_transfer_config(),
         )
         started = time.monotonic()
         self._llm = AsyncLLM.from_engine_args(args)
         logger.info("vLLM engine for %s up in %.1f s", self.model_name, time.monotonic() - started)
 
-    def render_chat(self, turns: Sequence[ChatTurn]) -> list[int]:
+    def _kv_transfer_config(self) -> Any:
+        if self.tiering is None:
+            return None
+        from vllm.config import KVTransferConfig
+
+        from antiphon.tiering.connector import kv_transfer_config
+
+        # Anything that changes the KV bytes separates stored KV: the weights and the dtype.
+        model_id = f"{self.model_dir.resolve()}|{self.config.dtype}"
+        return KVTransferConfig(**kv_transfer_config(self.tiering, model_id))
+
+    def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True) -> list[int]:
         conversation = [{"role": t.role, "content": t.content} for t in turns]
         text = self._tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False
+            conversation, add_generation_prompt=open_reply, tokenize=False
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
@@ -196,6 +224,24 @@ class VllmEngine(Engine):
         if self._llm is None:
             return {}
         return dict(await self._llm.engine_core.call_utility_async("antiphon_scheduler_stats"))
+
+    async def advise(self, session_id: str, context_token_ids: list[int],
+                     expected_arrival_s: float | None) -> int | None:
+        if self._llm is None or self.tiering is None:
+            return None
+        held = await self._llm.engine_core.call_utility_async(
+            "antiphon_advise", session_id, context_token_ids, expected_arrival_s)
+        return None if held < 0 else int(held)
+
+    async def tiering_stats(self) -> dict[str, Any]:
+        if self._llm is None or self.tiering is None:
+            return {}
+        return dict(await self._llm.engine_core.call_utility_async("antiphon_tiering_stats"))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached page of the device KV pool (not the host and SSD tiers): the next
+        turns find their KV only in the tiers. False when running requests hold pages."""
+        return bool(await self._llm.reset_prefix_cache())
 
     async def set_policy(self, name: str) -> None:
         """Switch the scheduler's policy between steps; unknown names raise ValueError."""

@@ -221,6 +221,32 @@ def _engine_core_set_policy(self: EngineCore, name: str) -> str:
     return name
 
 
-# vLLM calls utility methods on EngineCore by name; these add two, without changing vLLM.
+def _tier_planner(core: EngineCore) -> Any:
+    """The KV connector's scheduler side, or None when KV tiering is off."""
+    from antiphon.tiering.connector import AntiphonKVConnector
+
+    connector = getattr(core.scheduler, "connector", None)
+    return connector.planner if isinstance(connector, AntiphonKVConnector) else None
+
+
+def _engine_core_advise(self: EngineCore, session_id: str, token_ids: list[int],
+                        expected_arrival_s: float | None) -> int:
+    """EngineCore utility method: an advisory; returns the context tokens the tiers hold
+    (-1 when KV tiering is off)."""
+    planner = _tier_planner(self)
+    if planner is None:
+        return -1
+    return int(planner.advise(session_id, token_ids, expected_arrival_s))
+
+
+def _engine_core_tiering_stats(self: EngineCore) -> dict[str, Any]:
+    """EngineCore utility method: the KV connector's counters ({} when tiering is off)."""
+    planner = _tier_planner(self)
+    return {} if planner is None else planner.stats()
+
+
+# vLLM calls utility methods on EngineCore by name; these add some, without changing vLLM.
 EngineCore.antiphon_scheduler_stats = _engine_core_stats  # type: ignore[attr-defined]
 EngineCore.antiphon_set_policy = _engine_core_set_policy  # type: ignore[attr-defined]
+EngineCore.antiphon_advise = _engine_core_advise  # type: ignore[attr-defined]
+EngineCore.antiphon_tiering_stats = _engine_core_tiering_stats  # type: ignore[attr-defined]

@@ -38,9 +38,11 @@ class ScriptedEngine(Engine):
     async def start(self) -> None:
         self._is_running = True
 
-    def render_chat(self, turns: Sequence[ChatTurn]) -> list[int]:
-        text = "".join(f"<{t.role}>{t.content}\n" for t in turns) + "<assistant>"
-        ids = [ord(c) for c in text]
+    def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True) -> list[int]:
+        text = "".join(f"<{t.role}>{t.content}\n" for t in turns)
+        if not open_reply:
+            return [ord(c) for c in text]
+        ids = [ord(c) for c in text + "<assistant>"]
         self._replies[tuple(ids)] = self.reply(turns)
         return ids
 

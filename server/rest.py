@@ -74,8 +74,9 @@ async def advisory(request: Request) -> dict[str, Any]:
     body = await read_model(request, Advisory)
     if body.model_id is not None and body.model_id != ctx.engine.model_name:
         raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"model {body.model_id!r} is not served here")
-    await ctx.turns.record_advisory(owner, body.session_id, "rest")
-    return {"accepted": True, "session_id": body.session_id}
+    held = await ctx.turns.record_advisory(owner, body.session_id, "rest",
+                                           body.expected_arrival)
+    return {"accepted": True, "session_id": body.session_id, "context_tokens_held": held}
 
 
 @router.get("/healthz")
@@ -93,13 +94,15 @@ async def engine_stats(request: Request) -> dict[str, Any]:
     """The scheduler's counters: steps, scheduling time, preemptions and recomputed tokens per
     request class, cost-model error, policy and batch size."""
     authorize(request)
-    return await _ctx(request).engine.scheduler_stats()
+    engine = _ctx(request).engine
+    return {**await engine.scheduler_stats(), "tiering": await engine.tiering_stats()}
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     ctx = _ctx(request)
-    body = ctx.metrics.render() + scheduler_metrics_text(await ctx.engine.scheduler_stats())
+    body = (ctx.metrics.render() + scheduler_metrics_text(await ctx.engine.scheduler_stats())
+            + tiering_metrics_text(await ctx.engine.tiering_stats()))
     return Response(body, media_type="text/plain; version=0.0.4")
 
 
@@ -130,4 +133,48 @@ def scheduler_metrics_text(stats: dict[str, Any]) -> bytes:
         lines += ["# HELP antiphon_cost_model_mape Cost model mean absolute percentage error",
                   "# TYPE antiphon_cost_model_mape gauge",
                   f"antiphon_cost_model_mape {stats['cost_model_mape']}"]
+    return ("\n".join(lines) + "\n").encode()
+
+
+# Counters of the KV connector: (name in its stats, metric name, help).
+_TIERING_COUNTERS = (
+    ("prompt_tokens", "antiphon_kv_prompt_tokens_total", "Prompt tokens of admitted turns"),
+    ("computed_prompt_tokens", "antiphon_kv_computed_prompt_tokens_total",
+     "Prompt tokens the model computed (not found in any KV tier)"),
+    ("advisories_received", "antiphon_kv_advisories_received_total",
+     "Advisories that reached the engine"),
+    ("advisories_used", "antiphon_kv_advisories_used_total",
+     "Advisories whose session's turn arrived before they expired"),
+    ("advisories_late", "antiphon_kv_advisories_late_total",
+     "Advisories whose turn arrived before the prefetch finished"),
+    ("advisories_expired", "antiphon_kv_advisories_expired_total",
+     "Advisories that expired unused"),
+    ("turns_held", "antiphon_kv_turns_held_total", "Turns that waited for a prefetch"),
+    ("prefetch_load_s_sum", "antiphon_kv_prefetch_load_seconds_total",
+     "Advisory to prefetched KV in host memory, summed over used advisories"),
+    ("prefetch_lead_s_sum", "antiphon_kv_prefetch_lead_seconds_total",
+     "Prefetch done to the turn's arrival, summed over used advisories"),
+)
+
+
+def tiering_metrics_text(stats: dict[str, Any]) -> bytes:
+    """Prometheus text for the KV connector's counters (they live in the EngineCore process)."""
+    if not stats:
+        return b""
+    lines = ["# HELP antiphon_kv_tokens_total Prompt tokens served, by where their KV came from",
+             "# TYPE antiphon_kv_tokens_total counter",
+             *(f'antiphon_kv_tokens_total{{tier="{tier}"}} {stats[f"tokens_from_{tier}"]}'
+               for tier in ("device", "host", "ssd"))]
+    for key, name, help_text in _TIERING_COUNTERS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {stats[key]}"]
+    lines += ["# HELP antiphon_kv_tier_bytes KV tier occupancy and capacity",
+              "# TYPE antiphon_kv_tier_bytes gauge"]
+    for tier, t in stats["tiers"].items():
+        lines += [f'antiphon_kv_tier_bytes{{tier="{tier}",kind="used"}} {t["used_bytes"]}',
+                  f'antiphon_kv_tier_bytes{{tier="{tier}",kind="capacity"}} {t["capacity_bytes"]}']
+    lines += ["# HELP antiphon_kv_tier_reads_total Chunk-layer reads of each tier, by outcome",
+              "# TYPE antiphon_kv_tier_reads_total counter"]
+    for tier, t in stats["tiers"].items():
+        lines += [f'antiphon_kv_tier_reads_total{{tier="{tier}",outcome="hit"}} {t["hits"]}',
+                  f'antiphon_kv_tier_reads_total{{tier="{tier}",outcome="miss"}} {t["misses"]}']
     return ("\n".join(lines) + "\n").encode()

@@ -44,11 +44,18 @@ class SessionTurns:
             raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
         return session
 
-    async def record_advisory(self, owner: str, session_id: str, source: str) -> None:
-        """Record that `session_id` is about to send a turn (typing, agent hook, REST)."""
+    async def record_advisory(self, owner: str, session_id: str, source: str,
+                              expected_arrival_s: float | None = None) -> int | None:
+        """Record that `session_id` is about to send a turn (typing, agent hook, REST) and
+        have the engine bring its KV forward. Returns the context tokens the engine's KV tiers
+        hold for it (None: the engine keeps no tiers)."""
         await self.get(owner, session_id)
         await asyncio.to_thread(self.store.record_advisory, session_id, source, time.time())
         self.metrics.advisories.labels(source).inc()
+        history = await asyncio.to_thread(self.store.messages, session_id)
+        context = self.chat.engine.render_chat([ChatTurn(m.role, m.content) for m in history],
+                                               open_reply=False)
+        return await self.chat.engine.advise(session_id, context, expected_arrival_s)
 
     async def accept(self, owner: str, msg: protocol.ChatMessage, request_id: str) -> Generation:
         """Validate a turn, commit its user message and mark the session busy.

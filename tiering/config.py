@@ -13,18 +13,24 @@ GiB = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class TieringConfig:
+    kv_tiering: bool = doc(
+        "Keep every session's KV across turns in the host and SSD tiers (Antiphon's vLLM KV "
+        "connector); off: vLLM's prefix cache alone", default=True)
+    advisory_ttl_s: float = doc(
+        "How long past its expected arrival an advisory keeps its prefetched KV reserved",
+        default=30.0)
     host_tier_bytes: int = doc(
         "Host RAM for session KV (a shared-memory arena), in bytes; 0 turns the host tier off",
         default=2 * GiB)
     ssd_tier_bytes: int = doc("Disk space for session KV files, in bytes", default=32 * GiB)
     ssd_dir: Path | None = doc(
         "Directory of the SSD tier (one file per chunk-layer; a restart keeps it); "
-        "unset turns the SSD tier off", default=None)
+        "unset: <data-dir>/kv", default=None)
     chunk_tokens: int = doc(
         "Tokens per stored KV chunk; a multiple of page_tokens", default=128)
-    page_tokens: int = doc(
-        "Tokens per KV page of the engine (vLLM block size; 128 on the CPU backend)",
-        default=128)
+    # Tokens per KV page of the engine: the connector sets it to vLLM's block size (128 on the
+    # CPU backend), so it is no command-line option.
+    page_tokens: int = 128
     eviction_policy: str = doc(
         "Eviction order of every tier: lru or layer_priority (Symphony)",
         default="layer_priority")
@@ -51,6 +57,8 @@ class TieringConfig:
         if self.chunk_tokens < 1 or self.chunk_tokens % self.page_tokens:
             raise ValueError(f"chunk_tokens must be a positive multiple of page_tokens "
                              f"({self.page_tokens}), got {self.chunk_tokens}")
+        if self.advisory_ttl_s <= 0:
+            raise ValueError(f"advisory_ttl_s must be positive, got {self.advisory_ttl_s}")
         if self.writer_queue_depth < 1:
             raise ValueError(
                 f"writer_queue_depth must be at least 1, got {self.writer_queue_depth}")

@@ -118,6 +118,11 @@ class HostArena:
         start = self._offset(slot)
         return self._buffer[start:start + self.slot_bytes]
 
+    def slots_view(self) -> memoryview:
+        """A writable view of all slots back to back (`size_bytes` long), no copy: what the
+        connector's worker maps as one `[num_slots, slot_bytes]` tensor."""
+        return self._buffer[HEADER_BYTES:HEADER_BYTES + self.size_bytes]
+
     def write(self, slot: int, data: BytesLike, offset: int = 0) -> None:
         """Copy `data` into `slot` at byte `offset`; ValueError if it does not fit."""
         view = byte_view(data)

@@ -72,10 +72,17 @@ def prefix_hashes(token_ids: Sequence[int], chunk_tokens: int, model_id: str, *,
     `chunk_tokens` is the chunk size in tokens; `salt` separates tenants that must not share KV
     (vLLM's `cache_salt`), and anything else that changes KV bytes belongs in `model_id`.
     """
+    return continue_prefix_hashes(prefix_seed(model_id, salt), token_ids, chunk_tokens)
+
+
+def continue_prefix_hashes(previous: bytes, token_ids: Sequence[int],
+                           chunk_tokens: int) -> list[bytes]:
+    """`prefix_hashes` of the full chunks of `token_ids`, continuing the chain at `previous`
+    (the hash of the chunk just before them, or `prefix_seed`): how a request growing by a
+    few tokens per step extends its hashes without rehashing its whole prefix."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     hashes: list[bytes] = []
-    previous = prefix_seed(model_id, salt)
     for start in range(0, len(token_ids) - chunk_tokens + 1, chunk_tokens):
         chunk = token_ids[start:start + chunk_tokens]
         previous = hashlib.sha256(previous + struct.pack(f"<{chunk_tokens}q", *chunk)).digest()
@@ -91,3 +98,22 @@ def chunk_keys(model_id: str, hashes: Sequence[bytes], num_layers: int,
     """
     return [[ChunkKey(model_id, h, first_chunk + c, layer) for layer in range(num_layers)]
             for c, h in enumerate(hashes)]
+
+
+_TAIL_DOMAIN = b"antiphon-kv-tail\0"
+
+
+def tail_hashes(previous: bytes, tail_token_ids: Sequence[int]) -> list[bytes]:
+    """The hash of every partial chunk that continues the chain at `previous`: `result[n - 1]`
+    names the first `n` tokens of `tail_token_ids`.
+
+    A session's last chunk is usually partial (the turn ended mid-chunk). It is stored under
+    `sha256(previous || "tail" || tokens)`, apart from full chunks, so a follow-up turn finds it
+    by probing the lengths its own prompt allows; no directory of stored lengths is needed.
+    """
+    digest = hashlib.sha256(previous + _TAIL_DOMAIN)
+    hashes: list[bytes] = []
+    for token in tail_token_ids:
+        digest.update(struct.pack("<q", token))
+        hashes.append(digest.copy().digest())
+    return hashes

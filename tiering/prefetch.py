@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 from antiphon.tiering.keys import ChunkKey
@@ -59,6 +60,8 @@ class PrefetchHandle:
         self._pinned: list[tuple[int, ChunkKey]] = []  # (tier index, key) pins held
         self._num_settled = 0
         self._cancelled = False
+        self.created_at = time.monotonic()
+        self.finished_at: float | None = None if self.keys else self.created_at  # all settled
 
     def progress(self) -> list[LayerProgress]:
         """A snapshot per requested layer, in layer order."""
@@ -134,6 +137,8 @@ class PrefetchHandle:
                     if self.pin:
                         self._pinned.append((tier_index, key))
                 self._num_settled += 1
+                if self._num_settled == len(self.keys):
+                    self.finished_at = time.monotonic()
                 self._cond.notify_all()
 
     def _bring_up(self, key: ChunkKey) -> int | None:

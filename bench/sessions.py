@@ -1,0 +1,337 @@
+"""`antiphon bench sessions`: chat sessions whose KV outgrows the engine's pool, per system.
+
+ShareGPT conversations (at least 3 user turns) are replayed as concurrent simulated users.
+Between turns each user reads the reply (238 words/min), then types the next message (52
+words/min); a `typing` advisory fires when typing starts. The number of users is swept from what
+a small KV pool holds to about 4x more, on each system in one run, one server start each:
+
+    vllm             stock vLLM's OpenAI server, prefix caching on; the client keeps the history
+    tiers            `antiphon serve --kv-tiering` over websockets, no advisories
+    advisory         the same, with a typing advisory before every follow-up turn
+    advisory_miss10  the same, with 10% of the advisories dropped (seeded)
+
+Per turn: client TTFT and TPOT, prompt and cached tokens, and how much of the prior context was
+recomputed (`sessions_metrics`), which is what tiering exists to avoid. After the sweep, a sample
+of follow-up messages is sent again as fresh one-turn chats: the TTFT the same message costs
+with no context to bring back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import random
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from antiphon.bench.serverproc import ServerProcess
+from antiphon.bench.sessions_clients import ChatClient, OpenAIChat, TurnResult, WsChat
+from antiphon.bench.sessions_metrics import (
+    COUNTERS,
+    POINT_METRICS,
+    counter_deltas,
+    percentile,
+    summarise_point,
+    turn_records,
+)
+from antiphon.bench.sessions_report import report
+
+READ_WPM = 238.0  # words a minute a user reads a reply at
+TYPE_WPM = 52.0  # words a minute a user types a message at
+MIN_USER_TURNS = 3
+# Memory both servers may take for KV; the pool itself is capped in pages (Antiphon's default;
+# it also spares vLLM's CPU backend reserving most of the machine's memory).
+KV_CACHE_GIB = 2
+# Sizes of the run; --quick fits 10 minutes on 2 CPU cores with all four systems.
+QUICK = {"users": "2,4,8", "max_turns": 3, "max_tokens": 64, "max_message_tokens": 96,
+         "time_scale": 0.05, "fresh_samples": 8}
+FULL = {"users": "4,8,16", "max_turns": 4, "max_tokens": 256, "max_message_tokens": 256,
+        "time_scale": 1.0, "fresh_samples": 48}
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    name: str
+    is_stock_vllm: bool
+    advisory_miss: float | None  # fraction of typing advisories dropped; None: sends none
+
+
+SYSTEMS = {s.name: s for s in (System("vllm", True, None), System("tiers", False, None),
+                               System("advisory", False, 0.0),
+                               System("advisory_miss10", False, 0.1))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    users: tuple[int, ...]
+    messages: tuple[tuple[tuple[str, ...], ...], ...]  # [point][user]: its user messages
+    max_model_len: int
+    kv_pages: int  # KV pool size, one page of it vLLM's null block
+    pages_per_user: float  # mean KV pages of one conversation at its last turn
+
+
+def think_time_s(reply: str, message: str, time_scale: float) -> tuple[float, float]:
+    """(reading, typing) seconds before `message` is sent: the user reads `reply`, then types
+    `message`; both times `time_scale`, which shrinks a run without changing its shape."""
+    return (len(reply.split()) / READ_WPM * 60.0 * time_scale,
+            len(message.split()) / TYPE_WPM * 60.0 * time_scale)
+
+
+def advisory_flags(num_turns: int, miss: float | None, rng: random.Random) -> tuple[bool, ...]:
+    """Per turn, whether a typing advisory precedes it. Never before the first turn (there is
+    no KV to bring back yet); each other one is dropped with probability `miss`."""
+    if miss is None:
+        return (False,) * num_turns
+    return (False, *(rng.random() >= miss for _ in range(num_turns - 1)))
+
+
+def kv_bytes_per_token(model_config: dict[str, Any], dtype_bytes: int = 2) -> int:
+    """KV cache bytes of one token (K and V, every layer) of a Hugging Face `config.json`."""
+    heads = model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    kv_heads = model_config.get("num_key_value_heads") or heads
+    return 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+
+
+def pool_pages(context_tokens: Sequence[int], min_users: int, page_tokens: int,
+               max_model_len: int) -> tuple[int, float]:
+    """(pages, mean pages of one conversation): the pool holds `min_users` whole
+    conversations at their last turn, and at least one request of `max_model_len`, besides the
+    page vLLM keeps back (its null block)."""
+    per_user = sum(math.ceil(t / page_tokens) for t in context_tokens) / len(context_tokens)
+    usable = max(math.ceil(min_users * per_user), math.ceil(max_model_len / page_tokens))
+    return usable + 1, per_user
+
+
+def build_sweep(args: argparse.Namespace, model_dir: Path) -> Sweep:
+    """Fresh conversations per sweep point, messages cut to `max_message_tokens`, and the
+    engine sized from their rendered length with every reply at `max_tokens`."""
+    from transformers import AutoTokenizer
+
+    from antiphon.bench.workload import sharegpt_conversations
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    users = tuple(int(u) for u in args.users.split(","))
+    convs = iter(sharegpt_conversations(sum(users), MIN_USER_TURNS, seed=args.seed))
+
+    def cut(text: str) -> str:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return text if len(ids) <= args.max_message_tokens else str(tokenizer.decode(
+            ids[:args.max_message_tokens]))
+
+    def context_tokens(messages: tuple[str, ...]) -> int:
+        chat = [{"role": role, "content": m if role == "user" else ""}
+                for m in messages for role in ("user", "assistant")]
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+        return len(tokenizer.encode(text, add_special_tokens=False)) + len(
+            messages) * args.max_tokens
+
+    messages = tuple(tuple(tuple(cut(t) for r, t in next(convs) if r == "user")[:args.max_turns]
+                           for _ in range(n)) for n in users)
+    sizes = [context_tokens(m) for point in messages for m in point]
+    # A page of slack: replies may tokenise longer once rendered back into the history.
+    max_model_len = (math.ceil(max(sizes) / args.page_tokens) + 1) * args.page_tokens
+    pages, per_user = pool_pages(sizes, min(users), args.page_tokens, max_model_len)
+    return Sweep(users, messages, max_model_len, args.kv_pages or pages, per_user)
+
+
+async def run_user(chat: ChatClient, messages: Sequence[str], advise: Sequence[bool],
+                   time_scale: float) -> list[TurnResult]:
+    """One simulated user's conversation: type, send, read the reply, type the next."""
+    results: list[TurnResult] = []
+    await asyncio.sleep(think_time_s("", messages[0], time_scale)[1])
+    async with chat:
+        for turn, message in enumerate(messages):
+            if turn:
+                read_s, type_s = think_time_s(results[-1].text, message, time_scale)
+                await asyncio.sleep(read_s)
+                if advise[turn]:
+                    await chat.typing()
+                await asyncio.sleep(type_s)
+            results.append(await chat.turn(message))
+    return results
+
+
+ChatFactory = Callable[[int], ChatClient]  # max_tokens -> a new conversation
+CounterReader = Callable[[], Awaitable[dict[str, Any] | None]]  # the server's tiering counters
+
+
+async def measure_point(chat: ChatFactory, read_counters: CounterReader, system: System,
+                        users: int, messages: Sequence[Sequence[str]],
+                        args: argparse.Namespace) -> tuple[dict[str, float | None], list[dict]]:
+    """All `users` conversations at once; (metrics, per-turn records)."""
+    rng = random.Random(f"{args.seed}/{users}")
+    before = await read_counters()
+    per_user = await asyncio.gather(*(
+        run_user(chat(args.max_tokens), m, advisory_flags(len(m), system.advisory_miss, rng),
+                 args.time_scale) for m in messages))
+    tiering = counter_deltas(before, await read_counters())
+    records = [r for user, results in enumerate(per_user)
+               for r in turn_records(users, user, results)]
+    metrics = summarise_point(records, tiering)
+    print(f"[{system.name}] {users} users: " + " ".join(
+        f"{k}={v:.3f}" for k, v in metrics.items() if v is not None), flush=True)
+    if tiering and system.advisory_miss is not None:
+        print(f"[{system.name}] {users} users: advisories " + " ".join(
+            f"{k}={v}" for k, v in tiering.items() if k.startswith("advisories")), flush=True)
+    return metrics, records
+
+
+async def measure_fresh(chat: ChatFactory, samples: Sequence[tuple[dict[str, Any], str]]) -> None:
+    """TTFT of each sampled follow-up message alone in a new chat, one at a time; written into
+    its turn record as `fresh_ttft_s`."""
+    for record, message in samples:
+        async with chat(1) as c:
+            record["fresh_ttft_s"] = (await c.turn(message)).ttft_s
+
+
+async def measure_system(system: System, server: ServerProcess, sweep: Sweep,
+                         args: argparse.Namespace) -> dict[str, Any]:
+    """The whole sweep on one running server, then the fresh-prompt TTFTs."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+
+        def chat(max_tokens: int) -> ChatClient:
+            if system.is_stock_vllm:
+                return OpenAIChat(http, model, max_tokens)
+            return WsChat(server.ws_url, max_tokens)
+
+        async def read_counters() -> dict[str, Any] | None:
+            if system.is_stock_vllm:  # no tiers: nothing ever comes from host or SSD
+                return dict.fromkeys(COUNTERS, 0)
+            return (await http.get("/v1/engine/stats")).json().get("tiering")
+
+        async with chat(4) as warm_up:  # first-request costs stay out of the first point
+            await warm_up.turn("Hello!")
+        result: dict[str, Any] = {"users": list(sweep.users), **{k: [] for k in POINT_METRICS}}
+        turns, followups = [], []
+        for users, messages in zip(sweep.users, sweep.messages, strict=True):
+            metrics, records = await measure_point(chat, read_counters, system, users, messages,
+                                                   args)
+            for k in POINT_METRICS:
+                result[k].append(metrics[k])
+            turns += records
+            followups += [(r, messages[r["user"]][r["turn"]]) for r in records if r["turn"]]
+        samples = random.Random(args.seed).sample(followups,
+                                                  min(args.fresh_samples, len(followups)))
+        await measure_fresh(chat, samples)
+    result["fresh_ttft_p50_s"] = percentile([r["fresh_ttft_s"] for r, _ in samples], 0.5)
+    result["turns"] = turns
+    return result
+
+
+def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse.Namespace,
+                   tmp: Path) -> list[str]:
+    """The same engine shape for every system; the Antiphon ones with their tiers in `tmp`."""
+    from antiphon.model import DEFAULT_MODEL_NAME
+
+    name = DEFAULT_MODEL_NAME if args.model is None else model_dir.name
+    engine = ["--model", str(model_dir), "--served-model-name", name, "--max-model-len",
+              str(sweep.max_model_len), "--max-num-seqs", "64", "--max-num-batched-tokens",
+              str(max(2048, sweep.max_model_len)), "--dtype", "bfloat16", "--seed", "0"]
+    engine += ["--enforce-eager"] if args.enforce_eager else []
+    if system.is_stock_vllm:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine,
+                "--host", "127.0.0.1", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+                "--num-gpu-blocks-override", str(sweep.kv_pages), "--kv-cache-memory-bytes",
+                str(KV_CACHE_GIB << 30), "--disable-uvicorn-access-log"]
+    return [sys.executable, "-m", "antiphon", "serve", *engine, "--num-kv-pages",
+            str(sweep.kv_pages), "--kv-cache-gib", str(KV_CACHE_GIB), "--data-dir",
+            str(tmp / "data"), "--kv-tiering", "--ssd-dir", str(tmp / "ssd"), "--host-tier-bytes",
+            str(args.host_tier_bytes), "--ssd-tier-bytes", str(args.ssd_tier_bytes)]
+
+
+def main(args: argparse.Namespace) -> int:
+    from antiphon.model import resolve_model
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per chat turn otherwise
+    model_dir = resolve_model(args.model)
+    sweep = build_sweep(args, model_dir)
+    pool_bytes = sweep.kv_pages * args.page_tokens * kv_bytes_per_token(
+        json.loads((model_dir / "config.json").read_text()))
+    args.host_tier_bytes = args.host_tier_bytes or 2 * pool_bytes
+    args.ssd_tier_bytes = args.ssd_tier_bytes or 16 * pool_bytes
+    config = {**{k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
+              "model": str(model_dir), "read_wpm": READ_WPM, "type_wpm": TYPE_WPM,
+              "max_model_len": sweep.max_model_len, "kv_pages": sweep.kv_pages,
+              "kv_pool_bytes": pool_bytes, "pages_per_user": round(sweep.pages_per_user, 2),
+              "pool_fill": [round(u * sweep.pages_per_user / (sweep.kv_pages - 1), 2)
+                            for u in sweep.users]}
+    print("config: " + json.dumps(config), flush=True)
+    out = Path(args.out)
+    systems: dict[str, dict[str, Any]] = {}
+    for name in args.systems.split(","):
+        system = SYSTEMS[name]
+        with tempfile.TemporaryDirectory(prefix=f"antiphon-bench-{name}-") as tmp:
+            cmd = server_command(system, model_dir, sweep, args, Path(tmp))
+            with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log"),
+                               health_path="/health" if system.is_stock_vllm else "/healthz",
+                               ) as server:
+                systems[name] = asyncio.run(measure_system(system, server, sweep, args))
+    report({"benchmark": "sessions", "config": config, "systems": systems}, out)
+    return 0
+
+
+def add_parser(kinds: Any) -> None:
+    p = kinds.add_parser("sessions", help="multi-turn sessions beyond the KV pool, per system")
+    p.add_argument("--out", default="bench-sessions.json", help="JSON record (and .png) to write")
+    p.add_argument("--model", default=None, help="model folder (default: the default model)")
+    p.add_argument("--quick", action="store_true",
+                   help="a run that fits 10 minutes on 2 CPU cores, eager engines")
+    p.add_argument("--systems", default=",".join(SYSTEMS), type=_systems,
+                   help="comma-separated systems to run (default: all)")
+    p.add_argument("--users", help="comma-separated concurrent users per sweep point"
+                   + _sizes("users"))
+    p.add_argument("--max-turns", type=int,
+                   help="user turns per conversation at most" + _sizes("max_turns"))
+    p.add_argument("--max-tokens", type=int,
+                   help="output tokens per turn at most" + _sizes("max_tokens"))
+    p.add_argument("--max-message-tokens", type=int,
+                   help="user messages cut to this length" + _sizes("max_message_tokens"))
+    p.add_argument("--time-scale", type=float,
+                   help="factor on reading and typing times" + _sizes("time_scale"))
+    p.add_argument("--fresh-samples", type=int,
+                   help="follow-up messages re-sent as fresh chats" + _sizes("fresh_samples"))
+    p.add_argument("--kv-pages", type=int, default=None,
+                   help="KV pool size in pages (default: the smallest user count fits)")
+    p.add_argument("--page-tokens", type=int, default=128,
+                   help="tokens per KV page, for sizing (vLLM's block size: 128 on CPU)")
+    p.add_argument("--host-tier-bytes", type=int, default=None,
+                   help="Antiphon's host tier (default: twice the KV pool)")
+    p.add_argument("--ssd-tier-bytes", type=int, default=None,
+                   help="Antiphon's SSD tier (default: 16 times the KV pool)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="skip graph compilation (default: on with --quick)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(bench_func=lambda a: main(_defaults(a)))
+
+
+def _sizes(key: str) -> str:
+    return f" (default {FULL[key]}; --quick: {QUICK[key]})"
+
+
+def _systems(value: str) -> str:
+    unknown = [s for s in value.split(",") if s not in SYSTEMS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown systems {unknown}; valid: {', '.join(SYSTEMS)}")
+    return value
+
+
+def _defaults(args: argparse.Namespace) -> argparse.Namespace:
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.enforce_eager is None:
+        args.enforce_eager = bool(args.quick)
+    return args

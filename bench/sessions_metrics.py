@@ -1,0 +1,90 @@
+"""Per-turn context accounting and per-sweep-point metrics of `antiphon bench sessions`.
+
+A follow-up turn's prior context is the KV its previous turn computed; what the server did not
+find cached of it was recomputed:
+
+    previous turn  [ prompt ............... | reply ..... x ]    x: sampled, never fed back
+    follow-up      [ prior context ................... ][ new message ..... y ]
+                   [ cached (any tier) ... | recomputed ]    y: always computed
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from antiphon.bench.sessions_clients import TurnResult
+
+COUNTERS = ("prompt_tokens", "tokens_from_device", "tokens_from_host", "tokens_from_ssd",
+            "recomputed_prompt_tokens", "advisories_received", "advisories_used",
+            "advisories_expired")
+POINT_METRICS = ("recomputed_context_frac", "followup_ttft_p50_s", "followup_ttft_p99_s",
+                 "tpot_p50_s", "host_hit_frac", "ssd_hit_frac")
+
+
+def prior_context_tokens(prev_prompt: int, prev_completion: int, prompt: int) -> int:
+    """Tokens of a follow-up prompt whose KV its previous turn computed: that turn's prompt and
+    reply but the reply's last token (sampled, never fed back), and never the new prompt's last
+    token (always computed, to sample from)."""
+    return max(0, min(prev_prompt + prev_completion - 1, prompt - 1))
+
+
+def recomputed_context_tokens(prior_context: int, cached: int) -> int:
+    return max(0, prior_context - cached)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The `q` quantile (0..1), interpolated between neighbours; None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def turn_records(users: int, user: int, results: Sequence[TurnResult]) -> list[dict[str, Any]]:
+    """One JSON record per turn of one simulated user, with its context accounting."""
+    records = []
+    for turn, r in enumerate(results):
+        prev = results[turn - 1] if turn else None
+        prior = prior_context_tokens(prev.prompt_tokens, prev.completion_tokens,
+                                     r.prompt_tokens) if prev else 0
+        records.append({"users": users, "user": user, "turn": turn, "ttft_s": r.ttft_s,
+                        "tpot_s": r.tpot_s, "prompt_tokens": r.prompt_tokens,
+                        "completion_tokens": r.completion_tokens,
+                        "cached_tokens": r.cached_tokens, "prior_context_tokens": prior,
+                        "recomputed_context_tokens": recomputed_context_tokens(
+                            prior, r.cached_tokens), "fresh_ttft_s": None})
+    return records
+
+
+def counter_deltas(before: dict[str, Any] | None,
+                   after: dict[str, Any] | None) -> dict[str, int] | None:
+    """Tiering counters over a window; None when the server reports none."""
+    if not before or not after:
+        return None
+    return {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in COUNTERS}
+
+
+def summarise_point(records: Sequence[dict[str, Any]],
+                    tiering: dict[str, int] | None) -> dict[str, float | None]:
+    """One sweep point's metrics. Tier hit fractions are of the follow-ups' prior context, so
+    that device, host, SSD and recomputed shares add up to about one."""
+    followups = [r for r in records if r["turn"] > 0]
+    prior = sum(r["prior_context_tokens"] for r in followups)
+
+    def share(tokens: int | None) -> float | None:
+        return tokens / prior if tokens is not None and prior else None
+
+    return {
+        "recomputed_context_frac": share(sum(r["recomputed_context_tokens"] for r in followups)),
+        "followup_ttft_p50_s": percentile([r["ttft_s"] for r in followups], 0.5),
+        "followup_ttft_p99_s": percentile([r["ttft_s"] for r in followups], 0.99),
+        "tpot_p50_s": percentile([r["tpot_s"] for r in records if r["completion_tokens"] > 1],
+                                 0.5),
+        "host_hit_frac": share(tiering["tokens_from_host"] if tiering else None),
+        "ssd_hit_frac": share(tiering["tokens_from_ssd"] if tiering else None),
+    }

@@ -1,0 +1,82 @@
+"""Output of `antiphon bench sessions`: the JSON record, two side-by-side tables and a plot."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from antiphon.bench.report import print_table, write_json
+from antiphon.bench.sessions_metrics import POINT_METRICS, percentile
+
+# Prior-context edges (tokens) of the follow-up / fresh TTFT table.
+CONTEXT_EDGES = (0, 256, 512, 1024, 2048)
+
+
+def report(record: dict[str, Any], out: Path) -> None:
+    """Write `out` (JSON) and `out` with .png, and print the tables."""
+    write_json(out, record)
+    systems = record["systems"]
+    baseline = "vllm" if "vllm" in systems else next(iter(systems))
+    print_table({name: point_rows(s) for name, s in systems.items()}, baseline)
+    print("\nfollow-up TTFT / fresh TTFT of the same message, median, by prior context tokens:")
+    print_table({name: ttft_ratio_rows(s["turns"]) for name, s in systems.items()}, baseline)
+    plot(systems, out.with_suffix(".png"))
+
+
+def point_rows(system: dict[str, Any]) -> dict[str, float]:
+    """One row per metric and user count; NaN where a system reports nothing (no tiers)."""
+    rows = {f"u{users}_{k}": _num(system[k][i])
+            for i, users in enumerate(system["users"]) for k in POINT_METRICS}
+    rows["fresh_ttft_p50_s"] = _num(system["fresh_ttft_p50_s"])
+    return rows
+
+
+def ttft_ratio_rows(turns: list[dict[str, Any]]) -> dict[str, float]:
+    """Median follow-up TTFT over fresh TTFT of the same message, per prior-context bucket."""
+    rows = {}
+    for lo, hi in zip(CONTEXT_EDGES, (*CONTEXT_EDGES[1:], math.inf), strict=True):
+        ratios = [t["ttft_s"] / t["fresh_ttft_s"] for t in turns
+                  if t["fresh_ttft_s"] and lo <= t["prior_context_tokens"] < hi]
+        rows[f"ctx_{lo}_{hi}"] = _num(percentile(ratios, 0.5))
+    return rows
+
+
+def _num(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+def plot(systems: dict[str, dict[str, Any]], path: Path) -> None:
+    """Follow-up TTFT against prior context (each turn; the fresh p50 dashed) and against
+    users (p50 solid, p99 dotted)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, (by_context, by_users) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, (name, s) in enumerate(systems.items()):
+        color = f"C{i}"
+        followups = [t for t in s["turns"] if t["turn"] > 0]
+        by_context.scatter([t["prior_context_tokens"] for t in followups],
+                           [t["ttft_s"] for t in followups], s=8, alpha=0.5, color=color,
+                           label=name)
+        if s["fresh_ttft_p50_s"] is not None:
+            by_context.axhline(s["fresh_ttft_p50_s"], color=color, linestyle="--", linewidth=1)
+        by_users.plot(s["users"], [_num(v) for v in s["followup_ttft_p50_s"]], "o-",
+                      color=color, label=f"{name} p50")
+        by_users.plot(s["users"], [_num(v) for v in s["followup_ttft_p99_s"]], "o:",
+                      color=color, label=f"{name} p99")
+    by_context.set_xlabel("prior context (tokens)")
+    by_context.set_ylabel("follow-up TTFT (s); dashed: fresh prompt p50")
+    by_users.set_xticks(sorted({u for s in systems.values() for u in s["users"]}))
+    by_users.set_xlabel("concurrent users")
+    by_users.set_ylabel("follow-up TTFT (s)")
+    for ax in (by_context, by_users):
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")

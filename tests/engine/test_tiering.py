@@ -1,0 +1,146 @@
+"""KV tiering inside real vLLM engines: a multi-turn conversation whose KV comes from the host
+tier, from the SSD tier after a restart, and from recompute after a corrupted SSD chunk gives
+greedy output identical to the same conversation without tiering."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from antiphon.engine_ext.config import EngineConfig
+from antiphon.engine_ext.engine import VllmEngine
+from antiphon.engine_ext.types import ChatTurn, GenerationParams
+from antiphon.model import resolve_model
+from antiphon.tiering.config import MiB, TieringConfig
+
+pytestmark = pytest.mark.engine
+
+STORY = ("A lighthouse keeper on a rocky island kept a logbook of every ship that passed, the "
+         "weather each morning, and the birds that nested on the cliffs. ") * 9
+QUESTIONS = [f"Read this log and tell me what it is about.\n\n{STORY}",
+             "What kind of birds might nest on such cliffs? Name two.",
+             "Write one sentence the keeper might add to the logbook tonight."]
+
+
+async def converse(engine: VllmEngine, tag: str, *, reset_device: bool
+                   ) -> tuple[list[str], list[tuple[int, int]]]:
+    """Greedy replies to QUESTIONS as one conversation, and (prompt, cached) tokens per turn.
+    With `reset_device`, vLLM's own page cache is emptied before every turn."""
+    turns: list[ChatTurn] = []
+    replies, usage = [], []
+    for index, question in enumerate(QUESTIONS):
+        if reset_device:
+            assert await engine.reset_prefix_cache()
+        turns.append(ChatTurn("user", question))
+        params = GenerationParams(max_tokens=40, temperature=0.0, session_id=tag)
+        text, prompt, cached = "", 0, 0
+        async for delta in engine.generate(f"{tag}-{index}", engine.render_chat(turns), params):
+            text += delta.text
+            prompt, cached = delta.num_prompt_tokens, max(cached, delta.num_cached_tokens)
+        turns.append(ChatTurn("assistant", text))
+        replies.append(text)
+        usage.append((prompt, cached))
+    return replies, usage
+
+
+async def tiered_engine(ssd_dir: Path) -> VllmEngine:
+    config = EngineConfig(max_model_len=2048, num_kv_pages=24, enforce_eager=True,
+                          policy="bros", kv_cache_gib=0.5)
+    tiering = TieringConfig(host_tier_bytes=64 * MiB, ssd_tier_bytes=256 * MiB, ssd_dir=ssd_dir)
+    eng = VllmEngine(config, resolve_model(None), tiering)
+    await eng.start()
+    return eng
+
+
+@dataclasses.dataclass
+class FirstRun:
+    """The conversation on a fresh tiered engine, whose SSD tier later engines start from."""
+
+    ssd_dir: Path
+    replies: list[str]
+    usage: list[tuple[int, int]]
+    stats: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+async def reference(engine: VllmEngine) -> list[str]:
+    replies, _ = await converse(engine, "ref", reset_device=True)
+    return replies
+
+
+@pytest.fixture(scope="module")
+async def first_run(tmp_path_factory: pytest.TempPathFactory) -> FirstRun:
+    ssd_dir = tmp_path_factory.mktemp("kv-ssd")
+    eng = await tiered_engine(ssd_dir)
+    try:
+        replies, usage = await converse(eng, "host", reset_device=True)
+        stats = await eng.tiering_stats()
+    finally:
+        await eng.shutdown()
+    return FirstRun(ssd_dir, replies, usage, stats)
+
+
+async def rerun(first: FirstRun, tmp_path: Path, tag: str
+                ) -> tuple[list[str], list[tuple[int, int]], dict[str, Any]]:
+    """The conversation again on a new engine over a copy of the first run's SSD tier."""
+    ssd_dir = tmp_path / "ssd"
+    shutil.copytree(first.ssd_dir, ssd_dir, ignore=shutil.ignore_patterns("*.lock"))
+    eng = await tiered_engine(ssd_dir)
+    try:
+        replies, usage = await converse(eng, tag, reset_device=True)
+        return replies, usage, await eng.tiering_stats()
+    finally:
+        await eng.shutdown()
+
+
+def test_host_tier_turns_match_recompute(reference: list[str], first_run: FirstRun) -> None:
+    assert first_run.replies == reference
+    stats = first_run.stats
+    # Every follow-up found its whole prior context (the previous prompt and reply) in the host
+    # tier, though vLLM's own page cache was emptied before each turn.
+    for (_, cached), (previous_prompt, _) in zip(first_run.usage[1:], first_run.usage,
+                                                 strict=False):
+        assert cached >= previous_prompt, (first_run.usage, stats)
+    assert stats["tokens_from_host"] > 0 and stats["tokens_from_ssd"] == 0, stats
+    assert stats["tiers"]["ssd"]["bytes_in"] > 0, stats
+
+
+async def test_ssd_tier_after_restart_matches_recompute(reference: list[str],
+                                                        first_run: FirstRun,
+                                                        tmp_path: Path) -> None:
+    # A new engine: empty host arena, the SSD index rebuilt from the files.
+    replies, usage, stats = await rerun(first_run, tmp_path, "ssd")
+    assert replies == reference
+    assert usage[0][1] > 0, usage  # even the first turn was stored before the restart
+    assert stats["tokens_from_ssd"] > 0, stats
+
+
+async def test_corrupt_ssd_chunk_falls_back_to_recompute(reference: list[str],
+                                                        first_run: FirstRun,
+                                                        tmp_path: Path) -> None:
+    files = sorted(p for p in first_run.ssd_dir.rglob("*")
+                   if p.is_file() and p.suffix != ".lock")
+    assert files
+    copy_dir = tmp_path / "source"
+    shutil.copytree(first_run.ssd_dir, copy_dir, ignore=shutil.ignore_patterns("*.lock"))
+    damaged = 0
+    for path in sorted(p for p in copy_dir.rglob("*") if p.is_file())[::3]:
+        data = bytearray(path.read_bytes())
+        if len(data) > 4096:
+            data[-100] ^= 0xFF  # inside the payload: the checksum no longer matches
+            path.write_bytes(bytes(data))
+            damaged += 1
+    assert damaged
+    replies, _, stats = await rerun(FirstRun(copy_dir, [], [], {}), tmp_path, "corrupt")
+    assert replies == reference
+    assert stats["tiers"]["ssd"]["corrupt_dropped"] > 0, stats
+    assert stats["computed_prompt_tokens"] > 0, stats
+
+
+def test_tiering_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="advisory_ttl_s"):
+        dataclasses.replace(TieringConfig(), advisory_ttl_s=0)

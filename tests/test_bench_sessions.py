@@ -1,0 +1,170 @@
+"""The pure parts of `antiphon bench sessions`: think times, advisory drops, context accounting,
+aggregation, pool sizing and the report; no engine, no server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from pathlib import Path
+from types import TracebackType
+
+import pytest
+
+from antiphon.bench import sessions
+from antiphon.bench.sessions_clients import TurnResult
+from antiphon.bench.sessions_metrics import (
+    counter_deltas,
+    percentile,
+    prior_context_tokens,
+    recomputed_context_tokens,
+    summarise_point,
+    turn_records,
+)
+from antiphon.bench.sessions_report import point_rows, report, ttft_ratio_rows
+
+SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "hidden_size": 576}
+
+
+def result(prompt: int, completion: int, cached: int, ttft: float = 0.1,
+           text: str = "ok") -> TurnResult:
+    return TurnResult(ttft, 0.01, prompt, completion, cached, text)
+
+
+def test_think_time_reads_at_238_and_types_at_52_words_a_minute() -> None:
+    reply, message = " ".join(["w"] * 238), " ".join(["w"] * 26)
+    assert sessions.think_time_s(reply, message, 1.0) == pytest.approx((60.0, 30.0))
+    assert sessions.think_time_s(reply, message, 0.05) == pytest.approx((3.0, 1.5))
+    assert sessions.think_time_s("", "", 1.0) == (0.0, 0.0)
+
+
+def test_advisories_never_precede_the_first_turn_and_none_without_advisories() -> None:
+    rng = random.Random(0)
+    assert sessions.advisory_flags(4, None, rng) == (False,) * 4
+    assert sessions.advisory_flags(4, 0.0, rng) == (False, True, True, True)
+
+
+def test_advisory_drop_rate_is_seeded_and_near_its_target() -> None:
+    def flags(seed: str) -> tuple[bool, ...]:
+        return sessions.advisory_flags(20_001, 0.1, random.Random(seed))
+
+    sent = flags("0/8")[1:]
+    assert sent.count(False) / len(sent) == pytest.approx(0.1, abs=0.01)
+    assert flags("0/8") == flags("0/8") and flags("0/8") != flags("0/16")
+
+
+def test_prior_context_leaves_out_the_last_generated_token_and_is_capped() -> None:
+    assert prior_context_tokens(100, 20, 150) == 119  # reply's last token never fed back
+    assert prior_context_tokens(100, 20, 110) == 109  # re-rendered shorter: the new prompt caps
+    assert prior_context_tokens(1, 0, 1) == 0
+    assert recomputed_context_tokens(119, 100) == 19
+    assert recomputed_context_tokens(119, 128) == 0  # a cache hit may run into the new message
+
+
+def test_turn_records_account_each_follow_up_against_its_previous_turn() -> None:
+    records = turn_records(4, 2, [result(50, 30, 0), result(120, 40, 0), result(200, 10, 128)])
+    assert [(r["users"], r["user"], r["turn"]) for r in records] == [(4, 2, 0), (4, 2, 1),
+                                                                     (4, 2, 2)]
+    assert [r["prior_context_tokens"] for r in records] == [0, 79, 159]
+    assert [r["recomputed_context_tokens"] for r in records] == [0, 79, 31]
+    assert all(r["fresh_ttft_s"] is None for r in records)
+
+
+def test_percentile_interpolates_and_is_none_without_values() -> None:
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 0.5) == 3.0
+    assert percentile([1.0, 2.0], 0.5) == 1.5
+    assert percentile([float(i) for i in range(101)], 0.99) == pytest.approx(99.0)
+    assert percentile([7.0], 0.99) == 7.0
+    assert percentile([], 0.5) is None
+
+
+def test_point_summary_shares_are_of_the_follow_ups_prior_context() -> None:
+    records = (turn_records(2, 0, [result(50, 30, 0, 1.0), result(120, 40, 0, 2.0)])
+               + turn_records(2, 1, [result(60, 21, 0, 1.0), result(100, 1, 80, 4.0)]))
+    # prior contexts 79 and 80, recomputed 79 and 0
+    tiering = {"tokens_from_host": 53, "tokens_from_ssd": 0}
+    summary = summarise_point(records, tiering)  # type: ignore[arg-type]
+    assert summary["recomputed_context_frac"] == pytest.approx(79 / 159)
+    assert summary["host_hit_frac"] == pytest.approx(53 / 159)
+    assert summary["ssd_hit_frac"] == 0.0
+    assert summary["followup_ttft_p50_s"] == pytest.approx(3.0)
+    assert summary["followup_ttft_p99_s"] == pytest.approx(3.98)
+    assert summary["tpot_p50_s"] == pytest.approx(0.01)  # the 1-token turn has no TPOT
+    untiered = summarise_point(records, None)
+    assert untiered["host_hit_frac"] is None and untiered["ssd_hit_frac"] is None
+
+
+def test_counter_deltas_tolerate_servers_without_tiers() -> None:
+    before = {"tokens_from_host": 10, "tokens_from_ssd": 5, "advisories_received": 1}
+    after = {"tokens_from_host": 30, "tokens_from_ssd": 5, "advisories_received": 4}
+    deltas = counter_deltas(before, after)
+    assert deltas is not None
+    assert deltas["tokens_from_host"] == 20 and deltas["tokens_from_ssd"] == 0
+    assert deltas["advisories_received"] == 3 and deltas["advisories_expired"] == 0
+    assert counter_deltas(None, after) is None and counter_deltas({}, {}) is None
+
+
+def test_pool_holds_the_smallest_user_count_and_one_longest_request() -> None:
+    assert sessions.kv_bytes_per_token(SMOLLM2) == 2 * 30 * 3 * 64 * 2
+    pages, per_user = sessions.pool_pages([300, 500, 129], 2, 128, 640)
+    assert per_user == pytest.approx((3 + 4 + 2) / 3)
+    assert pages == 6 + 1  # vLLM keeps one page back
+    assert sessions.pool_pages([100], 1, 128, 1024) == (8 + 1, 1.0)  # max_model_len must fit
+
+
+class FakeChat:
+    """Records what a simulated user does, answers every turn at once."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    async def __aenter__(self) -> FakeChat:
+        self.events.append("open")
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.events.append("close")
+
+    async def turn(self, message: str) -> TurnResult:
+        self.events.append(message)
+        return result(10, 5, 0, text="a reply")
+
+    async def typing(self) -> None:
+        self.events.append("typing")
+
+
+async def test_user_sends_advisories_only_before_flagged_turns() -> None:
+    chat = FakeChat()
+    results = await sessions.run_user(chat, ["m0", "m1", "m2"], (False, False, True), 0.0)
+    assert len(results) == 3
+    assert chat.events == ["open", "m0", "m1", "typing", "m2", "close"]
+
+
+def test_quick_fills_in_sizes_and_systems_are_checked() -> None:
+    parser = argparse.ArgumentParser()
+    sessions.add_parser(parser.add_subparsers())
+    args = sessions._defaults(parser.parse_args(["sessions", "--quick", "--systems", "vllm"]))
+    assert (args.time_scale, args.max_turns, args.enforce_eager) == (0.05, 3, True)
+    full = sessions._defaults(parser.parse_args(["sessions", "--time-scale", "0.5"]))
+    assert (full.time_scale, full.enforce_eager, full.systems) == (
+        0.5, False, "vllm,tiers,advisory,advisory_miss10")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["sessions", "--systems", "vllm,nope"])
+
+
+def test_report_writes_the_record_and_the_plot(tmp_path: Path) -> None:
+    turns = turn_records(2, 0, [result(50, 30, 0), result(120, 40, 0, 0.4)])
+    turns[1]["fresh_ttft_s"] = 0.1
+    system = {"users": [2], "recomputed_context_frac": [1.0], "followup_ttft_p50_s": [0.4],
+              "followup_ttft_p99_s": [0.4], "tpot_p50_s": [0.01], "host_hit_frac": [None],
+              "ssd_hit_frac": [None], "fresh_ttft_p50_s": 0.1, "turns": turns}
+    out = tmp_path / "sessions.json"
+    report({"benchmark": "sessions", "config": {}, "systems": {"tiers": system}}, out)
+    assert json.loads(out.read_text())["systems"]["tiers"]["host_hit_frac"] == [None]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert math.isnan(point_rows(system)["u2_host_hit_frac"])
+    ratios = ttft_ratio_rows(turns)
+    assert ratios["ctx_0_256"] == pytest.approx(4.0) and math.isnan(ratios["ctx_256_512"])

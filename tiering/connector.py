@@ -1,0 +1,192 @@
+"""Antiphon's vLLM KV connector: session KV in host and SSD tiers, loaded layer by layer.
+
+vLLM loads it by name (`kv_connector="AntiphonKVConnector"`,
+`kv_connector_module_path="antiphon.tiering.connector"`) and creates it twice: in the EngineCore
+process with the scheduler role (`TierPlanner`: lookups, slot plans, advisories, the tier store)
+and in the worker process with the worker role (`KvPageCopier`: the page copies). This class only
+translates vLLM's calls into theirs. `kv_connector_extra_config` carries the `TieringConfig`
+(`connector_extra_config` builds it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from antiphon.tiering.config import TieringConfig
+from antiphon.tiering.connector_meta import TieringMetadata, TieringWorkerMetadata
+from antiphon.tiering.connector_worker import KvPageCopier
+from antiphon.tiering.planner import TierPlanner, TokenView
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "AntiphonKVConnector"
+CONNECTOR_MODULE = "antiphon.tiering.connector"
+
+
+def connector_extra_config(config: TieringConfig, model_id: str) -> dict[str, Any]:
+    """What `kv_connector_extra_config` must hold for this connector (JSON-safe)."""
+    fields = dataclasses.asdict(config)
+    fields["ssd_dir"] = None if config.ssd_dir is None else str(config.ssd_dir)
+    return {"antiphon_tiering": fields, "antiphon_model_id": model_id}
+
+
+def kv_transfer_config(config: TieringConfig, model_id: str) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` that installs this connector."""
+    return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": connector_extra_config(config, model_id)}
+
+
+def session_of(request: Request) -> str | None:
+    """The chat session a request belongs to (the server puts it in `extra_args`)."""
+    extra = request.sampling_params.extra_args if request.sampling_params else None
+    session = (extra or {}).get("antiphon_session")
+    return session if isinstance(session, str) else None
+
+
+def _token_view(request: Request) -> TokenView:
+    cache_salt = getattr(request, "cache_salt", None)
+    salt = cache_salt.encode() if cache_salt else b""
+    return TokenView(request.request_id, request.all_token_ids, session_of(request), salt)
+
+
+class AntiphonKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if vllm_config.parallel_config.world_size != 1:
+            raise ValueError("Antiphon's KV tiering supports one worker (no tensor or pipeline "
+                             "parallelism) in this version")
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError("Antiphon's KV tiering needs a model with one KV cache group "
+                             "(full attention in every layer)")
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        fields = dict(extra["antiphon_tiering"])
+        fields["ssd_dir"] = Path(fields["ssd_dir"]) if fields["ssd_dir"] else None
+        block_size = vllm_config.cache_config.block_size
+        chunk_tokens = max(block_size, fields["chunk_tokens"] // block_size * block_size)
+        config = TieringConfig(**{**fields, "page_tokens": block_size,
+                                  "chunk_tokens": chunk_tokens})
+        group = kv_cache_config.kv_cache_groups[0]
+        self._layer_names = list(group.layer_names)
+        self._planner: TierPlanner | None = None
+        self._copier: KvPageCopier | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._planner = TierPlanner(
+                config, model_id=str(extra["antiphon_model_id"]),
+                num_layers=len(self._layer_names),
+                page_bytes=group.kv_cache_spec.page_size_bytes,
+                block_ids_of=self._block_ids_of)
+            log.info("KV tiering on: %s; host arena %s", [t.name for t in
+                                                           self._planner.store.tiers],
+                     self._planner.arena_name)
+        else:
+            self._copier = KvPageCopier(self._layer_names)
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    @property
+    def planner(self) -> TierPlanner:
+        assert self._planner is not None, "scheduler-side call on the worker connector"
+        return self._planner
+
+    def _block_ids_of(self, request_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None
+        return list(self._kv_cache_manager.get_block_ids(request_id)[0])
+
+    def on_new_request(self, request: Request) -> None:
+        self.planner.add_request(_token_view(request))
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.planner.num_new_matched_tokens(_token_view(request), num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self.planner.plan_load(request.request_id, blocks.get_block_ids()[0],
+                               num_external_tokens, request.num_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        done: list[tuple[str, int]] = []
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            done.append((new.req_id, new.num_computed_tokens + num_scheduled[new.req_id]))
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            done.append((request_id, cached.num_computed_tokens[index]
+                         + num_scheduled[request_id]))
+        return self.planner.build_metadata(done)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, TieringWorkerMetadata):
+            self.planner.step_done(meta.done_steps, meta.failed_steps)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.planner.request_finished(request.request_id, request.num_computed_tokens,
+                                             block_ids), None
+
+    # -- worker side -------------------------------------------------------------------------
+
+    @property
+    def copier(self) -> KvPageCopier:
+        assert self._copier is not None, "worker-side call on the scheduler connector"
+        return self._copier
+
+    def _meta(self) -> TieringMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieringMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.copier.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        # Whole matched pages load layer by layer in `wait_for_layer_load`, just before each
+        # layer's attention; a partly matched page must land before any layer writes into it.
+        self.copier.load_early(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.copier.load_layer(self._meta(), layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        self.copier.save_layer(self._meta(), layer_name)
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self.copier.finish_step(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.copier.take_finished_sending() or None, None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.copier.take_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
+        if self._planner is not None:
+            self._planner.close()

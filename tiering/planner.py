@@ -1,0 +1,501 @@
+"""The connector's scheduler side: which KV a turn can load, which it must save, and advisories.
+
+It runs in vLLM's EngineCore process and owns the tier store (the host tier's index and slot
+allocator, the SSD tier). Per engine step:
+
+    admission  `num_new_matched_tokens`: the longest prefix of the prompt the tiers hold (full
+               chunks, then the partial chunk a previous turn ended with). Chunks only on SSD are
+               prefetched into the host arena first, and the turn waits (None) until they land.
+               The host slots are pinned so they stay put until the worker has copied them.
+    allocate   `plan_load`: after vLLM gave the turn pages, each matched page becomes a copy
+               slot -> device block, done layer by layer under the forward pass.
+    step       `build_metadata`: every chunk that this step completes gets host slots reserved
+               and a copy device -> slot after each layer's attention (`save_kv_layer`).
+    output     `step_done`: saved slots are published and written through to SSD; load pins
+               are dropped.
+    finish     `request_finished`: the partial last chunk is copied too (vLLM holds the pages
+               until the worker reports it sent), so a follow-up turn recomputes almost nothing.
+
+Advisories (`advise`) run the same match for a session's context before its turn arrives and
+prefetch into the host arena, pinned (a soft reservation) until the turn uses them or they
+expire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from antiphon.tiering.build import build_tiered_store
+from antiphon.tiering.config import TieringConfig
+from antiphon.tiering.connector_meta import PageCopy, TieringMetadata
+from antiphon.tiering.host_tier import HostTier
+from antiphon.tiering.keys import (
+    ChunkKey,
+    continue_prefix_hashes,
+    prefix_hashes,
+    prefix_seed,
+    tail_hashes,
+)
+from antiphon.tiering.prefetch import PrefetchHandle
+from antiphon.tiering.prefetch_queue import URGENT, PrefetchQueue
+
+log = logging.getLogger(__name__)
+
+NO_SLOT = -1  # in `PageCopy.slots`: this layer needs no copy (a tier already holds it)
+
+
+@dataclasses.dataclass
+class TokenView:
+    """What the planner reads from a vLLM request (kept apart so tests need no vLLM)."""
+
+    request_id: str
+    token_ids: Sequence[int]  # prompt and output tokens so far
+    session: str | None = None
+    salt: bytes = b""
+
+
+@dataclasses.dataclass
+class _Match:
+    """The stored prefix of a token sequence: one layer-0 key per chunk (the last may be a
+    partial chunk's key) and how many tokens they cover."""
+
+    chunks: list[ChunkKey]
+    num_tokens: int
+
+
+@dataclasses.dataclass
+class _Request:
+    view: TokenView
+    hashes: list[bytes] = dataclasses.field(default_factory=list)  # full chunks hashed so far
+    saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being saved
+    local_tokens: int = 0  # device prefix-cache hit at admission
+    match: _Match | None = None
+    pins: list[ChunkKey] = dataclasses.field(default_factory=list)  # host pins for the load
+    prefetch: PrefetchHandle | None = None
+    ssd_chunks: set[int] = dataclasses.field(default_factory=set)  # chunks that came from SSD
+
+
+@dataclasses.dataclass
+class _Advisory:
+    session: str
+    received_at: float
+    expires_at: float
+    handle: PrefetchHandle | None
+    num_tokens: int  # context tokens the tiers held when it arrived
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A step the worker has not finished: pins to drop, reserved slots to publish."""
+
+    pins: list[ChunkKey] = dataclasses.field(default_factory=list)
+    commits: list[ChunkKey] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class TieringCounters:
+    prompt_tokens: int = 0  # prompt tokens of admitted turns
+    tokens_from_device: int = 0  # of those, found in vLLM's prefix cache
+    tokens_from_host: int = 0  # loaded from the host arena
+    tokens_from_ssd: int = 0  # loaded from the host arena after a prefetch from SSD
+    computed_prompt_tokens: int = 0  # computed by the model
+    saved_chunks: int = 0  # chunks (all layers) saved from the device
+    advisories_received: int = 0
+    advisories_used: int = 0  # a turn of the session arrived while the advisory was live
+    advisories_expired: int = 0
+    prefetch_load_s_sum: float = 0.0  # advisory prefetch time, received -> all in host
+    prefetch_lead_s_sum: float = 0.0  # prefetch done -> the turn arrived
+    advisories_late: int = 0  # the turn arrived before its prefetch finished
+    turns_held: int = 0  # admissions that waited for a prefetch
+
+
+class TierPlanner:
+    """Scheduler-side state of the KV connector. Thread-safe for `advise` and `stats` (called
+    from EngineCore utility calls) against the scheduler's own calls."""
+
+    def __init__(self, config: TieringConfig, *, model_id: str, num_layers: int,
+                 page_bytes: int, block_ids_of: Any) -> None:
+        """`block_ids_of(request_id)` returns the request's device pages (vLLM's KV manager)."""
+        self.config = config
+        self.model_id = model_id
+        self.num_layers = num_layers
+        self.chunk_tokens = config.chunk_tokens
+        self.page_tokens = config.page_tokens
+        self.pages_per_chunk = config.pages_per_chunk
+        self.store = build_tiered_store(config, slot_bytes=page_bytes * self.pages_per_chunk)
+        host = self.store.tiers[0]
+        if not isinstance(host, HostTier):
+            raise ValueError("the KV connector needs the host tier (host_tier_bytes > 0): the "
+                             "worker moves KV through it")
+        self.host = host
+        self._block_ids_of = block_ids_of
+        self._prefetcher = PrefetchQueue(self.store.tiers)
+        self._lock = threading.RLock()
+        self._requests: dict[str, _Request] = {}
+        self._advisories: dict[str, _Advisory] = {}
+        self._step = 0
+        self._pending_loads: list[PageCopy] = []
+        self._pending_early: list[PageCopy] = []
+        self._pending_load_pins: list[ChunkKey] = []
+        self._final_saves: dict[str, list[PageCopy]] = {}
+        self._final_keys: list[ChunkKey] = []
+        self._in_flight: dict[int, _InFlight] = {}
+        self._retiring: list[PrefetchHandle] = []
+        self.counters = TieringCounters()
+
+    @property
+    def arena_name(self) -> str:
+        return self.host.arena.name
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def add_request(self, view: TokenView) -> None:
+        with self._lock:
+            self._requests.setdefault(view.request_id, _Request(view))
+
+    def num_new_matched_tokens(self, view: TokenView, num_computed: int) -> int | None:
+        """Tokens beyond `num_computed` (vLLM's device hit) the tiers can supply now, or None
+        while a prefetch this turn needs is still moving."""
+        with self._lock:
+            self._expire_advisories()
+            st = self._requests.setdefault(view.request_id, _Request(view))
+            st.view = view
+            advisory = self._advisories.get(view.session or "")
+            if advisory is not None and advisory.handle is not None \
+                    and not advisory.handle.is_done:
+                # The turn came before its advised prefetch finished: stop that one and fetch
+                # the rest at once, ahead of every other advisory.
+                self._retire(advisory.handle)
+                advisory.handle = None
+            if st.prefetch is not None and not st.prefetch.is_done:
+                return None
+            self._unpin(st)
+            st.local_tokens = num_computed
+            match = self._match(view.token_ids, len(view.token_ids) - 1, view.salt, st)
+            first_chunk = num_computed // self.chunk_tokens
+            if match.num_tokens <= num_computed:
+                self._drop_prefetch(st)
+                self._use_advisory(view.session)
+                return 0
+            wanted = [key.with_layer(layer) for key in match.chunks[first_chunk:]
+                      for layer in range(self.num_layers)]
+            absent = [key for key in wanted if not self.host.contains(key)]
+            if absent and st.prefetch is None:
+                st.ssd_chunks = {key.chunk_index for key in absent}
+                st.prefetch = self._prefetcher.submit(absent, URGENT)
+                self.counters.turns_held += 1
+                return None
+            num_tokens = self._pin_chunks(st, match, first_chunk)
+            self._drop_prefetch(st)
+            self._use_advisory(view.session)
+            if num_tokens <= num_computed:
+                self._unpin(st)
+                return 0
+            return num_tokens - num_computed
+
+    def plan_load(self, request_id: str, block_ids: Sequence[int], num_external: int,
+                  num_tokens: int) -> None:
+        """vLLM gave the turn its pages: copy the matched ones in during the next step."""
+        with self._lock:
+            st = self._requests.get(request_id)
+            if st is None:
+                return
+            self._count_admission(st, num_external, num_tokens)
+            if num_external == 0 or st.match is None:
+                self._unpin(st)
+                return
+            start, end = st.local_tokens, st.local_tokens + num_external
+            first_page = start // self.page_tokens
+            end_page = -(-end // self.page_tokens)
+            for index in range(first_page // self.pages_per_chunk,
+                               -(-end_page // self.pages_per_chunk)):
+                key = st.match.chunks[index]
+                chunk_first = index * self.pages_per_chunk
+                pages = range(max(first_page, chunk_first),
+                              min(end_page, chunk_first + self.pages_per_chunk))
+                slots = tuple(self._slot(key.with_layer(layer))
+                              for layer in range(self.num_layers))
+                whole = pages
+                if pages.stop == end_page and end % self.page_tokens:
+                    whole = pages[:-1]
+                    self._pending_early.append(PageCopy((block_ids[pages[-1]],), slots,
+                                                        pages[-1] - chunk_first))
+                if whole:
+                    self._pending_loads.append(PageCopy(tuple(block_ids[p] for p in whole),
+                                                        slots, whole.start - chunk_first))
+            self._pending_load_pins.extend(st.pins)
+            st.pins = []
+            st.match = None
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def build_metadata(self, scheduled: Sequence[tuple[str, int]]) -> TieringMetadata:
+        """This step's copies; `scheduled` is (request id, tokens computed once the step ran)."""
+        with self._lock:
+            meta = TieringMetadata(self._step, self.arena_name, self._pending_loads,
+                                   self._pending_early)
+            in_flight = _InFlight(pins=self._pending_load_pins)
+            self._pending_loads, self._pending_early, self._pending_load_pins = [], [], []
+            for request_id, num_done in scheduled:
+                st = self._requests.get(request_id)
+                if st is not None:
+                    self._plan_saves(st, num_done, meta, in_flight)
+            meta.final_saves, self._final_saves = self._final_saves, {}
+            in_flight.commits.extend(self._final_keys)
+            self._final_keys = []
+            if meta.has_work:
+                self._in_flight[meta.step] = in_flight
+            self._step += 1
+            return meta
+
+    def step_done(self, done_steps: set[int], failed_steps: set[int]) -> None:
+        """The worker finished these steps' copies: publish saves, drop load pins."""
+        with self._lock:
+            for step in sorted(done_steps | failed_steps):
+                in_flight = self._in_flight.pop(step, None)
+                if in_flight is None:
+                    continue
+                for key in in_flight.pins:
+                    self.host.unpin(key)
+                for key in in_flight.commits:
+                    if step in failed_steps:
+                        self.host.abort(key)
+                    elif self.host.commit(key):
+                        self.store.write_through(key)
+
+    def request_finished(self, request_id: str, num_computed: int,
+                         block_ids: Sequence[int]) -> bool:
+        """The request is done; True if its last partial chunk is being saved (vLLM must keep
+        its pages until the worker reports the request sent)."""
+        with self._lock:
+            st = self._requests.pop(request_id, None)
+            if st is None:
+                return False
+            self._unpin(st)
+            self._drop_prefetch(st)
+            full = num_computed // self.chunk_tokens
+            tail = num_computed - full * self.chunk_tokens
+            if tail == 0 or st.saved_chunks != full:
+                return False  # nothing partial, or the full chunks were not all saved
+            hashes = self._hashes(st, full)
+            previous = hashes[-1] if hashes else prefix_seed(self.model_id, st.view.salt)
+            tokens = st.view.token_ids[full * self.chunk_tokens:num_computed]
+            key = ChunkKey(self.model_id, tail_hashes(previous, tokens)[-1], full, 0)
+            first_page = full * self.pages_per_chunk
+            pages = tuple(block_ids[first_page:first_page + -(-tail // self.page_tokens)])
+            copy, keys = self._reserve(key, pages)
+            if copy is None:
+                return False
+            self._final_saves[request_id] = [copy]
+            self._final_keys.extend(keys)
+            return True
+
+    # -- advisories --------------------------------------------------------------------------
+
+    def advise(self, session: str, token_ids: Sequence[int], expected_arrival_s: float | None,
+               *, salt: bytes = b"") -> int:
+        """A turn of `session`, whose context is `token_ids`, is coming: bring its stored KV
+        into the host arena, soonest-expected first, and keep it there until the turn comes or
+        the advisory expires. Returns the context tokens the tiers hold."""
+        now = time.monotonic()
+        with self._lock:
+            self._expire_advisories()
+            self.counters.advisories_received += 1
+            self._release_advisory(session)
+            match = self._match(token_ids, len(token_ids), salt, None)
+            keys = [key.with_layer(layer) for key in match.chunks
+                    for layer in range(self.num_layers)]
+            due = now + (expected_arrival_s or 0.0)
+            handle = self._prefetcher.submit(keys, due) if keys else None
+            self._advisories[session] = _Advisory(
+                session, now, due + self.config.advisory_ttl_s, handle, match.num_tokens)
+            self.store.set_hint(session, [key.prefix_hash for key in match.chunks], 1.0)
+            return match.num_tokens
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            self._expire_advisories()
+            tiers = {}
+            for tier in self.store.tiers:
+                tiers[tier.name] = {"used_bytes": tier.used_bytes,
+                                    "capacity_bytes": tier.capacity_bytes,
+                                    **tier.stats.as_dict()}
+            return {**dataclasses.asdict(self.counters), "tiers": tiers,
+                    "advisories_live": len(self._advisories),
+                    "requests_tracked": len(self._requests)}
+
+    def close(self) -> None:
+        self._prefetcher.close()
+        self.store.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _match(self, token_ids: Sequence[int], limit: int, salt: bytes,
+               st: _Request | None) -> _Match:
+        """The longest stored prefix of `token_ids[:limit]`: full chunks with every layer in
+        some tier, then the longest stored partial chunk after them."""
+        hashes = (self._hashes(st, limit // self.chunk_tokens) if st is not None else
+                  prefix_hashes(token_ids[:limit], self.chunk_tokens, self.model_id, salt=salt))
+        chunks: list[ChunkKey] = []
+        for index, prefix_hash in enumerate(hashes[:limit // self.chunk_tokens]):
+            key = ChunkKey(self.model_id, prefix_hash, index, 0)
+            if not self._stored(key):
+                break
+            chunks.append(key)
+        start = len(chunks) * self.chunk_tokens
+        rest = token_ids[start:min(limit, start + self.chunk_tokens - 1)]
+        previous = chunks[-1].prefix_hash if chunks else prefix_seed(self.model_id, salt)
+        for length, tail_hash in reversed(list(enumerate(tail_hashes(previous, rest), 1))):
+            key = ChunkKey(self.model_id, tail_hash, len(chunks), 0)
+            if self._stored(key):
+                return _Match([*chunks, key], start + length)
+        return _Match(chunks, start)
+
+    def _stored(self, key: ChunkKey) -> bool:
+        return all(self.store.contains(key.with_layer(layer))
+                   for layer in range(self.num_layers))
+
+    def _hashes(self, st: _Request, num_chunks: int) -> list[bytes]:
+        """The request's first `num_chunks` full-chunk hashes, extending the cached chain."""
+        have = len(st.hashes)
+        if num_chunks > have:
+            previous = st.hashes[-1] if st.hashes else prefix_seed(self.model_id, st.view.salt)
+            tokens = st.view.token_ids[have * self.chunk_tokens:num_chunks * self.chunk_tokens]
+            st.hashes.extend(continue_prefix_hashes(previous, tokens, self.chunk_tokens))
+        return st.hashes[:num_chunks]
+
+    def _pin_chunks(self, st: _Request, match: _Match, first_chunk: int) -> int:
+        """Pin every layer of the matched chunks from `first_chunk` in the host arena; returns
+        the tokens covered up to the first chunk that could not be pinned."""
+        for index in range(first_chunk, len(match.chunks)):
+            keys = [match.chunks[index].with_layer(layer) for layer in range(self.num_layers)]
+            pinned = [key for key in keys if self.host.pin(key)]
+            if len(pinned) < len(keys):
+                for key in pinned:
+                    self.host.unpin(key)
+                st.match = _Match(match.chunks[:index], index * self.chunk_tokens)
+                return st.match.num_tokens
+            st.pins.extend(pinned)
+        st.match = match
+        return match.num_tokens
+
+    def _plan_saves(self, st: _Request, num_done: int, meta: TieringMetadata,
+                    in_flight: _InFlight) -> None:
+        full = num_done // self.chunk_tokens
+        if full <= st.saved_chunks:
+            return
+        hashes = self._hashes(st, full)
+        block_ids = self._block_ids_of(st.view.request_id)
+        for index in range(st.saved_chunks, full):
+            first_page = index * self.pages_per_chunk
+            pages = tuple(block_ids[first_page:first_page + self.pages_per_chunk])
+            copy, keys = self._reserve(ChunkKey(self.model_id, hashes[index], index, 0), pages)
+            if copy is not None:
+                meta.saves.append(copy)
+                in_flight.commits.extend(keys)
+                self.counters.saved_chunks += 1
+        st.saved_chunks = full
+
+    def _reserve(self, key: ChunkKey, pages: tuple[int, ...]
+                 ) -> tuple[PageCopy | None, list[ChunkKey]]:
+        """Host slots for the layers of `key` no tier holds; (None, []) if none are needed or
+        the arena has no room (then nothing is reserved)."""
+        slots: list[int] = []
+        reserved: list[ChunkKey] = []
+        for layer in range(self.num_layers):
+            layer_key = key.with_layer(layer)
+            if self.store.contains(layer_key) or self.host.is_reserved(layer_key):
+                slots.append(NO_SLOT)
+                continue
+            slot = self.host.reserve(layer_key)
+            if slot is None:
+                for done in reserved:
+                    self.host.abort(done)
+                return None, []
+            slots.append(slot)
+            reserved.append(layer_key)
+        if not reserved:
+            return None, []
+        return PageCopy(pages, tuple(slots)), reserved
+
+    def _slot(self, key: ChunkKey) -> int:
+        slot = self.host.slot_of(key)
+        if slot is None:
+            raise AssertionError(f"pinned {key} has no host slot")
+        return slot
+
+    def _unpin(self, st: _Request) -> None:
+        for key in st.pins:
+            self.host.unpin(key)
+        st.pins = []
+        st.match = None
+
+    def _drop_prefetch(self, st: _Request) -> None:
+        if st.prefetch is not None:
+            self._retire(st.prefetch)
+            st.prefetch = None
+
+    def _count_admission(self, st: _Request, num_external: int, num_prompt_tokens: int) -> None:
+        c = self.counters
+        c.prompt_tokens += num_prompt_tokens
+        c.tokens_from_device += st.local_tokens
+        from_ssd = 0
+        if num_external and st.match is not None:
+            start, end = st.local_tokens, st.local_tokens + num_external
+            for index in st.ssd_chunks:
+                chunk_start = index * self.chunk_tokens
+                from_ssd += max(0, min(end, chunk_start + self.chunk_tokens)
+                                - max(start, chunk_start))
+        c.tokens_from_ssd += from_ssd
+        c.tokens_from_host += num_external - from_ssd
+        c.computed_prompt_tokens += max(0, num_prompt_tokens - st.local_tokens - num_external)
+        st.ssd_chunks = set()
+
+    def _use_advisory(self, session: str | None) -> None:
+        advisory = self._advisories.pop(session or "", None)
+        if advisory is None:
+            return
+        self.counters.advisories_used += 1
+        handle = advisory.handle
+        if handle is None or handle.finished_at is None:
+            self.counters.advisories_late += 1  # the turn overtook its prefetch
+        else:
+            self.counters.prefetch_load_s_sum += handle.finished_at - advisory.received_at
+            self.counters.prefetch_lead_s_sum += time.monotonic() - handle.finished_at
+        if handle is not None:
+            self._retire(handle)
+
+    def _release_advisory(self, session: str) -> None:
+        advisory = self._advisories.pop(session, None)
+        if advisory is not None and advisory.handle is not None:
+            self._retire(advisory.handle)
+
+    def _retire(self, handle: PrefetchHandle) -> None:
+        """Stop a prefetch and drop its pins once it has settled (pins taken while it still
+        runs would otherwise leak)."""
+        handle.cancel()
+        self._retiring.append(handle)
+        self._reap()
+
+    def _reap(self) -> None:
+        still_running = []
+        for handle in self._retiring:
+            if handle.is_done:
+                handle.release()
+            else:
+                still_running.append(handle)
+        self._retiring = still_running
+
+    def _expire_advisories(self) -> None:
+        self._reap()
+        now = time.monotonic()
+        for session in [s for s, a in self._advisories.items() if a.expires_at <= now]:
+            self._release_advisory(session)
+            self.store.clear_hint(session)
+            self.counters.advisories_expired += 1
+

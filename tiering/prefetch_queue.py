@@ -1,0 +1,61 @@
+"""One background thread that runs prefetches in order of need, not of arrival.
+
+A turn waiting in the engine goes first; advisories follow in order of their expected arrival
+(Symphony: the session expected soonest gets the bandwidth first). Each prefetch copies its keys
+lowest layer first (`PrefetchHandle`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Sequence
+
+from antiphon.tiering.keys import ChunkKey
+from antiphon.tiering.prefetch import PrefetchHandle
+from antiphon.tiering.tier import Tier
+
+URGENT = float("-inf")  # the `due` of a prefetch a scheduled turn is waiting for
+
+
+class PrefetchQueue:
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self._tiers = tuple(tiers)
+        self._heap: list[tuple[float, int, PrefetchHandle]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kv-prefetch", daemon=True)
+        self._thread.start()
+
+    def submit(self, keys: Sequence[ChunkKey], due: float, *, pin: bool = True) -> PrefetchHandle:
+        """Bring `keys` into the fastest tier (pinned there if `pin`), after every prefetch due
+        earlier; `due` is a `time.monotonic()` instant or `URGENT`."""
+        handle = PrefetchHandle(keys, self._tiers, 0, pin)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("prefetch queue is closed")
+            heapq.heappush(self._heap, (due, next(self._seq), handle))
+            self._cond.notify()
+        return handle
+
+    def close(self) -> None:
+        """Cancel what has not started and stop the thread."""
+        with self._cond:
+            self._closed = True
+            pending, self._heap = self._heap, []
+            self._cond.notify()
+        for _, _, handle in pending:
+            handle.cancel()
+            handle.run()  # settles every key as failed: no waiter hangs
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._heap or self._closed)
+                if self._closed:
+                    return
+                _, _, handle = heapq.heappop(self._heap)
+            handle.run()
