@@ -57,6 +57,10 @@ class AntiphonScheduler(Scheduler):
         self._lost_tokens: dict[str, int] = {}  # preempted, computed tokens not yet redone
         self._step_shape: StepShape | None = None
         self._step_started = 0.0
+        # The last step scheduled nothing although requests were queued: the policy's plan left
+        # no request room (e.g. every page taken by RT turns that each need one more), so this
+        # step is vLLM's own, which preempts to make progress.
+        self._stalled = False
         logger.info("AntiphonScheduler installed (%s, policy %s)",
                     type(self).__name__, self.step_policy.name)
 
@@ -64,7 +68,9 @@ class AntiphonScheduler(Scheduler):
         started = time.perf_counter()
         sat_out: tuple[list[Request], list[Request]] = ([], [])
         token_budget = self.max_num_scheduled_tokens
-        if self.running or self.waiting:
+        if self._stalled:
+            self.stats.plan_fallbacks += 1
+        elif self.running or self.waiting:
             views = self._views()
             plan = self.step_policy.plan(views, self._budget())
             sat_out = self._apply(plan)
@@ -78,6 +84,7 @@ class AntiphonScheduler(Scheduler):
             for request in sat_out[1]:
                 self.waiting.add_request(request)
         self._count_recomputed(output)
+        self._stalled = not output.total_num_scheduled_tokens and bool(self.running)
         if output.total_num_scheduled_tokens:
             self._step_shape = StepShape.of(
                 (n, self.requests[rid].num_computed_tokens)
@@ -250,3 +257,4 @@ EngineCore.antiphon_scheduler_stats = _engine_core_stats  # type: ignore[attr-de
 EngineCore.antiphon_set_policy = _engine_core_set_policy  # type: ignore[attr-defined]
 EngineCore.antiphon_advise = _engine_core_advise  # type: ignore[attr-defined]
 EngineCore.antiphon_tiering_stats = _engine_core_tiering_stats  # type: ignore[attr-defined]
+

@@ -174,29 +174,41 @@ class TierPlanner:
                 advisory.handle = None
             if st.prefetch is not None and not st.prefetch.is_done:
                 return None
-            self._unpin(st)
-            st.local_tokens = num_computed
-            match = self._match(view.token_ids, len(view.token_ids) - 1, view.salt, st)
-            first_chunk = num_computed // self.chunk_tokens
-            if match.num_tokens <= num_computed:
-                self._drop_prefetch(st)
-                self._use_advisory(view.session)
-                return 0
-            wanted = [key.with_layer(layer) for key in match.chunks[first_chunk:]
-                      for layer in range(self.num_layers)]
-            absent = [key for key in wanted if not self.host.contains(key)]
-            if absent and st.prefetch is None:
-                st.ssd_chunks = {key.chunk_index for key in absent}
-                st.prefetch = self._prefetcher.submit(absent, URGENT)
-                self.counters.turns_held += 1
-                return None
-            num_tokens = self._pin_chunks(st, match, first_chunk)
+            held, st.pins, st.match = st.pins, [], None
+            try:
+                return self._admit(st, view, num_computed)
+            finally:
+                for key in held:  # released only now: re-pinned keys never leave in between
+                    self.host.unpin(key)
+
+    def _admit(self, st: _Request, view: TokenView, num_computed: int) -> int | None:
+        """`num_new_matched_tokens` once no prefetch is pending and old pins are set aside."""
+        st.local_tokens = num_computed
+        match = self._match(view.token_ids, len(view.token_ids) - 1, view.salt, st)
+        first_chunk = num_computed // self.chunk_tokens
+        if match.num_tokens <= num_computed:
             self._drop_prefetch(st)
             self._use_advisory(view.session)
-            if num_tokens <= num_computed:
-                self._unpin(st)
-                return 0
-            return num_tokens - num_computed
+            return 0
+        wanted = [key.with_layer(layer) for key in match.chunks[first_chunk:]
+                  for layer in range(self.num_layers)]
+        absent = [key for key in wanted if not self.host.contains(key)]
+        if absent and st.prefetch is None:
+            # Hold what host memory has while the rest comes up from SSD: the prefetch's own
+            # puts must not evict it.
+            missing = set(absent)
+            st.pins = [key for key in wanted if key not in missing and self.host.pin(key)]
+            st.ssd_chunks = {key.chunk_index for key in absent}
+            st.prefetch = self._prefetcher.submit(absent, URGENT)
+            self.counters.turns_held += 1
+            return None
+        num_tokens = self._pin_chunks(st, match, first_chunk)
+        self._drop_prefetch(st)
+        self._use_advisory(view.session)
+        if num_tokens <= num_computed:
+            self._unpin(st)
+            return 0
+        return num_tokens - num_computed
 
     def plan_load(self, request_id: str, block_ids: Sequence[int], num_external: int,
                   num_tokens: int) -> None:

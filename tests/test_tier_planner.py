@@ -1,0 +1,182 @@
+"""The KV connector's scheduler side without vLLM: what it saves, matches, loads and prefetches.
+
+The worker is played by writing slot bytes straight into the host arena, as `KvPageCopier` does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from antiphon.tiering.config import TieringConfig
+from antiphon.tiering.connector_meta import PageCopy, TieringMetadata
+from antiphon.tiering.planner import NO_SLOT, TierPlanner, TokenView
+
+LAYERS = 2
+PAGE_BYTES = 64
+CHUNK = 4  # tokens per chunk and per page
+TURN1 = list(range(100, 110))  # 10 tokens: 2 full chunks and a 2-token tail
+
+
+def make_planner(ssd_dir: Path, **overrides: object) -> TierPlanner:
+    config = TieringConfig(host_tier_bytes=64 * PAGE_BYTES, ssd_tier_bytes=1 << 20,
+                           ssd_dir=ssd_dir, chunk_tokens=CHUNK, page_tokens=CHUNK,
+                           host_shm_name=f"antiphon-test-{uuid.uuid4().hex[:12]}",
+                           **overrides)  # type: ignore[arg-type]
+    blocks: dict[str, list[int]] = {}
+    planner = TierPlanner(config, model_id="test-model", num_layers=LAYERS,
+                          page_bytes=PAGE_BYTES, block_ids_of=blocks.__getitem__)
+    planner.test_blocks = blocks  # type: ignore[attr-defined]
+    return planner
+
+
+@pytest.fixture
+def planner(tmp_path: Path) -> Iterator[TierPlanner]:
+    p = make_planner(tmp_path / "ssd")
+    yield p
+    p.close()
+
+
+def fake_worker_saves(planner: TierPlanner, copies: list[PageCopy]) -> None:
+    """What the worker would write: every page filled with (block, layer) bytes."""
+    for copy in copies:
+        for layer, slot in enumerate(copy.slots):
+            if slot == NO_SLOT:
+                continue
+            for i, block in enumerate(copy.blocks):
+                page = bytes([block % 256, layer]) * (PAGE_BYTES // 2)
+                planner.host.arena.write(slot, page, (copy.first_page + i) * PAGE_BYTES)
+
+
+def run_turn(planner: TierPlanner, request_id: str, tokens: list[int], blocks: list[int],
+             session: str | None = None) -> tuple[int | None, TieringMetadata]:
+    """Admit, allocate, run one step computing every token but the last, finish."""
+    view = TokenView(request_id, tokens, session)
+    planner.add_request(view)
+    matched = planner.num_new_matched_tokens(view, 0)
+    planner.test_blocks[request_id] = blocks  # type: ignore[attr-defined]
+    planner.plan_load(request_id, blocks, matched or 0, len(tokens))
+    meta = planner.build_metadata([(request_id, len(tokens) - 1)])
+    fake_worker_saves(planner, meta.saves)
+    planner.step_done({meta.step}, set())
+    if planner.request_finished(request_id, len(tokens) - 1, blocks):
+        final = planner.build_metadata([])
+        fake_worker_saves(planner, final.final_saves[request_id])
+        planner.step_done({final.step}, set())
+    return matched, meta
+
+
+def test_a_turn_saves_full_chunks_then_its_partial_tail(planner: TierPlanner) -> None:
+    tokens = [*TURN1, 110]  # 11 tokens; 10 get KV
+    matched, meta = run_turn(planner, "r1", tokens, [7, 8, 9])
+    assert matched == 0
+    assert [c.blocks for c in meta.saves] == [(7,), (8,)]
+    stats = planner.stats()
+    assert stats["saved_chunks"] == 2
+    planner.store.flush()
+    # 2 full chunks and the tail, each in both tiers (write-through), every layer.
+    assert stats["tiers"]["host"]["used_bytes"] == 3 * LAYERS * PAGE_BYTES
+    assert len(planner.store.tiers[1].keys()) == 3 * LAYERS
+    planner.store.check_integrity()
+
+
+def test_a_follow_up_loads_its_whole_prior_context(planner: TierPlanner) -> None:
+    run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9])
+    follow_up = [*TURN1, 110, 111, 112, 113, 114]
+    view = TokenView("r2", follow_up)
+    planner.add_request(view)
+    assert planner.num_new_matched_tokens(view, 0) == 10  # 2 chunks + the 2-token tail
+    planner.plan_load("r2", [1, 2, 3, 4], 10, len(follow_up))
+    meta = planner.build_metadata([])
+    # Whole pages load layer by layer; the tail page, which this step also writes, up front.
+    assert [c.blocks for c in meta.loads] == [(1,), (2,)]
+    assert [c.blocks for c in meta.early_loads] == [(3,)]
+    for copy in [*meta.loads, *meta.early_loads]:
+        assert NO_SLOT not in copy.slots
+    # Loaded slots stay pinned until the worker reports the step.
+    keys = list(planner.host.keys())  # a tier, not a dict: keys() is its snapshot
+    loaded = next(k for k in keys if planner.host.slot_of(k) == meta.loads[0].slots[0])
+    assert not planner.host.remove(loaded)
+    planner.step_done({meta.step}, set())
+    assert planner.host.remove(loaded)
+    stats = planner.stats()
+    assert stats["tokens_from_host"] == 10
+    assert stats["computed_prompt_tokens"] == 11 + 5  # the first turn's prompt, then 5 new
+    planner.store.check_integrity()
+
+
+def test_a_different_prefix_matches_nothing(planner: TierPlanner) -> None:
+    run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9])
+    view = TokenView("r2", [1, *TURN1])
+    planner.add_request(view)
+    assert planner.num_new_matched_tokens(view, 0) == 0
+
+
+def test_after_a_restart_ssd_chunks_are_prefetched_before_the_turn(tmp_path: Path) -> None:
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "r1", [*TURN1, 110], [7, 8, 9])
+    first.close()
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        view = TokenView("r2", [*TURN1, 110, 111])
+        planner.add_request(view)
+        matched = None
+        deadline = time.monotonic() + 10
+        while matched is None and time.monotonic() < deadline:
+            matched = planner.num_new_matched_tokens(view, 0)  # None: the turn waits
+            time.sleep(0.01)
+        assert matched == 10
+        planner.plan_load("r2", [1, 2, 3], 10, 12)
+        stats = planner.stats()
+        assert stats["tokens_from_ssd"] == 10 and stats["turns_held"] == 1
+    finally:
+        planner.close()
+
+
+def test_an_advisory_prefetches_and_is_used_by_its_sessions_turn(tmp_path: Path) -> None:
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "r1", [*TURN1, 110], [7, 8, 9])
+    first.close()
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        assert planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0) == 10
+        handle = planner._advisories["s1"].handle
+        assert handle is not None and handle.wait(10)
+        view = TokenView("r2", [*TURN1, 110, 111], session="s1")
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) == 10  # no wait: already in host
+        stats = planner.stats()
+        assert stats["advisories_received"] == 1 and stats["advisories_used"] == 1
+        assert stats["turns_held"] == 0
+    finally:
+        planner.close()
+
+
+def test_an_unused_advisory_expires_and_releases_its_pins(tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd", advisory_ttl_s=0.05)
+    try:
+        run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9])
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=None)
+        time.sleep(0.2)
+        stats = planner.stats()
+        assert stats["advisories_expired"] == 1 and stats["advisories_live"] == 0
+        planner.store.flush()
+        assert planner.store.tiers[0].evict(planner.store.tiers[0].capacity_bytes) == 3 * LAYERS  # nothing left pinned
+    finally:
+        planner.close()
+
+
+def test_a_failed_step_publishes_nothing(planner: TierPlanner) -> None:
+    view = TokenView("r1", [*TURN1, 110])
+    planner.add_request(view)
+    planner.num_new_matched_tokens(view, 0)
+    planner.test_blocks["r1"] = [7, 8, 9]  # type: ignore[attr-defined]
+    planner.plan_load("r1", [7, 8, 9], 0, 11)
+    meta = planner.build_metadata([("r1", 10)])
+    planner.step_done(set(), {meta.step})
+    assert planner.stats()["tiers"]["host"]["used_bytes"] == 0
+    planner.store.check_integrity()
