@@ -23,10 +23,11 @@ TURN1 = list(range(100, 110))  # 10 tokens: 2 full chunks and a 2-token tail
 
 
 def make_planner(ssd_dir: Path, **overrides: object) -> TierPlanner:
-    config = TieringConfig(host_tier_bytes=64 * PAGE_BYTES, ssd_tier_bytes=1 << 20,
-                           ssd_dir=ssd_dir, chunk_tokens=CHUNK, page_tokens=CHUNK,
+    settings: dict[str, object] = {"host_tier_bytes": 64 * PAGE_BYTES, **overrides}
+    config = TieringConfig(ssd_tier_bytes=1 << 20, ssd_dir=ssd_dir, chunk_tokens=CHUNK,
+                           page_tokens=CHUNK,
                            host_shm_name=f"antiphon-test-{uuid.uuid4().hex[:12]}",
-                           **overrides)  # type: ignore[arg-type]
+                           **settings)  # type: ignore[arg-type]
     blocks: dict[str, list[int]] = {}
     planner = TierPlanner(config, model_id="test-model", num_layers=LAYERS,
                           page_bytes=PAGE_BYTES, block_ids_of=blocks.__getitem__)
@@ -180,3 +181,32 @@ def test_a_failed_step_publishes_nothing(planner: TierPlanner) -> None:
     planner.step_done(set(), {meta.step})
     assert planner.stats()["tiers"]["host"]["used_bytes"] == 0
     planner.store.check_integrity()
+
+
+def test_a_running_turn_reclaims_the_host_room_an_advisory_holds(tmp_path: Path) -> None:
+    # The arena holds exactly one conversation (3 chunks x 2 layers); advising it pins it all.
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=3 * LAYERS * PAGE_BYTES)
+    try:
+        run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9], session="s1")
+        planner.store.flush()
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=60.0)
+        handle = planner._advisories["s1"].handle
+        assert handle is not None and handle.wait(10)
+        other = [t + 1000 for t in TURN1] + [1110]
+        _, meta = run_turn(planner, "r2", other, [4, 5, 6], session="s2")
+        assert [c.blocks for c in meta.saves] == [(4,), (5,)]  # saved, not refused for room
+        stats = planner.stats()
+        assert stats["advisories_reclaimed"] == 1 and stats["saved_chunks"] == 4
+        # s1's turn still finds its whole context (now coming back from SSD) and is not late.
+        planner.store.flush()
+        view = TokenView("r3", [*TURN1, 110, 111], session="s1")
+        planner.add_request(view)
+        deadline = time.monotonic() + 10
+        while (matched := planner.num_new_matched_tokens(view, 0)) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert matched == 10
+        stats = planner.stats()
+        assert stats["advisories_used"] == 1 and stats["advisories_late"] == 0
+    finally:
+        planner.close()

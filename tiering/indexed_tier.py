@@ -66,6 +66,11 @@ class IndexedTier(Tier, Generic[Location]):
     def policy(self) -> EvictionPolicy:
         return self._index.policy
 
+    def can_make_room(self, num_bytes: int) -> bool:
+        """Whether `num_bytes` could be had now by evicting unpinned entries."""
+        with self._lock:
+            return self._index.can_make_room(num_bytes)
+
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
             return key in self._index

@@ -17,8 +17,10 @@ allocator, the SSD tier). Per engine step:
                until the worker reports it sent), so a follow-up turn recomputes almost nothing.
 
 Advisories (`advise`) run the same match for a session's context before its turn arrives and
-prefetch into the host arena, pinned (a soft reservation) until the turn uses them or they
-expire.
+prefetch into the host arena, pinned until the turn uses them or they expire. Those pins are a
+soft reservation: when a turn's load or a save finds the arena full of pins, the advisory
+expected last gives its pins up first (`_reclaim_advisory`), so advised sessions never make a
+running turn recompute.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class _Advisory:
     expires_at: float
     handle: PrefetchHandle | None
     num_tokens: int  # context tokens the tiers held when it arrived
+    reclaimed: bool = False  # its pins went to a running turn before the session spoke
 
 
 @dataclasses.dataclass
@@ -111,6 +114,7 @@ class TieringCounters:
     prefetch_load_s_sum: float = 0.0  # advisory prefetch time, received -> all in host
     prefetch_lead_s_sum: float = 0.0  # prefetch done -> the turn arrived
     advisories_late: int = 0  # the turn arrived before its prefetch finished
+    advisories_reclaimed: int = 0  # prefetched KV given up for a running turn's room
     turns_held: int = 0  # admissions that waited for a prefetch
 
 
@@ -198,11 +202,15 @@ class TierPlanner:
             # puts must not evict it.
             missing = set(absent)
             st.pins = [key for key in wanted if key not in missing and self.host.pin(key)]
+            self._room_for(len(absent), view.session)
             st.ssd_chunks = {key.chunk_index for key in absent}
             st.prefetch = self._prefetcher.submit(absent, URGENT)
             self.counters.turns_held += 1
             return None
         num_tokens = self._pin_chunks(st, match, first_chunk)
+        if num_tokens < match.num_tokens:
+            log.debug("turn %s: host room for %d of %d matched tokens", view.request_id,
+                      num_tokens, match.num_tokens)
         self._drop_prefetch(st)
         self._use_advisory(view.session)
         if num_tokens <= num_computed:
@@ -425,6 +433,8 @@ class TierPlanner:
                 slots.append(NO_SLOT)
                 continue
             slot = self.host.reserve(layer_key)
+            while slot is None and self._reclaim_advisory(None):
+                slot = self.host.reserve(layer_key)
             if slot is None:
                 for done in reserved:
                     self.host.abort(done)
@@ -474,7 +484,9 @@ class TierPlanner:
             return
         self.counters.advisories_used += 1
         handle = advisory.handle
-        if handle is None or handle.finished_at is None:
+        if advisory.reclaimed:
+            pass  # its KV went back to the tiers below; the turn loaded what it needed
+        elif handle is None or handle.finished_at is None:
             self.counters.advisories_late += 1  # the turn overtook its prefetch
         else:
             self.counters.prefetch_load_s_sum += handle.finished_at - advisory.received_at
@@ -486,6 +498,28 @@ class TierPlanner:
         advisory = self._advisories.pop(session, None)
         if advisory is not None and advisory.handle is not None:
             self._retire(advisory.handle)
+
+    def _room_for(self, num_slots: int, session: str | None) -> None:
+        """Reclaim other sessions' advisory pins until `num_slots` host slots can be had."""
+        while not self.host.can_make_room(num_slots * self.host.slot_bytes) \
+                and self._reclaim_advisory(session):
+            pass
+
+    def _reclaim_advisory(self, keep: str | None) -> bool:
+        """Release the pins of the live advisory expected last (not `keep`'s): running turns
+        take host room before sessions that have not spoken yet. False if none holds any."""
+        held = [a for a in self._advisories.values() if a.handle is not None
+                and a.session != keep]
+        if not held:
+            return False
+        # Settled prefetches first: their pins go at once (a running one's go once it stops).
+        advisory = max(held, key=lambda a: (a.handle is not None and a.handle.is_done,
+                                            a.expires_at, a.received_at))
+        assert advisory.handle is not None
+        self._retire(advisory.handle)
+        advisory.handle, advisory.reclaimed = None, True
+        self.counters.advisories_reclaimed += 1
+        return True
 
     def _retire(self, handle: PrefetchHandle) -> None:
         """Stop a prefetch and drop its pins once it has settled (pins taken while it still
