@@ -11,15 +11,20 @@ a small KV pool holds to about 4x more, on each system in one run, one server st
     advisory_miss10  the same, with 10% of the advisories dropped (seeded)
 
 Per turn: client TTFT and TPOT, prompt and cached tokens, and how much of the prior context was
-recomputed (`sessions_metrics`), which is what tiering exists to avoid. After the sweep, a sample
-of follow-up messages is sent again as fresh one-turn chats: the TTFT the same message costs
-with no context to bring back.
+recomputed (`sessions_metrics`), which is what tiering exists to avoid. While the users talk, a
+prober sends their follow-up messages again as fresh one-turn chats, one at a time: the TTFT the
+same message costs with no context to bring back, under the same load.
+
+The KV pool holds `--pool-users` whole conversations at their last turn, so the lowest user
+counts fit and the highest need several times the pool (vLLM's prefix cache then evicts and
+recomputes; Antiphon's tiers keep the rest).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -39,7 +44,6 @@ from antiphon.bench.sessions_metrics import (
     COUNTERS,
     POINT_METRICS,
     counter_deltas,
-    percentile,
     summarise_point,
     turn_records,
 )
@@ -52,10 +56,11 @@ MIN_USER_TURNS = 3
 # it also spares vLLM's CPU backend reserving most of the machine's memory).
 KV_CACHE_GIB = 2
 # Sizes of the run; --quick fits 10 minutes on 2 CPU cores with all four systems.
-QUICK = {"users": "2,4,8", "max_turns": 3, "max_tokens": 64, "max_message_tokens": 96,
-         "time_scale": 0.05, "fresh_samples": 8}
-FULL = {"users": "4,8,16", "max_turns": 4, "max_tokens": 256, "max_message_tokens": 256,
-        "time_scale": 1.0, "fresh_samples": 48}
+QUICK = {"users": "2,4,8,16", "pool_users": 4, "max_turns": 3, "max_tokens": 64,
+         "max_message_tokens": 96, "time_scale": 0.05}
+FULL = {"users": "4,8,16,32", "pool_users": 8, "max_turns": 4, "max_tokens": 256,
+        "max_message_tokens": 256, "time_scale": 1.0}
+PROBE_GAP_S = 0.25  # pause between the prober's fresh chats: about one more light user
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,13 +107,13 @@ def kv_bytes_per_token(model_config: dict[str, Any], dtype_bytes: int = 2) -> in
     return 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
 
 
-def pool_pages(context_tokens: Sequence[int], min_users: int, page_tokens: int,
+def pool_pages(context_tokens: Sequence[int], pool_users: int, page_tokens: int,
                max_model_len: int) -> tuple[int, float]:
-    """(pages, mean pages of one conversation): the pool holds `min_users` whole
+    """(pages, mean pages of one conversation): the pool holds `pool_users` whole
     conversations at their last turn, and at least one request of `max_model_len`, besides the
     page vLLM keeps back (its null block)."""
     per_user = sum(math.ceil(t / page_tokens) for t in context_tokens) / len(context_tokens)
-    usable = max(math.ceil(min_users * per_user), math.ceil(max_model_len / page_tokens))
+    usable = max(math.ceil(pool_users * per_user), math.ceil(max_model_len / page_tokens))
     return usable + 1, per_user
 
 
@@ -140,7 +145,7 @@ def build_sweep(args: argparse.Namespace, model_dir: Path) -> Sweep:
     sizes = [context_tokens(m) for point in messages for m in point]
     # A page of slack: replies may tokenise longer once rendered back into the history.
     max_model_len = (math.ceil(max(sizes) / args.page_tokens) + 1) * args.page_tokens
-    pages, per_user = pool_pages(sizes, min(users), args.page_tokens, max_model_len)
+    pages, per_user = pool_pages(sizes, args.pool_users, args.page_tokens, max_model_len)
     return Sweep(users, messages, max_model_len, args.kv_pages or pages, per_user)
 
 
@@ -165,18 +170,45 @@ ChatFactory = Callable[[int], ChatClient]  # max_tokens -> a new conversation
 CounterReader = Callable[[], Awaitable[dict[str, Any] | None]]  # the server's tiering counters
 
 
+async def probe_fresh(chat: ChatFactory, messages: Sequence[Sequence[str]], seed: str,
+                      stop: asyncio.Event) -> dict[tuple[int, int], float]:
+    """Until `stop`, each follow-up message (shuffled) alone in a new chat, one at a time:
+    {(user, turn): TTFT}."""
+    followups = [(user, turn) for user, m in enumerate(messages) for turn in range(1, len(m))]
+    random.Random(seed).shuffle(followups)
+    ttfts: dict[tuple[int, int], float] = {}
+    for user, turn in followups:
+        if stop.is_set():
+            break
+        async with chat(1) as c:
+            ttfts[user, turn] = (await c.turn(messages[user][turn])).ttft_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), PROBE_GAP_S)
+    return ttfts
+
+
 async def measure_point(chat: ChatFactory, read_counters: CounterReader, system: System,
                         users: int, messages: Sequence[Sequence[str]],
                         args: argparse.Namespace) -> tuple[dict[str, float | None], list[dict]]:
-    """All `users` conversations at once; (metrics, per-turn records)."""
+    """All `users` conversations at once, the fresh-prompt prober beside them; (metrics,
+    per-turn records)."""
     rng = random.Random(f"{args.seed}/{users}")
     before = await read_counters()
-    per_user = await asyncio.gather(*(
-        run_user(chat(args.max_tokens), m, advisory_flags(len(m), system.advisory_miss, rng),
-                 args.time_scale) for m in messages))
+    stop = asyncio.Event()
+    prober = asyncio.create_task(probe_fresh(chat, messages, f"{args.seed}/{users}", stop))
+    try:
+        per_user = await asyncio.gather(*(
+            run_user(chat(args.max_tokens), m, advisory_flags(len(m), system.advisory_miss,
+                                                               rng), args.time_scale)
+            for m in messages))
+    finally:
+        stop.set()
+        fresh = await prober
     tiering = counter_deltas(before, await read_counters())
     records = [r for user, results in enumerate(per_user)
                for r in turn_records(users, user, results)]
+    for r in records:
+        r["fresh_ttft_s"] = fresh.get((r["user"], r["turn"]))
     metrics = summarise_point(records, tiering)
     print(f"[{system.name}] {users} users: " + " ".join(
         f"{k}={v:.3f}" for k, v in metrics.items() if v is not None), flush=True)
@@ -186,17 +218,9 @@ async def measure_point(chat: ChatFactory, read_counters: CounterReader, system:
     return metrics, records
 
 
-async def measure_fresh(chat: ChatFactory, samples: Sequence[tuple[dict[str, Any], str]]) -> None:
-    """TTFT of each sampled follow-up message alone in a new chat, one at a time; written into
-    its turn record as `fresh_ttft_s`."""
-    for record, message in samples:
-        async with chat(1) as c:
-            record["fresh_ttft_s"] = (await c.turn(message)).ttft_s
-
-
 async def measure_system(system: System, server: ServerProcess, sweep: Sweep,
                          args: argparse.Namespace) -> dict[str, Any]:
-    """The whole sweep on one running server, then the fresh-prompt TTFTs."""
+    """The whole sweep on one running server."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
@@ -214,18 +238,13 @@ async def measure_system(system: System, server: ServerProcess, sweep: Sweep,
         async with chat(4) as warm_up:  # first-request costs stay out of the first point
             await warm_up.turn("Hello!")
         result: dict[str, Any] = {"users": list(sweep.users), **{k: [] for k in POINT_METRICS}}
-        turns, followups = [], []
+        turns = []
         for users, messages in zip(sweep.users, sweep.messages, strict=True):
             metrics, records = await measure_point(chat, read_counters, system, users, messages,
                                                    args)
             for k in POINT_METRICS:
                 result[k].append(metrics[k])
             turns += records
-            followups += [(r, messages[r["user"]][r["turn"]]) for r in records if r["turn"]]
-        samples = random.Random(args.seed).sample(followups,
-                                                  min(args.fresh_samples, len(followups)))
-        await measure_fresh(chat, samples)
-    result["fresh_ttft_p50_s"] = percentile([r["fresh_ttft_s"] for r, _ in samples], 0.5)
     result["turns"] = turns
     return result
 
@@ -300,10 +319,10 @@ def add_parser(kinds: Any) -> None:
                    help="user messages cut to this length" + _sizes("max_message_tokens"))
     p.add_argument("--time-scale", type=float,
                    help="factor on reading and typing times" + _sizes("time_scale"))
-    p.add_argument("--fresh-samples", type=int,
-                   help="follow-up messages re-sent as fresh chats" + _sizes("fresh_samples"))
+    p.add_argument("--pool-users", type=int,
+                   help="the KV pool holds this many whole conversations" + _sizes("pool_users"))
     p.add_argument("--kv-pages", type=int, default=None,
-                   help="KV pool size in pages (default: the smallest user count fits)")
+                   help="KV pool size in pages (default: from --pool-users)")
     p.add_argument("--page-tokens", type=int, default=128,
                    help="tokens per KV page, for sizing (vLLM's block size: 128 on CPU)")
     p.add_argument("--host-tier-bytes", type=int, default=None,

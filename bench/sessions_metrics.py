@@ -20,7 +20,8 @@ COUNTERS = ("prompt_tokens", "tokens_from_device", "tokens_from_host", "tokens_f
             "recomputed_prompt_tokens", "advisories_received", "advisories_used",
             "advisories_expired")
 POINT_METRICS = ("recomputed_context_frac", "followup_ttft_p50_s", "followup_ttft_p99_s",
-                 "tpot_p50_s", "host_hit_frac", "ssd_hit_frac")
+                 "fresh_ttft_p50_s", "followup_over_fresh_p50", "tpot_p50_s", "host_hit_frac",
+                 "ssd_hit_frac")
 
 
 def prior_context_tokens(prev_prompt: int, prev_completion: int, prompt: int) -> int:
@@ -72,9 +73,11 @@ def counter_deltas(before: dict[str, Any] | None,
 def summarise_point(records: Sequence[dict[str, Any]],
                     tiering: dict[str, int] | None) -> dict[str, float | None]:
     """One sweep point's metrics. Tier hit fractions are of the follow-ups' prior context, so
-    that device, host, SSD and recomputed shares add up to about one."""
+    that device, host, SSD and recomputed shares add up to about one. Fresh TTFTs are of the
+    follow-ups the prober sent again alone (`fresh_ttft_s`), under the same load."""
     followups = [r for r in records if r["turn"] > 0]
     prior = sum(r["prior_context_tokens"] for r in followups)
+    probed = [r for r in followups if r["fresh_ttft_s"]]
 
     def share(tokens: int | None) -> float | None:
         return tokens / prior if tokens is not None and prior else None
@@ -83,6 +86,9 @@ def summarise_point(records: Sequence[dict[str, Any]],
         "recomputed_context_frac": share(sum(r["recomputed_context_tokens"] for r in followups)),
         "followup_ttft_p50_s": percentile([r["ttft_s"] for r in followups], 0.5),
         "followup_ttft_p99_s": percentile([r["ttft_s"] for r in followups], 0.99),
+        "fresh_ttft_p50_s": percentile([r["fresh_ttft_s"] for r in probed], 0.5),
+        "followup_over_fresh_p50": percentile([r["ttft_s"] / r["fresh_ttft_s"] for r in probed],
+                                              0.5),
         "tpot_p50_s": percentile([r["tpot_s"] for r in records if r["completion_tokens"] > 1],
                                  0.5),
         "host_hit_frac": share(tiering["tokens_from_host"] if tiering else None),

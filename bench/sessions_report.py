@@ -21,14 +21,33 @@ def report(record: dict[str, Any], out: Path) -> None:
     print_table({name: point_rows(s) for name, s in systems.items()}, baseline)
     print("\nfollow-up TTFT / fresh TTFT of the same message, median, by prior context tokens:")
     print_table({name: ttft_ratio_rows(s["turns"]) for name, s in systems.items()}, baseline)
+    print(f"\nusers served at a median TPOT no higher than {baseline}'s, per {baseline} point "
+          f"(capped by the sweep):")
+    print_table({name: capacity_rows(s, systems[baseline]) for name, s in systems.items()},
+                baseline)
     plot(systems, out.with_suffix(".png"))
 
 
 def point_rows(system: dict[str, Any]) -> dict[str, float]:
     """One row per metric and user count; NaN where a system reports nothing (no tiers)."""
-    rows = {f"u{users}_{k}": _num(system[k][i])
+    return {f"u{users}_{k}": _num(system[k][i])
             for i, users in enumerate(system["users"]) for k in POINT_METRICS}
-    rows["fresh_ttft_p50_s"] = _num(system["fresh_ttft_p50_s"])
+
+
+def users_at_tpot(system: dict[str, Any], tpot_s: float) -> int | None:
+    """The most users at which `system`'s median TPOT was at most `tpot_s` (None: at none)."""
+    fits = [u for u, t in zip(system["users"], system["tpot_p50_s"], strict=True)
+            if t is not None and t <= tpot_s]
+    return max(fits, default=None)
+
+
+def capacity_rows(system: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float]:
+    """Per baseline sweep point: users `system` served at no higher median TPOT, over the
+    baseline's users there (4.0: four times as many)."""
+    rows = {}
+    for users, tpot in zip(baseline["users"], baseline["tpot_p50_s"], strict=True):
+        served = None if tpot is None else users_at_tpot(system, tpot)
+        rows[f"at_u{users}_tpot_ratio"] = _num(None if served is None else served / users)
     return rows
 
 
@@ -63,8 +82,9 @@ def plot(systems: dict[str, dict[str, Any]], path: Path) -> None:
         by_context.scatter([t["prior_context_tokens"] for t in followups],
                            [t["ttft_s"] for t in followups], s=8, alpha=0.5, color=color,
                            label=name)
-        if s["fresh_ttft_p50_s"] is not None:
-            by_context.axhline(s["fresh_ttft_p50_s"], color=color, linestyle="--", linewidth=1)
+        fresh = percentile([t["fresh_ttft_s"] for t in followups if t["fresh_ttft_s"]], 0.5)
+        if fresh is not None:
+            by_context.axhline(fresh, color=color, linestyle="--", linewidth=1)
         by_users.plot(s["users"], [_num(v) for v in s["followup_ttft_p50_s"]], "o-",
                       color=color, label=f"{name} p50")
         by_users.plot(s["users"], [_num(v) for v in s["followup_ttft_p99_s"]], "o:",

@@ -4,6 +4,7 @@ aggregation, pool sizing and the report; no engine, no server."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import random
@@ -22,7 +23,7 @@ from antiphon.bench.sessions_metrics import (
     summarise_point,
     turn_records,
 )
-from antiphon.bench.sessions_report import point_rows, report, ttft_ratio_rows
+from antiphon.bench.sessions_report import capacity_rows, point_rows, report, ttft_ratio_rows
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
            "hidden_size": 576}
@@ -92,6 +93,11 @@ def test_point_summary_shares_are_of_the_follow_ups_prior_context() -> None:
     assert summary["followup_ttft_p50_s"] == pytest.approx(3.0)
     assert summary["followup_ttft_p99_s"] == pytest.approx(3.98)
     assert summary["tpot_p50_s"] == pytest.approx(0.01)  # the 1-token turn has no TPOT
+    assert summary["fresh_ttft_p50_s"] is None and summary["followup_over_fresh_p50"] is None
+    records[1]["fresh_ttft_s"], records[3]["fresh_ttft_s"] = 1.0, 1.0  # probed follow-ups
+    records[0]["fresh_ttft_s"] = 0.01  # a first turn never counts
+    probed = summarise_point(records, tiering)  # type: ignore[arg-type]
+    assert probed["fresh_ttft_p50_s"] == 1.0 and probed["followup_over_fresh_p50"] == 3.0
     untiered = summarise_point(records, None)
     assert untiered["host_hit_frac"] is None and untiered["ssd_hit_frac"] is None
 
@@ -106,7 +112,7 @@ def test_counter_deltas_tolerate_servers_without_tiers() -> None:
     assert counter_deltas(None, after) is None and counter_deltas({}, {}) is None
 
 
-def test_pool_holds_the_smallest_user_count_and_one_longest_request() -> None:
+def test_pool_holds_pool_users_conversations_and_one_longest_request() -> None:
     assert sessions.kv_bytes_per_token(SMOLLM2) == 2 * 30 * 3 * 64 * 2
     pages, per_user = sessions.pool_pages([300, 500, 129], 2, 128, 640)
     assert per_user == pytest.approx((3 + 4 + 2) / 3)
@@ -143,11 +149,28 @@ async def test_user_sends_advisories_only_before_flagged_turns() -> None:
     assert chat.events == ["open", "m0", "m1", "typing", "m2", "close"]
 
 
+async def test_prober_sends_follow_ups_alone_until_stopped() -> None:
+    chats: list[FakeChat] = []
+
+    def chat(max_tokens: int) -> FakeChat:
+        chats.append(FakeChat())
+        return chats[-1]
+
+    stop = asyncio.Event()
+    messages = [["a0", "a1", "a2"], ["b0", "b1"]]
+    fresh = await sessions.probe_fresh(chat, messages, "seed", stop)  # type: ignore[arg-type]
+    assert sorted(fresh) == [(0, 1), (0, 2), (1, 1)]  # follow-ups only, each in a new chat
+    assert sorted(c.events[1] for c in chats) == ["a1", "a2", "b1"]
+    stop.set()
+    assert await sessions.probe_fresh(chat, messages, "seed", stop) == {}
+
+
 def test_quick_fills_in_sizes_and_systems_are_checked() -> None:
     parser = argparse.ArgumentParser()
     sessions.add_parser(parser.add_subparsers())
     args = sessions._defaults(parser.parse_args(["sessions", "--quick", "--systems", "vllm"]))
     assert (args.time_scale, args.max_turns, args.enforce_eager) == (0.05, 3, True)
+    assert (args.users, args.pool_users) == ("2,4,8,16", 4)
     full = sessions._defaults(parser.parse_args(["sessions", "--time-scale", "0.5"]))
     assert (full.time_scale, full.enforce_eager, full.systems) == (
         0.5, False, "vllm,tiers,advisory,advisory_miss10")
@@ -159,8 +182,9 @@ def test_report_writes_the_record_and_the_plot(tmp_path: Path) -> None:
     turns = turn_records(2, 0, [result(50, 30, 0), result(120, 40, 0, 0.4)])
     turns[1]["fresh_ttft_s"] = 0.1
     system = {"users": [2], "recomputed_context_frac": [1.0], "followup_ttft_p50_s": [0.4],
-              "followup_ttft_p99_s": [0.4], "tpot_p50_s": [0.01], "host_hit_frac": [None],
-              "ssd_hit_frac": [None], "fresh_ttft_p50_s": 0.1, "turns": turns}
+              "followup_ttft_p99_s": [0.4], "fresh_ttft_p50_s": [0.1],
+              "followup_over_fresh_p50": [4.0], "tpot_p50_s": [0.01], "host_hit_frac": [None],
+              "ssd_hit_frac": [None], "turns": turns}
     out = tmp_path / "sessions.json"
     report({"benchmark": "sessions", "config": {}, "systems": {"tiers": system}}, out)
     assert json.loads(out.read_text())["systems"]["tiers"]["host_hit_frac"] == [None]
@@ -168,3 +192,14 @@ def test_report_writes_the_record_and_the_plot(tmp_path: Path) -> None:
     assert math.isnan(point_rows(system)["u2_host_hit_frac"])
     ratios = ttft_ratio_rows(turns)
     assert ratios["ctx_0_256"] == pytest.approx(4.0) and math.isnan(ratios["ctx_256_512"])
+
+
+def test_capacity_is_the_most_users_at_no_higher_median_tpot() -> None:
+    baseline = {"users": [2, 4, 8], "tpot_p50_s": [0.03, 0.05, None]}
+    system = {"users": [2, 4, 8], "tpot_p50_s": [0.02, 0.03, 0.045]}
+    rows = capacity_rows(system, baseline)
+    assert rows["at_u2_tpot_ratio"] == 2.0  # 4 users at <= 0.03 s
+    assert rows["at_u4_tpot_ratio"] == 2.0  # 8 users at <= 0.05 s
+    assert math.isnan(rows["at_u8_tpot_ratio"])  # the baseline measured no TPOT there
+    assert math.isnan(capacity_rows({"users": [2], "tpot_p50_s": [0.1]}, baseline)[
+        "at_u2_tpot_ratio"])  # slower everywhere
