@@ -18,7 +18,14 @@ from typing import Any, cast
 
 from antiphon.engine_ext.config import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS, EngineConfig
 from antiphon.engine_ext.policies import policy_class
-from antiphon.engine_ext.types import ChatTurn, Delta, EngineHealth, GenerationParams, RequestClass
+from antiphon.engine_ext.types import (
+    ChatContext,
+    ChatTurn,
+    Delta,
+    EngineHealth,
+    GenerationParams,
+    RequestClass,
+)
 from antiphon.tiering.config import TieringConfig
 
 logger = logging.getLogger(__name__)
@@ -74,6 +81,38 @@ class Engine(abc.ABC):
         """Number of tokens of a plain text (no special tokens)."""
 
     @abc.abstractmethod
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens included."""
+
+    special_token_ids: frozenset[int] = frozenset()  # left off the end of a reply's context
+
+    def continue_chat(self, turns: Sequence[ChatTurn], context: ChatContext | None, *,
+                      open_reply: bool = True) -> list[int]:
+        """`render_chat(turns)`, but extending `context` (the exact tokens up to the reply
+        `turns[context.num_messages - 1]`) where that gives the same text, so the previous
+        turn's KV is reused token for token; the rendered prompt otherwise."""
+        rendered = self.render_chat(turns, open_reply=open_reply)
+        end = 0 if context is None else context.num_messages
+        if context is None or not 0 < end <= len(turns) or turns[end - 1].role != "assistant":
+            return rendered
+        before = self.render_chat(turns[:end - 1])  # the reply's prompt, as text renders it
+        emptied = self.render_chat([*turns[:end - 1], ChatTurn("assistant", ""), *turns[end:]],
+                                   open_reply=open_reply)
+        if emptied[:len(before)] != before:
+            return rendered  # the template does not render the history as a prefix
+        extended = [*context.token_ids, *emptied[len(before):]]
+        return extended if self.decode(extended) == self.decode(rendered) else rendered
+
+    def context_tokens(self, prompt_token_ids: Sequence[int],
+                       output_token_ids: Sequence[int]) -> tuple[int, ...]:
+        """`ChatContext.token_ids` of a reply generated as `output_token_ids` from
+        `prompt_token_ids`."""
+        output = list(output_token_ids)
+        while output and output[-1] in self.special_token_ids:
+            output.pop()
+        return (*prompt_token_ids, *output)
+
+    @abc.abstractmethod
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
     ) -> AsyncGenerator[Delta, None]:
@@ -118,11 +157,10 @@ class VllmEngine(Engine):
         self._tokenizer: Any = None
 
     async def start(self) -> None:
-        from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.load_tokenizer()
         c = self.config
         args = AsyncEngineArgs(
             model=str(self.model_dir),
@@ -164,8 +202,18 @@ class VllmEngine(Engine):
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
+    def load_tokenizer(self) -> None:
+        """The model's tokenizer, for rendering and counting (`start` loads it too)."""
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.special_token_ids = frozenset(self._tokenizer.all_special_ids)
+
     def count_tokens(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
@@ -203,6 +251,7 @@ class VllmEngine(Engine):
                         finish_reason=completion.finish_reason,
                         num_prompt_tokens=len(out.prompt_token_ids or ()),
                         num_cached_tokens=out.num_cached_tokens or 0,
+                        token_ids=tuple(completion.token_ids),
                     )
         except VllmDeadError as exc:
             raise EngineDeadError(str(exc)) from exc

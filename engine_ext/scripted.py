@@ -49,6 +49,9 @@ class ScriptedEngine(Engine):
     def count_tokens(self, text: str) -> int:
         return len(text)
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(map(chr, token_ids))
+
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
     ) -> AsyncGenerator[Delta, None]:
@@ -67,8 +70,10 @@ class ScriptedEngine(Engine):
                 reason = None
                 if is_last:
                     reason = "stop" if len(words) <= params.max_tokens else "length"
+                text = word if i == 0 else " " + word
                 yield Delta(
-                    text=word if i == 0 else " " + word,
+                    text=text,
+                    token_ids=tuple(map(ord, text)),  # its prompt "tokens" are characters
                     num_new_tokens=1,
                     finished=is_last,
                     finish_reason=reason,

@@ -22,6 +22,17 @@ class ChatTurn:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChatContext:
+    """The exact tokens of a conversation up to and including its last reply: the prompt the
+    reply was generated from, then the generated tokens (stop tokens left out). Extending it,
+    rather than rendering the history's text again, keeps every token the KV was computed for
+    (text rendered back does not always tokenise to what the model generated)."""
+
+    num_messages: int  # messages it covers; the last one is the reply
+    token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int  # output tokens, at most
     temperature: float = 0.0  # 0 is greedy
@@ -45,6 +56,7 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    token_ids: tuple[int, ...] = ()  # the new tokens themselves
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from contextlib import aclosing
 from typing import Any
 
 from antiphon.engine_ext.engine import Engine, EngineDeadError, EngineRequestError
-from antiphon.engine_ext.types import ChatTurn, Delta, GenerationParams, RequestClass
+from antiphon.engine_ext.types import ChatContext, ChatTurn, Delta, GenerationParams, RequestClass
 from antiphon.server.config import ServerConfig
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.metrics import ServerMetrics
@@ -30,6 +30,7 @@ class Generation:
     params: GenerationParams
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     pieces: list[str] = dataclasses.field(default_factory=list)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_at: float | None = None
@@ -88,11 +89,14 @@ class ChatService:
         temperature: float | None,
         request_class: RequestClass = RequestClass.RT,
         session_id: str | None = None,
+        context: ChatContext | None = None,
         **sampling: Any,
     ) -> Generation:
-        """Validate and render a request; raises `ApiError` and changes nothing on bad input."""
+        """Validate and render a request (extending `context`, the exact tokens of the
+        conversation so far, where it has one); raises `ApiError` and changes nothing on bad
+        input."""
         self.check_max_tokens(max_tokens)
-        prompt = self.engine.render_chat(turns)
+        prompt = self.engine.continue_chat(turns, context)
         room = self.engine.max_model_len - len(prompt)
         if room < 1:
             raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
@@ -149,6 +153,7 @@ class ChatService:
             gen.finish_reason = delta.finish_reason
         if delta.text:
             gen.pieces.append(delta.text)
+        gen.output_token_ids.extend(delta.token_ids)
 
     def _record(self, gen: Generation, api: str, outcome: str) -> None:
         m, cls = self.metrics, gen.params.request_class.value

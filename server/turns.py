@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 
-from antiphon.engine_ext.types import ChatTurn
+from antiphon.engine_ext.types import ChatContext, ChatTurn
 from antiphon.server import protocol
 from antiphon.server.chat import ChatService, Generation
 from antiphon.server.errors import ApiError, ErrorCode
@@ -52,10 +52,10 @@ class SessionTurns:
         await self.get(owner, session_id)
         await asyncio.to_thread(self.store.record_advisory, session_id, source, time.time())
         self.metrics.advisories.labels(source).inc()
-        history = await asyncio.to_thread(self.store.messages, session_id)
-        context = self.chat.engine.render_chat([ChatTurn(m.role, m.content) for m in history],
-                                               open_reply=False)
-        return await self.chat.engine.advise(session_id, context, expected_arrival_s)
+        history, context = await asyncio.to_thread(self._history, session_id)
+        tokens = self.chat.engine.continue_chat([ChatTurn(m.role, m.content) for m in history],
+                                                context, open_reply=False)
+        return await self.chat.engine.advise(session_id, tokens, expected_arrival_s)
 
     async def accept(self, owner: str, msg: protocol.ChatMessage, request_id: str) -> Generation:
         """Validate a turn, commit its user message and mark the session busy.
@@ -70,11 +70,11 @@ class SessionTurns:
                            f"session {msg.session_id} is already answering a message")
         self._busy_session_ids.add(msg.session_id)
         try:
-            history = await asyncio.to_thread(self.store.messages, msg.session_id)
+            history, context = await asyncio.to_thread(self._history, msg.session_id)
             turns = [ChatTurn(m.role, m.content) for m in history]
             turns.append(ChatTurn("user", msg.content))
             gen = self.chat.prepare(request_id, turns, msg.max_tokens, msg.temperature,
-                                    session_id=msg.session_id)
+                                    session_id=msg.session_id, context=context)
             await asyncio.to_thread(self.store.append_message, msg.session_id, "user",
                                     msg.content, self.chat.engine.count_tokens(msg.content))
             if not history:
@@ -121,6 +121,13 @@ class SessionTurns:
         finally:
             self._busy_session_ids.discard(session_id)
 
+    def _history(self, session_id: str) -> tuple[list[Message], ChatContext | None]:
+        """The session's messages and the exact tokens through its last reply (if stored)."""
+        history = self.store.messages(session_id)
+        stored = self.store.context(session_id)
+        return history, None if stored is None else ChatContext(*stored)
+
     async def _commit_reply(self, session_id: str, gen: Generation) -> None:
+        context = self.chat.engine.context_tokens(gen.prompt_token_ids, gen.output_token_ids)
         await asyncio.to_thread(self.store.append_message, session_id, "assistant", gen.text,
-                                gen.num_output_tokens, gen.finish_reason)
+                                gen.num_output_tokens, gen.finish_reason, context)

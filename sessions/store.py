@@ -7,11 +7,13 @@ message survives a crash of the server.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 _SCHEMA = """
@@ -39,6 +41,11 @@ CREATE TABLE IF NOT EXISTS advisories (
     received_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS advisories_session ON advisories(session_id, received_at);
+CREATE TABLE IF NOT EXISTS contexts (
+    session_id   TEXT PRIMARY KEY REFERENCES sessions(session_id) ON DELETE CASCADE,
+    num_messages INTEGER NOT NULL,
+    token_ids    BLOB NOT NULL
+);
 """
 
 
@@ -156,9 +163,10 @@ class SessionStore:
 
     def append_message(
         self, session_id: str, role: str, content: str, num_tokens: int,
-        finish_reason: str | None = None,
+        finish_reason: str | None = None, context_ids: Sequence[int] | None = None,
     ) -> Message:
-        """Append and commit one message (durable on return); bumps the session's updated_at."""
+        """Append and commit one message (durable on return); bumps the session's updated_at.
+        `context_ids`: the conversation's exact tokens through this message (`context`)."""
         now = time.time()
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -171,11 +179,28 @@ class SessionStore:
                 self._db.execute(
                     "UPDATE sessions SET updated_at = ? WHERE session_id = ?", (now, session_id)
                 )
+                if context_ids is not None:
+                    self._db.execute(
+                        "INSERT OR REPLACE INTO contexts SELECT ?, COUNT(*), ? FROM messages"
+                        " WHERE session_id = ?",
+                        (session_id, array.array("I", context_ids).tobytes(), session_id))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
         return Message(role, content, num_tokens, now, finish_reason)
+
+    def context(self, session_id: str) -> tuple[int, tuple[int, ...]] | None:
+        """(messages covered, token ids) of the session's last stored context, or None."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT num_messages, token_ids FROM contexts WHERE session_id = ?",
+                (session_id,)).fetchone()
+        if row is None:
+            return None
+        ids = array.array("I")
+        ids.frombytes(row[1])
+        return row[0], tuple(ids)
 
     def record_advisory(self, session_id: str, source: str, received_at: float) -> None:
         with self._lock:

@@ -48,3 +48,21 @@ def test_first_message_names_untitled_session(tmp_path: Path) -> None:
     store.title_if_untitled(s.session_id, "What is KV caching")
     store.title_if_untitled(s.session_id, "second")
     assert store.get_session("o", s.session_id).title == "What is KV caching"  # type: ignore[union-attr]
+
+
+def test_a_reply_stores_the_exact_context_tokens_with_it(tmp_path: Path) -> None:
+    db = tmp_path / "s.sqlite3"
+    store = SessionStore(db)
+    s = store.create_session("o")
+    assert store.context(s.session_id) is None
+    store.append_message(s.session_id, "user", "hello", 2)
+    store.append_message(s.session_id, "assistant", "hi!", 3, "stop", (7, 8, 70_000, 9))
+    store.close()
+    reopened = SessionStore(db)
+    assert reopened.context(s.session_id) == (2, (7, 8, 70_000, 9))  # covers both messages
+    reopened.append_message(s.session_id, "user", "more", 1)
+    reopened.append_message(s.session_id, "assistant", "ok", 1, "stop", (1, 2))
+    assert reopened.context(s.session_id) == (4, (1, 2))  # replaced by the newest
+    assert reopened.delete_session("o", s.session_id)
+    assert reopened.context(s.session_id) is None
+    reopened.check_integrity()

@@ -1,0 +1,80 @@
+"""Follow-up prompts extend the exact tokens of the conversation, not its text rendered again.
+
+Text a model generated does not always tokenise back to the tokens it generated (`"\n\n"` can
+come out as two newline tokens, a reply can end inside a character); a prompt rendered from the
+stored text would then differ from the KV computed for the previous turn, and every tier would
+miss from that token on.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from antiphon.engine_ext.config import EngineConfig
+from antiphon.engine_ext.engine import VllmEngine
+from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.engine_ext.types import ChatContext, ChatTurn
+from antiphon.model import resolve_model
+
+HISTORY = [ChatTurn("user", "Write two short paragraphs."),
+           ChatTurn("assistant", "First one.\n\nSecond one.")]
+NEXT = ChatTurn("user", "Thanks! Now a third?")
+
+
+@pytest.fixture(scope="module")
+def engine() -> VllmEngine:
+    """The default model's tokenizer and chat template, without starting vLLM."""
+    try:
+        model_dir = resolve_model(None)
+    except Exception as exc:  # noqa: BLE001 - any reason the model is missing
+        pytest.skip(f"default model not prepared: {exc}")
+    eng = VllmEngine(EngineConfig(), model_dir)
+    eng.load_tokenizer()
+    return eng
+
+
+def generated_as(engine: VllmEngine, pieces: list[str]) -> list[int]:
+    """Token ids of a reply generated one token per piece (a vocabulary token each)."""
+    ids = [engine._tokenizer.convert_tokens_to_ids(engine._tokenizer.tokenize(p)) for p in pieces]
+    assert all(len(i) == 1 for i in ids[1:2]), "the middle piece must be a single token"
+    return [t for i in ids for t in i]
+
+
+def test_the_follow_up_extends_the_generated_tokens_not_their_text(engine: VllmEngine) -> None:
+    prompt = engine.render_chat(HISTORY[:1])
+    # SmolLM2 generates "\n\n" as one token; its text tokenises back as two "\n" tokens.
+    reply = generated_as(engine, ["First one.", "\n\n", "Second one."])
+    assert engine.decode(reply) == HISTORY[1].content
+    rendered = engine.render_chat([*HISTORY, NEXT])
+    assert rendered[:len(prompt) + len(reply)] != [*prompt, *reply]  # text drifts off them
+
+    end_of_turn = engine._tokenizer.convert_tokens_to_ids("<|im_end|>")
+    context = ChatContext(2, engine.context_tokens(prompt, [*reply, end_of_turn]))
+    assert context.token_ids == (*prompt, *reply)  # the stop token is not context
+    follow_up = engine.continue_chat([*HISTORY, NEXT], context)
+    assert follow_up[:len(context.token_ids)] == list(context.token_ids)
+    assert engine.decode(follow_up) == engine.decode(rendered)  # the same text for the model
+    # The advisory's context (no reply opened) extends it the same way.
+    closed = engine.continue_chat(HISTORY, context, open_reply=False)
+    assert closed[:len(context.token_ids)] == list(context.token_ids)
+    assert engine.decode(closed) == engine.decode(engine.render_chat(HISTORY, open_reply=False))
+
+
+def test_a_context_that_is_not_the_history_is_not_used(engine: VllmEngine) -> None:
+    prompt = engine.render_chat(HISTORY[:1])
+    other = generated_as(engine, ["Something else entirely."])
+    rendered = engine.render_chat([*HISTORY, NEXT])
+    stale = ChatContext(2, (*prompt, *other))
+    assert engine.continue_chat([*HISTORY, NEXT], stale) == rendered
+    wrong_turn = ChatContext(1, tuple(prompt))  # message 0 is the user's, not a reply
+    assert engine.continue_chat([*HISTORY, NEXT], wrong_turn) == rendered
+    beyond = ChatContext(5, tuple(prompt))
+    assert engine.continue_chat([*HISTORY, NEXT], beyond) == rendered
+    assert engine.continue_chat([*HISTORY, NEXT], None) == rendered
+
+
+def test_the_scripted_engine_continues_its_own_context() -> None:
+    engine = ScriptedEngine()
+    prompt = engine.render_chat(HISTORY[:1])
+    context = ChatContext(2, engine.context_tokens(prompt, [ord(c) for c in HISTORY[1].content]))
+    assert engine.continue_chat([*HISTORY, NEXT], context) == engine.render_chat([*HISTORY, NEXT])
