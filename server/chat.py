@@ -64,10 +64,13 @@ class Generation:
 
 
 class ChatService:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, config: ServerConfig,
+                 rt_slo_s: tuple[float, float] = (1.0, 0.1)) -> None:
+        """`rt_slo_s`: the deployment's default (TTFT, TPOT) targets of RT requests."""
         self.engine = engine
         self.metrics = metrics
         self.config = config
+        self.rt_slo_s = rt_slo_s
 
     def check_content(self, content: str) -> None:
         if len(content) > self.config.max_content_chars:
@@ -166,3 +169,15 @@ class ChatService:
             m.ttft.labels(cls).observe(gen.ttft_s)
         if gen.tpot_s is not None:
             m.tpot.labels(cls).observe(gen.tpot_s)
+        if outcome != "ok" or gen.last_token_at is None:
+            return
+        m.normalized_latency.labels(cls).observe(
+            (gen.last_token_at - gen.arrival) / max(1, gen.num_output_tokens))
+        if gen.params.request_class is RequestClass.RT:
+            p = gen.params
+            ttft_slo = self.rt_slo_s[0] if p.ttft_slo_s is None else p.ttft_slo_s
+            tpot_slo = self.rt_slo_s[1] if p.tpot_slo_s is None else p.tpot_slo_s
+            met_ttft = gen.ttft_s is not None and gen.ttft_s <= ttft_slo
+            m.rt_slo.labels("ttft", str(met_ttft).lower()).inc()
+            if gen.tpot_s is not None:
+                m.rt_slo.labels("tpot", str(gen.tpot_s <= tpot_slo).lower()).inc()

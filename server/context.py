@@ -35,7 +35,8 @@ class AppContext:
     def build(cls, config: AppConfig, engine: Engine) -> AppContext:
         store = SessionStore(config.sessions.db_path, config.sessions.sqlite_synchronous)
         metrics = ServerMetrics()
-        chat = ChatService(engine, metrics, config.server)
+        chat = ChatService(engine, metrics, config.server,
+                           (config.engine.rt_ttft_slo_s, config.engine.rt_tpot_slo_s))
         data_dir = config.sessions.data_dir
         batch_store = BatchStore(data_dir / "batches.sqlite3", config.sessions.sqlite_synchronous)
         files = FileStore(data_dir / "files")

@@ -21,6 +21,14 @@ class ServerMetrics:
         self.tpot = Histogram(
             "antiphon_tpot_seconds", "Time per output token after the first", ["request_class"],
             buckets=_TPOT_BUCKETS, registry=r)
+        self.normalized_latency = Histogram(
+            "antiphon_normalized_latency_seconds",
+            "Request latency (arrival to last token) per output token", ["request_class"],
+            buckets=(*_TPOT_BUCKETS, 2.56, 5.12, 10.24), registry=r)
+        self.rt_slo = Counter(
+            "antiphon_rt_slo_requests",
+            "Completed RT requests by target (ttft, tpot) and whether they met it; attainment "
+            "is met=true over both", ["target", "met"], registry=r)
         self.prompt_tokens = Counter(
             "antiphon_prompt_tokens", "Prompt tokens submitted", ["request_class"], registry=r)
         self.cached_prompt_tokens = Counter(

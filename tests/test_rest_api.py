@@ -89,6 +89,9 @@ def test_sessions_advisory_health_and_metrics(scripted: Scripted) -> None:
     assert 'antiphon_requests_total{api="openai",outcome="ok",request_class="rt"} 1.0' in metrics
     assert 'antiphon_ttft_seconds_count{request_class="rt"} 1.0' in metrics
     assert "antiphon_tpot_seconds_bucket" in metrics
+    assert 'antiphon_normalized_latency_seconds_count{request_class="rt"} 1.0' in metrics
+    assert 'antiphon_rt_slo_requests_total{met="true",target="ttft"} 1.0' in metrics
+    assert 'antiphon_rt_slo_requests_total{met="true",target="tpot"} 1.0' in metrics
 
 
 def test_index_page_is_served(scripted: Scripted) -> None:
