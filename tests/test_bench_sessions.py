@@ -169,8 +169,8 @@ def test_quick_fills_in_sizes_and_systems_are_checked() -> None:
     parser = argparse.ArgumentParser()
     sessions.add_parser(parser.add_subparsers())
     args = sessions._defaults(parser.parse_args(["sessions", "--quick", "--systems", "vllm"]))
-    assert (args.time_scale, args.max_turns, args.enforce_eager) == (0.05, 3, True)
-    assert (args.users, args.pool_users) == ("2,4,8,16", 4)
+    assert (args.time_scale, args.max_turns, args.enforce_eager) == (0.08, 3, True)
+    assert (args.users, args.pool_users) == ("2,4,16", 5)
     full = sessions._defaults(parser.parse_args(["sessions", "--time-scale", "0.5"]))
     assert (full.time_scale, full.enforce_eager, full.systems) == (
         0.5, False, "vllm,tiers,advisory,advisory_miss10")
