@@ -1,84 +1,71 @@
-"""Step latency prediction from batch composition (BROS form), fitted online.
+"""Step latency prediction from batch composition, fitted online.
 
-    t(step) = a0 * Ln + a1 * sum_i(n_i * c_i) + a2 * N + b
-
-Ln: new tokens in the step; n_i, c_i: new and context tokens of request i (the attention
-score matrix area BROS calls Ln*La); N: requests in the step. The model starts from a prior
-and refits by least squares on a window of observed steps, and reports its mean absolute
-percentage error over recent predictions, so drift is visible.
+The model predicts with one of the papers' forms (`costforms`: bros, hygen, echo), starting
+from a profiled fit (`antiphon profile`, which `serve` loads) or else from the BROS form's
+prior. It refits by least squares on a window of observed steps, starting from the current
+coefficients, and reports the mean absolute percentage error of its recent predictions, so
+drift is visible.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from antiphon.engine_ext.costforms import CostForm, cost_form
+from antiphon.engine_ext.stepshape import StepShape
 
-@dataclasses.dataclass(frozen=True)
-class StepShape:
-    """Batch composition of one step."""
-
-    num_new_tokens: int  # Ln
-    attention_area: int  # sum over requests of new tokens times context tokens
-    num_requests: int  # N
-
-    @classmethod
-    def of(cls, requests: Iterable[tuple[int, int]]) -> StepShape:
-        """From (new tokens, context tokens) per request."""
-        ln = area = n = 0
-        for new, ctx in requests:
-            ln += new
-            area += new * ctx
-            n += 1
-        return cls(ln, area, n)
-
-    def features(self) -> tuple[float, float, float, float]:
-        return (float(self.num_new_tokens), float(self.attention_area),
-                float(self.num_requests), 1.0)
-
-
-# A conservative prior (seconds) for a small model on a CPU, replaced after the first refit.
-_PRIOR = (2e-4, 1e-8, 1e-4, 0.02)
+__all__ = ["CostModel", "StepShape"]
 
 
 class CostModel:
-    def __init__(self, window: int = 512, refit_every: int = 32,
-                 coefficients: Sequence[float] = _PRIOR) -> None:
-        self.coefficients = np.asarray(coefficients, dtype=np.float64)
-        self._observations: collections.deque[tuple[tuple[float, ...], float]] = (
+    def __init__(self, form: CostForm | str = "bros",
+                 coefficients: Sequence[float] | dict[str, float] | None = None,
+                 window: int = 512, refit_every: int = 32) -> None:
+        """`coefficients` in the form's `terms` order, or by term name; unset: its prior."""
+        self.form = cost_form(form) if isinstance(form, str) else form
+        self.coefficients = (self.form.prior if coefficients is None
+                             else self.form.coefficients_of(coefficients))
+        self._observations: collections.deque[tuple[StepShape, float]] = (
             collections.deque(maxlen=window))
         self._errors: collections.deque[float] = collections.deque(maxlen=window)
         self._refit_every = refit_every
         self._since_refit = 0
         self.num_refits = 0
 
+    def use(self, form: CostForm | str, coefficients: Sequence[float]) -> None:
+        """Predict with `form` and `coefficients` (a profiled fit) from now on; observed steps
+        stay for later refits, the error history starts again."""
+        self.form = cost_form(form) if isinstance(form, str) else form
+        self.coefficients = self.form.coefficients_of(coefficients)
+        self._errors.clear()
+        self._since_refit = 0
+
     def predict_s(self, shape: StepShape) -> float:
         """Predicted step latency (seconds)."""
-        return max(0.0, float(np.dot(self.coefficients, shape.features())))
+        return self.form.predict_s(self.coefficients, shape)
 
     def observe(self, shape: StepShape, latency_s: float) -> None:
-        """Record a measured step; refits every `refit_every` observations."""
+        """Record a measured step (seconds); refits every `refit_every` observations."""
         predicted = self.predict_s(shape)
         if latency_s > 0:
             self._errors.append(abs(predicted - latency_s) / latency_s)
-        self._observations.append((shape.features(), latency_s))
+        self._observations.append((shape, latency_s))
         self._since_refit += 1
         if self._since_refit >= self._refit_every:
             self.refit()
 
     def refit(self) -> None:
-        """Least-squares fit on the window (relative error weighting, non-negative terms)."""
+        """Fit the form to the window, starting from the current coefficients (terms the
+        window does not exercise keep theirs)."""
         self._since_refit = 0
         if len(self._observations) < 8:
             return
-        x = np.array([f for f, _ in self._observations])
-        y = np.array([t for _, t in self._observations])
-        w = 1.0 / np.maximum(y, 1e-4)  # minimise relative, not absolute, error
-        coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
-        self.coefficients = np.maximum(coef, 0.0)
+        shapes = [s for s, _ in self._observations]
+        latencies = np.array([t for _, t in self._observations])
+        self.coefficients = self.form.fit(shapes, latencies, start=self.coefficients)
         self.num_refits += 1
 
     @property

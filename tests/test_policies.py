@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from antiphon.engine_ext.costforms import HygenForm
 from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.policies import make_policy, policy_class
 from antiphon.engine_ext.policies.bros import BrosPolicy
@@ -35,11 +36,11 @@ def budget(now: float = 0.0, free_pages: int = 1000, max_seqs: int = 64) -> Step
 
 
 def constant_cost(seconds: float) -> CostModel:
-    return CostModel(coefficients=(0.0, 0.0, 0.0, seconds))
+    return CostModel("hygen", {"intercept_s": seconds})
 
 
 def per_request_cost(seconds: float) -> CostModel:
-    return CostModel(coefficients=(0.0, 0.0, seconds, 0.0))
+    return CostModel("hygen", {"prefill_request_s": seconds, "decode_request_s": seconds})
 
 
 def test_unknown_policy_lists_valid_names() -> None:
@@ -103,17 +104,17 @@ def test_preempted_be_with_least_lost_work_goes_first() -> None:
 
 def test_cost_model_learns_a_linear_step_time() -> None:
     rng = np.random.default_rng(0)
-    truth = np.array([1e-4, 2e-8, 3e-4, 0.01])
-    model = CostModel(refit_every=16)
+    form = HygenForm()
+    truth = (1e-4, 2e-8, 1e-9, 0.0, 3e-4, 1e-4, 0.01)
+    model = CostModel("hygen", refit_every=16)
     for _ in range(200):
         reqs = [(int(rng.integers(1, 300)), int(rng.integers(1, 2000)))
                 for _ in range(int(rng.integers(1, 16)))]
         shape = StepShape.of(reqs)
-        model.observe(shape, float(np.dot(truth, shape.features())))
+        model.observe(shape, form.predict_s(truth, shape))
     assert model.num_refits > 0
     probe = StepShape.of([(100, 1000), (1, 500)])
-    assert model.predict_s(probe) == pytest.approx(float(np.dot(truth, probe.features())),
-                                                   rel=1e-3)
+    assert model.predict_s(probe) == pytest.approx(form.predict_s(truth, probe), rel=1e-3)
     assert model.mape is not None and model.mape < 0.5
 
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from antiphon.engine_ext.costforms import BrosForm, EchoForm
 from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.policies import POLICIES, make_policy, policy_class
 from antiphon.engine_ext.policies.base import new_pages
@@ -36,7 +37,9 @@ def chain(*labels: str) -> tuple[bytes, ...]:
 
 
 def token_cost(per_token_s: float, step_s: float = 0.0) -> CostModel:
-    return CostModel(coefficients=(per_token_s, 0.0, 0.0, step_s))
+    """Every new token costs `per_token_s` (a decode request computes one), a step `step_s`."""
+    return CostModel("hygen", {"prefill_token_s": per_token_s,
+                               "decode_request_s": per_token_s, "intercept_s": step_s})
 
 
 def predicted_s(cost: CostModel, views: list[RequestView], plan: StepPlan) -> float:
@@ -259,8 +262,10 @@ def test_larry_keeps_rt_ahead_of_be_and_orders_running_rt_first() -> None:
 
 # --- invariants of every registered policy --------------------------------------------------
 
-COSTS = [(0.0, 0.0, 0.0, 0.0), (2e-4, 1e-8, 1e-4, 0.02), (0.0, 0.0, 0.05, 0.0),
-         (1e-3, 0.0, 0.0, 0.01)]
+COSTS: list[tuple[str, dict[str, float] | tuple[float, ...]]] = [
+    ("hygen", {}), ("bros", BrosForm.prior), ("echo", EchoForm.prior),
+    ("hygen", {"prefill_request_s": 0.05, "decode_request_s": 0.05}),
+    ("hygen", {"prefill_token_s": 1e-3, "decode_request_s": 1e-3, "intercept_s": 0.01})]
 
 
 @st.composite
@@ -284,12 +289,12 @@ def request_views(draw: st.DrawFn, index: int) -> RequestView:
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> tuple[list[RequestView], StepBudget, tuple[float, ...]]:
+def scenarios(draw: st.DrawFn) -> tuple[list[RequestView], StepBudget, CostModel]:
     views = [draw(request_views(i)) for i in range(draw(st.integers(0, 12)))]
     step = StepBudget(now_s=draw(st.floats(0.0, 12.0)), max_num_seqs=draw(st.integers(1, 8)),
                       max_num_tokens=draw(st.integers(1, 300)),
                       num_free_pages=draw(st.integers(0, 40)), page_tokens=PAGE)
-    return views, step, draw(st.sampled_from(COSTS))
+    return views, step, CostModel(*draw(st.sampled_from(COSTS)))
 
 
 def could_run(v: RequestView, step: StepBudget) -> bool:
@@ -302,10 +307,10 @@ def could_run(v: RequestView, step: StepBudget) -> bool:
 @settings(max_examples=150, deadline=None)
 @given(scenario=scenarios())
 def test_every_policy_keeps_the_plan_invariants(
-        name: str, scenario: tuple[list[RequestView], StepBudget, tuple[float, ...]]) -> None:
-    views, step, coefficients = scenario
+        name: str, scenario: tuple[list[RequestView], StepBudget, CostModel]) -> None:
+    views, step, cost = scenario
     by_id = {v.request_id: v for v in views}
-    plan = make_policy(name, CostModel(coefficients=coefficients)).plan(views, step)
+    plan = make_policy(name, CostModel(cost.form, cost.coefficients)).plan(views, step)
 
     assert len(set(plan.order)) == len(plan.order) and set(plan.order) <= by_id.keys()
     assert len(set(plan.preempt)) == len(plan.preempt) and set(plan.preempt) <= by_id.keys()
@@ -323,7 +328,7 @@ def test_every_policy_keeps_the_plan_invariants(
 
     # A waiting BE request never causes a preemption.
     without = [v for v in views if v.is_rt or v.is_running]
-    fresh = make_policy(name, CostModel(coefficients=coefficients))
+    fresh = make_policy(name, CostModel(cost.form, cost.coefficients))
     assert fresh.plan(without, step).preempt == plan.preempt
 
 

@@ -63,7 +63,8 @@ class BrosPolicy(Policy):
             if len(batch.ids) >= cap or batch.tokens_left <= 0:
                 break
             new = min(view.num_new_tokens, batch.tokens_left)
-            if batch.ids and batch.time_s(new, view.num_computed_tokens + new) > time_limit:
+            context = view.num_computed_tokens + new
+            if batch.ids and batch.time_s(new, context, view.is_prefill) > time_limit:
                 is_at_risk = True
                 break
             pages = new_pages(view, new, budget.page_tokens)
@@ -79,7 +80,8 @@ class BrosPolicy(Policy):
             if len(batch.ids) >= cap or batch.tokens_left <= 0:
                 break
             new = min(view.num_new_tokens, batch.tokens_left)
-            if rts and batch.ids and batch.time_s(new, view.num_computed_tokens + new) > time_limit:
+            context = view.num_computed_tokens + new
+            if rts and batch.ids and batch.time_s(new, context, view.is_prefill) > time_limit:
                 is_at_risk = True
                 break
             pages = new_pages(view, new, budget.page_tokens)

@@ -121,7 +121,7 @@ class EchoPolicy(Policy):
             new = min(view.num_new_tokens - cached, batch.tokens_left)
             if new <= 0:
                 continue
-            time_s = batch.time_s(new, view.num_computed_tokens + cached + new)
+            time_s = batch.time_s(new, view.num_computed_tokens + cached + new, view.is_prefill)
             net = new + cached - self._punishment(rt_slacks, base_s, time_s)
             rate = net / (time_s - base_s) if time_s > base_s else math.copysign(math.inf, net)
             ranked.append((-rate, view.arrival_s, view.request_id, view, cached))
@@ -136,7 +136,7 @@ class EchoPolicy(Policy):
             pages = pages_for(start + new, batch.page_tokens) - held
             if pages > batch.pages_left - (reserve if batch.ids else 0):
                 continue
-            before_s, after_s = batch.time_s(), batch.time_s(new, start + new)
+            before_s, after_s = batch.time_s(), batch.time_s(new, start + new, view.is_prefill)
             if new + cached - self._punishment(rt_slacks, before_s, after_s) <= 0:
                 continue
             batch.add(view, new, pages, num_cached_tokens=cached)

@@ -83,7 +83,7 @@ class HygenPolicy(Policy):
         for view in (v for v in rts if v.is_running and not v.is_prefill):
             if batch.is_full:
                 return
-            if batch.ids and batch.time_s(1, view.num_computed_tokens + 1) > limit_s:
+            if batch.ids and batch.time_s(1, view.num_computed_tokens + 1, False) > limit_s:
                 continue
             pages = new_pages(view, 1, page_tokens)
             if victims.take_until(pages, batch, plan):
@@ -115,7 +115,7 @@ class HygenPolicy(Policy):
                 elif batch.ids:
                     break
                 continue
-            if batch.ids and batch.time_s(1, view.num_computed_tokens + 1) > limit_s:
+            if batch.ids and batch.time_s(1, view.num_computed_tokens + 1, False) > limit_s:
                 break
             pages = new_pages(view, 1, batch.page_tokens)
             if pages <= batch.pages_left:
@@ -157,11 +157,11 @@ class HygenPolicy(Policy):
         by_pages = (held + batch.pages_left) * page_tokens - start
         wanted = min(view.num_new_tokens - num_cached_tokens, batch.tokens_left)
         by_time = wanted
-        if batch.ids and batch.time_s(wanted, start + wanted) > limit_s:
+        if batch.ids and batch.time_s(wanted, start + wanted, view.is_prefill) > limit_s:
             lo, hi = 0, wanted - 1  # largest chunk within the budget; time grows with it
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if batch.time_s(mid, start + mid) <= limit_s:
+                if batch.time_s(mid, start + mid, view.is_prefill) <= limit_s:
                     lo = mid
                 else:
                     hi = mid - 1

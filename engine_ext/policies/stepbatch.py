@@ -1,6 +1,6 @@
 """The step a policy is building: its members, predicted latency, and what is left of the budget.
 
-Shape totals are kept incrementally, so predicting the step with one more request costs one
+The step's shape is kept incrementally, so predicting the step with one more request costs one
 cost-model call, not a walk over the batch.
 """
 
@@ -22,22 +22,22 @@ class StepBatch:
         self.tokens_left = budget.max_num_tokens
         self.pages_left = budget.num_free_pages
         self._cost_model = cost_model
-        self._num_new_tokens = 0  # Ln of the step
-        self._attention_area = 0  # sum of new times context tokens
+        self._shape = StepShape()  # of the members
 
     @property
     def is_full(self) -> bool:
         """No seat or no token left for another request."""
         return self.seqs_left <= 0 or self.tokens_left <= 0
 
-    def time_s(self, num_new_tokens: int = 0, num_context_tokens: int = 0) -> float:
+    def time_s(self, num_new_tokens: int = 0, num_context_tokens: int = 0,
+               is_prefill: bool | None = None) -> float:
         """Predicted step latency (seconds); with `num_new_tokens` > 0, as if one more request
-        computed that many tokens with `num_context_tokens` of context after the step."""
-        extra = 1 if num_new_tokens > 0 else 0
-        return self._cost_model.predict_s(StepShape(
-            self._num_new_tokens + num_new_tokens,
-            self._attention_area + num_new_tokens * num_context_tokens,
-            len(self.ids) + extra))
+        computed that many tokens with `num_context_tokens` of context after the step (a
+        prefill, unless told, when it computes more than one)."""
+        shape = self._shape
+        if num_new_tokens > 0:
+            shape = shape.plus(num_new_tokens, num_context_tokens, is_prefill)
+        return self._cost_model.predict_s(shape)
 
     def add(self, view: RequestView, num_new_tokens: int, num_pages: int,
             num_cached_tokens: int = 0) -> None:
@@ -47,8 +47,7 @@ class StepBatch:
         if num_cached_tokens + num_new_tokens < view.num_new_tokens:
             self.token_limits[view.request_id] = num_new_tokens
         context = view.num_computed_tokens + num_cached_tokens + num_new_tokens
-        self._num_new_tokens += num_new_tokens
-        self._attention_area += num_new_tokens * context
+        self._shape = self._shape.plus(num_new_tokens, context, view.is_prefill)
         self.seqs_left -= 1
         self.tokens_left -= num_new_tokens
         self.pages_left -= num_pages

@@ -1,0 +1,251 @@
+"""The papers' step-latency forms, each a map from a step's composition to seconds with its own
+least-squares fit. Pure numpy: no torch.
+
+    bros   BROS section 4: one linear model per phase, summed over the phases present
+               t = a0p*Sp + a1p*Ap + bp*[Np > 0]  +  a0d*Sn + a1d*Ad + bd*[Nd > 0]
+    hygen  HyGen section 4.2: linear regression on (Sp, Sd, Sp^2, Sd^2, Np, Nd), with intercept
+    echo   Echo section 5.2: prefill Tp = max(alpha*Ap + beta*Sp, c), decode
+           Td = gamma*max(L) + delta*mean(L); a step with both: max(Tp, Td) + (1-lambda)*min(..)
+
+Sp, Ap: the step's prefill tokens and their attention area (new times context tokens summed
+over prefill requests; l^2 for a whole prompt of l tokens). Sn, Ad: the same for decode
+requests. Sd, L: decode requests' context tokens, summed and per request. Np, Nd: prefill and
+decode requests. Where a paper leaves a choice open:
+- BROS writes the attention term as Ln*La, "the shape of the attention score matrix"; summed
+  per request it is Ap and Ad (no score links requests of one batch).
+- HyGen's "decode tokens" Sd are the decode requests' context tokens: their new tokens would
+  be Nd again.
+- Echo's eq. (8), lambda*max + (1-lambda)*min, lies between min and max, yet its text puts a
+  mixed batch between the max and the sum; the form here is the mix the text describes.
+
+Every fit minimises the squared relative error (weights 1/t), the error MAPE measures, with
+non-negative coefficients, so no term makes a step cheaper. Given `start` coefficients, terms
+the data never exercises keep their start value instead of falling to zero: an online window
+of decode steps says nothing about prefill.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import numpy as np
+
+from antiphon.engine_ext.stepshape import StepShape
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin |a x - b| subject to x >= 0 (Lawson and Hanson's active-set method), on
+    columns scaled to unit norm for conditioning."""
+    norms = np.linalg.norm(a, axis=0)
+    scale = np.where(norms > 0, norms, 1.0)
+    a = a / scale
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 1e-10 * max(1.0, float(np.abs(b).max(initial=0.0)))
+    for _ in range(3 * n):
+        gradient = a.T @ (b - a @ x)
+        candidates = ~passive & (gradient > tol)
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, gradient, -np.inf))] = True
+        for _ in range(3 * n):
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                break
+            blocking = passive & (z <= 0)
+            step = x[blocking] / np.maximum(x[blocking] - z[blocking], 1e-300)
+            x = x + float(step.min()) * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+        x = z
+    return np.maximum(x, 0.0) / scale
+
+
+def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
+    """Mean absolute percentage error (0.05 = 5%) over steps with a positive latency."""
+    keep = measured > 0
+    if not keep.any():
+        return float("nan")
+    return float(np.mean(np.abs(predicted[keep] - measured[keep]) / measured[keep]))
+
+
+def _weights(latencies: np.ndarray) -> np.ndarray:
+    return 1.0 / np.maximum(latencies, 1e-4)  # relative, not absolute, error
+
+
+class CostForm(abc.ABC):
+    name: str
+    terms: tuple[str, ...]  # coefficient names, in order
+    prior: tuple[float, ...]  # a conservative start (seconds) for a small model on a CPU
+
+    @abc.abstractmethod
+    def predict_s(self, coefficients: Sequence[float], shape: StepShape) -> float:
+        """Predicted latency of a step of `shape` (seconds)."""
+
+    @abc.abstractmethod
+    def fit(self, shapes: Sequence[StepShape], latencies: np.ndarray,
+            start: Sequence[float] | None = None) -> tuple[float, ...]:
+        """Coefficients fitted to measured step `latencies` (seconds); pure."""
+
+    def predict_all(self, coefficients: Sequence[float],
+                    shapes: Sequence[StepShape]) -> np.ndarray:
+        return np.array([self.predict_s(coefficients, s) for s in shapes])
+
+    def coefficients_of(self, values: Sequence[float] | dict[str, float]) -> tuple[float, ...]:
+        """Coefficients from a sequence in `terms` order or a {term: value} mapping (terms left
+        out are 0); raises ValueError naming the terms when they do not match."""
+        if isinstance(values, dict):
+            unknown = set(values) - set(self.terms)
+            if unknown:
+                raise ValueError(f"{self.name} has no terms {sorted(unknown)}; its terms: "
+                                 f"{', '.join(self.terms)}")
+            return tuple(float(values.get(t, 0.0)) for t in self.terms)
+        if len(values) != len(self.terms):
+            raise ValueError(f"{self.name} takes {len(self.terms)} coefficients "
+                             f"({', '.join(self.terms)}), got {len(values)}")
+        return tuple(float(v) for v in values)
+
+
+class LinearForm(CostForm):
+    """t = coefficients . features(shape)"""
+
+    @abc.abstractmethod
+    def features(self, shape: StepShape) -> tuple[float, ...]: ...
+
+    def predict_s(self, coefficients: Sequence[float], shape: StepShape) -> float:
+        # Plain Python: policies call this many times a step, on a handful of terms.
+        return max(0.0, sum(c * f for c, f in zip(coefficients, self.features(shape),
+                                                   strict=True)))
+
+    def fit(self, shapes: Sequence[StepShape], latencies: np.ndarray,
+            start: Sequence[float] | None = None) -> tuple[float, ...]:
+        x = np.array([self.features(s) for s in shapes], dtype=np.float64)
+        y = np.asarray(latencies, dtype=np.float64)
+        exercised = np.ones(x.shape[1], dtype=bool)
+        if start is not None:
+            exercised = (x != 0).any(axis=0)
+            y = y - x[:, ~exercised] @ np.asarray(start, dtype=np.float64)[~exercised]
+        w = _weights(np.asarray(latencies, dtype=np.float64))
+        coef = np.zeros(x.shape[1]) if start is None else np.array(start, dtype=np.float64)
+        coef[exercised] = nnls(x[:, exercised] * w[:, None], y * w)
+        return tuple(float(c) for c in coef)
+
+
+class BrosForm(LinearForm):
+    name = "bros"
+    terms = ("prefill_token_s", "prefill_attention_s", "prefill_step_s",
+             "decode_token_s", "decode_attention_s", "decode_step_s")
+    prior = (2e-4, 1e-8, 0.02, 3e-4, 1e-8, 0.02)
+
+    def features(self, shape: StepShape) -> tuple[float, ...]:
+        has_prefill = 1.0 if shape.num_prefill_requests else 0.0
+        has_decode = 1.0 if shape.num_decode_requests else 0.0
+        return (shape.num_prefill_tokens, shape.prefill_attention_area, has_prefill,
+                shape.num_decode_tokens, shape.decode_attention_area, has_decode)
+
+
+class HygenForm(LinearForm):
+    name = "hygen"
+    terms = ("prefill_token_s", "decode_context_s", "prefill_token_sq_s",
+             "decode_context_sq_s", "prefill_request_s", "decode_request_s", "intercept_s")
+    prior = (2e-4, 1e-8, 1e-9, 0.0, 1e-4, 3e-4, 0.02)
+
+    def features(self, shape: StepShape) -> tuple[float, ...]:
+        sp, sd = float(shape.num_prefill_tokens), float(shape.decode_context_tokens)
+        return (sp, sd, sp * sp, sd * sd, shape.num_prefill_requests,
+                shape.num_decode_requests, 1.0)
+
+
+class EchoForm(CostForm):
+    name = "echo"
+    terms = ("alpha", "beta", "c", "gamma", "delta", "lambda")
+    prior = (1e-8, 2e-4, 0.02, 1e-5, 1e-5, 0.0)
+    _KAPPAS = np.linspace(0.0, 1.0, 11)  # 1 - lambda, searched on a grid
+
+    @staticmethod
+    def _phases(coefficients: Sequence[float], shape: StepShape) -> tuple[float, float]:
+        alpha, beta, c, gamma, delta, _ = coefficients
+        tp = td = 0.0
+        if shape.num_prefill_requests:
+            tp = max(alpha * shape.prefill_attention_area + beta * shape.num_prefill_tokens, c)
+        if shape.num_decode_requests:
+            mean = shape.decode_context_tokens / shape.num_decode_requests
+            td = gamma * shape.max_decode_context + delta * mean
+        return tp, td
+
+    def predict_s(self, coefficients: Sequence[float], shape: StepShape) -> float:
+        tp, td = self._phases(coefficients, shape)
+        if tp and td:
+            return max(tp, td) + (1.0 - coefficients[5]) * min(tp, td)
+        return tp + td
+
+    def fit(self, shapes: Sequence[StepShape], latencies: np.ndarray,
+            start: Sequence[float] | None = None) -> tuple[float, ...]:
+        """Alternates between the piecewise choices (which steps' prefill sits at the floor c,
+        which phase is the longer) and a linear fit under them, for each lambda on a grid
+        (near the start's lambda when given); keeps the iterate of lowest relative error."""
+        y = np.asarray(latencies, dtype=np.float64)
+        w = _weights(y)
+        if start is None:
+            kappas = self._KAPPAS
+            prefill_only = [t for s, t in zip(shapes, y, strict=True)
+                            if s.num_prefill_requests and not s.num_decode_requests]
+            # First without a floor (nothing sits at c = 0), then with the floor at the
+            # fastest prefills' latency, so the c term gets steps to fit.
+            floor = float(np.percentile(prefill_only, 10)) if prefill_only else 0.0
+            initial: tuple[float, ...] = (0.0,) * 6
+        else:
+            kappa = 1.0 - start[5]
+            kappas = np.clip(np.array([kappa - 0.1, kappa, kappa + 0.1]), 0.0, 1.0)
+            floor, initial = 0.0, tuple(start)
+        best: tuple[float, tuple[float, ...]] = (np.inf, initial)
+        for kappa in np.unique(kappas):
+            coef = (*initial[:5], 1.0 - float(kappa))
+            for i in range(8):
+                x = np.array([self._row(coef, s) for s in shapes])
+                refitted = (*(float(v) for v in nnls(x * w[:, None], y * w)), coef[5])
+                error = float(np.sum(((self.predict_all(refitted, shapes) - y) * w) ** 2))
+                if error < best[0]:
+                    best = (error, refitted)
+                if i == 0 and floor > 0:
+                    refitted = (*refitted[:2], floor, *refitted[3:])
+                elif np.allclose(refitted, coef, rtol=1e-6, atol=0.0):
+                    break
+                coef = refitted
+        return best[1]
+
+    def _row(self, coefficients: Sequence[float], shape: StepShape) -> list[float]:
+        """The step's time as a linear row over (alpha, beta, c, gamma, delta), under the
+        piecewise choices `coefficients` make."""
+        tp, td = self._phases(coefficients, shape)
+        prefill = [0.0] * 5
+        if shape.num_prefill_requests:
+            if tp <= coefficients[2] and coefficients[2] > 0:  # at the floor c
+                prefill[2] = 1.0
+            else:
+                prefill[0] = float(shape.prefill_attention_area)
+                prefill[1] = float(shape.num_prefill_tokens)
+        decode = [0.0] * 5
+        if shape.num_decode_requests:
+            decode[3] = float(shape.max_decode_context)
+            decode[4] = shape.decode_context_tokens / shape.num_decode_requests
+        kappa = 1.0 - coefficients[5]
+        if shape.num_prefill_requests and shape.num_decode_requests:
+            longer, shorter = (prefill, decode) if tp >= td else (decode, prefill)
+            return [a + kappa * b for a, b in zip(longer, shorter, strict=True)]
+        return [a + b for a, b in zip(prefill, decode, strict=True)]
+
+
+FORMS: dict[str, CostForm] = {f.name: f for f in (BrosForm(), HygenForm(), EchoForm())}
+
+
+def cost_form(name: str) -> CostForm:
+    """The form called `name`; raises ValueError listing the valid names."""
+    try:
+        return FORMS[name]
+    except KeyError:
+        raise ValueError(f"unknown cost-model form {name!r}; valid forms: "
+                         f"{', '.join(sorted(FORMS))}") from None
