@@ -149,6 +149,8 @@ _TIERING_COUNTERS = (
      "Advisories whose turn arrived before the prefetch finished"),
     ("advisories_expired", "antiphon_kv_advisories_expired_total",
      "Advisories that expired unused"),
+    ("advisories_reclaimed", "antiphon_kv_advisories_reclaimed_total",
+     "Advisories whose prefetched KV was given up for a running turn's host room"),
     ("turns_held", "antiphon_kv_turns_held_total", "Turns that waited for a prefetch"),
     ("prefetch_load_s_sum", "antiphon_kv_prefetch_load_seconds_total",
      "Advisory to prefetched KV in host memory, summed over used advisories"),

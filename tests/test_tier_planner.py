@@ -210,3 +210,13 @@ def test_a_running_turn_reclaims_the_host_room_an_advisory_holds(tmp_path: Path)
         assert stats["advisories_used"] == 1 and stats["advisories_late"] == 0
     finally:
         planner.close()
+
+
+def test_every_counter_is_exported_to_prometheus(planner: TierPlanner) -> None:
+    from antiphon.server.rest import tiering_metrics_text
+
+    text = tiering_metrics_text(planner.stats()).decode()
+    assert 'antiphon_kv_tokens_total{tier="host"} 0' in text
+    assert "antiphon_kv_advisories_reclaimed_total 0" in text
+    assert 'antiphon_kv_tier_bytes{tier="host",kind="capacity"} 4096' in text
+    assert tiering_metrics_text({}) == b""
