@@ -22,7 +22,9 @@ class SchedulerStats:
     max_schedule_s: float = 0.0
     num_preemptions: dict[str, int] = dataclasses.field(default_factory=_per_class)
     recomputed_tokens: dict[str, int] = dataclasses.field(default_factory=_per_class)
-    cost_model_mape: float | None = None
+    cost_model_mape: float | None = None  # of recent predictions, online
+    cost_model_form: str = ""  # bros, hygen or echo (engine_ext/costforms)
+    cost_model_profiled_mape: float | None = None  # held-out error of the profiled fit in use
 
     def record_step(self, policy_s: float, schedule_s: float) -> None:
         self.num_steps += 1

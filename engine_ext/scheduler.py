@@ -52,11 +52,13 @@ class AntiphonScheduler(Scheduler):
             self.vllm_config.additional_config)
         self.cost_model = CostModel()
         self.step_policy = make_policy(self.settings.policy, self.cost_model)
-        self.stats = SchedulerStats()
+        self.stats = SchedulerStats(cost_model_form=self.cost_model.form.name)
         self.page_tokens = self.cache_config.block_size
         self._lost_tokens: dict[str, int] = {}  # preempted, computed tokens not yet redone
         self._step_shape: StepShape | None = None
         self._step_started = 0.0
+        # Measured steps, [*shape fields, latency in seconds], while a profile records them.
+        self._recorded_steps: list[list[float]] | None = None
         # The last step scheduled nothing although requests were queued: the policy's plan left
         # no request room (e.g. every page taken by RT turns that each need one more), so this
         # step is vLLM's own, which preempts to make progress.
@@ -86,9 +88,7 @@ class AntiphonScheduler(Scheduler):
         self._count_recomputed(output)
         self._stalled = not output.total_num_scheduled_tokens and bool(self.running)
         if output.total_num_scheduled_tokens:
-            self._step_shape = StepShape.of(
-                (n, self.requests[rid].num_computed_tokens)
-                for rid, n in output.num_scheduled_tokens.items())
+            self._step_shape = self._shape_of(output)
             self._step_started = time.perf_counter()
             self.stats.record_step(planned - started, self._step_started - started)
         return output
@@ -100,8 +100,21 @@ class AntiphonScheduler(Scheduler):
             self.cost_model.observe(self._step_shape, latency)
             self.stats.record_step_latency(latency)
             self.stats.cost_model_mape = self.cost_model.mape
+            if self._recorded_steps is not None:
+                self._recorded_steps.append([*self._step_shape.to_list(), latency])
             self._step_shape = None
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _shape_of(self, output: SchedulerOutput) -> StepShape:
+        """The scheduled step's composition (vLLM has already advanced each request's
+        computed tokens past it)."""
+        shape = StepShape()
+        for rid, num_new in output.num_scheduled_tokens.items():
+            request = self.requests[rid]
+            context = request.num_computed_tokens
+            is_prefill = num_new > 1 or context - num_new < request.num_prompt_tokens
+            shape = shape.plus(num_new, context, is_prefill)
+        return shape
 
     def _preempt_request(self, request: Request, timestamp: float,
                          drop_stale_output: bool = False) -> None:
@@ -204,6 +217,23 @@ class AntiphonScheduler(Scheduler):
         self.step_policy = make_policy(name, self.cost_model)
         logger.info("AntiphonScheduler policy is now %s", name)
 
+    def use_cost_model(self, form: str, coefficients: list[float],
+                       profiled_mape: float | None) -> None:
+        """Predict with a profiled fit from now on (online refits go on from it)."""
+        self.cost_model.use(form, coefficients)
+        self.stats.cost_model_form = form
+        self.stats.cost_model_profiled_mape = profiled_mape
+        self.stats.cost_model_mape = None
+        logger.info("AntiphonScheduler cost model: %s form, profiled MAPE %s", form,
+                    "n/a" if profiled_mape is None else f"{profiled_mape:.1%}")
+
+    def take_recorded_steps(self, record: bool) -> list[list[float]]:
+        """The steps measured since the last call, each [*StepShape fields, latency (s)];
+        records from now on when `record`, else stops."""
+        taken = self._recorded_steps or []
+        self._recorded_steps = [] if record else None
+        return taken
+
     def antiphon_stats(self) -> dict[str, Any]:
         return self.stats.snapshot(policy=self.step_policy.name,
                                    batch_size=getattr(self.step_policy, "batch_size", None))
@@ -221,11 +251,29 @@ def _engine_core_stats(self: EngineCore) -> dict[str, Any]:
 
 def _engine_core_set_policy(self: EngineCore, name: str) -> str:
     """EngineCore utility method: switch the Antiphon scheduler's policy; returns its name."""
-    scheduler = self.scheduler
+    _antiphon_scheduler(self).set_policy(name)
+    return name
+
+
+def _antiphon_scheduler(core: EngineCore) -> AntiphonScheduler:
+    scheduler = core.scheduler
     if not isinstance(scheduler, AntiphonScheduler):
         raise RuntimeError("the engine does not run AntiphonScheduler")
-    scheduler.set_policy(name)
-    return name
+    return scheduler
+
+
+def _engine_core_use_cost_model(self: EngineCore, form: str, coefficients: list[float],
+                                profiled_mape: float | None) -> str:
+    """EngineCore utility method: the scheduler predicts with a profiled fit; returns the
+    form's name."""
+    _antiphon_scheduler(self).use_cost_model(form, coefficients, profiled_mape)
+    return form
+
+
+def _engine_core_recorded_steps(self: EngineCore, record: bool) -> list[list[float]]:
+    """EngineCore utility method: measured steps since the last call (see
+    `AntiphonScheduler.take_recorded_steps`)."""
+    return _antiphon_scheduler(self).take_recorded_steps(record)
 
 
 def _tier_planner(core: EngineCore) -> Any:
@@ -257,4 +305,6 @@ EngineCore.antiphon_scheduler_stats = _engine_core_stats  # type: ignore[attr-de
 EngineCore.antiphon_set_policy = _engine_core_set_policy  # type: ignore[attr-defined]
 EngineCore.antiphon_advise = _engine_core_advise  # type: ignore[attr-defined]
 EngineCore.antiphon_tiering_stats = _engine_core_tiering_stats  # type: ignore[attr-defined]
+EngineCore.antiphon_use_cost_model = _engine_core_use_cost_model  # type: ignore[attr-defined]
+EngineCore.antiphon_recorded_steps = _engine_core_recorded_steps  # type: ignore[attr-defined]
 
