@@ -1,4 +1,4 @@
-"""The `antiphon` command line: serve, model, batch, bench."""
+"""The `antiphon` command line: serve, model, batch, bench, profile."""
 
 from __future__ import annotations
 
@@ -69,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="start the API server with the engine")
-    for cls in (EngineConfig, ServerConfig, SessionConfig, TieringConfig):
+    # A server profiles the engine on first start (`auto`); engines started from code, tests
+    # among them, never do unless asked.
+    add_dataclass_args(serve, EngineConfig, defaults={"cost_model": "auto"})
+    for cls in (ServerConfig, SessionConfig, TieringConfig):
         add_dataclass_args(serve, cls)
     serve.set_defaults(func=_serve)
 
@@ -83,9 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from antiphon.batch_cli import add_batch_parser
     from antiphon.bench.cli import add_bench_parser
+    from antiphon.profile_cli import add_profile_parser
 
     add_batch_parser(commands)
     add_bench_parser(commands)
+    add_profile_parser(commands)
     return parser
 
 

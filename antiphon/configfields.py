@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -29,25 +30,30 @@ def _base_type(tp: Any) -> Any:
     return typing.get_origin(tp) or tp
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
-    """Add one `--<prefix><field>` option per field of `cls`; defaults stay in the dataclass."""
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
+                       defaults: Mapping[str, Any] | None = None) -> None:
+    """Add one `--<prefix><field>` option per field of `cls`; defaults stay in the dataclass,
+    except the command's own `defaults` (by field name)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
+    defaults = defaults or {}  # of scalar fields (an appended option keeps its own)
     for f in dataclasses.fields(cls):
         if not f.init or "help" not in f.metadata:
             continue
         flag = "--" + prefix + f.name.replace("_", "-")
         base = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
+        default = defaults.get(f.name, default)
         help_text = f"{f.metadata['help']} (default: {default!r})"
         dest = prefix.replace("-", "_") + f.name
+        given = defaults.get(f.name)  # None: unset, the dataclass decides
         if base is bool:
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
-                               default=None, help=help_text)
+                               default=given, help=help_text)
         elif base is tuple:
             group.add_argument(flag, dest=dest, action="append", default=None, help=help_text)
         else:
-            group.add_argument(flag, dest=dest, type=base, default=None, help=help_text)
+            group.add_argument(flag, dest=dest, type=base, default=given, help=help_text)
 
 
 def dataclass_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "",

@@ -9,6 +9,8 @@ from antiphon.configfields import doc
 
 GiB = 1 << 30
 
+COST_MODEL_MODES = ("auto", "stored", "online")
+
 SCHEDULER_CLS = "antiphon.engine_ext.scheduler.AntiphonScheduler"
 ASYNC_SCHEDULER_CLS = "antiphon.engine_ext.scheduler.AntiphonAsyncScheduler"
 
@@ -43,6 +45,11 @@ class EngineConfig:
         default="bros")
     rt_ttft_slo_s: float = doc("Default TTFT target of RT requests, in seconds", default=1.0)
     rt_tpot_slo_s: float = doc("Default TPOT target of RT requests, in seconds", default=0.1)
+    cost_model: str = doc(
+        "Where the step cost model starts: 'stored' (the fit `antiphon profile` stored for "
+        "this model and machine, else a prior), 'auto' (as stored, but profile the engine at "
+        "start, a few minutes once, when no fit is stored), 'online' (the prior); it refits "
+        "online in every mode", default="stored")
 
     def __post_init__(self) -> None:
         if self.max_model_len < 16:
@@ -58,6 +65,9 @@ class EngineConfig:
 
         if self.rt_ttft_slo_s <= 0 or self.rt_tpot_slo_s <= 0:
             raise ValueError("rt_ttft_slo_s and rt_tpot_slo_s must be positive")
+        if self.cost_model not in COST_MODEL_MODES:
+            raise ValueError(f"cost_model must be one of {', '.join(COST_MODEL_MODES)}, "
+                             f"got {self.cost_model!r}")
         from antiphon.engine_ext.policies import policy_class
 
         policy_class(self.policy)  # fails with the list of valid names

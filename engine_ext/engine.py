@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from antiphon.engine_ext.config import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS, EngineConfig
+from antiphon.engine_ext.costfit import Machine, machine_fingerprint
 from antiphon.engine_ext.policies import policy_class
+from antiphon.engine_ext.profiler import EngineLimits, prepare_cost_model
 from antiphon.engine_ext.types import (
     ChatContext,
     ChatTurn,
@@ -183,6 +185,7 @@ class VllmEngine(Engine):
         started = time.monotonic()
         self._llm = AsyncLLM.from_engine_args(args)
         logger.info("vLLM engine for %s up in %.1f s", self.model_name, time.monotonic() - started)
+        await prepare_cost_model(self)
 
     def _kv_transfer_config(self) -> Any:
         if self.tiering is None:
@@ -286,6 +289,37 @@ class VllmEngine(Engine):
         if self._llm is None or self.tiering is None:
             return {}
         return dict(await self._llm.engine_core.call_utility_async("antiphon_tiering_stats"))
+
+    def cost_model_key(self) -> tuple[str, Machine]:
+        """(model, machine) a cost-model fit is stored under: the resolved model folder, and
+        this machine and engine build (`costfit.machine_fingerprint`)."""
+        from vllm.platforms import current_platform
+
+        device = "cpu" if current_platform.is_cpu() else current_platform.get_device_name()
+        return str(self.model_dir.resolve()), machine_fingerprint(
+            self.config.dtype, self.config.enforce_eager, device)
+
+    def limits(self) -> EngineLimits:
+        """What the running engine can hold in one step and in its KV pool (for profiling)."""
+        cache = self._llm.vllm_config.cache_config
+        return EngineLimits(
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_tokens=max(self.config.max_num_batched_tokens, self.max_model_len),
+            max_model_len=self.max_model_len, kv_tokens=cache.num_gpu_blocks * cache.block_size,
+            page_tokens=cache.block_size)
+
+    async def use_cost_model(self, form: str, coefficients: Sequence[float],
+                             profiled_mape: float | None = None) -> None:
+        """The scheduler predicts with `form` and `coefficients` (a profiled fit, whose
+        held-out MAPE it reports) from now on, refitting online from them."""
+        await self._llm.engine_core.call_utility_async(
+            "antiphon_use_cost_model", form, list(coefficients), profiled_mape)
+
+    async def recorded_steps(self, record: bool) -> list[list[float]]:
+        """Steps the scheduler measured since the last call, each [*StepShape fields,
+        latency (s)]; it records from now on when `record`, else stops."""
+        return list(await self._llm.engine_core.call_utility_async(
+            "antiphon_recorded_steps", record))
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached page of the device KV pool (not the host and SSD tiers): the next

@@ -29,8 +29,9 @@ FOLLOW_UP = "What is the population of that city, roughly?"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     data_dir = tmp_path_factory.mktemp("serve-data")
+    # The cost model from its prior: serve would otherwise profile on a first start here.
     cmd = [sys.executable, "-m", "antiphon", "serve", "--enforce-eager", "--kv-cache-gib", "0.5",
-           "--max-model-len", "4096", "--data-dir", str(data_dir)]
+           "--max-model-len", "4096", "--data-dir", str(data_dir), "--cost-model", "online"]
     with ServerProcess(cmd, log_path=data_dir / "serve.log") as proc:
         yield proc
 

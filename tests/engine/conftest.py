@@ -15,9 +15,10 @@ async def engine() -> AsyncIterator[VllmEngine]:
 
     AsyncLLM binds to the event loop it starts on, so every test shares the session loop.
     """
-    # 20 pages of 128 tokens: small enough that a few long requests contend for memory.
+    # 20 pages of 128 tokens: small enough that a few long requests contend for memory. The
+    # cost model starts from its prior, whatever fit `antiphon profile` stored on this machine.
     config = EngineConfig(max_model_len=2048, kv_cache_gib=0.5, num_kv_pages=20,
-                          enforce_eager=True, policy="bros")
+                          enforce_eager=True, policy="bros", cost_model="online")
     eng = VllmEngine(config, resolve_model(None))
     await eng.start()
     yield eng

@@ -1,0 +1,99 @@
+"""`antiphon profile`: measure step latency over a grid of batch compositions on this machine
+and model, fit the BROS, HyGen and Echo forms, keep the best by held-out error, and store the
+fit where `serve` finds it (one file per model and machine under the cache folder)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from antiphon import env
+from antiphon.configfields import add_dataclass_args, dataclass_from_args
+from antiphon.engine_ext.config import EngineConfig
+from antiphon.engine_ext.costfit import CostFit, ProfiledStep, fit_path, save_fit
+from antiphon.engine_ext.costforms import cost_form
+
+
+def format_table(fit: CostFit) -> str:
+    """One line per form: train and held-out MAPE, coefficients (on the training split)."""
+    lines = [f"{'form':<7} {'train MAPE':>10} {'held-out MAPE':>13}  coefficients"]
+    for score in fit.scores:
+        terms = cost_form(score.form).terms
+        coefficients = " ".join(f"{t}={c:.3g}" for t, c in zip(terms, score.coefficients,
+                                                               strict=True))
+        lines.append(f"{score.form:<7} {score.train_mape:>10.1%} {score.heldout_mape:>13.1%}"
+                     f"  {coefficients}")
+    return "\n".join(lines)
+
+
+def _report(fit: CostFit, steps: list[ProfiledStep], wall_s: float) -> dict[str, Any]:
+    return {"fit": fit.to_json(), "wall_s": wall_s,
+            "steps": [[*s.shape.to_list(), s.latency_s, s.group] for s in steps],
+            "step_fields": [f.name for f in dataclasses.fields(steps[0].shape)] + [
+                "latency_s", "group"] if steps else []}
+
+
+async def _profile(config: EngineConfig, quick: bool) -> tuple[CostFit, list[ProfiledStep],
+                                                                Path]:
+    from antiphon.engine_ext.engine import VllmEngine
+    from antiphon.engine_ext.profiler import FULL, QUICK, profile
+    from antiphon.model import resolve_model
+
+    engine = VllmEngine(config, resolve_model(config.model))
+    await engine.start()
+    try:
+        def progress(done: int, total: int) -> None:
+            print(f"\rprofiling: grid point {done}/{total}", end="", file=sys.stderr,
+                  flush=True)
+
+        fit, steps = await profile(engine, QUICK if quick else FULL, progress)
+        print(file=sys.stderr)
+        path = fit_path(env.cache_dir(), *engine.cost_model_key())
+        save_fit(fit, path)
+        return fit, steps, path
+    finally:
+        await engine.shutdown()
+
+
+def run(args: argparse.Namespace) -> int:
+    from antiphon.model import ModelPrepareError
+
+    started = time.monotonic()
+    try:
+        eager = args.enforce_eager if args.enforce_eager is not None else (args.quick or None)
+        # The profile's own engine neither loads nor makes a fit at start.
+        config = dataclass_from_args(EngineConfig, args, model=env.model(),
+                                     enforce_eager=eager, cost_model="online")
+        fit, steps, path = asyncio.run(_profile(config, args.quick))
+    except (ValueError, ModelPrepareError) as exc:
+        print(f"antiphon profile: {exc}", file=sys.stderr)
+        return 1
+    wall_s = time.monotonic() - started
+    print(format_table(fit))
+    terms = cost_form(fit.form).terms
+    print(f"\nchosen: {fit.form}, held-out MAPE {fit.heldout_mape:.1%} over {fit.num_steps} "
+          f"steps; refitted on all of them: " + " ".join(
+              f"{t}={c:.3g}" for t, c in zip(terms, fit.coefficients, strict=True)))
+    print(f"stored in {path} ({wall_s:.0f} s)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(_report(fit, steps, wall_s), indent=1) + "\n")
+        print(f"steps and fit written to {args.out}")
+    return 0
+
+
+def add_profile_parser(commands: Any) -> None:
+    profile = commands.add_parser(
+        "profile", help="fit the step cost model on this machine and model, for serve")
+    profile.add_argument("--quick", action="store_true",
+                         help="a small grid (a few minutes on 2 CPU cores); implies "
+                              "--enforce-eager unless --no-enforce-eager is given")
+    profile.add_argument("--out", help="also write the measured steps and the fit to this "
+                                       "JSON file")
+    add_dataclass_args(profile, EngineConfig)
+    profile.set_defaults(func=run)

@@ -1,0 +1,149 @@
+"""The profile grid, and where the engine's cost model starts (`EngineConfig.cost_model`), with
+a stand-in engine and profile: no model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from antiphon import env
+from antiphon.engine_ext import profiler
+from antiphon.engine_ext.config import EngineConfig
+from antiphon.engine_ext.costfit import (
+    CostFit,
+    Machine,
+    choose_fit,
+    fit_path,
+    read_fit,
+    save_fit,
+)
+from antiphon.engine_ext.profiler import QUICK, EngineLimits, grid_points, prepare_cost_model
+from tests.test_costmodel import MACHINE, MODEL, synthetic_steps
+
+
+class StandInEngine:
+    """What `prepare_cost_model` uses of a VllmEngine."""
+
+    def __init__(self, mode: str) -> None:
+        self.config = EngineConfig(cost_model=mode)
+        self.installed: list[tuple[str, tuple[float, ...], float | None]] = []
+
+    def cost_model_key(self) -> tuple[str, Machine]:
+        return MODEL, MACHINE
+
+    async def use_cost_model(self, form: str, coefficients: Sequence[float],
+                             profiled_mape: float | None = None) -> None:
+        self.installed.append((form, tuple(coefficients), profiled_mape))
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("ANTIPHON_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def profiled(monkeypatch: pytest.MonkeyPatch) -> list[CostFit]:
+    """Fits the stand-in profile made (it makes a HyGen one)."""
+    made: list[CostFit] = []
+
+    async def fake_profile(engine: Any, spec: Any, progress: Any = None) -> tuple[CostFit, list]:
+        fit = choose_fit(synthetic_steps("hygen"), MODEL, MACHINE)
+        made.append(fit)
+        return fit, []
+
+    monkeypatch.setattr(profiler, "profile", fake_profile)
+    return made
+
+
+def stored(form: str = "bros") -> CostFit:
+    fit = choose_fit(synthetic_steps(form), MODEL, MACHINE)
+    save_fit(fit, fit_path(env.cache_dir(), MODEL, MACHINE))
+    return fit
+
+
+@pytest.mark.parametrize("mode", ["stored", "auto"])
+async def test_a_stored_fit_is_installed(cache: Path, profiled: list[CostFit], mode: str) -> None:
+    fit = stored()
+    engine = StandInEngine(mode)
+    assert await prepare_cost_model(engine) == fit  # type: ignore[arg-type]
+    assert engine.installed == [(fit.form, fit.coefficients, fit.heldout_mape)]
+    assert profiled == []
+
+
+async def test_online_ignores_the_stored_fit(cache: Path, profiled: list[CostFit]) -> None:
+    stored()
+    engine = StandInEngine("online")
+    assert await prepare_cost_model(engine) is None  # type: ignore[arg-type]
+    assert engine.installed == [] and profiled == []
+
+
+async def test_stored_without_a_fit_keeps_the_prior(cache: Path,
+                                                    profiled: list[CostFit]) -> None:
+    engine = StandInEngine("stored")
+    assert await prepare_cost_model(engine) is None  # type: ignore[arg-type]
+    assert engine.installed == [] and profiled == []
+
+
+@pytest.mark.parametrize("existing", [None, "{corrupt", "other machine"])
+async def test_auto_profiles_stores_and_installs_when_no_usable_fit_is_stored(
+        cache: Path, profiled: list[CostFit], existing: str | None) -> None:
+    path = fit_path(cache, MODEL, MACHINE)
+    if existing == "other machine":
+        other = choose_fit(synthetic_steps("echo"), MODEL, {**MACHINE, "cpu": "other"})
+        save_fit(other, path)
+    elif existing is not None:
+        path.parent.mkdir(parents=True)
+        path.write_text(existing)
+    engine = StandInEngine("auto")
+    fit = await prepare_cost_model(engine)  # type: ignore[arg-type]
+    assert profiled == [fit] and fit is not None and fit.form == "hygen"
+    assert engine.installed == [("hygen", fit.coefficients, fit.heldout_mape)]
+    assert read_fit(path) == fit
+    # The next start finds it.
+    again = StandInEngine("auto")
+    assert await prepare_cost_model(again) == fit  # type: ignore[arg-type]
+    assert len(profiled) == 1
+
+
+async def test_a_failed_profile_leaves_the_prior(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    async def failing_profile(engine: Any, spec: Any, progress: Any = None) -> None:
+        raise RuntimeError("engine died")
+
+    monkeypatch.setattr(profiler, "profile", failing_profile)
+    engine = StandInEngine("auto")
+    assert await prepare_cost_model(engine) is None  # type: ignore[arg-type]
+    assert engine.installed == [] and "Profiling failed" in caplog.text
+    assert not fit_path(cache, MODEL, MACHINE).exists()
+
+
+def test_serve_profiles_on_first_start_and_code_does_not() -> None:
+    from antiphon.cli import build_parser
+    from antiphon.configfields import dataclass_from_args
+
+    assert EngineConfig().cost_model == "stored"
+    args = build_parser().parse_args(["serve"])
+    assert dataclass_from_args(EngineConfig, args).cost_model == "auto"
+    args = build_parser().parse_args(["serve", "--cost-model", "online"])
+    assert dataclass_from_args(EngineConfig, args).cost_model == "online"
+    with pytest.raises(ValueError, match="auto, stored, online"):
+        EngineConfig(cost_model="profiled")
+
+
+def test_the_grid_respects_the_engine_limits() -> None:
+    roomy = EngineLimits(max_num_seqs=64, max_num_tokens=2048, max_model_len=8192,
+                         kv_tokens=80_000, page_tokens=128)
+    points = grid_points(QUICK, roomy)
+    assert any(p.num_decodes and not p.num_prefills for p in points)
+    assert any(p.num_prefills and not p.num_decodes for p in points)
+    assert any(p.num_prefills and p.num_decodes for p in points)
+    small = EngineLimits(max_num_seqs=8, max_num_tokens=2048, max_model_len=2048,
+                         kv_tokens=20 * 128, page_tokens=128)
+    few = grid_points(QUICK, small)
+    assert few and len(few) < len(points)
+    assert all(p.num_decodes + p.num_prefills <= 8 for p in few)
+    assert all(p.decode_context + p.num_prefills * p.prefill_tokens < 2048 for p in few)
