@@ -26,7 +26,7 @@ def engine() -> VllmEngine:
     """The default model's tokenizer and chat template, without starting vLLM."""
     try:
         model_dir = resolve_model(None)
-    except Exception as exc:  # noqa: BLE001 - any reason the model is missing
+    except Exception as exc:  # any reason the model is missing
         pytest.skip(f"default model not prepared: {exc}")
     eng = VllmEngine(EngineConfig(), model_dir)
     eng.load_tokenizer()
