@@ -212,9 +212,10 @@ async def measure_point(chat: ChatFactory, read_counters: CounterReader, system:
     metrics = summarise_point(records, tiering)
     print(f"[{system.name}] {users} users: " + " ".join(
         f"{k}={v:.3f}" for k, v in metrics.items() if v is not None), flush=True)
-    if tiering and system.advisory_miss is not None:
-        print(f"[{system.name}] {users} users: advisories " + " ".join(
-            f"{k}={v}" for k, v in tiering.items() if k.startswith("advisories")), flush=True)
+    if tiering and not system.is_stock_vllm:
+        print(f"[{system.name}] {users} users: tiering " + " ".join(
+            f"{k}={v}" for k, v in tiering.items()), flush=True)
+    metrics["tiering"] = tiering  # type: ignore[assignment]
     return metrics, records
 
 
@@ -237,12 +238,13 @@ async def measure_system(system: System, server: ServerProcess, sweep: Sweep,
 
         async with chat(4) as warm_up:  # first-request costs stay out of the first point
             await warm_up.turn("Hello!")
-        result: dict[str, Any] = {"users": list(sweep.users), **{k: [] for k in POINT_METRICS}}
+        result: dict[str, Any] = {"users": list(sweep.users), "tiering": [],
+                                  **{k: [] for k in POINT_METRICS}}
         turns = []
         for users, messages in zip(sweep.users, sweep.messages, strict=True):
             metrics, records = await measure_point(chat, read_counters, system, users, messages,
                                                    args)
-            for k in POINT_METRICS:
+            for k in (*POINT_METRICS, "tiering"):
                 result[k].append(metrics[k])
             turns += records
     result["turns"] = turns
