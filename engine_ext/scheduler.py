@@ -131,20 +131,24 @@ class AntiphonScheduler(Scheduler):
         cls = request_class_of(request)
         extra = request.sampling_params.extra_args or {} if request.sampling_params else {}
         is_rt = cls is RequestClass.RT
+        num_computed = request.num_computed_tokens
+        if not is_running and hasattr(self.connector, "stored_prefix_tokens"):
+            # What the KV tiers will load at admission is not computed: a follow-up turn whose
+            # context is stored costs its new message, not its whole prompt.
+            num_computed = max(num_computed, self.connector.stored_prefix_tokens(request))
         return RequestView(
             request_id=request.request_id,
             request_class=cls,
             arrival_s=request.arrival_time,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_computed_tokens=request.num_computed_tokens,
+            num_computed_tokens=num_computed,
             num_output_tokens=request.num_output_tokens,
             is_running=is_running,
             ttft_slo_s=extra.get("ttft_slo_s", self.settings.rt_ttft_slo_s) if is_rt else None,
             tpot_slo_s=extra.get("tpot_slo_s", self.settings.rt_tpot_slo_s) if is_rt else None,
             priority=request.priority,
             num_preemptions=request.num_preemptions,
-            num_lost_tokens=max(0, self._lost_tokens.get(request.request_id, 0)
-                                - request.num_computed_tokens),
+            num_lost_tokens=max(0, self._lost_tokens.get(request.request_id, 0) - num_computed),
             prefix_page_hashes=request.block_hashes,  # read-only; no per-step copy
         )
 

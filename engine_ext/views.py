@@ -19,7 +19,7 @@ class RequestView:
     request_class: RequestClass
     arrival_s: float  # when the engine received it (seconds, the scheduler's clock)
     num_prompt_tokens: int
-    num_computed_tokens: int  # tokens whose KV exists on the device
+    num_computed_tokens: int  # tokens whose KV exists on the device (waiting: or in a KV tier)
     num_output_tokens: int  # tokens generated so far
     is_running: bool  # holds KV pages and was scheduled before
     ttft_slo_s: float | None = None  # RT only: first token due this long after arrival

@@ -220,3 +220,13 @@ def test_every_counter_is_exported_to_prometheus(planner: TierPlanner) -> None:
     assert "antiphon_kv_advisories_reclaimed_total 0" in text
     assert 'antiphon_kv_tier_bytes{tier="host",kind="capacity"} 4096' in text
     assert tiering_metrics_text({}) == b""
+
+
+def test_a_waiting_turn_reports_what_the_tiers_will_supply(planner: TierPlanner) -> None:
+    run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9])
+    follow_up = TokenView("r2", [*TURN1, 110, 111, 112])
+    assert planner.stored_prefix_tokens(follow_up) == 10  # 2 chunks and the saved tail
+    assert planner.stored_prefix_tokens(TokenView("r9", [1, 2, 3, 4, 5, 6])) == 0
+    # Looked up again only once the request has more tokens (e.g. preempted after output).
+    assert planner.stored_prefix_tokens(TokenView("r3", TURN1[:5])) == 4  # chunk 0 only
+    assert planner.stored_prefix_tokens(TokenView("r3", [*TURN1, 110, 111])) == 10

@@ -118,6 +118,10 @@ class AntiphonKVConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         self.planner.add_request(_token_view(request))
 
+    def stored_prefix_tokens(self, request: Request) -> int:
+        """Prompt tokens of a waiting request its admission will find in the tiers (estimate)."""
+        return self.planner.stored_prefix_tokens(_token_view(request))
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.planner.num_new_matched_tokens(_token_view(request), num_computed_tokens), False

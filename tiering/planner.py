@@ -80,6 +80,7 @@ class _Request:
     pins: list[ChunkKey] = dataclasses.field(default_factory=list)  # host pins for the load
     prefetch: PrefetchHandle | None = None
     ssd_chunks: set[int] = dataclasses.field(default_factory=set)  # chunks that came from SSD
+    stored_tokens: tuple[int, int] | None = None  # `stored_prefix_tokens`: (of tokens, found)
 
 
 @dataclasses.dataclass
@@ -217,6 +218,19 @@ class TierPlanner:
             self._unpin(st)
             return 0
         return num_tokens - num_computed
+
+    def stored_prefix_tokens(self, view: TokenView) -> int:
+        """Tokens of a waiting request the tiers hold (looked up again only when the request
+        grew, e.g. preempted after more output): what a scheduling policy can count as not to be
+        computed. An estimate; admission decides."""
+        with self._lock:
+            st = self._requests.setdefault(view.request_id, _Request(view))
+            num_tokens = len(view.token_ids)
+            if st.stored_tokens is None or st.stored_tokens[0] != num_tokens:
+                st.view = view
+                st.stored_tokens = (num_tokens, self._match(view.token_ids, num_tokens - 1,
+                                                            view.salt, st).num_tokens)
+            return st.stored_tokens[1]
 
     def plan_load(self, request_id: str, block_ids: Sequence[int], num_external: int,
                   num_tokens: int) -> None:
