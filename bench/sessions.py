@@ -56,7 +56,7 @@ MIN_USER_TURNS = 3
 # it also spares vLLM's CPU backend reserving most of the machine's memory).
 KV_CACHE_GIB = 2
 # Sizes of the run; --quick fits 10 minutes on 2 CPU cores with all four systems.
-QUICK = {"users": "2,4,16", "pool_users": 5, "max_turns": 3, "max_tokens": 64,
+QUICK = {"users": "2,4,16", "pool_users": 5, "max_turns": 3, "max_tokens": 32,
          "max_message_tokens": 96, "time_scale": 0.08}
 FULL = {"users": "4,8,16,32", "pool_users": 8, "max_turns": 4, "max_tokens": 256,
         "max_message_tokens": 256, "time_scale": 1.0}
@@ -269,7 +269,8 @@ def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse
     return [sys.executable, "-m", "antiphon", "serve", *engine, "--num-kv-pages",
             str(sweep.kv_pages), "--kv-cache-gib", str(KV_CACHE_GIB), "--data-dir",
             str(tmp / "data"), "--kv-tiering", "--ssd-dir", str(tmp / "ssd"), "--host-tier-bytes",
-            str(args.host_tier_bytes), "--ssd-tier-bytes", str(args.ssd_tier_bytes)]
+            str(args.host_tier_bytes), "--ssd-tier-bytes", str(args.ssd_tier_bytes),
+            *(["--policy", args.policy] if args.policy else [])]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -333,6 +334,8 @@ def add_parser(kinds: Any) -> None:
                    help="Antiphon's SSD tier (default: 16 times the KV pool)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="skip graph compilation (default: on with --quick)")
+    p.add_argument("--policy", default=None,
+                   help="Antiphon's scheduling policy (default: serve's default)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(bench_func=lambda a: main(_defaults(a)))
 
