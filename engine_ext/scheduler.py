@@ -132,10 +132,11 @@ class AntiphonScheduler(Scheduler):
         extra = request.sampling_params.extra_args or {} if request.sampling_params else {}
         is_rt = cls is RequestClass.RT
         num_computed = request.num_computed_tokens
-        if not is_running and hasattr(self.connector, "stored_prefix_tokens"):
+        stored_prefix_tokens = getattr(self.connector, "stored_prefix_tokens", None)
+        if not is_running and stored_prefix_tokens is not None:
             # What the KV tiers will load at admission is not computed: a follow-up turn whose
             # context is stored costs its new message, not its whole prompt.
-            num_computed = max(num_computed, self.connector.stored_prefix_tokens(request))
+            num_computed = max(num_computed, stored_prefix_tokens(request))
         return RequestView(
             request_id=request.request_id,
             request_class=cls,
