@@ -234,7 +234,12 @@ async def measure_system(system: System, server: ServerProcess, sweep: Sweep,
         async def read_counters() -> dict[str, Any] | None:
             if system.is_stock_vllm:  # no tiers: nothing ever comes from host or SSD
                 return dict.fromkeys(COUNTERS, 0)
-            return (await http.get("/v1/engine/stats")).json().get("tiering")
+            stats = (await http.get("/v1/engine/stats")).json()
+            tiering = stats.get("tiering")
+            if tiering is not None:  # how often running RT turns lost their pages to others
+                preemptions = stats.get("num_preemptions") or {}
+                tiering["rt_preemptions"] = preemptions.get("rt", 0)
+            return tiering
 
         async with chat(4) as warm_up:  # first-request costs stay out of the first point
             await warm_up.turn("Hello!")
