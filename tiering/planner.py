@@ -447,7 +447,8 @@ class TierPlanner:
                 slots.append(NO_SLOT)
                 continue
             slot = self.host.reserve(layer_key)
-            while slot is None and self._reclaim_advisory(None):
+            if slot is None:  # the arena is all pins: take advisories' back, try once more
+                self._room_for(1, None)
                 slot = self.host.reserve(layer_key)
             if slot is None:
                 for done in reserved:
@@ -497,10 +498,10 @@ class TierPlanner:
         if advisory is None:
             return
         self.counters.advisories_used += 1
-        handle = advisory.handle
         if advisory.reclaimed:
-            pass  # its KV went back to the tiers below; the turn loaded what it needed
-        elif handle is None or handle.finished_at is None:
+            return  # its KV went back to the tiers below; the turn loaded what it needed
+        handle = advisory.handle
+        if handle is None or handle.finished_at is None:
             self.counters.advisories_late += 1  # the turn overtook its prefetch
         else:
             self.counters.prefetch_load_s_sum += handle.finished_at - advisory.received_at
