@@ -63,6 +63,8 @@ class AntiphonScheduler(Scheduler):
         # no request room (e.g. every page taken by RT turns that each need one more), so this
         # step is vLLM's own, which preempts to make progress.
         self._stalled = False
+        # Tokens of a waiting request the KV tiers will load (Antiphon's connector), if any.
+        self._stored_prefix_tokens = getattr(self.connector, "stored_prefix_tokens", None)
         logger.info("AntiphonScheduler installed (%s, policy %s)",
                     type(self).__name__, self.step_policy.name)
 
@@ -132,11 +134,10 @@ class AntiphonScheduler(Scheduler):
         extra = request.sampling_params.extra_args or {} if request.sampling_params else {}
         is_rt = cls is RequestClass.RT
         num_computed = request.num_computed_tokens
-        stored_prefix_tokens = getattr(self.connector, "stored_prefix_tokens", None)
-        if not is_running and stored_prefix_tokens is not None:
+        if not is_running and self._stored_prefix_tokens is not None:
             # What the KV tiers will load at admission is not computed: a follow-up turn whose
             # context is stored costs its new message, not its whole prompt.
-            num_computed = max(num_computed, stored_prefix_tokens(request))
+            num_computed = max(num_computed, self._stored_prefix_tokens(request))
         return RequestView(
             request_id=request.request_id,
             request_class=cls,
