@@ -189,9 +189,10 @@ async def probe_fresh(chat: ChatFactory, messages: Sequence[Sequence[str]], seed
 
 async def measure_point(chat: ChatFactory, read_counters: CounterReader, system: System,
                         users: int, messages: Sequence[Sequence[str]],
-                        args: argparse.Namespace) -> tuple[dict[str, float | None], list[dict]]:
+                        args: argparse.Namespace,
+                        ) -> tuple[dict[str, float | None], dict[str, int] | None, list[dict]]:
     """All `users` conversations at once, the fresh-prompt prober beside them; (metrics,
-    per-turn records)."""
+    the server's tiering counters over the point, per-turn records)."""
     rng = random.Random(f"{args.seed}/{users}")
     before = await read_counters()
     stop = asyncio.Event()
@@ -215,8 +216,7 @@ async def measure_point(chat: ChatFactory, read_counters: CounterReader, system:
     if tiering and not system.is_stock_vllm:
         print(f"[{system.name}] {users} users: tiering " + " ".join(
             f"{k}={v}" for k, v in tiering.items()), flush=True)
-    metrics["tiering"] = tiering  # type: ignore[assignment]
-    return metrics, records
+    return metrics, tiering, records
 
 
 async def measure_system(system: System, server: ServerProcess, sweep: Sweep,
@@ -247,10 +247,11 @@ async def measure_system(system: System, server: ServerProcess, sweep: Sweep,
                                   **{k: [] for k in POINT_METRICS}}
         turns = []
         for users, messages in zip(sweep.users, sweep.messages, strict=True):
-            metrics, records = await measure_point(chat, read_counters, system, users, messages,
-                                                   args)
-            for k in (*POINT_METRICS, "tiering"):
+            metrics, tiering, records = await measure_point(chat, read_counters, system, users,
+                                                            messages, args)
+            for k in POINT_METRICS:
                 result[k].append(metrics[k])
+            result["tiering"].append(tiering)
             turns += records
     result["turns"] = turns
     return result
