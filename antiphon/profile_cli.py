@@ -10,6 +10,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +21,18 @@ from antiphon.engine_ext.costfit import CostFit, ProfiledStep, fit_path, save_fi
 from antiphon.engine_ext.costforms import cost_form
 
 
+def coefficients_text(form: str, coefficients: Sequence[float]) -> str:
+    """`term=value` for each of the form's terms."""
+    return " ".join(f"{t}={c:.3g}" for t, c in zip(cost_form(form).terms, coefficients,
+                                                   strict=True))
+
+
 def format_table(fit: CostFit) -> str:
     """One line per form: train and held-out MAPE, coefficients (on the training split)."""
     lines = [f"{'form':<7} {'train MAPE':>10} {'held-out MAPE':>13}  coefficients"]
     for score in fit.scores:
-        terms = cost_form(score.form).terms
-        coefficients = " ".join(f"{t}={c:.3g}" for t, c in zip(terms, score.coefficients,
-                                                               strict=True))
         lines.append(f"{score.form:<7} {score.train_mape:>10.1%} {score.heldout_mape:>13.1%}"
-                     f"  {coefficients}")
+                     f"  {coefficients_text(score.form, score.coefficients)}")
     return "\n".join(lines)
 
 
@@ -76,10 +80,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     wall_s = time.monotonic() - started
     print(format_table(fit))
-    terms = cost_form(fit.form).terms
     print(f"\nchosen: {fit.form}, held-out MAPE {fit.heldout_mape:.1%} over {fit.num_steps} "
-          f"steps; refitted on all of them: " + " ".join(
-              f"{t}={c:.3g}" for t, c in zip(terms, fit.coefficients, strict=True)))
+          f"steps; refitted on all of them: {coefficients_text(fit.form, fit.coefficients)}")
     print(f"stored in {path} ({wall_s:.0f} s)")
     if args.out:
         Path(args.out).write_text(json.dumps(_report(fit, steps, wall_s), indent=1) + "\n")
