@@ -45,6 +45,12 @@ class EngineConfig:
         default="bros")
     rt_ttft_slo_s: float = doc("Default TTFT target of RT requests, in seconds", default=1.0)
     rt_tpot_slo_s: float = doc("Default TPOT target of RT requests, in seconds", default=0.1)
+    biblocks: bool = doc(
+        "Bidirectional shared KV blocks: RT pages from the low end of each shared block, BE "
+        "pages from the high end, and a preempted request's KV checkpointed to the host tier "
+        "instead of recomputed (needs KV tiering for the checkpoints)", default=True)
+    shared_block_pages: int = doc(
+        "KV pages in one bidirectional shared block", default=4)
     cost_model: str = doc(
         "Where the step cost model starts: 'stored' (the fit `antiphon profile` stored for "
         "this model and machine, else a prior), 'auto' (as stored, but profile the engine at "
@@ -65,6 +71,9 @@ class EngineConfig:
 
         if self.rt_ttft_slo_s <= 0 or self.rt_tpot_slo_s <= 0:
             raise ValueError("rt_ttft_slo_s and rt_tpot_slo_s must be positive")
+        if self.shared_block_pages < 1:
+            raise ValueError(f"shared_block_pages must be at least 1, got "
+                             f"{self.shared_block_pages}")
         if self.cost_model not in COST_MODEL_MODES:
             raise ValueError(f"cost_model must be one of {', '.join(COST_MODEL_MODES)}, "
                              f"got {self.cost_model!r}")
@@ -78,7 +87,8 @@ class EngineConfig:
 
     @property
     def scheduler_settings(self) -> SchedulerSettings:
-        return SchedulerSettings(self.policy, self.rt_ttft_slo_s, self.rt_tpot_slo_s)
+        return SchedulerSettings(self.policy, self.rt_ttft_slo_s, self.rt_tpot_slo_s,
+                                 self.biblocks, self.shared_block_pages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +99,8 @@ class SchedulerSettings:
     policy: str = "fcfs"
     rt_ttft_slo_s: float = 1.0
     rt_tpot_slo_s: float = 0.1
+    biblocks: bool = False
+    shared_block_pages: int = 4
 
     KEY = "antiphon_scheduler"
 

@@ -290,6 +290,13 @@ class VllmEngine(Engine):
             return {}
         return dict(await self._llm.engine_core.call_utility_async("antiphon_tiering_stats"))
 
+    async def check_integrity(self) -> list[str]:
+        """The bidirectional-block invariants checked in the EngineCore process now (page
+        ownership and direction, the preemption table against the KV tiers): the problems."""
+        if self._llm is None:
+            return []
+        return list(await self._llm.engine_core.call_utility_async("antiphon_check_integrity"))
+
     def cost_model_key(self) -> tuple[str, Machine]:
         """(model, machine) a cost-model fit is stored under: the resolved model folder, and
         this machine and engine build (`costfit.machine_fingerprint`)."""

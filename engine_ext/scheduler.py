@@ -29,6 +29,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request
 
+from antiphon.engine_ext.biblock_pool import PositionalPages
 from antiphon.engine_ext.config import SchedulerSettings
 from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.policies import make_policy
@@ -65,6 +66,19 @@ class AntiphonScheduler(Scheduler):
         self._stalled = False
         # Tokens of a waiting request the KV tiers will load (Antiphon's connector), if any.
         self._stored_prefix_tokens = getattr(self.connector, "stored_prefix_tokens", None)
+        # Bidirectional blocks: pages placed by position, preempted requests checkpointed to
+        # the KV tiers (the connector) instead of recomputed.
+        self.pages: PositionalPages | None = None
+        self._checkpoint = self._checkpoint_cost = None
+        if self.settings.biblocks:
+            self.pages = PositionalPages(
+                self.kv_cache_manager, self.settings.shared_block_pages,
+                lambda request: request_class_of(request) is RequestClass.RT)
+            self._checkpoint = getattr(self.connector, "checkpoint", None)
+            self._checkpoint_cost = getattr(self.connector, "checkpoint_cost_pages", None)
+            if self._checkpoint is None:
+                logger.warning("bidirectional blocks without KV tiering: preempted requests "
+                               "are recomputed, not checkpointed")
         logger.info("AntiphonScheduler installed (%s, policy %s)",
                     type(self).__name__, self.step_policy.name)
 
@@ -92,7 +106,8 @@ class AntiphonScheduler(Scheduler):
         if output.total_num_scheduled_tokens:
             self._step_shape = self._shape_of(output)
             self._step_started = time.perf_counter()
-            self.stats.record_step(planned - started, self._step_started - started)
+            self.stats.record_step(planned - started, self._step_started - started,
+                                   self.kv_cache_manager.block_pool.get_usage())
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -105,7 +120,27 @@ class AntiphonScheduler(Scheduler):
             if self._recorded_steps is not None:
                 self._recorded_steps.append([*self._step_shape.to_list(), latency])
             self._step_shape = None
-        return super().update_from_output(scheduler_output, model_runner_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.pages is not None and not self.running and not self.waiting \
+                and scheduler_output.total_num_scheduled_tokens:
+            self._check_when_idle()
+        return outputs
+
+    def check_integrity(self) -> list[str]:
+        """The bidirectional-block invariants: page ownership and direction (the layout) and
+        the preemption table against the KV tiers (the connector). Empty when they hold."""
+        problems = [] if self.pages is None else self.pages.check_integrity()
+        planner = getattr(self.connector, "planner", None)
+        if planner is not None and hasattr(planner, "check_integrity"):
+            problems += planner.check_integrity()
+        return problems
+
+    def _check_when_idle(self) -> None:
+        """The engine just went idle: check the invariants (cheap with nothing running)."""
+        problems = self.check_integrity()
+        if problems:
+            self.stats.integrity_problems += len(problems)
+            logger.error("bidirectional block integrity: %s", "; ".join(problems[:5]))
 
     def _shape_of(self, output: SchedulerOutput) -> StepShape:
         """The scheduled step's composition (vLLM has already advanced each request's
@@ -123,6 +158,10 @@ class AntiphonScheduler(Scheduler):
         rid = request.request_id
         self._lost_tokens[rid] = max(self._lost_tokens.get(rid, 0), request.num_computed_tokens)
         self.stats.num_preemptions[request_class_of(request).value] += 1
+        if self.pages is not None:
+            self.pages.preempting(rid)
+        if self._checkpoint is not None:
+            self._checkpoint(request)  # before vLLM frees the pages: the copy goes first
         super()._preempt_request(request, timestamp, drop_stale_output)
 
     def _views(self) -> list[RequestView]:
@@ -151,6 +190,8 @@ class AntiphonScheduler(Scheduler):
             priority=request.priority,
             num_preemptions=request.num_preemptions,
             num_lost_tokens=max(0, self._lost_tokens.get(request.request_id, 0) - num_computed),
+            checkpoint_pages=(self._checkpoint_cost(request) if is_running and not is_rt
+                              and self._checkpoint_cost is not None else None),
             prefix_page_hashes=request.block_hashes,  # read-only; no per-step copy
         )
 
@@ -242,7 +283,8 @@ class AntiphonScheduler(Scheduler):
 
     def antiphon_stats(self) -> dict[str, Any]:
         return self.stats.snapshot(policy=self.step_policy.name,
-                                   batch_size=getattr(self.step_policy, "batch_size", None))
+                                   batch_size=getattr(self.step_policy, "batch_size", None),
+                                   biblocks=None if self.pages is None else self.pages.stats())
 
 
 class AntiphonAsyncScheduler(AntiphonScheduler, AsyncScheduler):
@@ -259,6 +301,12 @@ def _engine_core_set_policy(self: EngineCore, name: str) -> str:
     """EngineCore utility method: switch the Antiphon scheduler's policy; returns its name."""
     _antiphon_scheduler(self).set_policy(name)
     return name
+
+
+def _engine_core_check_integrity(self: EngineCore) -> list[str]:
+    """EngineCore utility method: the bidirectional-block invariants' problems (see
+    `AntiphonScheduler.check_integrity`)."""
+    return _antiphon_scheduler(self).check_integrity()
 
 
 def _antiphon_scheduler(core: EngineCore) -> AntiphonScheduler:
@@ -313,4 +361,5 @@ EngineCore.antiphon_advise = _engine_core_advise  # type: ignore[attr-defined]
 EngineCore.antiphon_tiering_stats = _engine_core_tiering_stats  # type: ignore[attr-defined]
 EngineCore.antiphon_use_cost_model = _engine_core_use_cost_model  # type: ignore[attr-defined]
 EngineCore.antiphon_recorded_steps = _engine_core_recorded_steps  # type: ignore[attr-defined]
+EngineCore.antiphon_check_integrity = _engine_core_check_integrity  # type: ignore[attr-defined]
 

@@ -27,6 +27,9 @@ class RequestView:
     priority: int = 0  # lower is more important (vLLM's convention)
     num_preemptions: int = 0
     num_lost_tokens: int = 0  # computed tokens thrown away by preemptions, to recompute
+    # Running, with checkpointing on: device pages a preemption now would copy to the host
+    # tier (its newest, not yet written through); None: a preemption recomputes its tokens.
+    checkpoint_pages: int | None = None
     prefix_page_hashes: Sequence[bytes] = ()
     """Chained hashes of the prompt's full KV pages (vLLM's block hashes): two requests share
     their first k pages exactly when their first k hashes are equal. The scheduler passes

@@ -230,3 +230,82 @@ def test_a_waiting_turn_reports_what_the_tiers_will_supply(planner: TierPlanner)
     # Looked up again only once the request has more tokens (e.g. preempted after output).
     assert planner.stored_prefix_tokens(TokenView("r3", TURN1[:5])) == 4  # chunk 0 only
     assert planner.stored_prefix_tokens(TokenView("r3", [*TURN1, 110, 111])) == 10
+
+
+def preempt_after(planner: TierPlanner, request_id: str, tokens: list[int], blocks: list[int],
+                  computed: list[int]) -> tuple[int, TieringMetadata]:
+    """Admit the request, run one step per entry of `computed` (tokens with KV after it), then
+    preempt it: (tokens its checkpoint holds, the metadata of the preempting step)."""
+    view = TokenView(request_id, tokens)
+    planner.add_request(view)
+    planner.num_new_matched_tokens(view, 0)
+    planner.test_blocks[request_id] = blocks  # type: ignore[attr-defined]
+    planner.plan_load(request_id, blocks, 0, len(tokens))
+    for done in computed:
+        meta = planner.build_metadata([(request_id, done)])
+        fake_worker_saves(planner, meta.saves)
+        planner.step_done({meta.step}, set())
+    held = planner.checkpoint(request_id, computed[-1], blocks)
+    meta = planner.build_metadata([])
+    return held, meta
+
+
+def test_a_preempted_request_checkpoints_only_what_no_tier_holds(planner: TierPlanner) -> None:
+    tokens = [*TURN1, 110]
+    held, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10])
+    # Chunks 0 and 1 were written through as they filled: handed over. The 2-token tail on
+    # block 9 is copied before the forward pass that may overwrite it.
+    assert held == 10
+    assert [c.blocks for c in meta.checkpoints] == [(9,)]
+    assert not meta.saves and not meta.loads
+    stats = planner.stats()
+    assert (stats["checkpoints"], stats["pages_checkpointed"], stats["pages_handed_over"]) == (
+        1, 1, 2)
+    assert planner.check_integrity() == []  # the tail is reserved, on its way
+    fake_worker_saves(planner, meta.checkpoints)
+    planner.step_done({meta.step}, set())
+    assert planner.check_integrity() == []
+    # Admitted again, it finds all 10 tokens in the tiers and loads them back.
+    view = TokenView("be", tokens)
+    assert planner.stored_prefix_tokens(view) == 10
+    assert planner.num_new_matched_tokens(view, 0) == 10
+    planner.plan_load("be", [3, 4, 5], 10, len(tokens))
+    stats = planner.stats()
+    assert (stats["restores"], stats["pages_restored"]) == (1, 3)
+
+
+def run_failed_step(planner: TierPlanner, tokens: list[int]) -> None:
+    """Admit request "be" on blocks 1-4 and run a step computing 12 tokens whose saves fail."""
+    view = TokenView("be", tokens)
+    planner.add_request(view)
+    planner.num_new_matched_tokens(view, 0)
+    planner.test_blocks["be"] = [1, 2, 3, 4]  # type: ignore[attr-defined]
+    planner.plan_load("be", [1, 2, 3, 4], 0, len(tokens))
+    meta = planner.build_metadata([("be", 12)])
+    planner.step_done(set(), {meta.step})  # the step's saves failed: nothing published
+
+
+def test_a_checkpoint_copies_full_chunks_a_failed_save_left_behind(planner: TierPlanner) -> None:
+    run_failed_step(planner, list(range(200, 213)))  # 3 full chunks and 1 token
+    held = planner.checkpoint("be", 12, [1, 2, 3, 4])
+    assert held == 12
+    assert [c.blocks for c in planner.build_metadata([]).checkpoints] == [(1,), (2,), (3,)]
+
+
+def test_a_full_host_arena_leaves_the_rest_to_recompute(tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=2 * PAGE_BYTES)  # 2 slots: 1 chunk
+    try:
+        run_failed_step(planner, list(range(300, 313)))
+        assert planner.checkpoint("be", 12, [1, 2, 3, 4]) == 4  # room for chunk 0 only
+        assert planner.stats()["checkpoint_short_tokens"] == 8
+    finally:
+        planner.close()
+
+
+def test_a_finished_request_leaves_the_preemption_table(planner: TierPlanner) -> None:
+    tokens = [*TURN1, 110]
+    _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10])
+    planner.step_done({meta.step}, set())
+    planner.request_finished("be", 10, [7, 8, 9])
+    assert planner.check_integrity() == []
+    assert planner.checkpoint("unknown", 5, [1, 2]) == 0

@@ -122,6 +122,17 @@ class AntiphonKVConnector(KVConnectorBase_V1):
         """Prompt tokens of a waiting request its admission will find in the tiers (estimate)."""
         return self.planner.stored_prefix_tokens(_token_view(request))
 
+    def checkpoint(self, request: Request) -> int:
+        """The running request is being preempted: keep its KV in the tiers (lazy
+        checkpointing); returns the computed tokens they will hold."""
+        return self.planner.checkpoint(request.request_id, request.num_computed_tokens,
+                                       self._block_ids_of(request.request_id))
+
+    def checkpoint_cost_pages(self, request: Request) -> int:
+        """Pages preempting the running request now would copy to the host tier."""
+        return self.planner.checkpoint_cost_pages(request.request_id,
+                                                  request.num_computed_tokens)
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.planner.num_new_matched_tokens(_token_view(request), num_computed_tokens), False

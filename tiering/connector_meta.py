@@ -39,13 +39,17 @@ class TieringMetadata(KVConnectorMetadata):
     # tokens are written into the same page before attention (where layer loads happen).
     early_loads: list[PageCopy] = dataclasses.field(default_factory=list)
     saves: list[PageCopy] = dataclasses.field(default_factory=list)  # device -> slot, per layer
+    # Lazy checkpoints of requests preempted this step: their pages may be handed to another
+    # request and overwritten by this very forward pass, so they are copied before it.
+    checkpoints: list[PageCopy] = dataclasses.field(default_factory=list)
     # Partial last chunks of finished requests, whose blocks vLLM holds until they are copied:
     # request id -> copies (done in `wait_for_save`, reported back as finished sending).
     final_saves: dict[str, list[PageCopy]] = dataclasses.field(default_factory=dict)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.loads or self.early_loads or self.saves or self.final_saves)
+        return bool(self.loads or self.early_loads or self.saves or self.final_saves
+                    or self.checkpoints)
 
 
 @dataclasses.dataclass

@@ -52,8 +52,11 @@ class KvPageCopier:
         self._pages = pages
 
     def load_early(self, meta: TieringMetadata) -> None:
-        """Before the forward pass: copy partly matched pages, every layer."""
+        """Before the forward pass: save preempted requests' checkpoints, then copy partly
+        matched pages in (which may land on pages a checkpoint just copied out), every layer."""
         for layer in range(len(self._layer_names)):
+            if meta.checkpoints:
+                self._save(meta, meta.checkpoints, layer)
             self._load(meta, meta.early_loads, layer)
 
     def load_layer(self, meta: TieringMetadata, layer_name: str) -> None:

@@ -93,6 +93,15 @@ class _Advisory:
     reclaimed: bool = False  # its pins went to a running turn before the session spoke
 
 
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A preempted request in the preemption table: what the tiers hold of its KV."""
+
+    num_tokens: int  # computed tokens when it was preempted
+    held_tokens: int  # of those, from the start, held by the tiers (the rest is recomputed)
+    chunks: tuple[ChunkKey, ...]  # layer-0 keys of the chunks its restore loads
+
+
 @dataclasses.dataclass
 class _InFlight:
     """A step the worker has not finished: pins to drop, reserved slots to publish."""
@@ -117,6 +126,12 @@ class TieringCounters:
     advisories_late: int = 0  # the turn arrived before its prefetch finished
     advisories_reclaimed: int = 0  # prefetched KV given up for a running turn's room
     turns_held: int = 0  # admissions that waited for a prefetch
+    checkpoints: int = 0  # preempted requests whose KV went to the tiers (lazy checkpoints)
+    pages_checkpointed: int = 0  # device pages copied at preemption (not yet written through)
+    pages_handed_over: int = 0  # preempted pages a tier already held: given up at no cost
+    checkpoint_short_tokens: int = 0  # preempted tokens the full host arena could not take
+    restores: int = 0  # checkpointed requests admitted again
+    pages_restored: int = 0  # pages those loaded back from the tiers
 
 
 class TierPlanner:
@@ -150,6 +165,8 @@ class TierPlanner:
         self._final_saves: dict[str, list[PageCopy]] = {}
         self._final_keys: list[ChunkKey] = []
         self._in_flight: dict[int, _InFlight] = {}
+        self._pending_checkpoints: list[PageCopy] = []
+        self._checkpoints: dict[str, Checkpoint] = {}  # the preemption table
         self._retiring: list[PrefetchHandle] = []
         self.counters = TieringCounters()
 
@@ -240,6 +257,11 @@ class TierPlanner:
             if st is None:
                 return
             self._count_admission(st, num_external, num_tokens)
+            if self._checkpoints.pop(request_id, None) is not None:
+                self.counters.restores += 1
+                self.counters.pages_restored += -(-(st.local_tokens + num_external)
+                                                  // self.page_tokens) - st.local_tokens \
+                    // self.page_tokens
             if num_external == 0 or st.match is None:
                 self._unpin(st)
                 return
@@ -272,7 +294,8 @@ class TierPlanner:
         """This step's copies; `scheduled` is (request id, tokens computed once the step ran)."""
         with self._lock:
             meta = TieringMetadata(self._step, self.arena_name, self._pending_loads,
-                                   self._pending_early)
+                                   self._pending_early, checkpoints=self._pending_checkpoints)
+            self._pending_checkpoints = []
             in_flight = _InFlight(pins=self._pending_load_pins)
             self._pending_loads, self._pending_early, self._pending_load_pins = [], [], []
             for request_id, num_done in scheduled:
@@ -308,26 +331,91 @@ class TierPlanner:
         its pages until the worker reports the request sent)."""
         with self._lock:
             st = self._requests.pop(request_id, None)
+            self._checkpoints.pop(request_id, None)
             if st is None:
                 return False
             self._unpin(st)
             self._drop_prefetch(st)
             full = num_computed // self.chunk_tokens
-            tail = num_computed - full * self.chunk_tokens
-            if tail == 0 or st.saved_chunks != full:
+            if num_computed == full * self.chunk_tokens or st.saved_chunks != full:
                 return False  # nothing partial, or the full chunks were not all saved
-            hashes = self._hashes(st, full)
-            previous = hashes[-1] if hashes else prefix_seed(self.model_id, st.view.salt)
-            tokens = st.view.token_ids[full * self.chunk_tokens:num_computed]
-            key = ChunkKey(self.model_id, tail_hashes(previous, tokens)[-1], full, 0)
-            first_page = full * self.pages_per_chunk
-            pages = tuple(block_ids[first_page:first_page + -(-tail // self.page_tokens)])
-            copy, keys = self._reserve(key, pages)
+            copy, keys = self._reserve(self._tail_key(st, num_computed),
+                                       self._tail_pages(block_ids, num_computed))
             if copy is None:
                 return False
             self._final_saves[request_id] = [copy]
             self._final_keys.extend(keys)
             return True
+
+    def checkpoint(self, request_id: str, num_computed: int, block_ids: Sequence[int]) -> int:
+        """Lazy checkpointing: the request is preempted and its pages go back to vLLM, where
+        the next allocation may overwrite them in this very step. Chunks a tier already holds
+        (written through as they filled) are simply handed over; the rest, its newest pages,
+        are copied to host slots before this step's forward pass (`checkpoints` in the
+        metadata), and the preemption table records them. Returns the computed tokens the
+        tiers will hold: all of them unless the host arena has no room, in which case the
+        rest is recomputed when the request runs again."""
+        with self._lock:
+            st = self._requests.get(request_id)
+            if st is None or num_computed <= 0:
+                return 0
+            self._unpin(st)
+            self._drop_prefetch(st)
+            full = num_computed // self.chunk_tokens
+            hashes = self._hashes(st, full)
+            ppc = self.pages_per_chunk
+            spans = [(ChunkKey(self.model_id, prefix_hash, index, 0),  # (key, pages, end token)
+                      tuple(block_ids[index * ppc:(index + 1) * ppc]),
+                      (index + 1) * self.chunk_tokens) for index, prefix_hash in enumerate(hashes)]
+            if num_computed > full * self.chunk_tokens:
+                spans.append((self._tail_key(st, num_computed),
+                              self._tail_pages(block_ids, num_computed), num_computed))
+            held = 0
+            restore: list[ChunkKey] = []
+            copies: list[PageCopy] = []
+            reserved: list[ChunkKey] = []
+            for key, pages, key_end in spans:
+                if not self._held(key):
+                    copy, keys = self._reserve(key, pages)
+                    if copy is None:
+                        break  # no host room: recompute from here
+                    copies.append(copy)
+                    reserved.extend(keys)
+                held = key_end
+                restore.append(key)
+            st.saved_chunks = min(st.saved_chunks, held // self.chunk_tokens)
+            self._pending_checkpoints.extend(copies)
+            self._final_keys.extend(reserved)  # published when this step's copies are done
+            copied = sum(len(copy.blocks) for copy in copies)
+            c = self.counters
+            c.checkpoints += 1
+            c.pages_checkpointed += copied
+            c.pages_handed_over += -(-held // self.page_tokens) - copied
+            c.checkpoint_short_tokens += num_computed - held
+            self._checkpoints[request_id] = Checkpoint(num_computed, held, tuple(restore))
+            return held
+
+    def checkpoint_cost_pages(self, request_id: str, num_computed: int) -> int:
+        """Device pages a checkpoint of the request would copy now: those after the chunks
+        already written through (what a policy weighs when it picks a request to preempt)."""
+        with self._lock:
+            st = self._requests.get(request_id)
+            saved_pages = 0 if st is None else st.saved_chunks * self.pages_per_chunk
+            return max(0, -(-num_computed // self.page_tokens) - saved_pages)
+
+    def check_integrity(self) -> list[str]:
+        """The preemption table against the tiers: every chunk a checkpointed request will
+        restore is held by a tier (or on its way into the host arena). Returns the problems."""
+        with self._lock:
+            problems = []
+            for request_id, cp in self._checkpoints.items():
+                if request_id not in self._requests:
+                    problems.append(f"checkpoint of unknown request {request_id}")
+                if cp.held_tokens > cp.num_tokens:
+                    problems.append(f"{request_id}: holds {cp.held_tokens} of {cp.num_tokens}")
+                problems += [f"{request_id}: chunk {key.chunk_index} of its checkpoint is in "
+                             f"no tier" for key in cp.chunks if not self._held(key)]
+            return problems
 
     # -- advisories --------------------------------------------------------------------------
 
@@ -459,6 +547,26 @@ class TierPlanner:
         if not reserved:
             return None, []
         return PageCopy(pages, tuple(slots)), reserved
+
+    def _held(self, key: ChunkKey) -> bool:
+        """Every layer of the chunk is in a tier or reserved in the host arena."""
+        return all(self.store.contains(k) or self.host.is_reserved(k)
+                   for k in (key.with_layer(layer) for layer in range(self.num_layers)))
+
+    def _tail_key(self, st: _Request, num_tokens: int) -> ChunkKey:
+        """The key of the partial chunk that ends at `num_tokens` (not a chunk boundary)."""
+        full = num_tokens // self.chunk_tokens
+        hashes = self._hashes(st, full)
+        previous = hashes[-1] if hashes else prefix_seed(self.model_id, st.view.salt)
+        tokens = st.view.token_ids[full * self.chunk_tokens:num_tokens]
+        return ChunkKey(self.model_id, tail_hashes(previous, tokens)[-1], full, 0)
+
+    def _tail_pages(self, block_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
+        """The device pages of the partial chunk that ends at `num_tokens`."""
+        full = num_tokens // self.chunk_tokens
+        first_page = full * self.pages_per_chunk
+        tail = num_tokens - full * self.chunk_tokens
+        return tuple(block_ids[first_page:first_page + -(-tail // self.page_tokens)])
 
     def _slot(self, key: ChunkKey) -> int:
         slot = self.host.slot_of(key)

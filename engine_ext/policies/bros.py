@@ -53,9 +53,11 @@ class BrosPolicy(Policy):
         cap = min(self.batch_size, budget.max_num_seqs)
         batch = StepBatch(budget, self.cost_model)
         plan = StepPlan(is_restrictive=True)
-        # Running BE requests whose pages an RT request may take, cheapest to redo first.
+        # Running BE requests whose pages an RT request may take, cheapest first: fewest pages
+        # to checkpoint (bidirectional blocks), then fewest tokens to redo or reload.
         victims = Victims(sorted((v for v in bes if v.is_running),
-                                 key=lambda v: v.num_computed_tokens), budget.page_tokens)
+                                 key=lambda v: (v.checkpoint_pages or 0, v.num_computed_tokens)),
+                          budget.page_tokens)
         time_limit = residual_time_s(rts, now)
         is_at_risk = False
 

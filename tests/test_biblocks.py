@@ -1,0 +1,135 @@
+"""`SharedBlockLayout` without vLLM: placement by position in bidirectional shared blocks, and
+property tests that drive it with random RT/BE arrivals, growth, preemptions and completions,
+checking the invariants after every step."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from antiphon.engine_ext.biblocks import SharedBlockLayout
+
+
+class Pool:
+    """vLLM's page pool, reduced to which pages are free (page 0 is the null page)."""
+
+    def __init__(self, num_pages: int, block_pages: int) -> None:
+        self.layout = SharedBlockLayout(num_pages, block_pages, excluded=[0])
+        self.free = set(range(1, num_pages))
+        self.pages: dict[str, list[int]] = {}
+
+    def grow(self, request_id: str, is_rt: bool, num_pages: int) -> list[int]:
+        taken = self.layout.place(request_id, is_rt, num_pages, self.free.__contains__)
+        self.free -= set(taken)
+        self.pages.setdefault(request_id, []).extend(taken)
+        return taken
+
+    def finish(self, request_id: str) -> None:
+        for page in self.pages.pop(request_id):
+            self.layout.release(page)
+            self.free.add(page)
+
+
+def test_rt_grows_up_from_the_low_end_and_be_down_from_the_high_end() -> None:
+    pool = Pool(9, 4)  # blocks [1..3] (page 0 is null) and [4..7], [8]
+    assert pool.grow("be", False, 3) == [7, 6, 5]
+    assert pool.grow("rt", True, 2) == [1, 2]  # the emptiest block without an RT request
+    assert pool.grow("rt", True, 1) == [3]
+    assert pool.grow("rt", True, 1) == [4]  # its block is full: continues below the BE pages
+    assert pool.layout.shared_blocks() == 1
+    assert pool.layout.check_integrity(pool.free.__contains__) == []
+
+
+def test_an_rt_request_that_grows_into_a_preempted_be_block_takes_its_tail() -> None:
+    pool = Pool(9, 8)  # one shared block of pages 1..7 (and page 8)
+    pool.grow("be", False, 4)  # pages 7, 6, 5, 4: page 4 is its newest
+    pool.grow("rt", True, 3)  # pages 1, 2, 3
+    pool.layout.preempting("be")
+    pool.finish("be")
+    assert pool.grow("rt", True, 1) == [4]  # the BE request's tail, first
+    assert pool.layout.counters.collisions == 1
+
+
+def test_placement_prefers_blocks_without_a_request_of_the_same_class() -> None:
+    pool = Pool(13, 4)  # blocks [1..3], [4..7], [8..11], [12]
+    pool.grow("rt-a", True, 1)
+    pool.grow("rt-b", True, 1)
+    pool.grow("rt-c", True, 1)
+    owners = {pool.pages[r][0] // 4 for r in ("rt-a", "rt-b", "rt-c")}
+    assert owners == {0, 1, 2} and pool.layout.counters.overflows == 0
+
+
+def test_integrity_reports_a_broken_direction_and_a_double_owner() -> None:
+    layout = SharedBlockLayout(8, 8)
+    layout.take("be", False, 2)
+    layout.take("rt", True, 5)  # above the BE page: counted as a stray, not silently mixed
+    assert layout.counters.strays == 1
+    assert layout.check_integrity() == []
+    with pytest.raises(ValueError, match="owned"):
+        layout.take("rt2", True, 2)
+    assert layout.check_integrity(is_free=lambda page: page == 5) == [
+        "page 5 of rt is free in the pool"]
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError):
+        SharedBlockLayout(0, 4)
+    with pytest.raises(ValueError):
+        SharedBlockLayout(8, 0)
+
+
+def eligible(pool: Pool, is_rt: bool) -> tuple[set[int], set[int]]:
+    """By brute force: free pages the class can take keeping the direction, and those of
+    them in blocks with no other request of its class (a fresh block for the request)."""
+    layout = pool.layout
+    ok, alone = set(), set()
+    for page in pool.free:
+        block = range(page // layout.block_pages * layout.block_pages,
+                      min(layout.num_pages, (page // layout.block_pages + 1) * layout.block_pages))
+        owners = [(p, layout.owner(p)) for p in block if layout.owner(p) is not None]
+        rt = [p for p, o in owners if o and o[1]]
+        be = [p for p, o in owners if o and not o[1]]
+        if (is_rt and all(page < p for p in be)) or (not is_rt and all(page > p for p in rt)):
+            ok.add(page)
+            if not (rt if is_rt else be):
+                alone.add(page)
+    return ok, alone
+
+
+operation = st.tuples(st.sampled_from(["arrive", "grow", "finish", "preempt"]),
+                      st.booleans(), st.integers(0, 7), st.integers(1, 4))
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_pages=st.integers(4, 40), block_pages=st.integers(1, 6),
+       ops=st.lists(operation, min_size=1, max_size=60))
+def test_random_traffic_keeps_every_invariant(num_pages: int, block_pages: int,
+                                              ops: list[tuple[str, bool, int, int]]) -> None:
+    pool = Pool(num_pages, block_pages)
+    classes: dict[str, bool] = {}
+    for kind, is_rt, index, size in ops:
+        request_id = f"{'rt' if is_rt else 'be'}-{index}"
+        if kind in ("arrive", "grow"):
+            if kind == "grow" and request_id not in pool.pages:
+                continue
+            classes[request_id] = is_rt
+            for _ in range(min(size, len(pool.free))):
+                ok, alone = eligible(pool, is_rt)
+                strays, overflows = pool.layout.counters.strays, pool.layout.counters.overflows
+                (page,) = pool.grow(request_id, is_rt, 1)
+                if pool.layout.counters.strays > strays:
+                    assert not ok, "a stray page although one kept the direction"
+                else:
+                    assert page in ok
+                if pool.layout.counters.overflows > overflows:
+                    assert not alone, "shared a block although a block of its own had room"
+        elif request_id in pool.pages:
+            if kind == "preempt":
+                pool.layout.preempting(request_id)
+            pool.finish(request_id)
+        assert pool.layout.check_integrity(pool.free.__contains__) == []
+        owned = {p for pages in pool.pages.values() for p in pages}
+        assert not owned & pool.free and len(owned) == sum(map(len, pool.pages.values()))
+        assert pool.layout.pages_of_class(True) == sum(
+            len(p) for r, p in pool.pages.items() if classes[r])
