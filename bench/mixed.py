@@ -118,12 +118,29 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         "be_recomputed_tokens": s1["recomputed_tokens"]["be"] - s0["recomputed_tokens"]["be"],
         "sched_overhead_frac": (s1["schedule_s"] - s0["schedule_s"]) / steps if steps else 0.0,
         "cost_model_mape": s1.get("cost_model_mape") or 0.0,
+        "kv_utilization": (s1["kv_usage_sum"] - s0["kv_usage_sum"]) / max(
+            1, s1["num_steps"] - s0["num_steps"]),
+        "pages_checkpointed": _tier_delta(s0, s1, "pages_checkpointed"),
+        "pages_restored": _tier_delta(s0, s1, "pages_restored"),
         "rt_requests": len(results),
         "timeline": results,
     }
 
 
+def _tier_delta(s0: dict[str, Any], s1: dict[str, Any], name: str) -> int:
+    """A KV connector counter's growth (0 when tiering is off)."""
+    return int(s1["tiering"].get(name, 0) - s0["tiering"].get(name, 0))
+
+
 def main(args: argparse.Namespace) -> int:
+    systems = {policy: ["--policy", policy] for policy in args.policies.split(",")}
+    return run_systems(args, "mixed", systems, baseline="fcfs")
+
+
+def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, list[str]],
+                baseline: str) -> int:
+    """Serve the RT trace and the BE batch job once per system (its extra `serve` arguments),
+    on the same engine settings; write the JSON record and print the table."""
     from antiphon.model import resolve_model
 
     model_dir = resolve_model(args.model)
@@ -137,27 +154,27 @@ def main(args: argparse.Namespace) -> int:
     batch_path = out.with_suffix(".batch.jsonl")
     be_batch_file(batch_path, "SmolLM2-135M-Instruct" if args.model is None else model_dir.name,
                   args.be_items, (32, 128), args.seed)
-    systems: dict[str, dict[str, Any]] = {}
-    for policy in args.policies.split(","):
-        print(f"[{policy}] {len(arrivals)} RT turns over {duration:.0f} s with BE load ...",
+    results: dict[str, dict[str, Any]] = {}
+    for name, extra in systems.items():
+        print(f"[{name}] {len(arrivals)} RT turns over {duration:.0f} s with BE load ...",
               flush=True)
-        cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
-               "--policy", policy, "--max-model-len", "2048", "--num-kv-pages",
+        cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir), *extra,
+               "--max-model-len", "2048", "--num-kv-pages",
                str(args.kv_pages), "--rt-ttft-slo-s", str(args.ttft_slo), "--rt-tpot-slo-s",
-               str(args.tpot_slo), "--data-dir", str(out.with_suffix(f".{policy}.data"))]
+               str(args.tpot_slo), "--data-dir", str(out.with_suffix(f".{name}.data"))]
         cmd += ["--enforce-eager"] if args.quick else []
         if args.model is None:
             cmd += ["--served-model-name", "SmolLM2-135M-Instruct"]
-        with ServerProcess(cmd, log_path=out.with_suffix(f".{policy}.log")) as server:
-            systems[policy] = asyncio.run(run_policy(server, args, prompts, arrivals,
-                                                     batch_path))
-    timelines = {p: s.pop("timeline") for p, s in systems.items()}
-    record = {"benchmark": "mixed", "config": {k: v for k, v in vars(args).items()
-                                               if isinstance(v, (int, float, str, bool))},
-              "systems": systems, "timelines": timelines}
+        with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
+            results[name] = asyncio.run(run_policy(server, args, prompts, arrivals,
+                                                   batch_path))
+    timelines = {p: s.pop("timeline") for p, s in results.items()}
+    record = {"benchmark": benchmark, "config": {k: v for k, v in vars(args).items()
+                                                 if isinstance(v, (int, float, str, bool))},
+              "systems": results, "timelines": timelines}
     write_json(out, record)
-    print_table({p: {k: float(v) for k, v in s.items()} for p, s in systems.items()},
-                baseline="fcfs" if "fcfs" in systems else next(iter(systems)))
+    print_table({p: {k: float(v) for k, v in s.items()} for p, s in results.items()},
+                baseline=baseline if baseline in results else next(iter(results)))
     _plot(timelines, out.with_suffix(".png"))
     return 0
 
@@ -186,17 +203,23 @@ def _plot(timelines: dict[str, list[dict[str, float]]], path: Path) -> None:
 def add_parser(kinds: Any) -> None:
     p = kinds.add_parser("mixed", help="RT chat and BE batch jobs on one engine, per policy")
     p.add_argument("--out", default="bench-mixed.json")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    add_workload_arguments(p, kv_pages=64)
+    p.set_defaults(bench_func=main)
+
+
+def add_workload_arguments(p: argparse.ArgumentParser, kv_pages: int) -> None:
+    """The RT trace, BE job and engine settings `run_systems` reads."""
     p.add_argument("--model", default=None)
     p.add_argument("--quick", action="store_true", help="40 s traces, eager engines")
-    p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--duration", type=float, default=120.0, help="RT trace length (s)")
     p.add_argument("--rt-rate", type=float, default=1.0, help="RT arrivals per second")
     p.add_argument("--rt-prompt-tokens", type=int, default=300, help="mean RT prompt length")
     p.add_argument("--rt-output-tokens", type=int, default=48, help="mean RT output length")
     p.add_argument("--be-items", type=int, default=400, help="BE chunks in the batch job")
     p.add_argument("--be-warmup-s", type=float, default=5.0)
-    p.add_argument("--kv-pages", type=int, default=64, help="KV pool size (128-token pages)")
+    p.add_argument("--kv-pages", type=int, default=kv_pages,
+                   help="KV pool size (128-token pages)")
     p.add_argument("--ttft-slo", type=float, default=1.0)
     p.add_argument("--tpot-slo", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(bench_func=main)

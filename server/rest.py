@@ -129,11 +129,45 @@ def scheduler_metrics_text(stats: dict[str, Any]) -> bytes:
         *(f'antiphon_recomputed_tokens_total{{request_class="{c}"}} {n}'
           for c, n in stats["recomputed_tokens"].items()),
     ]
+    lines += [
+        "# HELP antiphon_kv_utilization_sum KV pool use (fraction of pages) summed over steps",
+        "# TYPE antiphon_kv_utilization_sum counter",
+        f"antiphon_kv_utilization_sum {stats.get('kv_usage_sum', 0.0)}",
+        "# HELP antiphon_integrity_problems_total Bidirectional-block invariants found broken",
+        "# TYPE antiphon_integrity_problems_total counter",
+        f"antiphon_integrity_problems_total {stats.get('integrity_problems', 0)}",
+    ]
+    lines += biblocks_metrics_lines(stats.get("biblocks"))
     if stats.get("cost_model_mape") is not None:
         lines += ["# HELP antiphon_cost_model_mape Cost model mean absolute percentage error",
                   "# TYPE antiphon_cost_model_mape gauge",
                   f"antiphon_cost_model_mape {stats['cost_model_mape']}"]
     return ("\n".join(lines) + "\n").encode()
+
+
+def biblocks_metrics_lines(blocks: dict[str, Any] | None) -> list[str]:
+    """Bidirectional shared blocks: page occupancy by class, blocks in use and shared, and the
+    placement counters (none when the engine runs without them)."""
+    if not blocks:
+        return []
+    lines = ["# HELP antiphon_biblocks_pages KV pages held in shared blocks, by request class",
+             "# TYPE antiphon_biblocks_pages gauge",
+             f'antiphon_biblocks_pages{{request_class="rt"}} {blocks["pages_rt"]}',
+             f'antiphon_biblocks_pages{{request_class="be"}} {blocks["pages_be"]}',
+             "# HELP antiphon_biblocks_blocks Shared blocks: in use, shared by RT and BE, total",
+             "# TYPE antiphon_biblocks_blocks gauge"]
+    lines += [f'antiphon_biblocks_blocks{{kind="{kind}"}} {blocks[f"blocks_{kind}"]}'
+              for kind in ("used", "shared", "total")]
+    lines += ["# HELP antiphon_biblocks_placements_total Pages placed, by how",
+              "# TYPE antiphon_biblocks_placements_total counter"]
+    lines += [f'antiphon_biblocks_placements_total{{kind="{kind}"}} {blocks[kind]}'
+              for kind in ("new_blocks", "overflows", "strays")]
+    return [
+        *lines,
+        "# HELP antiphon_biblocks_collisions_total RT pages taken from a preempted BE tail",
+        "# TYPE antiphon_biblocks_collisions_total counter",
+        f"antiphon_biblocks_collisions_total {blocks['collisions']}",
+    ]
 
 
 # Counters of the KV connector: (name in its stats, metric name, help).
@@ -152,6 +186,17 @@ _TIERING_COUNTERS = (
     ("advisories_reclaimed", "antiphon_kv_advisories_reclaimed_total",
      "Advisories whose prefetched KV was given up for a running turn's host room"),
     ("turns_held", "antiphon_kv_turns_held_total", "Turns that waited for a prefetch"),
+    ("checkpoints", "antiphon_kv_checkpoints_total",
+     "Preempted requests whose KV was checkpointed to the tiers instead of dropped"),
+    ("pages_checkpointed", "antiphon_kv_pages_checkpointed_total",
+     "KV pages copied to the host tier at a preemption (not yet written through)"),
+    ("pages_handed_over", "antiphon_kv_pages_handed_over_total",
+     "KV pages of preempted requests that a tier already held (given up at no cost)"),
+    ("checkpoint_short_tokens", "antiphon_kv_checkpoint_short_tokens_total",
+     "Tokens of preempted requests the full host tier could not take (to recompute)"),
+    ("restores", "antiphon_kv_restores_total", "Checkpointed requests admitted again"),
+    ("pages_restored", "antiphon_kv_pages_restored_total",
+     "KV pages checkpointed requests loaded back from the tiers"),
     ("prefetch_load_s_sum", "antiphon_kv_prefetch_load_seconds_total",
      "Advisory to prefetched KV in host memory, summed over used advisories"),
     ("prefetch_lead_s_sum", "antiphon_kv_prefetch_lead_seconds_total",

@@ -133,3 +133,17 @@ def test_random_traffic_keeps_every_invariant(num_pages: int, block_pages: int,
         assert not owned & pool.free and len(owned) == sum(map(len, pool.pages.values()))
         assert pool.layout.pages_of_class(True) == sum(
             len(p) for r, p in pool.pages.items() if classes[r])
+
+
+def test_layout_counters_are_exported_to_prometheus() -> None:
+    from antiphon.server.rest import biblocks_metrics_lines
+
+    pool = Pool(5, 4)  # blocks [1..3] and [4]
+    assert pool.grow("be", False, 2) == [3, 2]
+    assert pool.grow("rt", True, 1) == [1]
+    text = "\n".join(biblocks_metrics_lines({**pool.layout.occupancy(),
+                                             **vars(pool.layout.counters)}))
+    assert 'antiphon_biblocks_pages{request_class="be"} 2' in text
+    assert 'antiphon_biblocks_blocks{kind="shared"} 1' in text
+    assert 'antiphon_biblocks_placements_total{kind="strays"} 0' in text
+    assert biblocks_metrics_lines(None) == []
