@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from typing import Any
 
 
@@ -19,4 +20,11 @@ def add_bench_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # A benchmark stopped with SIGTERM (e.g. by `timeout`) unwinds like Ctrl-C, so the servers
+    # it started are stopped too instead of left running.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     return int(args.bench_func(args))
+
+
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
