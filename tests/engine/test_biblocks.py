@@ -15,6 +15,7 @@ from antiphon.engine_ext.engine import VllmEngine
 from antiphon.engine_ext.types import ChatTurn, GenerationParams, RequestClass
 from antiphon.model import resolve_model
 from antiphon.tiering.config import MiB, TieringConfig
+from tests.engine import TEST_DTYPE
 
 pytestmark = pytest.mark.engine
 
@@ -30,7 +31,7 @@ async def biblock_engine(tmp_path_factory: pytest.TempPathFactory) -> AsyncItera
     # them, so every RT turn must take pages from BE work.
     config = EngineConfig(max_model_len=2048, kv_cache_gib=0.5, num_kv_pages=20,
                           enforce_eager=True, policy="bros", cost_model="online",
-                          biblocks=True, shared_block_pages=4)
+                          biblocks=True, shared_block_pages=4, dtype=TEST_DTYPE)
     ssd: Path = tmp_path_factory.mktemp("biblocks-ssd")
     tiering = TieringConfig(host_tier_bytes=64 * MiB, ssd_tier_bytes=256 * MiB, ssd_dir=ssd)
     eng = VllmEngine(config, resolve_model(None), tiering)

@@ -16,6 +16,7 @@ from antiphon.engine_ext.engine import VllmEngine
 from antiphon.engine_ext.types import ChatTurn, GenerationParams
 from antiphon.model import resolve_model
 from antiphon.tiering.config import MiB, TieringConfig
+from tests.engine import TEST_DTYPE
 
 pytestmark = pytest.mark.engine
 
@@ -49,7 +50,8 @@ async def converse(engine: VllmEngine, tag: str, *, reset_device: bool
 
 async def tiered_engine(ssd_dir: Path) -> VllmEngine:
     config = EngineConfig(max_model_len=2048, num_kv_pages=24, enforce_eager=True,
-                          policy="bros", kv_cache_gib=0.5)
+                          policy="bros", kv_cache_gib=0.5, cost_model="online",
+                          dtype=TEST_DTYPE)
     tiering = TieringConfig(host_tier_bytes=64 * MiB, ssd_tier_bytes=256 * MiB, ssd_dir=ssd_dir)
     eng = VllmEngine(config, resolve_model(None), tiering)
     await eng.start()
