@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from antiphon.configfields import doc
@@ -45,6 +46,10 @@ class EngineConfig:
         default="bros")
     rt_ttft_slo_s: float = doc("Default TTFT target of RT requests, in seconds", default=1.0)
     rt_tpot_slo_s: float = doc("Default TPOT target of RT requests, in seconds", default=0.1)
+    be_step_limit_s: float = doc(
+        "Arrival guard: longest engine step BE work may make, in seconds (predicted by the "
+        "cost model); a turn arriving during a step waits about this long at most before it "
+        "is scheduled; BE prefills are chunked to fit. 'inf' turns it off", default=0.25)
     biblocks: bool = doc(
         "Bidirectional shared KV blocks: RT pages from the low end of each shared block, BE "
         "pages from the high end, and a preempted request's KV checkpointed to the host tier "
@@ -71,6 +76,8 @@ class EngineConfig:
 
         if self.rt_ttft_slo_s <= 0 or self.rt_tpot_slo_s <= 0:
             raise ValueError("rt_ttft_slo_s and rt_tpot_slo_s must be positive")
+        if not self.be_step_limit_s > 0:  # also refuses NaN
+            raise ValueError(f"be_step_limit_s must be positive, got {self.be_step_limit_s}")
         if self.shared_block_pages < 1:
             raise ValueError(f"shared_block_pages must be at least 1, got "
                              f"{self.shared_block_pages}")
@@ -88,7 +95,7 @@ class EngineConfig:
     @property
     def scheduler_settings(self) -> SchedulerSettings:
         return SchedulerSettings(self.policy, self.rt_ttft_slo_s, self.rt_tpot_slo_s,
-                                 self.biblocks, self.shared_block_pages)
+                                 self.biblocks, self.shared_block_pages, self.be_step_limit_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +108,7 @@ class SchedulerSettings:
     rt_tpot_slo_s: float = 0.1
     biblocks: bool = False
     shared_block_pages: int = 4
+    be_step_limit_s: float = math.inf
 
     KEY = "antiphon_scheduler"
 

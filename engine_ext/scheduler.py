@@ -203,6 +203,7 @@ class AntiphonScheduler(Scheduler):
             num_free_pages=self.kv_cache_manager.block_pool.get_num_free_blocks(),
             num_total_pages=self.kv_cache_manager.block_pool.num_gpu_blocks,
             page_tokens=self.page_tokens,
+            max_be_step_s=self.settings.be_step_limit_s,
         )
 
     def _apply(self, plan: StepPlan) -> tuple[list[Request], list[Request]]:

@@ -8,6 +8,7 @@ tensors and no vLLM types cross this boundary, so policies run under unit tests 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from antiphon.engine_ext.types import RequestClass
@@ -73,6 +74,10 @@ class StepBudget:
     num_free_pages: int  # KV pages free now
     page_tokens: int  # tokens per KV page
     num_total_pages: int = 0  # KV pages in the pool; 0: unknown (policies estimate it)
+    # The arrival guard: the longest step BE work may make (predicted seconds), so an RT turn
+    # arriving during a step waits at most about this long to start. BE prefills are chunked
+    # to fit; a step's first request still gets a page's worth of tokens.
+    max_be_step_s: float = math.inf
 
 
 @dataclasses.dataclass

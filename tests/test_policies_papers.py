@@ -3,7 +3,9 @@ request views, no engine, no torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import random
 import statistics
 import time
@@ -51,6 +53,47 @@ def predicted_s(cost: CostModel, views: list[RequestView], plan: StepPlan) -> fl
         new = plan.token_limits.get(rid, v.num_new_tokens)
         reqs.append((new, v.num_computed_tokens + new))
     return cost.predict_s(StepShape.of(reqs))
+
+
+GUARDED = ["bros", "hygen", "echo"]
+
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_arrival_guard_chunks_be_prefills_when_no_rt_is_present(name: str) -> None:
+    """With no RT request the paper policies have no time limit: one step would prefill three
+    1,000-token documents (3 s at 1 ms a token) and a turn arriving meanwhile would wait for
+    all of them. The guard keeps BE steps within 0.25 s, cutting the prefill that crosses it."""
+    cost = token_cost(1e-3)
+    docs = [view(f"doc{i}", BE, arrival=i, prompt=1000) for i in range(3)]
+    unguarded = make_policy(name, cost).plan(docs, budget())
+    assert predicted_s(cost, docs, unguarded) > 2.0
+    step = dataclasses.replace(budget(), max_be_step_s=0.25)
+    plan = make_policy(name, cost).plan(docs, step)
+    assert plan.order == ["doc0"] and plan.token_limits == {"doc0": 250}
+    assert predicted_s(cost, docs, plan) <= 0.25 + 1e-12
+
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_arrival_guard_still_lets_every_step_progress(name: str) -> None:
+    """A guard shorter than any chunk leaves the first BE request a page of tokens."""
+    cost = token_cost(1e-3, step_s=0.5)
+    docs = [view("doc", BE, prompt=1000)]
+    plan = make_policy(name, cost).plan(docs, dataclasses.replace(budget(),
+                                                                  max_be_step_s=0.25))
+    assert plan.order == ["doc"] and plan.token_limits == {"doc": PAGE}
+
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_arrival_guard_never_cuts_rt_work(name: str) -> None:
+    """The guard is for BE work only: an RT prompt of 500 tokens (0.5 s) is prefilled whole
+    with a 0.25 s guard, and the BE request waits for a step it fits in."""
+    cost = token_cost(1e-3)
+    views = [view("rt", prompt=500), view("doc", BE, prompt=1000)]
+    policy = make_policy(name, cost)
+    if isinstance(policy, HygenPolicy):
+        policy.latency_budget_s = 1.0  # its TPOT-derived budget would cut the RT prefill too
+    plan = policy.plan(views, dataclasses.replace(budget(), max_be_step_s=0.25))
+    assert plan.order == ["rt"] and plan.token_limits == {}
 
 
 def test_registry_lists_the_paper_policies() -> None:
@@ -293,7 +336,8 @@ def scenarios(draw: st.DrawFn) -> tuple[list[RequestView], StepBudget, CostModel
     views = [draw(request_views(i)) for i in range(draw(st.integers(0, 12)))]
     step = StepBudget(now_s=draw(st.floats(0.0, 12.0)), max_num_seqs=draw(st.integers(1, 8)),
                       max_num_tokens=draw(st.integers(1, 300)),
-                      num_free_pages=draw(st.integers(0, 40)), page_tokens=PAGE)
+                      num_free_pages=draw(st.integers(0, 40)), page_tokens=PAGE,
+                      max_be_step_s=draw(st.sampled_from([math.inf, 0.5, 0.02])))
     return views, step, CostModel(*draw(st.sampled_from(COSTS)))
 
 

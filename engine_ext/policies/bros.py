@@ -8,7 +8,10 @@ Each step:
    predicted step time stays within `T_res`. An RT request short of pages takes them from running
    BE requests (cheapest to redo first), never the other way round.
 3. Add BE requests, those with the least KV to restore first, under the same limits; they may
-   only use free pages. With no RT request in the system there is no time limit.
+   only use free pages. A BE prefill that does not fit the time limit is cut to the chunk that
+   does. With no RT request in the system the limit is the arrival guard
+   (`StepBudget.max_be_step_s`, not in the paper): without it one step could prefill several
+   whole documents, and a turn arriving meanwhile would wait for all of them.
 4. `B_curr` doubles after a step with no RT at risk and falls back to its base as soon as the
    time limit turns a request away.
 
@@ -76,23 +79,26 @@ class BrosPolicy(Policy):
             batch.add(view, new, pages)
 
         preempted = set(plan.preempt)
+        be_limit = min(time_limit, budget.max_be_step_s)
         for view in bes:
             if view.request_id in preempted:
                 continue
             if len(batch.ids) >= cap or batch.tokens_left <= 0:
                 break
-            new = min(view.num_new_tokens, batch.tokens_left)
-            context = view.num_computed_tokens + new
-            if rts and batch.ids and batch.time_s(new, context, view.is_prefill) > time_limit:
-                is_at_risk = True
-                break
-            pages = new_pages(view, new, budget.page_tokens)
-            if pages > batch.pages_left:
+            chunk, pages, is_short_of_pages = batch.max_chunk(view, be_limit,
+                                                              first_tokens=budget.page_tokens)
+            if is_short_of_pages:
                 continue  # a smaller BE request may still fit
-            batch.add(view, new, pages)
+            if chunk < min(view.num_new_tokens, batch.tokens_left):
+                # cut by time: by an RT token's slack (at risk), else by the arrival guard
+                is_at_risk = is_at_risk or time_limit <= budget.max_be_step_s
+                if chunk <= 0:
+                    break
+            batch.add(view, chunk, pages)
 
         self._adapt_batch_size(is_at_risk, budget.max_num_seqs)
         plan.order = batch.ids
+        plan.token_limits = batch.token_limits
         return plan
 
     def _adapt_batch_size(self, is_at_risk: bool, max_num_seqs: int) -> None:

@@ -15,6 +15,9 @@ latency overruns (Eq. 3's SLO constraint, made a price). Each step:
    headroom left for arriving RT requests (4.2): the larger of `headroom_fraction` of the pool
    and the RT pages predicted as mean + `burst_sigmas` standard deviations of those observed
    over the last `window_steps` steps (5.3), less the pages RT holds now.
+4. The time headroom beside the memory one (not in the paper): BE work keeps each step within
+   the arrival guard `StepBudget.max_be_step_s`, a BE prefill cut to the chunk that fits, so a
+   turn arriving during the step waits at most that long to start.
 Echo rescans every candidate after each addition; here candidates are ranked once by their own
 marginal ratio, as a request's marginal time in a linear cost model does not depend on the
 batch: O(n log n) per step instead of O(n^2). Requests not chosen keep their pages.
@@ -62,9 +65,9 @@ class EchoPolicy(Policy):
         evicted = set(plan.preempt)
         resident = ResidentPrefixes(views, budget.page_tokens)
         running = [v for v in bes if v.is_running and v.request_id not in evicted]
-        self._add_be(running, batch, rt_slacks, resident, reserve=0)
+        self._add_be(running, batch, rt_slacks, resident, 0, budget.max_be_step_s)
         waiting = [v for v in bes if not v.is_running]
-        self._add_be(waiting, batch, rt_slacks, resident, reserve)
+        self._add_be(waiting, batch, rt_slacks, resident, reserve, budget.max_be_step_s)
         plan.order = batch.ids
         plan.token_limits = batch.token_limits
         return plan
@@ -111,9 +114,10 @@ class EchoPolicy(Policy):
             batch.add(view, new, pages)
 
     def _add_be(self, candidates: list[RequestView], batch: StepBatch, rt_slacks: list[float],
-                resident: ResidentPrefixes, reserve: int) -> None:
+                resident: ResidentPrefixes, reserve: int, limit_s: float) -> None:
         """Steps 2 and 3: add `candidates` best marginal (benefit - punishment) / time first
-        while the net is positive, leaving `reserve` pages free (unless the step is empty)."""
+        while the net is positive, leaving `reserve` pages free (unless the step is empty), a
+        prefill cut to the chunk that keeps the step within `limit_s` (the arrival guard)."""
         base_s = batch.time_s()
         ranked = []
         for view in candidates:
@@ -129,12 +133,11 @@ class EchoPolicy(Policy):
         for _, _, _, view, cached in ranked:
             if batch.is_full:
                 return
-            new = min(view.num_new_tokens - cached, batch.tokens_left)
+            new, pages, is_short_of_pages = batch.max_chunk(view, limit_s, cached,
+                                                            first_tokens=batch.page_tokens)
             start = view.num_computed_tokens + cached
-            held = (pages_for(view.num_computed_tokens, batch.page_tokens)
-                    if view.is_running else 0) + cached // batch.page_tokens
-            pages = pages_for(start + new, batch.page_tokens) - held
-            if pages > batch.pages_left - (reserve if batch.ids else 0):
+            if (new <= 0 or is_short_of_pages
+                    or pages > batch.pages_left - (reserve if batch.ids else 0)):
                 continue
             before_s, after_s = batch.time_s(), batch.time_s(new, start + new, view.is_prefill)
             if new + cached - self._punishment(rt_slacks, before_s, after_s) <= 0:

@@ -12,7 +12,9 @@ predicts the step as it grows.
    then waiting BE requests, each taken either from the depth-first order of the prefix tree over
    their page hashes (prefix-sharing requests back to back) or, against starvation, oldest
    first; a share `utility` of picks comes from the tree. BE requests only use free pages.
-   A request that gets no chunk ends the phase.
+   A request that gets no chunk ends the phase. The phase also keeps the step within the
+   arrival guard `StepBudget.max_be_step_s` (not in the paper), so with no RT request present
+   a step is not unbounded and a turn arriving meanwhile waits at most that long to start.
 The first request of a step always gets its chunk, and while a step is empty a request that gets
 none is skipped rather than ending a phase, so the engine never idles when something fits.
 Requests not chosen sit the step out and keep their pages; prefill chunks cut short are returned
@@ -27,7 +29,7 @@ import math
 from collections.abc import Sequence
 
 from antiphon.engine_ext.costmodel import CostModel
-from antiphon.engine_ext.policies.base import Policy, new_pages, pages_for
+from antiphon.engine_ext.policies.base import Policy, new_pages
 from antiphon.engine_ext.policies.prefix import ResidentPrefixes, dfs_order
 from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
@@ -64,7 +66,10 @@ class HygenPolicy(Policy):
         running_bes = [v for v in bes if v.is_running and v.request_id not in preempted]
         waiting_bes = [v for v in bes if not v.is_running]
         resident = ResidentPrefixes(views, budget.page_tokens)
-        self._offline_phase(running_bes, waiting_bes, batch, limit_s, resident)
+        # BE work also keeps the step within the arrival guard, so a turn arriving meanwhile
+        # does not wait behind a long document prefill.
+        self._offline_phase(running_bes, waiting_bes, batch, min(limit_s, budget.max_be_step_s),
+                            resident)
         plan.order = batch.ids
         plan.token_limits = batch.token_limits
         return plan
@@ -93,10 +98,10 @@ class HygenPolicy(Policy):
         for view in prefills:
             if batch.is_full:
                 return
-            chunk, pages, is_short_of_pages = self.max_prefill(view, batch, limit_s)
+            chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s)
             while is_short_of_pages and victims:
                 victims.take_one(batch, plan)
-                chunk, pages, is_short_of_pages = self.max_prefill(view, batch, limit_s)
+                chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s)
             if chunk > 0:
                 batch.add(view, chunk, pages)
             elif batch.ids:
@@ -109,7 +114,7 @@ class HygenPolicy(Policy):
             if batch.is_full:
                 return
             if view.is_prefill:
-                chunk, pages, _ = self.max_prefill(view, batch, limit_s)
+                chunk, pages, _ = batch.max_chunk(view, limit_s, first_tokens=batch.page_tokens)
                 if chunk > 0:
                     batch.add(view, chunk, pages)
                 elif batch.ids:
@@ -135,7 +140,8 @@ class HygenPolicy(Policy):
                 view = fresh[i_fresh]
             taken.add(view.request_id)
             cached = resident.num_cached_tokens(view)
-            chunk, pages, _ = self.max_prefill(view, batch, limit_s, cached)
+            chunk, pages, _ = batch.max_chunk(view, limit_s, cached,
+                                             first_tokens=batch.page_tokens)
             if chunk <= 0:
                 if batch.ids:
                     return
@@ -143,28 +149,3 @@ class HygenPolicy(Policy):
             batch.add(view, chunk, pages, num_cached_tokens=cached)
             self._num_picks += 1
             self._num_tree_picks += is_from_tree
-
-    def max_prefill(self, view: RequestView, batch: StepBatch, limit_s: float,
-                    num_cached_tokens: int = 0) -> tuple[int, int, bool]:
-        """HyGen's `get_max_prefill`: the most tokens `view` can compute in this step within
-        `limit_s` (seconds), the tokens and the pages left, after `num_cached_tokens` reused
-        from the prefix cache. Returns (tokens, new pages they need, whether pages rather
-        than time or tokens cut the chunk short)."""
-        page_tokens = batch.page_tokens
-        start = view.num_computed_tokens + num_cached_tokens
-        held = (pages_for(view.num_computed_tokens, page_tokens) if view.is_running else 0)
-        held += num_cached_tokens // page_tokens
-        by_pages = (held + batch.pages_left) * page_tokens - start
-        wanted = min(view.num_new_tokens - num_cached_tokens, batch.tokens_left)
-        by_time = wanted
-        if batch.ids and batch.time_s(wanted, start + wanted, view.is_prefill) > limit_s:
-            lo, hi = 0, wanted - 1  # largest chunk within the budget; time grows with it
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if batch.time_s(mid, start + mid, view.is_prefill) <= limit_s:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            by_time = lo
-        chunk = max(0, min(by_time, by_pages))
-        return chunk, pages_for(start + chunk, page_tokens) - held, by_pages < by_time

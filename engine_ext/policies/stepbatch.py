@@ -6,6 +6,7 @@ cost-model call, not a walk over the batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from antiphon.engine_ext.costmodel import CostModel, StepShape
@@ -38,6 +39,33 @@ class StepBatch:
         if num_new_tokens > 0:
             shape = shape.plus(num_new_tokens, num_context_tokens, is_prefill)
         return self._cost_model.predict_s(shape)
+
+    def max_chunk(self, view: RequestView, limit_s: float, num_cached_tokens: int = 0,
+                  first_tokens: float = math.inf) -> tuple[int, int, bool]:
+        """HyGen's `get_max_prefill`: the most tokens `view` can compute in this step within
+        `limit_s` (seconds of predicted step time), the tokens and the pages left, after
+        `num_cached_tokens` reused from the prefix cache. The first request of an empty step
+        gets at least `first_tokens` (all it wants by default) whatever the time, so a step
+        always makes progress. Returns (tokens, new pages they need, whether pages rather than
+        time or tokens cut the chunk short)."""
+        page_tokens = self.page_tokens
+        start = view.num_computed_tokens + num_cached_tokens
+        held = (pages_for(view.num_computed_tokens, page_tokens) if view.is_running else 0)
+        held += num_cached_tokens // page_tokens
+        by_pages = (held + self.pages_left) * page_tokens - start
+        wanted = min(view.num_new_tokens - num_cached_tokens, self.tokens_left)
+        by_time = wanted
+        if self.time_s(wanted, start + wanted, view.is_prefill) > limit_s:
+            lo, hi = 0, wanted - 1  # largest chunk within the limit; time grows with it
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.time_s(mid, start + mid, view.is_prefill) <= limit_s:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            by_time = lo if self.ids else int(max(lo, min(wanted, first_tokens)))
+        chunk = max(0, min(by_time, by_pages))
+        return chunk, pages_for(start + chunk, page_tokens) - held, by_pages < by_time
 
     def add(self, view: RequestView, num_new_tokens: int, num_pages: int,
             num_cached_tokens: int = 0) -> None:
