@@ -31,7 +31,10 @@ class EngineConfig:
         default=None)
     max_num_seqs: int = doc("Most sequences in one engine step", default=64)
     max_num_batched_tokens: int = doc("Token budget of one engine step", default=2048)
-    dtype: str = doc("Model weight and activation dtype", default="bfloat16")
+    dtype: str = doc(
+        "Model weight, activation and KV dtype: bfloat16, float16, float32, or auto (bfloat16 "
+        "on GPUs and on CPUs with bfloat16 instructions, float32 on other CPUs)",
+        default="auto")
     enforce_eager: bool = doc(
         "Skip graph compilation (start-up about 20 s instead of 70 s; slower steps)",
         default=False)

@@ -144,6 +144,29 @@ class Engine(abc.ABC):
         """Stop the engine and its processes; idempotent."""
 
 
+def resolve_dtype(dtype: str) -> str:
+    """The dtype vLLM runs: `dtype`, with 'auto' resolved to bfloat16 on accelerators and on
+    CPUs that compute it natively (`cpu_computes_bf16`), float32 on other CPUs, where vLLM's
+    bfloat16 matmuls are emulated (prefill about 5 times slower than float32 on an AVX2-only
+    CPU: docs/benchmarks.md)."""
+    if dtype != "auto":
+        return dtype
+    from vllm.platforms import current_platform
+
+    resolved = "bfloat16" if not current_platform.is_cpu() or cpu_computes_bf16() else "float32"
+    logger.info("dtype auto: %s", resolved)
+    return resolved
+
+
+def cpu_computes_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True if the CPU has bfloat16 matrix instructions (x86 AVX-512 BF16 or AMX, Arm BF16)."""
+    try:
+        flags = set(cpuinfo.read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
 class VllmEngine(Engine):
     """vLLM `AsyncLLM` in process, with Antiphon's scheduler."""
 
@@ -153,6 +176,7 @@ class VllmEngine(Engine):
         self.config = config
         self.tiering = tiering if tiering is not None and tiering.kv_tiering else None
         self.model_dir = model_dir
+        self.dtype = resolve_dtype(config.dtype)
         self.model_name = config.served_model_name or model_dir.name
         self.max_model_len = config.max_model_len
         self._llm: Any = None
@@ -172,7 +196,7 @@ class VllmEngine(Engine):
             num_gpu_blocks_override=c.num_kv_pages,
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=max(c.max_num_batched_tokens, c.max_model_len),
-            dtype=cast(Any, c.dtype),
+            dtype=cast(Any, self.dtype),
             enforce_eager=c.enforce_eager,
             enable_prefix_caching=c.enable_prefix_caching,
             seed=c.seed,
@@ -195,7 +219,7 @@ class VllmEngine(Engine):
         from antiphon.tiering.connector import kv_transfer_config
 
         # Anything that changes the KV bytes separates stored KV: the weights and the dtype.
-        model_id = f"{self.model_dir.resolve()}|{self.config.dtype}"
+        model_id = f"{self.model_dir.resolve()}|{self.dtype}"
         return KVTransferConfig(**kv_transfer_config(self.tiering, model_id))
 
     def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True) -> list[int]:
@@ -304,7 +328,7 @@ class VllmEngine(Engine):
 
         device = "cpu" if current_platform.is_cpu() else current_platform.get_device_name()
         return str(self.model_dir.resolve()), machine_fingerprint(
-            self.config.dtype, self.config.enforce_eager, device)
+            self.dtype, self.config.enforce_eager, device)
 
     def limits(self) -> EngineLimits:
         """What the running engine can hold in one step and in its KV pool (for profiling)."""

@@ -5,6 +5,7 @@ import pytest
 from antiphon.cli import build_parser
 from antiphon.configfields import dataclass_from_args
 from antiphon.engine_ext.config import EngineConfig
+from antiphon.engine_ext.engine import cpu_computes_bf16, resolve_dtype
 from antiphon.server.auth import Authenticator
 from antiphon.server.config import ServerConfig
 from antiphon.server.errors import ApiError, ErrorCode
@@ -46,7 +47,7 @@ def test_cli_options_build_configs(tmp_path: Path) -> None:
     assert server.port == 9001 and server.api_keys == ("k" * 12, "j" * 12)
     assert engine.max_model_len == 1024 and engine.enforce_eager
     assert engine.scheduler_settings.be_step_limit_s == float("inf")  # the guard turned off
-    assert engine.dtype == "bfloat16"  # untouched options keep the dataclass default
+    assert engine.dtype == "auto"  # untouched options keep the dataclass default
     assert sessions.db_path == tmp_path / "sessions.sqlite3"
 
 
@@ -59,3 +60,15 @@ def test_authenticator() -> None:
         with pytest.raises(ApiError) as info:
             auth.owner_for(key)
         assert info.value.code == ErrorCode.UNAUTHORIZED
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx2 fma\n")
+    assert not cpu_computes_bf16(cpuinfo)
+    cpuinfo.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")
+    assert cpu_computes_bf16(cpuinfo)
+    cpuinfo.write_text("Features\t: fp asimd sve bf16 i8mm\n")
+    assert cpu_computes_bf16(cpuinfo)
+    assert not cpu_computes_bf16(tmp_path / "missing")
+    assert resolve_dtype("float16") == "float16"  # an explicit dtype is kept
