@@ -133,7 +133,10 @@ def _tier_delta(s0: dict[str, Any], s1: dict[str, Any], name: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    systems = {policy: ["--policy", policy] for policy in args.policies.split(",")}
+    systems = {}
+    for entry in args.policies.split(","):
+        policy, _, guard = entry.partition("@")
+        systems[entry] = ["--policy", policy, *(["--be-step-limit-s", guard] if guard else [])]
     return run_systems(args, "mixed", systems, baseline="fcfs")
 
 
@@ -155,6 +158,7 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     be_batch_file(batch_path, "SmolLM2-135M-Instruct" if args.model is None else model_dir.name,
                   args.be_items, (32, 128), args.seed)
     results: dict[str, dict[str, Any]] = {}
+    timelines: dict[str, list[dict[str, float]]] = {}
     for name, extra in systems.items():
         print(f"[{name}] {len(arrivals)} RT turns over {duration:.0f} s with BE load ...",
               flush=True)
@@ -168,11 +172,12 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
         with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
             results[name] = asyncio.run(run_policy(server, args, prompts, arrivals,
                                                    batch_path))
-    timelines = {p: s.pop("timeline") for p, s in results.items()}
-    record = {"benchmark": benchmark, "config": {k: v for k, v in vars(args).items()
-                                                 if isinstance(v, (int, float, str, bool))},
-              "systems": results, "timelines": timelines}
-    write_json(out, record)
+        timelines[name] = results[name].pop("timeline")
+        # Written after every system, so a run stopped part way keeps what it measured.
+        write_json(out, {"benchmark": benchmark,
+                         "config": {k: v for k, v in vars(args).items()
+                                    if isinstance(v, (int, float, str, bool))},
+                         "systems": results, "timelines": timelines})
     print_table({p: {k: float(v) for k, v in s.items()} for p, s in results.items()},
                 baseline=baseline if baseline in results else next(iter(results)))
     _plot(timelines, out.with_suffix(".png"))
@@ -203,7 +208,9 @@ def _plot(timelines: dict[str, list[dict[str, float]]], path: Path) -> None:
 def add_parser(kinds: Any) -> None:
     p = kinds.add_parser("mixed", help="RT chat and BE batch jobs on one engine, per policy")
     p.add_argument("--out", default="bench-mixed.json")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated; POLICY@SECONDS runs POLICY with that BE step limit "
+                        "(--be-step-limit-s, the arrival guard), e.g. bros@inf for none")
     add_workload_arguments(p, kv_pages=64)
     p.set_defaults(bench_func=main)
 
