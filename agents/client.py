@@ -1,0 +1,343 @@
+"""Async client for Antiphon's websocket and REST APIs (needs only httpx and websockets).
+
+    async with AsyncAntiphon("http://127.0.0.1:8000", api_key=None) as client:
+        session = await client.create_session("notes")
+        await client.advise(session.session_id, expected_arrival=2.0)
+        reply = await client.chat(session.session_id, "Hello!", on_token=print)
+
+Chat turns stream over one shared websocket (several turns may be in flight on it). The socket
+is opened on first use and reopened by the next call after it drops (up to `connect_attempts`
+tries with backoff); a turn whose connection drops mid-reply raises `ConnectionLostError` with
+the text received so far, which is also what the server keeps as the session's reply, so the
+session stays consistent. Sessions, advisories and Batch API jobs go over REST.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+
+from antiphon.agents.errors import (
+    AntiphonError,
+    ConnectionLostError,
+    RequestTimeoutError,
+    error_for,
+)
+
+FINAL_BATCH_STATUSES = frozenset({"completed", "failed", "cancelled", "expired"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    session_id: str
+    title: str | None
+    created_at: float
+    updated_at: float
+    num_messages: int
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Session:
+        return cls(data["session_id"], data.get("title"), data["created_at"],
+                   data["updated_at"], data["num_messages"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatReply:
+    request_id: str
+    session_id: str
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    """Server-side time to first token."""
+    tpot_s: float | None
+    total_s: float
+    client_ttft_s: float
+    """Time from sending the message to receiving the first token, as this client saw it."""
+
+
+@dataclasses.dataclass
+class _Turn:
+    queue: asyncio.Queue[dict[str, Any]]
+    text: list[str] = dataclasses.field(default_factory=list)
+
+
+class AsyncAntiphon:
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, *,
+                 timeout_s: float = 120.0, connect_attempts: int = 5,
+                 max_frame_bytes: int = 1 << 22) -> None:
+        """`timeout_s` bounds every REST call and the wait for each streamed token;
+        `connect_attempts` bounds the tries to (re)open the websocket."""
+        if connect_attempts < 1:
+            raise ValueError("connect_attempts must be at least 1")
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.connect_attempts = connect_attempts
+        self.max_frame_bytes = max_frame_bytes
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers,
+                                       timeout=timeout_s)
+        self._ws: ClientConnection | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._connect_lock = asyncio.Lock()
+        self._turns: dict[str, _Turn] = {}
+        self.num_reconnects = 0
+
+    async def __aenter__(self) -> AsyncAntiphon:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._ws is not None:
+            await self._ws.close()
+        if self._reader is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        await self._http.aclose()
+
+    # -- REST ------------------------------------------------------------------------------
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            r = await self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise RequestTimeoutError(f"{method} {path}: no answer in {self.timeout_s} s") \
+                from exc
+        except httpx.HTTPError as exc:
+            raise ConnectionLostError(f"{method} {path}: cannot reach {self.base_url}: {exc}") \
+                from exc
+        if r.is_success:
+            return r
+        try:
+            error = r.json()["error"]
+            code, message = str(error["code"]), str(error["message"])
+        except (ValueError, KeyError, TypeError):
+            code, message = f"http_{r.status_code}", r.text[:300]
+        raise error_for(code, message, r.status_code)
+
+    async def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        result: dict[str, Any] = (await self._request(method, path, **kwargs)).json()
+        return result
+
+    async def health(self) -> dict[str, Any]:
+        r = await self._http.get("/healthz")
+        result: dict[str, Any] = r.json()
+        return result
+
+    async def models(self) -> list[str]:
+        return [m["id"] for m in (await self._json("GET", "/v1/models"))["data"]]
+
+    async def create_session(self, title: str | None = None) -> Session:
+        return Session.from_json(await self._json("POST", "/v1/sessions",
+                                                  json={"title": title}))
+
+    async def list_sessions(self) -> list[Session]:
+        data = await self._json("GET", "/v1/sessions")
+        return [Session.from_json(s) for s in data["sessions"]]
+
+    async def get_session(self, session_id: str) -> tuple[Session, list[dict[str, Any]]]:
+        """The session and its messages (`role`, `content`, `finish_reason`, ...)."""
+        data = await self._json("GET", f"/v1/sessions/{session_id}")
+        return Session.from_json(data["session"]), data["messages"]
+
+    async def delete_session(self, session_id: str) -> None:
+        await self._request("DELETE", f"/v1/sessions/{session_id}")
+
+    async def advise(self, session_id: str, expected_arrival: float | None = None, *,
+                     ordered: bool = False, priority: int = 0) -> int | None:
+        """Announce that `session_id` will send a turn in about `expected_arrival` seconds
+        (None: soon, unknown when), so the server brings its KV cache forward. Returns the
+        context tokens the server's KV tiers hold for the session (None: it keeps no tiers)."""
+        body = {"session_id": session_id, "expected_arrival": expected_arrival,
+                "ordered": ordered, "priority": priority}
+        held: int | None = (await self._json("POST", "/v1/advisory", json=body))[
+            "context_tokens_held"]
+        return held
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's scheduler and KV-tier counters (`/v1/engine/stats`)."""
+        return await self._json("GET", "/v1/engine/stats")
+
+    # -- Batch API -------------------------------------------------------------------------
+
+    async def upload_batch_file(self, lines: Path | bytes, filename: str = "batch.jsonl"
+                                ) -> dict[str, Any]:
+        """Upload a JSONL of Batch API requests (a path or its bytes); returns the file."""
+        if isinstance(lines, Path):
+            filename, lines = lines.name, lines.read_bytes()
+        return await self._json("POST", "/v1/files", data={"purpose": "batch"},
+                                files={"file": (filename, lines, "application/jsonl")})
+
+    async def create_batch(self, input_file_id: str,
+                           metadata: dict[str, str] | None = None) -> dict[str, Any]:
+        return await self._json("POST", "/v1/batches", json={
+            "input_file_id": input_file_id, "endpoint": "/v1/chat/completions",
+            "completion_window": "24h", "metadata": metadata})
+
+    async def get_batch(self, batch_id: str) -> dict[str, Any]:
+        return await self._json("GET", f"/v1/batches/{batch_id}")
+
+    async def cancel_batch(self, batch_id: str) -> dict[str, Any]:
+        return await self._json("POST", f"/v1/batches/{batch_id}/cancel")
+
+    async def wait_batch(self, batch_id: str, poll_s: float = 1.0,
+                         on_progress: Callable[[dict[str, Any]], None] | None = None
+                         ) -> dict[str, Any]:
+        """Poll until the batch is completed, failed, cancelled or expired; returns it."""
+        while True:
+            batch = await self.get_batch(batch_id)
+            if on_progress is not None:
+                on_progress(batch)
+            if batch["status"] in FINAL_BATCH_STATUSES:
+                return batch
+            await asyncio.sleep(poll_s)
+
+    async def batch_results(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """The output lines, then the error lines, of a finished batch, parsed."""
+        rows: list[dict[str, Any]] = []
+        for file_id in (batch.get("output_file_id"), batch.get("error_file_id")):
+            if file_id:
+                text = (await self._request("GET", f"/v1/files/{file_id}/content")).text
+                rows += [json.loads(line) for line in text.splitlines() if line.strip()]
+        return rows
+
+    # -- websocket chat --------------------------------------------------------------------
+
+    @property
+    def ws_url(self) -> str:
+        return self.base_url.replace("http://", "ws://", 1).replace("https://", "wss://", 1) \
+            + "/v1/ws"
+
+    async def _socket(self) -> ClientConnection:
+        async with self._connect_lock:
+            if self._ws is not None and self._reader is not None and not self._reader.done():
+                return self._ws
+            was_connected = self._ws is not None
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            last: Exception | None = None
+            for attempt in range(self.connect_attempts):
+                if attempt:
+                    await asyncio.sleep(min(0.2 * 2 ** attempt, 5.0))
+                try:
+                    ws = await asyncio.wait_for(
+                        connect(self.ws_url, additional_headers=headers, compression=None,
+                                max_size=self.max_frame_bytes), self.timeout_s)
+                except (OSError, TimeoutError, InvalidStatus, WebSocketException) as exc:
+                    last = exc
+                    continue
+                self._ws = ws
+                self._reader = asyncio.create_task(self._read(ws))
+                self.num_reconnects += was_connected
+                return ws
+            raise ConnectionLostError(f"cannot open {self.ws_url} after "
+                                      f"{self.connect_attempts} tries: {last}")
+
+    async def _read(self, ws: ClientConnection) -> None:
+        """Route frames to their turns; when the socket closes, tell every turn in flight."""
+        reason = "the connection closed"
+        try:
+            async for raw in ws:
+                frame = json.loads(raw)
+                turn = self._turns.get(frame.get("request_id") or "")
+                if turn is not None:
+                    turn.queue.put_nowait(frame)
+                elif frame.get("type") == "error" and frame.get("code") == "unauthorized":
+                    reason = f"unauthorized: {frame.get('message')}"
+        except ConnectionClosed as exc:
+            reason = f"the connection closed ({exc})"
+        finally:
+            for turn in self._turns.values():
+                turn.queue.put_nowait({"type": "_closed", "message": reason})
+
+    async def _send(self, payload: dict[str, Any]) -> None:
+        ws = await self._socket()
+        try:
+            await ws.send(json.dumps(payload))
+        except ConnectionClosed:
+            # The socket died between use and send: one fresh socket, then give up.
+            ws = await self._socket()
+            try:
+                await ws.send(json.dumps(payload))
+            except ConnectionClosed as exc:
+                raise ConnectionLostError(f"cannot send to {self.ws_url}: {exc}") from exc
+
+    async def typing(self, session_id: str) -> None:
+        """The user started typing in `session_id` (a websocket advisory; fire and forget)."""
+        await self._send({"type": "typing", "session_id": session_id})
+
+    async def chat(self, session_id: str, content: str, *, max_tokens: int | None = None,
+                   temperature: float | None = None,
+                   on_token: Callable[[str], Any] | None = None,
+                   request_id: str | None = None) -> ChatReply:
+        """Send one user message to a session and return the whole reply; `on_token` sees
+        each streamed piece. The session keeps the exchange for the next turn. `request_id`
+        (default: a fresh one) is what `cancel` takes."""
+        request_id = request_id or "sdk_" + secrets.token_hex(8)
+        turn = _Turn(asyncio.Queue())
+        self._turns[request_id] = turn
+        payload: dict[str, Any] = {"type": "message", "session_id": session_id,
+                                   "content": content, "request_id": request_id}
+        if max_tokens is not None:
+            payload["max_tokens"] = max_tokens
+        if temperature is not None:
+            payload["temperature"] = temperature
+        try:
+            sent_at = time.perf_counter()
+            await self._send(payload)
+            first_token_at: float | None = None
+            prompt_tokens = 0
+            while True:
+                try:
+                    frame = await asyncio.wait_for(turn.queue.get(), self.timeout_s)
+                except TimeoutError:
+                    await self._cancel_quietly(request_id)
+                    raise RequestTimeoutError(f"no reply frame for {self.timeout_s} s "
+                                              f"(request {request_id})") from None
+                kind = frame["type"]
+                if kind == "accepted":
+                    prompt_tokens = frame["prompt_tokens"]
+                elif kind == "token":
+                    if first_token_at is None:
+                        first_token_at = time.perf_counter()
+                    turn.text.append(frame["text"])
+                    if on_token is not None:
+                        on_token(frame["text"])
+                elif kind == "done":
+                    end = time.perf_counter()
+                    timings, usage = frame["timings"], frame["usage"]
+                    return ChatReply(
+                        request_id, session_id, frame["text"], frame["finish_reason"],
+                        usage.get("prompt_tokens", prompt_tokens),
+                        usage.get("completion_tokens", 0), timings["ttft_s"],
+                        timings.get("tpot_s"), timings["total_s"],
+                        (first_token_at or end) - sent_at)
+                elif kind == "error":
+                    raise error_for(frame["code"], frame["message"])
+                elif kind == "_closed":
+                    raise ConnectionLostError(frame["message"], "".join(turn.text), request_id)
+        finally:
+            self._turns.pop(request_id, None)
+
+    async def _cancel_quietly(self, request_id: str) -> None:
+        with contextlib.suppress(AntiphonError):
+            await self._send({"type": "cancel", "request_id": request_id})
+
+    async def cancel(self, request_id: str) -> None:
+        """Stop a turn in flight on this client; its `chat` returns finish_reason
+        "cancelled" with the text so far."""
+        await self._send({"type": "cancel", "request_id": request_id})

@@ -1,0 +1,59 @@
+"""Blocking client: `Antiphon` runs an `AsyncAntiphon` on an event loop in a thread of its own.
+
+    with Antiphon("http://127.0.0.1:8000") as client:
+        sid = client.create_session().session_id
+        print(client.chat(sid, "Hello!").text)
+
+Every coroutine method of `AsyncAntiphon` is available with the same arguments, blocking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from typing import Any
+
+from antiphon.agents.client import AsyncAntiphon
+
+
+class Antiphon:
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="antiphon-client",
+                                        daemon=True)
+        self._thread.start()
+        self.aio: AsyncAntiphon = self._run(self._make(base_url, api_key, options))
+
+    @staticmethod
+    async def _make(base_url: str, api_key: str | None, options: dict[str, Any]
+                    ) -> AsyncAntiphon:
+        return AsyncAntiphon(base_url, api_key, **options)  # created on the client's loop
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.aio, name)
+        if not asyncio.iscoroutinefunction(method):
+            return method
+
+        @functools.wraps(method)
+        def blocking(*args: Any, **kwargs: Any) -> Any:
+            return self._run(method(*args, **kwargs))
+        return blocking
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self.aio.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> Antiphon:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()

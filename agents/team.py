@@ -1,0 +1,206 @@
+"""MetaGPT-style agents whose call graph turns into advisory requests.
+
+Roles publish messages caused by their actions; the environment routes each message to the roles
+that watch that action (MetaGPT's `_watch` / `cause_by`). Each role talks to the model in a
+session of its own, so its context stays in the server's KV tiers between its calls.
+
+Because the subscriptions are known, so is the call graph: when a role starts a model call for
+an action, the roles watching that action will call the model next, no sooner than this call's
+first token. `CallGraphHooks.on_call_start` sends those roles' sessions an advisory with
+`expected_arrival` = the lowest prefill-plus-first-token time seen for this role (Symphony's
+lower bound), so the server brings their KV forward while this call runs. The three hooks,
+`on_call_start`, `on_call_end` and `expected_arrival`, are methods to override.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from antiphon.agents.client import AsyncAntiphon, ChatReply
+from antiphon.agents.errors import AntiphonError
+
+logger = logging.getLogger(__name__)
+
+USER_REQUIREMENT = "UserRequirement"
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    content: str
+    cause_by: str
+    """The action that produced it (USER_REQUIREMENT for the task itself)."""
+    sent_from: str
+
+
+@dataclasses.dataclass
+class Action:
+    """One kind of model call: an instruction and a reply budget."""
+
+    name: str
+    instruction: str
+    max_tokens: int = 96
+
+    def prompt(self, role: Role, incoming: Sequence[Message]) -> str:
+        received = "\n\n".join(f"[{m.sent_from}] {m.content}" for m in incoming)
+        return f"You are the {role.profile}. {self.instruction}\n\n{received}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRecord:
+    role: str
+    action: str
+    started_at: float
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    advisory_lead_s: float | None
+    """Time from the advisory for this role's session to this call's start (None: none)."""
+
+
+class Role:
+    """A named agent with actions; `watch` names the actions whose messages it reacts to."""
+
+    def __init__(self, name: str, profile: str, actions: Sequence[Action],
+                 watch: Sequence[str]) -> None:
+        if not actions:
+            raise ValueError(f"role {name} needs at least one action")
+        self.name = name
+        self.profile = profile
+        self.actions = list(actions)
+        self.watch = frozenset(watch)
+        self.session_id: str | None = None
+        self.num_calls = 0
+
+    def choose_action(self, incoming: Sequence[Message]) -> Action:
+        """The action for this reaction; the first by default (override to branch)."""
+        return self.actions[0]
+
+    def publishes(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.actions)
+
+
+class CallGraphHooks:
+    """Advisories from the call graph. With `send_advisories=False` it only measures."""
+
+    def __init__(self, client: AsyncAntiphon, send_advisories: bool = True) -> None:
+        self.client = client
+        self.send_advisories = send_advisories
+        self.min_first_token_s: dict[str, float] = {}
+        self.advised_at: dict[str, float] = {}
+        self.num_advisories = 0
+        self.num_advisory_errors = 0
+
+    def expected_arrival(self, role: Role) -> float | None:
+        """Seconds until the roles after `role` call the model, at the soonest: the fastest
+        prefill plus first token seen for `role` (None before its first call)."""
+        return self.min_first_token_s.get(role.name)
+
+    async def on_call_start(self, env: Environment, role: Role, action: Action) -> None:
+        if not self.send_advisories:
+            return
+        arrival = self.expected_arrival(role)
+        for nxt in env.subscribers(action.name):
+            if nxt.session_id is None or nxt is role:
+                continue
+            try:
+                await self.client.advise(nxt.session_id, arrival)
+            except AntiphonError as exc:  # advisories are hints: never fail the workflow
+                self.num_advisory_errors += 1
+                logger.warning("advisory for %s failed: %s", nxt.name, exc)
+                continue
+            self.num_advisories += 1
+            self.advised_at.setdefault(nxt.session_id, time.perf_counter())
+
+    async def on_call_end(self, env: Environment, role: Role, action: Action,
+                          reply: ChatReply) -> None:
+        best = self.min_first_token_s.get(role.name)
+        self.min_first_token_s[role.name] = reply.client_ttft_s if best is None \
+            else min(best, reply.client_ttft_s)
+
+    def take_lead(self, role: Role) -> float | None:
+        """The advisory lead time of the call `role` is starting now (and forget the
+        advisory)."""
+        advised = self.advised_at.pop(role.session_id or "", None)
+        return None if advised is None else time.perf_counter() - advised
+
+
+class Environment:
+    """Routes published messages to watching roles and runs them until nobody has work."""
+
+    def __init__(self, client: AsyncAntiphon, roles: Sequence[Role],
+                 hooks: CallGraphHooks | None = None, *, temperature: float = 0.0) -> None:
+        names = [r.name for r in roles]
+        if len(set(names)) != len(names):
+            raise ValueError(f"role names must be unique: {names}")
+        self.client = client
+        self.roles = list(roles)
+        self.hooks = hooks if hooks is not None else CallGraphHooks(client)
+        self.temperature = temperature
+        self.history: list[Message] = []
+        self.calls: list[CallRecord] = []
+        self._inbox: dict[str, list[Message]] = {r.name: [] for r in roles}
+
+    def subscribers(self, action_name: str) -> list[Role]:
+        return [r for r in self.roles if action_name in r.watch]
+
+    def publish_message(self, message: Message) -> None:
+        self.history.append(message)
+        for role in self.subscribers(message.cause_by):
+            self._inbox[role.name].append(message)
+
+    async def open_sessions(self, prefix: str = "") -> None:
+        for role in self.roles:
+            if role.session_id is None:
+                role.session_id = (await self.client.create_session(
+                    f"{prefix}{role.name}")).session_id
+
+    async def run(self, requirement: str, max_rounds: int = 20) -> list[Message]:
+        """Publish `requirement` and let roles react, round by round (roles with mail in the
+        same round run concurrently), until no role has mail or `max_rounds` pass."""
+        await self.open_sessions()
+        self.publish_message(Message(requirement, USER_REQUIREMENT, "user"))
+        for _ in range(max_rounds):
+            ready = [(r, self._inbox[r.name]) for r in self.roles if self._inbox[r.name]]
+            if not ready:
+                break
+            for role, _mail in ready:
+                self._inbox[role.name] = []
+            for message in await asyncio.gather(*(self._react(r, m) for r, m in ready)):
+                self.publish_message(message)
+        return self.history
+
+    async def _react(self, role: Role, incoming: Sequence[Message]) -> Message:
+        action = role.choose_action(incoming)
+        assert role.session_id is not None
+        lead = self.hooks.take_lead(role)
+        # The advisories go out beside the call, not before it: they must not delay it.
+        advising = asyncio.create_task(self.hooks.on_call_start(self, role, action))
+        started = time.perf_counter()
+        try:
+            reply = await self.client.chat(role.session_id, action.prompt(role, incoming),
+                                           max_tokens=action.max_tokens,
+                                           temperature=self.temperature)
+        finally:
+            await advising
+        role.num_calls += 1
+        self.calls.append(CallRecord(role.name, action.name, started, reply.client_ttft_s,
+                                     time.perf_counter() - started, reply.prompt_tokens,
+                                     reply.completion_tokens, lead))
+        await self.hooks.on_call_end(self, role, action, reply)
+        return Message(reply.text, action.name, role.name)
+
+
+def summary(calls: Sequence[CallRecord]) -> dict[str, Any]:
+    """Per-role call counts and TTFTs, for printing."""
+    out: dict[str, Any] = {}
+    for c in calls:
+        row = out.setdefault(c.role, {"calls": 0, "ttft_s": []})
+        row["calls"] += 1
+        row["ttft_s"].append(round(c.ttft_s, 3))
+    return out

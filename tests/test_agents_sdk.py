@@ -1,0 +1,158 @@
+"""The client SDK and the call-graph agents against a live server (scripted engine: it echoes
+the last user message, 10 ms a token)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from antiphon.agents import (
+    Antiphon,
+    AsyncAntiphon,
+    AuthenticationError,
+    ConnectionLostError,
+    InvalidRequestError,
+    NotFoundError,
+)
+from antiphon.agents.workflows import APPROVE, REQUEST_CHANGES, run_workflow
+from antiphon.engine_ext.scripted import ScriptedEngine
+from tests.conftest import Scripted, scripted_config
+from tests.liveserver import live_server
+
+
+def advisories_counted(url: str, source: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(f'antiphon_advisories_total{{source="{source}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_chat_sessions_and_advisory(scripted: Scripted) -> None:
+    async with AsyncAntiphon(scripted.url) as client:
+        assert await client.models() == ["scripted"]
+        session = await client.create_session("sdk")
+        pieces: list[str] = []
+        reply = await client.chat(session.session_id, "hello there", on_token=pieces.append)
+        assert reply.text == "You said: hello there" == "".join(pieces)
+        assert reply.finish_reason == "stop" and reply.completion_tokens > 0
+        assert reply.ttft_s > 0 and reply.client_ttft_s >= 0
+        await client.advise(session.session_id, expected_arrival=1.5)
+        await client.typing(session.session_id)
+        second = await client.chat(session.session_id, "again")
+        assert second.prompt_tokens > reply.prompt_tokens  # the history came along
+        got, messages = await client.get_session(session.session_id)
+        assert got.num_messages == 4
+        assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+        assert session.session_id in [s.session_id for s in await client.list_sessions()]
+        await client.delete_session(session.session_id)
+        with pytest.raises(NotFoundError):
+            await client.get_session(session.session_id)
+    assert advisories_counted(scripted.url, "rest") == 1
+    assert advisories_counted(scripted.url, "typing") == 1
+
+
+async def test_typed_errors(scripted: Scripted) -> None:
+    async with AsyncAntiphon(scripted.url) as client:
+        with pytest.raises(NotFoundError) as not_found:
+            await client.chat("s_missing", "hi")
+        assert not_found.value.code == "session_not_found"
+        with pytest.raises(NotFoundError):
+            await client.advise("s_missing")
+        sid = (await client.create_session()).session_id
+        with pytest.raises(InvalidRequestError) as too_long:
+            await client.chat(sid, "x" * 5000)  # the server's max_content_chars is 1000
+        assert too_long.value.code == "too_large"
+        assert (await client.get_session(sid))[0].num_messages == 0  # nothing changed
+    async with AsyncAntiphon("http://127.0.0.1:9", connect_attempts=1, timeout_s=2) as dead:
+        with pytest.raises(ConnectionLostError):
+            await dead.create_session()
+        with pytest.raises(ConnectionLostError):
+            await dead.chat("s_x", "hi")
+
+
+async def test_api_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = scripted_config(tmp_path, api_keys=("sdk-key-123456",))
+    with live_server(config, ScriptedEngine()) as url:
+        async with AsyncAntiphon(url) as anonymous:
+            with pytest.raises(AuthenticationError):
+                await anonymous.create_session()
+        async with AsyncAntiphon(url, api_key="sdk-key-123456") as client:
+            sid = (await client.create_session()).session_id
+            assert (await client.chat(sid, "key")).text == "You said: key"
+
+
+async def test_reconnects_and_keeps_the_session_consistent(scripted: Scripted) -> None:
+    async with AsyncAntiphon(scripted.url) as client:
+        sid = (await client.create_session()).session_id
+        await client.chat(sid, "one")
+        assert client._ws is not None
+        await client._ws.close()  # the network drops between turns
+        assert (await client.chat(sid, "two")).text == "You said: two"
+        assert client.num_reconnects == 1
+
+        received: list[str] = []
+
+        def drop_after_first_token(text: str) -> None:
+            received.append(text)
+            if len(received) == 1:
+                assert client._ws is not None
+                asyncio.get_running_loop().create_task(client._ws.close())
+
+        with pytest.raises(ConnectionLostError) as lost:
+            await client.chat(sid, " ".join(["word"] * 50), on_token=drop_after_first_token)
+        assert lost.value.partial.startswith(received[0])
+        await asyncio.sleep(0.3)  # the server commits the partial reply as the socket closes
+        assert (await client.chat(sid, "three")).text == "You said: three"
+        _, messages = await client.get_session(sid)
+        assert [m["role"] for m in messages] == ["user", "assistant"] * 4
+        assert messages[5]["finish_reason"] == "cancelled"
+
+
+async def test_cancel_a_turn(scripted: Scripted) -> None:
+    async with AsyncAntiphon(scripted.url) as client:
+        sid = (await client.create_session()).session_id
+        turn = asyncio.create_task(client.chat(sid, " ".join(["w"] * 80), request_id="stopme"))
+        await asyncio.sleep(0.15)
+        await client.cancel("stopme")
+        reply = await turn
+        assert reply.finish_reason == "cancelled"
+        assert 0 < reply.completion_tokens < 80
+
+
+def test_blocking_client(scripted: Scripted) -> None:
+    with Antiphon(scripted.url) as client:
+        sid = client.create_session().session_id
+        assert client.chat(sid, "sync").text == "You said: sync"
+
+
+async def test_workflow_sends_call_graph_advisories(scripted: Scripted) -> None:
+    async with AsyncAntiphon(scripted.url) as client:
+        env = await run_workflow(client, "a todo app", hints=True, max_tokens=20)
+    roles = [c.role for c in env.calls]
+    assert roles == ["architect", "engineer", "reviewer", "engineer", "reviewer", "engineer",
+                     "reviewer"]
+    assert [m.cause_by for m in env.history if m.sent_from == "reviewer"] == [
+        REQUEST_CHANGES, REQUEST_CHANGES, APPROVE]
+    # architect -> engineer, each engineer call -> reviewer, two change requests -> engineer
+    assert env.hooks.num_advisories == 6
+    assert advisories_counted(scripted.url, "rest") == 6
+    leads = [c.advisory_lead_s for c in env.calls]
+    assert leads[0] is None and all(lead is not None and lead > 0 for lead in leads[1:])
+    assert env.hooks.expected_arrival(env.roles[0]) is not None
+
+
+async def test_workflow_without_hints_sends_none(scripted: Scripted) -> None:
+    async with AsyncAntiphon(scripted.url) as client:
+        env = await run_workflow(client, "a todo app", hints=False, max_tokens=20)
+    assert len(env.calls) == 7 and env.hooks.num_advisories == 0
+    assert advisories_counted(scripted.url, "rest") == 0
+
+
+def test_sdk_imports_without_vllm_or_torch() -> None:
+    code = ("import sys; sys.modules['vllm'] = None; sys.modules['torch'] = None\n"
+            "import antiphon.agents, antiphon.agents.workflows\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
