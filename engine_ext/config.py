@@ -52,7 +52,10 @@ class EngineConfig:
     be_step_limit_s: float = doc(
         "Arrival guard: longest engine step BE work may make, in seconds (predicted by the "
         "cost model); a turn arriving during a step waits about this long at most before it "
-        "is scheduled; BE prefills are chunked to fit. 'inf' turns it off", default=0.25)
+        "is scheduled; BE prefills are chunked to fit. 'inf' (the default) turns it off: on a "
+        "2-core CPU, 0.25 s cost 5x the BE throughput and lowered RT TTFT attainment (each "
+        "step has a fixed cost, so small chunks waste it; docs/benchmarks.md)",
+        default=math.inf)
     biblocks: bool = doc(
         "Bidirectional shared KV blocks: RT pages from the low end of each shared block, BE "
         "pages from the high end, and a preempted request's KV checkpointed to the host tier "

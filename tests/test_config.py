@@ -40,13 +40,13 @@ def test_cli_options_build_configs(tmp_path: Path) -> None:
     args = build_parser().parse_args([
         "serve", "--port", "9001", "--api-keys", "k" * 12, "--api-keys", "j" * 12,
         "--max-model-len", "1024", "--enforce-eager", "--data-dir", str(tmp_path),
-        "--be-step-limit-s", "inf"])
+        "--be-step-limit-s", "0.5"])
     server = dataclass_from_args(ServerConfig, args)
     engine = dataclass_from_args(EngineConfig, args)
     sessions = dataclass_from_args(SessionConfig, args)
     assert server.port == 9001 and server.api_keys == ("k" * 12, "j" * 12)
     assert engine.max_model_len == 1024 and engine.enforce_eager
-    assert engine.scheduler_settings.be_step_limit_s == float("inf")  # the guard turned off
+    assert engine.scheduler_settings.be_step_limit_s == 0.5  # the arrival guard turned on
     assert engine.dtype == "auto"  # untouched options keep the dataclass default
     assert sessions.db_path == tmp_path / "sessions.sqlite3"
 
