@@ -101,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown system {name!r}; expected {', '.join(SYSTEMS)}")
         print(f"[{name}] {copies} concurrent workflows ...", flush=True)
         cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
-               "--max-model-len", "4096", "--num-kv-pages", str(args.kv_pages),
+               "--max-model-len", "2048", "--num-kv-pages", str(args.kv_pages),
                "--kv-tiering", "--data-dir", str(out.with_suffix(f".{name}.data"))]
         cmd += ["--enforce-eager"] if args.quick else []
         with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
@@ -124,7 +124,7 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--quick", action="store_true", help="4 workflows, eager engines")
     p.add_argument("--copies", type=int, default=None, help="concurrent workflows (default 8)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--kv-pages", type=int, default=16, help="KV pool size (128-token pages)")
+    p.add_argument("--kv-pages", type=int, default=20, help="KV pool size (128-token pages)")
     p.add_argument("--max-tokens", type=int, default=64, help="reply budget per call")
     p.add_argument("--stagger-s", type=float, default=1.0, help="between workflow starts")
     p.set_defaults(bench_func=main)

@@ -180,6 +180,18 @@ def test_hygen_online_phase_admits_rt_within_the_budget() -> None:
     assert tight.plan(views, budget()).order == ["rt0"]  # the first request always runs
 
 
+def test_hygen_oldest_rt_prefill_advances_when_decodes_fill_the_budget() -> None:
+    # A 62 ms fixed step cost and 6 ms a decode: five RT decodes fill the 0.1 s TPOT budget.
+    cost = CostModel("hygen", {"prefill_token_s": 3.5e-3, "decode_request_s": 6e-3,
+                               "intercept_s": 0.062})
+    views = [*(decoding(f"rt{i}", arrival=i) for i in range(6)),
+             view("new", RT, prompt=100, arrival=9), view("newer", RT, prompt=100, arrival=10)]
+    plan = HygenPolicy(cost).plan(views, budget())
+    assert "new" in plan.order and "newer" not in plan.order
+    assert plan.token_limits["new"] == 16  # a small chunk, not the whole prompt
+    assert plan.order.index("new") == len(plan.order) - 1  # after the decodes it joins
+
+
 def test_hygen_rt_takes_pages_from_be_never_the_reverse() -> None:
     policy = HygenPolicy(constant_cost(0.01))
     be_old = decoding("be_old", BE, arrival=0.0)

@@ -39,7 +39,8 @@ class HygenPolicy(Policy):
     name = "hygen"
 
     def __init__(self, cost_model: CostModel, latency_budget_s: float | None = None,
-                 budget_fraction: float = 1.0, utility: float = 0.8) -> None:
+                 budget_fraction: float = 1.0, utility: float = 0.8,
+                 min_prefill_tokens: int = 16) -> None:
         super().__init__(cost_model)
         if not 0.0 <= utility <= 1.0:
             raise ValueError(f"utility must be within [0, 1], got {utility}")
@@ -48,6 +49,7 @@ class HygenPolicy(Policy):
         self.latency_budget_s = latency_budget_s  # seconds per step; None: from the TPOT SLO
         self.budget_fraction = budget_fraction
         self.utility = utility  # share of waiting BE picks taken from the prefix tree
+        self.min_prefill_tokens = min_prefill_tokens  # the oldest RT prefill's progress a step
         self._num_picks = 0  # waiting BE requests seated so far, across steps
         self._num_tree_picks = 0  # of them, taken from the prefix tree
 
@@ -95,10 +97,17 @@ class HygenPolicy(Policy):
                 batch.add(view, 1, pages)
         prefills = [v for v in rts if v.is_running and v.is_prefill]
         prefills += [v for v in rts if not v.is_running]
-        for view in prefills:
+        for i, view in enumerate(prefills):
             if batch.is_full:
                 return
             chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s)
+            if i == 0 and chunk == 0 and not is_short_of_pages:
+                # Decodes filled the budget. Where a step's fixed cost nearly fills it (the
+                # TPOT target on a slow machine), that would hold every RT prefill until the
+                # decodes finish: the oldest one still advances `min_prefill_tokens` a step.
+                floor_s = batch.time_s(self.min_prefill_tokens,
+                                       view.num_computed_tokens + self.min_prefill_tokens, True)
+                chunk, pages, is_short_of_pages = batch.max_chunk(view, floor_s)
             while is_short_of_pages and victims:
                 victims.take_one(batch, plan)
                 chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s)
