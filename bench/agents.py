@@ -2,8 +2,8 @@
 
 Several copies of the example three-role workflow (`antiphon.agents.workflows`: architect,
 engineer, reviewer; seven model calls, each role in its own session) run at once against one
-fresh `antiphon serve` per system, on a KV pool too small for all their sessions, so contexts
-leave the device between a role's calls. `hints`: the roles announce the next calls from the call
+fresh `antiphon serve` per system, on a KV pool and a host tier too small for all their
+sessions, so contexts leave the device, and host memory, between a role's calls. `hints`: the roles announce the next calls from the call
 graph (advisories); `no_hints`: none. Both keep KV tiers on. Reported per system: workflow time,
 per-call TTFT (client side), advisory lead time, and the share of the calls' prior context
 (each session's previous prompt and reply) that the server computed again.
@@ -102,7 +102,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"[{name}] {copies} concurrent workflows ...", flush=True)
         cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
                "--max-model-len", "2048", "--num-kv-pages", str(args.kv_pages),
-               "--kv-tiering", "--data-dir", str(out.with_suffix(f".{name}.data"))]
+               "--kv-tiering", "--host-tier-bytes", str(args.host_tier_mib << 20),
+               "--data-dir", str(out.with_suffix(f".{name}.data"))]
         cmd += ["--enforce-eager"] if args.quick else []
         with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
             results[name] = asyncio.run(run_system(server.url, name == "hints", copies,
@@ -125,6 +126,8 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--copies", type=int, default=None, help="concurrent workflows (default 8)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--kv-pages", type=int, default=20, help="KV pool size (128-token pages)")
+    p.add_argument("--host-tier-mib", type=int, default=48,
+                   help="host KV tier size; small, so sessions also leave host memory for SSD")
     p.add_argument("--max-tokens", type=int, default=64, help="reply budget per call")
     p.add_argument("--stagger-s", type=float, default=1.0, help="between workflow starts")
     p.set_defaults(bench_func=main)

@@ -39,6 +39,8 @@ class ScriptedEngine(Engine):
         self._is_running = True
 
     def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True) -> list[int]:
+        if not turns:  # as Hugging Face chat templates do
+            raise ValueError("Cannot apply chat template to an empty conversation.")
         text = "".join(f"<{t.role}>{t.content}\n" for t in turns)
         if not open_reply:
             return [ord(c) for c in text]

@@ -53,6 +53,8 @@ class SessionTurns:
         await asyncio.to_thread(self.store.record_advisory, session_id, source, time.time())
         self.metrics.advisories.labels(source).inc()
         history, context = await asyncio.to_thread(self._history, session_id)
+        if not history:
+            return 0  # a new session: no conversation to bring forward yet
         tokens = self.chat.engine.continue_chat([ChatTurn(m.role, m.content) for m in history],
                                                 context, open_reply=False)
         return await self.chat.engine.advise(session_id, tokens, expected_arrival_s)

@@ -35,6 +35,7 @@ async def test_chat_sessions_and_advisory(scripted: Scripted) -> None:
     async with AsyncAntiphon(scripted.url) as client:
         assert await client.models() == ["scripted"]
         session = await client.create_session("sdk")
+        assert await client.advise(session.session_id) == 0  # a new session: nothing to prefetch
         pieces: list[str] = []
         reply = await client.chat(session.session_id, "hello there", on_token=pieces.append)
         assert reply.text == "You said: hello there" == "".join(pieces)
@@ -51,7 +52,7 @@ async def test_chat_sessions_and_advisory(scripted: Scripted) -> None:
         await client.delete_session(session.session_id)
         with pytest.raises(NotFoundError):
             await client.get_session(session.session_id)
-    assert advisories_counted(scripted.url, "rest") == 1
+    assert advisories_counted(scripted.url, "rest") == 2
     assert advisories_counted(scripted.url, "typing") == 1
 
 
