@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from antiphon.agents.client import AsyncAntiphon, ChatReply
 from antiphon.agents.errors import AntiphonError
@@ -80,9 +79,6 @@ class Role:
     def choose_action(self, incoming: Sequence[Message]) -> Action:
         """The action for this reaction; the first by default (override to branch)."""
         return self.actions[0]
-
-    def publishes(self) -> frozenset[str]:
-        return frozenset(a.name for a in self.actions)
 
 
 class CallGraphHooks:
@@ -195,12 +191,3 @@ class Environment:
         await self.hooks.on_call_end(self, role, action, reply)
         return Message(reply.text, action.name, role.name)
 
-
-def summary(calls: Sequence[CallRecord]) -> dict[str, Any]:
-    """Per-role call counts and TTFTs, for printing."""
-    out: dict[str, Any] = {}
-    for c in calls:
-        row = out.setdefault(c.role, {"calls": 0, "ttft_s": []})
-        row["calls"] += 1
-        row["ttft_s"].append(round(c.ttft_s, 3))
-    return out

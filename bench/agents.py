@@ -3,8 +3,8 @@
 Several copies of the example three-role workflow (`antiphon.agents.workflows`: architect,
 engineer, reviewer; seven model calls, each role in its own session) run at once against one
 fresh `antiphon serve` per system, on a KV pool and a host tier too small for all their
-sessions, so contexts leave the device, and host memory, between a role's calls. `hints`: the roles announce the next calls from the call
-graph (advisories); `no_hints`: none. Both keep KV tiers on. Reported per system: workflow time,
+sessions, so contexts leave the device, and host memory, between a role's calls. `hints`: the
+roles announce the next calls from the call graph (advisories); `no_hints`: none. Both keep KV tiers on. Reported per system: workflow time,
 per-call TTFT (client side), advisory lead time, and the share of the calls' prior context
 (each session's previous prompt and reply) that the server computed again.
 """
@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from antiphon.bench.report import print_table, write_json
+from antiphon.bench.report import args_config, print_table, write_json
 from antiphon.bench.serverproc import ServerProcess
-from antiphon.bench.sessions_metrics import percentile
+from antiphon.bench.sessions_metrics import COUNTERS, counter_deltas, percentile
 
 SYSTEMS = ("no_hints", "hints")
 TASKS = (
@@ -70,22 +70,17 @@ async def run_system(url: str, hints: bool, copies: int, max_tokens: int,
         after = (await client.stats()).get("tiering") or {}
     calls = [(i, c) for i, (_, env) in enumerate(runs) for c in env.calls]
     leads = [c.advisory_lead_s for _, c in calls if c.advisory_lead_s is not None]
-    computed = int(after.get("computed_prompt_tokens", 0)) - int(
-        before.get("computed_prompt_tokens", 0))
+    tiering = counter_deltas(before, after) or dict.fromkeys(COUNTERS, 0)
     return {
         "workflow_s_p50": statistics.median(w for w, _ in runs),
         "call_ttft_p50_s": percentile([c.ttft_s for _, c in calls], 0.5),
         "call_ttft_p99_s": percentile([c.ttft_s for _, c in calls], 0.99),
         "advisory_lead_s_p50": percentile(leads, 0.5) if leads else 0.0,
-        "recomputed_prompt_frac": recomputed_prompt_frac(calls, computed),
+        "recomputed_prompt_frac": recomputed_prompt_frac(calls,
+                                                         tiering["computed_prompt_tokens"]),
         "calls": len(calls),
         "advisories_sent": sum(env.hooks.num_advisories for _, env in runs),
-        "advisories_used": int(after.get("advisories_used", 0))
-        - int(before.get("advisories_used", 0)),
-        "tokens_from_host": int(after.get("tokens_from_host", 0))
-        - int(before.get("tokens_from_host", 0)),
-        "tokens_from_ssd": int(after.get("tokens_from_ssd", 0))
-        - int(before.get("tokens_from_ssd", 0)),
+        **{k: tiering[k] for k in ("advisories_used", "tokens_from_host", "tokens_from_ssd")},
     }
 
 
@@ -108,10 +103,7 @@ def main(args: argparse.Namespace) -> int:
         with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
             results[name] = asyncio.run(run_system(server.url, name == "hints", copies,
                                                    args.max_tokens, args.stagger_s))
-        write_json(out, {"benchmark": "agents",
-                         "config": {k: v for k, v in vars(args).items()
-                                    if isinstance(v, (int, float, str, bool))} | {
-                                        "copies": copies},
+        write_json(out, {"benchmark": "agents", "config": args_config(args) | {"copies": copies},
                          "systems": results})
     print_table({n: {k: float(v or 0) for k, v in s.items()} for n, s in results.items()},
                 baseline="no_hints" if "no_hints" in results else next(iter(results)))

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from antiphon.bench.report import print_table, write_json
+from antiphon.bench.report import args_config, print_table, write_json
 from antiphon.bench.serverproc import ServerProcess
 from antiphon.bench.workload import (
     RtArrival,
@@ -174,9 +174,7 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
                                                    batch_path))
         timelines[name] = results[name].pop("timeline")
         # Written after every system, so a run stopped part way keeps what it measured.
-        write_json(out, {"benchmark": benchmark,
-                         "config": {k: v for k, v in vars(args).items()
-                                    if isinstance(v, (int, float, str, bool))},
+        write_json(out, {"benchmark": benchmark, "config": args_config(args),
                          "systems": results, "timelines": timelines})
     print_table({p: {k: float(v) for k, v in s.items()} for p, s in results.items()},
                 baseline=baseline if baseline in results else next(iter(results)))

@@ -7,6 +7,11 @@ from pathlib import Path
 from typing import Any
 
 
+def args_config(args: Any) -> dict[str, Any]:
+    """The scalar command-line options of a benchmark run, for its JSON record."""
+    return {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
+
+
 def write_json(path: str | Path, record: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(record, indent=2) + "\n")

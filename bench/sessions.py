@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from antiphon.bench.report import args_config
 from antiphon.bench.serverproc import ServerProcess
 from antiphon.bench.sessions_clients import ChatClient, OpenAIChat, TurnResult, WsChat
 from antiphon.bench.sessions_metrics import (
@@ -289,7 +290,7 @@ def main(args: argparse.Namespace) -> int:
         json.loads((model_dir / "config.json").read_text()))
     args.host_tier_bytes = args.host_tier_bytes or 2 * pool_bytes
     args.ssd_tier_bytes = args.ssd_tier_bytes or 16 * pool_bytes
-    config = {**{k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
+    config = {**args_config(args),
               "model": str(model_dir), "read_wpm": READ_WPM, "type_wpm": TYPE_WPM,
               "max_model_len": sweep.max_model_len, "kv_pages": sweep.kv_pages,
               "kv_pool_bytes": pool_bytes, "pages_per_user": round(sweep.pages_per_user, 2),

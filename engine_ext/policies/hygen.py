@@ -100,17 +100,15 @@ class HygenPolicy(Policy):
         for i, view in enumerate(prefills):
             if batch.is_full:
                 return
-            chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s)
-            if i == 0 and chunk == 0 and not is_short_of_pages:
-                # Decodes filled the budget. Where a step's fixed cost nearly fills it (the
-                # TPOT target on a slow machine), that would hold every RT prefill until the
-                # decodes finish: the oldest one still advances `min_prefill_tokens` a step.
-                floor_s = batch.time_s(self.min_prefill_tokens,
-                                       view.num_computed_tokens + self.min_prefill_tokens, True)
-                chunk, pages, is_short_of_pages = batch.max_chunk(view, floor_s)
+            # Where decodes fill the budget (on a slow machine a step's fixed cost nearly fills
+            # the TPOT target), every RT prefill would wait for the decodes to finish: the
+            # oldest one still advances `min_prefill_tokens` a step.
+            floor = self.min_prefill_tokens if i == 0 else 0
+            chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s, min_tokens=floor)
             while is_short_of_pages and victims:
                 victims.take_one(batch, plan)
-                chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s)
+                chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s,
+                                                                  min_tokens=floor)
             if chunk > 0:
                 batch.add(view, chunk, pages)
             elif batch.ids:

@@ -41,12 +41,14 @@ class StepBatch:
         return self._cost_model.predict_s(shape)
 
     def max_chunk(self, view: RequestView, limit_s: float, num_cached_tokens: int = 0,
-                  first_tokens: float = math.inf) -> tuple[int, int, bool]:
+                  first_tokens: float = math.inf, min_tokens: int = 0
+                  ) -> tuple[int, int, bool]:
         """HyGen's `get_max_prefill`: the most tokens `view` can compute in this step within
         `limit_s` (seconds of predicted step time), the tokens and the pages left, after
-        `num_cached_tokens` reused from the prefix cache. The first request of an empty step
-        gets at least `first_tokens` (all it wants by default) whatever the time, so a step
-        always makes progress. Returns (tokens, new pages they need, whether pages rather than
+        `num_cached_tokens` reused from the prefix cache. Whatever the time, the first request
+        of an empty step gets at least `first_tokens` (all it wants by default), so a step
+        always makes progress, and a request joining a non-empty step at least `min_tokens`.
+        Returns (tokens, new pages they need, whether pages rather than
         time or tokens cut the chunk short)."""
         page_tokens = self.page_tokens
         start = view.num_computed_tokens + num_cached_tokens
@@ -63,7 +65,8 @@ class StepBatch:
                     lo = mid
                 else:
                     hi = mid - 1
-            by_time = lo if self.ids else int(max(lo, min(wanted, first_tokens)))
+            floor = min_tokens if self.ids else first_tokens
+            by_time = int(max(lo, min(wanted, floor)))
         chunk = max(0, min(by_time, by_pages))
         return chunk, pages_for(start + chunk, page_tokens) - held, by_pages < by_time
 
