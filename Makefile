@@ -10,7 +10,7 @@ STAMP     = $(VENV)/.antiphon-installed-$(EXTRA)
 # after every install that may bring them back.
 NO_TORCHVISION = $(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
 
-.PHONY: install model serve test test-fast lint bench-serve bench-mixed clean
+.PHONY: install model browser serve test test-fast lint bench-serve bench-mixed clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,11 +31,15 @@ model: install
 serve: model
 	$(BIN)/antiphon serve $(ARGS)
 
-test: model
+# Debian's chromium for the browser tests (tests/browser), when missing.
+browser:
+	tools/install-chromium.sh
+
+test: model browser
 	$(BIN)/pytest $(ARGS)
 
 test-fast: install
-	$(BIN)/pytest -m "not engine and not e2e" $(ARGS)
+	$(BIN)/pytest -m "not engine and not e2e and not browser" $(ARGS)
 
 lint: install
 	$(BIN)/ruff check .

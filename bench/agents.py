@@ -21,7 +21,8 @@ from typing import Any
 
 from antiphon.bench.report import args_config, print_table, write_json
 from antiphon.bench.serverproc import ServerProcess
-from antiphon.bench.sessions_metrics import COUNTERS, counter_deltas, percentile
+from antiphon.bench.sessions_metrics import COUNTERS, counter_deltas
+from antiphon.quantiles import percentile
 
 SYSTEMS = ("no_hints", "hints")
 TASKS = (

@@ -10,11 +10,11 @@ find cached of it was recomputed:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from antiphon.bench.sessions_clients import TurnResult
+from antiphon.quantiles import percentile
 
 COUNTERS = ("prompt_tokens", "tokens_from_device", "tokens_from_host", "tokens_from_ssd",
             "computed_prompt_tokens", "advisories_received", "advisories_used",
@@ -34,17 +34,6 @@ def prior_context_tokens(prev_prompt: int, prev_completion: int, prompt: int) ->
 
 def recomputed_context_tokens(prior_context: int, cached: int) -> int:
     return max(0, prior_context - cached)
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The `q` quantile (0..1), interpolated between neighbours; None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = q * (len(s) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def turn_records(users: int, user: int, results: Sequence[TurnResult]) -> list[dict[str, Any]]:

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from antiphon.bench.report import print_table, write_json
-from antiphon.bench.sessions_metrics import POINT_METRICS, percentile
+from antiphon.bench.sessions_metrics import POINT_METRICS
+from antiphon.quantiles import percentile
 
 # Prior-context edges (tokens) of the follow-up / fresh TTFT table.
 CONTEXT_EDGES = (0, 256, 512, 1024, 2048)

@@ -25,11 +25,13 @@ class SchedulerStats:
     cost_model_mape: float | None = None  # of recent predictions, online
     cost_model_form: str = ""  # bros, hygen or echo (engine_ext/costforms)
     cost_model_profiled_mape: float | None = None  # held-out error of the profiled fit in use
+    kv_usage: float = 0.0  # KV pool use (fraction of pages) at the last scheduled step
     kv_usage_sum: float = 0.0  # KV pool use (fraction of pages) summed over scheduled steps
     integrity_problems: int = 0  # bidirectional-block invariants found broken (should stay 0)
 
     def record_step(self, policy_s: float, schedule_s: float, kv_usage: float) -> None:
         self.num_steps += 1
+        self.kv_usage = kv_usage
         self.kv_usage_sum += kv_usage
         self.policy_s += policy_s
         self.schedule_s += schedule_s

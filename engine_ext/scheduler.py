@@ -283,7 +283,8 @@ class AntiphonScheduler(Scheduler):
         return taken
 
     def antiphon_stats(self) -> dict[str, Any]:
-        return self.stats.snapshot(policy=self.step_policy.name,
+        return self.stats.snapshot(num_waiting=len(self.waiting), num_running=len(self.running),
+                                   policy=self.step_policy.name,
                                    batch_size=getattr(self.step_policy, "batch_size", None),
                                    biblocks=None if self.pages is None else self.pages.stats())
 

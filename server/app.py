@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
 
@@ -31,6 +33,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         await ctx.batches.start()
+        sampler = asyncio.create_task(ctx.dashboard.run())
         ctx.is_ready = True
         logger.info("Antiphon serving %s on http://%s:%d", engine.model_name,
                     config.server.host, config.server.port)
@@ -38,6 +41,9 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
             yield
         finally:
             ctx.is_ready = False
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
             await ctx.batches.stop()
             await engine.shutdown()
             ctx.store.close()
@@ -62,8 +68,13 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     static = resources.files("antiphon.web_ui") / "static"
     app.mount("/static", StaticFiles(directory=str(static)), name="static")
 
-    @app.get("/", include_in_schema=False)
-    async def index() -> FileResponse:
-        return FileResponse(str(static / "index.html"))
+    def page(name: str) -> Callable[[], Awaitable[FileResponse]]:
+        async def serve_page() -> FileResponse:
+            return FileResponse(str(static / name))
+        return serve_page
+
+    for path, name in (("/", "index.html"), ("/dashboard", "dashboard.html"),
+                       ("/batches", "batches.html")):
+        app.add_api_route(path, page(name), methods=["GET"], include_in_schema=False)
 
     return app

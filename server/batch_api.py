@@ -5,6 +5,7 @@ in `BatchRunner`. Files and batches belong to the caller's owner id; others get 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import Annotated, Any
 
@@ -18,6 +19,7 @@ from antiphon.server.batch_types import (
     Batch,
     BatchStatus,
     FileRecord,
+    ItemState,
     new_file_id,
 )
 from antiphon.server.context import AppContext
@@ -126,6 +128,24 @@ async def list_batches(request: Request, limit: Annotated[int, Query(ge=1, le=10
 async def get_batch(batch_id: str, request: Request) -> dict[str, Any]:
     ctx, owner = _ctx(request), authorize(request)
     return (await _batch(ctx, owner, batch_id)).to_json()
+
+
+@router.get("/v1/batches/{batch_id}/errors")
+async def batch_errors(batch_id: str, request: Request,
+                       limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict[str, Any]:
+    """Antiphon's extension: the batch's failed items so far, in line order. Lines that failed
+    validation are here as soon as the batch is in progress, before the error file exists."""
+    ctx, owner = _ctx(request), authorize(request)
+    await _batch(ctx, owner, batch_id)
+
+    def first_failures() -> list[dict[str, Any]]:
+        failed = ctx.batch_store.results(batch_id, ItemState.FAILED, page_size=limit + 1)
+        return [{"line": line_index + 1, "custom_id": custom_id, "code": result.error_code,
+                 "message": result.error_message}
+                for line_index, custom_id, result in itertools.islice(failed, limit + 1)]
+
+    errors = await asyncio.to_thread(first_failures)
+    return {"object": "list", "data": errors[:limit], "has_more": len(errors) > limit}
 
 
 @router.post("/v1/batches/{batch_id}/cancel")

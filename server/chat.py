@@ -18,7 +18,7 @@ from antiphon.engine_ext.engine import Engine, EngineDeadError, EngineRequestErr
 from antiphon.engine_ext.types import ChatContext, ChatTurn, Delta, GenerationParams, RequestClass
 from antiphon.server.config import ServerConfig
 from antiphon.server.errors import ApiError, ErrorCode
-from antiphon.server.metrics import ServerMetrics
+from antiphon.server.metrics import FinishedRequest, ServerMetrics
 
 
 @dataclasses.dataclass
@@ -143,9 +143,11 @@ class ChatService:
         finally:
             self._record(gen, api, outcome)
 
-    @staticmethod
-    def _apply(gen: Generation, delta: Delta) -> None:
+    def _apply(self, gen: Generation, delta: Delta) -> None:
         if delta.num_new_tokens:
+            # Counted as they stream, so the dashboard's token rates are live.
+            self.metrics.generation_tokens.labels(gen.params.request_class.value).inc(
+                delta.num_new_tokens)
             now = time.perf_counter()
             if gen.first_token_at is None:
                 gen.first_token_at = now
@@ -164,20 +166,26 @@ class ChatService:
         m.requests.labels(api, cls, outcome).inc()
         m.prompt_tokens.labels(cls).inc(len(gen.prompt_token_ids))
         m.cached_prompt_tokens.labels(cls).inc(gen.num_cached_tokens)
-        m.generation_tokens.labels(cls).inc(gen.num_output_tokens)
         if gen.ttft_s is not None:
             m.ttft.labels(cls).observe(gen.ttft_s)
         if gen.tpot_s is not None:
             m.tpot.labels(cls).observe(gen.tpot_s)
-        if outcome != "ok" or gen.last_token_at is None:
-            return
-        m.normalized_latency.labels(cls).observe(
-            (gen.last_token_at - gen.arrival) / max(1, gen.num_output_tokens))
-        if gen.params.request_class is RequestClass.RT:
-            p = gen.params
-            ttft_slo = self.rt_slo_s[0] if p.ttft_slo_s is None else p.ttft_slo_s
-            tpot_slo = self.rt_slo_s[1] if p.tpot_slo_s is None else p.tpot_slo_s
-            met_ttft = gen.ttft_s is not None and gen.ttft_s <= ttft_slo
-            m.rt_slo.labels("ttft", str(met_ttft).lower()).inc()
-            if gen.tpot_s is not None:
-                m.rt_slo.labels("tpot", str(gen.tpot_s <= tpot_slo).lower()).inc()
+        met_slo = None
+        if outcome == "ok" and gen.last_token_at is not None:
+            m.normalized_latency.labels(cls).observe(
+                (gen.last_token_at - gen.arrival) / max(1, gen.num_output_tokens))
+            if gen.params.request_class is RequestClass.RT:
+                met_slo = self._record_rt_slo(gen)
+        m.finished.append(FinishedRequest(cls, gen.ttft_s, gen.tpot_s, met_slo))
+
+    def _record_rt_slo(self, gen: Generation) -> bool:
+        """Count a completed RT request against its targets; whether it met both."""
+        p, m = gen.params, self.metrics
+        ttft_slo = self.rt_slo_s[0] if p.ttft_slo_s is None else p.ttft_slo_s
+        tpot_slo = self.rt_slo_s[1] if p.tpot_slo_s is None else p.tpot_slo_s
+        met_ttft = gen.ttft_s is not None and gen.ttft_s <= ttft_slo
+        met_tpot = gen.tpot_s is None or gen.tpot_s <= tpot_slo
+        m.rt_slo.labels("ttft", str(met_ttft).lower()).inc()
+        if gen.tpot_s is not None:
+            m.rt_slo.labels("tpot", str(met_tpot).lower()).inc()
+        return met_ttft and met_tpot

@@ -39,6 +39,11 @@ class ServerConfig:
     max_batch_items: int = doc("Most requests (lines) in one batch input file", default=50_000)
     max_batch_concurrency: int = doc(
         "Most batch (BE) requests running on the engine at once, over all batches", default=8)
+    dashboard_interval_s: float = doc("Seconds between the dashboard's samples", default=1.0)
+    dashboard_history: int = doc("Dashboard samples kept (the charts' time span)", default=600)
+    dashboard_max_requests: int = doc(
+        "Finished requests kept between two dashboard samples for their latency quantiles",
+        default=10_000)
 
     def __post_init__(self) -> None:
         if not (0 < self.port < 65536):
@@ -53,8 +58,10 @@ class ServerConfig:
         for name in ("max_frame_bytes", "max_content_chars", "max_messages", "default_max_tokens",
                      "max_tokens_limit", "max_inflight_per_connection", "max_connections",
                      "max_sessions_listed", "max_batch_file_bytes", "max_batch_items",
-                     "max_batch_concurrency"):
+                     "max_batch_concurrency", "dashboard_history", "dashboard_max_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if not self.dashboard_interval_s > 0:
+            raise ValueError("dashboard_interval_s must be positive")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")

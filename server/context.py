@@ -10,6 +10,7 @@ from antiphon.server.auth import Authenticator
 from antiphon.server.batch_runner import BatchRunner
 from antiphon.server.batch_store import BatchStore
 from antiphon.server.chat import ChatService
+from antiphon.server.dashboard import Dashboard
 from antiphon.server.file_store import FileStore
 from antiphon.server.metrics import ServerMetrics
 from antiphon.server.turns import SessionTurns
@@ -28,18 +29,21 @@ class AppContext:
     batch_store: BatchStore
     files: FileStore
     batches: BatchRunner
+    dashboard: Dashboard
     num_connections: int = 0  # open websocket connections
     is_ready: bool = False  # the engine accepts requests
 
     @classmethod
     def build(cls, config: AppConfig, engine: Engine) -> AppContext:
         store = SessionStore(config.sessions.db_path, config.sessions.sqlite_synchronous)
-        metrics = ServerMetrics()
-        chat = ChatService(engine, metrics, config.server,
-                           (config.engine.rt_ttft_slo_s, config.engine.rt_tpot_slo_s))
+        metrics = ServerMetrics(config.server.dashboard_max_requests)
+        targets_s = (config.engine.rt_ttft_slo_s, config.engine.rt_tpot_slo_s)
+        chat = ChatService(engine, metrics, config.server, targets_s)
         data_dir = config.sessions.data_dir
         batch_store = BatchStore(data_dir / "batches.sqlite3", config.sessions.sqlite_synchronous)
         files = FileStore(data_dir / "files")
         return cls(config, engine, store, metrics, Authenticator(config.server.api_keys),
                    chat, SessionTurns(store, chat, metrics), batch_store, files,
-                   BatchRunner(batch_store, files, chat, metrics))
+                   BatchRunner(batch_store, files, chat, metrics),
+                   Dashboard(metrics, engine, targets_s, config.server.dashboard_interval_s,
+                             config.server.dashboard_history))

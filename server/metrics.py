@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
+@dataclasses.dataclass(frozen=True)
+class FinishedRequest:
+    """One finished generation, kept for the dashboard's windowed quantiles."""
+
+    request_class: str
+    ttft_s: float | None
+    tpot_s: float | None
+    met_slo: bool | None  # RT that completed: met both its TTFT and TPOT targets
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, max_finished: int = 10_000) -> None:
+        """`max_finished`: finished requests kept until the dashboard takes them."""
+        self.finished: collections.deque[FinishedRequest] = collections.deque(
+            maxlen=max_finished)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -56,3 +72,14 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def value(self, name: str, **labels: str) -> float:
+        """The current value of one sample (0 when it has none yet)."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def take_finished(self) -> list[FinishedRequest]:
+        """The requests finished since the last call, oldest first."""
+        taken = []
+        while self.finished:
+            taken.append(self.finished.popleft())
+        return taken

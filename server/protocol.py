@@ -4,6 +4,8 @@ Client to server::
 
     {"type": "session.open", "session_id": null | str, "title": str?}
     {"type": "session.list"}
+    {"type": "session.rename", "session_id": str, "title": str}
+    {"type": "session.delete", "session_id": str}
     {"type": "message", "session_id": str, "content": str, "request_id": str?,
      "max_tokens": int?, "temperature": float?}
     {"type": "typing", "session_id": str}
@@ -13,6 +15,8 @@ Server to client::
 
     {"type": "session", "session": {...}, "messages": [...]}
     {"type": "sessions", "sessions": [...]}
+    {"type": "session.renamed", "session": {...}}
+    {"type": "session.deleted", "session_id": str}
     {"type": "accepted", "request_id": str, "session_id": str, "prompt_tokens": int}
     {"type": "token", "request_id": str, "session_id": str, "text": str}
     {"type": "done", "request_id": str, "session_id": str, "finish_reason": str, "text": str,
@@ -49,6 +53,18 @@ class SessionList(_Msg):
     type: Literal["session.list"]
 
 
+class SessionRename(_Msg):
+    type: Literal["session.rename"]
+    session_id: Annotated[str, Field(pattern=ID_PATTERN)]
+    title: Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class SessionDelete(_Msg):
+    type: Literal["session.delete"]
+    session_id: Annotated[str, Field(pattern=ID_PATTERN)]
+    """Deletes the session and its messages; replies of it still streaming are cancelled."""
+
+
 class ChatMessage(_Msg):
     type: Literal["message"]
     session_id: Annotated[str, Field(pattern=ID_PATTERN)]
@@ -71,10 +87,12 @@ class Cancel(_Msg):
 
 
 ClientMessage = Annotated[
-    SessionOpen | SessionList | ChatMessage | Typing | Cancel, Field(discriminator="type")
+    SessionOpen | SessionList | SessionRename | SessionDelete | ChatMessage | Typing | Cancel,
+    Field(discriminator="type"),
 ]
 _client_adapter: TypeAdapter[ClientMessage] = TypeAdapter(ClientMessage)
-CLIENT_TYPES = ("session.open", "session.list", "message", "typing", "cancel")
+CLIENT_TYPES = ("session.open", "session.list", "session.rename", "session.delete", "message",
+                "typing", "cancel")
 
 
 def decode_client_message(raw: str | bytes) -> ClientMessage:

@@ -22,6 +22,11 @@ class NewSession(BaseModel):
     title: Annotated[str, Field(max_length=200)] | None = None
 
 
+class SessionUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    title: Annotated[str, Field(min_length=1, max_length=200)]
+
+
 class Advisory(BaseModel):
     """Symphony's advisory request: a turn of `session_id` is coming."""
 
@@ -60,11 +65,17 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     return {"session": session.to_json(), "messages": [m.to_json() for m in messages]}
 
 
+@router.patch("/v1/sessions/{session_id}")
+async def update_session(session_id: str, request: Request) -> dict[str, Any]:
+    ctx, owner = _ctx(request), authorize(request)
+    body = await read_model(request, SessionUpdate)
+    return (await ctx.turns.rename(owner, session_id, body.title)).to_json()
+
+
 @router.delete("/v1/sessions/{session_id}", status_code=204)
 async def delete_session(session_id: str, request: Request) -> Response:
     ctx, owner = _ctx(request), authorize(request)
-    if not await asyncio.to_thread(ctx.store.delete_session, owner, session_id):
-        raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
+    await ctx.turns.delete(owner, session_id)
     return Response(status_code=204)
 
 
@@ -96,6 +107,14 @@ async def engine_stats(request: Request) -> dict[str, Any]:
     authorize(request)
     engine = _ctx(request).engine
     return {**await engine.scheduler_stats(), "tiering": await engine.tiering_stats()}
+
+
+@router.get("/v1/dashboard")
+async def dashboard(request: Request, since: float | None = None) -> dict[str, Any]:
+    """The live dashboard's time series: points sampled after `since` (unix seconds), or all
+    kept. See `server/dashboard.py` for the fields."""
+    authorize(request)
+    return _ctx(request).dashboard.snapshot(since)
 
 
 @router.get("/metrics")

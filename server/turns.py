@@ -44,6 +44,25 @@ class SessionTurns:
             raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
         return session
 
+    async def rename(self, owner: str, session_id: str, title: str) -> Session:
+        """Retitle one of `owner`'s sessions; raises `session_not_found` or `bad_message`."""
+        title = " ".join(title.split())
+        if not title:
+            raise ApiError(ErrorCode.BAD_MESSAGE, "title is empty")
+        if not await asyncio.to_thread(self.store.rename_session, owner, session_id, title):
+            raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
+        return await self.get(owner, session_id)
+
+    async def delete(self, owner: str, session_id: str) -> None:
+        """Delete one of `owner`'s sessions with its messages. Refused (`session_busy`, nothing
+        changed) while a reply of it is streaming: stop that first."""
+        if session_id in self._busy_session_ids:
+            await self.get(owner, session_id)  # someone else's session stays "not found"
+            raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is answering a "
+                           "message; stop the reply before deleting the session")
+        if not await asyncio.to_thread(self.store.delete_session, owner, session_id):
+            raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
+
     async def record_advisory(self, owner: str, session_id: str, source: str,
                               expected_arrival_s: float | None = None) -> int | None:
         """Record that `session_id` is about to send a turn (typing, agent hook, REST) and

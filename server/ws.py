@@ -74,6 +74,12 @@ class Connection:
             limit = self.ctx.config.server.max_sessions_listed
             sessions = await asyncio.to_thread(self.ctx.store.list_sessions, self.owner, limit)
             await self.send(protocol.encode("sessions", sessions=[s.to_json() for s in sessions]))
+        elif isinstance(msg, protocol.SessionRename):
+            session = await turns.rename(self.owner, msg.session_id, msg.title)
+            await self.send(protocol.encode("session.renamed", session=session.to_json()))
+        elif isinstance(msg, protocol.SessionDelete):
+            await turns.delete(self.owner, msg.session_id)
+            await self.send(protocol.encode("session.deleted", session_id=msg.session_id))
         elif isinstance(msg, protocol.Typing):
             await turns.record_advisory(self.owner, msg.session_id, "typing")
         elif isinstance(msg, protocol.Cancel):

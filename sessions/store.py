@@ -138,10 +138,11 @@ class SessionStore:
                              (title, session_id, untitled))
 
     def rename_session(self, owner: str, session_id: str, title: str) -> bool:
+        """Set the title; `updated_at` (the last turn, which orders listings) stays."""
         with self._lock:
             cur = self._db.execute(
-                "UPDATE sessions SET title = ?, updated_at = ? WHERE session_id = ? AND owner = ?",
-                (title, time.time(), session_id, owner),
+                "UPDATE sessions SET title = ? WHERE session_id = ? AND owner = ?",
+                (title, session_id, owner),
             )
         return cur.rowcount == 1
 

@@ -35,6 +35,6 @@ def scripted(tmp_path: Path) -> Iterator[Scripted]:
     engine = ScriptedEngine(token_delay_s=0.01, max_model_len=1000)
     config = scripted_config(tmp_path, max_content_chars=1000, max_tokens_limit=100,
                              default_max_tokens=100,
-                             max_frame_bytes=8192)
+                             max_frame_bytes=8192, dashboard_interval_s=0.1)
     with live_server(config, engine) as url:
         yield Scripted(url, engine, config)

@@ -145,6 +145,11 @@ def test_malformed_lines_fail_individually(tmp_path: Path) -> None:
             ("url", "unsupported_url"), ("body", "bad_message"), ("big", "max_tokens_too_large"),
             ("context", "context_length_exceeded")]
         assert errors[0]["error"]["message"].startswith("line 2: ")
+        listed = httpx.get(f"{live.url}/v1/batches/{batch_id}/errors", params={"limit": 2})
+        assert listed.json()["has_more"] is True
+        assert [(e["line"], e["custom_id"], e["code"]) for e in listed.json()["data"]] == [
+            (2, None, "bad_json"), (3, None, "missing_custom_id")]
+        assert httpx.get(f"{live.url}/v1/batches/batch_x/errors").status_code == 404
 
 
 def test_owner_isolation(tmp_path: Path) -> None:

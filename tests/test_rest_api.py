@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -75,6 +77,11 @@ def test_sessions_advisory_health_and_metrics(scripted: Scripted) -> None:
     sid = httpx.post(base + "/v1/sessions", json={"title": "t"}).json()["session_id"]
     assert httpx.get(base + f"/v1/sessions/{sid}").json()["session"]["title"] == "t"
     assert httpx.get(base + "/v1/sessions").json()["sessions"][0]["session_id"] == sid
+    assert httpx.patch(base + f"/v1/sessions/{sid}", json={"title": "renamed"}).json()[
+        "title"] == "renamed"
+    r = httpx.patch(base + f"/v1/sessions/{sid}", json={"title": ""})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_message"
+    assert httpx.get(base + f"/v1/sessions/{sid}").json()["session"]["title"] == "renamed"
     r = httpx.post(base + "/v1/advisory", json={"session_id": sid, "expected_arrival": 2.5})
     assert r.status_code == 202
     r = httpx.post(base + "/v1/advisory", json={"session_id": "s_x"})
@@ -94,6 +101,29 @@ def test_sessions_advisory_health_and_metrics(scripted: Scripted) -> None:
     assert 'antiphon_rt_slo_requests_total{met="true",target="tpot"} 1.0' in metrics
 
 
-def test_index_page_is_served(scripted: Scripted) -> None:
-    r = httpx.get(scripted.url + "/")
-    assert r.status_code == 200 and "<html" in r.text.lower()
+def test_pages_are_served(scripted: Scripted) -> None:
+    for path in ("/", "/dashboard", "/batches"):
+        r = httpx.get(scripted.url + path)
+        assert r.status_code == 200 and "<html" in r.text.lower(), path
+
+
+def test_dashboard_samples_requests_as_they_finish(scripted: Scripted) -> None:
+    base = scripted.url
+    first = httpx.get(base + "/v1/dashboard").json()
+    assert first["targets"] == {"ttft_s": 1.0, "tpot_s": 0.1}
+    assert first["interval_s"] == scripted.config.server.dashboard_interval_s
+    since = max((p["t"] for p in first["points"]), default=0.0)
+    for _ in range(3):
+        client(scripted).chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "a b c"}])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        points = httpx.get(base + "/v1/dashboard", params={"since": since}).json()["points"]
+        if sum(p["rt_finished"] for p in points) == 3:
+            break
+        time.sleep(0.05)
+    assert all(p["t"] > since for p in points)
+    busy = [p for p in points if p["rt_per_s"] > 0]
+    assert busy and all(p["rt_ttft_p50_s"] > 0 and p["rt_slo_attainment"] == 1.0 for p in busy)
+    assert sum(p["rt_tokens_per_s"] for p in points) > 0
+    assert httpx.get(base + "/v1/dashboard", params={"since": "x"}).status_code == 400

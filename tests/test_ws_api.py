@@ -170,3 +170,30 @@ async def test_restart_loses_no_accepted_message(tmp_path) -> None:  # type: ign
         async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
             messages = (await open_session(ws, sid))["messages"]
     assert [m["content"] for m in messages] == ["remember me", "You said: remember me"]
+
+
+async def test_rename_and_delete_sessions(scripted: Scripted) -> None:
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await chat(ws, sid, "first words")
+        await send(ws, type="session.rename", session_id=sid, title="  Trip   plans ")
+        renamed = await recv(ws)
+        assert renamed["type"] == "session.renamed"
+        assert renamed["session"]["title"] == "Trip plans"
+        for bad in ({"title": ""}, {"title": "x" * 201}, {"session_id": "s_nope", "title": "t"}):
+            await send(ws, **{"type": "session.rename", "session_id": sid, "title": "t", **bad})
+            assert (await recv(ws))["type"] == "error"
+        # A session answering a message is not deleted under its reply.
+        await send(ws, type="message", session_id=sid, content="a b c d e f g h i j k l m n o",
+                   request_id="r-long")
+        await recv_until(ws, "token")
+        await send(ws, type="session.delete", session_id=sid)
+        frames = await recv_until(ws, "error")
+        assert frames[-1]["code"] == "session_busy"
+        await recv_until(ws, "done")
+        await send(ws, type="session.delete", session_id=sid)
+        assert await recv_until(ws, "session.deleted") and True
+        await send(ws, type="session.list")
+        assert (await recv(ws))["sessions"] == []
+        await send(ws, type="session.delete", session_id=sid)
+        assert (await recv(ws))["code"] == "session_not_found"

@@ -4,7 +4,8 @@ import { setupComposer } from "/static/composer.js";
 import { setupAuthDialog } from "/static/auth-dialog.js";
 import { KEYS, load, store } from "/static/storage.js";
 import {
-  $, el, formatTimings, hideError, makeBubble, renderSessionList, sessionTitle, setTimings, showError,
+  $, el, formatTimings, hideError, makeBubble, renderReply, renderSessionList, sessionTitle, setTimings,
+  showError,
 } from "/static/view.js";
 
 const ui = {
@@ -16,11 +17,12 @@ const ui = {
 const state = {
   sessions: [],
   currentId: load(KEYS.sessionId) || null,
-  pending: new Map(), // request_id -> {sessionId, root, text: Text node, streamed, cancelling}
+  pending: new Map(), // request_id -> {sessionId, root, body, raw, streamed, cancelling, frame}
   queued: null, // message content waiting for a freshly opened session
   stick: true, // keep the conversation scrolled to the bottom while streaming
   restoring: false, // re-opening a remembered session (it may be gone)
   cancelled: new Set(), // request ids we sent `cancel` for
+  deleteWhenDone: new Set(), // sessions to delete once their streaming reply has stopped
 };
 
 const client = new ChatClient();
@@ -63,7 +65,8 @@ function refreshControls() {
 }
 
 function renderSessions() {
-  renderSessionList(ui.sessionList, state.sessions, state.currentId, pickSession);
+  renderSessionList(ui.sessionList, state.sessions, state.currentId,
+    { onPick: pickSession, onRename: renameSession, onDelete: deleteSession });
 }
 
 function upsertSession(session) {
@@ -86,11 +89,12 @@ function setSidebar(open) {
 }
 
 function addAssistantBubble(requestId, sessionId, text = "") {
-  const bubble = makeBubble("assistant", null, requestId);
-  const node = document.createTextNode(text);
-  bubble.body.append(node);
+  const bubble = makeBubble("assistant", text, requestId);
   if (!text) bubble.root.classList.add("waiting");
-  const entry = { sessionId, root: bubble.root, text: node, streamed: text !== "", cancelling: false };
+  const entry = {
+    sessionId, root: bubble.root, body: bubble.body, raw: text, streamed: text !== "",
+    cancelling: false, frame: 0,
+  };
   state.pending.set(requestId, entry);
   ui.messages.append(bubble.root);
   return entry;
@@ -102,17 +106,57 @@ function finishEntry(requestId, { cls = null, note = null } = {}) {
   state.pending.delete(requestId);
   entry.root.classList.remove("waiting", "streaming");
   if (cls) entry.root.classList.add(cls);
-  if (entry.text.data === "") entry.root.classList.add("empty");
+  if (entry.raw === "") entry.root.classList.add("empty");
   if (note) entry.root.append(el("div", "msg-note", note));
   refreshControls();
 }
 
 // ---------- user actions ----------
 
+/** Render a streaming reply now (its first piece) or at the next frame (later pieces). */
+function renderEntry(entry, now = false) {
+  if (now) {
+    cancelAnimationFrame(entry.frame);
+    entry.frame = 0;
+    renderReply(entry.body, entry.raw);
+  } else if (!entry.frame) {
+    entry.frame = requestAnimationFrame(() => {
+      entry.frame = 0;
+      renderReply(entry.body, entry.raw);
+      scrollToBottom();
+    });
+  }
+}
+
 function pickSession(id) {
   setSidebar(false);
   if (!client.connected) showError("disconnected", "Not connected to the server; reconnecting…");
   else client.openSession(id);
+}
+
+function renameSession(id, title) {
+  if (!client.send({ type: "session.rename", session_id: id, title })) {
+    showError("disconnected", "Not connected to the server; the title was not changed.");
+  }
+}
+
+function deleteSession(id) {
+  const s = state.sessions.find((x) => x.session_id === id);
+  if (!window.confirm(`Delete “${sessionTitle(s)}” and all its messages?`)) return;
+  if (!client.connected) {
+    showError("disconnected", "Not connected to the server; nothing was deleted.");
+    return;
+  }
+  const streaming = [...state.pending].filter(([, p]) => p.sessionId === id);
+  if (streaming.length === 0) {
+    client.send({ type: "session.delete", session_id: id });
+    return;
+  }
+  // The server keeps a session while it answers: stop the reply, delete when it has stopped.
+  state.deleteWhenDone.add(id);
+  for (const [rid, p] of streaming) {
+    if (!p.cancelling && (p.cancelling = client.cancel(rid))) state.cancelled.add(rid);
+  }
 }
 
 function newSession() {
@@ -214,8 +258,10 @@ const handlers = {
     state.stick = nearBottom();
     entry.root.classList.remove("waiting");
     entry.root.classList.add("streaming");
-    entry.text.appendData(String(msg.text ?? ""));
+    const first = !entry.streamed;
+    entry.raw += String(msg.text ?? "");
     entry.streamed = true;
+    renderEntry(entry, first);
     scrollToBottom();
   },
 
@@ -226,13 +272,30 @@ const handlers = {
     }
     if (!entry) return;
     state.stick = nearBottom();
-    if (typeof msg.text === "string" && (msg.text !== "" || !entry.streamed)) entry.text.data = msg.text;
+    if (typeof msg.text === "string" && (msg.text !== "" || !entry.streamed)) entry.raw = msg.text;
+    renderEntry(entry, true);
     const line = formatTimings(msg);
     if (line) setTimings(entry.root, line);
     const cancelled = msg.finish_reason === "cancelled";
     finishEntry(msg.request_id, { cls: cancelled ? "cancelled" : null });
     scrollToBottom();
+    if (state.deleteWhenDone.delete(msg.session_id)) {
+      client.send({ type: "session.delete", session_id: msg.session_id });
+    }
     client.listSessions();
+  },
+
+  "session.renamed"(msg) {
+    const s = msg.session || {};
+    upsertSession(s);
+    if (s.session_id === state.currentId) ui.title.textContent = sessionTitle(s);
+    renderSessions();
+  },
+
+  "session.deleted"(msg) {
+    state.sessions = state.sessions.filter((s) => s.session_id !== msg.session_id);
+    if (msg.session_id === state.currentId) showBlankChat();
+    else renderSessions();
   },
 
   error(msg) {

@@ -1,5 +1,6 @@
-// DOM rendering helpers. Dynamic text is only ever set through textContent;
-// nothing here parses strings as HTML.
+// DOM rendering helpers. Dynamic text is only ever set through textContent or the DOM-building
+// Markdown renderer; nothing here parses strings as HTML.
+import { renderMarkdown } from "/static/markdown.js";
 
 export const $ = (sel) => document.querySelector(sel);
 
@@ -26,14 +27,17 @@ export function sessionTitle(session) {
   return t || "New chat";
 }
 
-/** Rebuild the sidebar list; `onPick(sessionId)` fires on click. */
-export function renderSessionList(listEl, sessions, currentId, onPick) {
+/**
+ * Rebuild the sidebar list. `actions.onPick(id)` fires on click, `actions.onRename(id, title)`
+ * after an inline edit, `actions.onDelete(id)` from the delete button.
+ */
+export function renderSessionList(listEl, sessions, currentId, actions) {
   const sorted = [...sessions].sort((a, b) => (b.updated_at || 0) - (a.updated_at || 0));
   const items = sorted.map((s) => {
-    const li = el("li");
+    const li = el("li", "session-row");
+    li.dataset.sessionId = s.session_id;
     const btn = el("button", "session-item");
     btn.type = "button";
-    btn.dataset.sessionId = s.session_id;
     if (s.session_id === currentId) {
       btn.classList.add("active");
       btn.setAttribute("aria-current", "true");
@@ -44,21 +48,72 @@ export function renderSessionList(listEl, sessions, currentId, onPick) {
     const age = formatAge(s.updated_at ?? s.created_at);
     if (age) meta.push(age);
     btn.append(el("span", "session-meta", meta.join(" · ")));
-    btn.addEventListener("click", () => onPick(s.session_id));
-    li.append(btn);
+    btn.addEventListener("click", () => actions.onPick(s.session_id));
+    const rename = iconButton("session-rename", "\u270E", `Rename “${sessionTitle(s)}”`);
+    rename.addEventListener("click", () => editTitle(li, s, actions.onRename));
+    const del = iconButton("session-delete", "\u2715", `Delete “${sessionTitle(s)}”`);
+    del.addEventListener("click", () => actions.onDelete(s.session_id));
+    const tools = el("span", "session-tools");
+    tools.append(rename, del);
+    li.append(btn, tools);
     return li;
   });
   if (items.length === 0) items.push(el("li", "session-empty", "No chats yet"));
   listEl.replaceChildren(...items);
 }
 
-/** A chat bubble; returns handles to its parts. */
+function iconButton(className, glyph, label) {
+  const b = el("button", `btn btn-ghost icon-btn ${className}`, glyph);
+  b.type = "button";
+  b.title = label;
+  b.setAttribute("aria-label", label);
+  return b;
+}
+
+/** Swap a session row for a title input: Enter saves, Escape or leaving it cancels. */
+function editTitle(li, session, onRename) {
+  const input = el("input", "session-title-input");
+  input.value = sessionTitle(session);
+  input.maxLength = 200;
+  input.setAttribute("aria-label", "Session title");
+  const children = [...li.childNodes];
+  let done = false;
+  const finish = (save) => {
+    if (done) return;
+    done = true;
+    const title = input.value.trim();
+    li.replaceChildren(...children);
+    if (save && title && title !== sessionTitle(session)) onRename(session.session_id, title);
+  };
+  input.addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter") {
+      ev.preventDefault();
+      finish(true);
+    } else if (ev.key === "Escape") {
+      ev.stopPropagation();
+      finish(false);
+    }
+  });
+  input.addEventListener("blur", () => finish(false));
+  li.replaceChildren(input);
+  input.focus();
+  input.select();
+}
+
+/** A chat bubble; returns handles to its parts. Replies render as Markdown, user text as is. */
 export function makeBubble(role, text = "", requestId = null) {
-  const root = el("div", `msg ${role === "user" ? "user" : "assistant"}`);
+  const isUser = role === "user";
+  const root = el("div", `msg ${isUser ? "user" : "assistant"}`);
   if (requestId) root.dataset.requestId = requestId;
-  const body = el("div", "bubble", text);
+  const body = el("div", isUser ? "bubble" : "bubble markdown", isUser ? text : null);
+  if (!isUser) renderReply(body, text);
   root.append(body);
   return { root, body };
+}
+
+/** (Re)render a reply's Markdown into its bubble body. */
+export function renderReply(body, text) {
+  body.replaceChildren(renderMarkdown(text));
 }
 
 /** Set (or replace) the timing line under a bubble. */

@@ -1,0 +1,17 @@
+"""Quantiles of small samples, shared by the server's dashboard and the benchmarks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The `q` quantile (0..1), interpolated between neighbours; None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)

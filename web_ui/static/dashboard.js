@@ -1,0 +1,120 @@
+// Live dashboard: polls the server's own time series (`GET /v1/dashboard?since=T`) and redraws
+// SVG charts without reloading the page.
+import { api, setupApiKey } from "/static/api.js";
+import { LineChart, formatValue } from "/static/chart.js";
+import { $, el, hideError, showError } from "/static/view.js";
+
+const RT = "#2f6fed";
+const BE = "#e07b24";
+const THIRD = "#2e9d6b";
+const FOURTH = "#9c5ccf";
+const MAX_POINTS = 3600;
+const SPAN_S = 300; // the charts show the last five minutes
+
+const state = { points: [], targets: {}, intervalS: 1, timer: null, model: "" };
+
+const fromTokens = (tier) => (p) => {
+  const f = p.prompt_tokens_from;
+  if (!f) return null;
+  const total = f.device + f.host + f.ssd + f.computed;
+  return total > 0 ? f[tier] / total : null;
+};
+
+// The charts: what the engine does for RT and BE, then the KV tiers and advisories.
+const CHARTS = [
+  { id: "rates", title: "Requests finished per second", unit: "/s", series: [
+    { key: "rt_per_s", label: "RT", color: RT }, { key: "be_per_s", label: "BE", color: BE }] },
+  { id: "ttft", title: "RT time to first token", unit: "s", target: "ttft_s", series: [
+    { key: "rt_ttft_p50_s", label: "p50", color: RT }, { key: "rt_ttft_p95_s", label: "p95", color: FOURTH }] },
+  { id: "tpot", title: "RT time per output token", unit: "s", target: "tpot_s", series: [
+    { key: "rt_tpot_p50_s", label: "p50", color: RT }, { key: "rt_tpot_p95_s", label: "p95", color: FOURTH }] },
+  { id: "slo", title: "RT SLO attainment (TTFT and TPOT met)", unit: "%", max: 1, series: [
+    { key: "rt_slo_attainment", label: "met", color: THIRD }] },
+  { id: "tokens", title: "Output tokens per second", unit: "/s", series: [
+    { key: "be_tokens_per_s", label: "BE", color: BE }, { key: "rt_tokens_per_s", label: "RT", color: RT }] },
+  { id: "queues", title: "Requests in flight and queued", unit: "", series: [
+    { key: "rt_inflight", label: "RT in flight", color: RT },
+    { key: "be_inflight", label: "BE in flight", color: BE },
+    { key: "be_queued", label: "BE queued", color: FOURTH },
+    { key: "engine_waiting", label: "engine waiting", color: THIRD }] },
+  { id: "kv", title: "KV occupancy by tier", unit: "%", max: 1, series: [
+    { key: "kv_device_used", label: "device", color: RT }, { key: "kv_host_used", label: "host", color: BE },
+    { key: "kv_ssd_used", label: "SSD", color: THIRD }] },
+  { id: "sources", title: "Where prompt tokens came from", unit: "%", max: 1, series: [
+    { key: fromTokens("device"), label: "device", color: RT }, { key: fromTokens("host"), label: "host", color: BE },
+    { key: fromTokens("ssd"), label: "SSD", color: THIRD },
+    { key: fromTokens("computed"), label: "recomputed", color: FOURTH }] },
+  { id: "hits", title: "KV tier hit rate", unit: "%", max: 1, series: [
+    { key: "kv_host_hit_rate", label: "host", color: BE }, { key: "kv_ssd_hit_rate", label: "SSD", color: THIRD }] },
+  { id: "prefetch", title: "Prefetch: lead time and load time", unit: "s", series: [
+    { key: "prefetch_lead_s", label: "lead", color: THIRD }, { key: "prefetch_load_s", label: "load", color: BE }] },
+  { id: "advisories", title: "Advisories (totals)", unit: "", series: [
+    { key: "advisories_sent_total", label: "sent", color: RT },
+    { key: "advisories_received_total", label: "received", color: BE },
+    { key: "advisories_used_total", label: "used", color: THIRD },
+    { key: "advisories_expired_total", label: "expired", color: FOURTH }] },
+];
+
+const charts = CHARTS.map((c) => new LineChart($("#charts"), c));
+
+function tile(label, value, id) {
+  const t = el("div", "tile");
+  t.dataset.tile = id;
+  t.append(el("span", "tile-value", value), el("span", "tile-label", label));
+  return t;
+}
+
+function renderTiles() {
+  const p = state.points[state.points.length - 1] || {};
+  const count = (v) => (typeof v === "number" ? String(Math.round(v)) : "–");
+  $("#tiles").replaceChildren(
+    tile("model", state.model || "–", "model"),
+    tile("policy", p.policy || "–", "policy"),
+    tile("RT in flight", count(p.rt_inflight), "rt_inflight"),
+    tile("BE in flight · queued", `${count(p.be_inflight)} · ${count(p.be_queued)}`, "be"),
+    tile("BE tokens/s", formatValue(p.be_tokens_per_s), "be_tokens_per_s"),
+    tile("TTFT · TPOT targets",
+      `${formatValue(state.targets.ttft_s, "s")} · ${formatValue(state.targets.tpot_s, "s")}`, "targets"),
+    tile("advisories sent · used",
+      `${count(p.advisories_sent_total)} · ${count(p.advisories_used_total)}`, "advisories"),
+  );
+}
+
+function redraw() {
+  for (const [i, chart] of charts.entries()) {
+    const target = CHARTS[i].target;
+    chart.opts.target = target ? state.targets[target] : undefined;
+    chart.opts.spanS = SPAN_S;
+    chart.update(state.points);
+  }
+  renderTiles();
+}
+
+async function poll() {
+  clearTimeout(state.timer);
+  try {
+    const last = state.points.length ? state.points[state.points.length - 1].t : null;
+    const data = await api(`/v1/dashboard${last === null ? "" : `?since=${last}`}`);
+    state.intervalS = data.interval_s;
+    state.targets = data.targets;
+    state.model = data.model;
+    state.points.push(...data.points);
+    if (state.points.length > MAX_POINTS) state.points.splice(0, state.points.length - MAX_POINTS);
+    redraw();
+    const box = $("#error");
+    if (!box.hidden) hideError();
+    $("#live-status").textContent = "Live";
+    document.body.dataset.connected = "true";
+  } catch (err) {
+    document.body.dataset.connected = "false";
+    $("#live-status").textContent = "Offline, retrying…";
+    showError(err.code || "error", err.message);
+  }
+  state.timer = setTimeout(poll, Math.max(250, state.intervalS * 1000));
+}
+
+const askKey = setupApiKey(() => poll());
+$("#api-key-button").addEventListener("click", () => askKey(""));
+$("#error .error-close").addEventListener("click", hideError);
+redraw();
+poll();
