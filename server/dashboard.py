@@ -78,9 +78,6 @@ class Dashboard:
         counters["advisories_sent"] = sum(
             m.value("antiphon_advisories_total", source=s) for s in ADVISORY_SOURCES)
         counters.update({k: float(tiers[k]) for k in _TIER_COUNTERS if k in tiers})
-        for name, tier in tiers.get("tiers", {}).items():
-            counters[f"{name}_hits"] = float(tier["hits"])
-            counters[f"{name}_misses"] = float(tier["misses"])
         return counters
 
     def _rates(self, delta: dict[str, float], dt: float) -> dict[str, Any]:
@@ -123,8 +120,12 @@ def _engine_point(sched: dict[str, Any], tiers: dict[str, Any], delta: dict[str,
         return point
     for name, tier in tiers["tiers"].items():
         point[f"kv_{name}_used"] = _ratio(tier["used_bytes"], tier["capacity_bytes"])
-        point[f"kv_{name}_hit_rate"] = _ratio(
-            delta[f"{name}_hits"], delta[f"{name}_hits"] + delta[f"{name}_misses"])
+    # Hit rate of a tier: of the prompt tokens looked up in it (those the faster tiers did not
+    # hold), the share it held. Lookups go device, host, SSD, in that order.
+    asked_host = delta["prompt_tokens"] - delta["tokens_from_device"]
+    asked_ssd = asked_host - delta["tokens_from_host"]
+    point["kv_host_hit_rate"] = _ratio(delta["tokens_from_host"], asked_host)
+    point["kv_ssd_hit_rate"] = _ratio(delta["tokens_from_ssd"], asked_ssd)
     used = delta["advisories_used"]
     point.update({
         "prompt_tokens_from": {"device": delta["tokens_from_device"],

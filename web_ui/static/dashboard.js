@@ -44,7 +44,7 @@ const CHARTS = [
     { key: fromTokens("device"), label: "device", color: RT }, { key: fromTokens("host"), label: "host", color: BE },
     { key: fromTokens("ssd"), label: "SSD", color: THIRD },
     { key: fromTokens("computed"), label: "recomputed", color: FOURTH }] },
-  { id: "hits", title: "KV tier hit rate", unit: "%", max: 1, series: [
+  { id: "hits", title: "KV tier hit rate (prompt tokens looked up there and found)", unit: "%", max: 1, series: [
     { key: "kv_host_hit_rate", label: "host", color: BE }, { key: "kv_ssd_hit_rate", label: "SSD", color: THIRD }] },
   { id: "prefetch", title: "Prefetch: lead time and load time", unit: "s", series: [
     { key: "prefetch_lead_s", label: "lead", color: THIRD }, { key: "prefetch_load_s", label: "load", color: BE }] },
