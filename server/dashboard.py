@@ -20,9 +20,7 @@ from antiphon.server.metrics import FinishedRequest, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-ADVISORY_SOURCES = ("typing", "rest")  # where SessionTurns.record_advisory is called from
-
-# Engine counters followed as per-window deltas: the scheduler's, then the KV connector's.
+# The KV connector's counters, followed as per-window deltas.
 _TIER_COUNTERS = ("prompt_tokens", "computed_prompt_tokens", "tokens_from_device",
                   "tokens_from_host", "tokens_from_ssd", "advisories_received",
                   "advisories_used", "advisories_expired", "prefetch_lead_s_sum",
@@ -67,7 +65,7 @@ class Dashboard:
         delta = {k: v - last.get(k, 0.0) for k, v in counters.items()}
         self._last, self._last_at = counters, now
         point = {"t": time.time(), **_latencies(self.metrics.take_finished(), dt),
-                 **self._rates(delta, dt), **_engine_point(sched, tiers, delta, counters)}
+                 **self._server_point(delta, dt), **_engine_point(sched, tiers, delta, counters)}
         self.points.append(point)
         return point
 
@@ -75,12 +73,12 @@ class Dashboard:
         m = self.metrics
         counters = {f"{c}_tokens": m.value("antiphon_generation_tokens_total", request_class=c)
                     for c in ("rt", "be")}
-        counters["advisories_sent"] = sum(
-            m.value("antiphon_advisories_total", source=s) for s in ADVISORY_SOURCES)
+        counters["advisories_sent"] = m.total("antiphon_advisories_total")
         counters.update({k: float(tiers[k]) for k in _TIER_COUNTERS if k in tiers})
         return counters
 
-    def _rates(self, delta: dict[str, float], dt: float) -> dict[str, Any]:
+    def _server_point(self, delta: dict[str, float], dt: float) -> dict[str, Any]:
+        """Token rates of the window, and requests in flight and queued now."""
         m = self.metrics
         return {"rt_tokens_per_s": delta["rt_tokens"] / dt,
                 "be_tokens_per_s": delta["be_tokens"] / dt,

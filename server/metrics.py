@@ -77,9 +77,13 @@ class ServerMetrics:
         """The current value of one sample (0 when it has none yet)."""
         return self.registry.get_sample_value(name, labels) or 0.0
 
+    def total(self, name: str) -> float:
+        """The sum of a sample over all its label values (0 when it has none yet)."""
+        return sum(s.value for metric in self.registry.collect() for s in metric.samples
+                   if s.name == name)
+
     def take_finished(self) -> list[FinishedRequest]:
         """The requests finished since the last call, oldest first."""
-        taken = []
-        while self.finished:
-            taken.append(self.finished.popleft())
+        taken = list(self.finished)
+        self.finished.clear()
         return taken

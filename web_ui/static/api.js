@@ -13,15 +13,13 @@ export class ApiError extends Error {
 }
 
 let askForKey = null;
-let onNewKey = () => {};
 
 /** Wire the page's API-key dialog; `onKey()` runs after a new key is stored (e.g. refresh). */
 export function setupApiKey(onKey) {
-  onNewKey = onKey;
   askForKey = setupAuthDialog({
     onKey: (key) => {
       store(KEYS.apiKey, key.trim());
-      onNewKey();
+      onKey();
     },
   });
   return askForKey;

@@ -147,16 +147,9 @@ function deleteSession(id) {
     showError("disconnected", "Not connected to the server; nothing was deleted.");
     return;
   }
-  const streaming = [...state.pending].filter(([, p]) => p.sessionId === id);
-  if (streaming.length === 0) {
-    client.send({ type: "session.delete", session_id: id });
-    return;
-  }
   // The server keeps a session while it answers: stop the reply, delete when it has stopped.
-  state.deleteWhenDone.add(id);
-  for (const [rid, p] of streaming) {
-    if (!p.cancelling && (p.cancelling = client.cancel(rid))) state.cancelled.add(rid);
-  }
+  if (cancelReplies(id) > 0) state.deleteWhenDone.add(id);
+  else client.send({ type: "session.delete", session_id: id });
 }
 
 function newSession() {
@@ -202,13 +195,19 @@ function submit() {
   refreshControls();
 }
 
-function stop() {
+/** Ask the server to stop every reply of `sessionId` still streaming; how many there were. */
+function cancelReplies(sessionId) {
+  let streaming = 0;
   for (const [rid, p] of state.pending) {
-    if (p.sessionId === state.currentId && !p.cancelling) {
-      p.cancelling = client.cancel(rid);
-      if (p.cancelling) state.cancelled.add(rid);
-    }
+    if (p.sessionId !== sessionId) continue;
+    streaming += 1;
+    if (!p.cancelling && (p.cancelling = client.cancel(rid))) state.cancelled.add(rid);
   }
+  return streaming;
+}
+
+function stop() {
+  cancelReplies(state.currentId);
   refreshControls();
 }
 
