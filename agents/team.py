@@ -19,8 +19,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
-from antiphon.agents.client import AsyncAntiphon, ChatReply
+from antiphon.agents.client import AsyncAntiphon
 from antiphon.agents.errors import AntiphonError
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,37 @@ class Role:
         return self.actions[0]
 
 
+class Caller(Protocol):
+    """An agent that calls the model in a session of its own."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def session_id(self) -> str | None: ...
+
+
+class CallGraph(Protocol):
+    def subscribers(self, action_name: str) -> Sequence[Caller]:
+        """The agents that react to `action_name`'s messages."""
+        ...
+
+
+class Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class TimedReply(Protocol):
+    @property
+    def client_ttft_s(self) -> float: ...
+
+
 class CallGraphHooks:
-    """Advisories from the call graph. With `send_advisories=False` it only measures."""
+    """Advisories from the call graph. With `send_advisories=False` it only measures.
+
+    Works on any `CallGraph`: this module's `Environment`, or a MetaGPT team through
+    `antiphon.agents.metagpt_hooks`."""
 
     def __init__(self, client: AsyncAntiphon, send_advisories: bool = True) -> None:
         self.client = client
@@ -92,34 +122,39 @@ class CallGraphHooks:
         self.num_advisories = 0
         self.num_advisory_errors = 0
 
-    def expected_arrival(self, role: Role) -> float | None:
+    def expected_arrival(self, role: Caller) -> float | None:
         """Seconds until the roles after `role` call the model, at the soonest: the fastest
         prefill plus first token seen for `role` (None before its first call)."""
         return self.min_first_token_s.get(role.name)
 
-    async def on_call_start(self, env: Environment, role: Role, action: Action) -> None:
+    async def on_call_start(self, graph: CallGraph, role: Caller, action: Named) -> None:
         if not self.send_advisories:
             return
         arrival = self.expected_arrival(role)
-        for nxt in env.subscribers(action.name):
-            if nxt.session_id is None or nxt is role:
-                continue
-            try:
-                await self.client.advise(nxt.session_id, arrival)
-            except AntiphonError as exc:  # advisories are hints: never fail the workflow
-                self.num_advisory_errors += 1
-                logger.warning("advisory for %s failed: %s", nxt.name, exc)
-                continue
-            self.num_advisories += 1
-            self.advised_at.setdefault(nxt.session_id, time.perf_counter())
+        for nxt in graph.subscribers(action.name):
+            if nxt is not role:
+                await self.advise(nxt, arrival)
 
-    async def on_call_end(self, env: Environment, role: Role, action: Action,
-                          reply: ChatReply) -> None:
+    async def advise(self, role: Caller, expected_arrival: float | None) -> None:
+        """Advise `role`'s session; a failure is logged and counted, never raised."""
+        if role.session_id is None:
+            return
+        try:
+            await self.client.advise(role.session_id, expected_arrival)
+        except AntiphonError as exc:  # advisories are hints: never fail the workflow
+            self.num_advisory_errors += 1
+            logger.warning("advisory for %s failed: %s", role.name, exc)
+            return
+        self.num_advisories += 1
+        self.advised_at.setdefault(role.session_id, time.perf_counter())
+
+    async def on_call_end(self, graph: CallGraph, role: Caller, action: Named,
+                          reply: TimedReply) -> None:
         best = self.min_first_token_s.get(role.name)
         self.min_first_token_s[role.name] = reply.client_ttft_s if best is None \
             else min(best, reply.client_ttft_s)
 
-    def take_lead(self, role: Role) -> float | None:
+    def take_lead(self, role: Caller) -> float | None:
         """The advisory lead time of the call `role` is starting now (and forget the
         advisory)."""
         advised = self.advised_at.pop(role.session_id or "", None)

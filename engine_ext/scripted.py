@@ -32,6 +32,7 @@ class ScriptedEngine(Engine):
         self.model_name = model_name
         self.active_request_ids: set[str] = set()
         self.finished_request_ids: list[str] = []
+        self.advisories: list[tuple[str, list[int], float | None]] = []
         self._replies: dict[tuple[int, ...], str] = {}
         self._is_running = False
 
@@ -84,6 +85,12 @@ class ScriptedEngine(Engine):
         finally:
             self.active_request_ids.discard(request_id)
             self.finished_request_ids.append(request_id)
+
+    async def advise(self, session_id: str, context_token_ids: list[int],
+                     expected_arrival_s: float | None) -> int | None:
+        """Recorded in `advisories`; no KV tiers here, so None."""
+        self.advisories.append((session_id, list(context_token_ids), expected_arrival_s))
+        return None
 
     async def health(self) -> EngineHealth:
         return EngineHealth(self._is_running, self.model_name, len(self.active_request_ids))

@@ -28,7 +28,7 @@ from antiphon.server.batch_types import (
     new_batch_id,
 )
 from antiphon.server.errors import ErrorCode
-from antiphon.server.sqlite import SqliteDb
+from antiphon.sqlite import SqliteDb
 
 _STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
            "cancelling_at", "cancelled_at")

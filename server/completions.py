@@ -3,6 +3,7 @@ the `chat.completion` response object. Shared by `/v1/chat/completions` and the 
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from typing import Annotated, Any, Literal
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from antiphon.engine_ext.types import ChatTurn, RequestClass
 from antiphon.server.chat import ChatService, Generation
 from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.protocol import ID_PATTERN
 
 
 class TextPart(BaseModel):
@@ -49,7 +51,8 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     vllm_xargs: dict[str, Any] | None = None
-    """Antiphon reads `request_class` ("rt" or "be"), `ttft_slo_s` and `tpot_slo_s` here."""
+    """Antiphon reads `request_class` ("rt" or "be"), `ttft_slo_s`, `tpot_slo_s` and
+    `session_id` here."""
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -75,10 +78,22 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     return turns
 
 
+def session_xarg(body: ChatCompletionRequest) -> str | None:
+    """The session `vllm_xargs.session_id` names (checked for form, not existence)."""
+    session_id = (body.vllm_xargs or {}).get("session_id")
+    if session_id is not None and not (
+            isinstance(session_id, str) and re.fullmatch(ID_PATTERN, session_id)):
+        raise ApiError(ErrorCode.BAD_MESSAGE, "vllm_xargs.session_id must be a session id "
+                       "(1 to 64 letters, digits or _.:-)")
+    return session_id
+
+
 def prepare_completion(chat: ChatService, body: ChatCompletionRequest,
-                       request_class: RequestClass | None = None) -> Generation:
-    """A generation for `body`; its class is `request_class`, else the one `vllm_xargs` names
-    (RT by default). Raises `ApiError` and changes nothing on bad input."""
+                       request_class: RequestClass | None = None,
+                       session_id: str | None = None) -> Generation:
+    """A generation for `body`, in `session_id` where given; its class is `request_class`,
+    else the one `vllm_xargs` names (RT by default). Raises `ApiError` and changes nothing on
+    bad input."""
     turns = completion_turns(chat, body)
     if request_class is None:
         xargs = body.vllm_xargs or {}
@@ -90,7 +105,7 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest,
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return chat.prepare(
         secrets.token_hex(12), turns, body.requested_max_tokens, body.temperature,
-        request_class, top_p=body.top_p, stop=stop, seed=body.seed,
+        request_class, session_id, top_p=body.top_p, stop=stop, seed=body.seed,
         ignore_eos=body.ignore_eos, **_slo_overrides(body.vllm_xargs or {}))
 
 

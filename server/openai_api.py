@@ -12,7 +12,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from antiphon.server.chat import Generation
-from antiphon.server.completions import ChatCompletionRequest, completion_object, prepare_completion
+from antiphon.server.completions import (
+    ChatCompletionRequest,
+    completion_object,
+    prepare_completion,
+    session_xarg,
+)
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError
 from antiphon.server.http import authorize, read_model
@@ -31,10 +36,17 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+    """A chat completion. With `vllm_xargs.session_id` (one of the caller's sessions) the
+    request runs as a turn of that session: the client still sends the whole conversation,
+    and the server keeps the exchange's exact tokens as the session's context, which an
+    advisory for the session (`POST /v1/advisory`) brings forward before its next call."""
     ctx: AppContext = request.app.state.ctx
-    authorize(request)
+    owner = authorize(request)
     body = await read_model(request, ChatCompletionRequest)
-    gen = prepare_completion(ctx.chat, body)
+    session_id = session_xarg(body)
+    if session_id is not None:
+        await ctx.turns.get(owner, session_id)
+    gen = prepare_completion(ctx.chat, body, session_id=session_id)
     completion_id = "chatcmpl-" + gen.request_id
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -44,6 +56,7 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
     async with aclosing(ctx.chat.stream(gen, api="openai")) as pieces:
         async for _ in pieces:
             pass
+    await ctx.turns.record_exchange(gen)
     return JSONResponse(completion_object(gen, body.model))
 
 
@@ -70,6 +83,7 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
         yield "data: " + json.dumps({"error": {"code": err.code.value,
                                                "message": err.message}}) + "\n\n"
         return
+    await ctx.turns.record_exchange(gen)
     yield chunk({}, gen.finish_reason)
     if include_usage:
         yield chunk({}, usage=gen.usage())

@@ -238,7 +238,9 @@ def tiering_metrics_text(stats: dict[str, Any]) -> bytes:
     for tier, t in stats["tiers"].items():
         lines += [f'antiphon_kv_tier_bytes{{tier="{tier}",kind="used"}} {t["used_bytes"]}',
                   f'antiphon_kv_tier_bytes{{tier="{tier}",kind="capacity"}} {t["capacity_bytes"]}']
-    lines += ["# HELP antiphon_kv_tier_reads_total Chunk-layer reads of each tier, by outcome",
+    lines += ["# HELP antiphon_kv_tier_reads_total Chunk-layer reads of each tier by the engine "
+              "core process (prefetches), by outcome; the worker's loads under the forward pass "
+              "are counted as tokens in antiphon_kv_tokens_total",
               "# TYPE antiphon_kv_tier_reads_total counter"]
     for tier, t in stats["tiers"].items():
         lines += [f'antiphon_kv_tier_reads_total{{tier="{tier}",outcome="hit"}} {t["hits"]}',

@@ -72,11 +72,23 @@ class SessionTurns:
         await asyncio.to_thread(self.store.record_advisory, session_id, source, time.time())
         self.metrics.advisories.labels(source).inc()
         history, context = await asyncio.to_thread(self._history, session_id)
-        if not history:
+        if context is not None and context.num_messages == 0:
+            tokens = list(context.token_ids)  # the last exchange of an OpenAI-API client
+        elif history:
+            tokens = self.chat.engine.continue_chat(
+                [ChatTurn(m.role, m.content) for m in history], context, open_reply=False)
+        else:
             return 0  # a new session: no conversation to bring forward yet
-        tokens = self.chat.engine.continue_chat([ChatTurn(m.role, m.content) for m in history],
-                                                context, open_reply=False)
         return await self.chat.engine.advise(session_id, tokens, expected_arrival_s)
+
+    async def record_exchange(self, gen: Generation) -> None:
+        """Keep a finished chat completion of a session (`/v1/chat/completions` with
+        `vllm_xargs.session_id`) as the session's context; the client keeps the messages."""
+        session_id = gen.params.session_id
+        if session_id is None or not gen.output_token_ids:
+            return
+        tokens = self.chat.engine.context_tokens(gen.prompt_token_ids, gen.output_token_ids)
+        await asyncio.to_thread(self.store.set_context, session_id, tokens)
 
     async def accept(self, owner: str, msg: protocol.ChatMessage, request_id: str) -> Generation:
         """Validate a turn, commit its user message and mark the session busy.

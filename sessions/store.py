@@ -10,11 +10,11 @@ from __future__ import annotations
 import array
 import dataclasses
 import secrets
-import sqlite3
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from antiphon.sqlite import SqliteDb
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -84,26 +84,17 @@ class SessionStore:
     """Thread-safe; one connection guarded by a lock (SQLite serialises writers anyway)."""
 
     def __init__(self, path: Path, synchronous: str = "FULL") -> None:
-        if synchronous not in ("FULL", "NORMAL"):
-            raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={synchronous}")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(_SCHEMA)
+        self._db = SqliteDb(path, _SCHEMA, synchronous)
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._db.close()
 
     def create_session(self, owner: str, title: str = "New chat") -> Session:
         now = time.time()
         session = Session(new_session_id(), owner, title, now, now)
-        with self._lock:
-            self._db.execute(
+        with self._db.locked() as db:
+            db.execute(
                 "INSERT INTO sessions VALUES (?, ?, ?, ?, ?)",
                 (session.session_id, owner, title, now, now),
             )
@@ -111,8 +102,8 @@ class SessionStore:
 
     def get_session(self, owner: str, session_id: str) -> Session | None:
         """The session, or None when it does not exist or belongs to another owner."""
-        with self._lock:
-            row = self._db.execute(
+        with self._db.locked() as db:
+            row = db.execute(
                 "SELECT s.session_id, s.owner, s.title, s.created_at, s.updated_at,"
                 " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id)"
                 " FROM sessions s WHERE s.session_id = ? AND s.owner = ?",
@@ -122,8 +113,8 @@ class SessionStore:
 
     def list_sessions(self, owner: str, limit: int = 100) -> list[Session]:
         """The owner's sessions, most recently updated first."""
-        with self._lock:
-            rows = self._db.execute(
+        with self._db.locked() as db:
+            rows = db.execute(
                 "SELECT s.session_id, s.owner, s.title, s.created_at, s.updated_at,"
                 " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id)"
                 " FROM sessions s WHERE s.owner = ? ORDER BY s.updated_at DESC LIMIT ?",
@@ -133,29 +124,29 @@ class SessionStore:
 
     def title_if_untitled(self, session_id: str, title: str, untitled: str = "New chat") -> None:
         """Name a session after its first message unless it was named already."""
-        with self._lock:
-            self._db.execute("UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?",
+        with self._db.locked() as db:
+            db.execute("UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?",
                              (title, session_id, untitled))
 
     def rename_session(self, owner: str, session_id: str, title: str) -> bool:
         """Set the title; `updated_at` (the last turn, which orders listings) stays."""
-        with self._lock:
-            cur = self._db.execute(
+        with self._db.locked() as db:
+            cur = db.execute(
                 "UPDATE sessions SET title = ? WHERE session_id = ? AND owner = ?",
                 (title, session_id, owner),
             )
         return cur.rowcount == 1
 
     def delete_session(self, owner: str, session_id: str) -> bool:
-        with self._lock:
-            cur = self._db.execute(
+        with self._db.locked() as db:
+            cur = db.execute(
                 "DELETE FROM sessions WHERE session_id = ? AND owner = ?", (session_id, owner)
             )
         return cur.rowcount == 1
 
     def messages(self, session_id: str) -> list[Message]:
-        with self._lock:
-            rows = self._db.execute(
+        with self._db.locked() as db:
+            rows = db.execute(
                 "SELECT role, content, num_tokens, created_at, finish_reason FROM messages"
                 " WHERE session_id = ? ORDER BY seq",
                 (session_id,),
@@ -169,32 +160,36 @@ class SessionStore:
         """Append and commit one message (durable on return); bumps the session's updated_at.
         `context_ids`: the conversation's exact tokens through this message (`context`)."""
         now = time.time()
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute(
-                    "INSERT INTO messages SELECT ?, COALESCE(MAX(seq), -1) + 1, ?, ?, ?, ?, ?"
-                    " FROM messages WHERE session_id = ?",
-                    (session_id, role, content, num_tokens, finish_reason, now, session_id),
-                )
-                self._db.execute(
-                    "UPDATE sessions SET updated_at = ? WHERE session_id = ?", (now, session_id)
-                )
-                if context_ids is not None:
-                    self._db.execute(
-                        "INSERT OR REPLACE INTO contexts SELECT ?, COUNT(*), ? FROM messages"
-                        " WHERE session_id = ?",
-                        (session_id, array.array("I", context_ids).tobytes(), session_id))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._db.transaction() as db:
+            db.execute(
+                "INSERT INTO messages SELECT ?, COALESCE(MAX(seq), -1) + 1, ?, ?, ?, ?, ?"
+                " FROM messages WHERE session_id = ?",
+                (session_id, role, content, num_tokens, finish_reason, now, session_id),
+            )
+            db.execute("UPDATE sessions SET updated_at = ? WHERE session_id = ?",
+                       (now, session_id))
+            if context_ids is not None:
+                db.execute(
+                    "INSERT OR REPLACE INTO contexts SELECT ?, COUNT(*), ? FROM messages"
+                    " WHERE session_id = ?",
+                    (session_id, array.array("I", context_ids).tobytes(), session_id))
         return Message(role, content, num_tokens, now, finish_reason)
+
+    def set_context(self, session_id: str, token_ids: Sequence[int]) -> None:
+        """Keep `token_ids` as the session's context with no messages behind it
+        (`num_messages` 0): the last exchange of a client that sends the whole conversation
+        itself (the OpenAI API), which advisories bring forward. Bumps updated_at."""
+        with self._db.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO contexts SELECT session_id, 0, ? FROM sessions"
+                       " WHERE session_id = ?",  # nothing once the session is deleted
+                       (array.array("I", token_ids).tobytes(), session_id))
+            db.execute("UPDATE sessions SET updated_at = ? WHERE session_id = ?",
+                       (time.time(), session_id))
 
     def context(self, session_id: str) -> tuple[int, tuple[int, ...]] | None:
         """(messages covered, token ids) of the session's last stored context, or None."""
-        with self._lock:
-            row = self._db.execute(
+        with self._db.locked() as db:
+            row = db.execute(
                 "SELECT num_messages, token_ids FROM contexts WHERE session_id = ?",
                 (session_id,)).fetchone()
         if row is None:
@@ -204,15 +199,15 @@ class SessionStore:
         return row[0], tuple(ids)
 
     def record_advisory(self, session_id: str, source: str, received_at: float) -> None:
-        with self._lock:
-            self._db.execute(
+        with self._db.locked() as db:
+            db.execute(
                 "INSERT INTO advisories VALUES (?, ?, ?)", (session_id, source, received_at)
             )
 
     def advisories(self, session_id: str) -> list[tuple[str, float]]:
         """(source, received_at) of each advisory the session received, oldest first."""
-        with self._lock:
-            rows = self._db.execute(
+        with self._db.locked() as db:
+            rows = db.execute(
                 "SELECT source, received_at FROM advisories WHERE session_id = ?"
                 " ORDER BY received_at",
                 (session_id,),
@@ -221,11 +216,6 @@ class SessionStore:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the database violates its invariants."""
-        with self._lock:
-            (status,) = self._db.execute("PRAGMA integrity_check").fetchone()
-            assert status == "ok", status
-            orphans = self._db.execute(
-                "SELECT COUNT(*) FROM messages m LEFT JOIN sessions s USING (session_id)"
-                " WHERE s.session_id IS NULL"
-            ).fetchone()[0]
-            assert orphans == 0, f"{orphans} messages without a session"
+        self._db.check({"messages without a session":
+                        "SELECT COUNT(*) FROM messages m LEFT JOIN sessions s USING (session_id)"
+                        " WHERE s.session_id IS NULL"})

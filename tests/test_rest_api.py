@@ -101,6 +101,43 @@ def test_sessions_advisory_health_and_metrics(scripted: Scripted) -> None:
     assert 'antiphon_rt_slo_requests_total{met="true",target="tpot"} 1.0' in metrics
 
 
+def test_chat_completions_in_a_session_keep_its_context_for_advisories(
+        scripted: Scripted) -> None:
+    base, engine = scripted.url, scripted.engine
+    sid = httpx.post(base + "/v1/sessions", json={"title": "agent"}).json()["session_id"]
+    r = httpx.post(base + "/v1/advisory", json={"session_id": sid})
+    assert r.status_code == 202 and engine.advisories == []  # nothing said yet: nothing to move
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x y"}]
+    client(scripted).chat.completions.create(
+        model="scripted", messages=messages,  # type: ignore[arg-type]
+        extra_body={"vllm_xargs": {"session_id": sid}})
+    assert httpx.post(base + "/v1/advisory",
+                      json={"session_id": sid, "expected_arrival": 1.5}).status_code == 202
+    advised_sid, tokens, arrival = engine.advisories[-1]
+    assert (advised_sid, arrival) == (sid, 1.5)
+    assert engine.decode(tokens) == "<system>be brief\n<user>x y\n<assistant>You said: x y"
+
+    stream = client(scripted).chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "a b"}], stream=True,
+        extra_body={"vllm_xargs": {"session_id": sid}})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+        "You said: a b"
+    httpx.post(base + "/v1/advisory", json={"session_id": sid})
+    assert engine.decode(engine.advisories[-1][1]) == "<user>a b\n<assistant>You said: a b"
+    # The client keeps the messages; the session lists none.
+    assert httpx.get(base + f"/v1/sessions/{sid}").json()["messages"] == []
+
+    for xargs, status, code in [({"session_id": "s_missing"}, 404, "session_not_found"),
+                                ({"session_id": "no spaces"}, 400, "bad_message"),
+                                ({"session_id": 7}, 400, "bad_message")]:
+        with pytest.raises(openai.APIStatusError) as info:
+            client(scripted).chat.completions.create(
+                model="scripted", messages=[{"role": "user", "content": "hi"}],
+                extra_body={"vllm_xargs": xargs})
+        assert info.value.status_code == status
+        assert info.value.body["code"] == code  # type: ignore[index]
+
+
 def test_pages_are_served(scripted: Scripted) -> None:
     for path in ("/", "/dashboard", "/batches"):
         r = httpx.get(scripted.url + path)

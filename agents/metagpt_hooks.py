@@ -1,0 +1,168 @@
+"""Call-graph advisories for a real MetaGPT team (the `metagpt` package, 0.8.2) on Antiphon.
+
+MetaGPT talks to Antiphon through the OpenAI-compatible API. `MetaGPTAdvisor.attach(env)` hooks
+a team in place, changing nothing in MetaGPT:
+
+- each role gets an Antiphon session, and every model call of the role carries it
+  (`vllm_xargs.session_id`), so the server keeps the call's exact tokens as the session's
+  context, in the KV tiers;
+- when a role's model call starts, the roles watching the action it is running (`rc.todo`) get
+  an advisory through the same `CallGraphHooks` as `antiphon.agents.team`: expected arrival is
+  the fastest first token seen for the calling role (Symphony's lower bound);
+- `Environment.publish_message` advises the roles a message wakes (MetaGPT's own rule: the
+  message's `cause_by` is watched, or the role is named in `send_to`) that are not advised yet.
+
+Every call is timed (`MetaGPTAdvisor.calls`): first token, total, advisory lead time.
+
+The module never imports metagpt. It works on MetaGPT's objects by their attributes
+(`env.roles`, `role.name`, `role.rc.watch`, `role.rc.todo`, `role.llm.aclient`,
+`message.cause_by`, `message.send_to`), so its logic is tested without the package, whose pins
+clash with vLLM's; `examples/metagpt/` runs it with the real one. Attach after hiring the roles
+and before running the team.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
+from typing import Any
+
+from antiphon.agents.client import AsyncAntiphon
+from antiphon.agents.team import CallGraphHooks
+
+
+@dataclasses.dataclass(eq=False)
+class TeamRole:
+    """What the hooks need of a MetaGPT role."""
+
+    name: str
+    watch: frozenset[str]
+    """The actions it reacts to, as MetaGPT names them (`module.ClassName`)."""
+    session_id: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionName:
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CallTiming:
+    role: str
+    action: str
+    started_at: float
+    client_ttft_s: float
+    """To the first streamed content (the whole call when not streamed)."""
+    total_s: float
+    advisory_lead_s: float | None
+    """From the advisory for this role's session to this call's start (None: none)."""
+
+
+class TeamGraph:
+    def __init__(self, roles: Sequence[TeamRole] = ()) -> None:
+        self.roles = list(roles)
+
+    def subscribers(self, action_name: str) -> list[TeamRole]:
+        return [r for r in self.roles if action_name in r.watch]
+
+    def recipients(self, cause_by: str, send_to: Collection[str]) -> list[TeamRole]:
+        """The roles a published message makes act (MetaGPT's `Role._observe` filter)."""
+        return [r for r in self.roles if cause_by in r.watch or r.name in send_to]
+
+
+def action_name(action: object) -> str:
+    """MetaGPT's name of an action (class or instance): `module.ClassName`."""
+    cls = action if isinstance(action, type) else type(action)
+    return f"{cls.__module__}.{cls.__name__}"
+
+
+def with_session(kwargs: dict[str, Any], session_id: str) -> dict[str, Any]:
+    """OpenAI `chat.completions.create` keyword arguments that run the call in `session_id`."""
+    extra_body = dict(kwargs.get("extra_body") or {})
+    extra_body["vllm_xargs"] = {**(extra_body.get("vllm_xargs") or {}), "session_id": session_id}
+    return {**kwargs, "extra_body": extra_body}
+
+
+class MetaGPTAdvisor:
+    def __init__(self, client: AsyncAntiphon, hooks: CallGraphHooks | None = None, *,
+                 session_prefix: str = "metagpt:") -> None:
+        self.client = client
+        self.hooks = hooks if hooks is not None else CallGraphHooks(client)
+        self.session_prefix = session_prefix
+        self.graph = TeamGraph()
+        self.calls: list[CallTiming] = []
+        self._pending: set[asyncio.Task[None]] = set()
+
+    async def attach(self, env: Any) -> TeamGraph:
+        """Open a session for each of `env`'s roles and hook their model calls and
+        `env.publish_message`."""
+        for role in env.roles.values():
+            view = TeamRole(role.name, frozenset(role.rc.watch))
+            session = await self.client.create_session(f"{self.session_prefix}{role.name}")
+            view.session_id = session.session_id
+            self.graph.roles.append(view)
+            self._hook_calls(role, view)
+        self._hook_publish(env)
+        return self.graph
+
+    async def drain(self) -> None:
+        """Wait for the advisories still being sent."""
+        while self._pending:
+            await asyncio.gather(*self._pending)
+
+    def _spawn(self, advising: Awaitable[None]) -> None:
+        # Advisories go out beside the calls, never delaying them.
+        task = asyncio.ensure_future(advising)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    def _hook_calls(self, role: Any, view: TeamRole) -> None:
+        completions = role.llm.aclient.chat.completions
+        create = completions.create
+        session_id = view.session_id
+        assert session_id is not None
+
+        async def hooked_create(*args: Any, **kwargs: Any) -> Any:
+            action = ActionName(action_name(role.rc.todo))
+            lead = self.hooks.take_lead(view)
+            self._spawn(self.hooks.on_call_start(self.graph, view, action))
+            started = time.perf_counter()
+            response = await create(*args, **with_session(kwargs, session_id))
+            if kwargs.get("stream"):
+                return self._timed(response, view, action, started, lead)
+            await self._finish(view, action, started, time.perf_counter() - started, lead)
+            return response
+
+        completions.create = hooked_create
+
+    async def _timed(self, stream: AsyncIterator[Any], view: TeamRole, action: ActionName,
+                     started: float, lead: float | None) -> AsyncIterator[Any]:
+        ttft_s = None
+        async for chunk in stream:
+            if ttft_s is None and chunk.choices and chunk.choices[0].delta.content:
+                ttft_s = time.perf_counter() - started
+            yield chunk
+        total_s = time.perf_counter() - started
+        await self._finish(view, action, started, total_s if ttft_s is None else ttft_s, lead)
+
+    async def _finish(self, view: TeamRole, action: ActionName, started: float,
+                      ttft_s: float, lead: float | None) -> None:
+        timing = CallTiming(view.name, action.name, started, ttft_s,
+                            time.perf_counter() - started, lead)
+        self.calls.append(timing)
+        await self.hooks.on_call_end(self.graph, view, action, timing)
+
+    def _hook_publish(self, env: Any) -> None:
+        publish = env.publish_message
+
+        def hooked_publish(message: Any, *args: Any, **kwargs: Any) -> Any:
+            result = publish(message, *args, **kwargs)
+            for role in self.graph.recipients(message.cause_by, message.send_to):
+                if role.session_id not in self.hooks.advised_at:
+                    self._spawn(self.hooks.advise(role, 0.0))
+            return result
+
+        # MetaGPT's Environment is a pydantic model, which refuses unknown attributes.
+        object.__setattr__(env, "publish_message", hooked_publish)

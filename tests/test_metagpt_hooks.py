@@ -1,0 +1,119 @@
+"""The MetaGPT adapter's logic without metagpt: objects shaped like MetaGPT's roles and
+environment, whose model calls go through the real OpenAI client to a live server (scripted
+engine: it echoes the last user message, 10 ms a token)."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+
+from antiphon.agents import AsyncAntiphon
+from antiphon.agents.metagpt_hooks import MetaGPTAdvisor, action_name, with_session
+from tests.conftest import Scripted
+from tests.test_agents_sdk import advisories_counted
+
+
+class UserRequirement:
+    pass
+
+
+class WriteDesign:
+    pass
+
+
+class WriteCode:
+    pass
+
+
+@dataclasses.dataclass
+class Message:  # the fields of metagpt.schema.Message the adapter reads
+    content: str
+    cause_by: str
+    send_to: set[str] = dataclasses.field(default_factory=lambda: {"<all>"})
+
+
+class Environment:  # metagpt.environment.Environment's shape
+    def __init__(self, roles: list[Any]) -> None:
+        self.roles = {r.name: r for r in roles}
+        self.published: list[Message] = []
+
+    def publish_message(self, message: Message, peekable: bool = True) -> bool:
+        self.published.append(message)
+        return True
+
+
+def role(url: str, name: str, watch: type) -> Any:
+    llm = SimpleNamespace(aclient=openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused",
+                                                     max_retries=0))
+    return SimpleNamespace(name=name, rc=SimpleNamespace(watch={action_name(watch)}, todo=None),
+                           llm=llm)
+
+
+async def call(r: Any, todo: type, content: str, stream: bool = False) -> str:
+    r.rc.todo = todo()  # MetaGPT sets the role's todo before the action asks the model
+    messages = [{"role": "system", "content": f"You are the {r.name}."},
+                {"role": "user", "content": content}]
+    out = await r.llm.aclient.chat.completions.create(
+        model="scripted", messages=messages, stream=stream)
+    if not stream:
+        return out.choices[0].message.content
+    return "".join([c.choices[0].delta.content or "" async for c in out if c.choices])
+
+
+def test_action_names_and_session_kwargs() -> None:
+    assert action_name(WriteCode) == action_name(WriteCode()) == f"{__name__}.WriteCode"
+    kwargs = {"model": "m", "extra_body": {"vllm_xargs": {"request_class": "rt"}, "x": 1}}
+    assert with_session(kwargs, "s_1") == {"model": "m", "extra_body": {
+        "vllm_xargs": {"request_class": "rt", "session_id": "s_1"}, "x": 1}}
+    assert kwargs["extra_body"] == {"vllm_xargs": {"request_class": "rt"}, "x": 1}  # untouched
+
+
+async def test_calls_run_in_role_sessions_and_advise_the_watchers(scripted: Scripted) -> None:
+    url, engine = scripted.url, scripted.engine
+    architect = role(url, "architect", UserRequirement)
+    engineer = role(url, "engineer", WriteDesign)
+    reviewer = role(url, "reviewer", WriteCode)
+    env = Environment([architect, engineer, reviewer])
+    async with AsyncAntiphon(url) as client:
+        advisor = MetaGPTAdvisor(client)
+        graph = await advisor.attach(env)
+        titles = {s.title: s.session_id for s in await client.list_sessions()}
+        sessions = {r.name: r.session_id for r in graph.roles}
+        assert titles == {f"metagpt:{name}": sid for name, sid in sessions.items()}
+
+        assert await call(architect, WriteDesign, "design it") == "You said: design it"
+        await advisor.drain()
+        assert advisories_counted(url, "rest") == 1  # the engineer, which watches WriteDesign
+        assert engine.advisories == []  # its session has said nothing yet: nothing to move
+
+        assert await call(engineer, WriteCode, "code it", stream=True) == "You said: code it"
+        await advisor.drain()
+        assert advisories_counted(url, "rest") == 2  # the reviewer
+        assert [c.role for c in advisor.calls] == ["architect", "engineer"]
+        assert advisor.calls[0].advisory_lead_s is None
+        assert advisor.calls[1].advisory_lead_s is not None  # advised during the architect's call
+        assert 0 < advisor.calls[1].client_ttft_s <= advisor.calls[1].total_s
+
+        await call(architect, WriteDesign, "again")
+        await advisor.drain()
+        # The engineer's session now holds its last call; the advisory brings it forward, due
+        # no sooner than the architect's fastest first token so far (its first call's).
+        advised, tokens, arrival = engine.advisories[-1]
+        assert advised == sessions["engineer"]
+        assert engine.decode(tokens) == \
+            "<system>You are the engineer.\n<user>code it\n<assistant>You said: code it"
+        assert arrival == advisor.calls[0].client_ttft_s
+
+        # Publishing wakes roles by watch (the engineer) or by name (the architect); those
+        # advised already and not called since are not advised again (the engineer).
+        env.publish_message(Message("done", action_name(WriteDesign), {"architect"}))
+        await advisor.drain()
+        assert len(env.published) == 1
+        assert advisories_counted(url, "rest") == 4  # the architect
+        assert advisor.hooks.num_advisories == 4 and advisor.hooks.num_advisory_errors == 0
+    stats = httpx.get(url + f"/v1/sessions/{sessions['architect']}").json()
+    assert stats["messages"] == []  # the OpenAI client keeps the conversation itself
