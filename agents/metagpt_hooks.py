@@ -10,7 +10,7 @@ a team in place, changing nothing in MetaGPT:
   an advisory through the same `CallGraphHooks` as `antiphon.agents.team`: expected arrival is
   the fastest first token seen for the calling role (Symphony's lower bound);
 - `Environment.publish_message` advises the roles a message wakes (MetaGPT's own rule: the
-  message's `cause_by` is watched, or the role is named in `send_to`) that are not advised yet.
+  message's `cause_by` is watched, or the role is named in `send_to`), due now.
 
 Every call is timed (`MetaGPTAdvisor.calls`): first token, total, advisory lead time.
 
@@ -160,8 +160,12 @@ class MetaGPTAdvisor:
         def hooked_publish(message: Any, *args: Any, **kwargs: Any) -> Any:
             result = publish(message, *args, **kwargs)
             for role in self.graph.recipients(message.cause_by, message.send_to):
-                if role.session_id not in self.hooks.advised_at:
-                    self._spawn(self.hooks.advise(role, 0.0))
+                # Due now. Renewed for roles advised at the call's start: that advisory was due
+                # at the call's first token and may expire before a long call ends. Noted at
+                # once, since the role may call before the advisory task first runs.
+                if role.session_id is not None:
+                    self.hooks.advised_at.setdefault(role.session_id, time.perf_counter())
+                self._spawn(self.hooks.advise(role, 0.0))
             return result
 
         # MetaGPT's Environment is a pydantic model, which refuses unknown attributes.

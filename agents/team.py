@@ -137,16 +137,20 @@ class CallGraphHooks:
 
     async def advise(self, role: Caller, expected_arrival: float | None) -> None:
         """Advise `role`'s session; a failure is logged and counted, never raised."""
-        if role.session_id is None:
+        session_id = role.session_id
+        if session_id is None:
             return
+        # Noted before it is sent: a call starting meanwhile finds it (a short lead).
+        sent_at = self.advised_at.setdefault(session_id, time.perf_counter())
         try:
-            await self.client.advise(role.session_id, expected_arrival)
+            await self.client.advise(session_id, expected_arrival)
         except AntiphonError as exc:  # advisories are hints: never fail the workflow
             self.num_advisory_errors += 1
             logger.warning("advisory for %s failed: %s", role.name, exc)
+            if self.advised_at.get(session_id) == sent_at:
+                del self.advised_at[session_id]
             return
         self.num_advisories += 1
-        self.advised_at.setdefault(role.session_id, time.perf_counter())
 
     async def on_call_end(self, graph: CallGraph, role: Caller, action: Named,
                           reply: TimedReply) -> None:

@@ -108,12 +108,18 @@ async def test_calls_run_in_role_sessions_and_advise_the_watchers(scripted: Scri
             "<system>You are the engineer.\n<user>code it\n<assistant>You said: code it"
         assert arrival == advisor.calls[0].client_ttft_s
 
-        # Publishing wakes roles by watch (the engineer) or by name (the architect); those
-        # advised already and not called since are not advised again (the engineer).
+        # Publishing wakes roles by watch (the engineer) or by name (the architect), due now.
         env.publish_message(Message("done", action_name(WriteDesign), {"architect"}))
         await advisor.drain()
         assert len(env.published) == 1
-        assert advisories_counted(url, "rest") == 4  # the architect
-        assert advisor.hooks.num_advisories == 4 and advisor.hooks.num_advisory_errors == 0
+        assert advisories_counted(url, "rest") == 5
+        assert [(sid, arrival) for sid, _, arrival in engine.advisories[-2:]] == [
+            (sessions["architect"], 0.0), (sessions["engineer"], 0.0)]
+        assert advisor.hooks.num_advisories == 5 and advisor.hooks.num_advisory_errors == 0
+        # A call right after a publish finds its advisory, though it may not be sent yet.
+        env.publish_message(Message("go", action_name(WriteCode)))
+        await call(reviewer, WriteDesign, "review")
+        assert advisor.calls[-1].advisory_lead_s is not None
+        await advisor.drain()
     stats = httpx.get(url + f"/v1/sessions/{sessions['architect']}").json()
     assert stats["messages"] == []  # the OpenAI client keeps the conversation itself
