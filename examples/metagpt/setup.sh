@@ -23,6 +23,7 @@ python="${PYTHON:-python3.11}"
 "$venv/bin/python" -m pip install -q --no-deps metagpt==0.8.2
 # Antiphon's client SDK (antiphon.agents needs only httpx and websockets, both above).
 "$venv/bin/python" -m pip install -q --no-deps "$root"
-"$venv/bin/python" -c "import antiphon.agents.metagpt_hooks, metagpt" 2>/dev/null || {
+# -P: not the repository's own antiphon/ folder, when run from its root.
+"$venv/bin/python" -P -c "import antiphon.agents.metagpt_hooks, metagpt" 2>/dev/null || {
   echo "setup failed: metagpt or antiphon.agents does not import" >&2; exit 1; }
 echo "MetaGPT environment ready: $venv"
