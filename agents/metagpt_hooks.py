@@ -164,7 +164,7 @@ class MetaGPTAdvisor:
                 # at the call's first token and may expire before a long call ends. Noted at
                 # once, since the role may call before the advisory task first runs.
                 if role.session_id is not None:
-                    self.hooks.advised_at.setdefault(role.session_id, time.perf_counter())
+                    self.hooks.note_advisory(role.session_id)
                 self._spawn(self.hooks.advise(role, 0.0))
             return result
 

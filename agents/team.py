@@ -140,8 +140,7 @@ class CallGraphHooks:
         session_id = role.session_id
         if session_id is None:
             return
-        # Noted before it is sent: a call starting meanwhile finds it (a short lead).
-        sent_at = self.advised_at.setdefault(session_id, time.perf_counter())
+        sent_at = self.note_advisory(session_id)
         try:
             await self.client.advise(session_id, expected_arrival)
         except AntiphonError as exc:  # advisories are hints: never fail the workflow
@@ -151,6 +150,12 @@ class CallGraphHooks:
                 del self.advised_at[session_id]
             return
         self.num_advisories += 1
+
+    def note_advisory(self, session_id: str) -> float:
+        """When `session_id` was first advised since its last call, noting now if not yet.
+        Noted before the advisory is sent, so a call starting meanwhile finds it (a short
+        lead)."""
+        return self.advised_at.setdefault(session_id, time.perf_counter())
 
     async def on_call_end(self, graph: CallGraph, role: Caller, action: Named,
                           reply: TimedReply) -> None:
