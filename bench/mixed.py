@@ -26,7 +26,7 @@ from antiphon.bench.workload import (
     RtArrival,
     azure_arrivals,
     document_chunks,
-    fit_words,
+    fit_tokens,
     sharegpt_conversations,
 )
 
@@ -151,7 +151,10 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     arrivals = azure_arrivals(duration, args.rt_rate, args.rt_prompt_tokens,
                               args.rt_output_tokens, seed=args.seed)
     conversations = sharegpt_conversations(len(arrivals), seed=args.seed)
-    prompts = [fit_words(c[0][1], a.prompt_tokens, c[-1][1])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [fit_tokens(c[0][1], a.prompt_tokens, c[-1][1], tokenizer)
                for c, a in zip(conversations, arrivals, strict=False)]
     out = Path(args.out)
     batch_path = out.with_suffix(".batch.jsonl")
@@ -162,10 +165,13 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     for name, extra in systems.items():
         print(f"[{name}] {len(arrivals)} RT turns over {duration:.0f} s with BE load ...",
               flush=True)
+        trace = out.with_suffix(f".{name}.steps.jsonl")
+        trace.unlink(missing_ok=True)  # the scheduler appends
         cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir), *extra,
                "--max-model-len", "2048", "--num-kv-pages",
                str(args.kv_pages), "--rt-ttft-slo-s", str(args.ttft_slo), "--rt-tpot-slo-s",
-               str(args.tpot_slo), "--data-dir", str(out.with_suffix(f".{name}.data"))]
+               str(args.tpot_slo), "--data-dir", str(out.with_suffix(f".{name}.data")),
+               "--step-trace", str(trace)]
         cmd += ["--enforce-eager"] if args.quick else []
         if args.model is None:
             cmd += ["--served-model-name", "SmolLM2-135M-Instruct"]

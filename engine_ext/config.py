@@ -49,6 +49,9 @@ class EngineConfig:
         default="bros")
     rt_ttft_slo_s: float = doc("Default TTFT target of RT requests, in seconds", default=1.0)
     rt_tpot_slo_s: float = doc("Default TPOT target of RT requests, in seconds", default=0.1)
+    slo_headroom: float = doc(
+        "Share of each RT target the scheduler keeps in reserve for mispredicted steps: it "
+        "plans to meet TTFT and TPOT times (1 - this)", default=0.1)
     be_step_limit_s: float = doc(
         "Arrival guard: longest engine step BE work may make, in seconds (predicted by the "
         "cost model); a turn arriving during a step waits about this long at most before it "
@@ -62,6 +65,10 @@ class EngineConfig:
         "instead of recomputed (needs KV tiering for the checkpoints)", default=True)
     shared_block_pages: int = doc(
         "KV pages in one bidirectional shared block", default=4)
+    step_trace: str | None = doc(
+        "Diagnostics: append one JSON line per engine step (its requests by class and phase, "
+        "queues, free pages, preemptions, predicted and measured latency) to this file",
+        default=None)
     cost_model: str = doc(
         "Where the step cost model starts: 'stored' (the fit `antiphon profile` stored for "
         "this model and machine, else a prior), 'auto' (as stored, but profile the engine at "
@@ -82,6 +89,8 @@ class EngineConfig:
 
         if self.rt_ttft_slo_s <= 0 or self.rt_tpot_slo_s <= 0:
             raise ValueError("rt_ttft_slo_s and rt_tpot_slo_s must be positive")
+        if not 0 <= self.slo_headroom < 1:
+            raise ValueError(f"slo_headroom must be within [0, 1), got {self.slo_headroom}")
         if not self.be_step_limit_s > 0:  # also refuses NaN
             raise ValueError(f"be_step_limit_s must be positive, got {self.be_step_limit_s}")
         if self.shared_block_pages < 1:
@@ -101,7 +110,8 @@ class EngineConfig:
     @property
     def scheduler_settings(self) -> SchedulerSettings:
         return SchedulerSettings(self.policy, self.rt_ttft_slo_s, self.rt_tpot_slo_s,
-                                 self.biblocks, self.shared_block_pages, self.be_step_limit_s)
+                                 self.biblocks, self.shared_block_pages, self.be_step_limit_s,
+                                 self.step_trace, self.slo_headroom)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +125,8 @@ class SchedulerSettings:
     biblocks: bool = False
     shared_block_pages: int = 4
     be_step_limit_s: float = math.inf
+    step_trace: str | None = None  # file the scheduler appends a JSON line to per step
+    slo_headroom: float = 0.0  # share of each RT target kept in reserve
 
     KEY = "antiphon_scheduler"
 

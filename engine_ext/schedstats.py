@@ -23,6 +23,7 @@ class SchedulerStats:
     num_preemptions: dict[str, int] = dataclasses.field(default_factory=_per_class)
     recomputed_tokens: dict[str, int] = dataclasses.field(default_factory=_per_class)
     cost_model_mape: float | None = None  # of recent predictions, online
+    cost_model_calibration: float = 1.0  # factor policies plan with (CostModel.planning_s)
     cost_model_form: str = ""  # bros, hygen or echo (engine_ext/costforms)
     cost_model_profiled_mape: float | None = None  # held-out error of the profiled fit in use
     kv_usage: float = 0.0  # KV pool use (fraction of pages) at the last scheduled step

@@ -20,6 +20,7 @@ measured step latency trains the cost model the policies predict with.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from vllm.logger import init_logger
@@ -34,6 +35,7 @@ from antiphon.engine_ext.config import SchedulerSettings
 from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.policies import make_policy
 from antiphon.engine_ext.schedstats import SchedulerStats
+from antiphon.engine_ext.steptrace import StepTrace
 from antiphon.engine_ext.types import RequestClass
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
@@ -56,8 +58,10 @@ class AntiphonScheduler(Scheduler):
         self.stats = SchedulerStats(cost_model_form=self.cost_model.form.name)
         self.page_tokens = self.cache_config.block_size
         self._lost_tokens: dict[str, int] = {}  # preempted, computed tokens not yet redone
+        self._first_token_s: dict[str, float] = {}  # RT: when its first token was produced
         self._step_shape: StepShape | None = None
         self._step_started = 0.0
+        self._trace = StepTrace(self.settings.step_trace) if self.settings.step_trace else None
         # Measured steps, [*shape fields, latency in seconds], while a profile records them.
         self._recorded_steps: list[list[float]] | None = None
         # The last step scheduled nothing although requests were queued: the policy's plan left
@@ -86,6 +90,8 @@ class AntiphonScheduler(Scheduler):
         started = time.perf_counter()
         sat_out: tuple[list[Request], list[Request]] = ([], [])
         token_budget = self.max_num_scheduled_tokens
+        preemptions = dict(self.stats.num_preemptions) if self._trace else {}
+        fallback = self._stalled
         if self._stalled:
             self.stats.plan_fallbacks += 1
         elif self.running or self.waiting:
@@ -108,7 +114,21 @@ class AntiphonScheduler(Scheduler):
             self._step_started = time.perf_counter()
             self.stats.record_step(planned - started, self._step_started - started,
                                    self.kv_cache_manager.block_pool.get_usage())
+            if self._trace is not None:
+                self._trace_step(output, planned - started, preemptions, fallback)
         return output
+
+    def _trace_step(self, output: SchedulerOutput, plan_s: float,
+                    preemptions_before: dict[str, int], fallback: bool) -> None:
+        assert self._trace is not None and self._step_shape is not None
+        scheduled = ((request_class_of(request), num_new, is_prefill)
+                     for request, num_new, is_prefill in self._scheduled(output))
+        self._trace.scheduled(
+            time.time(), plan_s, self.cost_model.predict_s(self._step_shape), scheduled,
+            map(request_class_of, self.waiting), map(request_class_of, self.running),
+            self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            {c: n - preemptions_before[c] for c, n in self.stats.num_preemptions.items()
+             if n > preemptions_before[c]}, fallback)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
@@ -116,15 +136,32 @@ class AntiphonScheduler(Scheduler):
             latency = time.perf_counter() - self._step_started
             self.cost_model.observe(self._step_shape, latency)
             self.stats.record_step_latency(latency)
+            if self._trace is not None:
+                self._trace.finished(latency)
             self.stats.cost_model_mape = self.cost_model.mape
+            self.stats.cost_model_calibration = self.cost_model.calibration
             if self._recorded_steps is not None:
                 self._recorded_steps.append([*self._step_shape.to_list(), latency])
             self._step_shape = None
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._note_first_tokens(scheduler_output)
         if self.pages is not None and not self.running and not self.waiting \
                 and scheduler_output.total_num_scheduled_tokens:
             self._check_when_idle()
         return outputs
+
+    def _note_first_tokens(self, output: SchedulerOutput) -> None:
+        now = time.time()  # the clock of Request.arrival_time
+        for rid in output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is not None and request.num_output_tokens and \
+                    rid not in self._first_token_s:
+                self._first_token_s[rid] = now
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
+        self._first_token_s.pop(request.request_id, None)
+        self._lost_tokens.pop(request.request_id, None)
+        return super()._free_request(request, *args, **kwargs)
 
     def check_integrity(self) -> list[str]:
         """The bidirectional-block invariants: page ownership and direction (the layout) and
@@ -142,15 +179,19 @@ class AntiphonScheduler(Scheduler):
             self.stats.integrity_problems += len(problems)
             logger.error("bidirectional block integrity: %s", "; ".join(problems[:5]))
 
-    def _shape_of(self, output: SchedulerOutput) -> StepShape:
-        """The scheduled step's composition (vLLM has already advanced each request's
-        computed tokens past it)."""
-        shape = StepShape()
+    def _scheduled(self, output: SchedulerOutput) -> Iterator[tuple[Request, int, bool]]:
+        """(request, new tokens, is prefill) per request of the scheduled step."""
         for rid, num_new in output.num_scheduled_tokens.items():
             request = self.requests[rid]
-            context = request.num_computed_tokens
-            is_prefill = num_new > 1 or context - num_new < request.num_prompt_tokens
-            shape = shape.plus(num_new, context, is_prefill)
+            # vLLM has already advanced the computed tokens past the step
+            before = request.num_computed_tokens - num_new
+            yield request, num_new, num_new > 1 or before < request.num_prompt_tokens
+
+    def _shape_of(self, output: SchedulerOutput) -> StepShape:
+        """The scheduled step's composition (context counted after the step)."""
+        shape = StepShape()
+        for request, num_new, is_prefill in self._scheduled(output):
+            shape = shape.plus(num_new, request.num_computed_tokens, is_prefill)
         return shape
 
     def _preempt_request(self, request: Request, timestamp: float,
@@ -172,6 +213,8 @@ class AntiphonScheduler(Scheduler):
         cls = request_class_of(request)
         extra = request.sampling_params.extra_args or {} if request.sampling_params else {}
         is_rt = cls is RequestClass.RT
+        settings = self.settings
+        aim = 1.0 - settings.slo_headroom
         num_computed = request.num_computed_tokens
         if not is_running and self._stored_prefix_tokens is not None:
             # What the KV tiers will load at admission is not computed: a follow-up turn whose
@@ -185,11 +228,13 @@ class AntiphonScheduler(Scheduler):
             num_computed_tokens=num_computed,
             num_output_tokens=request.num_output_tokens,
             is_running=is_running,
-            ttft_slo_s=extra.get("ttft_slo_s", self.settings.rt_ttft_slo_s) if is_rt else None,
-            tpot_slo_s=extra.get("tpot_slo_s", self.settings.rt_tpot_slo_s) if is_rt else None,
+            # the targets the policy plans to, with the configured headroom kept in reserve
+            ttft_slo_s=extra.get("ttft_slo_s", settings.rt_ttft_slo_s) * aim if is_rt else None,
+            tpot_slo_s=extra.get("tpot_slo_s", settings.rt_tpot_slo_s) * aim if is_rt else None,
             priority=request.priority,
             num_preemptions=request.num_preemptions,
             num_lost_tokens=max(0, self._lost_tokens.get(request.request_id, 0) - num_computed),
+            first_token_s=self._first_token_s.get(request.request_id),
             checkpoint_pages=(self._checkpoint_cost(request) if is_running and not is_rt
                               and self._checkpoint_cost is not None else None),
             prefix_page_hashes=request.block_hashes,  # read-only; no per-step copy

@@ -31,6 +31,8 @@ class RequestView:
     # Running, with checkpointing on: device pages a preemption now would copy to the host
     # tier (its newest, not yet written through); None: a preemption recomputes its tokens.
     checkpoint_pages: int | None = None
+    # RT: when its first token was produced (seconds, the arrival clock); None before that.
+    first_token_s: float | None = None
     prefix_page_hashes: Sequence[bytes] = ()
     """Chained hashes of the prompt's full KV pages (vLLM's block hashes): two requests share
     their first k pages exactly when their first k hashes are equal. The scheduler passes
@@ -57,9 +59,18 @@ class RequestView:
         return self.num_computed_tokens + self.num_new_tokens
 
     def deadline_s(self) -> float:
-        """When the next token is due: `arrival + TTFT + i * TPOT` for token i (RT only)."""
+        """When the next token is due (RT only): the first at `arrival + TTFT`, token i after
+        it at `first + i * TPOT`, where `first` is when the first token actually came. The
+        paper's token-level deadline counts every token from `arrival + TTFT`; measured, that
+        went wrong both ways. A turn whose first token came late stayed late for every token
+        and outranked every turn that could still be on time, which then came late too (EDF's
+        domino effect under overload); and an early first token lent its credit to the
+        tokens after it, so streams paced slower than their TPOT. From the first token, a
+        stream is judged on its pace, as its TPOT is."""
         assert self.ttft_slo_s is not None and self.tpot_slo_s is not None, "not an RT request"
-        return self.arrival_s + self.ttft_slo_s + self.num_output_tokens * self.tpot_slo_s
+        first = self.arrival_s + self.ttft_slo_s if self.first_token_s is None \
+            else self.first_token_s  # unknown: the paper's form
+        return first + self.num_output_tokens * self.tpot_slo_s
 
     def slack_s(self, now_s: float) -> float:
         """Time left until the next token's deadline (negative once missed)."""

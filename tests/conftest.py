@@ -8,9 +8,18 @@ import pytest
 
 from antiphon.config import AppConfig
 from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.model import resolve_model
 from antiphon.server.config import ServerConfig
 from antiphon.sessions.config import SessionConfig
 from tests.liveserver import live_server
+
+
+def default_model_or_skip() -> Path:
+    """The default model's folder; skips the test where it is not prepared."""
+    try:
+        return resolve_model(None)
+    except Exception as exc:  # any reason the model is missing
+        pytest.skip(f"default model not prepared: {exc}")
 
 
 @dataclasses.dataclass

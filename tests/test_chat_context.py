@@ -14,7 +14,7 @@ from antiphon.engine_ext.config import EngineConfig
 from antiphon.engine_ext.engine import VllmEngine
 from antiphon.engine_ext.scripted import ScriptedEngine
 from antiphon.engine_ext.types import ChatContext, ChatTurn
-from antiphon.model import resolve_model
+from tests.conftest import default_model_or_skip
 
 HISTORY = [ChatTurn("user", "Write two short paragraphs."),
            ChatTurn("assistant", "First one.\n\nSecond one.")]
@@ -24,11 +24,7 @@ NEXT = ChatTurn("user", "Thanks! Now a third?")
 @pytest.fixture(scope="module")
 def engine() -> VllmEngine:
     """The default model's tokenizer and chat template, without starting vLLM."""
-    try:
-        model_dir = resolve_model(None)
-    except Exception as exc:  # any reason the model is missing
-        pytest.skip(f"default model not prepared: {exc}")
-    eng = VllmEngine(EngineConfig(), model_dir)
+    eng = VllmEngine(EngineConfig(), default_model_or_skip())
     eng.load_tokenizer()
     return eng
 

@@ -131,4 +131,63 @@ def test_a_late_rt_request_does_not_limit_the_step_to_itself() -> None:
     policy = BrosPolicy(per_request_cost(0.01), base_batch_size=64)
     views = [view("late", arrival=0.0), decoding("rt_on_time", arrival=9.5), view("be", BE)]
     plan = policy.plan(views, budget(now=6.0 + 0.5))
-    assert plan.order == ["late", "rt_on_time", "be"]
+    assert plan.order == ["rt_on_time", "late", "be"]  # the on-time turn first
+
+
+def test_tokens_after_the_first_are_due_at_its_time_plus_tpot_each() -> None:
+    late = dataclasses.replace(view("a", arrival=10.0, output=1), first_token_s=13.0)
+    assert late.deadline_s() == pytest.approx(13.0 + 0.1)  # not 2 s ago
+    early = dataclasses.replace(view("b", arrival=10.0, output=2), first_token_s=10.5)
+    assert early.deadline_s() == pytest.approx(10.5 + 2 * 0.1)  # no credit from the TTFT
+
+
+def test_bros_chunks_an_rt_prefill_that_does_not_fit_instead_of_waiting() -> None:
+    # 10 ms a step plus 1 ms a prefill token; four decodes with 0.05 s of slack limit the step
+    # to 0.1 s (the TPOT floor), so the 300-token prompt does not fit. It must not wait: it
+    # gets at least its prompt spread over the steps left before its TTFT (0.9 s: 8 steps).
+    cost = CostModel("hygen", {"intercept_s": 0.01, "prefill_token_s": 0.001})
+    policy = BrosPolicy(cost, base_batch_size=64)
+    now = 10.0
+    decodes = [decoding(f"d{i}", arrival=now - 1.45)
+               for i in range(4)]
+    new = view("new", arrival=now - 0.1, prompt=300)
+    plan = policy.plan([*decodes, new], budget(now=now))
+    assert plan.order[:4] == [d.request_id for d in decodes]
+    assert plan.order[4] == "new"
+    assert -(-300 // 8) <= plan.token_limits["new"] < 300
+
+
+def test_bros_does_not_let_a_prompt_too_long_for_its_ttft_stall_the_others() -> None:
+    # 2,000 tokens at 1 ms each cannot make a 1 s TTFT: it takes what fits the step, not all.
+    cost = CostModel("hygen", {"intercept_s": 0.01, "prefill_token_s": 0.001})
+    policy = BrosPolicy(cost, base_batch_size=64)
+    now = 10.0
+    decodes = [decoding(f"d{i}", arrival=now - 1.45) for i in range(4)]
+    plan = policy.plan([*decodes, view("long", arrival=now - 0.1, prompt=2000)],
+                       budget(now=now))
+    assert plan.order[4] == "long"
+    assert plan.token_limits["long"] <= 100  # within the 0.1 s step
+
+
+def test_policies_plan_with_steps_calibrated_to_what_was_measured() -> None:
+    model = CostModel("hygen", {"intercept_s": 0.1}, refit_every=10**9)  # the fit stays
+    shape = StepShape.of([(1, 10)])
+    assert model.planning_s(shape) == pytest.approx(0.1)
+    for i in range(64):  # steps ran 10-40% over the prediction
+        model.observe(shape, 0.1 * (1.1 + 0.1 * (i % 4)))
+    assert model.predict_s(shape) == pytest.approx(0.1)
+    assert model.calibration == pytest.approx(1.4)  # 4 in 5 steps fit the planned time
+    assert model.planning_s(shape) == pytest.approx(0.14)
+    for _ in range(64):  # faster than predicted: no discount
+        model.observe(shape, 0.05)
+    assert model.calibration == 1.0
+
+
+def test_bros_serves_turns_that_can_make_their_ttft_before_one_that_cannot() -> None:
+    cost = CostModel("hygen", {"intercept_s": 0.01, "prefill_token_s": 0.001})
+    policy = BrosPolicy(cost, base_batch_size=64)
+    now = 10.0
+    hopeless = view("long", arrival=now - 0.5, prompt=1500)  # 1.5 s of prefill, 0.5 s left
+    feasible = view("short", arrival=now - 0.1, prompt=100)
+    plan = policy.plan([hopeless, feasible], budget(now=now))
+    assert plan.order == ["short", "long"]

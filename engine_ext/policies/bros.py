@@ -2,11 +2,14 @@
 
 Each step:
 1. RT requests (running and waiting) in ascending slack to their next token deadline
-   (`arrival + TTFT + i * TPOT - now`). The step must finish within the smallest slack,
-   `T_res`, so the most urgent RT token is on time.
+   (`RequestView.deadline_s`), those prefills that cannot make their TTFT even alone last.
+   The step must finish within the smallest slack, `T_res`, so the most urgent RT token is
+   on time.
 2. Add RT requests while the batch is under `B_curr`, the token budget and memory allow, and the
-   predicted step time stays within `T_res`. An RT request short of pages takes them from running
-   BE requests (cheapest to redo first), never the other way round.
+   predicted step time stays within `T_res`; an RT prefill that does not fit is chunked (to what
+   fits, but no less than it needs to meet its TTFT: `rt_prefill_chunk`) instead of waiting. An
+   RT request short of pages takes them from running BE requests (cheapest to redo first),
+   never the other way round.
 3. Add BE requests, those with the least KV to restore first, under the same limits; they may
    only use free pages. A BE prefill that does not fit the time limit is cut to the chunk that
    does. With no RT request in the system the limit is the arrival guard
@@ -22,10 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from antiphon.engine_ext.costmodel import CostModel
+from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.policies.base import Policy, new_pages
 from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
+
+MIN_RT_PREFILL_CHUNK = 16  # tokens a late RT prefill computes at least, per step
 
 
 def residual_time_s(rts: Sequence[RequestView], now: float) -> float:
@@ -40,17 +45,38 @@ def residual_time_s(rts: Sequence[RequestView], now: float) -> float:
     return max(min(live), floor) if live else floor
 
 
+def rt_prefill_chunk(view: RequestView, batch: StepBatch, limit_s: float, now: float) -> int:
+    """The prefill chunk an RT request computes in a step that cannot take all of it within
+    `limit_s`: what fits, but at least its remaining prompt spread over the steps of that
+    length left before its first token is due, so it still meets its TTFT where it can; where
+    it cannot, at least `MIN_RT_PREFILL_CHUNK` tokens, so it moves. (The paper stops adding RT
+    requests at the first that does not fit: a turn arriving while others decode would then
+    wait for every one of them to finish.)"""
+    wanted = min(view.num_new_tokens, batch.tokens_left)
+    slack = view.slack_s(now)
+    context = view.num_computed_tokens + wanted
+    if batch.time_s(wanted, context, is_prefill=True) <= slack:
+        steps_left = max(1, int(slack / max(limit_s, 1e-3)) - 1)
+        floor = -(-wanted // steps_left)
+    else:  # missed, or too long to make it even in one step: others come first
+        floor = MIN_RT_PREFILL_CHUNK
+    return min(wanted, max(batch.tokens_within(view, limit_s, wanted), floor))
+
+
 class BrosPolicy(Policy):
     name = "bros"
 
-    def __init__(self, cost_model: CostModel, base_batch_size: int = 8) -> None:
+    def __init__(self, cost_model: CostModel, base_batch_size: int = 32) -> None:
         super().__init__(cost_model)
+        # B_base: the paper starts at 128 on GPUs. At 8, measured on a 2-core CPU, a turn
+        # beyond the eighth decoding stream skipped steps and missed its TPOT.
         self.base_batch_size = base_batch_size
         self.batch_size = base_batch_size  # B_curr
 
     def plan(self, views: Sequence[RequestView], budget: StepBudget) -> StepPlan:
         now = budget.now_s
-        rts = sorted((v for v in views if v.is_rt), key=lambda v: v.slack_s(now))
+        rts = sorted((v for v in views if v.is_rt),
+                     key=lambda v: (self._misses_ttft(v, now, budget), v.slack_s(now)))
         bes = sorted((v for v in views if not v.is_rt),
                      key=lambda v: (not v.is_running, v.num_lost_tokens, v.arrival_s))
         cap = min(self.batch_size, budget.max_num_seqs)
@@ -71,7 +97,9 @@ class BrosPolicy(Policy):
             context = view.num_computed_tokens + new
             if batch.ids and batch.time_s(new, context, view.is_prefill) > time_limit:
                 is_at_risk = True
-                break
+                if not view.is_prefill:
+                    break
+                new = rt_prefill_chunk(view, batch, time_limit, now)
             pages = new_pages(view, new, budget.page_tokens)
             if pages > batch.pages_left + victims.num_pages:
                 continue  # preempting all BE would not do; a running RT request may still fit
@@ -100,6 +128,17 @@ class BrosPolicy(Policy):
         plan.order = batch.ids
         plan.token_limits = batch.token_limits
         return plan
+
+    def _misses_ttft(self, view: RequestView, now: float, budget: StepBudget) -> bool:
+        """A prefill that misses its first token's deadline even if it ran alone now. It
+        comes after the RT requests that can still be on time (not in the paper): earliest
+        deadline first would put it ahead of all of them, and a long prompt that cannot make
+        its TTFT anyway would make the turns behind it miss theirs too."""
+        if not view.is_prefill:
+            return False
+        new = min(view.num_new_tokens, budget.max_num_tokens)
+        alone = StepShape().plus(new, view.num_computed_tokens + new, is_prefill=True)
+        return self.cost_model.planning_s(alone) > view.slack_s(now)
 
     def _adapt_batch_size(self, is_at_risk: bool, max_num_seqs: int) -> None:
         if is_at_risk:

@@ -32,13 +32,14 @@ class StepBatch:
 
     def time_s(self, num_new_tokens: int = 0, num_context_tokens: int = 0,
                is_prefill: bool | None = None) -> float:
-        """Predicted step latency (seconds); with `num_new_tokens` > 0, as if one more request
-        computed that many tokens with `num_context_tokens` of context after the step (a
-        prefill, unless told, when it computes more than one)."""
+        """Predicted step latency as policies plan with it (seconds, calibrated: see
+        `CostModel.planning_s`); with `num_new_tokens` > 0, as if one more request computed
+        that many tokens with `num_context_tokens` of context after the step (a prefill,
+        unless told, when it computes more than one)."""
         shape = self._shape
         if num_new_tokens > 0:
             shape = shape.plus(num_new_tokens, num_context_tokens, is_prefill)
-        return self._cost_model.predict_s(shape)
+        return self._cost_model.planning_s(shape)
 
     def max_chunk(self, view: RequestView, limit_s: float, num_cached_tokens: int = 0,
                   first_tokens: float = math.inf, min_tokens: int = 0
@@ -56,19 +57,28 @@ class StepBatch:
         held += num_cached_tokens // page_tokens
         by_pages = (held + self.pages_left) * page_tokens - start
         wanted = min(view.num_new_tokens - num_cached_tokens, self.tokens_left)
-        by_time = wanted
-        if self.time_s(wanted, start + wanted, view.is_prefill) > limit_s:
-            lo, hi = 0, wanted - 1  # largest chunk within the limit; time grows with it
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if self.time_s(mid, start + mid, view.is_prefill) <= limit_s:
-                    lo = mid
-                else:
-                    hi = mid - 1
+        by_time = self.tokens_within(view, limit_s, wanted, start)
+        if by_time < wanted:
             floor = min_tokens if self.ids else first_tokens
-            by_time = int(max(lo, min(wanted, floor)))
+            by_time = int(max(by_time, min(wanted, floor)))
         chunk = max(0, min(by_time, by_pages))
         return chunk, pages_for(start + chunk, page_tokens) - held, by_pages < by_time
+
+    def tokens_within(self, view: RequestView, limit_s: float, wanted: int,
+                      start: int | None = None) -> int:
+        """The most of `wanted` new tokens `view` can compute, starting after `start` tokens
+        (default: its computed ones), with the step's predicted time within `limit_s`."""
+        start = view.num_computed_tokens if start is None else start
+        if self.time_s(wanted, start + wanted, view.is_prefill) <= limit_s:
+            return wanted
+        lo, hi = 0, wanted - 1  # largest chunk within the limit; time grows with it
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.time_s(mid, start + mid, view.is_prefill) <= limit_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def add(self, view: RequestView, num_new_tokens: int, num_pages: int,
             num_cached_tokens: int = 0) -> None:

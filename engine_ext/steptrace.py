@@ -1,0 +1,63 @@
+"""A per-step trace of the scheduler's decisions, for diagnosing latency (`--step-trace FILE`).
+
+One JSON line per scheduled step, written when the step's output arrives:
+
+    t         wall-clock time the step was scheduled (seconds, time.time())
+    lat_s     measured step latency, schedule to output (seconds)
+    pred_s    the cost model's prediction for the step's shape (seconds)
+    plan_s    time in the policy's plan (seconds)
+    rt, be    per class: [prefill requests, prefill tokens, decode requests]
+    waiting   per class: requests left waiting after the step was scheduled
+    running   per class: requests running after the step was scheduled
+    free      free KV pages after scheduling
+    preempted per class: requests preempted while scheduling this step
+    fallback  the step was vLLM's own (the policy's plan had stalled)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import IO, Any
+
+from antiphon.engine_ext.types import RequestClass
+
+
+class StepTrace:
+    def __init__(self, path: str) -> None:
+        self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 (line-buffered, engine life)
+        self._pending: dict[str, Any] | None = None
+
+    def scheduled(self, t: float, plan_s: float, predicted_s: float,
+                  scheduled: Iterable[tuple[RequestClass, int, bool]],
+                  waiting: Iterable[RequestClass], running: Iterable[RequestClass],
+                  free_pages: int, preempted: dict[str, int], fallback: bool) -> None:
+        """A step was scheduled: `scheduled` holds (class, new tokens, is prefill) per
+        request. The record is written when `finished` gives its latency."""
+        phases = {c.value: [0, 0, 0] for c in RequestClass}
+        for cls, num_new, is_prefill in scheduled:
+            row = phases[cls.value]
+            if is_prefill:
+                row[0] += 1
+                row[1] += num_new
+            else:
+                row[2] += 1
+        self._pending = {"t": round(t, 4), "plan_s": round(plan_s, 6),
+                         "pred_s": round(predicted_s, 4), **phases,
+                         "waiting": _count(waiting), "running": _count(running),
+                         "free": free_pages, "preempted": preempted, "fallback": fallback}
+
+    def finished(self, latency_s: float) -> None:
+        if self._pending is None:
+            return
+        self._pending["lat_s"] = round(latency_s, 4)
+        self._file.write(json.dumps(self._pending) + "\n")
+        self._pending = None
+
+
+def _count(classes: Iterable[RequestClass]) -> dict[str, int]:
+    counts = {c.value: 0 for c in RequestClass}
+    for cls in classes:
+        counts[cls.value] += 1
+    return counts
+
