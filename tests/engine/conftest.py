@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import pytest
 import pytest_asyncio
 
 from antiphon.engine_ext.config import EngineConfig
@@ -11,7 +12,7 @@ from tests.engine import TEST_DTYPE
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def engine() -> AsyncIterator[VllmEngine]:
+async def engine(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmEngine]:
     """One real vLLM engine with the default model for the whole test run.
 
     AsyncLLM binds to the event loop it starts on, so every test shares the session loop.
@@ -25,7 +26,8 @@ async def engine() -> AsyncIterator[VllmEngine]:
     # reused pages themselves come back byte for byte (tests/test_tier_copier.py).
     config = EngineConfig(max_model_len=2048, kv_cache_gib=0.5, num_kv_pages=20,
                           enforce_eager=True, policy="bros", cost_model="online",
-                          dtype=TEST_DTYPE, biblocks=False)
+                          dtype=TEST_DTYPE, biblocks=False,
+                          step_trace=str(tmp_path_factory.mktemp("trace") / "steps.jsonl"))
     eng = VllmEngine(config, resolve_model(None))
     await eng.start()
     yield eng

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +85,16 @@ async def test_scheduler_reports_steps_and_cost_model_error(engine: VllmEngine) 
     assert stats["num_steps"] > 40
     assert 0 < stats["schedule_s"] / stats["num_steps"] < 0.01  # well under 10 ms a step
     assert stats["cost_model_mape"] is not None
+    assert 1.0 <= stats["cost_model_calibration"] <= 2.0
+
+
+async def test_the_step_trace_records_each_step(engine: VllmEngine) -> None:
+    assert engine.config.step_trace is not None
+    trace = Path(engine.config.step_trace)
+    before = len(trace.read_text().splitlines()) if trace.exists() else 0
+    await run(engine, "trace-0", "Name three rivers.", 8, RequestClass.BE, ignore_eos=True)
+    steps = [json.loads(line) for line in trace.read_text().splitlines()[before:]]
+    assert len(steps) >= 8  # a prefill and the decodes (the last step is written with its output)
+    assert steps[0]["be"][0] == 1 and steps[0]["be"][1] > 8  # the prompt, one prefill
+    assert sum(s["be"][2] for s in steps) >= 6  # then decodes
+    assert all(s["lat_s"] > 0 and s["pred_s"] >= 0 and s["rt"] == [0, 0, 0] for s in steps)
