@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 from antiphon.configfields import doc
@@ -91,6 +92,9 @@ class EngineConfig:
             raise ValueError("rt_ttft_slo_s and rt_tpot_slo_s must be positive")
         if not 0 <= self.slo_headroom < 1:
             raise ValueError(f"slo_headroom must be within [0, 1), got {self.slo_headroom}")
+        if self.step_trace is not None and not os.path.isdir(
+                os.path.dirname(os.path.abspath(self.step_trace))):
+            raise ValueError(f"step_trace: no folder for {self.step_trace!r}")
         if not self.be_step_limit_s > 0:  # also refuses NaN
             raise ValueError(f"be_step_limit_s must be positive, got {self.be_step_limit_s}")
         if self.shared_block_pages < 1:

@@ -30,7 +30,9 @@ def test_server_config_rejects_bad_limits(kwargs: dict[str, object]) -> None:
 
 @pytest.mark.parametrize("kwargs", [{"max_model_len": 1}, {"kv_cache_gib": 0},
                                     {"dtype": "int3"}, {"num_kv_pages": 0},
-                                    {"be_step_limit_s": 0}, {"be_step_limit_s": float("nan")}])
+                                    {"be_step_limit_s": 0}, {"be_step_limit_s": float("nan")},
+                                    {"slo_headroom": 1.0}, {"slo_headroom": -0.1},
+                                    {"step_trace": "/no/such/folder/steps.jsonl"}])
 def test_engine_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         EngineConfig(**kwargs)  # type: ignore[arg-type]
@@ -40,13 +42,16 @@ def test_cli_options_build_configs(tmp_path: Path) -> None:
     args = build_parser().parse_args([
         "serve", "--port", "9001", "--api-keys", "k" * 12, "--api-keys", "j" * 12,
         "--max-model-len", "1024", "--enforce-eager", "--data-dir", str(tmp_path),
-        "--be-step-limit-s", "0.5"])
+        "--be-step-limit-s", "0.5", "--slo-headroom", "0.2",
+        "--step-trace", str(tmp_path / "steps.jsonl")])
     server = dataclass_from_args(ServerConfig, args)
     engine = dataclass_from_args(EngineConfig, args)
     sessions = dataclass_from_args(SessionConfig, args)
     assert server.port == 9001 and server.api_keys == ("k" * 12, "j" * 12)
     assert engine.max_model_len == 1024 and engine.enforce_eager
     assert engine.scheduler_settings.be_step_limit_s == 0.5  # the arrival guard turned on
+    assert engine.scheduler_settings.slo_headroom == 0.2
+    assert engine.scheduler_settings.step_trace == str(tmp_path / "steps.jsonl")
     assert engine.dtype == "auto"  # untouched options keep the dataclass default
     assert sessions.db_path == tmp_path / "sessions.sqlite3"
 
