@@ -123,16 +123,11 @@ def build_sweep(args: argparse.Namespace, model_dir: Path) -> Sweep:
     engine sized from their rendered length with every reply at `max_tokens`."""
     from transformers import AutoTokenizer
 
-    from antiphon.bench.workload import sharegpt_conversations
+    from antiphon.bench.workload import cut_tokens, sharegpt_conversations
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     users = tuple(int(u) for u in args.users.split(","))
     convs = iter(sharegpt_conversations(sum(users), MIN_USER_TURNS, seed=args.seed))
-
-    def cut(text: str) -> str:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return text if len(ids) <= args.max_message_tokens else str(tokenizer.decode(
-            ids[:args.max_message_tokens]))
 
     def context_tokens(messages: tuple[str, ...]) -> int:
         chat = [{"role": role, "content": m if role == "user" else ""}
@@ -140,6 +135,9 @@ def build_sweep(args: argparse.Namespace, model_dir: Path) -> Sweep:
         text = tokenizer.apply_chat_template(chat, tokenize=False)
         return len(tokenizer.encode(text, add_special_tokens=False)) + len(
             messages) * args.max_tokens
+
+    def cut(text: str) -> str:
+        return cut_tokens(text, args.max_message_tokens, tokenizer)
 
     messages = tuple(tuple(tuple(cut(t) for r, t in next(convs) if r == "user")[:args.max_turns]
                            for _ in range(n)) for n in users)

@@ -104,6 +104,12 @@ def sharegpt_conversations(count: int, min_user_turns: int = 1,
     return random.Random(seed).sample(pool, min(count, len(pool)))
 
 
+def cut_tokens(text: str, max_tokens: int, tokenizer: Any) -> str:
+    """`text`, or its first `max_tokens` tokens of `tokenizer` where it is longer."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return text if len(ids) <= max_tokens else str(tokenizer.decode(ids[:max_tokens]))
+
+
 def fit_tokens(text: str, num_tokens: int, filler: str, tokenizer: Any) -> str:
     """`text` cut or padded (with `filler`) to `num_tokens` tokens of `tokenizer` (at least 4).
     Exact, where counting words was not: a ShareGPT message of code or of unspaced script is
