@@ -215,11 +215,16 @@ class AntiphonScheduler(Scheduler):
         is_rt = cls is RequestClass.RT
         settings = self.settings
         aim = 1.0 - settings.slo_headroom
-        num_computed = request.num_computed_tokens
-        if not is_running and self._stored_prefix_tokens is not None:
-            # What the KV tiers will load at admission is not computed: a follow-up turn whose
-            # context is stored costs its new message, not its whole prompt.
-            num_computed = max(num_computed, self._stored_prefix_tokens(request))
+        num_computed, num_restore = request.num_computed_tokens, 0
+        if not is_running:
+            # What admission will find is not computed: pages still in the device's prefix
+            # cache (a preempted request's, a shared prefix) and what the KV tiers will load. A
+            # follow-up turn whose context is stored costs its new message, not its prompt.
+            num_computed = max(num_computed, self._device_cached_tokens(request))
+            if self._stored_prefix_tokens is not None:
+                stored = self._stored_prefix_tokens(request)
+                num_restore = max(0, stored - num_computed)
+                num_computed = max(num_computed, stored)
         return RequestView(
             request_id=request.request_id,
             request_class=cls,
@@ -233,12 +238,20 @@ class AntiphonScheduler(Scheduler):
             tpot_slo_s=extra.get("tpot_slo_s", settings.rt_tpot_slo_s) * aim if is_rt else None,
             priority=request.priority,
             num_preemptions=request.num_preemptions,
-            num_lost_tokens=max(0, self._lost_tokens.get(request.request_id, 0) - num_computed),
+            num_restore_tokens=num_restore,
             first_token_s=self._first_token_s.get(request.request_id),
             checkpoint_pages=(self._checkpoint_cost(request) if is_running and not is_rt
                               and self._checkpoint_cost is not None else None),
             prefix_page_hashes=request.block_hashes,  # read-only; no per-step copy
         )
+
+    def _device_cached_tokens(self, request: Request) -> int:
+        """Prompt tokens of a waiting request in the device's prefix cache: a lookup of its
+        page hashes, without vLLM's hit counters (admission counts the real hit)."""
+        if not self.cache_config.enable_prefix_caching or not request.block_hashes:
+            return 0
+        return self.kv_cache_manager.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1)[1]
 
     def _budget(self) -> StepBudget:
         return StepBudget(

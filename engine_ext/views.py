@@ -27,7 +27,10 @@ class RequestView:
     tpot_slo_s: float | None = None  # RT only: each later token due this much after the last
     priority: int = 0  # lower is more important (vLLM's convention)
     num_preemptions: int = 0
-    num_lost_tokens: int = 0  # computed tokens thrown away by preemptions, to recompute
+    # Waiting: KV the tiers would load at admission, beyond what the device's prefix cache still
+    # holds (BROS's M_cpu: the cost of restoring a checkpointed request); 0 when nothing is
+    # stored, e.g. a fresh request or one preempted by recompute.
+    num_restore_tokens: int = 0
     # Running, with checkpointing on: device pages a preemption now would copy to the host
     # tier (its newest, not yet written through); None: a preemption recomputes its tokens.
     checkpoint_pages: int | None = None

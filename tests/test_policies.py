@@ -95,11 +95,13 @@ def test_rt_takes_pages_from_be_never_the_reverse() -> None:
     assert plan.preempt == [] and "be_new" not in plan.order
 
 
-def test_preempted_be_with_least_lost_work_goes_first() -> None:
+def test_be_order_running_then_least_to_restore_then_arrival() -> None:
     policy = BrosPolicy(constant_cost(0.01), base_batch_size=64)
-    views = [view("lost_much", BE, num_lost_tokens=500), view("lost_little", BE,
-             num_lost_tokens=10), decoding("running_be", BE)]
-    assert policy.plan(views, budget()).order == ["running_be", "lost_little", "lost_much"]
+    views = [view("new", BE, arrival=3.0), view("restore_much", BE, num_restore_tokens=500),
+             view("preempted", BE, arrival=1.0), view("restore_little", BE,
+             num_restore_tokens=10), decoding("running_be", BE)]
+    assert policy.plan(views, budget()).order == [
+        "running_be", "preempted", "new", "restore_little", "restore_much"]
 
 
 def test_cost_model_learns_a_linear_step_time() -> None:

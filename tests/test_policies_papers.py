@@ -340,7 +340,7 @@ def request_views(draw: st.DrawFn, index: int) -> RequestView:
     return RequestView(
         f"r{index}", RT if is_rt else BE, draw(st.floats(0.0, 10.0)), prompt, computed, output,
         is_running, priority=draw(st.integers(0, 2)), prefix_page_hashes=chain(*labels),
-        num_lost_tokens=draw(st.sampled_from([0, 0, 40])), **slo)
+        num_restore_tokens=draw(st.sampled_from([0, 0, 40])), **slo)
 
 
 @st.composite

@@ -10,9 +10,10 @@ Each step:
    fits, but no less than it needs to meet its TTFT: `rt_prefill_chunk`) instead of waiting. An
    RT request short of pages takes them from running BE requests (cheapest to redo first),
    never the other way round.
-3. Add BE requests, those with the least KV to restore first, under the same limits; they may
-   only use free pages. A BE prefill that does not fit the time limit is cut to the chunk that
-   does. With no RT request in the system the limit is the arrival guard
+3. Add BE requests under the same limits: running first, then those with the least KV to
+   restore from the host tier (the paper's M_cpu), then in arrival order (a preempted request
+   before one not yet started, as vLLM resumes them). They may only use free pages. A BE
+   prefill that does not fit the time limit is cut to the chunk that does. With no RT request in the system the limit is the arrival guard
    (`StepBudget.max_be_step_s`, not in the paper): without it one step could prefill several
    whole documents, and a turn arriving meanwhile would wait for all of them.
 4. `B_curr` doubles after a step with no RT at risk and falls back to its base as soon as the
@@ -78,7 +79,7 @@ class BrosPolicy(Policy):
         rts = sorted((v for v in views if v.is_rt),
                      key=lambda v: (self._misses_ttft(v, now, budget), v.slack_s(now)))
         bes = sorted((v for v in views if not v.is_rt),
-                     key=lambda v: (not v.is_running, v.num_lost_tokens, v.arrival_s))
+                     key=lambda v: (not v.is_running, v.num_restore_tokens, v.arrival_s))
         cap = min(self.batch_size, budget.max_num_seqs)
         batch = StepBatch(budget, self.cost_model)
         plan = StepPlan(is_restrictive=True)
