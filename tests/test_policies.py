@@ -136,6 +136,17 @@ def test_a_late_rt_request_does_not_limit_the_step_to_itself() -> None:
     assert plan.order == ["rt_on_time", "late", "be"]  # the on-time turn first
 
 
+def test_bros_keeps_every_late_decode_in_the_step() -> None:
+    # 16 streams whose tokens are all late (0.02 s a request: 0.32 s a step against a 0.1 s
+    # TPOT). Cutting the step to the limit would serve 5 and make the rest skip it.
+    policy = BrosPolicy(per_request_cost(0.02), base_batch_size=64)
+    late = [dataclasses.replace(decoding(f"rt{i}"), first_token_s=0.0) for i in range(16)]
+    assert len(policy.plan(late, budget(now=10.0)).order) == 16
+    # Streams still on time (next token due in 0.1 s) get the limit: 5 fit, 11 wait.
+    on_time = [dataclasses.replace(decoding(f"ok{i}"), first_token_s=9.6) for i in range(16)]
+    assert len(policy.plan(on_time, budget(now=10.0)).order) == 5  # slack 0.1 s: 5 fit
+
+
 def test_tokens_after_the_first_are_due_at_its_time_plus_tpot_each() -> None:
     late = dataclasses.replace(view("a", arrival=10.0, output=1), first_token_s=13.0)
     assert late.deadline_s() == pytest.approx(13.0 + 0.1)  # not 2 s ago
