@@ -1,8 +1,10 @@
-"""Engine-only A/B of scheduler classes: `python -m antiphon.bench.scheduler_ab`.
+"""Engine-only A/B of scheduler classes: `python -m antiphon.bench.scheduler_ab [REPEATS]`.
 
-Runs the `bench serve` workload through vLLM's AsyncLLM (no server) with the stock scheduler,
-vLLM's own AsyncScheduler, and Antiphon's scheduler in both forms under the identity (`fcfs`)
-plan, alternating, so the cost of the scheduler class itself shows on this machine.
+Runs the `bench serve` workload through vLLM's AsyncLLM (no server), alternating: the stock
+scheduler, vLLM's own AsyncScheduler, Antiphon's scheduler in both forms under the identity
+(`fcfs`) plan, so the cost of the scheduler class itself shows on this machine, and Antiphon's
+scheduler under the `bros` policy with every request RT, then every request BE (issue 3: with
+one class only, throughput at least 97% of stock vLLM).
 """
 
 from __future__ import annotations
@@ -13,29 +15,41 @@ from typing import Any
 
 from antiphon.bench.serving import run_direct
 from antiphon.engine_ext.config import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS, SchedulerSettings
+from antiphon.engine_ext.engine import resolve_dtype
 from antiphon.model import resolve_model
 
-ENGINE = {"max_model_len": 2048, "enforce_eager": False, "dtype": "bfloat16",
+# Eager engines start in seconds; compiled ones run faster, but every variant alike. The dtype
+# is the server's default for this machine (`resolve_dtype("auto")`).
+ENGINE = {"max_model_len": 2048, "enforce_eager": True,
           "max_num_seqs": 64, "kv_cache_memory_bytes": 2 << 30, "seed": 0,
           "enable_prefix_caching": True, "max_num_batched_tokens": 2048}
 FCFS = SchedulerSettings("fcfs").to_additional_config()
-VARIANTS: dict[str, dict[str, Any]] = {
-    "stock": {},
-    "vllm_async": {"scheduler_cls": "vllm.v1.core.sched.async_scheduler.AsyncScheduler"},
-    "antiphon": {"scheduler_cls": SCHEDULER_CLS, "additional_config": FCFS},
-    "antiphon_async": {"scheduler_cls": ASYNC_SCHEDULER_CLS, "additional_config": FCFS},
+BROS = {"scheduler_cls": SCHEDULER_CLS,
+        "additional_config": SchedulerSettings("bros").to_additional_config()}
+# name: (engine arguments, class of every request)
+VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
+    "stock": ({}, None),
+    "vllm_async": ({"scheduler_cls": "vllm.v1.core.sched.async_scheduler.AsyncScheduler"}, None),
+    "antiphon": ({"scheduler_cls": SCHEDULER_CLS, "additional_config": FCFS}, None),
+    "antiphon_async": ({"scheduler_cls": ASYNC_SCHEDULER_CLS, "additional_config": FCFS}, None),
+    "bros_rt_only": (BROS, "rt"),
+    "bros_be_only": (BROS, "be"),
 }
 
 
-def main(repeats: int = 2) -> None:
+def main(repeats: int = 2, names: list[str] | None = None) -> None:
     model = resolve_model(None)
+    engine = {**ENGINE, "dtype": resolve_dtype("auto")}
     workload = {"concurrency": (1, 16), "max_tokens": 128, "rounds": 2, "ttft_repeats": 3}
     for rep in range(repeats):
-        for name, extra in VARIANTS.items():
-            result = asyncio.run(run_direct(model, {**ENGINE, **extra}, **workload))
+        for name in names or VARIANTS:
+            extra, request_class = VARIANTS[name]
+            result = asyncio.run(run_direct(model, {**engine, **extra}, request_class,
+                                            **workload))
             print(rep, name, {k: round(v, 2) for k, v in result.items() if "per_s" in k},
                   flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2, sys.argv[2].split(",")
+         if len(sys.argv) > 2 else None)

@@ -59,8 +59,10 @@ async def measure(run: Runner, concurrency: tuple[int, ...], max_tokens: int, ro
     return result
 
 
-async def run_direct(model_dir: Path, engine_args: dict[str, Any], **workload: Any) -> dict:
-    """The workload through vLLM's AsyncLLM with its stock scheduler."""
+async def run_direct(model_dir: Path, engine_args: dict[str, Any],
+                     request_class: str | None = None, **workload: Any) -> dict:
+    """The workload through vLLM's AsyncLLM (its stock scheduler unless `engine_args` names
+    another), every request of `request_class` ("rt", "be") where given."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -71,13 +73,14 @@ async def run_direct(model_dir: Path, engine_args: dict[str, Any], **workload: A
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), **engine_args))
     counter = iter(range(1 << 30))
+    extra_args = {"antiphon_class": request_class} if request_class else None
 
     async def run(prompt: str, max_tokens: int) -> tuple[float, int, float]:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                              add_generation_prompt=True, tokenize=False)
         ids = tokenizer.encode(text, add_special_tokens=False)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                output_kind=RequestOutputKind.DELTA)
+                                output_kind=RequestOutputKind.DELTA, extra_args=extra_args)
         started, first, n = time.perf_counter(), None, 0
         async for out in llm.generate(TokensPrompt(prompt_token_ids=ids), params,
                                       f"b{next(counter)}"):
