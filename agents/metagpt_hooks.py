@@ -87,13 +87,20 @@ def with_session(kwargs: dict[str, Any], session_id: str) -> dict[str, Any]:
 
 class MetaGPTAdvisor:
     def __init__(self, client: AsyncAntiphon, hooks: CallGraphHooks | None = None, *,
-                 session_prefix: str = "metagpt:") -> None:
+                 session_prefix: str = "metagpt:", advisory_wait_s: float = 0.25) -> None:
+        """`advisory_wait_s`: how long a role's model call waits at most for an advisory to its
+        own session still being sent (a message published just before the call): an advisory
+        that reaches the engine after the call is too late to be used."""
+        if advisory_wait_s < 0:
+            raise ValueError(f"advisory_wait_s must be >= 0, got {advisory_wait_s}")
         self.client = client
         self.hooks = hooks if hooks is not None else CallGraphHooks(client)
         self.session_prefix = session_prefix
+        self.advisory_wait_s = advisory_wait_s
         self.graph = TeamGraph()
         self.calls: list[CallTiming] = []
         self._pending: set[asyncio.Task[None]] = set()
+        self._advising: dict[str, set[asyncio.Task[None]]] = {}  # session: advisories sending
 
     async def attach(self, env: Any) -> TeamGraph:
         """Open a session for each of `env`'s roles and hook their model calls and
@@ -112,11 +119,22 @@ class MetaGPTAdvisor:
         while self._pending:
             await asyncio.gather(*self._pending)
 
-    def _spawn(self, advising: Awaitable[None]) -> None:
-        # Advisories go out beside the calls, never delaying them.
+    def _spawn(self, advising: Awaitable[None], session_id: str | None = None) -> None:
+        # Advisories go out beside the calls; only a call to the advised session waits for it.
         task = asyncio.ensure_future(advising)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+        if session_id is not None:
+            sending = self._advising.setdefault(session_id, set())
+            sending.add(task)
+            task.add_done_callback(sending.discard)
+
+    async def _advisory_sent(self, session_id: str) -> None:
+        """Let the advisories to `session_id` still being sent reach the server first (at most
+        `advisory_wait_s`)."""
+        sending = self._advising.get(session_id)
+        if sending and self.advisory_wait_s > 0:
+            await asyncio.wait(set(sending), timeout=self.advisory_wait_s)
 
     def _hook_calls(self, role: Any, view: TeamRole) -> None:
         completions = role.llm.aclient.chat.completions
@@ -128,7 +146,8 @@ class MetaGPTAdvisor:
             action = ActionName(action_name(role.rc.todo))
             lead = self.hooks.take_lead(view)
             self._spawn(self.hooks.on_call_start(self.graph, view, action))
-            started = time.perf_counter()
+            started = time.perf_counter()  # the wait below counts in the call's time
+            await self._advisory_sent(session_id)
             response = await create(*args, **with_session(kwargs, session_id))
             if kwargs.get("stream"):
                 return self._timed(response, view, action, started, lead)
@@ -165,7 +184,7 @@ class MetaGPTAdvisor:
                 # once, since the role may call before the advisory task first runs.
                 if role.session_id is not None:
                     self.hooks.note_advisory(role.session_id)
-                self._spawn(self.hooks.advise(role, 0.0))
+                self._spawn(self.hooks.advise(role, 0.0), role.session_id)
             return result
 
         # MetaGPT's Environment is a pydantic model, which refuses unknown attributes.

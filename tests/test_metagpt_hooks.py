@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from antiphon.agents import AsyncAntiphon
 from antiphon.agents.metagpt_hooks import MetaGPTAdvisor, action_name, with_session
@@ -123,3 +124,39 @@ async def test_calls_run_in_role_sessions_and_advise_the_watchers(scripted: Scri
         await advisor.drain()
     stats = httpx.get(url + f"/v1/sessions/{sessions['architect']}").json()
     assert stats["messages"] == []  # the OpenAI client keeps the conversation itself
+
+
+async def test_a_call_right_after_a_publish_waits_for_its_advisory(scripted: Scripted) -> None:
+    """The advisory for a role that a publish wakes reaches the engine before that role's
+    call, not beside it (too late to be used): the call waits for it, briefly."""
+    url, engine = scripted.url, scripted.engine
+    architect = role(url, "architect", UserRequirement)
+    engineer = role(url, "engineer", WriteDesign)
+    env = Environment([architect, engineer])
+    events: list[str] = []
+    advise, generate = engine.advise, engine.generate
+
+    async def recorded_advise(session_id: str, *args: Any) -> Any:
+        events.append(f"advise {session_id}")
+        return await advise(session_id, *args)
+
+    def recorded_generate(request_id: str, prompt: list[int], params: Any) -> Any:
+        events.append("generate " + engine.decode(prompt).split("\n")[0])
+        return generate(request_id, prompt, params)
+
+    engine.advise, engine.generate = recorded_advise, recorded_generate  # type: ignore[method-assign]
+    async with AsyncAntiphon(url) as client:
+        advisor = MetaGPTAdvisor(client)
+        graph = await advisor.attach(env)
+        engineer_session = next(r.session_id for r in graph.roles if r.name == "engineer")
+        await call(engineer, WriteCode, "code it")  # the session now has context to move
+        await advisor.drain()
+        events.clear()
+        env.publish_message(Message("design done", action_name(WriteDesign)))
+        await call(engineer, WriteCode, "code it again")
+        await advisor.drain()
+    assert events.index(f"advise {engineer_session}") < events.index(
+        "generate <system>You are the engineer.")
+    assert advisor.calls[-1].advisory_lead_s is not None
+    with pytest.raises(ValueError, match="advisory_wait_s"):
+        MetaGPTAdvisor(client, advisory_wait_s=-1)
