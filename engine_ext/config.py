@@ -12,6 +12,7 @@ from antiphon.configfields import doc
 GiB = 1 << 30
 
 COST_MODEL_MODES = ("auto", "stored", "online")
+DEFAULT_CPU_RESERVED_CORES = 0
 
 SCHEDULER_CLS = "antiphon.engine_ext.scheduler.AntiphonScheduler"
 ASYNC_SCHEDULER_CLS = "antiphon.engine_ext.scheduler.AntiphonAsyncScheduler"
@@ -70,6 +71,13 @@ class EngineConfig:
         "Diagnostics: append one JSON line per engine step (its requests by class and phase, "
         "queues, free pages, preemptions, predicted and measured latency) to this file",
         default=None)
+    cpu_reserved_cores: int = doc(
+        "CPU only: cores kept free of the model's threads for vLLM's engine process "
+        "(VLLM_CPU_NUM_OF_RESERVED_CPU). 0: the model's threads use every core. vLLM's own "
+        "default keeps one core per worker, and one more with a KV connector; with fewer "
+        "cores than that it uses them all, so on a 2-core host the model got one core "
+        "without KV tiering and two with it, and every benchmark that compared the two "
+        "compared different hardware (docs/benchmarks.md)", default=DEFAULT_CPU_RESERVED_CORES)
     cost_model: str = doc(
         "Where the step cost model starts: 'stored' (the fit `antiphon profile` stored for "
         "this model and machine, else a prior), 'auto' (as stored, but profile the engine at "
@@ -100,6 +108,8 @@ class EngineConfig:
         if self.shared_block_pages < 1:
             raise ValueError(f"shared_block_pages must be at least 1, got "
                              f"{self.shared_block_pages}")
+        if self.cpu_reserved_cores < 0:
+            raise ValueError(f"cpu_reserved_cores must be >= 0, got {self.cpu_reserved_cores}")
         if self.cost_model not in COST_MODEL_MODES:
             raise ValueError(f"cost_model must be one of {', '.join(COST_MODEL_MODES)}, "
                              f"got {self.cost_model!r}")
@@ -116,6 +126,15 @@ class EngineConfig:
         return SchedulerSettings(self.policy, self.rt_ttft_slo_s, self.rt_tpot_slo_s,
                                  self.biblocks, self.shared_block_pages, self.be_step_limit_s,
                                  self.step_trace, self.slo_headroom)
+
+
+CPU_RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def reserve_cpu_cores(num_cores: int) -> None:
+    """Keep `num_cores` CPU cores free of the model's threads in engines started from now on
+    in this process and its children (vLLM reads the variable when it binds its threads)."""
+    os.environ[CPU_RESERVED_CORES_ENV] = str(num_cores)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,12 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, cast
 
-from antiphon.engine_ext.config import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS, EngineConfig
+from antiphon.engine_ext.config import (
+    ASYNC_SCHEDULER_CLS,
+    SCHEDULER_CLS,
+    EngineConfig,
+    reserve_cpu_cores,
+)
 from antiphon.engine_ext.costfit import Machine, machine_fingerprint
 from antiphon.engine_ext.policies import policy_class
 from antiphon.engine_ext.profiler import EngineLimits, prepare_cost_model
@@ -188,6 +193,7 @@ class VllmEngine(Engine):
 
         self.load_tokenizer()
         c = self.config
+        reserve_cpu_cores(c.cpu_reserved_cores)
         args = AsyncEngineArgs(
             model=str(self.model_dir),
             served_model_name=[self.model_name],

@@ -32,7 +32,8 @@ def test_server_config_rejects_bad_limits(kwargs: dict[str, object]) -> None:
                                     {"dtype": "int3"}, {"num_kv_pages": 0},
                                     {"be_step_limit_s": 0}, {"be_step_limit_s": float("nan")},
                                     {"slo_headroom": 1.0}, {"slo_headroom": -0.1},
-                                    {"step_trace": "/no/such/folder/steps.jsonl"}])
+                                    {"step_trace": "/no/such/folder/steps.jsonl"},
+                                    {"cpu_reserved_cores": -1}])
 def test_engine_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         EngineConfig(**kwargs)  # type: ignore[arg-type]
@@ -42,7 +43,7 @@ def test_cli_options_build_configs(tmp_path: Path) -> None:
     args = build_parser().parse_args([
         "serve", "--port", "9001", "--api-keys", "k" * 12, "--api-keys", "j" * 12,
         "--max-model-len", "1024", "--enforce-eager", "--data-dir", str(tmp_path),
-        "--be-step-limit-s", "0.5", "--slo-headroom", "0.2",
+        "--be-step-limit-s", "0.5", "--slo-headroom", "0.2", "--cpu-reserved-cores", "1",
         "--step-trace", str(tmp_path / "steps.jsonl")])
     server = dataclass_from_args(ServerConfig, args)
     engine = dataclass_from_args(EngineConfig, args)
@@ -52,6 +53,7 @@ def test_cli_options_build_configs(tmp_path: Path) -> None:
     assert engine.scheduler_settings.be_step_limit_s == 0.5  # the arrival guard turned on
     assert engine.scheduler_settings.slo_headroom == 0.2
     assert engine.scheduler_settings.step_trace == str(tmp_path / "steps.jsonl")
+    assert engine.cpu_reserved_cores == 1
     assert engine.dtype == "auto"  # untouched options keep the dataclass default
     assert sessions.db_path == tmp_path / "sessions.sqlite3"
 
