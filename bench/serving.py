@@ -124,10 +124,14 @@ async def run_server(ws_url: str, **workload: Any) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    from antiphon.engine_ext.engine import resolve_dtype
     from antiphon.model import resolve_model
 
     model_dir = resolve_model(args.model)
-    engine = {"max_model_len": 2048, "enforce_eager": args.enforce_eager, "dtype": "bfloat16",
+    # Both systems in the dtype `antiphon serve` picks for this machine (bfloat16 is emulated,
+    # about 5 times slower, on CPUs without bfloat16 instructions).
+    dtype = resolve_dtype("auto")
+    engine = {"max_model_len": 2048, "enforce_eager": args.enforce_eager, "dtype": dtype,
               "max_num_seqs": 64, "kv_cache_memory_bytes": 2 << 30, "seed": 0,
               "enable_prefix_caching": True, "max_num_batched_tokens": 2048}
     workload = {"concurrency": (1, 16), "max_tokens": args.max_tokens,
@@ -141,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
               flush=True)
         cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
                "--max-model-len", "2048", "--kv-cache-gib", "2", "--max-num-seqs", "64",
-               "--data-dir", str(Path(args.out).with_suffix(".data"))]
+               "--dtype", dtype, "--data-dir", str(Path(args.out).with_suffix(".data"))]
         cmd += ["--enforce-eager"] if args.enforce_eager else ["--no-enforce-eager"]
         with ServerProcess(cmd) as server:
             served = asyncio.run(run_server(server.ws_url, **workload))
