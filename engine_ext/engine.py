@@ -334,7 +334,7 @@ class VllmEngine(Engine):
 
         device = "cpu" if current_platform.is_cpu() else current_platform.get_device_name()
         return str(self.model_dir.resolve()), machine_fingerprint(
-            self.dtype, self.config.enforce_eager, device)
+            self.dtype, self.config.enforce_eager, device, self.config.cpu_reserved_cores)
 
     def limits(self) -> EngineLimits:
         """What the running engine can hold in one step and in its KV pool (for profiling)."""

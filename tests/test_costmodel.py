@@ -183,6 +183,8 @@ def test_a_fit_from_another_machine_or_model_is_not_used(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     other = {**MACHINE, "num_cpus": 64}
     assert fit_path(tmp_path, MODEL, other) != fit_path(tmp_path, MODEL, MACHINE)
+    one_core_less = machine_fingerprint("bfloat16", True, reserved_cpu_cores=1)
+    assert fit_path(tmp_path, MODEL, one_core_less) != fit_path(tmp_path, MODEL, MACHINE)
     fit = choose_fit(synthetic_steps("bros"), MODEL, other)
     path = tmp_path / "fit.json"
     save_fit(fit, path)
