@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -165,3 +166,22 @@ def test_cross_process_slots(tier: HostTier) -> None:
     # The child's exit must not have unlinked the segment.
     with HostArena.attach(tier.arena.name) as again:
         assert again.read(write_slot, len(payload)) == payload
+
+
+def test_arenas_of_dead_processes_are_removed_and_live_ones_kept() -> None:
+    import subprocess
+
+    from antiphon.tiering.host_arena import ARENA_PREFIX, remove_orphaned_arenas
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = HostArena.create(f"{ARENA_PREFIX}{dead.pid}", 1, SLOT)
+    mine = HostArena.create(f"{ARENA_PREFIX}{os.getpid()}", 1, SLOT)
+    try:
+        removed = remove_orphaned_arenas()
+        assert orphan.name in removed and mine.name not in removed
+        assert not HostArena.unlink_stale(orphan.name)  # already gone
+        HostArena.attach(mine.name).close()  # still there
+    finally:
+        orphan.close()
+        mine.close()  # the owner unlinks it

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 from antiphon.tiering.config import TieringConfig
 from antiphon.tiering.eviction import get_eviction_policy
-from antiphon.tiering.host_arena import default_arena_name
+from antiphon.tiering.host_arena import default_arena_name, remove_orphaned_arenas
 from antiphon.tiering.host_tier import HostTier
 from antiphon.tiering.manager import TieredStore
 from antiphon.tiering.ssd_tier import SsdTier
 from antiphon.tiering.tier import Tier
+
+logger = logging.getLogger(__name__)
 
 
 def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore:
@@ -24,6 +28,11 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
         raise ValueError("both tiers are off: set host_tier_bytes > 0 or ssd_dir")
     tiers: list[Tier] = []
     if config.is_host_tier_enabled:
+        if config.host_shm_name is None:
+            orphans = remove_orphaned_arenas()
+            if orphans:
+                logger.warning("removed %d host-tier arenas left by killed processes: %s",
+                               len(orphans), ", ".join(orphans))
         tiers.append(HostTier.create(config.host_shm_name or default_arena_name(),
                                      config.host_tier_bytes, slot_bytes,
                                      policy=get_eviction_policy(config.eviction_policy)))

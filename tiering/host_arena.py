@@ -19,6 +19,7 @@ import mmap
 import os
 import struct
 from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -193,6 +194,34 @@ class HostArena:
         return HEADER_BYTES + slot * self.slot_bytes
 
 
+ARENA_PREFIX = "antiphon-kv-"
+
+
 def default_arena_name() -> str:
     """A name unique to this process: `antiphon-kv-<pid>`."""
-    return f"antiphon-kv-{os.getpid()}"
+    return f"{ARENA_PREFIX}{os.getpid()}"
+
+
+def remove_orphaned_arenas(shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """Unlink default-named arenas (`antiphon-kv-<pid>`) whose process is gone: a server
+    killed without closing its tiers leaves its arena in shared memory, which is RAM, until
+    someone removes it. Returns the names removed. An arena named by `--host-shm-name`, or
+    whose pid is alive (in this pid namespace), is left alone."""
+    removed = []
+    for path in shm_dir.glob(f"{ARENA_PREFIX}*"):
+        pid = path.name.removeprefix(ARENA_PREFIX)
+        if not pid.isdigit() or _is_alive(int(pid)):
+            continue
+        if HostArena.unlink_stale(path.name):
+            removed.append(path.name)
+    return removed
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
