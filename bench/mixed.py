@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -20,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from antiphon.bench.report import args_config, print_table, write_json
+from antiphon.bench.report import args_config, fmt, print_table, write_json
 from antiphon.bench.serverproc import ServerProcess
 from antiphon.bench.workload import (
     RtArrival,
@@ -31,6 +32,9 @@ from antiphon.bench.workload import (
 )
 
 POLICIES = ("fcfs", "priority", "bros", "hygen", "echo")
+# Printed per run when a benchmark repeats its systems.
+KEY_METRICS = ("rt_ttft_slo_attainment", "rt_tpot_slo_attainment", "rt_normalized_latency_s",
+               "be_tokens_per_s", "be_recomputed_tokens")
 
 
 async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival: RtArrival,
@@ -142,8 +146,9 @@ def main(args: argparse.Namespace) -> int:
 
 def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, list[str]],
                 baseline: str) -> int:
-    """Serve the RT trace and the BE batch job once per system (its extra `serve` arguments),
-    on the same engine settings; write the JSON record and print the table."""
+    """Serve the RT trace and the BE batch job `args.repeats` times per system (its extra
+    `serve` arguments), on the same engine settings; write the JSON record and print the
+    table of means."""
     from antiphon.model import resolve_model
 
     model_dir = resolve_model(args.model)
@@ -160,32 +165,58 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     batch_path = out.with_suffix(".batch.jsonl")
     be_batch_file(batch_path, "SmolLM2-135M-Instruct" if args.model is None else model_dir.name,
                   args.be_items, (32, 128), args.seed)
-    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     timelines: dict[str, list[dict[str, float]]] = {}
-    for name, extra in systems.items():
-        print(f"[{name}] {len(arrivals)} RT turns over {duration:.0f} s with BE load ...",
-              flush=True)
-        trace = out.with_suffix(f".{name}.steps.jsonl")
-        trace.unlink(missing_ok=True)  # the scheduler appends
-        cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir), *extra,
-               "--max-model-len", "2048", "--num-kv-pages",
-               str(args.kv_pages), "--rt-ttft-slo-s", str(args.ttft_slo), "--rt-tpot-slo-s",
-               str(args.tpot_slo), "--data-dir", str(out.with_suffix(f".{name}.data")),
-               "--step-trace", str(trace)]
-        cmd += ["--enforce-eager"] if args.quick else []
-        if args.model is None:
-            cmd += ["--served-model-name", "SmolLM2-135M-Instruct"]
-        with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
-            results[name] = asyncio.run(run_policy(server, args, prompts, arrivals,
-                                                   batch_path))
-        timelines[name] = results[name].pop("timeline")
-        # Written after every system, so a run stopped part way keeps what it measured.
-        write_json(out, {"benchmark": benchmark, "config": args_config(args),
-                         "systems": results, "timelines": timelines})
-    print_table({p: {k: float(v) for k, v in s.items()} for p, s in results.items()},
+    results: dict[str, dict[str, Any]] = {}
+    for repeat in range(args.repeats):  # systems interleaved, so drift hits each alike
+        for name, extra in systems.items():
+            print(f"[{name}] run {repeat + 1}/{args.repeats}: {len(arrivals)} RT turns over "
+                  f"{duration:.0f} s with BE load ...", flush=True)
+            runs[name].append(run_system(args, model_dir, name, extra, prompts, arrivals,
+                                         batch_path))
+            timelines[name] = runs[name][-1].pop("timeline")
+            # Written after every run, so a run stopped part way keeps what it measured.
+            results = {n: summarise_runs(r) for n, r in runs.items() if r}
+            write_json(out, {"benchmark": benchmark, "config": args_config(args),
+                             "systems": results, "timelines": timelines})
+    print_table({p: {k: float(v) for k, v in s.items() if k != "runs"}
+                 for p, s in results.items()},
                 baseline=baseline if baseline in results else next(iter(results)))
+    if args.repeats > 1:
+        print("per run:")
+        for name, rs in runs.items():
+            for metric in KEY_METRICS:
+                print(f"  {name} {metric}: " + ", ".join(fmt(r[metric]) for r in rs))
     _plot(timelines, out.with_suffix(".png"))
     return 0
+
+
+def run_system(args: argparse.Namespace, model_dir: Path, name: str, extra: list[str],
+               prompts: list[str], arrivals: list[RtArrival], batch_path: Path) -> dict[str, Any]:
+    """One server start of system `name` (its extra `serve` arguments) on fresh data: the SSD
+    tier of an earlier run would hold this run's BE prompts."""
+    out = Path(args.out)
+    data_dir = out.with_suffix(f".{name}.data")
+    shutil.rmtree(data_dir, ignore_errors=True)
+    trace = out.with_suffix(f".{name}.steps.jsonl")
+    trace.unlink(missing_ok=True)  # the scheduler appends
+    cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
+           "--max-model-len", "2048", "--num-kv-pages", str(args.kv_pages), "--rt-ttft-slo-s",
+           str(args.ttft_slo), "--rt-tpot-slo-s", str(args.tpot_slo), "--data-dir",
+           str(data_dir), "--step-trace", str(trace)]
+    cmd += [] if args.be_step_limit_s is None else ["--be-step-limit-s", str(args.be_step_limit_s)]
+    cmd += extra  # after the common options, so a system's own guard wins
+    cmd += ["--enforce-eager"] if args.quick else []
+    if args.model is None:
+        cmd += ["--served-model-name", "SmolLM2-135M-Instruct"]
+    with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
+        return asyncio.run(run_policy(server, args, prompts, arrivals, batch_path))
+
+
+def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of every metric over a system's repeated runs, and the runs themselves."""
+    mean = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
+    return {**mean, "runs": runs} if len(runs) > 1 else mean
 
 
 def _plot(timelines: dict[str, list[dict[str, float]]], path: Path) -> None:
@@ -219,6 +250,13 @@ def add_parser(kinds: Any) -> None:
     p.set_defaults(bench_func=main)
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_workload_arguments(p: argparse.ArgumentParser, kv_pages: int) -> None:
     """The RT trace, BE job and engine settings `run_systems` reads."""
     p.add_argument("--model", default=None)
@@ -234,3 +272,7 @@ def add_workload_arguments(p: argparse.ArgumentParser, kv_pages: int) -> None:
     p.add_argument("--ttft-slo", type=float, default=1.0)
     p.add_argument("--tpot-slo", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="runs of each system, interleaved; the table shows their means")
+    p.add_argument("--be-step-limit-s", type=float, default=None,
+                   help="every system's arrival guard (serve --be-step-limit-s); default none")

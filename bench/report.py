@@ -26,7 +26,7 @@ def print_table(systems: dict[str, dict[str, float]], baseline: str) -> None:
     rows = []
     for metric in systems[baseline]:
         base = systems[baseline][metric]
-        cells = [metric, *(_fmt(systems[n][metric]) for n in names)]
+        cells = [metric, *(fmt(systems[n][metric]) for n in names)]
         cells += [f"{systems[n][metric] / base:.3f}" if base else "-" for n in others]
         rows.append(cells)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -34,5 +34,5 @@ def print_table(systems: dict[str, dict[str, float]], baseline: str) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
 
 
-def _fmt(value: float) -> str:
+def fmt(value: float) -> str:
     return f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"

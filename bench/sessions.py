@@ -56,6 +56,7 @@ MIN_USER_TURNS = 3
 # Memory both servers may take for KV; the pool itself is capped in pages (Antiphon's default;
 # it also spares vLLM's CPU backend reserving most of the machine's memory).
 KV_CACHE_GIB = 2
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Sizes of the run; --quick fits 10 minutes on 2 CPU cores with all four systems.
 QUICK = {"users": "2,4,16", "pool_users": 5, "max_turns": 3, "max_tokens": 32,
          "max_message_tokens": 96, "time_scale": 0.08}
@@ -258,13 +259,14 @@ async def measure_system(system: System, server: ServerProcess, sweep: Sweep,
 
 def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse.Namespace,
                    tmp: Path) -> list[str]:
-    """The same engine shape for every system; the Antiphon ones with their tiers in `tmp`."""
+    """The same engine shape and dtype (`args.dtype`) for every system; the Antiphon ones with
+    their tiers in `tmp`."""
     from antiphon.model import DEFAULT_MODEL_NAME
 
     name = DEFAULT_MODEL_NAME if args.model is None else model_dir.name
     engine = ["--model", str(model_dir), "--served-model-name", name, "--max-model-len",
               str(sweep.max_model_len), "--max-num-seqs", "64", "--max-num-batched-tokens",
-              str(max(2048, sweep.max_model_len)), "--dtype", "bfloat16", "--seed", "0"]
+              str(max(2048, sweep.max_model_len)), "--dtype", args.dtype, "--seed", "0"]
     engine += ["--enforce-eager"] if args.enforce_eager else []
     if system.is_stock_vllm:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine,
@@ -279,13 +281,15 @@ def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse
 
 
 def main(args: argparse.Namespace) -> int:
+    from antiphon.engine_ext.engine import resolve_dtype
     from antiphon.model import resolve_model
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per chat turn otherwise
     model_dir = resolve_model(args.model)
     sweep = build_sweep(args, model_dir)
+    args.dtype = resolve_dtype("auto")  # what `antiphon serve` runs: float32 where bf16 is emulated
     pool_bytes = sweep.kv_pages * args.page_tokens * kv_bytes_per_token(
-        json.loads((model_dir / "config.json").read_text()))
+        json.loads((model_dir / "config.json").read_text()), DTYPE_BYTES[args.dtype])
     args.host_tier_bytes = args.host_tier_bytes or 2 * pool_bytes
     args.ssd_tier_bytes = args.ssd_tier_bytes or 16 * pool_bytes
     config = {**args_config(args),
