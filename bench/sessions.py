@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import random
+import shlex
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
@@ -277,7 +278,7 @@ def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse
             str(sweep.kv_pages), "--kv-cache-gib", str(KV_CACHE_GIB), "--data-dir",
             str(tmp / "data"), "--kv-tiering", "--ssd-dir", str(tmp / "ssd"), "--host-tier-bytes",
             str(args.host_tier_bytes), "--ssd-tier-bytes", str(args.ssd_tier_bytes),
-            *(["--policy", args.policy] if args.policy else [])]
+            *(["--policy", args.policy] if args.policy else []), *shlex.split(args.serve_extra)]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -345,6 +346,9 @@ def add_parser(kinds: Any) -> None:
                    help="skip graph compilation (default: on with --quick)")
     p.add_argument("--policy", default=None,
                    help="Antiphon's scheduling policy (default: serve's default)")
+    p.add_argument("--serve-extra", default="",
+                   help="more `antiphon serve` options for the Antiphon systems, e.g. "
+                        "'--step-trace steps.jsonl'")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(bench_func=lambda a: main(_defaults(a)))
 
