@@ -133,7 +133,7 @@ def test_a_late_rt_request_does_not_limit_the_step_to_itself() -> None:
     policy = BrosPolicy(per_request_cost(0.01), base_batch_size=64)
     views = [view("late", arrival=0.0), decoding("rt_on_time", arrival=9.5), view("be", BE)]
     plan = policy.plan(views, budget(now=6.0 + 0.5))
-    assert plan.order == ["rt_on_time", "late", "be"]  # the on-time turn first
+    assert plan.order == ["late", "rt_on_time", "be"]  # by deadline, all in the step
 
 
 def test_bros_keeps_every_late_decode_in_the_step() -> None:
@@ -204,3 +204,23 @@ def test_bros_serves_turns_that_can_make_their_ttft_before_one_that_cannot() -> 
     feasible = view("short", arrival=now - 0.1, prompt=100)
     plan = policy.plan([hopeless, feasible], budget(now=now))
     assert plan.order == ["short", "long"]
+
+
+def test_bros_keeps_a_late_turn_ahead_of_newer_ones() -> None:
+    # Both prompts fit their TTFT alone; "old" is late only because it waited.
+    policy = BrosPolicy(per_request_cost(0.01), base_batch_size=64)
+    plan = policy.plan([view("new", arrival=9.9), view("old", arrival=5.0)], budget(now=10.0))
+    assert plan.order == ["old", "new"]
+
+
+def test_a_turn_waiting_for_pages_is_not_overtaken_by_smaller_ones() -> None:
+    # 2 free pages: "follow_up" (earliest deadline) needs 5, "fresh" 1. Fresh would take the
+    # page the follow-up waits for; the running decode still runs.
+    policy = BrosPolicy(constant_cost(0.01), base_batch_size=64)
+    views = [view("follow_up", arrival=0.0, prompt=80), view("fresh", arrival=0.5, prompt=8),
+             decoding("running", arrival=0.9), view("be", BE, prompt=8)]
+    plan = policy.plan(views, budget(now=1.0, free_pages=2))
+    assert plan.order == ["running"]  # nor does the BE request start
+    # With the pages free, both get in, the follow-up first.
+    assert policy.plan(views, budget(now=1.0, free_pages=8)).order == [
+        "follow_up", "fresh", "running", "be"]

@@ -2,18 +2,20 @@
 
 Each step:
 1. RT requests (running and waiting) in ascending slack to their next token deadline
-   (`RequestView.deadline_s`), those prefills that cannot make their TTFT even alone last.
+   (`RequestView.deadline_s`), prefills too long to make their TTFT even alone last.
    The step must finish within the smallest slack, `T_res`, so the most urgent RT token is
    on time.
 2. Add RT requests while the batch is under `B_curr`, the token budget and memory allow, and the
    predicted step time stays within `T_res`; an RT prefill that does not fit is chunked (to what
    fits, but no less than it needs to meet its TTFT: `rt_prefill_chunk`) instead of waiting. An
    RT request short of pages takes them from running BE requests (cheapest to redo first),
-   never the other way round.
+   never the other way round; a waiting one that still cannot get its pages keeps every
+   waiting request behind it from starting.
 3. Add BE requests under the same limits: running first, then those with the least KV to
    restore from the host tier (the paper's M_cpu), then in arrival order (a preempted request
    before one not yet started, as vLLM resumes them). They may only use free pages. A BE
-   prefill that does not fit the time limit is cut to the chunk that does. With no RT request in the system the limit is the arrival guard
+   prefill that does not fit the time limit is cut to the chunk that does. With no RT request
+   in the system the limit is the arrival guard
    (`StepBudget.max_be_step_s`, not in the paper): without it one step could prefill several
    whole documents, and a turn arriving meanwhile would wait for all of them.
 4. `B_curr` doubles after a step with no RT at risk and falls back to its base as soon as the
@@ -77,7 +79,7 @@ class BrosPolicy(Policy):
     def plan(self, views: Sequence[RequestView], budget: StepBudget) -> StepPlan:
         now = budget.now_s
         rts = sorted((v for v in views if v.is_rt),
-                     key=lambda v: (self._misses_ttft(v, now, budget), v.slack_s(now)))
+                     key=lambda v: (self._misses_ttft(v, budget), v.slack_s(now)))
         bes = sorted((v for v in views if not v.is_rt),
                      key=lambda v: (not v.is_running, v.num_restore_tokens, v.arrival_s))
         cap = min(self.batch_size, budget.max_num_seqs)
@@ -89,7 +91,7 @@ class BrosPolicy(Policy):
                                  key=lambda v: (v.checkpoint_pages or 0, v.num_computed_tokens)),
                           budget.page_tokens)
         time_limit = residual_time_s(rts, now)
-        is_at_risk = False
+        is_at_risk = is_admission_blocked = False
 
         for view in rts:
             if len(batch.ids) >= cap or batch.tokens_left <= 0:
@@ -109,16 +111,24 @@ class BrosPolicy(Policy):
                 # cutting the batch to the limit made each stream skip every other step and
                 # cost 36% of throughput.
             pages = new_pages(view, new, budget.page_tokens)
+            if not view.is_running and is_admission_blocked:
+                continue
             if pages > batch.pages_left + victims.num_pages:
-                continue  # preempting all BE would not do; a running RT request may still fit
+                # Preempting all BE would not do. A running RT request may still fit; a waiting
+                # one behind this one may not take the pages it waits for (not in the paper):
+                # under memory pressure, turns that need few pages (a fresh prompt) would take
+                # each page as it frees, and a follow-up needing its whole context never get in
+                # (measured at 16 chat users on a 13-page pool: 9 s p99 TTFT).
+                is_admission_blocked = is_admission_blocked or not view.is_running
+                continue
             victims.take_until(pages, batch, plan)
             batch.add(view, new, pages)
 
         preempted = set(plan.preempt)
         be_limit = min(time_limit, budget.max_be_step_s)
         for view in bes:
-            if view.request_id in preempted:
-                continue
+            if view.request_id in preempted or (is_admission_blocked and not view.is_running):
+                continue  # nor may a BE request start on the pages a waiting RT turn needs
             if len(batch.ids) >= cap or batch.tokens_left <= 0:
                 break
             chunk, pages, is_short_of_pages = batch.max_chunk(view, be_limit,
@@ -137,16 +147,19 @@ class BrosPolicy(Policy):
         plan.token_limits = batch.token_limits
         return plan
 
-    def _misses_ttft(self, view: RequestView, now: float, budget: StepBudget) -> bool:
-        """A prefill that misses its first token's deadline even if it ran alone now. It
-        comes after the RT requests that can still be on time (not in the paper): earliest
-        deadline first would put it ahead of all of them, and a long prompt that cannot make
-        its TTFT anyway would make the turns behind it miss theirs too."""
-        if not view.is_prefill:
+    def _misses_ttft(self, view: RequestView, budget: StepBudget) -> bool:
+        """A prefill too long to make its TTFT target even run alone the moment it arrived. It
+        comes after the other RT requests (not in the paper): earliest deadline first would put
+        it ahead of all of them, and a prompt that cannot make its TTFT anyway would make the
+        turns behind it miss theirs too. A turn that is late only because it waited keeps its
+        place by deadline: sending every late turn to the back served newer turns first, and
+        under sustained load the oldest waited longest (9 s p99 TTFT at 16 chat users, 1 s
+        median)."""
+        if not view.is_prefill or view.ttft_slo_s is None:
             return False
         new = min(view.num_new_tokens, budget.max_num_tokens)
         alone = StepShape().plus(new, view.num_computed_tokens + new, is_prefill=True)
-        return self.cost_model.planning_s(alone) > view.slack_s(now)
+        return self.cost_model.planning_s(alone) > view.ttft_slo_s
 
     def _adapt_batch_size(self, is_at_risk: bool, max_num_seqs: int) -> None:
         if is_at_risk:
