@@ -254,6 +254,10 @@ async def measure_system(system: System, server: ServerProcess, sweep: Sweep,
                 result[k].append(metrics[k])
             result["tiering"].append(tiering)
             turns += records
+        # Every tiering counter at the end, per tier too (puts refused, misses, evictions):
+        # what a prefetch that failed leaves behind.
+        result["tiering_final"] = None if system.is_stock_vllm else (
+            await http.get("/v1/engine/stats")).json().get("tiering")
     result["turns"] = turns
     return result
 
