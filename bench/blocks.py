@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from antiphon.bench.args import names_in
 from antiphon.bench.mixed import add_workload_arguments, run_systems
 
 SYSTEMS = {
@@ -22,11 +23,11 @@ SYSTEMS = {
 # Not run by default: recompute preemption with KV tiering on, which separates what the tiers'
 # write-through costs from what bidirectional blocks change.
 EXTRA_SYSTEMS = {"recompute_tiered": ["--policy", "bros", "--no-biblocks", "--kv-tiering"]}
+ALL_SYSTEMS = {**SYSTEMS, **EXTRA_SYSTEMS}
 
 
 def main(args: argparse.Namespace) -> int:
-    known = {**SYSTEMS, **EXTRA_SYSTEMS}
-    systems = {name: [*known[name], "--shared-block-pages", str(args.shared_block_pages)]
+    systems = {name: [*ALL_SYSTEMS[name], "--shared-block-pages", str(args.shared_block_pages)]
                for name in args.systems.split(",")}
     return run_systems(args, "blocks", systems, baseline="recompute")
 
@@ -34,15 +35,9 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(kinds: Any) -> None:
     p = kinds.add_parser("blocks", help="bidirectional KV blocks against recompute preemption")
     p.add_argument("--out", default="bench-blocks.json")
-    p.add_argument("--systems", default=",".join(SYSTEMS), type=_systems,
-                   help="comma-separated, of " + ", ".join({**SYSTEMS, **EXTRA_SYSTEMS}))
+    p.add_argument("--systems", default=",".join(SYSTEMS), type=names_in(ALL_SYSTEMS),
+                   help="comma-separated, of " + ", ".join(ALL_SYSTEMS))
     p.add_argument("--shared-block-pages", type=int, default=4)
     add_workload_arguments(p, kv_pages=24)
     p.set_defaults(bench_func=main)
 
-
-def _systems(value: str) -> str:
-    unknown = [s for s in value.split(",") if s not in SYSTEMS and s not in EXTRA_SYSTEMS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown systems {unknown}")
-    return value

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from antiphon.bench.args import positive_int
 from antiphon.bench.report import args_config, fmt, print_table, write_json
 from antiphon.bench.serverproc import ServerProcess
 from antiphon.bench.workload import (
@@ -248,13 +249,6 @@ def add_parser(kinds: Any) -> None:
                         "(--be-step-limit-s, the arrival guard), e.g. bros@inf for none")
     add_workload_arguments(p, kv_pages=64)
     p.set_defaults(bench_func=main)
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_workload_arguments(p: argparse.ArgumentParser, kv_pages: int) -> None:

@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from antiphon.bench.args import names_in
 from antiphon.bench.report import args_config
 from antiphon.bench.serverproc import ServerProcess
 from antiphon.bench.sessions_clients import ChatClient, OpenAIChat, TurnResult, WsChat
@@ -57,7 +58,6 @@ MIN_USER_TURNS = 3
 # Memory both servers may take for KV; the pool itself is capped in pages (Antiphon's default;
 # it also spares vLLM's CPU backend reserving most of the machine's memory).
 KV_CACHE_GIB = 2
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Sizes of the run; --quick fits 10 minutes on 2 CPU cores with all four systems.
 QUICK = {"users": "2,4,16", "pool_users": 5, "max_turns": 3, "max_tokens": 32,
          "max_message_tokens": 96, "time_scale": 0.08}
@@ -256,8 +256,7 @@ async def measure_system(system: System, server: ServerProcess, sweep: Sweep,
             turns += records
         # Every tiering counter at the end, per tier too (puts refused, misses, evictions):
         # what a prefetch that failed leaves behind.
-        result["tiering_final"] = None if system.is_stock_vllm else (
-            await http.get("/v1/engine/stats")).json().get("tiering")
+        result["tiering_final"] = None if system.is_stock_vllm else await read_counters()
     result["turns"] = turns
     return result
 
@@ -286,6 +285,8 @@ def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
+
     from antiphon.engine_ext.engine import resolve_dtype
     from antiphon.model import resolve_model
 
@@ -294,7 +295,7 @@ def main(args: argparse.Namespace) -> int:
     sweep = build_sweep(args, model_dir)
     args.dtype = resolve_dtype("auto")  # what `antiphon serve` runs: float32 where bf16 is emulated
     pool_bytes = sweep.kv_pages * args.page_tokens * kv_bytes_per_token(
-        json.loads((model_dir / "config.json").read_text()), DTYPE_BYTES[args.dtype])
+        json.loads((model_dir / "config.json").read_text()), getattr(torch, args.dtype).itemsize)
     args.host_tier_bytes = args.host_tier_bytes or 2 * pool_bytes
     args.ssd_tier_bytes = args.ssd_tier_bytes or 16 * pool_bytes
     config = {**args_config(args),
@@ -324,7 +325,7 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--model", default=None, help="model folder (default: the default model)")
     p.add_argument("--quick", action="store_true",
                    help="a run that fits 10 minutes on 2 CPU cores, eager engines")
-    p.add_argument("--systems", default=",".join(SYSTEMS), type=_systems,
+    p.add_argument("--systems", default=",".join(SYSTEMS), type=names_in(SYSTEMS),
                    help="comma-separated systems to run (default: all)")
     p.add_argument("--users", help="comma-separated concurrent users per sweep point"
                    + _sizes("users"))
@@ -359,14 +360,6 @@ def add_parser(kinds: Any) -> None:
 
 def _sizes(key: str) -> str:
     return f" (default {FULL[key]}; --quick: {QUICK[key]})"
-
-
-def _systems(value: str) -> str:
-    unknown = [s for s in value.split(",") if s not in SYSTEMS]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown systems {unknown}; valid: {', '.join(SYSTEMS)}")
-    return value
 
 
 def _defaults(args: argparse.Namespace) -> argparse.Namespace:
