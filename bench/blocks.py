@@ -6,6 +6,8 @@ job), served with the `bros` policy on a KV pool too small for all running reque
 one run: `biblocks` (pages placed in bidirectional shared blocks, preempted BE work lazily
 checkpointed to the host tier and restored) and `recompute` (stock vLLM memory: a preempted
 request frees its pages and recomputes what the prefix cache no longer holds; no KV tiers).
+`biblocks` runs the host tier alone: its checkpoints need nothing more, and on a CPU host the
+SSD tier's write-through takes cycles from the model (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ from antiphon.bench.args import names_in
 from antiphon.bench.mixed import add_workload_arguments, run_systems
 
 SYSTEMS = {
-    "biblocks": ["--policy", "bros", "--biblocks", "--kv-tiering"],
+    "biblocks": ["--policy", "bros", "--biblocks", "--kv-tiering", "--ssd-tier-bytes", "0"],
     "recompute": ["--policy", "bros", "--no-biblocks", "--no-kv-tiering"],
 }
-# Not run by default: recompute preemption with KV tiering on, which separates what the tiers'
-# write-through costs from what bidirectional blocks change.
-EXTRA_SYSTEMS = {"recompute_tiered": ["--policy", "bros", "--no-biblocks", "--kv-tiering"]}
+# Not run by default: recompute preemption with the tiers of `biblocks`, which separates what
+# the write-through costs from what bidirectional blocks change; and `biblocks_ssd`, with the
+# SSD tier on too, as `antiphon serve` runs by default.
+EXTRA_SYSTEMS = {
+    "recompute_tiered": ["--policy", "bros", "--no-biblocks", "--kv-tiering",
+                         "--ssd-tier-bytes", "0"],
+    "biblocks_ssd": ["--policy", "bros", "--biblocks", "--kv-tiering"],
+}
 ALL_SYSTEMS = {**SYSTEMS, **EXTRA_SYSTEMS}
 
 

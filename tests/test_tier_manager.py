@@ -181,6 +181,9 @@ def test_config_validation() -> None:
         TieringConfig(writer_queue_depth=0)
     with pytest.raises(ValueError):
         TieringConfig(host_shm_name="a/b")
+    with pytest.raises(ValueError, match="both 0"):
+        TieringConfig(host_tier_bytes=0, ssd_tier_bytes=0)
+    assert TieringConfig(host_tier_bytes=0, ssd_tier_bytes=0, kv_tiering=False)
     config = TieringConfig(chunk_tokens=256, ssd_dir=Path("~/kv"))
     assert config.pages_per_chunk == 2 and config.ssd_dir == Path.home() / "kv"
     parser = argparse.ArgumentParser()
@@ -204,5 +207,11 @@ def test_build_from_config(tmp_path: Path) -> None:
                             slot_bytes=64) as reopened:
         assert [type(t) for t in reopened.tiers] == [SsdTier]
         assert reopened.get(GRID[0][0]) == data(GRID[0][0])  # survived the restart
+    host_only = TieringConfig(ssd_dir=tmp_path, ssd_tier_bytes=0, host_tier_bytes=8 * 64,
+                              host_shm_name=f"antiphon-test-{uuid.uuid4().hex[:12]}")
+    with build_tiered_store(host_only, slot_bytes=64) as store:
+        assert [type(t) for t in store.tiers] == [HostTier]
+        assert store.put(GRID[0][1], data(GRID[0][1]))
+        assert store.write_through(GRID[0][1])  # the host tier is the slowest one now
     with pytest.raises(ValueError, match="both tiers are off"):
         build_tiered_store(TieringConfig(host_tier_bytes=0), slot_bytes=64)

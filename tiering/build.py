@@ -25,7 +25,8 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
     if slot_bytes < 1:
         raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
     if not (config.is_host_tier_enabled or config.is_ssd_tier_enabled):
-        raise ValueError("both tiers are off: set host_tier_bytes > 0 or ssd_dir")
+        raise ValueError("both tiers are off: set host_tier_bytes > 0, or ssd_dir and "
+                         "ssd_tier_bytes > 0")
     tiers: list[Tier] = []
     if config.is_host_tier_enabled:
         if config.host_shm_name is None:
@@ -36,7 +37,7 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
         tiers.append(HostTier.create(config.host_shm_name or default_arena_name(),
                                      config.host_tier_bytes, slot_bytes,
                                      policy=get_eviction_policy(config.eviction_policy)))
-    if config.ssd_dir is not None:
+    if config.is_ssd_tier_enabled and config.ssd_dir is not None:
         try:
             tiers.append(SsdTier(config.ssd_dir, config.ssd_tier_bytes,
                                  policy=get_eviction_policy(config.eviction_policy),

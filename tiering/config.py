@@ -22,7 +22,9 @@ class TieringConfig:
     host_tier_bytes: int = doc(
         "Host RAM for session KV (a shared-memory arena), in bytes; 0 turns the host tier off",
         default=2 * GiB)
-    ssd_tier_bytes: int = doc("Disk space for session KV files, in bytes", default=32 * GiB)
+    ssd_tier_bytes: int = doc(
+        "Disk space for session KV files, in bytes; 0 turns the SSD tier off (the host tier "
+        "alone, as bidirectional blocks' checkpoints need)", default=32 * GiB)
     ssd_dir: Path | None = doc(
         "Directory of the SSD tier (one file per chunk-layer; a restart keeps it); "
         "unset: <data-dir>/kv", default=None)
@@ -50,8 +52,11 @@ class TieringConfig:
             object.__setattr__(self, "ssd_dir", Path(self.ssd_dir).expanduser())
         if self.host_tier_bytes < 0:
             raise ValueError(f"host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
-        if self.ssd_tier_bytes < 1:
-            raise ValueError(f"ssd_tier_bytes must be positive, got {self.ssd_tier_bytes}")
+        if self.ssd_tier_bytes < 0:
+            raise ValueError(f"ssd_tier_bytes must be >= 0, got {self.ssd_tier_bytes}")
+        if self.kv_tiering and not (self.host_tier_bytes or self.ssd_tier_bytes):
+            raise ValueError("host_tier_bytes and ssd_tier_bytes are both 0: KV tiering needs "
+                             "one tier (or turn kv_tiering off)")
         if self.page_tokens < 1:
             raise ValueError(f"page_tokens must be at least 1, got {self.page_tokens}")
         if self.chunk_tokens < 1 or self.chunk_tokens % self.page_tokens:
@@ -80,4 +85,4 @@ class TieringConfig:
 
     @property
     def is_ssd_tier_enabled(self) -> bool:
-        return self.ssd_dir is not None
+        return self.ssd_dir is not None and self.ssd_tier_bytes > 0
