@@ -205,6 +205,9 @@ _TIERING_COUNTERS = (
     ("advisories_reclaimed", "antiphon_kv_advisories_reclaimed_total",
      "Advisories whose prefetched KV was given up for a running turn's host room"),
     ("turns_held", "antiphon_kv_turns_held_total", "Turns that waited for a prefetch"),
+    ("ssd_fetches_cut", "antiphon_kv_ssd_fetches_cut_total",
+     "Turns whose context from SSD outgrew the host tier's room: leading chunks loaded, the "
+     "rest recomputed"),
     ("checkpoints", "antiphon_kv_checkpoints_total",
      "Preempted requests whose KV was checkpointed to the tiers instead of dropped"),
     ("pages_checkpointed", "antiphon_kv_pages_checkpointed_total",

@@ -125,15 +125,41 @@ def test_after_a_restart_ssd_chunks_are_prefetched_before_the_turn(tmp_path: Pat
     try:
         view = TokenView("r2", [*TURN1, 110, 111])
         planner.add_request(view)
-        matched = None
-        deadline = time.monotonic() + 10
-        while matched is None and time.monotonic() < deadline:
-            matched = planner.num_new_matched_tokens(view, 0)  # None: the turn waits
-            time.sleep(0.01)
-        assert matched == 10
+        assert wait_for_admission(planner, view) == 10  # held (None) until the fetch is done
         planner.plan_load("r2", [1, 2, 3], 10, 12)
         stats = planner.stats()
         assert stats["tokens_from_ssd"] == 10 and stats["turns_held"] == 1
+    finally:
+        planner.close()
+
+
+def wait_for_admission(planner: TierPlanner, view: TokenView) -> int | None:
+    """`num_new_matched_tokens` until the turn is no longer held (at most 10 s)."""
+    matched = None
+    deadline = time.monotonic() + 10
+    while matched is None and time.monotonic() < deadline:
+        matched = planner.num_new_matched_tokens(view, 0)
+        time.sleep(0.01)
+    return matched
+
+
+def test_a_context_larger_than_the_host_tier_loads_its_leading_chunks(tmp_path: Path) -> None:
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "r1", [*TURN1, 110], [7, 8, 9])
+    first.close()
+    # Room for 3 chunk-layers: one whole chunk (2 layers), not the 3 chunks of the context.
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=3 * PAGE_BYTES)
+    try:
+        view = TokenView("r2", [*TURN1, 110, 111])
+        planner.add_request(view)
+        # Layer 0 of every chunk first would fill the host and leave no chunk whole (all
+        # recomputed); the fetch is cut to the first chunk, which loads.
+        assert wait_for_admission(planner, view) == CHUNK
+        stats = planner.stats()
+        assert stats["ssd_fetches_cut"] == 1 and stats["turns_held"] == 1
+        planner.plan_load("r2", [1, 2, 3], CHUNK, 12)
+        assert planner.stats()["tokens_from_ssd"] == CHUNK
+        planner.store.check_integrity()
     finally:
         planner.close()
 

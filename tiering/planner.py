@@ -126,6 +126,7 @@ class TieringCounters:
     advisories_late: int = 0  # the turn arrived before its prefetch finished
     advisories_reclaimed: int = 0  # prefetched KV given up for a running turn's room
     turns_held: int = 0  # admissions that waited for a prefetch
+    ssd_fetches_cut: int = 0  # turns whose SSD fetch the host's room cut to leading chunks
     checkpoints: int = 0  # preempted requests whose KV went to the tiers (lazy checkpoints)
     pages_checkpointed: int = 0  # device pages copied at preemption (not yet written through)
     pages_handed_over: int = 0  # preempted pages a tier already held: given up at no cost
@@ -221,10 +222,14 @@ class TierPlanner:
             missing = set(absent)
             st.pins = [key for key in wanted if key not in missing and self.host.pin(key)]
             self._room_for(len(absent), view.session)
-            st.ssd_chunks = {key.chunk_index for key in absent}
-            st.prefetch = self._prefetcher.submit(absent, URGENT)
-            self.counters.turns_held += 1
-            return None
+            absent = self._leading_chunks_with_room(absent)
+            if absent:
+                st.ssd_chunks = {key.chunk_index for key in absent}
+                st.prefetch = self._prefetcher.submit(absent, URGENT)
+                self.counters.turns_held += 1
+                return None
+            # No host room for even the first missing chunk: what the host holds before it
+            # is loaded below, the rest recomputed.
         num_tokens = self._pin_chunks(st, match, first_chunk)
         if num_tokens < match.num_tokens:
             log.debug("turn %s: host room for %d of %d matched tokens", view.request_id,
@@ -490,6 +495,23 @@ class TierPlanner:
             tokens = st.view.token_ids[have * self.chunk_tokens:num_chunks * self.chunk_tokens]
             st.hashes.extend(continue_prefix_hashes(previous, tokens, self.chunk_tokens))
         return st.hashes[:num_chunks]
+
+    def _leading_chunks_with_room(self, absent: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """The chunk-layers of `absent` (in chunk order) that belong to its leading chunks the
+        host can make room for, every layer of each. A context larger than the host's free
+        room loads its first chunks and recomputes the rest: fetching it all, layer 0 first,
+        would fill the host with low layers of every chunk and leave no chunk whole."""
+        taken = 0
+        for index, key in enumerate(absent):
+            if index + 1 == len(absent) or absent[index + 1].chunk_index != key.chunk_index:
+                if not self.host.can_make_room((index + 1) * self.host.slot_bytes):
+                    break
+                taken = index + 1
+        if taken < len(absent):
+            log.debug("host room for %d of %d chunk-layers to fetch from SSD", taken,
+                      len(absent))
+            self.counters.ssd_fetches_cut += 1
+        return list(absent[:taken])
 
     def _pin_chunks(self, st: _Request, match: _Match, first_chunk: int) -> int:
         """Pin every layer of the matched chunks from `first_chunk` in the host arena; returns
