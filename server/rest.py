@@ -205,9 +205,13 @@ _TIERING_COUNTERS = (
     ("advisories_reclaimed", "antiphon_kv_advisories_reclaimed_total",
      "Advisories whose prefetched KV was given up for a running turn's host room"),
     ("turns_held", "antiphon_kv_turns_held_total", "Turns that waited for a prefetch"),
+    ("fetch_retries", "antiphon_kv_fetch_retries_total",
+     "Turns' fetches from SSD sent again because other fetches took their host room"),
+    ("saves_refused", "antiphon_kv_saves_refused_total",
+     "Chunks of KV not saved because every host slot was pinned (to be recomputed)"),
     ("ssd_fetches_cut", "antiphon_kv_ssd_fetches_cut_total",
-     "Turns whose context from SSD outgrew the host tier's room: leading chunks loaded, the "
-     "rest recomputed"),
+     "Fetches from SSD (for a turn or an advisory) that outgrew the host tier's room: the "
+     "leading chunks come up, the rest stays below (a turn recomputes it)"),
     ("checkpoints", "antiphon_kv_checkpoints_total",
      "Preempted requests whose KV was checkpointed to the tiers instead of dropped"),
     ("pages_checkpointed", "antiphon_kv_pages_checkpointed_total",

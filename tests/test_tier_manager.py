@@ -21,6 +21,7 @@ from antiphon.tiering import (
     prefix_hashes,
 )
 from antiphon.tiering.keys import ChunkKey
+from antiphon.tiering.prefetch import PrefetchHandle
 from antiphon.tiering.tier import BytesLike
 
 MODEL = "m"
@@ -160,6 +161,26 @@ def test_prefetch_failures_and_keys_already_up() -> None:
     store.check_integrity()
     with pytest.raises(ValueError):
         store.prefetch([], upto_tier=2)
+
+
+def test_a_chunk_first_fetch_cut_short_leaves_its_leading_chunks_whole() -> None:
+    store = two_tiers(fast_bytes=16 * LAYERS)  # room for one chunk, every layer
+    keys = [k for chunk in GRID[:2] for k in chunk]
+    for k in keys:
+        store.tiers[1].put(k, data(k))
+    # Layer first, the room goes to layers 0 and 1 of chunk 0 and layer 0 of chunk 1: no
+    # chunk is whole. Chunk first, chunk 0 is.
+    layer_first = PrefetchHandle(keys, store.tiers, 0, pin=True)
+    layer_first.run()
+    assert set(layer_first.failed_keys()) == {GRID[0][2], GRID[1][1], GRID[1][2]}
+    layer_first.release()
+    store.tiers[0].evict(16 * LAYERS)
+    chunk_first = PrefetchHandle(keys, store.tiers, 0, pin=True, layer_first=False)
+    chunk_first.run()
+    assert set(chunk_first.failed_keys()) == set(GRID[1])
+    assert all(store.tiers[0].contains(k) for k in GRID[0])
+    chunk_first.release()
+    store.close()
 
 
 def test_hints_reach_every_tier_and_remove_everywhere() -> None:

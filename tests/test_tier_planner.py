@@ -164,6 +164,43 @@ def test_a_context_larger_than_the_host_tier_loads_its_leading_chunks(tmp_path: 
         planner.close()
 
 
+def test_a_fetch_that_lost_keys_goes_again(tmp_path: Path) -> None:
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "r1", [*TURN1, 110], [7, 8, 9])
+    first.close()
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        view = TokenView("r2", [*TURN1, 110, 111])
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) is None
+        fetch = planner._requests["r2"].prefetch
+        assert fetch is not None and fetch.wait(10)
+        # Another fetch took the room of one chunk-layer after this one brought it up.
+        fetch.release()
+        assert planner.host.remove(fetch.keys[0])
+        assert wait_for_admission(planner, view) == 10
+        stats = planner.stats()
+        assert (stats["fetch_retries"], stats["turns_held"]) == (1, 1)
+    finally:
+        planner.close()
+
+
+def test_an_advisory_fetches_only_the_leading_chunks_the_host_has_room_for(
+        tmp_path: Path) -> None:
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "r1", [*TURN1, 110], [7, 8, 9])
+    first.close()
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=3 * PAGE_BYTES)
+    try:
+        assert planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0) == 10
+        handle = planner._advisories["s1"].handle
+        assert handle is not None and handle.wait(10)
+        assert {key.chunk_index for key in handle.keys} == {0}  # whole, both layers
+        assert len(handle.keys) == LAYERS and planner.stats()["ssd_fetches_cut"] == 1
+    finally:
+        planner.close()
+
+
 def test_an_advisory_prefetches_and_is_used_by_its_sessions_turn(tmp_path: Path) -> None:
     first = make_planner(tmp_path / "ssd")
     run_turn(first, "r1", [*TURN1, 110], [7, 8, 9])

@@ -70,6 +70,11 @@ class _Match:
     num_tokens: int
 
 
+# Fetches from SSD one turn waits for before it takes what the host holds and recomputes the
+# rest (a fetch can lose its host room to others after it starts).
+MAX_FETCH_ATTEMPTS = 3
+
+
 @dataclasses.dataclass
 class _Request:
     view: TokenView
@@ -79,6 +84,7 @@ class _Request:
     match: _Match | None = None
     pins: list[ChunkKey] = dataclasses.field(default_factory=list)  # host pins for the load
     prefetch: PrefetchHandle | None = None
+    fetch_attempts: int = 0  # fetches from SSD this turn waited for
     ssd_chunks: set[int] = dataclasses.field(default_factory=set)  # chunks that came from SSD
     stored_tokens: tuple[int, int] | None = None  # `stored_prefix_tokens`: (of tokens, found)
 
@@ -118,6 +124,7 @@ class TieringCounters:
     tokens_from_ssd: int = 0  # loaded from the host arena after a prefetch from SSD
     computed_prompt_tokens: int = 0  # computed by the model
     saved_chunks: int = 0  # chunks (all layers) saved from the device
+    saves_refused: int = 0  # chunks not saved: no host slot, every one pinned (recomputed later)
     advisories_received: int = 0
     advisories_used: int = 0  # a turn of the session arrived while the advisory was live
     advisories_expired: int = 0
@@ -126,7 +133,8 @@ class TieringCounters:
     advisories_late: int = 0  # the turn arrived before its prefetch finished
     advisories_reclaimed: int = 0  # prefetched KV given up for a running turn's room
     turns_held: int = 0  # admissions that waited for a prefetch
-    ssd_fetches_cut: int = 0  # turns whose SSD fetch the host's room cut to leading chunks
+    fetch_retries: int = 0  # turns' SSD fetches sent again: others took their host room
+    ssd_fetches_cut: int = 0  # fetches (turns', advisories') cut to the chunks with host room
     checkpoints: int = 0  # preempted requests whose KV went to the tiers (lazy checkpoints)
     pages_checkpointed: int = 0  # device pages copied at preemption (not yet written through)
     pages_handed_over: int = 0  # preempted pages a tier already held: given up at no cost
@@ -216,17 +224,25 @@ class TierPlanner:
         wanted = [key.with_layer(layer) for key in match.chunks[first_chunk:]
                   for layer in range(self.num_layers)]
         absent = [key for key in wanted if not self.host.contains(key)]
-        if absent and st.prefetch is None:
+        if absent and (st.prefetch is None or (st.fetch_attempts < MAX_FETCH_ATTEMPTS and
+                                               not set(st.prefetch.keys).isdisjoint(absent))):
             # Hold what host memory has while the rest comes up from SSD: the prefetch's own
-            # puts must not evict it.
+            # puts must not evict it. A fetch done with some of its keys still absent lost the
+            # host room to other fetches after it started: it goes again, a few times at most.
             missing = set(absent)
             st.pins = [key for key in wanted if key not in missing and self.host.pin(key)]
+            self._drop_prefetch(st)
+            st.fetch_attempts += 1
             self._room_for(len(absent), view.session)
             absent = self._leading_chunks_with_room(absent)
             if absent:
-                st.ssd_chunks = {key.chunk_index for key in absent}
-                st.prefetch = self._prefetcher.submit(absent, URGENT)
-                self.counters.turns_held += 1
+                st.ssd_chunks |= {key.chunk_index for key in absent}
+                # Whole chunks in order: the turn waits for all of it, so lower layers first
+                # would gain nothing, and would leave no chunk whole if other fetches took the
+                # host room meanwhile.
+                st.prefetch = self._prefetcher.submit(absent, URGENT, layer_first=False)
+                self.counters.turns_held += st.fetch_attempts == 1
+                self.counters.fetch_retries += st.fetch_attempts > 1
                 return None
             # No host room for even the first missing chunk: what the host holds before it
             # is loaded below, the rest recomputed.
@@ -435,8 +451,8 @@ class TierPlanner:
             self.counters.advisories_received += 1
             self._release_advisory(session)
             match = self._match(token_ids, len(token_ids), salt, None)
-            keys = [key.with_layer(layer) for key in match.chunks
-                    for layer in range(self.num_layers)]
+            keys = self._leading_chunks_with_room([key.with_layer(layer) for key in match.chunks
+                                                   for layer in range(self.num_layers)])
             due = now + (expected_arrival_s or 0.0)
             handle = self._prefetcher.submit(keys, due) if keys else None
             self._advisories[session] = _Advisory(
@@ -496,22 +512,22 @@ class TierPlanner:
             st.hashes.extend(continue_prefix_hashes(previous, tokens, self.chunk_tokens))
         return st.hashes[:num_chunks]
 
-    def _leading_chunks_with_room(self, absent: Sequence[ChunkKey]) -> list[ChunkKey]:
-        """The chunk-layers of `absent` (in chunk order) that belong to its leading chunks the
+    def _leading_chunks_with_room(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """The chunk-layers of `keys` (in chunk order) that belong to its leading chunks the
         host can make room for, every layer of each. A context larger than the host's free
         room loads its first chunks and recomputes the rest: fetching it all, layer 0 first,
         would fill the host with low layers of every chunk and leave no chunk whole."""
-        taken = 0
-        for index, key in enumerate(absent):
-            if index + 1 == len(absent) or absent[index + 1].chunk_index != key.chunk_index:
-                if not self.host.can_make_room((index + 1) * self.host.slot_bytes):
+        taken = needed = 0
+        for index, key in enumerate(keys):
+            needed += not self.host.contains(key)
+            if index + 1 == len(keys) or keys[index + 1].chunk_index != key.chunk_index:
+                if not self.host.can_make_room(needed * self.host.slot_bytes):
                     break
                 taken = index + 1
-        if taken < len(absent):
-            log.debug("host room for %d of %d chunk-layers to fetch from SSD", taken,
-                      len(absent))
+        if taken < len(keys):
+            log.debug("host room for %d of %d chunk-layers to fetch", taken, len(keys))
             self.counters.ssd_fetches_cut += 1
-        return list(absent[:taken])
+        return list(keys[:taken])
 
     def _pin_chunks(self, st: _Request, match: _Match, first_chunk: int) -> int:
         """Pin every layer of the matched chunks from `first_chunk` in the host arena; returns
@@ -563,6 +579,7 @@ class TierPlanner:
             if slot is None:
                 for done in reserved:
                     self.host.abort(done)
+                self.counters.saves_refused += 1
                 return None, []
             slots.append(slot)
             reserved.append(layer_key)
@@ -619,6 +636,7 @@ class TierPlanner:
                 from_ssd += max(0, min(end, chunk_start + self.chunk_tokens)
                                 - max(start, chunk_start))
         c.tokens_from_ssd += from_ssd
+        st.fetch_attempts = 0
         c.tokens_from_host += num_external - from_ssd
         c.computed_prompt_tokens += max(0, num_prompt_tokens - st.local_tokens - num_external)
         st.ssd_chunks = set()

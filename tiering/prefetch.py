@@ -46,8 +46,12 @@ class PrefetchHandle:
     """Progress of one prefetch; thread-safe. `release()` drops the pins it took."""
 
     def __init__(self, keys: Sequence[ChunkKey], tiers: Sequence[Tier], upto_tier: int,
-                 pin: bool) -> None:
-        self.keys = sorted(keys, key=lambda k: (k.layer, k.chunk_index))  # the copy order
+                 pin: bool, *, layer_first: bool = True) -> None:
+        # The copy order: layer 0 of every chunk first, or (`layer_first=False`) whole chunks
+        # in order, so that a fetch the target's room cuts short still leaves leading chunks
+        # whole (what a turn that waits for all of it can use).
+        self.keys = sorted(keys, key=(lambda k: (k.layer, k.chunk_index)) if layer_first
+                           else (lambda k: (k.chunk_index, k.layer)))
         self.upto_tier = upto_tier
         self.pin = pin
         self._tiers = tiers

@@ -29,10 +29,12 @@ class PrefetchQueue:
         self._thread = threading.Thread(target=self._run, name="kv-prefetch", daemon=True)
         self._thread.start()
 
-    def submit(self, keys: Sequence[ChunkKey], due: float, *, pin: bool = True) -> PrefetchHandle:
+    def submit(self, keys: Sequence[ChunkKey], due: float, *, pin: bool = True,
+               layer_first: bool = True) -> PrefetchHandle:
         """Bring `keys` into the fastest tier (pinned there if `pin`), after every prefetch due
-        earlier; `due` is a `time.monotonic()` instant or `URGENT`."""
-        handle = PrefetchHandle(keys, self._tiers, 0, pin)
+        earlier, lowest layer first unless not `layer_first` (see `PrefetchHandle`); `due` is
+        a `time.monotonic()` instant or `URGENT`."""
+        handle = PrefetchHandle(keys, self._tiers, 0, pin, layer_first=layer_first)
         with self._cond:
             if self._closed:
                 raise RuntimeError("prefetch queue is closed")
