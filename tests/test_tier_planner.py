@@ -35,6 +35,14 @@ def make_planner(ssd_dir: Path, **overrides: object) -> TierPlanner:
     return planner
 
 
+def restarted_planner(tmp_path: Path, **overrides: object) -> TierPlanner:
+    """A planner started over the SSD tier of one that ran the first turn of TURN1."""
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "r1", [*TURN1, 110], [7, 8, 9])
+    first.close()
+    return make_planner(tmp_path / "ssd", **overrides)
+
+
 @pytest.fixture
 def planner(tmp_path: Path) -> Iterator[TierPlanner]:
     p = make_planner(tmp_path / "ssd")
@@ -118,10 +126,7 @@ def test_a_different_prefix_matches_nothing(planner: TierPlanner) -> None:
 
 
 def test_after_a_restart_ssd_chunks_are_prefetched_before_the_turn(tmp_path: Path) -> None:
-    first = make_planner(tmp_path / "ssd")
-    run_turn(first, "r1", [*TURN1, 110], [7, 8, 9])
-    first.close()
-    planner = make_planner(tmp_path / "ssd")
+    planner = restarted_planner(tmp_path)
     try:
         view = TokenView("r2", [*TURN1, 110, 111])
         planner.add_request(view)
@@ -165,10 +170,7 @@ def test_a_context_larger_than_the_host_tier_loads_its_leading_chunks(tmp_path: 
 
 
 def test_a_fetch_that_lost_keys_goes_again(tmp_path: Path) -> None:
-    first = make_planner(tmp_path / "ssd")
-    run_turn(first, "r1", [*TURN1, 110], [7, 8, 9])
-    first.close()
-    planner = make_planner(tmp_path / "ssd")
+    planner = restarted_planner(tmp_path)
     try:
         view = TokenView("r2", [*TURN1, 110, 111])
         planner.add_request(view)
@@ -187,10 +189,7 @@ def test_a_fetch_that_lost_keys_goes_again(tmp_path: Path) -> None:
 
 def test_an_advisory_fetches_only_the_leading_chunks_the_host_has_room_for(
         tmp_path: Path) -> None:
-    first = make_planner(tmp_path / "ssd")
-    run_turn(first, "r1", [*TURN1, 110], [7, 8, 9])
-    first.close()
-    planner = make_planner(tmp_path / "ssd", host_tier_bytes=3 * PAGE_BYTES)
+    planner = restarted_planner(tmp_path, host_tier_bytes=3 * PAGE_BYTES)
     try:
         assert planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0) == 10
         handle = planner._advisories["s1"].handle
@@ -202,10 +201,7 @@ def test_an_advisory_fetches_only_the_leading_chunks_the_host_has_room_for(
 
 
 def test_an_advisory_prefetches_and_is_used_by_its_sessions_turn(tmp_path: Path) -> None:
-    first = make_planner(tmp_path / "ssd")
-    run_turn(first, "r1", [*TURN1, 110], [7, 8, 9])
-    first.close()
-    planner = make_planner(tmp_path / "ssd")
+    planner = restarted_planner(tmp_path)
     try:
         assert planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0) == 10
         handle = planner._advisories["s1"].handle
