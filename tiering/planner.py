@@ -241,8 +241,10 @@ class TierPlanner:
                 # would gain nothing, and would leave no chunk whole if other fetches took the
                 # host room meanwhile.
                 st.prefetch = self._prefetcher.submit(absent, URGENT, layer_first=False)
-                self.counters.turns_held += st.fetch_attempts == 1
-                self.counters.fetch_retries += st.fetch_attempts > 1
+                if st.fetch_attempts == 1:
+                    self.counters.turns_held += 1
+                else:
+                    self.counters.fetch_retries += 1
                 return None
             # No host room for even the first missing chunk: what the host holds before it
             # is loaded below, the rest recomputed.
