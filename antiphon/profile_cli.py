@@ -17,7 +17,14 @@ from typing import Any
 from antiphon import env
 from antiphon.configfields import add_dataclass_args, dataclass_from_args
 from antiphon.engine_ext.config import EngineConfig
-from antiphon.engine_ext.costfit import CostFit, ProfiledStep, fit_path, save_fit
+from antiphon.engine_ext.costfit import (
+    MIN_STORED_FIT_STEPS,
+    CostFit,
+    ProfiledStep,
+    fit_path,
+    is_storable,
+    save_fit,
+)
 from antiphon.engine_ext.costforms import cost_form
 
 
@@ -44,7 +51,7 @@ def _report(fit: CostFit, steps: list[ProfiledStep], wall_s: float) -> dict[str,
 
 
 async def _profile(config: EngineConfig, quick: bool) -> tuple[CostFit, list[ProfiledStep],
-                                                                Path]:
+                                                                Path | None]:
     from antiphon.engine_ext.engine import VllmEngine
     from antiphon.engine_ext.profiler import FULL, QUICK, profile
     from antiphon.model import resolve_model
@@ -59,6 +66,8 @@ async def _profile(config: EngineConfig, quick: bool) -> tuple[CostFit, list[Pro
         fit, steps = await profile(engine, QUICK if quick else FULL, progress)
         print(file=sys.stderr)
         path = fit_path(env.cache_dir(), *engine.cost_model_key())
+        if not is_storable(fit):
+            return fit, steps, None
         save_fit(fit, path)
         return fit, steps, path
     finally:
@@ -82,10 +91,16 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(fit))
     print(f"\nchosen: {fit.form}, held-out MAPE {fit.heldout_mape:.1%} over {fit.num_steps} "
           f"steps; refitted on all of them: {coefficients_text(fit.form, fit.coefficients)}")
-    print(f"stored in {path} ({wall_s:.0f} s)")
     if args.out:
         Path(args.out).write_text(json.dumps(_report(fit, steps, wall_s), indent=1) + "\n")
         print(f"steps and fit written to {args.out}")
+    if path is None:
+        print(f"antiphon profile: not stored: {fit.num_steps} steps, fewer than "
+              f"{MIN_STORED_FIT_STEPS} ({wall_s:.0f} s); the engine's limits (KV pool, "
+              f"max sequences, model length) left too few grid points: profile with the "
+              f"defaults", file=sys.stderr)
+        return 1
+    print(f"stored in {path} ({wall_s:.0f} s)")
     return 0
 
 

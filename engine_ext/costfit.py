@@ -117,6 +117,18 @@ def score_forms(steps: Sequence[ProfiledStep], forms: Sequence[CostForm] | None 
     return sorted(scores, key=lambda s: (np.isnan(s.heldout_mape), s.heldout_mape))
 
 
+# A fit from fewer profiled steps is not stored, nor used at start: an engine whose limits (a
+# small KV pool, few sequences) cut the grid down makes one. Such a fit (17 steps) sat in this
+# machine's cache and predicted decode steps 20 times too slow; every server that loaded it
+# reported a cost-model error of about 30% instead of 6-9% (docs/benchmarks.md).
+MIN_STORED_FIT_STEPS = 48
+
+
+def is_storable(fit: CostFit) -> bool:
+    """Whether `fit` rests on enough profiled steps to store and to use at start."""
+    return fit.num_steps >= MIN_STORED_FIT_STEPS
+
+
 def choose_fit(steps: Sequence[ProfiledStep], model: str, machine: Machine,
                forms: Sequence[CostForm] | None = None, heldout_fraction: float = 0.25,
                seed: int = 0) -> CostFit:

@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING
 
 from antiphon import env
 from antiphon.engine_ext.costfit import (
+    MIN_STORED_FIT_STEPS,
     CostFit,
     ProfiledStep,
     choose_fit,
     fit_path,
+    is_storable,
     load_fit,
     save_fit,
 )
@@ -221,6 +223,11 @@ async def prepare_cost_model(engine: VllmEngine) -> CostFit | None:
     model, machine = engine.cost_model_key()
     path = fit_path(env.cache_dir(), model, machine)
     fit = load_fit(path, model, machine)
+    if fit is not None and not is_storable(fit):
+        logger.warning("Ignoring the cost-model fit stored in %s: %d profiled steps, fewer than "
+                       "%d; run `antiphon profile` with the default engine limits", path,
+                       fit.num_steps, MIN_STORED_FIT_STEPS)
+        fit = None
     if fit is None and mode == "auto":
         logger.info("No cost-model fit stored for this model and machine: profiling the "
                     "engine (quick grid, a few minutes, once); `antiphon profile` fits a "
@@ -230,8 +237,12 @@ async def prepare_cost_model(engine: VllmEngine) -> CostFit | None:
         except Exception:
             logger.exception("Profiling failed; the cost model starts from its prior")
             return None
-        save_fit(fit, path)
-        logger.info("Cost-model fit stored in %s", path)
+        if is_storable(fit):
+            save_fit(fit, path)
+            logger.info("Cost-model fit stored in %s", path)
+        else:  # this engine's own measurements, for this run only
+            logger.warning("Cost-model fit from %d steps, fewer than %d: used, not stored",
+                           fit.num_steps, MIN_STORED_FIT_STEPS)
     if fit is None:
         logger.info("No cost-model fit stored for this model and machine; the cost model "
                     "starts from its prior and learns online")

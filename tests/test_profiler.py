@@ -109,6 +109,27 @@ async def test_auto_profiles_stores_and_installs_when_no_usable_fit_is_stored(
     assert len(profiled) == 1
 
 
+async def test_a_fit_from_too_few_steps_is_neither_used_nor_stored(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = fit_path(cache, MODEL, MACHINE)
+    save_fit(choose_fit(synthetic_steps("bros", num_steps=20), MODEL, MACHINE), path)
+    engine = StandInEngine("stored")
+    assert await prepare_cost_model(engine) is None  # type: ignore[arg-type]
+    assert engine.installed == []
+
+    path.unlink()
+    small = choose_fit(synthetic_steps("hygen", num_steps=20), MODEL, MACHINE)
+
+    async def small_profile(engine: Any, spec: Any, progress: Any = None) -> tuple[CostFit, list]:
+        return small, []
+
+    monkeypatch.setattr(profiler, "profile", small_profile)
+    engine = StandInEngine("auto")
+    assert await prepare_cost_model(engine) == small  # type: ignore[arg-type]
+    assert engine.installed == [("hygen", small.coefficients, small.heldout_mape)]
+    assert not path.exists()  # this engine's measurements, for this run only
+
+
 async def test_a_failed_profile_leaves_the_prior(cache: Path, monkeypatch: pytest.MonkeyPatch,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     async def failing_profile(engine: Any, spec: Any, progress: Any = None) -> None:
