@@ -224,12 +224,10 @@ class TierPlanner:
         wanted = [key.with_layer(layer) for key in match.chunks[first_chunk:]
                   for layer in range(self.num_layers)]
         absent = [key for key in wanted if not self.host.contains(key)]
-        if absent and (st.prefetch is None or (st.fetch_attempts < MAX_FETCH_ATTEMPTS and
-                                               not set(st.prefetch.keys).isdisjoint(absent))):
+        missing = set(absent)
+        if missing and self._fetch_again(st, missing):
             # Hold what host memory has while the rest comes up from SSD: the prefetch's own
-            # puts must not evict it. A fetch done with some of its keys still absent lost the
-            # host room to other fetches after it started: it goes again, a few times at most.
-            missing = set(absent)
+            # puts must not evict it.
             st.pins = [key for key in wanted if key not in missing and self.host.pin(key)]
             self._drop_prefetch(st)
             st.fetch_attempts += 1
@@ -514,6 +512,13 @@ class TierPlanner:
             st.hashes.extend(continue_prefix_hashes(previous, tokens, self.chunk_tokens))
         return st.hashes[:num_chunks]
 
+    @staticmethod
+    def _fetch_again(st: _Request, missing: set[ChunkKey]) -> bool:
+        """Whether the turn fetches `missing` from SSD: it has not yet, or its last fetch,
+        done, lost some of its keys to other fetches' host room (a few times at most)."""
+        return st.prefetch is None or (st.fetch_attempts < MAX_FETCH_ATTEMPTS
+                                       and not missing.isdisjoint(st.prefetch.keys))
+
     def _leading_chunks_with_room(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         """The chunk-layers of `keys` (in chunk order) that belong to its leading chunks the
         host can make room for, every layer of each. A context larger than the host's free
@@ -638,10 +643,9 @@ class TierPlanner:
                 from_ssd += max(0, min(end, chunk_start + self.chunk_tokens)
                                 - max(start, chunk_start))
         c.tokens_from_ssd += from_ssd
-        st.fetch_attempts = 0
         c.tokens_from_host += num_external - from_ssd
         c.computed_prompt_tokens += max(0, num_prompt_tokens - st.local_tokens - num_external)
-        st.ssd_chunks = set()
+        st.ssd_chunks, st.fetch_attempts = set(), 0
 
     def _use_advisory(self, session: str | None) -> None:
         advisory = self._advisories.pop(session or "", None)
