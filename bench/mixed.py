@@ -4,7 +4,7 @@ For each policy, in one run and on the same engine settings: start `antiphon ser
 submit BE document chunks (LEval) as a Batch API job so BE work saturates the engine, then
 replay RT arrivals from the Azure conversation trace (ShareGPT prompts, lengths scaled to this
 machine) as streaming chat completions, and measure RT TTFT/TPOT against their targets and BE
-tokens per second from the server's counters over the same window.
+tokens per second from the server's counters over one fixed window, the same for every system.
 """
 
 from __future__ import annotations
@@ -100,11 +100,18 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         await asyncio.sleep(args.be_warmup_s)
         m0, s0 = (await client.get("/metrics")).text, (await client.get("/v1/engine/stats")).json()
         start = time.perf_counter()
-        results = await asyncio.gather(*(
-            rt_request(client, model, prompts[i % len(prompts)], a, start)
-            for i, a in enumerate(arrivals)))
+        turns = [asyncio.create_task(rt_request(client, model, prompts[i % len(prompts)], a,
+                                                start)) for i, a in enumerate(arrivals)]
+        # Every system is measured over the same window, whenever its RT turns finish: a
+        # window ending with a system's last turn let a system that delays turns (fcfs) count
+        # BE tokens from a tail where no RT turn was arriving, and one that serves turns
+        # promptly count none.
+        await asyncio.sleep(max(0.0, start + measurement_window_s(args, arrivals)
+                                - time.perf_counter()))
         window = time.perf_counter() - start
         m1, s1 = (await client.get("/metrics")).text, (await client.get("/v1/engine/stats")).json()
+        unfinished = sum(1 for turn in turns if not turn.done())
+        results = await asyncio.gather(*turns)
         await client.post(f"/v1/batches/{batch['id']}/cancel")
     ttft_ok = [r["ttft_s"] <= args.ttft_slo for r in results]
     tpot_ok = [r["tpot_s"] <= args.tpot_slo for r in results]
@@ -128,8 +135,16 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         "pages_checkpointed": _tier_delta(s0, s1, "pages_checkpointed"),
         "pages_restored": _tier_delta(s0, s1, "pages_restored"),
         "rt_requests": len(results),
+        "rt_unfinished_at_window_end": unfinished,
+        "window_s": window,
         "timeline": results,
     }
+
+
+def measurement_window_s(args: argparse.Namespace, arrivals: list[RtArrival]) -> float:
+    """Seconds from the first RT arrival over which every system's BE tokens and engine
+    counters are measured: the trace plus `--window-tail-s` for the last turns to finish."""
+    return max((a.at_s for a in arrivals), default=0.0) + args.window_tail_s
 
 
 def _tier_delta(s0: dict[str, Any], s1: dict[str, Any], name: str) -> int:
@@ -261,6 +276,9 @@ def add_workload_arguments(p: argparse.ArgumentParser, kv_pages: int) -> None:
     p.add_argument("--rt-output-tokens", type=int, default=48, help="mean RT output length")
     p.add_argument("--be-items", type=int, default=400, help="BE chunks in the batch job")
     p.add_argument("--be-warmup-s", type=float, default=5.0)
+    p.add_argument("--window-tail-s", type=float, default=20.0,
+                   help="BE tokens and engine counters are measured from the first RT arrival "
+                        "to this long after the last, the same window for every system")
     p.add_argument("--kv-pages", type=int, default=kv_pages,
                    help="KV pool size (128-token pages)")
     p.add_argument("--ttft-slo", type=float, default=1.0)
