@@ -224,3 +224,12 @@ def test_a_turn_waiting_for_pages_is_not_overtaken_by_smaller_ones() -> None:
     # With the pages free, both get in, the follow-up first.
     assert policy.plan(views, budget(now=1.0, free_pages=8)).order == [
         "follow_up", "fresh", "running", "be"]
+
+
+def test_with_nothing_running_a_turn_short_of_pages_holds_nobody_back() -> None:
+    # No running request will free a page for "follow_up": holding "fresh" and the BE request
+    # back would stall the engine (found by the plan-invariant property test).
+    policy = BrosPolicy(constant_cost(0.01), base_batch_size=64)
+    views = [view("follow_up", arrival=0.0, prompt=80), view("fresh", arrival=0.5, prompt=8),
+             view("be", BE, prompt=8)]
+    assert policy.plan(views, budget(now=1.0, free_pages=2)).order == ["fresh", "be"]

@@ -92,6 +92,9 @@ class BrosPolicy(Policy):
                           budget.page_tokens)
         time_limit = residual_time_s(rts, now)
         is_at_risk = is_admission_blocked = False
+        # Pages come back only from running requests: with none, a turn short of pages waits in
+        # vain, and holding back the requests behind it would stall the engine.
+        can_pages_free = any(v.is_running for v in views)
 
         for view in rts:
             if len(batch.ids) >= cap or batch.tokens_left <= 0:
@@ -119,7 +122,8 @@ class BrosPolicy(Policy):
                 # under memory pressure, turns that need few pages (a fresh prompt) would take
                 # each page as it frees, and a follow-up needing its whole context never get in
                 # (measured at 16 chat users on a 13-page pool: 9 s p99 TTFT).
-                is_admission_blocked = is_admission_blocked or not view.is_running
+                is_admission_blocked = is_admission_blocked or (
+                    not view.is_running and can_pages_free)
                 continue
             victims.take_until(pages, batch, plan)
             batch.add(view, new, pages)
