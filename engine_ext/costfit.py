@@ -1,10 +1,11 @@
 """Choosing a cost-model form from profiled steps, and keeping the fit per (model, machine).
 
 `choose_fit` fits every form on a training split of the steps and scores it on the held-out
-rest; the form of lowest held-out MAPE wins and is fitted again on all steps. Steps are split
-by the grid point that produced them, so held-out steps are batch compositions the fit never
-saw. The fit is stored as JSON, one file per (model, machine) under `<cache_dir>/costmodels/`;
-a file whose model or machine differs from the engine's is not used. Pure: no torch, no vLLM.
+rest; the form of lowest held-out MAPE wins (a form that adds terms to another must beat it
+by 5%) and is fitted again on all steps. Steps are split by the grid point that produced
+them, so held-out steps are batch compositions the fit never saw. The fit is stored as JSON,
+one file per (model, machine) under `<cache_dir>/costmodels/`; a file whose model or machine
+differs from the engine's is not used. Pure: no torch, no vLLM.
 """
 
 from __future__ import annotations
@@ -114,7 +115,19 @@ def score_forms(steps: Sequence[ProfiledStep], forms: Sequence[CostForm] | None 
             form.name, coefficients,
             mape(form.predict_all(coefficients, train), latencies[~heldout]),
             mape(form.predict_all(coefficients, test), latencies[heldout])))
-    return sorted(scores, key=lambda s: (np.isnan(s.heldout_mape), s.heldout_mape))
+    return sorted(scores, key=lambda s: (np.isnan(s.heldout_mape), ranked_error(s)))
+
+
+# How much lower (relative) a form's held-out error must be than that of the form it extends
+# for the richer form to rank first: within it, the extra terms fit noise.
+MIN_EXTENSION_GAIN = 0.05
+
+
+def ranked_error(score: FormScore) -> float:
+    """The held-out error a form is ranked by: a form that extends another pays
+    `MIN_EXTENSION_GAIN` on top of its own."""
+    penalty = 1.0 + MIN_EXTENSION_GAIN if cost_form(score.form).extends else 1.0
+    return score.heldout_mape * penalty
 
 
 # A fit from fewer profiled steps is not stored, nor used at start: an engine whose limits (a
