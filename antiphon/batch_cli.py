@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import httpx
 
@@ -21,6 +21,14 @@ FINISHED = ("completed", "failed", "expired", "cancelled")
 
 class BatchCliError(Exception):
     """A request the server refused or could not answer; the message is for the user."""
+
+
+class ServerUnreachableError(BatchCliError):
+    """No answer at all (refused, reset, timed out): the server may be restarting."""
+
+
+class BatchReader(Protocol):
+    def get(self, batch_id: str) -> dict[str, Any]: ...
 
 
 class BatchClient:
@@ -58,15 +66,15 @@ class BatchClient:
                         for chunk in r.iter_bytes():
                             f.write(chunk)
                             num_lines += chunk.count(b"\n")
-                except httpx.HTTPError as exc:
-                    raise BatchCliError(f"cannot reach the server: {exc}") from None
+                except httpx.TransportError as exc:
+                    raise ServerUnreachableError(f"cannot reach the server: {exc}") from None
         return num_lines
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         try:
             r = self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise BatchCliError(f"cannot reach the server: {exc}") from None
+        except httpx.TransportError as exc:
+            raise ServerUnreachableError(f"cannot reach the server: {exc}") from None
         _check(r)
         result: dict[str, Any] = r.json()
         return result
@@ -94,12 +102,33 @@ def progress_line(batch: dict[str, Any]) -> str:
     return f"[{bar}] {done}/{total} completed, {failed} failed ({batch['status']})"
 
 
-def watch(client: BatchClient, batch_id: str, poll_s: float, out: TextIO) -> dict[str, Any]:
+def watch(client: BatchReader, batch_id: str, poll_s: float, out: TextIO,
+          max_unreachable_s: float = 600.0) -> dict[str, Any]:
     """Poll until the batch finishes, redrawing one progress line in place on a terminal
-    (one line per change elsewhere); returns the finished batch."""
+    (one line per change elsewhere); returns the finished batch. While the server does not
+    answer (a restart: jobs resume where they stopped) it keeps polling, for at most
+    `max_unreachable_s` seconds in a row, then raises `ServerUnreachableError`."""
     is_tty, last = out.isatty(), ""
+    unreachable_since: float | None = None
     while True:
-        batch = client.get(batch_id)
+        try:
+            batch = client.get(batch_id)
+        except ServerUnreachableError as exc:
+            now = time.monotonic()
+            if unreachable_since is None:
+                unreachable_since = now
+                out.write(("\n" if is_tty else "") + f"{exc}; retrying for up to "
+                          f"{max_unreachable_s:.0f} s\n")
+                out.flush()
+                last = ""
+            elif now - unreachable_since > max_unreachable_s:
+                raise
+            time.sleep(poll_s)
+            continue
+        if unreachable_since is not None:
+            down_s = time.monotonic() - unreachable_since
+            out.write(f"the server answers again after {down_s:.0f} s\n")
+            unreachable_since = None
         line = progress_line(batch)
         if is_tty:
             out.write("\r" + line.ljust(len(last)))
@@ -128,7 +157,8 @@ def _submit(client: BatchClient, args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     try:
-        batch = watch(client, batch["id"], args.poll_interval, sys.stdout)
+        batch = watch(client, batch["id"], args.poll_interval, sys.stdout,
+                      args.max_unreachable_s)
     except KeyboardInterrupt:
         print(f"\nstopped watching; the batch keeps running: antiphon batch status {batch['id']}")
         return 130
@@ -144,7 +174,11 @@ def _fetch(client: BatchClient, batch: dict[str, Any], out: Path) -> None:
 
 
 def _status(client: BatchClient, args: argparse.Namespace) -> int:
-    batch = client.get(args.batch_id)
+    if args.wait:
+        batch = watch(client, args.batch_id, args.poll_interval, sys.stdout,
+                      args.max_unreachable_s)
+    else:
+        batch = client.get(args.batch_id)
     print(f"{batch['id']}: {progress_line(batch)}")
     for name in ("output_file_id", "error_file_id"):
         if batch.get(name):
@@ -191,7 +225,7 @@ def add_batch_parser(commands: Any) -> None:
     submit.add_argument("--wait", action="store_true",
                         help="show progress until it finishes, then download the results "
                              "to FILE's name with .results.jsonl")
-    submit.add_argument("--poll-interval", type=float, default=0.5, help="seconds (0.5)")
+    _add_watch_options(submit)
     submit.set_defaults(batch_func=_submit)
     for name, func, text in (("status", _status, "show a batch's progress"),
                              ("results", _results, "download a finished batch's results"),
@@ -201,4 +235,15 @@ def add_batch_parser(commands: Any) -> None:
         action.set_defaults(batch_func=func)
         if name == "results":
             action.add_argument("--out", help="file to write (default ID.results.jsonl)")
+        if name == "status":
+            action.add_argument("--wait", action="store_true",
+                                help="show progress until the batch finishes")
+            _add_watch_options(action)
     batch.set_defaults(func=run)
+
+
+def _add_watch_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds (0.5)")
+    parser.add_argument("--max-unreachable-s", type=float, default=600.0,
+                        help="while waiting, keep polling a server that does not answer (a "
+                             "restart) this long before giving up (600 s)")

@@ -1,0 +1,58 @@
+"""`antiphon batch` watching a batch across a server restart, with a stand-in client (no
+server): the CLI against a live one is in test_batches.py."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+from antiphon.batch_cli import BatchCliError, ServerUnreachableError, watch
+
+
+class Replies:
+    """A client whose `get` answers from a script: a batch, or an error to raise."""
+
+    def __init__(self, replies: Iterable[dict[str, Any] | BatchCliError]) -> None:
+        self.replies = iter(replies)
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        reply = next(self.replies)
+        if isinstance(reply, BatchCliError):
+            raise reply
+        return reply
+
+
+def batch(status: str, completed: int) -> dict[str, Any]:
+    return {"id": "batch_1", "status": status,
+            "request_counts": {"total": 200, "completed": completed, "failed": 0}}
+
+
+def test_watching_goes_on_while_the_server_restarts() -> None:
+    down = ServerUnreachableError("cannot reach the server: connection refused")
+    client = Replies([batch("in_progress", 80), down, down,
+                      batch("in_progress", 120), batch("completed", 200)])
+    out = io.StringIO()
+    finished = watch(client, "batch_1", 0.0, out, max_unreachable_s=60.0)
+    assert finished["status"] == "completed"
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("80/200 completed, 0 failed (in_progress)")
+    assert lines[1] == ("cannot reach the server: connection refused; retrying for up to 60 s")
+    assert lines[2].startswith("the server answers again after")
+    assert lines[3].endswith("120/200 completed, 0 failed (in_progress)")
+    assert lines[4].endswith("200/200 completed, 0 failed (completed)")
+
+
+def test_watching_gives_up_after_the_unreachable_limit() -> None:
+    down = ServerUnreachableError("cannot reach the server: connection refused")
+    client = Replies([batch("in_progress", 80), down, down, down])
+    with pytest.raises(ServerUnreachableError):
+        watch(client, "batch_1", 0.01, io.StringIO(), max_unreachable_s=0.0)
+
+
+def test_a_refusal_is_not_retried() -> None:
+    client = Replies([BatchCliError("HTTP 404: batch_not_found: no batch batch_1")])
+    with pytest.raises(BatchCliError, match="batch_not_found"):
+        watch(client, "batch_1", 0.0, io.StringIO())
