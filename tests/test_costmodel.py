@@ -231,3 +231,18 @@ def test_a_fit_json_carries_every_form_score() -> None:
     again = CostFit.from_json(json.loads(json.dumps(fit.to_json())))
     assert [s.form for s in again.scores] == [s.form for s in fit.scores]
     assert again == fit
+
+
+def test_calibration_and_error_track_their_windows_as_numpy_computes_them() -> None:
+    model = CostModel("hygen", {"intercept_s": 0.1}, refit_every=10**9)
+    shape = StepShape.of([(1, 10)])
+    rng = np.random.default_rng(3)
+    latencies: list[float] = []
+    for _ in range(600):  # past both windows (64 ratios, 512 errors)
+        latencies.append(0.1 * float(rng.uniform(0.5, 2.5)))
+        model.observe(shape, latencies[-1])
+    ratios = np.array(latencies[-CostModel.CALIBRATION_WINDOW:]) / 0.1
+    assert model.calibration == pytest.approx(
+        min(CostModel.MAX_CALIBRATION, float(np.quantile(ratios, CostModel.CALIBRATION_QUANTILE))))
+    recent = np.array(latencies[-512:])
+    assert model.mape == pytest.approx(float(np.mean(np.abs(0.1 - recent) / recent)))
