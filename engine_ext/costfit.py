@@ -2,10 +2,10 @@
 
 `choose_fit` fits every form on training splits of the steps and scores it on the held-out
 rests; the form of lowest mean held-out MAPE wins (a form that adds terms to another must
-beat it by 5%) and is fitted again on all steps. Steps are split by the grid point that produced
-them, so held-out steps are batch compositions the fit never saw. The fit is stored as JSON,
-one file per (model, machine) under `<cache_dir>/costmodels/`; a file whose model or machine
-differs from the engine's is not used. Pure: no torch, no vLLM.
+beat it by 5%) and is fitted again on all steps. Steps are split by the grid point that
+produced them, so held-out steps are batch compositions the fit never saw. The fit is stored
+as JSON, one file per (model, machine) under `<cache_dir>/costmodels/`; a file whose model or
+machine differs from the engine's is not used. Pure: no torch, no vLLM.
 """
 
 from __future__ import annotations
@@ -105,26 +105,31 @@ def score_forms(steps: Sequence[ProfiledStep], forms: Sequence[CostForm] | None 
     errors are means over `num_splits` random splits (coefficients from the first). One split
     of about 30 grid points was measured to rank the forms by chance: on two profiles of this
     machine the form that won one split was third or second on the mean of ten."""
+    if len(steps) < 8:
+        raise ValueError(f"too few profiled steps to fit and score ({len(steps)})")
+    candidates = {form.name: form for form in forms or FORMS.values()}
+    groups = [s.group for s in steps]
     shapes = [s.shape for s in steps]
     latencies = np.array([s.latency_s for s in steps])
     fitted: dict[str, tuple[float, ...]] = {}
-    errors: dict[str, list[tuple[float, float]]] = {}
+    errors: dict[str, list[tuple[float, float]]] = {name: [] for name in candidates}
     for split in range(num_splits):
-        heldout = split_groups([s.group for s in steps], heldout_fraction, seed + split)
-        if heldout.all() or not heldout.any() or len(steps) < 8:
+        heldout = split_groups(groups, heldout_fraction, seed + split)
+        if heldout.all() or not heldout.any():
             raise ValueError(f"too few profiled steps to fit and score ({len(steps)})")
         train = [shape for shape, h in zip(shapes, heldout, strict=True) if not h]
         test = [shape for shape, h in zip(shapes, heldout, strict=True) if h]
-        for form in forms or list(FORMS.values()):
+        for name, form in candidates.items():
             coefficients = form.fit(train, latencies[~heldout])
-            fitted.setdefault(form.name, coefficients)
-            errors.setdefault(form.name, []).append((
+            fitted.setdefault(name, coefficients)
+            errors[name].append((
                 mape(form.predict_all(coefficients, train), latencies[~heldout]),
                 mape(form.predict_all(coefficients, test), latencies[heldout])))
     scores = [FormScore(name, fitted[name], float(np.mean([e[0] for e in pairs])),
                         float(np.mean([e[1] for e in pairs])))
               for name, pairs in errors.items()]
-    return sorted(scores, key=lambda s: (np.isnan(s.heldout_mape), ranked_error(s)))
+    return sorted(scores, key=lambda s: (np.isnan(s.heldout_mape),
+                                         ranked_error(s, candidates[s.form])))
 
 
 # How much lower (relative) a form's held-out error must be than that of the form it extends
@@ -132,10 +137,12 @@ def score_forms(steps: Sequence[ProfiledStep], forms: Sequence[CostForm] | None 
 MIN_EXTENSION_GAIN = 0.05
 
 
-def ranked_error(score: FormScore) -> float:
+def ranked_error(score: FormScore, form: CostForm | None = None) -> float:
     """The held-out error a form is ranked by: a form that extends another pays
-    `MIN_EXTENSION_GAIN` on top of its own."""
-    penalty = 1.0 + MIN_EXTENSION_GAIN if cost_form(score.form).extends else 1.0
+    `MIN_EXTENSION_GAIN` on top of its own. `form` defaults to the registered form of that
+    name (score_forms passes its own, which need not be registered)."""
+    form = cost_form(score.form) if form is None else form
+    penalty = 1.0 + MIN_EXTENSION_GAIN if form.extends else 1.0
     return score.heldout_mape * penalty
 
 
