@@ -13,7 +13,7 @@ from types import TracebackType
 
 import httpx
 
-from antiphon.engine_ext.config import CPU_RESERVED_CORES_ENV, DEFAULT_CPU_RESERVED_CORES
+from antiphon.engine_ext.config import cpu_threading_env
 
 
 def free_port() -> int:
@@ -33,9 +33,9 @@ class ServerProcess:
         self.cmd = [*cmd, "--port", str(self.port)]
         self.log_path = log_path or Path(f"/tmp/antiphon-serve-{self.port}.log")
         self.start_timeout_s = start_timeout_s
-        # Stock vLLM servers too: the model's threads on the cores `antiphon serve` gives them.
-        self.env = {**os.environ, CPU_RESERVED_CORES_ENV: str(DEFAULT_CPU_RESERVED_CORES),
-                    **(env or {})}
+        # Stock vLLM servers too: the model's threads on the cores, and spinning as long, as
+        # `antiphon serve` gives them.
+        self.env = {**os.environ, **cpu_threading_env(), **(env or {})}
         self.health_path = health_path
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from antiphon.bench.report import print_table, write_json
 from antiphon.bench.serverproc import ServerProcess
-from antiphon.engine_ext.config import DEFAULT_CPU_RESERVED_CORES, reserve_cpu_cores
+from antiphon.engine_ext.config import set_cpu_threading
 
 SHORT_PROMPT = "What is the capital of France? Answer in one word."
 TOPICS = ["a lighthouse keeper", "a lost robot", "the first city on Mars", "a chess prodigy",
@@ -72,7 +72,7 @@ async def run_direct(model_dir: Path, engine_args: dict[str, Any],
     from vllm.v1.engine.async_llm import AsyncLLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    reserve_cpu_cores(DEFAULT_CPU_RESERVED_CORES)  # as `antiphon serve` does
+    set_cpu_threading()  # as `antiphon serve` does
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), **engine_args))
     counter = iter(range(1 << 30))
     extra_args = {"antiphon_class": request_class} if request_class else None

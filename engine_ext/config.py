@@ -13,6 +13,8 @@ GiB = 1 << 30
 
 COST_MODEL_MODES = ("auto", "stored", "online")
 DEFAULT_CPU_RESERVED_CORES = 0
+# libgomp's spin before an idle OpenMP thread sleeps (GOMP_SPINCOUNT); see EngineConfig.
+DEFAULT_CPU_OMP_SPIN_COUNT = 10_000
 
 SCHEDULER_CLS = "antiphon.engine_ext.scheduler.AntiphonScheduler"
 ASYNC_SCHEDULER_CLS = "antiphon.engine_ext.scheduler.AntiphonAsyncScheduler"
@@ -78,6 +80,14 @@ class EngineConfig:
         "cores than that it uses them all, so on a 2-core host the model got one core "
         "without KV tiering and two with it, and every benchmark that compared the two "
         "compared different hardware (docs/benchmarks.md)", default=DEFAULT_CPU_RESERVED_CORES)
+    cpu_omp_spin_count: int = doc(
+        "CPU only: how long the model's idle OpenMP threads spin before they sleep "
+        "(libgomp's GOMP_SPINCOUNT, in iterations); -1 keeps libgomp's default (300,000). "
+        "With the default, the threads spin on every core after each step while vLLM's "
+        "engine process and the API server wait for the 4 ms scheduler tick: on 2 cores, "
+        "decode steps of one shape took 15, 19.7 or 23.5 ms. At 10,000 they took the "
+        "fastest of these, within 3% of each other (docs/benchmarks.md)",
+        default=DEFAULT_CPU_OMP_SPIN_COUNT)
     cost_model: str = doc(
         "Where the step cost model starts: 'stored' (the fit `antiphon profile` stored for "
         "this model and machine, else a prior), 'auto' (as stored, but profile the engine at "
@@ -110,6 +120,9 @@ class EngineConfig:
                              f"{self.shared_block_pages}")
         if self.cpu_reserved_cores < 0:
             raise ValueError(f"cpu_reserved_cores must be >= 0, got {self.cpu_reserved_cores}")
+        if self.cpu_omp_spin_count < -1:
+            raise ValueError(f"cpu_omp_spin_count must be >= 0, or -1 for libgomp's default, "
+                             f"got {self.cpu_omp_spin_count}")
         if self.cost_model not in COST_MODEL_MODES:
             raise ValueError(f"cost_model must be one of {', '.join(COST_MODEL_MODES)}, "
                              f"got {self.cost_model!r}")
@@ -129,12 +142,27 @@ class EngineConfig:
 
 
 CPU_RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+OMP_SPIN_COUNT_ENV = "GOMP_SPINCOUNT"
 
 
-def reserve_cpu_cores(num_cores: int) -> None:
-    """Keep `num_cores` CPU cores free of the model's threads in engines started from now on
-    in this process and its children (vLLM reads the variable when it binds its threads)."""
-    os.environ[CPU_RESERVED_CORES_ENV] = str(num_cores)
+def cpu_threading_env(reserved_cores: int = DEFAULT_CPU_RESERVED_CORES,
+                      omp_spin_count: int = DEFAULT_CPU_OMP_SPIN_COUNT) -> dict[str, str]:
+    """The environment that gives engines (ours and stock vLLM alike) `reserved_cores` CPU
+    cores free of the model's threads and OpenMP threads that spin `omp_spin_count`
+    iterations before they sleep (-1: libgomp's default, the variable unset)."""
+    env = {CPU_RESERVED_CORES_ENV: str(reserved_cores)}
+    if omp_spin_count >= 0:
+        env[OMP_SPIN_COUNT_ENV] = str(omp_spin_count)
+    return env
+
+
+def set_cpu_threading(reserved_cores: int = DEFAULT_CPU_RESERVED_CORES,
+                      omp_spin_count: int = DEFAULT_CPU_OMP_SPIN_COUNT) -> None:
+    """`cpu_threading_env` for engines started from now on in this process and its children
+    (vLLM reads the variables when it starts its worker; libgomp when the worker loads it)."""
+    if omp_spin_count < 0:
+        os.environ.pop(OMP_SPIN_COUNT_ENV, None)
+    os.environ.update(cpu_threading_env(reserved_cores, omp_spin_count))
 
 
 @dataclasses.dataclass(frozen=True)

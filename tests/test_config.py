@@ -1,10 +1,17 @@
+import os
 from pathlib import Path
 
 import pytest
 
 from antiphon.cli import build_parser
 from antiphon.configfields import dataclass_from_args
-from antiphon.engine_ext.config import EngineConfig
+from antiphon.engine_ext.config import (
+    CPU_RESERVED_CORES_ENV,
+    OMP_SPIN_COUNT_ENV,
+    EngineConfig,
+    cpu_threading_env,
+    set_cpu_threading,
+)
 from antiphon.engine_ext.engine import cpu_computes_bf16, resolve_dtype
 from antiphon.server.auth import Authenticator
 from antiphon.server.config import ServerConfig
@@ -33,7 +40,7 @@ def test_server_config_rejects_bad_limits(kwargs: dict[str, object]) -> None:
                                     {"be_step_limit_s": 0}, {"be_step_limit_s": float("nan")},
                                     {"slo_headroom": 1.0}, {"slo_headroom": -0.1},
                                     {"step_trace": "/no/such/folder/steps.jsonl"},
-                                    {"cpu_reserved_cores": -1}])
+                                    {"cpu_reserved_cores": -1}, {"cpu_omp_spin_count": -2}])
 def test_engine_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         EngineConfig(**kwargs)  # type: ignore[arg-type]
@@ -44,6 +51,7 @@ def test_cli_options_build_configs(tmp_path: Path) -> None:
         "serve", "--port", "9001", "--api-keys", "k" * 12, "--api-keys", "j" * 12,
         "--max-model-len", "1024", "--enforce-eager", "--data-dir", str(tmp_path),
         "--be-step-limit-s", "0.5", "--slo-headroom", "0.2", "--cpu-reserved-cores", "1",
+        "--cpu-omp-spin-count", "-1",
         "--step-trace", str(tmp_path / "steps.jsonl")])
     server = dataclass_from_args(ServerConfig, args)
     engine = dataclass_from_args(EngineConfig, args)
@@ -54,6 +62,7 @@ def test_cli_options_build_configs(tmp_path: Path) -> None:
     assert engine.scheduler_settings.slo_headroom == 0.2
     assert engine.scheduler_settings.step_trace == str(tmp_path / "steps.jsonl")
     assert engine.cpu_reserved_cores == 1
+    assert engine.cpu_omp_spin_count == -1  # libgomp's own default
     assert engine.dtype == "auto"  # untouched options keep the dataclass default
     assert sessions.db_path == tmp_path / "sessions.sqlite3"
 
@@ -79,3 +88,15 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it(tmp_path: Path) -
     assert cpu_computes_bf16(cpuinfo)
     assert not cpu_computes_bf16(tmp_path / "missing")
     assert resolve_dtype("float16") == "float16"  # an explicit dtype is kept
+
+
+def test_cpu_threading_env_sets_the_spin_count_unless_told_to_keep_libgomps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu_threading_env(0, 10_000) == {CPU_RESERVED_CORES_ENV: "0",
+                                            OMP_SPIN_COUNT_ENV: "10000"}
+    monkeypatch.setenv(OMP_SPIN_COUNT_ENV, "5")  # both restored after the test
+    monkeypatch.setenv(CPU_RESERVED_CORES_ENV, "0")
+    set_cpu_threading(1, -1)
+    assert OMP_SPIN_COUNT_ENV not in os.environ and os.environ[CPU_RESERVED_CORES_ENV] == "1"
+    set_cpu_threading(0, 300)
+    assert os.environ[OMP_SPIN_COUNT_ENV] == "300"

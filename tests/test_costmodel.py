@@ -199,6 +199,8 @@ def test_a_fit_from_another_machine_or_model_is_not_used(
     assert fit_path(tmp_path, MODEL, other) != fit_path(tmp_path, MODEL, MACHINE)
     one_core_less = machine_fingerprint("bfloat16", True, reserved_cpu_cores=1)
     assert fit_path(tmp_path, MODEL, one_core_less) != fit_path(tmp_path, MODEL, MACHINE)
+    spinning = machine_fingerprint("bfloat16", True, omp_spin_count=10_000)
+    assert fit_path(tmp_path, MODEL, spinning) != fit_path(tmp_path, MODEL, MACHINE)
     fit = choose_fit(synthetic_steps("bros"), MODEL, other)
     path = tmp_path / "fit.json"
     save_fit(fit, path)
