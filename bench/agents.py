@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from antiphon.bench.report import args_config, print_table, write_json
-from antiphon.bench.serverproc import ServerProcess
+from antiphon.bench.serverproc import ServerProcess, scratch_data_dir
 from antiphon.bench.sessions_metrics import COUNTERS, counter_deltas
 from antiphon.quantiles import percentile
 
@@ -103,7 +103,8 @@ def main(args: argparse.Namespace) -> int:
                "--kv-tiering", "--host-tier-bytes", str(args.host_tier_mib << 20),
                "--data-dir", str(out.with_suffix(f".{name}.data"))]
         cmd += ["--enforce-eager"] if args.quick else []
-        with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
+        with scratch_data_dir(out.with_suffix(f".{name}.data")), \
+                ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
             results[name] = asyncio.run(run_system(server.url, name == "hints", copies,
                                                    args.max_tokens, args.stagger_s))
         write_json(out, {"benchmark": "agents", "config": args_config(args) | {"copies": copies},

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ import httpx
 
 from antiphon.bench.args import positive_int
 from antiphon.bench.report import args_config, fmt, print_table, write_json
-from antiphon.bench.serverproc import ServerProcess
+from antiphon.bench.serverproc import ServerProcess, scratch_data_dir
 from antiphon.bench.workload import (
     RtArrival,
     azure_arrivals,
@@ -213,7 +212,6 @@ def run_system(args: argparse.Namespace, model_dir: Path, name: str, extra: list
     tier of an earlier run would hold this run's BE prompts."""
     out = Path(args.out)
     data_dir = out.with_suffix(f".{name}.data")
-    shutil.rmtree(data_dir, ignore_errors=True)
     trace = out.with_suffix(f".{name}.steps.jsonl")
     trace.unlink(missing_ok=True)  # the scheduler appends
     cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
@@ -225,7 +223,8 @@ def run_system(args: argparse.Namespace, model_dir: Path, name: str, extra: list
     cmd += ["--enforce-eager"] if args.quick else []
     if args.model is None:
         cmd += ["--served-model-name", "SmolLM2-135M-Instruct"]
-    with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
+    with scratch_data_dir(data_dir), \
+            ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
         return asyncio.run(run_policy(server, args, prompts, arrivals, batch_path))
 
 

@@ -3,17 +3,32 @@ port and wait until it is healthy."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
 import httpx
 
 from antiphon.engine_ext.config import cpu_threading_env
+
+
+@contextlib.contextmanager
+def scratch_data_dir(path: Path) -> Iterator[Path]:
+    """`path` empty for one server run (an earlier run's SSD tier would hold this run's KV), and
+    removed after it: each run of `bench mixed` left 2-2.5 GB of KV files, and repeated runs
+    filled the disk."""
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def free_port() -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from antiphon.bench.report import print_table, write_json
-from antiphon.bench.serverproc import ServerProcess
+from antiphon.bench.serverproc import ServerProcess, scratch_data_dir
 from antiphon.engine_ext.config import set_cpu_threading
 
 SHORT_PROMPT = "What is the capital of France? Answer in one word."
@@ -147,7 +147,8 @@ def main(args: argparse.Namespace) -> int:
                "--max-model-len", "2048", "--kv-cache-gib", "2", "--max-num-seqs", "64",
                "--dtype", dtype, "--data-dir", str(Path(args.out).with_suffix(".data"))]
         cmd += ["--enforce-eager"] if args.enforce_eager else ["--no-enforce-eager"]
-        with ServerProcess(cmd) as server:
+        with scratch_data_dir(Path(args.out).with_suffix(".data")), \
+                ServerProcess(cmd) as server:
             served = asyncio.run(run_server(server.ws_url, **workload))
         for name, value in (("vllm", direct), ("antiphon", served)):
             results.setdefault(name, []).append(value)

@@ -158,16 +158,17 @@ async def _run_point(engine: VllmEngine, point: GridPoint, spec: GridSpec, rng: 
                      tag: str) -> None:
     decoders: list[asyncio.Task[None]] = []
     if point.num_decodes:
-        prefix = _token_ids(rng, point.decode_context - _TAIL)
-        await _generate(engine, f"{tag}-primer", prefix + _token_ids(rng, _TAIL), 1)
+        prefix = random_token_ids(rng, point.decode_context - _TAIL)
+        await generate_tokens(engine, f"{tag}-primer", prefix + random_token_ids(rng, _TAIL), 1)
         started = [asyncio.Event() for _ in range(point.num_decodes)]
-        decoders = [asyncio.create_task(_generate(
-            engine, f"{tag}-d{i}", prefix + _token_ids(rng, _TAIL),
+        decoders = [asyncio.create_task(generate_tokens(
+            engine, f"{tag}-d{i}", prefix + random_token_ids(rng, _TAIL),
             _decoder_tokens(point, spec), started[i])) for i in range(point.num_decodes)]
         await asyncio.gather(*(e.wait() for e in started))
     for r in range(point.rounds if point.num_prefills else 0):
         await asyncio.gather(*(
-            _generate(engine, f"{tag}-r{r}p{i}", _token_ids(rng, point.prefill_tokens), 1)
+            generate_tokens(engine, f"{tag}-r{r}p{i}",
+                            random_token_ids(rng, point.prefill_tokens), 1)
             for i in range(point.num_prefills)))
     if point.num_prefills:
         for task in decoders:
@@ -177,8 +178,8 @@ async def _run_point(engine: VllmEngine, point: GridPoint, spec: GridSpec, rng: 
             raise result
 
 
-async def _generate(engine: VllmEngine, request_id: str, token_ids: list[int], max_tokens: int,
-                    started: asyncio.Event | None = None) -> None:
+async def generate_tokens(engine: VllmEngine, request_id: str, token_ids: list[int],
+                          max_tokens: int, started: asyncio.Event | None = None) -> None:
     """Run one request to its end; sets `started` at its first token (or when it fails)."""
     params = GenerationParams(max_tokens=max_tokens, ignore_eos=True,
                               request_class=RequestClass.BE)
@@ -191,7 +192,7 @@ async def _generate(engine: VllmEngine, request_id: str, token_ids: list[int], m
             started.set()
 
 
-def _token_ids(rng: random.Random, n: int) -> list[int]:
+def random_token_ids(rng: random.Random, n: int) -> list[int]:
     # Ordinary vocabulary ids (no special tokens) of any model with a vocabulary over 30,000.
     return [rng.randrange(1000, 30000) for _ in range(n)]
 
