@@ -200,6 +200,8 @@ def test_config_validation() -> None:
         TieringConfig(eviction_policy="random")
     with pytest.raises(ValueError):
         TieringConfig(writer_queue_depth=0)
+    with pytest.raises(ValueError, match="ssd_writer_nice"):
+        TieringConfig(ssd_writer_nice=20)
     with pytest.raises(ValueError):
         TieringConfig(host_shm_name="a/b")
     with pytest.raises(ValueError, match="both 0"):

@@ -165,3 +165,14 @@ def test_write_failure_drops_the_entry(tmp_path: Path) -> None:
         assert not tier.contains(key(5, 0))
         tier.check_integrity()
         os.unlink(blocker)
+
+
+def test_the_writer_thread_runs_at_the_nice_value_it_was_given(tmp_path: Path) -> None:
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with SsdTier(tmp_path, capacity_bytes=10 * FILE_BYTES, writer_nice=19) as tier:
+        tier.put(key(0, 0), payload())
+        tier.flush()
+        assert read_chunk_file(tier.path_for(key(0, 0)), key(0, 0)) == payload()
+        writer = tier._writer._thread.native_id
+        assert writer is not None and os.getpriority(os.PRIO_PROCESS, writer) == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # untouched

@@ -42,7 +42,7 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
             tiers.append(SsdTier(config.ssd_dir, config.ssd_tier_bytes,
                                  policy=get_eviction_policy(config.eviction_policy),
                                  max_pending_writes=config.writer_queue_depth,
-                                 fsync=config.ssd_fsync))
+                                 fsync=config.ssd_fsync, writer_nice=config.ssd_writer_nice))
         except BaseException:
             for tier in tiers:
                 tier.close()

@@ -62,19 +62,21 @@ class SsdTier(IndexedTier[SsdFile]):
 
     def __init__(self, directory: Path, capacity_bytes: int, *, name: str = "ssd",
                  policy: EvictionPolicy | None = None, max_pending_writes: int = 64,
-                 fsync: bool = False, verify_on_start: bool = False) -> None:
+                 fsync: bool = False, verify_on_start: bool = False,
+                 writer_nice: int = 0) -> None:
         """Open (or create) `directory` and rebuild the index from its files.
 
         `max_pending_writes` bounds queued writes (and the payload memory they hold); `fsync`
         makes each file survive power loss; `verify_on_start` checks every payload checksum
-        during the scan (reads everything) instead of only headers and lengths.
+        during the scan (reads everything) instead of only headers and lengths;
+        `writer_nice` is the writer thread's CPU priority (`WriteBehind`).
         """
         super().__init__(name, capacity_bytes, policy or LruPolicy())
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self._lock_fd: int | None = _lock_directory(self.directory)
-        self._writer = WriteBehind(name, max_pending_writes)
+        self._writer = WriteBehind(name, max_pending_writes, nice=writer_nice)
         try:
             self.scan_report = self._rebuild(verify_on_start)
         except BaseException:

@@ -6,6 +6,8 @@ disk that falls behind slows its producers instead of growing memory without bou
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -13,13 +15,18 @@ from concurrent.futures import Future
 
 Job = Callable[[], bool]
 
+log = logging.getLogger(__name__)
+
 
 class WriteBehind:
     """One writer thread; jobs run in submission order, each resolving its future."""
 
-    def __init__(self, name: str, max_pending: int) -> None:
+    def __init__(self, name: str, max_pending: int, nice: int = 0) -> None:
+        """`nice`: the writer thread's Linux nice value (0: the process's, unchanged), so
+        that on a busy machine it runs on cores nothing more urgent wants."""
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self.nice = nice
         self.max_pending = max_pending  # jobs queued and not yet started
         self._queue: queue.Queue[tuple[Job, Future[bool]] | None] = queue.Queue(max_pending)
         self._closed = False
@@ -55,6 +62,8 @@ class WriteBehind:
         self._thread.join()
 
     def _run(self) -> None:
+        if self.nice:
+            _lower_thread_priority(self.nice)
         while True:
             item = self._queue.get()
             try:
@@ -68,3 +77,12 @@ class WriteBehind:
                         future.set_exception(e)
             finally:
                 self._queue.task_done()
+
+
+def _lower_thread_priority(nice: int) -> None:
+    """Give the calling thread `nice` (Linux keeps a nice value per thread); elsewhere, or
+    where it is refused, the thread keeps the process's priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError) as e:
+        log.warning("cannot lower the writer thread's priority (%s); it keeps the process's", e)
