@@ -44,7 +44,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
         base = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
         default = defaults.get(f.name, default)
-        help_text = f"{f.metadata['help']} (default: {default!r})"
+        # argparse formats help with %: a literal one ("3% of") must be doubled
+        help_text = f"{f.metadata['help']} (default: {default!r})".replace("%", "%%")
         dest = prefix.replace("-", "_") + f.name
         given = defaults.get(f.name)  # None: unset, the dataclass decides
         if base is bool:

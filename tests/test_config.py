@@ -1,3 +1,4 @@
+import argparse
 import os
 from pathlib import Path
 
@@ -100,3 +101,18 @@ def test_cpu_threading_env_sets_the_spin_count_unless_told_to_keep_libgomps(
     assert OMP_SPIN_COUNT_ENV not in os.environ and os.environ[CPU_RESERVED_CORES_ENV] == "1"
     set_cpu_threading(0, 300)
     assert os.environ[OMP_SPIN_COUNT_ENV] == "300"
+
+
+def test_every_commands_help_renders() -> None:
+    """argparse formats help texts with %: a literal one in an option's text broke `serve
+    --help` once."""
+    pending = [build_parser()]
+    seen = 0
+    while pending:
+        parser = pending.pop()
+        assert parser.format_help()
+        seen += 1
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(action.choices.values())
+    assert seen > 5  # serve, profile, batch, bench and their subcommands
