@@ -10,7 +10,11 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     """The `q` quantile (0..1), interpolated between neighbours; None for no values."""
     if not values:
         return None
-    s = sorted(values)
+    return percentile_of_sorted(sorted(values), q)
+
+
+def percentile_of_sorted(s: Sequence[float], q: float) -> float:
+    """`percentile` of values already sorted (at least one), for callers that keep them so."""
     pos = q * (len(s) - 1)
     lo = math.floor(pos)
     hi = min(lo + 1, len(s) - 1)

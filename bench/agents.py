@@ -98,12 +98,13 @@ def main(args: argparse.Namespace) -> int:
         if name not in SYSTEMS:
             raise SystemExit(f"unknown system {name!r}; expected {', '.join(SYSTEMS)}")
         print(f"[{name}] {copies} concurrent workflows ...", flush=True)
+        data_dir = out.with_suffix(f".{name}.data")
         cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
                "--max-model-len", "2048", "--num-kv-pages", str(args.kv_pages),
                "--kv-tiering", "--host-tier-bytes", str(args.host_tier_mib << 20),
-               "--data-dir", str(out.with_suffix(f".{name}.data"))]
+               "--data-dir", str(data_dir)]
         cmd += ["--enforce-eager"] if args.quick else []
-        with scratch_data_dir(out.with_suffix(f".{name}.data")), \
+        with scratch_data_dir(data_dir), \
                 ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
             results[name] = asyncio.run(run_system(server.url, name == "hints", copies,
                                                    args.max_tokens, args.stagger_s))

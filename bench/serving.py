@@ -138,6 +138,7 @@ def main(args: argparse.Namespace) -> int:
                 "rounds": 1 if args.quick else args.rounds,
                 "ttft_repeats": 5 if args.quick else 10}
     results: dict[str, Any] = {}
+    data_dir = Path(args.out).with_suffix(".data")
     for repeat in range(args.repeats):
         print(f"[repeat {repeat + 1}/{args.repeats}] vLLM AsyncLLM directly ...", flush=True)
         direct = asyncio.run(run_direct(model_dir, engine, **workload))
@@ -145,9 +146,9 @@ def main(args: argparse.Namespace) -> int:
               flush=True)
         cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
                "--max-model-len", "2048", "--kv-cache-gib", "2", "--max-num-seqs", "64",
-               "--dtype", dtype, "--data-dir", str(Path(args.out).with_suffix(".data"))]
+               "--dtype", dtype, "--data-dir", str(data_dir)]
         cmd += ["--enforce-eager"] if args.enforce_eager else ["--no-enforce-eager"]
-        with scratch_data_dir(Path(args.out).with_suffix(".data")), \
+        with scratch_data_dir(data_dir), \
                 ServerProcess(cmd) as server:
             served = asyncio.run(run_server(server.ws_url, **workload))
         for name, value in (("vllm", direct), ("antiphon", served)):

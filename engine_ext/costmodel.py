@@ -17,6 +17,7 @@ import numpy as np
 
 from antiphon.engine_ext.costforms import CostForm, cost_form
 from antiphon.engine_ext.stepshape import StepShape
+from antiphon.quantiles import percentile_of_sorted
 
 __all__ = ["CostModel", "StepShape"]
 
@@ -98,11 +99,7 @@ class CostModel:
         ratios = self._sorted_ratios
         if len(ratios) < self.CALIBRATION_WINDOW // 4:
             return
-        # numpy's default quantile: linear between the two nearest ranks
-        position = self.CALIBRATION_QUANTILE * (len(ratios) - 1)
-        low = int(position)
-        high = min(low + 1, len(ratios) - 1)
-        ratio = ratios[low] + (ratios[high] - ratios[low]) * (position - low)
+        ratio = percentile_of_sorted(ratios, self.CALIBRATION_QUANTILE)  # numpy's default
         self.calibration = min(self.MAX_CALIBRATION, max(1.0, ratio))
 
     def refit(self) -> None:
