@@ -10,6 +10,7 @@ from antiphon.tiering.eviction import (
     EVICTION_POLICIES,
     LayerPriorityPolicy,
     LruPolicy,
+    SessionLruPolicy,
     get_eviction_policy,
 )
 from antiphon.tiering.index import ChunkIndex
@@ -31,9 +32,10 @@ def drain(policy: LruPolicy | LayerPriorityPolicy) -> list[ChunkKey]:
 
 
 def test_registry_lists_valid_names() -> None:
-    assert set(EVICTION_POLICIES) == {"lru", "layer_priority"}
+    assert set(EVICTION_POLICIES) == {"lru", "layer_priority", "session_lru"}
     assert isinstance(get_eviction_policy("lru"), LruPolicy)
-    with pytest.raises(ValueError, match="valid eviction policies: layer_priority, lru"):
+    with pytest.raises(ValueError,
+                       match="valid eviction policies: layer_priority, lru, session_lru"):
         get_eviction_policy("fifo")
 
 
@@ -86,10 +88,25 @@ def test_clearing_a_hint_makes_a_session_evictable_again() -> None:
         policy.set_hint("s", [b"kept"], 1.5)
 
 
-def test_layer_priority_heap_matches_naive_sort() -> None:
+def test_session_lru_evicts_whole_chunks_of_the_least_recent_session() -> None:
+    policy = SessionLruPolicy()
+    old, recent, advised = ([key(p, chunk, layer) for chunk in range(2) for layer in range(3)]
+                            for p in ("old", "recent", "advised"))
+    for k in advised + old + recent:  # stored in this order, each chunk's layers together
+        policy.on_insert(k)
+    policy.set_hint("s", [b"advised"], 1.0)
+    for k in old[:3]:  # a turn read the old session's first chunk again
+        policy.on_access(k)
+    # Every layer of one chunk before any of the next, least recently used first; the
+    # advised session last whatever its age.
+    assert drain(policy) == old[3:] + recent + old[:3] + advised
+
+
+@pytest.mark.parametrize("policy_class", [LayerPriorityPolicy, SessionLruPolicy])
+def test_heap_matches_naive_sort(policy_class: type[LayerPriorityPolicy]) -> None:
     """The lazy heap pops in exactly the order a full sort by `priority` gives."""
     rng = random.Random(7)
-    policy = LayerPriorityPolicy()
+    policy = policy_class()
     tracked: set[ChunkKey] = set()
     universe = [key(f"p{p}", c, layer) for p in range(4) for c in range(3) for layer in range(4)]
     for step in range(2000):
@@ -181,4 +198,18 @@ def test_layer_priority_tier_drops_top_layers_of_unlikely_session() -> None:
     assert (b"idle", 2) not in held and (b"idle", 1) not in held
     assert (b"idle", 0) in held
     assert all((b"advised", layer) in held for layer in range(3))
+    tier.check_integrity()
+
+
+def test_full_lowest_tier_keeps_the_recent_session_whole() -> None:
+    """A full tier holding the only copy: `layer_priority` would take the top layers of every
+    session, leaving none loadable; `session_lru` drops the least recent session whole."""
+    layers, size = 4, 4
+    tier = MemoryTier(2 * layers * size, policy=SessionLruPolicy())
+    for prefix in ("stale", "recent", "newest"):
+        for layer in range(layers):
+            assert tier.put(key(prefix, 0, layer), b"x" * size)
+    stored = tier.keys()
+    held = {(k.prefix_hash, k.layer) for k in stored}
+    assert held == {(p, layer) for p in (b"recent", b"newest") for layer in range(layers)}
     tier.check_integrity()

@@ -223,6 +223,8 @@ def test_build_from_config(tmp_path: Path) -> None:
                            host_shm_name=f"antiphon-test-{uuid.uuid4().hex[:12]}")
     with build_tiered_store(config, slot_bytes=64) as store:
         assert [type(t) for t in store.tiers] == [HostTier, SsdTier]
+        # the configured order above; the lowest tier, holding the only copy, by session
+        assert [t.policy.name for t in store.tiers] == ["layer_priority", "session_lru"]
         assert store.put(GRID[0][0], data(GRID[0][0]))
         store.flush()
         assert store.tiers[1].contains(GRID[0][0])
@@ -234,6 +236,7 @@ def test_build_from_config(tmp_path: Path) -> None:
                               host_shm_name=f"antiphon-test-{uuid.uuid4().hex[:12]}")
     with build_tiered_store(host_only, slot_bytes=64) as store:
         assert [type(t) for t in store.tiers] == [HostTier]
+        assert store.tiers[0].policy.name == "session_lru"
         assert store.put(GRID[0][1], data(GRID[0][1]))
         assert store.write_through(GRID[0][1])  # the host tier is the slowest one now
     with pytest.raises(ValueError, match="both tiers are off"):

@@ -45,7 +45,7 @@ class TiersAgree(RuleBasedStateMachine):
     host: HostTier
     ssd: SsdTier
 
-    @initialize(policy=st.sampled_from(["lru", "layer_priority"]))
+    @initialize(policy=st.sampled_from(["lru", "layer_priority", "session_lru"]))
     def open_tiers(self, policy: str) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="antiphon-tier-test-"))
         self.reference = MemoryTier(NUM_ENTRIES * SLOT, policy=get_eviction_policy(policy))

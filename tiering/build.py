@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from antiphon.tiering.config import TieringConfig
-from antiphon.tiering.eviction import get_eviction_policy
+from antiphon.tiering.eviction import EvictionPolicy, SessionLruPolicy, get_eviction_policy
 from antiphon.tiering.host_arena import default_arena_name, remove_orphaned_arenas
 from antiphon.tiering.host_tier import HostTier
 from antiphon.tiering.manager import TieredStore
@@ -20,13 +20,21 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
 
     `slot_bytes` is one chunk-layer's KV size in bytes: the per-layer page size times
     `config.pages_per_chunk`. The host arena is created here, named `config.host_shm_name`
-    (default `antiphon-kv-<pid>`); this process owns it and unlinks it on `close`.
+    (default `antiphon-kv-<pid>`); this process owns it and unlinks it on `close`. The tier
+    above orders evictions per `config.eviction_policy`; the lowest one, which holds the only
+    copy of what it stores, by `SessionLruPolicy` (see `eviction`).
     """
     if slot_bytes < 1:
         raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
     if not (config.is_host_tier_enabled or config.is_ssd_tier_enabled):
         raise ValueError("both tiers are off: set host_tier_bytes > 0, or ssd_dir and "
                          "ssd_tier_bytes > 0")
+    ssd_dir = config.ssd_dir if config.is_ssd_tier_enabled else None
+    has_ssd = ssd_dir is not None
+
+    def policy(is_lowest: bool) -> EvictionPolicy:
+        return SessionLruPolicy() if is_lowest else get_eviction_policy(config.eviction_policy)
+
     tiers: list[Tier] = []
     if config.is_host_tier_enabled:
         if config.host_shm_name is None:
@@ -36,11 +44,11 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
                                len(orphans), ", ".join(orphans))
         tiers.append(HostTier.create(config.host_shm_name or default_arena_name(),
                                      config.host_tier_bytes, slot_bytes,
-                                     policy=get_eviction_policy(config.eviction_policy)))
-    if config.is_ssd_tier_enabled and config.ssd_dir is not None:
+                                     policy=policy(is_lowest=not has_ssd)))
+    if ssd_dir is not None:
         try:
-            tiers.append(SsdTier(config.ssd_dir, config.ssd_tier_bytes,
-                                 policy=get_eviction_policy(config.eviction_policy),
+            tiers.append(SsdTier(ssd_dir, config.ssd_tier_bytes,
+                                 policy=policy(is_lowest=True),
                                  max_pending_writes=config.writer_queue_depth,
                                  fsync=config.ssd_fsync, writer_nice=config.ssd_writer_nice))
         except BaseException:

@@ -34,7 +34,9 @@ class TieringConfig:
     # CPU backend), so it is no command-line option.
     page_tokens: int = 128
     eviction_policy: str = doc(
-        "Eviction order of every tier: lru or layer_priority (Symphony)",
+        "Eviction order of the host tier when an SSD tier is below it: lru, layer_priority "
+        "(Symphony) or session_lru. The lowest tier holds the only copy and always uses "
+        "session_lru (whole chunks, least likely then least recent session first)",
         default="layer_priority")
     writer_queue_depth: int = doc(
         "Most SSD writes queued before producers wait (each holds one chunk-layer in RAM)",
