@@ -30,7 +30,6 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
         raise ValueError("both tiers are off: set host_tier_bytes > 0, or ssd_dir and "
                          "ssd_tier_bytes > 0")
     ssd_dir = config.ssd_dir if config.is_ssd_tier_enabled else None
-    has_ssd = ssd_dir is not None
 
     def policy(is_lowest: bool) -> EvictionPolicy:
         return SessionLruPolicy() if is_lowest else get_eviction_policy(config.eviction_policy)
@@ -44,7 +43,7 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
                                len(orphans), ", ".join(orphans))
         tiers.append(HostTier.create(config.host_shm_name or default_arena_name(),
                                      config.host_tier_bytes, slot_bytes,
-                                     policy=policy(is_lowest=not has_ssd)))
+                                     policy=policy(is_lowest=ssd_dir is None)))
     if ssd_dir is not None:
         try:
             tiers.append(SsdTier(ssd_dir, config.ssd_tier_bytes,

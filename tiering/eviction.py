@@ -12,8 +12,8 @@ name with `get_eviction_policy`; each tier owns its own instance.
   example 1.0 for a session with a pending advisory. Symphony orders this way only the tiers
   above one that holds a copy of everything: dropping a chunk's top layers there costs a read
   from below, not a recompute.
-- `session_lru`: the lowest tier's order, where an evicted layer is gone (`build_store` gives it
-  to the lowest tier, whatever `eviction_policy` says): the least likely session first, then
+- `session_lru`: the lowest tier's order, where an evicted layer is gone (`build_tiered_store`
+  gives it to the lowest tier, whatever `eviction_policy` says): the least likely session first, then
   the least recently stored or read. A chunk's layers are stored and read together, so whole
   chunks go, oldest first. Under `layer_priority` a full lowest tier took the top layers of
   every chunk it held, recently used or not, and with them every session's KV (a 64-user
