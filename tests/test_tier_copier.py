@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from antiphon.tiering.connector_meta import PageCopy, TieringMetadata
+from antiphon.tiering.connector_meta import NO_SLOT, PageCopy, TieringMetadata
 from antiphon.tiering.connector_worker import KvPageCopier
 from antiphon.tiering.host_arena import HostArena
 
@@ -85,3 +85,45 @@ def test_partial_pages_and_checkpoints_round_trip(arena: HostArena) -> None:
     copier.load_early(back)
     for name in LAYERS:
         assert torch.equal(kv[name][8:10], original[name][4:6])
+
+
+def test_a_copy_outside_its_slot_fails_the_step(arena: HostArena) -> None:
+    """Pages are checked to lie inside their slot (a slot holds PAGES_PER_CHUNK float32 pages):
+    a copy reaching past it fails the step instead of writing into the next slot."""
+    kv = kv_tensors(torch.float32, seed=3)
+    copier = KvPageCopier(LAYERS)
+    copier.register(kv)
+    bad = step(arena, 1, saves=[PageCopy((1, 2), slots=(0, 1, 2), first_page=1)])
+    with pytest.raises(ValueError, match="reaches page 2 of a slot that holds 2"):
+        copier.save_layer(bad, LAYERS[0])
+    assert arena.read(1) == bytes(arena.slot_bytes)  # nothing written
+    meta = copier.take_worker_meta()
+    assert meta is not None and meta.failed_steps == {1}
+
+
+def test_layers_without_a_slot_are_not_copied(arena: HostArena) -> None:
+    """A chunk whose middle layer a tier already holds is saved with NO_SLOT for that layer:
+    only the other layers are copied, and no slot (the last one in particular, which a slot
+    number of -1 would index) is written for it; a load leaves that layer's block alone."""
+    kv = kv_tensors(torch.float32, seed=4)
+    original = {name: t.clone() for name, t in kv.items()}
+    copier = KvPageCopier(LAYERS)
+    copier.register(kv)
+    last = arena.num_slots - 1
+    sentinel = bytes([7]) * arena.slot_bytes
+    arena.write(last, sentinel)
+    meta = step(arena, 1, saves=[PageCopy((2, 3), slots=(4, NO_SLOT, 6))])
+    for name in LAYERS:
+        copier.save_layer(meta, name)
+    copier.finish_step(meta)
+    assert arena.read(last) == sentinel
+    assert arena.read(5) == bytes(arena.slot_bytes)  # no layer's pages went anywhere else
+    for t in kv.values():
+        t[8:10] = 0
+    load = step(arena, 2, loads=[PageCopy((8, 9), slots=(4, NO_SLOT, 6))])
+    for name in LAYERS:
+        copier.load_layer(load, name)
+    assert torch.equal(kv[LAYERS[0]][8:10], original[LAYERS[0]][2:4])
+    assert torch.equal(kv[LAYERS[2]][8:10], original[LAYERS[2]][2:4])
+    assert not kv[LAYERS[1]][8:10].any()
+    assert copier.take_worker_meta().failed_steps == set()  # type: ignore[union-attr]

@@ -68,6 +68,21 @@ def test_arena_geometry_and_bounds() -> None:
         HostArena.attach(name)  # the owner unlinked it on close
 
 
+def test_arena_larger_than_shared_memory_fails_at_creation() -> None:
+    """The memory is reserved when the arena is created: one larger than /dev/shm's room fails
+    there with a typed error naming the fix, not later with SIGBUS in the writing process, and
+    leaves no segment behind."""
+    from antiphon.tiering.host_arena import ArenaMemoryError
+
+    room = os.statvfs("/dev/shm")
+    slots = room.f_blocks * room.f_frsize // SLOT + 1024  # more than the whole file system
+    name = shm_name()
+    with pytest.raises(ArenaMemoryError, match="--host-tier-bytes"):
+        HostArena.create(name, num_slots=slots, slot_bytes=SLOT)
+    with pytest.raises(FileNotFoundError):
+        HostArena.attach(name)
+
+
 def test_arena_refuses_foreign_segment_and_cleans_stale() -> None:
     from multiprocessing.shared_memory import SharedMemory
 

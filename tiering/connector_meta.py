@@ -14,13 +14,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+NO_SLOT = -1  # in `PageCopy.slots`: this layer needs no copy (a tier already holds it)
+
 
 @dataclasses.dataclass(frozen=True)
 class PageCopy:
     """Copy `len(blocks)` KV pages of every layer between device blocks and one chunk's slots.
 
     Page `i` is device block `blocks[i]` and bytes `[(first_page + i) * page_bytes, ...)` of
-    slot `slots[layer]`: a chunk holds `pages_per_chunk` pages, one slot per layer.
+    slot `slots[layer]`: a chunk holds `pages_per_chunk` pages, one slot per layer (`NO_SLOT`
+    for a layer that is not copied).
     """
 
     blocks: tuple[int, ...]

@@ -9,12 +9,19 @@ name on first use (the scheduler side creates it after the worker has started).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
-from antiphon.tiering.connector_meta import PageCopy, TieringMetadata, TieringWorkerMetadata
+from antiphon.tiering.connector_meta import (
+    NO_SLOT,
+    PageCopy,
+    TieringMetadata,
+    TieringWorkerMetadata,
+)
 from antiphon.tiering.host_arena import HostArena
 
 log = logging.getLogger(__name__)
@@ -28,7 +35,12 @@ class KvPageCopier:
         self._layer_names = list(layer_names)
         self._pages: list[torch.Tensor] = []  # per layer: [num_blocks, page_bytes] uint8 view
         self._arena: HostArena | None = None
-        self._slots: torch.Tensor | None = None  # [num_slots, slot_bytes] uint8 over the arena
+        # The arena as [num_slots * pages_per_slot, page_bytes] uint8 (see `_arena_pages`).
+        self._slots: torch.Tensor | None = None
+        self._pages_per_slot = 0
+        self._index_meta: TieringMetadata | None = None  # the step `_indexes` belong to
+        # By id() of a copy list of that step, with the list (so a reused id cannot match).
+        self._indexes: dict[int, tuple[Sequence[PageCopy], _PageIndex]] = {}
         self._done_steps: set[int] = set()
         self._failed_steps: set[int] = set()
         self._finished_sending: set[str] = set()
@@ -72,10 +84,11 @@ class KvPageCopier:
     def finish_step(self, meta: TieringMetadata) -> None:
         """End of the step: copy finished requests' last pages (vLLM holds their blocks until
         we report them sent) and record the step as done."""
-        for request_id, copies in meta.final_saves.items():
+        if meta.final_saves:
+            copies = [copy for copies in meta.final_saves.values() for copy in copies]
             for layer in range(len(self._layer_names)):
                 self._save(meta, copies, layer)
-            self._finished_sending.add(request_id)
+            self._finished_sending.update(meta.final_saves)
         if meta.has_work and meta.step not in self._failed_steps:
             self._done_steps.add(meta.step)
 
@@ -97,34 +110,44 @@ class KvPageCopier:
             self._arena = None
 
     def _load(self, meta: TieringMetadata, copies: Sequence[PageCopy], layer: int) -> None:
+        if not copies:
+            return
         try:
-            for copy in copies:
-                for block, source in self._page_views(meta, copy, layer):
-                    self._pages[layer][block].copy_(source)
+            index = self._index(meta, copies)
+            self._pages[layer].index_copy_(
+                0, index.blocks[layer], self._arena_pages(meta.arena_name).index_select(
+                    0, index.arena_pages[layer]))
         except Exception:
             self._failed_steps.add(meta.step)
             raise
 
     def _save(self, meta: TieringMetadata, copies: Sequence[PageCopy], layer: int) -> None:
+        if not copies:
+            return
         try:
-            for copy in copies:
-                for block, target in self._page_views(meta, copy, layer):
-                    target.copy_(self._pages[layer][block])
+            index = self._index(meta, copies)
+            self._arena_pages(meta.arena_name).index_copy_(
+                0, index.arena_pages[layer],
+                self._pages[layer].index_select(0, index.blocks[layer]))
         except Exception:
             self._failed_steps.add(meta.step)
             raise
 
-    def _page_views(self, meta: TieringMetadata, copy: PageCopy,
-                    layer: int) -> list[tuple[int, torch.Tensor]]:
-        """(device block, slot bytes of that page) for each page of `copy` at `layer`."""
-        slots = self._slot_tensor(meta.arena_name)
-        page_bytes = self.page_bytes
-        row = slots[copy.slots[layer]]
-        return [(block, row[(copy.first_page + i) * page_bytes:
-                            (copy.first_page + i + 1) * page_bytes])
-                for i, block in enumerate(copy.blocks)]
+    def _index(self, meta: TieringMetadata, copies: Sequence[PageCopy]) -> _PageIndex:
+        """`copies` as index tensors, built once per step and list (every layer reuses them)."""
+        if self._index_meta is not meta:
+            self._index_meta, self._indexes = meta, {}
+        known = self._indexes.get(id(copies))
+        if known is not None and known[0] is copies:
+            return known[1]
+        self._arena_pages(meta.arena_name)  # attaches, so the slot geometry is known
+        index = _PageIndex.of(copies, len(self._layer_names), self._pages_per_slot)
+        self._indexes[id(copies)] = (copies, index)
+        return index
 
-    def _slot_tensor(self, arena_name: str) -> torch.Tensor:
+    def _arena_pages(self, arena_name: str) -> torch.Tensor:
+        """The arena as `[num_slots * pages_per_slot, page_bytes]`: slot s, page p is row
+        `s * pages_per_slot + p`."""
         if self._slots is None or self._arena is None or self._arena.name != arena_name:
             self.close()
             arena = HostArena.attach(arena_name)
@@ -133,9 +156,49 @@ class KvPageCopier:
                 raise ValueError(f"host slots of {arena.slot_bytes} bytes do not hold whole "
                                  f"{self.page_bytes}-byte KV pages")
             self._arena = arena
+            self._pages_per_slot = arena.slot_bytes // self.page_bytes
             self._slots = torch.frombuffer(arena.slots_view(), dtype=torch.uint8).view(
-                arena.num_slots, arena.slot_bytes)
+                arena.num_slots * self._pages_per_slot, self.page_bytes)
             log.info("attached host KV arena %s: %d slots of %d bytes", arena_name,
                      arena.num_slots, arena.slot_bytes)
         return self._slots
 
+
+@dataclasses.dataclass(frozen=True)
+class _PageIndex:
+    """A step's list of page copies as index tensors: per layer, one gather and one scatter
+    instead of a tensor copy per page. A copy's slot for a layer may be `NO_SLOT` (a tier
+    already holds that layer): that layer's pages of the copy are left out."""
+
+    blocks: tuple[torch.Tensor, ...]  # per layer: [pages] device blocks
+    arena_pages: tuple[torch.Tensor, ...]  # per layer: [pages] rows of the arena's page view
+
+    @classmethod
+    def of(cls, copies: Sequence[PageCopy], num_layers: int, pages_per_slot: int) -> _PageIndex:
+        """ValueError when a copy names the wrong number of slots or pages outside its slot."""
+        lengths = np.array([len(c.blocks) for c in copies], dtype=np.int64)
+        slots = np.array([c.slots for c in copies], dtype=np.int64).reshape(len(copies), -1)
+        if slots.shape[1] != num_layers:
+            raise ValueError(f"a page copy names {slots.shape[1]} slots for {num_layers} layers")
+        pages = np.concatenate([np.arange(c.first_page, c.first_page + len(c.blocks))
+                                for c in copies])
+        if pages.size and (pages.min() < 0 or pages.max() >= pages_per_slot):
+            raise ValueError(f"a page copy reaches page {int(pages.max())} of a slot that "
+                             f"holds {pages_per_slot}")
+        if (slots < NO_SLOT).any():
+            raise ValueError(f"a page copy names slot {int(slots.min())}")
+        blocks = np.fromiter((b for c in copies for b in c.blocks), dtype=np.int64,
+                             count=int(lengths.sum()))
+        page_slots = np.repeat(slots, lengths, axis=0).T  # [layers, pages]
+        rows = page_slots * pages_per_slot + pages
+        all_blocks = torch.from_numpy(blocks)
+        per_layer_blocks, per_layer_rows = [], []
+        for layer in range(num_layers):
+            wanted = page_slots[layer] != NO_SLOT
+            if wanted.all():
+                per_layer_blocks.append(all_blocks)
+                per_layer_rows.append(torch.from_numpy(np.ascontiguousarray(rows[layer])))
+            else:
+                per_layer_blocks.append(torch.from_numpy(blocks[wanted]))
+                per_layer_rows.append(torch.from_numpy(rows[layer][wanted]))
+        return cls(tuple(per_layer_blocks), tuple(per_layer_rows))

@@ -46,6 +46,35 @@ def _map_untracked(name: str) -> mmap.mmap:
         os.close(fd)
 
 
+class ArenaMemoryError(MemoryError):
+    """The shared-memory file system cannot hold the arena; the message says how to fix it."""
+
+
+def _reserve(name: str, size: int) -> None:
+    """Allocate the segment's memory now, as vLLM allocates its KV pool at start: a segment
+    larger than the room left in /dev/shm is accepted by `ftruncate`, then kills the process
+    that writes past the room with SIGBUS, mid-step; here it fails at creation instead, with
+    the sizes in the message. (It also moves the page allocations out of the steps that first
+    write each slot; each process still maps a page at its first touch.)"""
+    import _posixshmem
+
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        try:
+            free = os.statvfs("/dev/shm")
+            room = f"; /dev/shm has {free.f_bavail * free.f_frsize / 2**20:.0f} MiB free"
+        except OSError:
+            room = ""
+        raise ArenaMemoryError(
+            f"cannot reserve {size / 2**20:.0f} MiB of shared memory for the host KV tier "
+            f"({exc.strerror}){room}: lower the host tier's size (--host-tier-bytes) or give "
+            f"/dev/shm more room (docker run --shm-size)") from exc
+    finally:
+        os.close(fd)
+
+
 class HostArena:
     """Slots in shared memory. Create with `create`, attach with `attach`."""
 
@@ -69,7 +98,14 @@ class HostArena:
         if slot_bytes < 1 or num_slots < 0:
             raise ValueError(f"need slot_bytes >= 1 and num_slots >= 0, got {slot_bytes}, "
                              f"{num_slots}")
-        shm = SharedMemory(name=name, create=True, size=HEADER_BYTES + num_slots * slot_bytes)
+        size = HEADER_BYTES + num_slots * slot_bytes
+        shm = SharedMemory(name=name, create=True, size=size)
+        try:
+            _reserve(name, size)
+        except BaseException:
+            shm.close()
+            shm.unlink()
+            raise
         assert shm.buf is not None
         _HEADER.pack_into(shm.buf, 0, _MAGIC, _VERSION, slot_bytes, num_slots)
         return cls(name, shm.buf, slot_bytes, num_slots, owner=shm)

@@ -34,7 +34,7 @@ from typing import Any
 
 from antiphon.tiering.build import build_tiered_store
 from antiphon.tiering.config import TieringConfig
-from antiphon.tiering.connector_meta import PageCopy, TieringMetadata
+from antiphon.tiering.connector_meta import NO_SLOT, PageCopy, TieringMetadata
 from antiphon.tiering.host_tier import HostTier
 from antiphon.tiering.keys import (
     ChunkKey,
@@ -47,9 +47,6 @@ from antiphon.tiering.prefetch import PrefetchHandle
 from antiphon.tiering.prefetch_queue import URGENT, PrefetchQueue
 
 log = logging.getLogger(__name__)
-
-NO_SLOT = -1  # in `PageCopy.slots`: this layer needs no copy (a tier already holds it)
-
 
 @dataclasses.dataclass
 class TokenView:
