@@ -138,12 +138,17 @@ MIN_EXTENSION_GAIN = 0.05
 
 
 def ranked_error(score: FormScore, form: CostForm | None = None) -> float:
-    """The held-out error a form is ranked by: a form that extends another pays
-    `MIN_EXTENSION_GAIN` on top of its own. `form` defaults to the registered form of that
-    name (score_forms passes its own, which need not be registered)."""
+    """The held-out error a form is ranked by: a form pays `MIN_EXTENSION_GAIN` on top of its
+    own for each form it extends, directly or through another (bros_after extends bros_max,
+    which extends bros), so each added set of terms must win its own margin. `form` defaults
+    to the registered form of that name (score_forms passes its own, which need not be
+    registered)."""
     form = cost_form(score.form) if form is None else form
-    penalty = 1.0 + MIN_EXTENSION_GAIN if form.extends else 1.0
-    return score.heldout_mape * penalty
+    depth, parent = 0, form.extends
+    while parent is not None and depth < len(FORMS):
+        depth += 1
+        parent = FORMS[parent].extends if parent in FORMS else None
+    return score.heldout_mape * (1.0 + MIN_EXTENSION_GAIN) ** depth
 
 
 # A fit from fewer profiled steps is not stored, nor used at start: an engine whose limits (a

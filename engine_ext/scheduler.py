@@ -60,6 +60,7 @@ class AntiphonScheduler(Scheduler):
         self._lost_tokens: dict[str, int] = {}  # preempted, computed tokens not yet redone
         self._first_token_s: dict[str, float] = {}  # RT: when its first token was produced
         self._step_shape: StepShape | None = None
+        self._last_step_had_prefill = False  # of the last step scheduled
         self._step_started = 0.0
         self._trace = StepTrace(self.settings.step_trace) if self.settings.step_trace else None
         # Measured steps, [*shape fields, latency in seconds], while a profile records them.
@@ -188,10 +189,12 @@ class AntiphonScheduler(Scheduler):
             yield request, num_new, num_new > 1 or before < request.num_prompt_tokens
 
     def _shape_of(self, output: SchedulerOutput) -> StepShape:
-        """The scheduled step's composition (context counted after the step)."""
-        shape = StepShape()
+        """The scheduled step's composition (context counted after the step); notes whether
+        it computes prefill tokens, for the step after it."""
+        shape = StepShape(after_prefill=int(self._last_step_had_prefill))
         for request, num_new, is_prefill in self._scheduled(output):
             shape = shape.plus(num_new, request.num_computed_tokens, is_prefill)
+        self._last_step_had_prefill = shape.num_prefill_tokens > 0
         return shape
 
     def _preempt_request(self, request: Request, timestamp: float,
@@ -262,6 +265,7 @@ class AntiphonScheduler(Scheduler):
             num_total_pages=self.kv_cache_manager.block_pool.num_gpu_blocks,
             page_tokens=self.page_tokens,
             max_be_step_s=self.settings.be_step_limit_s,
+            after_prefill=self._last_step_had_prefill,
         )
 
     def _apply(self, plan: StepPlan) -> tuple[list[Request], list[Request]]:

@@ -23,6 +23,9 @@ class StepShape:
     decode_attention_area: int = 0  # sum of n * c over decode requests
     decode_context_tokens: int = 0  # Sd: sum of c over decode requests
     max_decode_context: int = 0  # the longest decode request's c
+    # 1 when the step before this one computed prefill tokens: the decode step right after a
+    # prefill runs slower than the ones after it (see costforms' bros_after)
+    after_prefill: int = 0
 
     @classmethod
     def of(cls, requests: Iterable[tuple[int, int] | tuple[int, int, bool]]) -> StepShape:

@@ -92,6 +92,7 @@ class StepBudget:
     # arriving during a step waits at most about this long to start. BE prefills are chunked
     # to fit; a step's first request still gets a page's worth of tokens.
     max_be_step_s: float = math.inf
+    after_prefill: bool = False  # the step before this one computed prefill tokens
 
 
 @dataclasses.dataclass

@@ -3,6 +3,7 @@ steps, no engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -33,6 +34,7 @@ from antiphon.engine_ext.stepshape import StepShape
 TRUTH = {
     "bros": (1e-4, 5e-8, 0.01, 2e-4, 2e-7, 0.015),
     "bros_max": (1e-4, 5e-8, 0.004, 2e-4, 2e-7, 0.004, 4e-6, 0.01),
+    "bros_after": (1e-4, 5e-8, 0.004, 2e-4, 2e-7, 0.004, 4e-6, 0.01, 0.008),
     "hygen": (1e-4, 2e-7, 5e-8, 1e-11, 1e-3, 5e-4, 0.01),
     "echo": (5e-8, 1e-4, 0.03, 2e-5, 1e-5, 0.3),
 }
@@ -41,14 +43,27 @@ MACHINE = machine_fingerprint("bfloat16", True)
 
 
 def random_shape(rng: np.random.Generator) -> StepShape:
-    """Up to 4 whole prompts of 8-1,024 tokens and up to 32 decoders at 16-2,048 tokens."""
+    """Up to 4 whole prompts of 8-1,024 tokens and 1 to 32 decoders at 16-2,048 tokens (none in
+    a quarter of the steps with prompts), after a step with prefill tokens or not."""
     requests: list[tuple[int, int, bool]] = []
     for _ in range(int(rng.integers(0, 5))):
         length = int(rng.integers(8, 1024))
         requests.append((length, length, True))
-    for _ in range(int(rng.integers(0 if requests else 1, 33))):
+    prefill_only = bool(requests) and rng.random() < 0.25  # so step terms are told apart
+    for _ in range(0 if prefill_only else int(rng.integers(1, 33))):
         requests.append((1, int(rng.integers(16, 2048)), False))
-    return StepShape.of(requests)
+    after_prefill = int(rng.integers(0, 2))
+    return dataclasses.replace(StepShape.of(requests), after_prefill=after_prefill)
+
+
+def extends(form: str, ancestor: str) -> bool:
+    """Whether `form` adds terms to `ancestor`, directly or through another form."""
+    parent = cost_form(form).extends
+    while parent is not None:
+        if parent == ancestor:
+            return True
+        parent = cost_form(parent).extends
+    return False
 
 
 def synthetic_steps(form: str, num_steps: int = 400, noise: float = 0.01,
@@ -94,7 +109,7 @@ def test_each_form_is_recovered_and_chosen_from_its_own_steps(truth: str) -> Non
     assert scores[0].heldout_mape < 0.015  # the noise is 1%
     # A form that adds terms to the truth fits as well (its extra terms near 0) and is ranked
     # after it; every other form is far off.
-    extends_truth = {s.form for s in scores if cost_form(s.form).extends == truth}
+    extends_truth = {s.form for s in scores if extends(s.form, truth)}
     assert all(s.heldout_mape > 2 * scores[0].heldout_mape for s in scores[1:]
                if s.form not in extends_truth)
     assert scores[0].coefficients == pytest.approx(TRUTH[truth], rel=0.1, abs=1e-12)
@@ -110,6 +125,23 @@ def test_a_form_with_more_terms_must_predict_clearly_better_to_rank_first() -> N
     assert ranked_error(richer) > ranked_error(bros)  # 2% better: noise, the simpler stays
     clearly = FormScore("bros_max", (), 0.1, 0.090)
     assert ranked_error(clearly) < ranked_error(bros)
+    # each added set of terms must win its own margin: bros_after against bros_max too
+    after = FormScore("bros_after", (), 0.1, 0.088)
+    assert ranked_error(after) > ranked_error(clearly)
+    assert ranked_error(FormScore("bros_after", (), 0.1, 0.080)) < ranked_error(clearly)
+
+
+def test_the_decode_step_after_a_prefill_costs_extra_only_in_bros_after() -> None:
+    decode = StepShape.of([(1, 500, False)] * 4)
+    after = dataclasses.replace(decode, after_prefill=1)
+    coefficients = TRUTH["bros_after"]
+    assert FORMS["bros_after"].predict_s(coefficients, after) == pytest.approx(
+        FORMS["bros_after"].predict_s(coefficients, decode) + coefficients[-1])
+    assert FORMS["bros_max"].predict_s(TRUTH["bros_max"], after) == FORMS["bros_max"].predict_s(
+        TRUTH["bros_max"], decode)
+    prefill = dataclasses.replace(StepShape.of([(100, 100, True)]), after_prefill=1)
+    assert FORMS["bros_after"].predict_s(coefficients, prefill) == pytest.approx(
+        FORMS["bros_max"].predict_s(TRUTH["bros_max"], prefill))  # no decode: no extra
 
 
 def test_held_out_steps_are_whole_grid_points() -> None:
@@ -148,7 +180,7 @@ def test_cost_model_predicts_with_a_profiled_form(name: str) -> None:
 
 
 def test_unknown_forms_and_terms_name_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match="bros, bros_max, echo, hygen"):
+    with pytest.raises(ValueError, match="bros, bros_after, bros_max, echo, hygen"):
         cost_form("linear")
     with pytest.raises(ValueError, match="intercept_s"):
         CostModel("hygen", {"intercept": 0.01})

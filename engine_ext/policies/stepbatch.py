@@ -23,7 +23,7 @@ class StepBatch:
         self.tokens_left = budget.max_num_tokens
         self.pages_left = budget.num_free_pages
         self._cost_model = cost_model
-        self._shape = StepShape()  # of the members
+        self._shape = StepShape(after_prefill=int(budget.after_prefill))  # of the members
 
     @property
     def is_full(self) -> bool:
