@@ -9,11 +9,9 @@ name on first use (the scheduler side creates it after the worker has started).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from antiphon.tiering.connector_meta import (
@@ -38,9 +36,6 @@ class KvPageCopier:
         # The arena as [num_slots * pages_per_slot, page_bytes] uint8 (see `_arena_pages`).
         self._slots: torch.Tensor | None = None
         self._pages_per_slot = 0
-        self._index_meta: TieringMetadata | None = None  # the step `_indexes` belong to
-        # By id() of a copy list of that step, with the list (so a reused id cannot match).
-        self._indexes: dict[int, tuple[Sequence[PageCopy], _PageIndex]] = {}
         self._done_steps: set[int] = set()
         self._failed_steps: set[int] = set()
         self._finished_sending: set[str] = set()
@@ -110,40 +105,42 @@ class KvPageCopier:
             self._arena = None
 
     def _load(self, meta: TieringMetadata, copies: Sequence[PageCopy], layer: int) -> None:
-        if not copies:
-            return
         try:
-            index = self._index(meta, copies)
-            self._pages[layer].index_copy_(
-                0, index.blocks[layer], self._arena_pages(meta.arena_name).index_select(
-                    0, index.arena_pages[layer]))
+            for copy in copies:
+                for block, source in self._page_views(meta, copy, layer):
+                    self._pages[layer][block].copy_(source)
         except Exception:
             self._failed_steps.add(meta.step)
             raise
 
     def _save(self, meta: TieringMetadata, copies: Sequence[PageCopy], layer: int) -> None:
-        if not copies:
-            return
         try:
-            index = self._index(meta, copies)
-            self._arena_pages(meta.arena_name).index_copy_(
-                0, index.arena_pages[layer],
-                self._pages[layer].index_select(0, index.blocks[layer]))
+            for copy in copies:
+                for block, target in self._page_views(meta, copy, layer):
+                    target.copy_(self._pages[layer][block])
         except Exception:
             self._failed_steps.add(meta.step)
             raise
 
-    def _index(self, meta: TieringMetadata, copies: Sequence[PageCopy]) -> _PageIndex:
-        """`copies` as index tensors, built once per step and list (every layer reuses them)."""
-        if self._index_meta is not meta:
-            self._index_meta, self._indexes = meta, {}
-        known = self._indexes.get(id(copies))
-        if known is not None and known[0] is copies:
-            return known[1]
-        self._arena_pages(meta.arena_name)  # attaches, so the slot geometry is known
-        index = _PageIndex.of(copies, len(self._layer_names), self._pages_per_slot)
-        self._indexes[id(copies)] = (copies, index)
-        return index
+    def _page_views(self, meta: TieringMetadata, copy: PageCopy,
+                    layer: int) -> list[tuple[int, torch.Tensor]]:
+        """(device block, arena page) for each page of `copy` at `layer`; none when the layer
+        has no slot (`NO_SLOT`: a tier holds it already). A page copy per tensor copy: on the
+        CPU a page is 128 tokens, so a 600-token prompt is 4 pages per layer; one indexed
+        gather and scatter per layer instead measured no faster in the engine, and `bench
+        mixed` ran no better with it (docs/benchmarks.md)."""
+        slot = copy.slots[layer]
+        if slot == NO_SLOT:
+            return []
+        pages = self._arena_pages(meta.arena_name)
+        per_slot = self._pages_per_slot
+        if copy.first_page < 0 or copy.first_page + len(copy.blocks) > per_slot:
+            raise ValueError(f"a page copy reaches page {copy.first_page + len(copy.blocks) - 1}"
+                             f" of a slot that holds {per_slot}")
+        if not 0 <= slot < len(pages) // per_slot:
+            raise ValueError(f"a page copy names slot {slot}")
+        first = slot * per_slot + copy.first_page
+        return [(block, pages[first + i]) for i, block in enumerate(copy.blocks)]
 
     def _arena_pages(self, arena_name: str) -> torch.Tensor:
         """The arena as `[num_slots * pages_per_slot, page_bytes]`: slot s, page p is row
@@ -162,43 +159,3 @@ class KvPageCopier:
             log.info("attached host KV arena %s: %d slots of %d bytes", arena_name,
                      arena.num_slots, arena.slot_bytes)
         return self._slots
-
-
-@dataclasses.dataclass(frozen=True)
-class _PageIndex:
-    """A step's list of page copies as index tensors: per layer, one gather and one scatter
-    instead of a tensor copy per page. A copy's slot for a layer may be `NO_SLOT` (a tier
-    already holds that layer): that layer's pages of the copy are left out."""
-
-    blocks: tuple[torch.Tensor, ...]  # per layer: [pages] device blocks
-    arena_pages: tuple[torch.Tensor, ...]  # per layer: [pages] rows of the arena's page view
-
-    @classmethod
-    def of(cls, copies: Sequence[PageCopy], num_layers: int, pages_per_slot: int) -> _PageIndex:
-        """ValueError when a copy names the wrong number of slots or pages outside its slot."""
-        lengths = np.array([len(c.blocks) for c in copies], dtype=np.int64)
-        slots = np.array([c.slots for c in copies], dtype=np.int64).reshape(len(copies), -1)
-        if slots.shape[1] != num_layers:
-            raise ValueError(f"a page copy names {slots.shape[1]} slots for {num_layers} layers")
-        pages = np.concatenate([np.arange(c.first_page, c.first_page + len(c.blocks))
-                                for c in copies])
-        if pages.size and (pages.min() < 0 or pages.max() >= pages_per_slot):
-            raise ValueError(f"a page copy reaches page {int(pages.max())} of a slot that "
-                             f"holds {pages_per_slot}")
-        if (slots < NO_SLOT).any():
-            raise ValueError(f"a page copy names slot {int(slots.min())}")
-        blocks = np.fromiter((b for c in copies for b in c.blocks), dtype=np.int64,
-                             count=int(lengths.sum()))
-        page_slots = np.repeat(slots, lengths, axis=0).T  # [layers, pages]
-        rows = page_slots * pages_per_slot + pages
-        all_blocks = torch.from_numpy(blocks)
-        per_layer_blocks, per_layer_rows = [], []
-        for layer in range(num_layers):
-            wanted = page_slots[layer] != NO_SLOT
-            if wanted.all():
-                per_layer_blocks.append(all_blocks)
-                per_layer_rows.append(torch.from_numpy(np.ascontiguousarray(rows[layer])))
-            else:
-                per_layer_blocks.append(torch.from_numpy(blocks[wanted]))
-                per_layer_rows.append(torch.from_numpy(rows[layer][wanted]))
-        return cls(tuple(per_layer_blocks), tuple(per_layer_rows))
