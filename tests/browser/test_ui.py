@@ -165,7 +165,11 @@ def test_sessions_switch_rename_and_delete(server: ServerProcess, page: Any) -> 
     page.wait_for_function("document.querySelectorAll('.msg').length === 0")
     wait_reply_done(send_message(page, "Say the word beta."))
     rows = page.locator(".session-row")  # other tests' sessions are listed too (same owner)
-    assert rows.filter(has_text="beta").locator(".session-item.active").count() == 1
+    # The list is refreshed after the reply, when the session's title is known: wait for it
+    # (an immediate count failed once in CI, 1 run in 4).
+    active = rows.filter(has_text="beta").locator(".session-item.active")
+    active.first.wait_for(timeout=10_000)
+    assert active.count() == 1
     # Switch to the older session: its history comes back.
     rows.filter(has_text="alpha").locator(".session-item").click()
     page.locator(".msg.user").filter(has_text="Say the word alpha.").wait_for()
