@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from antiphon.engine_ext.costforms import FORMS, CostForm, cost_form, mape
+from antiphon.engine_ext.costforms import FORMS, CostForm, cost_form, extended_forms, mape
 from antiphon.engine_ext.stepshape import StepShape
 
 logger = logging.getLogger(__name__)
@@ -144,11 +144,7 @@ def ranked_error(score: FormScore, form: CostForm | None = None) -> float:
     to the registered form of that name (score_forms passes its own, which need not be
     registered)."""
     form = cost_form(score.form) if form is None else form
-    depth, parent = 0, form.extends
-    while parent is not None and depth < len(FORMS):
-        depth += 1
-        parent = FORMS[parent].extends if parent in FORMS else None
-    return score.heldout_mape * (1.0 + MIN_EXTENSION_GAIN) ** depth
+    return score.heldout_mape * (1.0 + MIN_EXTENSION_GAIN) ** len(extended_forms(form))
 
 
 # A fit from fewer profiled steps is not stored, nor used at start: an engine whose limits (a

@@ -285,6 +285,17 @@ FORMS: dict[str, CostForm] = {f.name: f for f in (BrosForm(), BrosMaxForm(), Bro
                                                   HygenForm(), EchoForm())}
 
 
+def extended_forms(form: CostForm) -> list[str]:
+    """The registered forms `form` adds terms to, nearest first (bros_after: bros_max, bros);
+    the chain stops at a name that is not registered."""
+    chain: list[str] = []
+    parent = form.extends
+    while parent in FORMS and parent not in chain:
+        chain.append(parent)
+        parent = FORMS[parent].extends
+    return chain
+
+
 def cost_form(name: str) -> CostForm:
     """The form called `name`; raises ValueError listing the valid names."""
     try:

@@ -112,6 +112,7 @@ class AntiphonScheduler(Scheduler):
         self._stalled = not output.total_num_scheduled_tokens and bool(self.running)
         if output.total_num_scheduled_tokens:
             self._step_shape = self._shape_of(output)
+            self._last_step_had_prefill = self._step_shape.num_prefill_tokens > 0
             self._step_started = time.perf_counter()
             self.stats.record_step(planned - started, self._step_started - started,
                                    self.kv_cache_manager.block_pool.get_usage())
@@ -189,12 +190,10 @@ class AntiphonScheduler(Scheduler):
             yield request, num_new, num_new > 1 or before < request.num_prompt_tokens
 
     def _shape_of(self, output: SchedulerOutput) -> StepShape:
-        """The scheduled step's composition (context counted after the step); notes whether
-        it computes prefill tokens, for the step after it."""
+        """The scheduled step's composition (context counted after the step)."""
         shape = StepShape(after_prefill=int(self._last_step_had_prefill))
         for request, num_new, is_prefill in self._scheduled(output):
             shape = shape.plus(num_new, request.num_computed_tokens, is_prefill)
-        self._last_step_had_prefill = shape.num_prefill_tokens > 0
         return shape
 
     def _preempt_request(self, request: Request, timestamp: float,

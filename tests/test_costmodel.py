@@ -26,7 +26,7 @@ from antiphon.engine_ext.costfit import (
     score_forms,
     split_groups,
 )
-from antiphon.engine_ext.costforms import FORMS, cost_form, nnls
+from antiphon.engine_ext.costforms import FORMS, cost_form, extended_forms, nnls
 from antiphon.engine_ext.costmodel import CostModel
 from antiphon.engine_ext.stepshape import StepShape
 
@@ -58,12 +58,7 @@ def random_shape(rng: np.random.Generator) -> StepShape:
 
 def extends(form: str, ancestor: str) -> bool:
     """Whether `form` adds terms to `ancestor`, directly or through another form."""
-    parent = cost_form(form).extends
-    while parent is not None:
-        if parent == ancestor:
-            return True
-        parent = cost_form(parent).extends
-    return False
+    return ancestor in extended_forms(cost_form(form))
 
 
 def synthetic_steps(form: str, num_steps: int = 400, noise: float = 0.01,

@@ -79,11 +79,10 @@ class KvPageCopier:
     def finish_step(self, meta: TieringMetadata) -> None:
         """End of the step: copy finished requests' last pages (vLLM holds their blocks until
         we report them sent) and record the step as done."""
-        if meta.final_saves:
-            copies = [copy for copies in meta.final_saves.values() for copy in copies]
+        for request_id, copies in meta.final_saves.items():
             for layer in range(len(self._layer_names)):
                 self._save(meta, copies, layer)
-            self._finished_sending.update(meta.final_saves)
+            self._finished_sending.add(request_id)
         if meta.has_work and meta.step not in self._failed_steps:
             self._done_steps.add(meta.step)
 
@@ -125,10 +124,9 @@ class KvPageCopier:
     def _page_views(self, meta: TieringMetadata, copy: PageCopy,
                     layer: int) -> list[tuple[int, torch.Tensor]]:
         """(device block, arena page) for each page of `copy` at `layer`; none when the layer
-        has no slot (`NO_SLOT`: a tier holds it already). A page copy per tensor copy: on the
-        CPU a page is 128 tokens, so a 600-token prompt is 4 pages per layer; one indexed
-        gather and scatter per layer instead measured no faster in the engine, and `bench
-        mixed` ran no better with it (docs/benchmarks.md)."""
+        has no slot (`NO_SLOT`: a tier holds it already). One tensor copy per page: with
+        128-token CPU pages, one indexed gather and scatter per layer was no faster
+        (docs/benchmarks.md, eleventh session)."""
         slot = copy.slots[layer]
         if slot == NO_SLOT:
             return []
@@ -137,7 +135,8 @@ class KvPageCopier:
         if copy.first_page < 0 or copy.first_page + len(copy.blocks) > per_slot:
             raise ValueError(f"a page copy reaches page {copy.first_page + len(copy.blocks) - 1}"
                              f" of a slot that holds {per_slot}")
-        if not 0 <= slot < len(pages) // per_slot:
+        assert self._arena is not None  # attached by _arena_pages
+        if not 0 <= slot < self._arena.num_slots:
             raise ValueError(f"a page copy names slot {slot}")
         first = slot * per_slot + copy.first_page
         return [(block, pages[first + i]) for i, block in enumerate(copy.blocks)]
