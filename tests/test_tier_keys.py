@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from antiphon.tiering.keys import ChunkKey, chunk_keys, prefix_hashes, prefix_seed
@@ -40,18 +38,6 @@ def test_models_and_salts_never_collide() -> None:
 
 def test_chunk_size_changes_hashes() -> None:
     assert prefix_hashes(list(range(8)), 8, MODEL)[0] != prefix_hashes(list(range(8)), 4, MODEL)[1]
-
-
-def test_file_stem_is_hex_and_unique() -> None:
-    h = prefix_hashes(list(range(16)), 8, "../etc/passwd model with spaces")
-    keys = [ChunkKey("../etc/passwd model with spaces", hh, c, layer)
-            for c, hh in enumerate(h) for layer in range(3)]
-    stems = {k.file_stem() for k in keys}
-    assert len(stems) == len(keys)
-    assert all(re.fullmatch(r"[0-9a-f]{32}-\d+-\d+", s) for s in stems)
-    assert keys[0].file_stem()[:32] == keys[1].file_stem()[:32]  # layers of a chunk shard together
-    other_model = ChunkKey("other", keys[0].prefix_hash, 0, 0)
-    assert other_model.file_stem() != keys[0].file_stem()
 
 
 def test_key_validation_and_helpers() -> None:

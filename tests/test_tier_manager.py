@@ -109,7 +109,7 @@ def test_lookup_prefix_counts_leading_complete_chunks() -> None:
 
 def test_write_through_from_a_committed_host_slot(tmp_path: Path) -> None:
     host = HostTier.create(f"antiphon-test-{uuid.uuid4().hex[:12]}", 4 * 64, 64)
-    with TieredStore([host, SsdTier(tmp_path, 10_000)]) as store:
+    with TieredStore([host, SsdTier(tmp_path, 100_000, slot_bytes=64)]) as store:
         slot = host.reserve(GRID[0][0])
         assert slot is not None
         host.arena.write(slot, data(GRID[0][0]))  # what the worker process does

@@ -17,19 +17,19 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from antiphon.tiering.chunk_file import header_bytes
 from antiphon.tiering.eviction import get_eviction_policy
 from antiphon.tiering.host_tier import HostTier
 from antiphon.tiering.indexed_tier import IndexedTier
 from antiphon.tiering.keys import ChunkKey
 from antiphon.tiering.memory_tier import MemoryTier
+from antiphon.tiering.slot_file import stride_for
 from antiphon.tiering.ssd_tier import SsdTier
 
 SLOT = 32  # every payload is exactly one slot, so all tiers charge one unit per entry
 NUM_ENTRIES = 5  # capacity of each tier, in entries
 PREFIXES = [bytes([p]) * 8 for p in range(3)]
 KEYS = [ChunkKey("m", p, c, layer) for p in PREFIXES for c in range(2) for layer in range(3)]
-FILE_BYTES = header_bytes(KEYS[0]) + SLOT
+STRIDE = stride_for(SLOT)  # what the SSD tier charges an entry: its slot in the file
 
 keys = st.sampled_from(KEYS)
 
@@ -51,7 +51,7 @@ class TiersAgree(RuleBasedStateMachine):
         self.reference = MemoryTier(NUM_ENTRIES * SLOT, policy=get_eviction_policy(policy))
         self.host = HostTier.create(f"antiphon-test-{uuid.uuid4().hex[:12]}", NUM_ENTRIES * SLOT,
                                     SLOT, policy=get_eviction_policy(policy))
-        self.ssd = SsdTier(self.directory, NUM_ENTRIES * FILE_BYTES,
+        self.ssd = SsdTier(self.directory, NUM_ENTRIES * STRIDE, slot_bytes=SLOT,
                            policy=get_eviction_policy(policy), max_pending_writes=2)
         self.pins: Counter[ChunkKey] = Counter()  # pins the model holds
 
@@ -109,7 +109,7 @@ class TiersAgree(RuleBasedStateMachine):
     @rule(num_entries=st.integers(0, NUM_ENTRIES))
     def evict(self, num_entries: int) -> None:
         counts = {self.reference.evict(num_entries * SLOT), self.host.evict(num_entries * SLOT),
-                  self.ssd.evict(num_entries * FILE_BYTES)}
+                  self.ssd.evict(num_entries * STRIDE)}
         assert len(counts) == 1
 
     @rule(session=st.integers(0, 2), prefixes=st.lists(st.sampled_from(PREFIXES), max_size=2),
@@ -136,7 +136,7 @@ class TiersAgree(RuleBasedStateMachine):
             return
         try:
             self.ssd.flush()
-            self.ssd.check_integrity()  # files match the index once written
+            self.ssd.check_integrity()  # the slot file matches the index once written
         finally:
             for tier in self.tiers:
                 tier.close()

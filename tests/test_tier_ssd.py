@@ -1,4 +1,4 @@
-"""SSD tier: write-behind files, checksums, corrupt-file handling, restart."""
+"""SSD tier: the slot file, write-behind, checksums, damaged records, restart."""
 
 from __future__ import annotations
 
@@ -9,170 +9,276 @@ from pathlib import Path
 
 import pytest
 
-from antiphon.tiering.chunk_file import CorruptChunk, header_bytes, read_chunk_file
 from antiphon.tiering.keys import ChunkKey, prefix_hashes
+from antiphon.tiering.slot_file import (
+    FILE_HEADER_BYTES,
+    FILE_NAME,
+    RECORD_HEADER_BYTES,
+    CorruptChunk,
+    SlotFile,
+    decode_record_header,
+    stride_for,
+)
 from antiphon.tiering.ssd_tier import SsdTier
 
 HASHES = prefix_hashes(list(range(64)), 8, "m")
+SLOT = 100  # largest payload
+STRIDE = stride_for(SLOT)  # what one entry is charged
 
 
 def key(chunk: int = 0, layer: int = 0) -> ChunkKey:
     return ChunkKey("m", HASHES[chunk], chunk, layer)
 
 
-def payload(chunk: int = 0, layer: int = 0, size: int = 100) -> bytes:
+def payload(chunk: int = 0, layer: int = 0, size: int = SLOT) -> bytes:
     return bytes((chunk * 31 + layer * 7 + i) % 256 for i in range(size))
 
 
-FILE_BYTES = header_bytes(key()) + 100  # one 100-byte chunk-layer on disk
+def open_tier(directory: Path, num_slots: int = 10, **kwargs: object) -> SsdTier:
+    return SsdTier(directory, num_slots * STRIDE, slot_bytes=SLOT, **kwargs)  # type: ignore[arg-type]
+
+
+def damage(tier_dir: Path, slot: int, offset: int) -> None:
+    """Flip one byte `offset` bytes into `slot` of the slot file."""
+    with open(tier_dir / FILE_NAME, "r+b") as f:
+        f.seek(FILE_HEADER_BYTES + slot * STRIDE + offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 @pytest.fixture
 def ssd(tmp_path: Path) -> Iterator[SsdTier]:
-    tier = SsdTier(tmp_path / "kv", capacity_bytes=10 * FILE_BYTES)
+    tier = open_tier(tmp_path / "kv")
     yield tier
     tier.close()
 
 
+def test_stride_is_whole_pages() -> None:
+    assert stride_for(100) == RECORD_HEADER_BYTES + 4096
+    assert stride_for(98304) == RECORD_HEADER_BYTES + 98304
+    assert stride_for(98305) == RECORD_HEADER_BYTES + 98304 + 4096
+
+
 def test_round_trip_write_behind(ssd: SsdTier) -> None:
     future = ssd.put_async(key(0, 0), payload(0, 0))
-    assert ssd.put(key(0, 1), payload(0, 1))
+    assert ssd.put(key(0, 1), payload(0, 1, size=40))  # a partial chunk: a shorter payload
     assert ssd.get(key(0, 0)) == payload(0, 0)  # served from memory or disk, whichever
     assert future.result(timeout=10) is True
     ssd.flush()
-    path = ssd.path_for(key(0, 1))
-    assert path.exists() and path.parent.name == path.name[:2]
-    assert read_chunk_file(path, key(0, 1)) == payload(0, 1)
-    assert ssd.get(key(0, 1)) == payload(0, 1)
-    assert ssd.used_bytes == 2 * FILE_BYTES
-    assert ssd.stats.hits == 2 and ssd.stats.bytes_in == 200
+    slot = ssd.slot_of(key(0, 1))
+    assert slot is not None
+    record = ssd._file.read_header(slot)
+    assert record is not None and record.key == key(0, 1) and record.payload_len == 40
+    assert ssd.get(key(0, 1)) == payload(0, 1, size=40)
+    assert ssd.used_bytes == 2 * STRIDE
+    assert ssd.stats.hits == 2 and ssd.stats.bytes_in == SLOT + 40
     ssd.check_integrity()
 
 
-def test_capacity_eviction_deletes_files(ssd: SsdTier) -> None:
+def test_payload_larger_than_a_slot_is_refused(ssd: SsdTier) -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        ssd.put(key(0, 0), payload(size=SLOT + 1))
+    assert not ssd.contains(key(0, 0)) and ssd.used_bytes == 0
+
+
+def test_capacity_eviction_reuses_slots(ssd: SsdTier) -> None:
     for layer in range(12):
         assert ssd.put(key(0, layer), payload(0, layer))
     ssd.flush()
     assert ssd.stats.evictions == 2
-    assert not ssd.contains(key(0, 0)) and not ssd.path_for(key(0, 0)).exists()
-    files = list((ssd.directory).glob("*/*.kv"))
-    assert len(files) == 10
-    assert ssd.remove(key(0, 5)) and not ssd.path_for(key(0, 5)).exists()
+    assert not ssd.contains(key(0, 0)) and not ssd.contains(key(0, 1))
+    assert ssd._file.num_slots_on_disk == 10  # the evicted entries' slots were reused
+    assert all(ssd.get(key(0, layer)) == payload(0, layer) for layer in range(2, 12))
     ssd.check_integrity()
 
 
-def test_remove_before_write_leaves_no_file(tmp_path: Path) -> None:
-    tier = SsdTier(tmp_path, capacity_bytes=10 * FILE_BYTES)
+def test_remove_clears_the_slot_and_a_restart_does_not_find_it(tmp_path: Path) -> None:
+    with open_tier(tmp_path) as tier:
+        tier.put(key(0, 0), payload())
+        tier.put(key(0, 1), payload(0, 1))
+        tier.flush()
+        slot = tier.slot_of(key(0, 0))
+        assert slot is not None and tier.remove(key(0, 0))
+        tier.flush()
+        assert tier._file.read_header(slot) is None
+    with open_tier(tmp_path) as again:
+        assert again.keys() == [key(0, 1)]
+
+
+def test_remove_before_write_writes_nothing(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
     gate = threading.Event()
-    tier._writer.submit(lambda: gate.wait(10))  # hold the writer thread
+    tier._submit(lambda: gate.wait(10))  # hold the writer thread
     tier.put(key(1, 0), payload(1, 0))
-    assert tier.remove(key(1, 0))
+    slot = tier.slot_of(key(1, 0))
+    assert slot is not None and tier.remove(key(1, 0))
     gate.set()
     tier.flush()
-    assert not tier.path_for(key(1, 0)).exists()
+    assert tier._file.num_slots_on_disk == 0 or tier._file.read_header(slot) is None
     tier.check_integrity()
     tier.close()
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "flip_header"])
-def test_corrupt_file_is_a_miss_and_removed(ssd: SsdTier, damage: str) -> None:
+def test_a_freed_slot_reused_before_its_clear_keeps_the_new_record(tmp_path: Path) -> None:
+    with open_tier(tmp_path, num_slots=1) as tier:
+        tier.put(key(0, 0), payload(0, 0))
+        tier.flush()
+        gate = threading.Event()
+        tier._submit(lambda: gate.wait(10))
+        assert tier.remove(key(0, 0))  # queues the clear of slot 0
+        assert tier.put(key(0, 1), payload(0, 1))  # takes slot 0 again, written after it
+        gate.set()
+        tier.flush()
+        assert tier.get(key(0, 1)) == payload(0, 1)
+        tier.check_integrity()
+
+
+@pytest.mark.parametrize(("where", "offset"), [("payload", RECORD_HEADER_BYTES + 50),
+                                                ("header", 20), ("key", 60)])
+def test_damaged_record_is_a_miss_and_cleared(ssd: SsdTier, where: str, offset: int) -> None:
     ssd.put(key(0, 0), payload(0, 0))
     ssd.flush()
-    path = ssd.path_for(key(0, 0))
-    data = bytearray(path.read_bytes())
-    if damage == "flip_payload":
-        data[-1] ^= 0x01
-    elif damage == "flip_header":
-        data[20] ^= 0x01
-    else:
-        data = data[:-10]
-    path.write_bytes(bytes(data))
+    damage(ssd.directory, 0, offset)
     assert ssd.get(key(0, 0)) is None
-    assert not path.exists() and not ssd.contains(key(0, 0))
+    ssd.flush()
+    assert not ssd.contains(key(0, 0)) and ssd._file.read_header(0) is None
     assert ssd.stats.corrupt_dropped == 1 and ssd.stats.misses == 1
     ssd.check_integrity()
 
 
-def test_key_mismatch_is_corrupt(tmp_path: Path) -> None:
-    with SsdTier(tmp_path, capacity_bytes=10 * FILE_BYTES) as tier:
+def test_read_checks_the_key(tmp_path: Path) -> None:
+    with open_tier(tmp_path) as tier:
         tier.put(key(0, 0), payload())
         tier.flush()
-        path = tier.path_for(key(0, 0))
-    with pytest.raises(CorruptChunk, match="another key"):
-        read_chunk_file(path, key(0, 1))
+        with pytest.raises(CorruptChunk, match="another key"):
+            tier._file.read(0, key(0, 1))
+        with pytest.raises(CorruptChunk, match="empty"):
+            tier._file.read(5, key(0, 0))
 
 
-def test_restart_rebuilds_index_and_cleans_up(tmp_path: Path) -> None:
-    directory = tmp_path / "kv"
-    with SsdTier(directory, capacity_bytes=10 * FILE_BYTES) as tier:
+def test_restart_rebuilds_index_newest_record_first(tmp_path: Path) -> None:
+    with open_tier(tmp_path) as tier:
         for layer in range(4):
             tier.put(key(2, layer), payload(2, layer))
-    shard = tier.path_for(key(2, 0)).parent
-    (shard / "junk.kv.tmp").write_bytes(b"half-written")
-    truncated = tier.path_for(key(2, 3))
-    truncated.write_bytes(truncated.read_bytes()[:-1])
-    garbage = tier.path_for(key(3, 0))
-    garbage.parent.mkdir(exist_ok=True)
-    garbage.write_bytes(b"not a chunk file at all, just text")
-    misplaced = directory / "00" / tier.path_for(key(2, 2)).name
-    misplaced.parent.mkdir(exist_ok=True)
-    misplaced.write_bytes(tier.path_for(key(2, 2)).read_bytes())
-    (directory / "README").write_text("left alone")
+        tier.flush()
+        tier.put(key(3, 0), payload(3, 0))
+        tier.flush()
+    damage(tmp_path, 3, 20)  # key(2, 3)'s header
+    # key(2, 2) written again in slot 5, later: the newer record wins, the older is superseded
+    slot_file = SlotFile(tmp_path, SLOT)
+    slot_file.write(5, key(2, 2), memoryview(payload(2, 2)), sequence=100)
+    slot_file.close()
+    (tmp_path / "README").write_text("left alone")
 
-    with SsdTier(directory, capacity_bytes=10 * FILE_BYTES) as again:
+    with open_tier(tmp_path) as again:
         report = again.scan_report
-        assert (report.num_loaded, report.num_temp_removed, report.num_corrupt_removed) == (
-            3, 1, 3)
-        assert again.stats.corrupt_dropped == 3
+        assert (report.num_loaded, report.num_corrupt_removed, report.num_superseded) == (
+            4, 1, 1)
+        assert again.stats.corrupt_dropped == 1
+        assert again.slot_of(key(2, 2)) == 5
         stored = again.keys()
-        assert sorted(k.layer for k in stored) == [0, 1, 2]
+        assert sorted((k.chunk_index, k.layer) for k in stored) == [
+            (2, 0), (2, 1), (2, 2), (3, 0)]
         assert all(again.get(key(2, layer)) == payload(2, layer) for layer in range(3))
-        assert again.used_bytes == 3 * FILE_BYTES
+        assert again.used_bytes == 4 * STRIDE
+        assert again._file.read_header(3) is None  # the damaged header was cleared
+        assert again.put(key(7, 0), payload(7, 0))  # the lowest free slot: the superseded one
+        assert again.slot_of(key(7, 0)) == 2
         again.check_integrity()
-    remaining = sorted(p.name for p in directory.rglob("*") if p.is_file())
-    assert len(remaining) == 3 + 2  # three chunk files, README and .lock
-    assert (directory / "README").exists()
+        assert again._next_sequence > 100  # new writes outrank every record found
+    assert (tmp_path / "README").exists()
 
 
 def test_restart_with_smaller_budget_and_payload_verification(tmp_path: Path) -> None:
-    with SsdTier(tmp_path, capacity_bytes=10 * FILE_BYTES) as tier:
+    with open_tier(tmp_path) as tier:
         for layer in range(6):
             tier.put(key(4, layer), payload(4, layer))
-    flipped = tier.path_for(key(4, 5))
-    data = bytearray(flipped.read_bytes())
-    data[-1] ^= 0xFF
-    flipped.write_bytes(bytes(data))
-    with SsdTier(tmp_path, capacity_bytes=3 * FILE_BYTES, verify_on_start=True) as small:
-        assert small.scan_report.num_corrupt_removed == 1
-        assert small.scan_report.num_over_capacity == 2
-        assert len(small.keys()) == 3 and small.stats.evictions == 0
+    damage(tmp_path, 1, RECORD_HEADER_BYTES + 10)  # a payload: found only by verification
+    with open_tier(tmp_path, num_slots=3, verify_on_start=True) as small:
+        report = small.scan_report
+        assert (report.num_loaded, report.num_corrupt_removed, report.num_over_capacity) == (
+            2, 1, 3)
+        stored = small.keys()
+        assert sorted(k.layer for k in stored) == [0, 2]
+        assert small._file.num_slots_on_disk == 3  # the file was cut to the new budget
+        assert small.stats.evictions == 0
         small.check_integrity()
-    assert len(list(tmp_path.glob("*/*.kv"))) == 3
+
+
+def test_another_slot_size_empties_the_file(tmp_path: Path) -> None:
+    with open_tier(tmp_path) as tier:
+        tier.put(key(0, 0), payload())
+    with SsdTier(tmp_path, 10 * stride_for(2 * SLOT), slot_bytes=2 * SLOT) as other:
+        assert other.scan_report.was_reset and other.keys() == []
+        assert other.put(key(0, 0), payload(size=2 * SLOT))
+        other.flush()
+        other.check_integrity()
+
+
+def test_files_of_the_old_format_are_removed(tmp_path: Path) -> None:
+    shard = tmp_path / "3f"
+    shard.mkdir()
+    (shard / "3f9a-0-0.kv").write_bytes(b"old chunk file")
+    (shard / "3f9a-0-1.kv.tmp").write_bytes(b"half-written")
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "notes.txt").write_text("not ours")
+    with open_tier(tmp_path) as tier:
+        assert tier.scan_report.num_legacy_removed == 2
+    assert not shard.exists() and (tmp_path / "ab" / "notes.txt").exists()
 
 
 def test_one_tier_per_directory(tmp_path: Path) -> None:
-    with SsdTier(tmp_path, capacity_bytes=FILE_BYTES), pytest.raises(RuntimeError, match="in use"):
-        SsdTier(tmp_path, capacity_bytes=FILE_BYTES)
-    SsdTier(tmp_path, capacity_bytes=FILE_BYTES).close()  # free again after close
+    with open_tier(tmp_path), pytest.raises(RuntimeError, match="in use"):
+        open_tier(tmp_path)
+    open_tier(tmp_path).close()  # free again after close
 
 
-def test_write_failure_drops_the_entry(tmp_path: Path) -> None:
-    with SsdTier(tmp_path, capacity_bytes=10 * FILE_BYTES) as tier:
-        blocker = tier.path_for(key(5, 0)).parent
-        blocker.write_bytes(b"a file where the shard folder should be")
-        future = tier.put_async(key(5, 0), payload())
-        assert future.result(timeout=10) is False
-        assert not tier.contains(key(5, 0))
+def test_a_failed_write_drops_the_entry(tmp_path: Path) -> None:
+    """A real write failure: the process's file-size limit stops the file growing."""
+    import resource
+    import signal
+
+    with open_tier(tmp_path) as tier:
+        assert tier.put(key(0, 0), payload())
+        tier.flush()
+        limit = FILE_HEADER_BYTES + STRIDE  # room for slot 0 only
+        previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        previous_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, previous_limit[1]))
+        try:
+            future = tier.put_async(key(0, 1), payload(0, 1))  # slot 1: past the limit
+            assert future.result(timeout=10) is False
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, previous_limit)
+            signal.signal(signal.SIGXFSZ, previous_handler)
+        assert not tier.contains(key(0, 1)) and tier.get(key(0, 0)) == payload()
         tier.check_integrity()
-        os.unlink(blocker)
+        assert tier.put(key(0, 1), payload(0, 1))  # the slot went back to the free list
+        tier.flush()
+        assert tier.get(key(0, 1)) == payload(0, 1)
 
 
 def test_the_writer_thread_runs_at_the_nice_value_it_was_given(tmp_path: Path) -> None:
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    with SsdTier(tmp_path, capacity_bytes=10 * FILE_BYTES, writer_nice=19) as tier:
+    with open_tier(tmp_path, writer_nice=19) as tier:
         tier.put(key(0, 0), payload())
         tier.flush()
-        assert read_chunk_file(tier.path_for(key(0, 0)), key(0, 0)) == payload()
+        assert tier._file.read(0, key(0, 0)) == payload()
+        assert tier._writer is not None
         writer = tier._writer._thread.native_id
         assert writer is not None and os.getpriority(os.PRIO_PROCESS, writer) == 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # untouched
+
+
+def test_record_header_round_trip_and_empty_page() -> None:
+    from antiphon.tiering.slot_file import encode_record_header
+
+    page = encode_record_header(key(1, 2), memoryview(payload()), 7)
+    assert len(page) == RECORD_HEADER_BYTES
+    record = decode_record_header(page)
+    assert record is not None and (record.key, record.payload_len, record.sequence) == (
+        key(1, 2), SLOT, 7)
+    assert decode_record_header(bytes(RECORD_HEADER_BYTES)) is None
+    with pytest.raises(ValueError, match="does not fit"):
+        encode_record_header(ChunkKey("m" * 5000, HASHES[0], 0, 0), memoryview(b""), 1)

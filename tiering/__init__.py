@@ -7,7 +7,7 @@ The storage half of KV tiering; the vLLM connector calls it. Modules, one mechan
 - `index`: per-tier key index with byte budget and pins; `eviction`: eviction policies
 - `memory_tier`: naive dict tier (reference and test double)
 - `slots`, `host_arena`, `host_tier`: slot allocator, shared-memory arena, host tier
-- `chunk_file`, `write_behind`, `ssd_tier`: file format, writer thread, SSD tier
+- `slot_file`, `write_behind`, `ssd_tier`: slot file format, writer thread, SSD tier
 - `manager`: `TieredStore`; `prefetch`: layer-order prefetch; `config`, `build`
 """
 

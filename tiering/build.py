@@ -46,7 +46,7 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
                                      policy=policy(is_lowest=ssd_dir is None)))
     if ssd_dir is not None:
         try:
-            tiers.append(SsdTier(ssd_dir, config.ssd_tier_bytes,
+            tiers.append(SsdTier(ssd_dir, config.ssd_tier_bytes, slot_bytes=slot_bytes,
                                  policy=policy(is_lowest=True),
                                  max_pending_writes=config.writer_queue_depth,
                                  fsync=config.ssd_fsync, writer_nice=config.ssd_writer_nice))

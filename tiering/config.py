@@ -26,7 +26,7 @@ class TieringConfig:
         "Disk space for session KV files, in bytes; 0 turns the SSD tier off (the host tier "
         "alone, as bidirectional blocks' checkpoints need)", default=32 * GiB)
     ssd_dir: Path | None = doc(
-        "Directory of the SSD tier (one file per chunk-layer; a restart keeps it); "
+        "Directory of the SSD tier (one file of chunk-layer slots; a restart keeps it); "
         "unset: <data-dir>/kv", default=None)
     chunk_tokens: int = doc(
         "Tokens per stored KV chunk; a multiple of page_tokens", default=128)

@@ -41,19 +41,6 @@ class ChunkKey:
         if not self.model_id:
             raise ValueError("model_id must be non-empty")
 
-    def file_stem(self) -> str:
-        """A file name stem (lowercase hex and '-' only) unique to this key.
-
-        `<32 hex digits of blake2b(model_id, prefix_hash, chunk_index)>-<chunk_index>-<layer>`;
-        all layers of one chunk share the hex part, so they land in the same shard folder.
-        """
-        model = self.model_id.encode()
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(struct.pack("<I", len(model)) + model)
-        digest.update(struct.pack("<I", len(self.prefix_hash)) + self.prefix_hash)
-        digest.update(struct.pack("<Q", self.chunk_index))
-        return f"{digest.hexdigest()}-{self.chunk_index}-{self.layer}"
-
     def with_layer(self, layer: int) -> ChunkKey:
         """The same chunk at another layer."""
         return dataclasses.replace(self, layer=layer)

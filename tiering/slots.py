@@ -7,16 +7,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class SlotAllocator:
     """A free list over slots `0 .. num_slots-1`; O(1) allocate and free."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, used: Iterable[int] = ()) -> None:
+        """All slots free but those in `used` (what a restart found occupied)."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         self.num_slots = num_slots
-        self._free_list: list[int] = list(range(num_slots - 1, -1, -1))  # pops 0 first
         self._is_used = bytearray(num_slots)  # 1 where allocated: catches double frees
+        for slot in used:
+            if not 0 <= slot < num_slots or self._is_used[slot]:
+                raise ValueError(f"used slot {slot} is out of range or given twice")
+            self._is_used[slot] = 1
+        # pops the lowest free slot first
+        self._free_list = [s for s in range(num_slots - 1, -1, -1) if not self._is_used[s]]
 
     @property
     def num_free(self) -> int:

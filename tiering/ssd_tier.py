@@ -1,15 +1,17 @@
-"""The SSD tier: one verified file per chunk-layer, written behind by a writer thread.
+"""The SSD tier: chunk-layers in the slots of one file, written behind by a writer thread.
 
     <directory>/
-      .lock                      held (flock) while a tier has the directory open
-      3f/3f9a...e1-0-0.kv        <hex of key hash>-<chunk>-<layer>.kv, sharded by 2 hex digits
-      3f/3f9a...e1-0-1.kv
+      .lock            held (flock) while a tier has the directory open
+      kv-slots.bin     fixed-size slots, one verified record each (format: `slot_file`)
 
-A `put` enters the index at once and keeps the payload in memory until the writer thread has
-renamed the finished file into place; reads in between are served from memory. Capacity counts
-file bytes (header and payload). A file that fails verification on read is deleted and the read
-is a miss. On start the index is rebuilt from the files' headers (oldest modified first, so LRU
-order survives a restart approximately); temporary, truncated and damaged files are deleted.
+A `put` takes a slot and enters the index at once, and keeps the payload in memory until the
+writer thread has written the record; reads in between are served from memory. Every entry is
+charged one slot (`stride` bytes), so capacity is `capacity_bytes // stride` slots. A record
+that fails verification on read is dropped (its slot cleared) and the read is a miss. On start
+the index is rebuilt from the slots' headers, oldest write first, so LRU order survives a
+restart approximately; damaged headers are cleared. An evicted record stays on disk until its
+slot is reused, so a restart may find it again: a key names its content, so it is still
+right. `remove` and a failed verification clear the slot.
 """
 
 from __future__ import annotations
@@ -18,78 +20,100 @@ import dataclasses
 import fcntl
 import logging
 import os
+import shutil
 from concurrent.futures import Future
 from pathlib import Path
 
-from antiphon.tiering.chunk_file import (
-    FILE_SUFFIX,
-    TEMP_SUFFIX,
-    CorruptChunk,
-    header_bytes,
-    read_chunk_file,
-    scan_chunk_file,
-    write_chunk_file,
-)
 from antiphon.tiering.eviction import EvictionPolicy, LruPolicy
 from antiphon.tiering.index import IndexEntry
 from antiphon.tiering.indexed_tier import IndexedTier
 from antiphon.tiering.keys import ChunkKey
+from antiphon.tiering.slot_file import CorruptChunk, Record, SlotFile, key_bytes
+from antiphon.tiering.slots import SlotAllocator
 from antiphon.tiering.tier import BytesLike, byte_view, done_future
-from antiphon.tiering.write_behind import WriteBehind
+from antiphon.tiering.write_behind import Job, WriteBehind
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
-class SsdFile:
-    path: Path
-    written: Future[bool]  # resolves when the file is in place (False: dropped before)
-    pending: bytes | None  # the payload until the file is in place, then None
+class SsdSlot:
+    slot: int
+    written: Future[bool]  # resolves when the record is on disk (False: dropped before)
+    pending: bytes | None  # the payload until the record is written, then None
 
 
 @dataclasses.dataclass
 class ScanReport:
-    """What the start-up scan found (counts of files)."""
+    """What the start-up scan found (counts of records)."""
 
     num_loaded: int = 0
-    num_temp_removed: int = 0
-    num_corrupt_removed: int = 0
-    num_over_capacity: int = 0  # valid files evicted because the budget shrank
+    num_corrupt_removed: int = 0  # damaged headers (or payloads, with verify_on_start)
+    num_superseded: int = 0  # older records of a key found again in a newer slot
+    num_over_capacity: int = 0  # valid records beyond a budget that shrank
+    num_legacy_removed: int = 0  # files of the old one-file-per-chunk-layer format
+    was_reset: bool = False  # the slot file had another format or slot size, and was emptied
 
 
-class SsdTier(IndexedTier[SsdFile]):
-    """Chunk files under `directory`; one tier per directory (enforced with a lock file)."""
+class SsdTier(IndexedTier[SsdSlot]):
+    """One slot file under `directory`; one tier per directory (enforced with a lock file)."""
 
-    def __init__(self, directory: Path, capacity_bytes: int, *, name: str = "ssd",
-                 policy: EvictionPolicy | None = None, max_pending_writes: int = 64,
-                 fsync: bool = False, verify_on_start: bool = False,
-                 writer_nice: int = 0) -> None:
-        """Open (or create) `directory` and rebuild the index from its files.
+    def __init__(self, directory: Path, capacity_bytes: int, *, slot_bytes: int,
+                 name: str = "ssd", policy: EvictionPolicy | None = None,
+                 max_pending_writes: int = 64, fsync: bool = False,
+                 verify_on_start: bool = False, writer_nice: int = 0) -> None:
+        """Open (or create) `directory` and rebuild the index from its slot file.
 
-        `max_pending_writes` bounds queued writes (and the payload memory they hold); `fsync`
-        makes each file survive power loss; `verify_on_start` checks every payload checksum
-        during the scan (reads everything) instead of only headers and lengths;
-        `writer_nice` is the writer thread's CPU priority (`WriteBehind`).
+        `slot_bytes` is the largest payload (one chunk-layer); `max_pending_writes` bounds
+        queued writes (and the payload memory they hold); `fsync` makes each record survive
+        power loss; `verify_on_start` checks every payload checksum during the scan (reads
+        everything) instead of only the headers; `writer_nice` is the writer thread's CPU
+        priority (`WriteBehind`).
         """
-        super().__init__(name, capacity_bytes, policy or LruPolicy())
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.fsync = fsync
         self._lock_fd: int | None = _lock_directory(self.directory)
-        self._writer = WriteBehind(name, max_pending_writes, nice=writer_nice)
+        self._writer: WriteBehind | None = None
         try:
-            self.scan_report = self._rebuild(verify_on_start)
+            self._file = SlotFile(self.directory, slot_bytes, fsync=fsync)
         except BaseException:
             self.close()
             raise
+        num_slots = capacity_bytes // self._file.stride
+        super().__init__(name, num_slots * self._file.stride, policy or LruPolicy())
+        self._slots = SlotAllocator(0)
+        self._next_sequence = 1
+        self._writer = WriteBehind(name, max_pending_writes, nice=writer_nice)
+        try:
+            self.scan_report = self._rebuild(num_slots, verify_on_start)
+        except BaseException:
+            self.close()
+            raise
+        _warn_if_disk_is_short(self.directory, self.capacity_bytes, self.used_bytes)
 
-    def path_for(self, key: ChunkKey) -> Path:
-        """Where `key`'s file lives (whether or not it exists)."""
-        stem = key.file_stem()
-        return self.directory / stem[:2] / (stem + FILE_SUFFIX)
+    @property
+    def slot_bytes(self) -> int:
+        """The largest payload the tier takes (one chunk-layer)."""
+        return self._file.slot_bytes
+
+    @property
+    def stride(self) -> int:
+        """Bytes one entry is charged: its slot in the file."""
+        return self._file.stride
+
+    @property
+    def path(self) -> Path:
+        """The slot file."""
+        return self._file.path
+
+    def slot_of(self, key: ChunkKey) -> int | None:
+        """The slot holding `key`, or None."""
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else entry.location.slot
 
     def put(self, key: ChunkKey, data: BytesLike, *, pin: bool = False) -> bool:
-        """Accept `data` (copied) and queue its file write; blocks while the queue is full."""
+        """Accept `data` (copied) and queue its write; blocks while the queue is full."""
         return self._accept(key, data, pin) is not None
 
     def put_async(self, key: ChunkKey, data: BytesLike) -> Future[bool]:
@@ -121,12 +145,26 @@ class SsdTier(IndexedTier[SsdFile]):
             pending = entry.location.pending
         return pending if pending is not None else self._read_verified(key, entry)
 
+    def remove(self, key: ChunkKey) -> bool:
+        """Delete `key` now; its slot is cleared on disk, so a restart does not find it."""
+        with self._lock:
+            entry = self._index.get(key)
+            slot = None if entry is None else entry.location.slot
+            removed = super().remove(key)
+        if removed and slot is not None:
+            self._clear_behind(slot)
+        return removed
+
     def flush(self) -> None:
-        self._writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
         """Finish queued writes and release the directory."""
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -137,99 +175,170 @@ class SsdTier(IndexedTier[SsdFile]):
             return None
         location = entry.location
         if is_new:  # outside the lock: a full queue blocks here, and the writer needs the lock
-            self._writer.submit(lambda: self._write(key, location), location.written)
+            self._submit(lambda: self._write(key, location), location.written)
         return location.written
 
-    def _write(self, key: ChunkKey, location: SsdFile) -> bool:
-        """Writer thread: put `location`'s file in place unless it was dropped meanwhile."""
+    def _submit(self, job: Job, future: Future[bool] | None = None) -> None:
+        assert self._writer is not None
+        self._writer.submit(job, future)
+
+    def _write(self, key: ChunkKey, location: SsdSlot) -> bool:
+        """Writer thread: write `location`'s record unless its entry was dropped meanwhile.
+
+        A slot freed and reused while this runs is safe: its new record's write is queued
+        behind this one, and the new entry is served from memory until then."""
         with self._lock:
             entry = self._index.get(key)
             if entry is None or entry.location is not location or location.pending is None:
                 return False
             payload = location.pending
+            sequence = self._next_sequence
+            self._next_sequence += 1
         try:
-            location.path.parent.mkdir(exist_ok=True)
-            write_chunk_file(location.path, key, memoryview(payload), fsync=self.fsync)
+            self._file.write(location.slot, key, memoryview(payload), sequence)
         except OSError as e:
-            log.warning("%s: cannot write %s (%s); dropping it", self.name, location.path, e)
+            log.warning("%s: cannot write slot %d (%s); dropping it", self.name, location.slot, e)
             with self._lock:
                 if self._index.get(key) is entry:
                     self._index.remove(key)
+                    self._slots.free(location.slot)
             return False
         with self._lock:
             if self._index.get(key) is entry:
                 location.pending = None
                 return True
-            if self._index.get(key) is None:  # removed while being written: an orphan file
-                location.path.unlink(missing_ok=True)
-            return False  # (a newer entry for the key rewrites the same file after us)
+            return False
 
-    def _read_verified(self, key: ChunkKey, entry: IndexEntry[SsdFile]) -> bytes | None:
+    def _clear_behind(self, slot: int) -> None:
+        """Queue the clearing of `slot`'s header, done only if the slot is still free then
+        (a new record for it is queued behind the clear, or was written before it)."""
+        def clear() -> bool:
+            with self._lock:
+                if self._slots.is_allocated(slot):
+                    return False
+            try:
+                self._file.clear(slot)
+            except OSError as e:
+                log.warning("%s: cannot clear slot %d (%s)", self.name, slot, e)
+                return False
+            return True
+        self._submit(clear)
+
+    def _read_verified(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> memoryview | None:
         try:
-            return read_chunk_file(entry.location.path, expected=key)
+            return self._file.read(entry.location.slot, key)
         except (CorruptChunk, OSError) as e:
             with self._lock:
-                if self._index.get(key) is entry:  # not just evicted under our feet
-                    log.warning("%s: dropping %s: %s", self.name, entry.location.path, e)
-                    self._drop_corrupt(key, entry)
+                if self._index.get(key) is not entry:  # evicted under our feet: a plain miss
+                    return None
+                log.warning("%s: dropping slot %d: %s", self.name, entry.location.slot, e)
+                self._drop_corrupt(key, entry)
+            self._clear_behind(entry.location.slot)
             return None
 
     def _charge(self, key: ChunkKey, num_payload_bytes: int) -> int:
-        return header_bytes(key) + num_payload_bytes
+        if num_payload_bytes > self.slot_bytes:
+            raise ValueError(f"{self.name}: a {num_payload_bytes}-byte payload does not fit a "
+                             f"{self.slot_bytes}-byte slot")
+        key_bytes(key)
+        return self.stride
 
-    def _store(self, key: ChunkKey, data: memoryview) -> SsdFile:
-        return SsdFile(self.path_for(key), Future(), bytes(data))
+    def _store(self, key: ChunkKey, data: memoryview) -> SsdSlot:
+        return SsdSlot(self._slots.allocate(), Future(), bytes(data))
 
-    def _load(self, key: ChunkKey, entry: IndexEntry[SsdFile]) -> bytes:
+    def _load(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> bytes:
         pending = entry.location.pending
-        return pending if pending is not None else read_chunk_file(entry.location.path, key)
+        return pending if pending is not None else bytes(self._file.read(entry.location.slot,
+                                                                         key))
 
-    def _free(self, key: ChunkKey, entry: IndexEntry[SsdFile]) -> None:
-        if entry.location.pending is None:  # else the writer sees the entry gone and skips it
-            entry.location.path.unlink(missing_ok=True)
+    def _free(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> None:
+        self._slots.free(entry.location.slot)  # a pending write sees the entry gone, skips
 
     def _check_storage(self) -> None:
+        self._slots.check_integrity()
+        slots = [entry.location.slot for _, entry in self._index.items()]
+        assert len(set(slots)) == len(slots), f"{self.name}: two keys share a slot"
+        assert set(slots) == self._slots.used_slots(), f"{self.name}: allocator disagrees"
         for key, entry in self._index.items():
             location = entry.location
-            assert location.path == self.path_for(key), f"{key} filed at {location.path}"
-            if location.pending is not None:
-                assert entry.nbytes == header_bytes(key) + len(location.pending), f"{key} size"
-            else:
-                assert location.path.stat().st_size == entry.nbytes, f"{key}: file size"
+            assert entry.nbytes == self.stride, f"{key} not charged one slot"
+            if location.pending is None:
+                record = self._file.read_header(location.slot)
+                assert record is not None and record.key == key, f"{key}: slot holds another"
 
-    def _rebuild(self, verify_payload: bool) -> ScanReport:
-        """Index the chunk files under the directory; delete what cannot be used."""
-        report = ScanReport()
-        found: list[tuple[float, ChunkKey, int, Path]] = []
-        for shard in sorted(self.directory.iterdir()):
-            if not (shard.is_dir() and len(shard.name) == 2):
+    def _rebuild(self, num_slots: int, verify_payload: bool) -> ScanReport:
+        """Index the records in the slot file; clear what cannot be used."""
+        report = ScanReport(was_reset=self._file.was_reset,
+                            num_legacy_removed=_remove_legacy_files(self.directory))
+        if report.was_reset:
+            log.warning("%s: %s had another format or slot size; emptied it", self.name,
+                        self._file.path)
+        newest: dict[ChunkKey, tuple[int, int]] = {}  # key -> (sequence, slot)
+        on_disk = self._file.num_slots_on_disk
+        for slot in range(on_disk):
+            try:
+                record = self._file.read_header(slot)
+                if record is not None and verify_payload:
+                    self._file.read_payload(slot, record)
+            except CorruptChunk as e:
+                log.warning("%s: clearing slot %d: %s", self.name, slot, e)
+                self._file.clear(slot)
+                report.num_corrupt_removed += 1
                 continue
-            for path in shard.iterdir():
-                if path.name.endswith(TEMP_SUFFIX):
-                    path.unlink(missing_ok=True)
-                    report.num_temp_removed += 1
-                elif path.name.endswith(FILE_SUFFIX):
-                    try:
-                        key, size = scan_chunk_file(path, verify_payload=verify_payload)
-                        if path != self.path_for(key):
-                            raise CorruptChunk("file is in the wrong shard")
-                        found.append((path.stat().st_mtime, key, size, path))
-                    except (CorruptChunk, OSError) as e:
-                        log.warning("%s: removing %s: %s", self.name, path, e)
-                        path.unlink(missing_ok=True)
-                        report.num_corrupt_removed += 1
-        self.stats.corrupt_dropped += report.num_corrupt_removed
-        for _, key, size, path in sorted(found, key=lambda item: item[0]):
-            if not self._make_room(size):  # larger than the whole budget
-                path.unlink(missing_ok=True)
+            if record is None:
+                continue
+            if slot >= num_slots:
                 report.num_over_capacity += 1
                 continue
-            written: Future[bool] = done_future(True)
-            self._index.insert(key, SsdFile(path, written, None), size)
+            if not _is_plausible(record, self.slot_bytes):
+                self._file.clear(slot)
+                report.num_corrupt_removed += 1
+                continue
+            self._next_sequence = max(self._next_sequence, record.sequence + 1)
+            previous = newest.get(record.key)
+            if previous is not None:
+                report.num_superseded += 1
+                if previous[0] > record.sequence:
+                    continue
+            newest[record.key] = (record.sequence, slot)
+        self._file.truncate(num_slots)
+        self.stats.corrupt_dropped += report.num_corrupt_removed
+        self._slots = SlotAllocator(num_slots, used=[slot for _, slot in newest.values()])
+        for key, (_, slot) in sorted(newest.items(), key=lambda item: item[1][0]):
+            self._index.insert(key, SsdSlot(slot, done_future(True), None), self.stride)
             report.num_loaded += 1
-        report.num_over_capacity += self.stats.evictions
-        self.stats.evictions = 0  # start-up trimming is reported in the scan, not as evictions
         return report
+
+
+def _is_plausible(record: Record, slot_bytes: int) -> bool:
+    return record.payload_len <= slot_bytes
+
+
+def _remove_legacy_files(directory: Path) -> int:
+    """Delete the chunk files of format version 1 (`<2 hex>/<name>.kv`, `.kv.tmp`) and their
+    emptied folders; returns how many files went."""
+    removed = 0
+    for shard in directory.iterdir():
+        if not (shard.is_dir() and len(shard.name) == 2):
+            continue
+        for path in shard.iterdir():
+            if path.name.endswith((".kv", ".kv.tmp")):
+                path.unlink(missing_ok=True)
+                removed += 1
+        if not any(shard.iterdir()):
+            shard.rmdir()
+    if removed:
+        log.warning("removed %d KV files of the old one-file-per-chunk-layer format from %s",
+                    removed, directory)
+    return removed
+
+
+def _warn_if_disk_is_short(directory: Path, capacity_bytes: int, used_bytes: int) -> None:
+    free = shutil.disk_usage(directory).free
+    if free < capacity_bytes - used_bytes:
+        log.warning("the SSD tier may use %d more bytes but %s has %d free: writes past that "
+                    "fail and are dropped (set --ssd-tier-bytes lower)",
+                    capacity_bytes - used_bytes, directory, free)
 
 
 def _lock_directory(directory: Path) -> int:

@@ -16,6 +16,7 @@ from antiphon.engine_ext.engine import VllmEngine
 from antiphon.engine_ext.types import ChatTurn, GenerationParams
 from antiphon.model import resolve_model
 from antiphon.tiering.config import MiB, TieringConfig
+from antiphon.tiering.slot_file import RECORD_HEADER_BYTES, SlotFile, stored_slot_bytes
 from tests.engine import TEST_DTYPE
 
 pytestmark = pytest.mark.engine
@@ -124,23 +125,33 @@ async def test_ssd_tier_after_restart_matches_recompute(reference: list[str],
 async def test_corrupt_ssd_chunk_falls_back_to_recompute(reference: list[str],
                                                         first_run: FirstRun,
                                                         tmp_path: Path) -> None:
-    files = sorted(p for p in first_run.ssd_dir.rglob("*")
-                   if p.is_file() and p.suffix != ".lock")
-    assert files
     copy_dir = tmp_path / "source"
     shutil.copytree(first_run.ssd_dir, copy_dir, ignore=shutil.ignore_patterns("*.lock"))
-    damaged = 0
-    for path in sorted(p for p in copy_dir.rglob("*") if p.is_file())[::3]:
-        data = bytearray(path.read_bytes())
-        if len(data) > 4096:
-            data[-100] ^= 0xFF  # inside the payload: the checksum no longer matches
-            path.write_bytes(bytes(data))
-            damaged += 1
+    damaged = damage_every_third_record(copy_dir)
     assert damaged
     replies, _, stats = await rerun(FirstRun(copy_dir, [], [], {}), tmp_path, "corrupt")
     assert replies == reference
     assert stats["tiers"]["ssd"]["corrupt_dropped"] > 0, stats
     assert stats["computed_prompt_tokens"] > 0, stats
+
+
+def damage_every_third_record(ssd_dir: Path) -> int:
+    """Flip a payload byte of every third record in an SSD tier's slot file (its checksum then
+    fails); returns how many were damaged."""
+    slot_bytes = stored_slot_bytes(ssd_dir)
+    assert slot_bytes is not None
+    with SlotFile(ssd_dir, slot_bytes) as slots, open(slots.path, "r+b") as f:
+        damaged = 0
+        for slot in range(0, slots.num_slots_on_disk, 3):
+            record = slots.read_header(slot)
+            if record is None or record.payload_len < 100:
+                continue
+            f.seek(slots.offset(slot) + RECORD_HEADER_BYTES + record.payload_len - 100)
+            byte = f.read(1)[0]
+            f.seek(-1, 1)
+            f.write(bytes([byte ^ 0xFF]))
+            damaged += 1
+    return damaged
 
 
 def test_tiering_config_is_validated() -> None:
