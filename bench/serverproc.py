@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,9 +33,29 @@ def scratch_data_dir(path: Path) -> Iterator[Path]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range: the server binds it only after its
+    engine has started (tens of seconds), and a port from the ephemeral range could be handed
+    meanwhile to one of the engine's own sockets (a run of `bench mixed` died that way)."""
+    low, _ = _ephemeral_range()
+    for _ in range(100):
+        port = random.randrange(10_000, max(10_001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below the range taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 class ServerProcess:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -10,15 +9,10 @@ from contextlib import contextmanager
 
 import uvicorn
 
+from antiphon.bench.serverproc import free_port
 from antiphon.config import AppConfig
 from antiphon.engine_ext.engine import Engine
 from antiphon.server.app import create_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
