@@ -282,3 +282,40 @@ def test_record_header_round_trip_and_empty_page() -> None:
     assert decode_record_header(bytes(RECORD_HEADER_BYTES)) is None
     with pytest.raises(ValueError, match="does not fit"):
         encode_record_header(ChunkKey("m" * 5000, HASHES[0], 0, 0), memoryview(b""), 1)
+
+
+def test_concurrent_reads_never_see_another_keys_bytes(tmp_path: Path) -> None:
+    """Readers race a producer that keeps evicting and reusing slots (4 slots, 24 keys): every
+    read is a miss or the exact payload of the key asked for, and no read counts as corrupt."""
+    keys = [key(chunk, layer) for chunk in range(8) for layer in range(3)]
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def read() -> None:
+        index = 0
+        while not stop.is_set():
+            k = keys[index % len(keys)]
+            data = tier.get(k)
+            if data is not None and bytes(data) != payload(k.chunk_index, k.layer):
+                errors.append(f"{k}: wrong bytes")
+            index += 7
+
+    with open_tier(tmp_path, num_slots=4, max_pending_writes=2) as tier:
+        readers = [threading.Thread(target=read) for _ in range(3)]
+        for thread in readers:
+            thread.start()
+        try:
+            for round_ in range(60):
+                for k in keys[round_ % 3::3]:
+                    tier.put(k, payload(k.chunk_index, k.layer))
+                if round_ % 10 == 0:
+                    tier.flush()
+        finally:
+            stop.set()
+            for thread in readers:
+                thread.join()
+        tier.flush()
+        assert not errors, errors[:5]
+        assert tier.stats.corrupt_dropped == 0
+        assert tier.stats.hits > 0 and tier.stats.evictions > 0
+        tier.check_integrity()
