@@ -76,6 +76,19 @@ def test_round_trip_write_behind(ssd: SsdTier) -> None:
     ssd.check_integrity()
 
 
+def test_a_bytes_payload_is_queued_without_a_copy(tmp_path: Path) -> None:
+    with open_tier(tmp_path) as tier:
+        gate = threading.Event()
+        tier._submit(lambda: gate.wait(10))  # hold the writer, so the payload stays queued
+        data = payload()
+        tier.put(key(0, 0), data)
+        tier.put(key(0, 1), bytearray(payload(0, 1)))  # mutable: copied
+        entries = dict(tier._index.items())
+        assert entries[key(0, 0)].location.pending is data
+        assert isinstance(entries[key(0, 1)].location.pending, bytes)
+        gate.set()
+
+
 def test_payload_larger_than_a_slot_is_refused(ssd: SsdTier) -> None:
     with pytest.raises(ValueError, match="does not fit"):
         ssd.put(key(0, 0), payload(size=SLOT + 1))

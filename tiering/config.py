@@ -39,8 +39,9 @@ class TieringConfig:
         "session_lru (whole chunks, least likely then least recent session first)",
         default="layer_priority")
     writer_queue_depth: int = doc(
-        "Most SSD writes queued before producers wait (each holds one chunk-layer in RAM)",
-        default=64)
+        "Most SSD writes queued before producers wait; each holds one chunk-layer in RAM (96 "
+        "KiB for the default model). The engine's scheduler thread is such a producer: at 64, "
+        "a 600-token prompt's 120 chunk-layers made it wait for the writer", default=256)
     host_shm_name: str | None = doc(
         "Name of the host tier's shared-memory segment; unset: antiphon-kv-<pid>",
         default=None)

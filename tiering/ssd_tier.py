@@ -244,7 +244,11 @@ class SsdTier(IndexedTier[SsdSlot]):
         return self.stride
 
     def _store(self, key: ChunkKey, data: memoryview) -> SsdSlot:
-        return SsdSlot(self._slots.allocate(), Future(), bytes(data))
+        # An immutable `bytes` payload (the host tier's copy, on write-through) is kept as it
+        # is: copying it again cost the engine's scheduler thread a memcpy per chunk-layer.
+        source = data.obj
+        payload = source if isinstance(source, bytes) and len(source) == len(data) else bytes(data)
+        return SsdSlot(self._slots.allocate(), Future(), payload)
 
     def _load(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> bytes:
         pending = entry.location.pending
