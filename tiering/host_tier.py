@@ -53,9 +53,8 @@ class HostTier(IndexedTier[HostSlot]):
 
     def slot_of(self, key: ChunkKey) -> int | None:
         """The slot holding committed `key`, or None. Pin the key while another process uses it."""
-        with self._lock:
-            entry = self._index.get(key)
-            return None if entry is None else entry.location.slot
+        location = self.location_of(key)
+        return None if location is None else location.slot
 
     def reserve(self, key: ChunkKey) -> int | None:
         """Allocate a slot for another process to fill with `key`'s payload (evicting if needed).

@@ -118,6 +118,12 @@ class IndexedTier(Tier, Generic[Location]):
             self._make_room(num_bytes)
             return self.stats.evictions - before
 
+    def location_of(self, key: ChunkKey) -> Location | None:
+        """Where `key`'s payload is stored now (no stats, no recency change), or None."""
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else entry.location
+
     def keys(self) -> list[ChunkKey]:
         with self._lock:
             return list(self._index)

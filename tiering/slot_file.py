@@ -164,26 +164,39 @@ class SlotFile:
             if self.fsync:
                 os.fdatasync(self._fd)
 
-    def read_header(self, slot: int) -> Record | None:
-        """The record in `slot` (None: empty). Raises CorruptChunk."""
-        return decode_record_header(os.pread(self._fd, RECORD_HEADER_BYTES, self.offset(slot)))
+    def read_header(self, slot: int, *, verify_payload: bool = False) -> Record | None:
+        """The record in `slot` (None: empty); its payload is read and checked only with
+        `verify_payload`. Raises CorruptChunk."""
+        if verify_payload:
+            found = self.read_record(slot)
+            return None if found is None else found[0]
+        return self._decode(os.pread(self._fd, RECORD_HEADER_BYTES, self.offset(slot)))
+
+    def read_record(self, slot: int) -> tuple[Record, memoryview] | None:
+        """The record in `slot` and its verified payload (None: empty), in one read.
+        Raises CorruptChunk."""
+        data = os.pread(self._fd, self.stride, self.offset(slot))
+        record = self._decode(data)
+        if record is None:
+            return None
+        payload = memoryview(data)[RECORD_HEADER_BYTES:RECORD_HEADER_BYTES + record.payload_len]
+        if len(payload) != record.payload_len:
+            raise CorruptChunk(f"payload is {len(payload)} bytes, header says "
+                               f"{record.payload_len}")
+        if zlib.crc32(payload) != record.payload_crc:
+            raise CorruptChunk("payload checksum mismatch")
+        return record, payload
 
     def read(self, slot: int, expected: ChunkKey) -> memoryview:
         """The verified payload `slot` holds for `expected`.
 
         Raises CorruptChunk on damage, or when the slot is empty or holds another key."""
-        data = os.pread(self._fd, self.stride, self.offset(slot))
-        record = decode_record_header(data)
-        if record is None:
+        found = self.read_record(slot)
+        if found is None:
             raise CorruptChunk("the slot is empty")
-        if record.key != expected:
+        if found[0].key != expected:
             raise CorruptChunk("the slot holds another key")
-        return self._payload(data, record)
-
-    def read_payload(self, slot: int, record: Record) -> memoryview:
-        """The verified payload of `record`, just read from `slot`'s header."""
-        data = os.pread(self._fd, self.stride, self.offset(slot))
-        return self._payload(data, record)
+        return found[1]
 
     def truncate(self, num_slots: int) -> None:
         """Drop every slot from `num_slots` on from the file."""
@@ -201,17 +214,12 @@ class SlotFile:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _payload(self, data: bytes, record: Record) -> memoryview:
-        if record.payload_len > self.slot_bytes:
+    def _decode(self, page: bytes) -> Record | None:
+        record = decode_record_header(page)
+        if record is not None and record.payload_len > self.slot_bytes:
             raise CorruptChunk(f"payload of {record.payload_len} bytes in a "
                                f"{self.slot_bytes}-byte slot")
-        payload = memoryview(data)[RECORD_HEADER_BYTES:RECORD_HEADER_BYTES + record.payload_len]
-        if len(payload) != record.payload_len:
-            raise CorruptChunk(f"payload is {len(payload)} bytes, header says "
-                               f"{record.payload_len}")
-        if zlib.crc32(payload) != record.payload_crc:
-            raise CorruptChunk("payload checksum mismatch")
-        return payload
+        return record
 
     def _check_or_write_header(self) -> None:
         expected = self._file_header()

@@ -28,7 +28,7 @@ from antiphon.tiering.eviction import EvictionPolicy, LruPolicy
 from antiphon.tiering.index import IndexEntry
 from antiphon.tiering.indexed_tier import IndexedTier
 from antiphon.tiering.keys import ChunkKey
-from antiphon.tiering.slot_file import CorruptChunk, Record, SlotFile, key_bytes
+from antiphon.tiering.slot_file import CorruptChunk, SlotFile, key_bytes
 from antiphon.tiering.slots import SlotAllocator
 from antiphon.tiering.tier import BytesLike, byte_view, done_future
 from antiphon.tiering.write_behind import Job, WriteBehind
@@ -81,8 +81,8 @@ class SsdTier(IndexedTier[SsdSlot]):
             raise
         num_slots = capacity_bytes // self._file.stride
         super().__init__(name, num_slots * self._file.stride, policy or LruPolicy())
-        self._slots = SlotAllocator(0)
-        self._next_sequence = 1
+        self._slots: SlotAllocator  # built by `_rebuild` from the slots found in use
+        self._next_sequence = 1  # of the next record written; `_rebuild` moves it past the file's
         self._writer = WriteBehind(name, max_pending_writes, nice=writer_nice)
         try:
             self.scan_report = self._rebuild(num_slots, verify_on_start)
@@ -108,9 +108,8 @@ class SsdTier(IndexedTier[SsdSlot]):
 
     def slot_of(self, key: ChunkKey) -> int | None:
         """The slot holding `key`, or None."""
-        with self._lock:
-            entry = self._index.get(key)
-            return None if entry is None else entry.location.slot
+        location = self.location_of(key)
+        return None if location is None else location.slot
 
     def put(self, key: ChunkKey, data: BytesLike, *, pin: bool = False) -> bool:
         """Accept `data` (copied) and queue its write; blocks while the queue is full."""
@@ -201,7 +200,7 @@ class SsdTier(IndexedTier[SsdSlot]):
             with self._lock:
                 if self._index.get(key) is entry:
                     self._index.remove(key)
-                    self._slots.free(location.slot)
+                    self._free(key, entry)
             return False
         with self._lock:
             if self._index.get(key) is entry:
@@ -278,25 +277,19 @@ class SsdTier(IndexedTier[SsdSlot]):
             log.warning("%s: %s had another format or slot size; emptied it", self.name,
                         self._file.path)
         newest: dict[ChunkKey, tuple[int, int]] = {}  # key -> (sequence, slot)
-        on_disk = self._file.num_slots_on_disk
-        for slot in range(on_disk):
+        for slot in range(self._file.num_slots_on_disk):
             try:
-                record = self._file.read_header(slot)
-                if record is not None and verify_payload:
-                    self._file.read_payload(slot, record)
+                record = self._file.read_header(slot, verify_payload=verify_payload)
             except CorruptChunk as e:
-                log.warning("%s: clearing slot %d: %s", self.name, slot, e)
-                self._file.clear(slot)
+                if slot < num_slots:  # (the slots past the budget are cut off below)
+                    log.warning("%s: clearing slot %d: %s", self.name, slot, e)
+                    self._file.clear(slot)
                 report.num_corrupt_removed += 1
                 continue
             if record is None:
                 continue
             if slot >= num_slots:
                 report.num_over_capacity += 1
-                continue
-            if not _is_plausible(record, self.slot_bytes):
-                self._file.clear(slot)
-                report.num_corrupt_removed += 1
                 continue
             self._next_sequence = max(self._next_sequence, record.sequence + 1)
             previous = newest.get(record.key)
@@ -312,10 +305,6 @@ class SsdTier(IndexedTier[SsdSlot]):
             self._index.insert(key, SsdSlot(slot, done_future(True), None), self.stride)
             report.num_loaded += 1
         return report
-
-
-def _is_plausible(record: Record, slot_bytes: int) -> bool:
-    return record.payload_len <= slot_bytes
 
 
 def _remove_legacy_files(directory: Path) -> int:
