@@ -127,6 +127,9 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         "be_tokens_per_s": (counter(m1, tokens, 'request_class="be"')
                             - counter(m0, tokens, 'request_class="be"')) / window,
         "be_recomputed_tokens": s1["recomputed_tokens"]["be"] - s0["recomputed_tokens"]["be"],
+        "rt_recomputed_tokens": s1["recomputed_tokens"]["rt"] - s0["recomputed_tokens"]["rt"],
+        "rt_preemptions": s1["num_preemptions"]["rt"] - s0["num_preemptions"]["rt"],
+        "be_preemptions": s1["num_preemptions"]["be"] - s0["num_preemptions"]["be"],
         "sched_overhead_frac": (s1["schedule_s"] - s0["schedule_s"]) / steps if steps else 0.0,
         "cost_model_mape": s1.get("cost_model_mape") or 0.0,
         "kv_utilization": (s1["kv_usage_sum"] - s0["kv_usage_sum"]) / max(

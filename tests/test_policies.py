@@ -44,7 +44,7 @@ def per_request_cost(seconds: float) -> CostModel:
 
 
 def test_unknown_policy_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="bros, echo, fcfs, hygen, larry, priority"):
+    with pytest.raises(ValueError, match="bros, bros_no_block_preemption, echo, fcfs, hygen, larry, priority"):
         policy_class("edf")
     assert make_policy("fcfs").plan([view("a")], budget()).order == []
 
@@ -93,6 +93,28 @@ def test_rt_takes_pages_from_be_never_the_reverse() -> None:
     plan = policy.plan([decoding("rt_run"), view("be_new", BE, prompt=64)],
                        budget(free_pages=1))
     assert plan.preempt == [] and "be_new" not in plan.order
+
+
+def test_without_block_preemption_a_request_short_of_pages_recomputes_itself() -> None:
+    # BROS's "No Bi-cache" ablation: "rt" needs a 4th page, none is free, and the running BE
+    # request keeps its pages; "rt" is preempted instead of taking them.
+    rt = view("rt", prompt=32, computed=48, output=17, running=True)
+    be = decoding("be", BE)  # holds 3 pages, needs none
+    plan = make_policy("bros_no_block_preemption", constant_cost(0.01)).plan(
+        [rt, be], budget(free_pages=0))
+    assert plan.preempt == ["rt"] and plan.order == ["be"]
+    plan = BrosPolicy(constant_cost(0.01)).plan([rt, be], budget(free_pages=0))
+    assert plan.preempt == ["be"] and plan.order == ["rt"]  # with it, BE gives way
+    # A BE request short of pages is preempted too, and its pages serve the next request.
+    be_at_edge = view("be_edge", BE, prompt=32, computed=48, output=17, running=True)
+    waiting_be = view("be_new", BE, prompt=8)
+    plan = make_policy("bros_no_block_preemption", constant_cost(0.01)).plan(
+        [be_at_edge, waiting_be], budget(free_pages=0))
+    assert plan.preempt == ["be_edge"] and plan.order == ["be_new"]
+    # A waiting RT turn short of pages waits; nothing is preempted for it.
+    plan = make_policy("bros_no_block_preemption", constant_cost(0.01)).plan(
+        [view("rt_new", prompt=80), be], budget(free_pages=0))
+    assert plan.preempt == [] and plan.order == ["be"]
 
 
 def test_be_order_running_then_least_to_restore_then_arrival() -> None:

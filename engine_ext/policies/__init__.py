@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from antiphon.engine_ext.costmodel import CostModel
 from antiphon.engine_ext.policies.base import Policy
-from antiphon.engine_ext.policies.bros import BrosPolicy
+from antiphon.engine_ext.policies.bros import BrosNoBlockPreemptionPolicy, BrosPolicy
 from antiphon.engine_ext.policies.echo import EchoPolicy
 from antiphon.engine_ext.policies.hygen import HygenPolicy
 from antiphon.engine_ext.policies.larry import LarryPolicy
@@ -12,7 +12,7 @@ from antiphon.engine_ext.policies.stock import FcfsPolicy, PriorityPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     p.name: p for p in (FcfsPolicy, PriorityPolicy, BrosPolicy, HygenPolicy, EchoPolicy,
-                        LarryPolicy)}
+                        LarryPolicy, BrosNoBlockPreemptionPolicy)}
 
 
 def policy_class(name: str) -> type[Policy]:
