@@ -130,7 +130,8 @@ class AntiphonScheduler(Scheduler):
             map(request_class_of, self.waiting), map(request_class_of, self.running),
             self.kv_cache_manager.block_pool.get_num_free_blocks(),
             {c: n - preemptions_before[c] for c, n in self.stats.num_preemptions.items()
-             if n > preemptions_before[c]}, fallback)
+             if n > preemptions_before[c]}, fallback,
+            getattr(output.kv_connector_metadata, "num_page_copies", 0))
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:

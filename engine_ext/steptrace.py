@@ -10,6 +10,7 @@ One JSON line per scheduled step, written when the step's output arrives:
     waiting   per class: requests left waiting after the step was scheduled
     running   per class: requests running after the step was scheduled
     free      free KV pages after scheduling
+    copies    KV pages the connector copies in the step, once per layer (0 without tiering)
     preempted per class: requests preempted while scheduling this step
     fallback  the step was vLLM's own (the policy's plan had stalled)
 """
@@ -31,7 +32,8 @@ class StepTrace:
     def scheduled(self, t: float, plan_s: float, predicted_s: float,
                   scheduled: Iterable[tuple[RequestClass, int, bool]],
                   waiting: Iterable[RequestClass], running: Iterable[RequestClass],
-                  free_pages: int, preempted: dict[str, int], fallback: bool) -> None:
+                  free_pages: int, preempted: dict[str, int], fallback: bool,
+                  page_copies: int = 0) -> None:
         """A step was scheduled: `scheduled` holds (class, new tokens, is prefill) per
         request. The record is written when `finished` gives its latency."""
         phases = {c.value: [0, 0, 0] for c in RequestClass}
@@ -45,7 +47,8 @@ class StepTrace:
         self._pending = {"t": round(t, 4), "plan_s": round(plan_s, 6),
                          "pred_s": round(predicted_s, 4), **phases,
                          "waiting": _count(waiting), "running": _count(running),
-                         "free": free_pages, "preempted": preempted, "fallback": fallback}
+                         "free": free_pages, "copies": page_copies, "preempted": preempted,
+                         "fallback": fallback}
 
     def finished(self, latency_s: float) -> None:
         if self._pending is None:

@@ -23,8 +23,9 @@ TURN1 = list(range(100, 110))  # 10 tokens: 2 full chunks and a 2-token tail
 
 
 def make_planner(ssd_dir: Path, **overrides: object) -> TierPlanner:
-    settings: dict[str, object] = {"host_tier_bytes": 64 * PAGE_BYTES, **overrides}
-    config = TieringConfig(ssd_tier_bytes=1 << 20, ssd_dir=ssd_dir, chunk_tokens=CHUNK,
+    settings: dict[str, object] = {"host_tier_bytes": 64 * PAGE_BYTES,
+                                   "ssd_tier_bytes": 1 << 20, **overrides}
+    config = TieringConfig(ssd_dir=ssd_dir, chunk_tokens=CHUNK,
                            page_tokens=CHUNK,
                            host_shm_name=f"antiphon-test-{uuid.uuid4().hex[:12]}",
                            **settings)  # type: ignore[arg-type]
@@ -317,6 +318,7 @@ def test_a_preempted_request_checkpoints_only_what_no_tier_holds(planner: TierPl
     assert held == 10
     assert [c.blocks for c in meta.checkpoints] == [(9,)]
     assert not meta.saves and not meta.loads
+    assert meta.num_page_copies == LAYERS  # one page, every layer (the step trace's `copies`)
     stats = planner.stats()
     assert (stats["checkpoints"], stats["pages_checkpointed"], stats["pages_handed_over"]) == (
         1, 1, 2)
@@ -361,10 +363,38 @@ def test_a_full_host_arena_leaves_the_rest_to_recompute(tmp_path: Path) -> None:
         planner.close()
 
 
+def test_write_through_evicts_other_kv_before_a_checkpoint(tmp_path: Path) -> None:
+    # Host tier alone, 10 slots. "be" is preempted holding 2 chunks and a tail (6 slots, the
+    # full chunks handed over from its write-through, so older than what follows). Another
+    # turn saves 2 chunks (4 slots: full), a third 1 chunk: the tier evicts the other turn's
+    # chunks for it, not the checkpoint's.
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=10 * PAGE_BYTES, ssd_tier_bytes=0)
+    other, third = list(range(500, 509)), list(range(600, 605))
+    try:
+        tokens = [*TURN1, 110]
+        _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10])
+        fake_worker_saves(planner, meta.checkpoints)
+        planner.step_done({meta.step}, set())
+        run_turn(planner, "other", other, [1, 2, 3])
+        run_turn(planner, "third", third, [4, 5])
+        assert planner.check_integrity() == []
+        assert planner.stored_prefix_tokens(TokenView("be", tokens)) == 10
+        assert planner.stored_prefix_tokens(TokenView("other2", other)) == 0
+        hints = planner.host.policy._sessions  # type: ignore[attr-defined]
+        assert list(hints) == [("checkpoint", "be")]
+        # Restored, "be" leaves the preemption table: its KV is evicted like any other.
+        assert planner.num_new_matched_tokens(TokenView("be", tokens), 0) == 10
+        planner.plan_load("be", [3, 4, 5], 10, len(tokens))
+        assert not hints
+    finally:
+        planner.close()
+
+
 def test_a_finished_request_leaves_the_preemption_table(planner: TierPlanner) -> None:
     tokens = [*TURN1, 110]
     _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10])
     planner.step_done({meta.step}, set())
     planner.request_finished("be", 10, [7, 8, 9])
     assert planner.check_integrity() == []
+    assert not planner.host.policy._sessions  # type: ignore[attr-defined]  # nor its hint
     assert planner.checkpoint("unknown", 5, [1, 2]) == 0

@@ -50,6 +50,14 @@ class TieringMetadata(KVConnectorMetadata):
     final_saves: dict[str, list[PageCopy]] = dataclasses.field(default_factory=dict)
 
     @property
+    def num_page_copies(self) -> int:
+        """Pages copied in this step, counted once per layer copied (loads and saves)."""
+        copies = [*self.loads, *self.early_loads, *self.saves, *self.checkpoints,
+                  *(c for final in self.final_saves.values() for c in final)]
+        return sum(len(c.blocks) * sum(1 for slot in c.slots if slot != NO_SLOT)
+                   for c in copies)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.loads or self.early_loads or self.saves or self.final_saves
                     or self.checkpoints)

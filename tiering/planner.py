@@ -275,7 +275,7 @@ class TierPlanner:
             if st is None:
                 return
             self._count_admission(st, num_external, num_tokens)
-            if self._checkpoints.pop(request_id, None) is not None:
+            if self._drop_checkpoint(request_id):
                 self.counters.restores += 1
                 self.counters.pages_restored += -(-(st.local_tokens + num_external)
                                                   // self.page_tokens) - st.local_tokens \
@@ -349,7 +349,7 @@ class TierPlanner:
         its pages until the worker reports the request sent)."""
         with self._lock:
             st = self._requests.pop(request_id, None)
-            self._checkpoints.pop(request_id, None)
+            self._drop_checkpoint(request_id)
             if st is None:
                 return False
             self._unpin(st)
@@ -411,6 +411,11 @@ class TierPlanner:
             c.pages_handed_over += -(-held // self.page_tokens) - copied
             c.checkpoint_short_tokens += num_computed - held
             self._checkpoints[request_id] = Checkpoint(num_computed, held, tuple(restore))
+            # The tiers keep the checkpoint until the restore: its chunks are evicted after
+            # everything no checkpoint or advisory holds (a host tier full of write-through
+            # evicted handed-over chunks first, and the request recomputed them).
+            self.store.set_hint(_checkpoint_hint(request_id),
+                                [key.prefix_hash for key in restore], 1.0)
             return held
 
     def checkpoint_cost_pages(self, request_id: str, num_computed: int) -> int:
@@ -617,6 +622,13 @@ class TierPlanner:
             raise AssertionError(f"pinned {key} has no host slot")
         return slot
 
+    def _drop_checkpoint(self, request_id: str) -> bool:
+        """Take the request out of the preemption table; False if it was not in it."""
+        if self._checkpoints.pop(request_id, None) is None:
+            return False
+        self.store.clear_hint(_checkpoint_hint(request_id))
+        return True
+
     def _unpin(self, st: _Request) -> None:
         for key in st.pins:
             self.host.unpin(key)
@@ -711,3 +723,7 @@ class TierPlanner:
             self.store.clear_hint(session)
             self.counters.advisories_expired += 1
 
+
+def _checkpoint_hint(request_id: str) -> tuple[str, str]:
+    """The eviction-hint id of a request's checkpoint (not a chat session's id)."""
+    return ("checkpoint", request_id)

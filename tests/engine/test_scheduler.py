@@ -98,3 +98,4 @@ async def test_the_step_trace_records_each_step(engine: VllmEngine) -> None:
     assert steps[0]["be"][0] == 1 and steps[0]["be"][1] > 8  # the prompt, one prefill
     assert sum(s["be"][2] for s in steps) >= 6  # then decodes
     assert all(s["lat_s"] > 0 and s["pred_s"] >= 0 and s["rt"] == [0, 0, 0] for s in steps)
+    assert all(s["copies"] >= 0 for s in steps)
