@@ -49,7 +49,8 @@ class EngineConfig:
         "schedules synchronously (CPU), AntiphonAsyncScheduler where it overlaps (GPU)",
         default=None)
     policy: str = doc(
-        "Scheduling policy: bros, hygen, echo, larry, or stock vLLM's fcfs and priority",
+        "Scheduling policy: bros, hygen, echo, larry, stock vLLM's fcfs and priority, or "
+        "bros_no_block_preemption (BROS's baseline in bench blocks)",
         default="bros")
     rt_ttft_slo_s: float = doc("Default TTFT target of RT requests, in seconds", default=1.0)
     rt_tpot_slo_s: float = doc("Default TPOT target of RT requests, in seconds", default=0.1)
