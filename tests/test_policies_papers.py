@@ -372,7 +372,7 @@ def test_every_policy_keeps_the_plan_invariants(
     assert len(set(plan.order)) == len(plan.order) and set(plan.order) <= by_id.keys()
     assert len(set(plan.preempt)) == len(plan.preempt) and set(plan.preempt) <= by_id.keys()
     assert not set(plan.order) & set(plan.preempt)
-    if getattr(policy, "preempts_short_of_pages", False):
+    if not getattr(policy, "block_preemption", True):
         for rid in plan.preempt:  # a running request that needed a page preempts itself
             v = by_id[rid]
             assert v.is_running and new_pages(v, v.num_new_tokens, step.page_tokens) > 0

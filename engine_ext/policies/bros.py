@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from antiphon.engine_ext.costmodel import CostModel, StepShape
-from antiphon.engine_ext.policies.base import Policy, new_pages, pages_for
-from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims
+from antiphon.engine_ext.policies.base import Policy, new_pages
+from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims, preempt
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
 MIN_RT_PREFILL_CHUNK = 16  # tokens a late RT prefill computes at least, per step
@@ -69,9 +69,8 @@ def rt_prefill_chunk(view: RequestView, batch: StepBatch, limit_s: float, now: f
 class BrosPolicy(Policy):
     name = "bros"
     # Block preemption: an RT request short of pages takes them from running BE requests.
-    takes_be_pages = True
     # Without it (the paper's ablation), a running request short of pages is preempted itself.
-    preempts_short_of_pages = False
+    block_preemption = True
 
     def __init__(self, cost_model: CostModel, base_batch_size: int = 32) -> None:
         super().__init__(cost_model)
@@ -91,9 +90,9 @@ class BrosPolicy(Policy):
         plan = StepPlan(is_restrictive=True)
         # Running BE requests whose pages an RT request may take, cheapest first: fewest pages
         # to checkpoint (bidirectional blocks), then fewest tokens to redo or reload.
-        victims = Victims(sorted((v for v in bes if v.is_running and self.takes_be_pages),
-                                 key=lambda v: (v.checkpoint_pages or 0, v.num_computed_tokens)),
-                          budget.page_tokens)
+        victims = Victims(sorted((v for v in bes if v.is_running),
+                                 key=lambda v: (v.checkpoint_pages or 0, v.num_computed_tokens))
+                          if self.block_preemption else (), budget.page_tokens)
         time_limit = residual_time_s(rts, now)
         is_at_risk = is_admission_blocked = False
         # Pages come back only from running requests: with none, a turn short of pages waits in
@@ -121,8 +120,8 @@ class BrosPolicy(Policy):
             if not view.is_running and is_admission_blocked:
                 continue
             if pages > batch.pages_left + victims.num_pages:
-                if self.preempts_short_of_pages and view.is_running:
-                    self._preempt(view, batch, plan)
+                if not self.block_preemption and view.is_running:
+                    preempt(view, batch, plan)
                     continue
                 # Preempting all BE would not do. A running RT request may still fit; a waiting
                 # one behind this one may not take the pages it waits for (not in the paper):
@@ -145,8 +144,8 @@ class BrosPolicy(Policy):
             chunk, pages, is_short_of_pages = batch.max_chunk(view, be_limit,
                                                               first_tokens=budget.page_tokens)
             if is_short_of_pages:
-                if self.preempts_short_of_pages and view.is_running:
-                    self._preempt(view, batch, plan)
+                if not self.block_preemption and view.is_running:
+                    preempt(view, batch, plan)
                 continue  # a smaller BE request may still fit
             if chunk < min(view.num_new_tokens, batch.tokens_left):
                 # cut by time: by an RT token's slack (at risk), else by the arrival guard
@@ -159,12 +158,6 @@ class BrosPolicy(Policy):
         plan.order = batch.ids
         plan.token_limits = batch.token_limits
         return plan
-
-    @staticmethod
-    def _preempt(view: RequestView, batch: StepBatch, plan: StepPlan) -> None:
-        """Preempt running `view` before the step; its pages go back to `batch`."""
-        plan.preempt.append(view.request_id)
-        batch.pages_left += pages_for(view.num_computed_tokens, batch.page_tokens)
 
     def _misses_ttft(self, view: RequestView, budget: StepBudget) -> bool:
         """A prefill too long to make its TTFT target even run alone the moment it arrived. It
@@ -196,5 +189,4 @@ class BrosNoBlockPreemptionPolicy(BrosPolicy):
     against (1.23 and 1.63 times the TTFT and TPOT attainment)."""
 
     name = "bros_no_block_preemption"
-    takes_be_pages = False
-    preempts_short_of_pages = True
+    block_preemption = False

@@ -99,7 +99,6 @@ class Victims:
 
     def __init__(self, views: Iterable[RequestView], page_tokens: int) -> None:
         self._stack = list(views)[::-1]  # pop() takes the next victim
-        self._page_tokens = page_tokens
         self.num_pages = sum(pages_for(v.num_computed_tokens, page_tokens) for v in self._stack)
 
     def __bool__(self) -> bool:
@@ -107,14 +106,19 @@ class Victims:
 
     def take_one(self, batch: StepBatch, plan: StepPlan) -> None:
         """Preempt the next victim: its pages go to `batch`, its id to `plan.preempt`."""
-        victim = self._stack.pop()
-        freed = pages_for(victim.num_computed_tokens, self._page_tokens)
-        plan.preempt.append(victim.request_id)
-        batch.pages_left += freed
-        self.num_pages -= freed
+        self.num_pages -= preempt(self._stack.pop(), batch, plan)
 
     def take_until(self, num_pages: int, batch: StepBatch, plan: StepPlan) -> bool:
         """Take victims until `batch` has `num_pages` free; False if they run out first."""
         while num_pages > batch.pages_left and self._stack:
             self.take_one(batch, plan)
         return num_pages <= batch.pages_left
+
+
+def preempt(view: RequestView, batch: StepBatch, plan: StepPlan) -> int:
+    """Preempt running `view` before the step: its id goes to `plan.preempt`, its pages back
+    to `batch`. Returns the pages freed."""
+    freed = pages_for(view.num_computed_tokens, batch.page_tokens)
+    plan.preempt.append(view.request_id)
+    batch.pages_left += freed
+    return freed
