@@ -5,6 +5,7 @@ The worker is played by writing slot bytes straight into the host arena, as `KvP
 
 from __future__ import annotations
 
+import collections
 import time
 import uuid
 from collections.abc import Iterator
@@ -63,9 +64,10 @@ def fake_worker_saves(planner: TierPlanner, copies: list[PageCopy]) -> None:
 
 
 def run_turn(planner: TierPlanner, request_id: str, tokens: list[int], blocks: list[int],
-             session: str | None = None) -> tuple[int | None, TieringMetadata]:
+             session: str | None = None, background: bool = False
+             ) -> tuple[int | None, TieringMetadata]:
     """Admit, allocate, run one step computing every token but the last, finish."""
-    view = TokenView(request_id, tokens, session)
+    view = TokenView(request_id, tokens, session, background=background)
     planner.add_request(view)
     matched = planner.num_new_matched_tokens(view, 0)
     planner.test_blocks[request_id] = blocks  # type: ignore[attr-defined]
@@ -293,10 +295,10 @@ def test_a_waiting_turn_reports_what_the_tiers_will_supply(planner: TierPlanner)
 
 
 def preempt_after(planner: TierPlanner, request_id: str, tokens: list[int], blocks: list[int],
-                  computed: list[int]) -> tuple[int, TieringMetadata]:
+                  computed: list[int], background: bool = False) -> tuple[int, TieringMetadata]:
     """Admit the request, run one step per entry of `computed` (tokens with KV after it), then
     preempt it: (tokens its checkpoint holds, the metadata of the preempting step)."""
-    view = TokenView(request_id, tokens)
+    view = TokenView(request_id, tokens, background=background)
     planner.add_request(view)
     planner.num_new_matched_tokens(view, 0)
     planner.test_blocks[request_id] = blocks  # type: ignore[attr-defined]
@@ -333,6 +335,57 @@ def test_a_preempted_request_checkpoints_only_what_no_tier_holds(planner: TierPl
     planner.plan_load("be", [3, 4, 5], 10, len(tokens))
     stats = planner.stats()
     assert (stats["restores"], stats["pages_restored"]) == (1, 3)
+
+
+def ssd_chunks(planner: TierPlanner) -> set[int]:
+    """Indexes of the chunks whose every layer the SSD tier holds (writes flushed)."""
+    planner.store.flush()
+    stored = planner.store.tiers[1].keys()
+    layers = collections.Counter(key.chunk_index for key in stored)
+    return {index for index, count in layers.items() if count == LAYERS}
+
+
+def test_background_kv_reaches_the_ssd_tier_only_once_checkpointed(planner: TierPlanner
+                                                                  ) -> None:
+    # A BE request's chunks go to the host tier alone: a lazy checkpoint needs them there,
+    # and writing every document through to the SSD took a fifth of the BE throughput.
+    tokens = [*TURN1, 110]
+    held, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10], background=True)
+    assert held == 10
+    # Preempted, its handed-over chunks are written down (a full host tier cannot lose
+    # them); the tail follows once the step has copied it.
+    assert ssd_chunks(planner) == {0, 1}
+    fake_worker_saves(planner, meta.checkpoints)
+    planner.step_done({meta.step}, set())
+    assert ssd_chunks(planner) == {0, 1, 2}
+    assert planner.check_integrity() == []
+
+
+def test_background_kv_stays_in_the_host_tier_unless_configured(tmp_path: Path) -> None:
+    for be_kv_to_ssd, expected in ((False, set()), (True, {0, 1, 2})):
+        planner = make_planner(tmp_path / f"ssd-{be_kv_to_ssd}", be_kv_to_ssd=be_kv_to_ssd)
+        try:
+            run_turn(planner, "be", [*TURN1, 110], [7, 8, 9], background=True)
+            assert ssd_chunks(planner) == expected
+            # Either way the host tier serves it, as it serves a turn.
+            assert planner.stored_prefix_tokens(TokenView("be2", [*TURN1, 110, 111])) == 10
+        finally:
+            planner.close()
+
+
+def test_a_chunk_a_checkpoint_takes_while_it_is_copied_is_written_down(
+        planner: TierPlanner) -> None:
+    tokens = [*TURN1, 110]
+    view = TokenView("be", tokens, background=True)
+    planner.add_request(view)
+    planner.num_new_matched_tokens(view, 0)
+    planner.test_blocks["be"] = [7, 8, 9]  # type: ignore[attr-defined]
+    planner.plan_load("be", [7, 8, 9], 0, len(tokens))
+    saving = planner.build_metadata([("be", 8)])  # the step saving chunks 0 and 1 ...
+    assert planner.checkpoint("be", 8, [7, 8]) == 8  # ... is still running: handed over
+    fake_worker_saves(planner, saving.saves)
+    planner.step_done({saving.step}, set())
+    assert ssd_chunks(planner) == {0, 1}
 
 
 def run_failed_step(planner: TierPlanner, tokens: list[int]) -> None:

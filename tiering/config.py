@@ -51,6 +51,12 @@ class TieringConfig:
         "cores at 0, the decode step after a 600-token prefill took 42 ms instead of 22 (25-30 "
         "at 19). A queue that stays full still holds producers back (`writer_queue_depth`)",
         default=19)
+    be_kv_to_ssd: bool = doc(
+        "Write BE (batch) requests' KV through to the SSD tier too. Off: it stays in the host "
+        "tier, where a lazy checkpoint hands it over, and only the chunks of a preempted BE "
+        "request are written down. Chat turns' KV always reaches the SSD tier. On 2 cores, "
+        "writing every BE prompt through cost a fifth of the BE tokens/s (bench mixed)",
+        default=False)
     ssd_fsync: bool = doc(
         "fsync every SSD chunk file (survives power loss; slower)", default=False)
     promote_on_hit: bool = doc(

@@ -65,10 +65,17 @@ def session_of(request: Request) -> str | None:
     return session if isinstance(session, str) else None
 
 
+def is_background(request: Request) -> bool:
+    """A BE request (the engine puts the class in `extra_args`): its KV is not a turn's."""
+    extra = request.sampling_params.extra_args if request.sampling_params else None
+    return (extra or {}).get("antiphon_class") == "be"
+
+
 def _token_view(request: Request) -> TokenView:
     cache_salt = getattr(request, "cache_salt", None)
     salt = cache_salt.encode() if cache_salt else b""
-    return TokenView(request.request_id, request.all_token_ids, session_of(request), salt)
+    return TokenView(request.request_id, request.all_token_ids, session_of(request), salt,
+                     background=is_background(request))
 
 
 class AntiphonKVConnector(KVConnectorBase_V1):

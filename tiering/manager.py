@@ -53,8 +53,9 @@ class TieredStore:
 
     def write_through(self, key: ChunkKey, from_tier: int = 0) -> bool:
         """Copy `key`, stored out of band in `tiers[from_tier]` (e.g. a committed host slot),
-        down to the slowest tier. Returns whether the slowest tier holds it."""
-        if from_tier == len(self.tiers) - 1:
+        down to the slowest tier, unless that tier holds it already. Returns whether the
+        slowest tier holds it."""
+        if from_tier == len(self.tiers) - 1 or self.tiers[-1].contains(key):
             return self.tiers[-1].contains(key)
         data = self.tiers[from_tier].peek(key)
         return data is not None and self.tiers[-1].put(key, data)

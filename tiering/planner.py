@@ -56,6 +56,7 @@ class TokenView:
     token_ids: Sequence[int]  # prompt and output tokens so far
     session: str | None = None
     salt: bytes = b""
+    background: bool = False  # a BE request: its KV reaches the SSD tier only if checkpointed
 
 
 @dataclasses.dataclass
@@ -110,7 +111,8 @@ class _InFlight:
     """A step the worker has not finished: pins to drop, reserved slots to publish."""
 
     pins: list[ChunkKey] = dataclasses.field(default_factory=list)
-    commits: list[ChunkKey] = dataclasses.field(default_factory=list)
+    # (key, written through to the slowest tier once published)
+    commits: list[tuple[ChunkKey, bool]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -169,7 +171,7 @@ class TierPlanner:
         self._pending_early: list[PageCopy] = []
         self._pending_load_pins: list[ChunkKey] = []
         self._final_saves: dict[str, list[PageCopy]] = {}
-        self._final_keys: list[ChunkKey] = []
+        self._final_keys: list[tuple[ChunkKey, bool]] = []  # as `_InFlight.commits`
         self._in_flight: dict[int, _InFlight] = {}
         self._pending_checkpoints: list[PageCopy] = []
         self._checkpoints: dict[str, Checkpoint] = {}  # the preemption table
@@ -337,10 +339,19 @@ class TierPlanner:
                     continue
                 for key in in_flight.pins:
                     self.host.unpin(key)
-                for key in in_flight.commits:
+                checkpointed: set[bytes] | None = None
+                for key, durable in in_flight.commits:
                     if step in failed_steps:
                         self.host.abort(key)
-                    elif self.host.commit(key):
+                        continue
+                    if not self.host.commit(key):
+                        continue
+                    if not durable:  # unless a checkpoint took it while it was being copied
+                        if checkpointed is None:
+                            checkpointed = {chunk.prefix_hash for cp in self._checkpoints.values()
+                                            for chunk in cp.chunks}
+                        durable = key.prefix_hash in checkpointed
+                    if durable:
                         self.store.write_through(key)
 
     def request_finished(self, request_id: str, num_computed: int,
@@ -362,7 +373,7 @@ class TierPlanner:
             if copy is None:
                 return False
             self._final_saves[request_id] = [copy]
-            self._final_keys.extend(keys)
+            self._final_keys.extend((key, self._durable(st)) for key in keys)
             return True
 
     def checkpoint(self, request_id: str, num_computed: int, block_ids: Sequence[int]) -> int:
@@ -403,7 +414,8 @@ class TierPlanner:
                 restore.append(key)
             st.saved_chunks = min(st.saved_chunks, held // self.chunk_tokens)
             self._pending_checkpoints.extend(copies)
-            self._final_keys.extend(reserved)  # published when this step's copies are done
+            # published, and written down, when this step's copies are done
+            self._final_keys.extend((key, True) for key in reserved)
             copied = sum(len(copy.blocks) for copy in copies)
             c = self.counters
             c.checkpoints += 1
@@ -411,6 +423,8 @@ class TierPlanner:
             c.pages_handed_over += -(-held // self.page_tokens) - copied
             c.checkpoint_short_tokens += num_computed - held
             self._checkpoints[request_id] = Checkpoint(num_computed, held, tuple(restore))
+            if not self._durable(st):  # down to the SSD tier, so a full host tier keeps it
+                self._write_down(restore)
             # The tiers keep the checkpoint until the restore: its chunks are evicted after
             # everything no checkpoint or advisory holds (a host tier full of write-through
             # evicted handed-over chunks first, and the request recomputed them).
@@ -560,13 +574,14 @@ class TierPlanner:
             return
         hashes = self._hashes(st, full)
         block_ids = self._block_ids_of(st.view.request_id)
+        durable = self._durable(st)
         for index in range(st.saved_chunks, full):
             first_page = index * self.pages_per_chunk
             pages = tuple(block_ids[first_page:first_page + self.pages_per_chunk])
             copy, keys = self._reserve(ChunkKey(self.model_id, hashes[index], index, 0), pages)
             if copy is not None:
                 meta.saves.append(copy)
-                in_flight.commits.extend(keys)
+                in_flight.commits.extend((key, durable) for key in keys)
                 self.counters.saved_chunks += 1
         st.saved_chunks = full
 
@@ -595,6 +610,20 @@ class TierPlanner:
         if not reserved:
             return None, []
         return PageCopy(pages, tuple(slots)), reserved
+
+    def _durable(self, st: _Request) -> bool:
+        """Whether the request's KV is written through to the slowest tier as it is saved:
+        a turn's always, BE work's only with `be_kv_to_ssd` (else when it is checkpointed)."""
+        return self.config.be_kv_to_ssd or not st.view.background
+
+    def _write_down(self, chunks: Sequence[ChunkKey]) -> None:
+        """Write the layers of `chunks` the host tier holds through to the slowest tier (those
+        still being copied follow when `step_done` publishes them)."""
+        for chunk in chunks:
+            for layer in range(self.num_layers):
+                key = chunk.with_layer(layer)
+                if self.host.contains(key):
+                    self.store.write_through(key)
 
     def _held(self, key: ChunkKey) -> bool:
         """Every layer of the chunk is in a tier or reserved in the host arena."""
