@@ -121,6 +121,24 @@ def test_write_through_from_a_committed_host_slot(tmp_path: Path) -> None:
         store.check_integrity()
 
 
+def test_write_through_later_pins_until_written_and_skips_what_is_below() -> None:
+    slow = RecordingTier(10_000, name="slow")
+    with TieredStore([MemoryTier(1000, name="fast"), slow]) as store:
+        fast = store.tiers[0]
+        for key in (GRID[0][0], GRID[0][1]):
+            assert fast.put(key, data(key))
+        slow.put(GRID[0][1], data(GRID[0][1]))  # already below
+        slow.put_log.clear()
+        # GRID[0][2]: in no tier, skipped; GRID[0][0]: pinned until the background copy.
+        assert store.write_through_later([GRID[0][0], GRID[0][1], GRID[0][2]]) == 1
+        store.flush()
+        assert slow.put_log == [GRID[0][0]]
+        assert slow.get(GRID[0][0]) == data(GRID[0][0])
+        assert fast.remove(GRID[0][0])  # unpinned once written (a pinned key is not removed)
+    with TieredStore([MemoryTier(100, name="only")]) as alone:
+        assert alone.write_through_later([GRID[0][0]]) == 0
+
+
 def test_prefetch_moves_layer_zero_first_and_reports_progress() -> None:
     fast = RecordingTier(10_000, "fast")
     slow = RecordingTier(10_000, "slow", hold_layers=frozenset({1, 2}))

@@ -64,9 +64,10 @@ def fake_worker_saves(planner: TierPlanner, copies: list[PageCopy]) -> None:
 
 
 def run_turn(planner: TierPlanner, request_id: str, tokens: list[int], blocks: list[int],
-             session: str | None = None, background: bool = False
+             session: str | None = "s1", background: bool = False
              ) -> tuple[int | None, TieringMetadata]:
-    """Admit, allocate, run one step computing every token but the last, finish."""
+    """Admit, allocate, run one step computing every token but the last, finish (a turn of
+    `session`, whose KV is written through to the SSD tier)."""
     view = TokenView(request_id, tokens, session, background=background)
     planner.add_request(view)
     matched = planner.num_new_matched_tokens(view, 0)
@@ -361,16 +362,47 @@ def test_background_kv_reaches_the_ssd_tier_only_once_checkpointed(planner: Tier
     assert planner.check_integrity() == []
 
 
-def test_background_kv_stays_in_the_host_tier_unless_configured(tmp_path: Path) -> None:
-    for be_kv_to_ssd, expected in ((False, set()), (True, {0, 1, 2})):
-        planner = make_planner(tmp_path / f"ssd-{be_kv_to_ssd}", be_kv_to_ssd=be_kv_to_ssd)
-        try:
-            run_turn(planner, "be", [*TURN1, 110], [7, 8, 9], background=True)
-            assert ssd_chunks(planner) == expected
-            # Either way the host tier serves it, as it serves a turn.
-            assert planner.stored_prefix_tokens(TokenView("be2", [*TURN1, 110, 111])) == 10
-        finally:
-            planner.close()
+def test_a_checkpoint_the_host_tier_evicts_is_restored_from_the_ssd_tier(tmp_path: Path
+                                                                         ) -> None:
+    # The host tier has 6 slots: the BE request's 2 chunks and tail, every layer. A turn
+    # after its preemption needs room there, so the checkpoint's host copies go.
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=6 * PAGE_BYTES)
+    try:
+        tokens = [*TURN1, 110]
+        _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10], background=True)
+        fake_worker_saves(planner, meta.checkpoints)
+        planner.step_done({meta.step}, set())
+        run_turn(planner, "other", list(range(500, 509)), [1, 2, 3])
+        assert planner.host.stats.evictions == 4  # 4 of the checkpoint's 6 host copies
+        view = TokenView("be", tokens, background=True)
+        assert planner.stored_prefix_tokens(view) == 10  # from the SSD tier: nothing lost
+    finally:
+        planner.close()
+
+
+@pytest.mark.parametrize(("mode", "on_ssd"), [
+    ("sessions", {"turn": True, "sessionless": False, "be": False}),
+    ("rt", {"turn": True, "sessionless": True, "be": False}),
+    ("all", {"turn": True, "sessionless": True, "be": True})])
+def test_whose_kv_is_written_through_to_the_ssd_tier(tmp_path: Path, mode: str,
+                                                     on_ssd: dict[str, bool]) -> None:
+    planner = make_planner(tmp_path / "ssd", ssd_write_through=mode)
+    try:
+        requests = {"turn": ("s1", False, 100), "sessionless": (None, False, 200),
+                    "be": (None, True, 300)}
+        for name, (session, background, first) in requests.items():
+            tokens = list(range(first, first + 11))
+            run_turn(planner, name, tokens, [7, 8, 9], session=session, background=background)
+            planner.store.flush()
+            ssd = planner.store.tiers[1]
+            stored = ssd.keys()
+            assert bool(stored) == on_ssd[name], name
+            for key in stored:
+                ssd.remove(key)
+            # Whatever the SSD tier holds, the host tier serves the prefix again.
+            assert planner.stored_prefix_tokens(TokenView(f"{name}2", [*tokens, 1])) == 10
+    finally:
+        planner.close()
 
 
 def test_a_chunk_a_checkpoint_takes_while_it_is_copied_is_written_down(
@@ -412,6 +444,23 @@ def test_a_full_host_arena_leaves_the_rest_to_recompute(tmp_path: Path) -> None:
         run_failed_step(planner, list(range(300, 313)))
         assert planner.checkpoint("be", 12, [1, 2, 3, 4]) == 4  # room for chunk 0 only
         assert planner.stats()["checkpoint_short_tokens"] == 8
+    finally:
+        planner.close()
+
+
+def test_a_checkpoint_never_evicts_its_own_chunks_for_its_tail(tmp_path: Path) -> None:
+    # Host tier alone, 5 slots. The BE request's 2 full chunks fill 4; its tail needs 2 more.
+    # Reserving them must not evict a layer of the chunks just found held (it took the top
+    # layers of a real checkpoint's chunks, and the restore recomputed everything): the tail
+    # is left to recompute instead.
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=5 * PAGE_BYTES, ssd_tier_bytes=0)
+    try:
+        tokens = [*TURN1, 110]
+        held, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10], background=True)
+        assert held == 8 and not meta.checkpoints
+        assert planner.stats()["checkpoint_short_tokens"] == 2
+        assert planner.check_integrity() == []
+        assert planner.stored_prefix_tokens(TokenView("be", tokens)) == 8
     finally:
         planner.close()
 

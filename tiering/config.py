@@ -9,6 +9,7 @@ from antiphon.configfields import doc
 
 MiB = 1 << 20
 GiB = 1 << 30
+SSD_WRITE_THROUGH = ("sessions", "rt", "all")  # `ssd_write_through`: narrowest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +52,13 @@ class TieringConfig:
         "cores at 0, the decode step after a 600-token prefill took 42 ms instead of 22 (25-30 "
         "at 19). A queue that stays full still holds producers back (`writer_queue_depth`)",
         default=19)
-    be_kv_to_ssd: bool = doc(
-        "Write BE (batch) requests' KV through to the SSD tier too. Off: it stays in the host "
-        "tier, where a lazy checkpoint hands it over, and only the chunks of a preempted BE "
-        "request are written down. Chat turns' KV always reaches the SSD tier. On 2 cores, "
-        "writing every BE prompt through cost a fifth of the BE tokens/s (bench mixed)",
-        default=False)
+    ssd_write_through: str = doc(
+        "Whose KV is written through to the SSD tier as it is saved: sessions (chat turns "
+        "in a session: websocket chats, REST turns with vllm_xargs.session_id), rt (every "
+        "chat turn) or all (BE work too). The rest stays in the host tier, where prefix "
+        "reuse and lazy checkpoints find it; a checkpoint writes its chunks down. On 2 cores "
+        "in bench mixed, writing every request through cost a fifth of the BE tokens/s",
+        default="sessions")
     ssd_fsync: bool = doc(
         "fsync every SSD chunk file (survives power loss; slower)", default=False)
     promote_on_hit: bool = doc(
@@ -88,6 +90,9 @@ class TieringConfig:
                 not self.host_shm_name or "/" in self.host_shm_name):
             raise ValueError(f"host_shm_name must be a non-empty name without '/', "
                              f"got {self.host_shm_name!r}")
+        if self.ssd_write_through not in SSD_WRITE_THROUGH:
+            raise ValueError(f"ssd_write_through must be one of {', '.join(SSD_WRITE_THROUGH)}, "
+                             f"got {self.ssd_write_through!r}")
         from antiphon.tiering.eviction import eviction_policy_class
 
         eviction_policy_class(self.eviction_policy)  # fails with the list of valid names

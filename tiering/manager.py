@@ -34,6 +34,7 @@ class TieredStore:
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.promote_on_hit = promote_on_hit
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
+        self._write_down = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-write-down")
 
     def put(self, key: ChunkKey, data: BytesLike) -> bool:
         """Store `data` in the fastest tier that accepts it and in the slowest tier.
@@ -59,6 +60,26 @@ class TieredStore:
             return self.tiers[-1].contains(key)
         data = self.tiers[from_tier].peek(key)
         return data is not None and self.tiers[-1].put(key, data)
+
+    def write_through_later(self, keys: Sequence[ChunkKey], from_tier: int = 0) -> int:
+        """`write_through` the `keys` that `tiers[from_tier]` holds and the slowest tier does
+        not, on a background thread; each stays pinned there until it is written. For the
+        engine's scheduler thread: a BE checkpoint's 240 chunk-layers, copied there, delayed
+        the step that preempted for an RT turn. Returns how many were queued."""
+        if from_tier == len(self.tiers) - 1:
+            return 0
+        source, lowest = self.tiers[from_tier], self.tiers[-1]
+        pinned = [key for key in keys if not lowest.contains(key) and source.pin(key)]
+        if pinned:
+            self._write_down.submit(self._write_pinned, pinned, from_tier)
+        return len(pinned)
+
+    def _write_pinned(self, keys: Sequence[ChunkKey], from_tier: int) -> None:
+        for key in keys:
+            try:
+                self.write_through(key, from_tier)
+            finally:
+                self.tiers[from_tier].unpin(key)
 
     def get(self, key: ChunkKey) -> bytes | memoryview | None:
         """The payload from the fastest tier holding `key`, or None.
@@ -137,14 +158,17 @@ class TieredStore:
         return {tier.name: tier.stats.snapshot() for tier in self.tiers}
 
     def flush(self) -> None:
-        """Block until queued prefetches have run and every tier's writes are durable."""
+        """Block until queued prefetches and write-downs have run and every tier's writes
+        are durable."""
         self._prefetcher.submit(lambda: None).result()
+        self._write_down.submit(lambda: None).result()
         for tier in self.tiers:
             tier.flush()
 
     def close(self) -> None:
         """Finish prefetches and writes, then close every tier."""
         self._prefetcher.shutdown(wait=True)
+        self._write_down.shutdown(wait=True)
         for tier in self.tiers:
             tier.close()
 

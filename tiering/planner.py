@@ -399,6 +399,10 @@ class TierPlanner:
             if num_computed > full * self.chunk_tokens:
                 spans.append((self._tail_key(st, num_computed),
                               self._tail_pages(block_ids, num_computed), num_computed))
+            # Held while the tail's slots are reserved: a reservation evicts, and it took the
+            # top layers of this very request's chunks (found held a moment before).
+            guard = [layer_key for key, _, _ in spans for layer in range(self.num_layers)
+                     if self.host.pin(layer_key := key.with_layer(layer))]
             held = 0
             restore: list[ChunkKey] = []
             copies: list[PageCopy] = []
@@ -430,6 +434,8 @@ class TierPlanner:
             # evicted handed-over chunks first, and the request recomputed them).
             self.store.set_hint(_checkpoint_hint(request_id),
                                 [key.prefix_hash for key in restore], 1.0)
+            for key in guard:
+                self.host.unpin(key)
             return held
 
     def checkpoint_cost_pages(self, request_id: str, num_computed: int) -> int:
@@ -612,18 +618,18 @@ class TierPlanner:
         return PageCopy(pages, tuple(slots)), reserved
 
     def _durable(self, st: _Request) -> bool:
-        """Whether the request's KV is written through to the slowest tier as it is saved:
-        a turn's always, BE work's only with `be_kv_to_ssd` (else when it is checkpointed)."""
-        return self.config.be_kv_to_ssd or not st.view.background
+        """Whether the request's KV is written through to the slowest tier as it is saved
+        (`ssd_write_through`); if not, only once it is checkpointed."""
+        mode = self.config.ssd_write_through
+        if mode == "all":
+            return True
+        return not st.view.background and (mode == "rt" or st.view.session is not None)
 
     def _write_down(self, chunks: Sequence[ChunkKey]) -> None:
-        """Write the layers of `chunks` the host tier holds through to the slowest tier (those
-        still being copied follow when `step_done` publishes them)."""
-        for chunk in chunks:
-            for layer in range(self.num_layers):
-                key = chunk.with_layer(layer)
-                if self.host.contains(key):
-                    self.store.write_through(key)
+        """Write the layers of `chunks` the host tier holds through to the slowest tier, in
+        the background (those still being copied follow when `step_done` publishes them)."""
+        self.store.write_through_later(
+            [chunk.with_layer(layer) for chunk in chunks for layer in range(self.num_layers)])
 
     def _held(self, key: ChunkKey) -> bool:
         """Every layer of the chunk is in a tier or reserved in the host arena."""
