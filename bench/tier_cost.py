@@ -47,7 +47,9 @@ async def decode_ms_per_token(system: str, load: Load, ssd_dir: Path) -> float:
     tiering = {"none": None,
                "host": TieringConfig(ssd_dir=ssd_dir, ssd_tier_bytes=0,
                                      host_tier_bytes=load.host_tier_bytes),
-               "ssd": TieringConfig(ssd_dir=ssd_dir, host_tier_bytes=load.host_tier_bytes),
+               # the requests name no session: written through as a session's turns are
+               "ssd": TieringConfig(ssd_dir=ssd_dir, host_tier_bytes=load.host_tier_bytes,
+                                    ssd_write_through="all"),
                }[system]
     engine = VllmEngine(config, resolve_model(config.model), tiering=tiering)
     await engine.start()

@@ -220,6 +220,8 @@ def test_config_validation() -> None:
         TieringConfig(writer_queue_depth=0)
     with pytest.raises(ValueError, match="ssd_writer_nice"):
         TieringConfig(ssd_writer_nice=20)
+    with pytest.raises(ValueError, match="sessions, rt, all"):
+        TieringConfig(ssd_write_through="everything")
     with pytest.raises(ValueError):
         TieringConfig(host_shm_name="a/b")
     with pytest.raises(ValueError, match="both 0"):
