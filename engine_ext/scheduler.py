@@ -44,8 +44,8 @@ logger = init_logger("vllm.antiphon.scheduler")
 
 
 def request_class_of(request: Request) -> RequestClass:
-    extra = request.sampling_params.extra_args if request.sampling_params else None
-    return RequestClass((extra or {}).get("antiphon_class", "rt"))
+    return RequestClass.of_extra_args(
+        request.sampling_params.extra_args if request.sampling_params else None)
 
 
 class AntiphonScheduler(Scheduler):

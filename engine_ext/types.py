@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
+from typing import Any
 
 
 class RequestClass(enum.StrEnum):
@@ -11,6 +13,11 @@ class RequestClass(enum.StrEnum):
 
     RT = "rt"
     BE = "be"
+
+    @classmethod
+    def of_extra_args(cls, extra_args: Mapping[str, Any] | None) -> RequestClass:
+        """The class the engine put in a vLLM request's `sampling_params.extra_args`."""
+        return cls((extra_args or {}).get("antiphon_class", cls.RT.value))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from antiphon.engine_ext.types import RequestClass
 from antiphon.tiering.config import TieringConfig
 from antiphon.tiering.connector_meta import TieringMetadata, TieringWorkerMetadata
 from antiphon.tiering.connector_worker import KvPageCopier
@@ -58,24 +59,24 @@ def kv_transfer_config(config: TieringConfig, model_id: str) -> dict[str, Any]:
             "kv_connector_extra_config": connector_extra_config(config, model_id)}
 
 
+def _extra_args(request: Request) -> dict[str, Any]:
+    """What the engine put in the request's `sampling_params.extra_args`."""
+    extra = request.sampling_params.extra_args if request.sampling_params else None
+    return extra or {}
+
+
 def session_of(request: Request) -> str | None:
     """The chat session a request belongs to (the server puts it in `extra_args`)."""
-    extra = request.sampling_params.extra_args if request.sampling_params else None
-    session = (extra or {}).get("antiphon_session")
+    session = _extra_args(request).get("antiphon_session")
     return session if isinstance(session, str) else None
-
-
-def is_background(request: Request) -> bool:
-    """A BE request (the engine puts the class in `extra_args`): its KV is not a turn's."""
-    extra = request.sampling_params.extra_args if request.sampling_params else None
-    return (extra or {}).get("antiphon_class") == "be"
 
 
 def _token_view(request: Request) -> TokenView:
     cache_salt = getattr(request, "cache_salt", None)
     salt = cache_salt.encode() if cache_salt else b""
+    background = RequestClass.of_extra_args(_extra_args(request)) is RequestClass.BE
     return TokenView(request.request_id, request.all_token_ids, session_of(request), salt,
-                     background=is_background(request))
+                     background=background)
 
 
 class AntiphonKVConnector(KVConnectorBase_V1):

@@ -56,8 +56,10 @@ class TieredStore:
         """Copy `key`, stored out of band in `tiers[from_tier]` (e.g. a committed host slot),
         down to the slowest tier, unless that tier holds it already. Returns whether the
         slowest tier holds it."""
-        if from_tier == len(self.tiers) - 1 or self.tiers[-1].contains(key):
-            return self.tiers[-1].contains(key)
+        if self.tiers[-1].contains(key):
+            return True
+        if from_tier == len(self.tiers) - 1:
+            return False
         data = self.tiers[from_tier].peek(key)
         return data is not None and self.tiers[-1].put(key, data)
 

@@ -339,19 +339,10 @@ class TierPlanner:
                     continue
                 for key in in_flight.pins:
                     self.host.unpin(key)
-                checkpointed: set[bytes] | None = None
                 for key, durable in in_flight.commits:
                     if step in failed_steps:
                         self.host.abort(key)
-                        continue
-                    if not self.host.commit(key):
-                        continue
-                    if not durable:  # unless a checkpoint took it while it was being copied
-                        if checkpointed is None:
-                            checkpointed = {chunk.prefix_hash for cp in self._checkpoints.values()
-                                            for chunk in cp.chunks}
-                        durable = key.prefix_hash in checkpointed
-                    if durable:
+                    elif self.host.commit(key) and durable:
                         self.store.write_through(key)
 
     def request_finished(self, request_id: str, num_computed: int,
@@ -627,9 +618,13 @@ class TierPlanner:
 
     def _write_down(self, chunks: Sequence[ChunkKey]) -> None:
         """Write the layers of `chunks` the host tier holds through to the slowest tier, in
-        the background (those still being copied follow when `step_done` publishes them)."""
+        the background; those still being copied, when `step_done` publishes them."""
         self.store.write_through_later(
             [chunk.with_layer(layer) for chunk in chunks for layer in range(self.num_layers)])
+        hashes = {chunk.prefix_hash for chunk in chunks}
+        for in_flight in self._in_flight.values():
+            in_flight.commits = [(key, durable or key.prefix_hash in hashes)
+                                 for key, durable in in_flight.commits]
 
     def _held(self, key: ChunkKey) -> bool:
         """Every layer of the chunk is in a tier or reserved in the host arena."""
