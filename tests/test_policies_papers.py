@@ -184,12 +184,25 @@ def test_hygen_oldest_rt_prefill_advances_when_decodes_fill_the_budget() -> None
     # A 62 ms fixed step cost and 6 ms a decode: five RT decodes fill the 0.1 s TPOT budget.
     cost = CostModel("hygen", {"prefill_token_s": 3.5e-3, "decode_request_s": 6e-3,
                                "intercept_s": 0.062})
+    # Both prompts are past their TTFT already, so neither has a chunk it needs to make it.
     views = [*(decoding(f"rt{i}", arrival=i) for i in range(6)),
              view("new", RT, prompt=100, arrival=9), view("newer", RT, prompt=100, arrival=10)]
-    plan = HygenPolicy(cost).plan(views, budget())
+    plan = HygenPolicy(cost).plan(views, budget(now=12.0))
     assert "new" in plan.order and "newer" not in plan.order
     assert plan.token_limits["new"] == 16  # a small chunk, not the whole prompt
     assert plan.order.index("new") == len(plan.order) - 1  # after the decodes it joins
+
+
+def test_hygen_rt_prefills_get_the_chunk_that_meets_their_ttft_past_the_budget() -> None:
+    # Six decodes fill the 0.1 s budget (62 ms a step, 6 ms a decode); two 300-token prompts
+    # that can still make their 1 s TTFT each get their prompt spread over the 7 steps left.
+    cost = CostModel("hygen", {"prefill_token_s": 1e-3, "decode_request_s": 6e-3,
+                               "intercept_s": 0.062})
+    views = [*(decoding(f"rt{i}", arrival=0.0) for i in range(6)),
+             view("new", RT, prompt=300, arrival=0.0), view("newer", RT, prompt=300, arrival=0.05)]
+    plan = HygenPolicy(cost).plan(views, budget(now=0.2))
+    assert plan.order[-2:] == ["new", "newer"]
+    assert plan.token_limits == {"new": 43, "newer": 43}  # ceil(300 / 7)
 
 
 def test_hygen_rt_takes_pages_from_be_never_the_reverse() -> None:

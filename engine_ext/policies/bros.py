@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.policies.base import Policy, new_pages
-from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims, preempt
+from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims, preempt, ttft_floor
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
 MIN_RT_PREFILL_CHUNK = 16  # tokens a late RT prefill computes at least, per step
@@ -50,19 +50,12 @@ def residual_time_s(rts: Sequence[RequestView], now: float) -> float:
 
 def rt_prefill_chunk(view: RequestView, batch: StepBatch, limit_s: float, now: float) -> int:
     """The prefill chunk an RT request computes in a step that cannot take all of it within
-    `limit_s`: what fits, but at least its remaining prompt spread over the steps of that
-    length left before its first token is due, so it still meets its TTFT where it can; where
-    it cannot, at least `MIN_RT_PREFILL_CHUNK` tokens, so it moves. (The paper stops adding RT
-    requests at the first that does not fit: a turn arriving while others decode would then
-    wait for every one of them to finish.)"""
+    `limit_s`: what fits, but at least what it needs to still meet its TTFT (`ttft_floor`);
+    where it cannot, at least `MIN_RT_PREFILL_CHUNK` tokens, so it moves. (The paper stops
+    adding RT requests at the first that does not fit: a turn arriving while others decode
+    would then wait for every one of them to finish.)"""
     wanted = min(view.num_new_tokens, batch.tokens_left)
-    slack = view.slack_s(now)
-    context = view.num_computed_tokens + wanted
-    if batch.time_s(wanted, context, is_prefill=True) <= slack:
-        steps_left = max(1, int(slack / max(limit_s, 1e-3)) - 1)
-        floor = -(-wanted // steps_left)
-    else:  # missed, or too long to make it even in one step: others come first
-        floor = MIN_RT_PREFILL_CHUNK
+    floor = ttft_floor(view, batch, limit_s, now) or MIN_RT_PREFILL_CHUNK
     return min(wanted, max(batch.tokens_within(view, limit_s, wanted), floor))
 
 

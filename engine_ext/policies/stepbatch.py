@@ -94,6 +94,20 @@ class StepBatch:
         self.pages_left -= num_pages
 
 
+def ttft_floor(view: RequestView, batch: StepBatch, limit_s: float, now_s: float) -> int:
+    """The prefill tokens RT `view` must compute in this step to still meet its TTFT, with
+    the steps before its first token is due `limit_s` long: its remaining prompt (what the
+    step's token budget allows) spread over them. 0 when even the whole of it alone would
+    come too late: then nothing this step does saves the TTFT."""
+    wanted = min(view.num_new_tokens, batch.tokens_left)
+    slack = view.slack_s(now_s)
+    context = view.num_computed_tokens + wanted
+    if wanted <= 0 or batch.time_s(wanted, context, is_prefill=True) > slack:
+        return 0
+    steps_left = max(1, int(slack / max(limit_s, 1e-3)) - 1)
+    return -(-wanted // steps_left)
+
+
 class Victims:
     """Running BE requests whose pages RT requests may take, in the order they are taken."""
 
