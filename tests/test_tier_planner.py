@@ -191,6 +191,26 @@ def test_a_fetch_that_lost_keys_goes_again(tmp_path: Path) -> None:
         planner.close()
 
 
+def test_a_fetch_goes_again_for_chunks_the_device_dropped_meanwhile(tmp_path: Path) -> None:
+    planner = restarted_planner(tmp_path)
+    try:
+        view = TokenView("r2", [*TURN1, 110, 111])
+        planner.add_request(view)
+        # vLLM's prefix cache holds the first chunk: the fetch is for the rest.
+        assert planner.num_new_matched_tokens(view, CHUNK) is None
+        fetch = planner._requests["r2"].prefetch
+        assert fetch is not None and fetch.wait(10)
+        assert min(key.chunk_index for key in fetch.keys) == 1
+        # By the time the fetch is done, vLLM has reused that page: the first chunk is wanted
+        # from SSD too, and fetched, instead of everything being recomputed.
+        assert planner.num_new_matched_tokens(view, 0) is None
+        assert wait_for_admission(planner, view) == 10
+        stats = planner.stats()
+        assert (stats["fetch_retries"], stats["turns_held"]) == (1, 1)
+    finally:
+        planner.close()
+
+
 def test_an_advisory_fetches_only_the_leading_chunks_the_host_has_room_for(
         tmp_path: Path) -> None:
     planner = restarted_planner(tmp_path, host_tier_bytes=3 * PAGE_BYTES)

@@ -83,6 +83,7 @@ class _Request:
     pins: list[ChunkKey] = dataclasses.field(default_factory=list)  # host pins for the load
     prefetch: PrefetchHandle | None = None
     fetch_attempts: int = 0  # fetches from SSD this turn waited for
+    fetch_first_chunk: int = 0  # the first chunk the turn's last fetch was for
     ssd_chunks: set[int] = dataclasses.field(default_factory=set)  # chunks that came from SSD
     stored_tokens: tuple[int, int] | None = None  # `stored_prefix_tokens`: (of tokens, found)
 
@@ -238,6 +239,7 @@ class TierPlanner:
                 # would gain nothing, and would leave no chunk whole if other fetches took the
                 # host room meanwhile.
                 st.prefetch = self._prefetcher.submit(absent, URGENT, layer_first=False)
+                st.fetch_first_chunk = first_chunk
                 if st.fetch_attempts == 1:
                     self.counters.turns_held += 1
                 else:
@@ -527,10 +529,18 @@ class TierPlanner:
 
     @staticmethod
     def _fetch_again(st: _Request, missing: set[ChunkKey]) -> bool:
-        """Whether the turn fetches `missing` from SSD: it has not yet, or its last fetch,
-        done, lost some of its keys to other fetches' host room (a few times at most)."""
-        return st.prefetch is None or (st.fetch_attempts < MAX_FETCH_ATTEMPTS
-                                       and not missing.isdisjoint(st.prefetch.keys))
+        """Whether the turn fetches `missing` from SSD: it has not yet, or (a few times at
+        most) its last fetch, done, lost some of its keys to other fetches' host room, or the
+        turn now needs chunks before those it fetched: vLLM dropped device pages its prefix
+        cache had offered while the fetch ran. (Missing chunks after the fetched ones were
+        cut from it for lack of host room: those are recomputed.) A checkpointed BE request
+        found its first chunks gone from the device after its fetch and recomputed 486-716
+        tokens in one of two 140 s `bench mixed` runs."""
+        if st.prefetch is None:
+            return True
+        return st.fetch_attempts < MAX_FETCH_ATTEMPTS and (
+            not missing.isdisjoint(st.prefetch.keys)
+            or any(key.chunk_index < st.fetch_first_chunk for key in missing))
 
     def _leading_chunks_with_room(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         """The chunk-layers of `keys` (in chunk order) that belong to its leading chunks the
