@@ -136,7 +136,7 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
             1, s1["num_steps"] - s0["num_steps"]),
         "pages_checkpointed": _tier_delta(s0, s1, "pages_checkpointed"),
         "pages_restored": _tier_delta(s0, s1, "pages_restored"),
-        # why preempted BE work was recomputed: checkpoints the full host tier could not take
+        # tokens preempted work lost to a full host tier (recomputed), chunks never saved
         "checkpoint_short_tokens": _tier_delta(s0, s1, "checkpoint_short_tokens"),
         "saves_refused": _tier_delta(s0, s1, "saves_refused"),
         "rt_requests": len(results),

@@ -83,7 +83,6 @@ class _Request:
     pins: list[ChunkKey] = dataclasses.field(default_factory=list)  # host pins for the load
     prefetch: PrefetchHandle | None = None
     fetch_attempts: int = 0  # fetches from SSD this turn waited for
-    fetch_first_chunk: int = 0  # the first chunk the turn's last fetch was for
     ssd_chunks: set[int] = dataclasses.field(default_factory=set)  # chunks that came from SSD
     stored_tokens: tuple[int, int] | None = None  # `stored_prefix_tokens`: (of tokens, found)
 
@@ -239,7 +238,6 @@ class TierPlanner:
                 # would gain nothing, and would leave no chunk whole if other fetches took the
                 # host room meanwhile.
                 st.prefetch = self._prefetcher.submit(absent, URGENT, layer_first=False)
-                st.fetch_first_chunk = first_chunk
                 if st.fetch_attempts == 1:
                     self.counters.turns_held += 1
                 else:
@@ -530,17 +528,17 @@ class TierPlanner:
     @staticmethod
     def _fetch_again(st: _Request, missing: set[ChunkKey]) -> bool:
         """Whether the turn fetches `missing` from SSD: it has not yet, or (a few times at
-        most) its last fetch, done, lost some of its keys to other fetches' host room, or the
-        turn now needs chunks before those it fetched: vLLM dropped device pages its prefix
-        cache had offered while the fetch ran. (Missing chunks after the fetched ones were
-        cut from it for lack of host room: those are recomputed.) Checkpointed BE requests
-        found their first chunks gone from the device after their fetch and recomputed 344 to
-        2,112 tokens in 11 of 16 140 s `bench mixed` runs."""
+        most) some of it is not after the chunks its last fetch, done, brought up. Those were
+        lost to other fetches' host room, or come before the fetched ones: vLLM dropped device
+        pages its prefix cache had offered while the fetch ran. (Chunks after the fetched ones
+        were cut from it for lack of host room: those are recomputed.) Checkpointed BE
+        requests found their first chunks gone from the device after their fetch and
+        recomputed 344 to 2,112 tokens in 11 of 16 140 s `bench mixed` runs."""
         if st.prefetch is None:
             return True
-        return st.fetch_attempts < MAX_FETCH_ATTEMPTS and (
-            not missing.isdisjoint(st.prefetch.keys)
-            or any(key.chunk_index < st.fetch_first_chunk for key in missing))
+        last_fetched = max((key.chunk_index for key in st.prefetch.keys), default=-1)
+        return st.fetch_attempts < MAX_FETCH_ATTEMPTS and any(
+            key.chunk_index <= last_fetched for key in missing)
 
     def _leading_chunks_with_room(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         """The chunk-layers of `keys` (in chunk order) that belong to its leading chunks the
