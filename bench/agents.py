@@ -83,7 +83,8 @@ async def run_system(url: str, hints: bool, copies: int, max_tokens: int,
         "advisories_sent": sum(env.hooks.num_advisories for _, env in runs),
         **{k: tiering[k] for k in ("advisories_used", "advisories_late", "advisories_reclaimed",
                                    "tokens_from_host", "tokens_from_ssd", "turns_held",
-                                   "ssd_fetches_cut", "fetch_retries", "saves_refused")},
+                                   "turns_fetched_in_step", "ssd_fetches_cut", "fetch_retries",
+                                   "saves_refused")},
     }
 
 

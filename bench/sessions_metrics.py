@@ -19,7 +19,7 @@ from antiphon.quantiles import percentile
 COUNTERS = ("prompt_tokens", "tokens_from_device", "tokens_from_host", "tokens_from_ssd",
             "computed_prompt_tokens", "advisories_received", "advisories_used",
             "advisories_expired", "advisories_late", "advisories_reclaimed", "turns_held",
-            "ssd_fetches_cut", "fetch_retries", "saves_refused",
+            "turns_fetched_in_step", "ssd_fetches_cut", "fetch_retries", "saves_refused",
             "rt_preemptions")
 POINT_METRICS = ("recomputed_context_frac", "followup_ttft_p50_s", "followup_ttft_p99_s",
                  "fresh_ttft_p50_s", "followup_over_fresh_p50", "tpot_p50_s", "host_hit_frac",

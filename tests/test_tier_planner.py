@@ -129,15 +129,33 @@ def test_a_different_prefix_matches_nothing(planner: TierPlanner) -> None:
     assert planner.num_new_matched_tokens(view, 0) == 0
 
 
-def test_after_a_restart_ssd_chunks_are_prefetched_before_the_turn(tmp_path: Path) -> None:
-    planner = restarted_planner(tmp_path)
+def test_after_a_restart_a_turn_fetched_within_the_wait_runs_in_the_same_step(
+        tmp_path: Path) -> None:
+    planner = restarted_planner(tmp_path, ssd_fetch_wait_s=5.0)
     try:
         view = TokenView("r2", [*TURN1, 110, 111])
         planner.add_request(view)
-        assert wait_for_admission(planner, view) == 10  # held (None) until the fetch is done
+        assert planner.num_new_matched_tokens(view, 0) == 10  # not held: no None first
         planner.plan_load("r2", [1, 2, 3], 10, 12)
         stats = planner.stats()
-        assert stats["tokens_from_ssd"] == 10 and stats["turns_held"] == 1
+        assert stats["tokens_from_ssd"] == 10
+        assert (stats["turns_fetched_in_step"], stats["turns_held"]) == (1, 0)
+        planner.store.check_integrity()
+    finally:
+        planner.close()
+
+
+def test_after_a_restart_a_turn_is_held_until_its_ssd_fetch_is_done(tmp_path: Path) -> None:
+    planner = restarted_planner(tmp_path, ssd_fetch_wait_s=0)
+    try:
+        view = TokenView("r2", [*TURN1, 110, 111])
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) is None
+        assert wait_for_admission(planner, view) == 10
+        planner.plan_load("r2", [1, 2, 3], 10, 12)
+        stats = planner.stats()
+        assert stats["tokens_from_ssd"] == 10
+        assert (stats["turns_fetched_in_step"], stats["turns_held"]) == (0, 1)
     finally:
         planner.close()
 
@@ -157,7 +175,8 @@ def test_a_context_larger_than_the_host_tier_loads_its_leading_chunks(tmp_path: 
     run_turn(first, "r1", [*TURN1, 110], [7, 8, 9])
     first.close()
     # Room for 3 chunk-layers: one whole chunk (2 layers), not the 3 chunks of the context.
-    planner = make_planner(tmp_path / "ssd", host_tier_bytes=3 * PAGE_BYTES)
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=3 * PAGE_BYTES,
+                           ssd_fetch_wait_s=0)
     try:
         view = TokenView("r2", [*TURN1, 110, 111])
         planner.add_request(view)
@@ -174,7 +193,7 @@ def test_a_context_larger_than_the_host_tier_loads_its_leading_chunks(tmp_path: 
 
 
 def test_a_fetch_that_lost_keys_goes_again(tmp_path: Path) -> None:
-    planner = restarted_planner(tmp_path)
+    planner = restarted_planner(tmp_path, ssd_fetch_wait_s=0)
     try:
         view = TokenView("r2", [*TURN1, 110, 111])
         planner.add_request(view)
@@ -192,7 +211,7 @@ def test_a_fetch_that_lost_keys_goes_again(tmp_path: Path) -> None:
 
 
 def test_a_fetch_goes_again_for_chunks_the_device_dropped_meanwhile(tmp_path: Path) -> None:
-    planner = restarted_planner(tmp_path)
+    planner = restarted_planner(tmp_path, ssd_fetch_wait_s=0)
     try:
         view = TokenView("r2", [*TURN1, 110, 111])
         planner.add_request(view)
