@@ -419,6 +419,26 @@ def test_a_checkpoint_the_host_tier_evicts_is_restored_from_the_ssd_tier(tmp_pat
         planner.close()
 
 
+def test_be_work_restored_from_ssd_is_held_while_a_turn_would_wait(tmp_path: Path) -> None:
+    # As above: the checkpoint's chunks are left on the SSD tier alone.
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=6 * PAGE_BYTES,
+                           ssd_fetch_wait_s=5.0)
+    try:
+        tokens = [*TURN1, 110]
+        _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10], background=True)
+        fake_worker_saves(planner, meta.checkpoints)
+        planner.step_done({meta.step}, set())
+        run_turn(planner, "other", list(range(500, 509)), [1, 2, 3])
+        view = TokenView("be", tokens, background=True)
+        # The step's RT streams do not wait for BE work's fetch: it is held to a later step.
+        assert planner.num_new_matched_tokens(view, 0) is None
+        assert wait_for_admission(planner, view) == 10
+        stats = planner.stats()
+        assert (stats["turns_fetched_in_step"], stats["turns_held"]) == (0, 1)
+    finally:
+        planner.close()
+
+
 @pytest.mark.parametrize(("mode", "on_ssd"), [
     ("sessions", {"turn": True, "sessionless": False, "be": False}),
     ("rt", {"turn": True, "sessionless": True, "be": False}),

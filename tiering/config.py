@@ -60,10 +60,11 @@ class TieringConfig:
         "in bench mixed, writing every request through cost a fifth of the BE tokens/s",
         default="sessions")
     ssd_fetch_wait_s: float = doc(
-        "How long the engine waits, in the step that admits a turn, for the SSD fetch of "
-        "the turn's context (seconds); a fetch not done by then holds the turn to a later "
-        "step, as 0 always does. Holding costs the rest of a step: on 2 cores at 16-32 chat "
-        "users, turns without an advisory came 35-48 ms later than advised ones", default=0.02)
+        "How long the engine waits, in the step that admits a chat turn, for the SSD fetch "
+        "of the turn's context (seconds); a fetch not done by then holds the turn to a later "
+        "step, as 0 always does (and as BE work always is). Holding costs the rest of a step: "
+        "on 2 cores at 16-32 chat users, turns without an advisory came 35-48 ms later than "
+        "advised ones", default=0.02)
     ssd_fsync: bool = doc(
         "fsync every SSD chunk file (survives power loss; slower)", default=False)
     promote_on_hit: bool = doc(

@@ -209,7 +209,9 @@ class TierPlanner:
             # None here: `_admit` just sent an SSD fetch for this turn.
             is_first_fetch = matched is None and st.fetch_attempts == 1
             fetch = st.prefetch
-            if matched is None and fetch is not None and self.config.ssd_fetch_wait_s > 0 \
+            # Only a turn waits: the step's RT streams must not wait for BE work's restore.
+            if matched is None and fetch is not None and not view.background \
+                    and self.config.ssd_fetch_wait_s > 0 \
                     and fetch.wait(self.config.ssd_fetch_wait_s):
                 # Up within the wait: the turn runs in this step instead of the next (a step
                 # on 2 cores is 25-50 ms; a 400-token context comes up from SSD in a few).
