@@ -129,33 +129,31 @@ def test_a_different_prefix_matches_nothing(planner: TierPlanner) -> None:
     assert planner.num_new_matched_tokens(view, 0) == 0
 
 
-def test_after_a_restart_a_turn_fetched_within_the_wait_runs_in_the_same_step(
-        tmp_path: Path) -> None:
-    planner = restarted_planner(tmp_path, ssd_fetch_wait_s=5.0)
+def follow_up(planner: TierPlanner) -> TokenView:
+    """The second turn of TURN1's session, added to `planner`."""
+    view = TokenView("r2", [*TURN1, 110, 111])
+    planner.add_request(view)
+    return view
+
+
+@pytest.mark.parametrize(("wait_s", "first", "fetched_in_step_and_held"), [
+    (5.0, 10, (1, 0)),  # fetched within the wait: the turn runs in the same step
+    (0, None, (0, 1))])  # held (None) until its SSD fetch is done
+def test_after_a_restart_a_turn_loads_its_context_from_ssd(
+        tmp_path: Path, wait_s: float, first: int | None,
+        fetched_in_step_and_held: tuple[int, int]) -> None:
+    planner = restarted_planner(tmp_path, ssd_fetch_wait_s=wait_s)
     try:
-        view = TokenView("r2", [*TURN1, 110, 111])
-        planner.add_request(view)
-        assert planner.num_new_matched_tokens(view, 0) == 10  # not held: no None first
+        view = follow_up(planner)
+        matched = planner.num_new_matched_tokens(view, 0)
+        assert matched == first
+        if matched is None:
+            assert wait_for_admission(planner, view) == 10
         planner.plan_load("r2", [1, 2, 3], 10, 12)
         stats = planner.stats()
         assert stats["tokens_from_ssd"] == 10
-        assert (stats["turns_fetched_in_step"], stats["turns_held"]) == (1, 0)
+        assert (stats["turns_fetched_in_step"], stats["turns_held"]) == fetched_in_step_and_held
         planner.store.check_integrity()
-    finally:
-        planner.close()
-
-
-def test_after_a_restart_a_turn_is_held_until_its_ssd_fetch_is_done(tmp_path: Path) -> None:
-    planner = restarted_planner(tmp_path, ssd_fetch_wait_s=0)
-    try:
-        view = TokenView("r2", [*TURN1, 110, 111])
-        planner.add_request(view)
-        assert planner.num_new_matched_tokens(view, 0) is None
-        assert wait_for_admission(planner, view) == 10
-        planner.plan_load("r2", [1, 2, 3], 10, 12)
-        stats = planner.stats()
-        assert stats["tokens_from_ssd"] == 10
-        assert (stats["turns_fetched_in_step"], stats["turns_held"]) == (0, 1)
     finally:
         planner.close()
 
@@ -178,8 +176,7 @@ def test_a_context_larger_than_the_host_tier_loads_its_leading_chunks(tmp_path: 
     planner = make_planner(tmp_path / "ssd", host_tier_bytes=3 * PAGE_BYTES,
                            ssd_fetch_wait_s=0)
     try:
-        view = TokenView("r2", [*TURN1, 110, 111])
-        planner.add_request(view)
+        view = follow_up(planner)
         # Layer 0 of every chunk first would fill the host and leave no chunk whole (all
         # recomputed); the fetch is cut to the first chunk, which loads.
         assert wait_for_admission(planner, view) == CHUNK
@@ -195,8 +192,7 @@ def test_a_context_larger_than_the_host_tier_loads_its_leading_chunks(tmp_path: 
 def test_a_fetch_that_lost_keys_goes_again(tmp_path: Path) -> None:
     planner = restarted_planner(tmp_path, ssd_fetch_wait_s=0)
     try:
-        view = TokenView("r2", [*TURN1, 110, 111])
-        planner.add_request(view)
+        view = follow_up(planner)
         assert planner.num_new_matched_tokens(view, 0) is None
         fetch = planner._requests["r2"].prefetch
         assert fetch is not None and fetch.wait(10)
@@ -213,8 +209,7 @@ def test_a_fetch_that_lost_keys_goes_again(tmp_path: Path) -> None:
 def test_a_fetch_goes_again_for_chunks_the_device_dropped_meanwhile(tmp_path: Path) -> None:
     planner = restarted_planner(tmp_path, ssd_fetch_wait_s=0)
     try:
-        view = TokenView("r2", [*TURN1, 110, 111])
-        planner.add_request(view)
+        view = follow_up(planner)
         # vLLM's prefix cache holds the first chunk: the fetch is for the rest.
         assert planner.num_new_matched_tokens(view, CHUNK) is None
         fetch = planner._requests["r2"].prefetch

@@ -206,13 +206,14 @@ class TierPlanner:
             if st.prefetch is not None and not st.prefetch.is_done:
                 return None
             matched = self._admit_again(st, view, num_computed)
-            # None here: `_admit` just sent an SSD fetch for this turn.
-            is_first_fetch = matched is None and st.fetch_attempts == 1
-            fetch = st.prefetch
-            # Only a turn waits: the step's RT streams must not wait for BE work's restore.
-            if matched is None and fetch is not None and not view.background \
-                    and self.config.ssd_fetch_wait_s > 0 \
-                    and fetch.wait(self.config.ssd_fetch_wait_s):
+            if matched is not None:
+                return matched
+            # `_admit` just sent an SSD fetch for this turn. Only a chat turn waits for it:
+            # the step's RT streams must not wait for BE work's restore.
+            assert st.prefetch is not None
+            is_first_fetch = st.fetch_attempts == 1
+            wait_s = 0.0 if view.background else self.config.ssd_fetch_wait_s
+            if wait_s > 0 and st.prefetch.wait(wait_s):
                 # Up within the wait: the turn runs in this step instead of the next (a step
                 # on 2 cores is 25-50 ms; a 400-token context comes up from SSD in a few).
                 # The prefetch thread takes no planner lock.
