@@ -72,13 +72,14 @@ def main() -> None:
     parser.add_argument("--cpu-reserved-cores", type=int, default=0)
     parser.add_argument("--tiering", action="store_true", help="with the KV connector on")
     parser.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
+    parser.add_argument("--dtype", default="auto", help="the engine's dtype (EngineConfig.dtype)")
     args = parser.parse_args()
     config = EngineConfig(model=env.model(), enforce_eager=args.enforce_eager,
-                          cost_model="online", cpu_omp_spin_count=args.cpu_omp_spin_count,
+                          cost_model="online", dtype=args.dtype, cpu_omp_spin_count=args.cpu_omp_spin_count,
                           cpu_reserved_cores=args.cpu_reserved_cores)
     with tempfile.TemporaryDirectory() as tmp:
         results = asyncio.run(measure(config, Path(tmp) if args.tiering else None))
-    print(f"omp spin count {args.cpu_omp_spin_count}, reserved cores "
+    print(f"dtype {args.dtype}, omp spin count {args.cpu_omp_spin_count}, reserved cores "
           f"{args.cpu_reserved_cores}, tiering {'on' if args.tiering else 'off'}")
     for r in results:
         print(f"{r['requests']:>3} requests at {r['context']:>4} tokens, {r['steps']} steps: "

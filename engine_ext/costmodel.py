@@ -5,17 +5,25 @@ from a profiled fit (`antiphon profile`, which `serve` loads) or else from the B
 prior. It refits by least squares on a window of observed steps, starting from the current
 coefficients, and reports the mean absolute percentage error of its recent predictions, so
 drift is visible.
+
+To the form it adds the KV connector's page copies, which no paper's form has: a fixed cost
+for a step that copies pages and a cost per page-layer copied, learned online from the
+residuals of the form (the profile runs no tier loads). Served on a 2-core CPU, decode steps
+with copies ran 13-14% slower than the form predicted and steps without 4-5% faster
+(docs/benchmarks.md). The copies are known once vLLM has scheduled a step, after the policy
+planned it, so planning adds the copy cost of an average recent step instead.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
-from antiphon.engine_ext.costforms import CostForm, cost_form
+from antiphon.engine_ext.costforms import CostForm, cost_form, nnls
 from antiphon.engine_ext.stepshape import StepShape
 from antiphon.quantiles import percentile_of_sorted
 
@@ -49,6 +57,9 @@ class CostModel:
         self._refit_every = refit_every
         self._since_refit = 0
         self.num_refits = 0
+        # (per step that copies pages, per page-layer copied), seconds; see the module doc
+        self.copy_coefficients: tuple[float, float] = (0.0, 0.0)
+        self.mean_copy_s = 0.0  # the copy cost of the window's average step
 
     def use(self, form: CostForm | str, coefficients: Sequence[float]) -> None:
         """Predict with `form` and `coefficients` (a profiled fit) from now on; observed steps
@@ -60,16 +71,28 @@ class CostModel:
         self._since_refit = 0
 
     def predict_s(self, shape: StepShape) -> float:
-        """Predicted step latency (seconds)."""
-        return self.form.predict_s(self.coefficients, shape)
+        """Predicted step latency (seconds), its page copies included."""
+        return self.form.predict_s(self.coefficients, shape) + self.copy_s(shape)
+
+    def copy_s(self, shape: StepShape) -> float:
+        """The part of the predicted latency that is the step's page copies (seconds)."""
+        if not shape.page_copies:
+            return 0.0
+        per_step, per_page = self.copy_coefficients
+        return per_step + per_page * shape.page_copies
 
     def planning_s(self, shape: StepShape) -> float:
-        """The step latency a policy plans with (seconds): the prediction times the
+        """The step latency a policy plans with (seconds): the prediction, with the copies
+        of an average recent step when `shape` names none (a plan's never does), times the
         calibration, so that a step planned to fit a deadline fits it in most measured steps
         (4 in 5), not just on average. On a 2-core host the model underpredicted steps
         mixing many decodes with a prefill chunk by 20-30%, and steps planned to the limit
         ran past their TPOT."""
-        return self.predict_s(shape) * self.calibration
+        return self._unscaled_planning_s(shape) * self.calibration
+
+    def _unscaled_planning_s(self, shape: StepShape) -> float:
+        copies = self.copy_s(shape) if shape.page_copies else self.mean_copy_s
+        return self.form.predict_s(self.coefficients, shape) + copies
 
     def observe(self, shape: StepShape, latency_s: float) -> None:
         """Record a measured step (seconds); refits every `refit_every` observations."""
@@ -80,8 +103,10 @@ class CostModel:
             error = abs(predicted - latency_s) / latency_s
             self._errors.append(error)
             self._error_sum += error
-            if predicted > 0:
-                self._add_ratio(latency_s / predicted)
+            # calibrated against what a policy planned with: copies unknown, their mean
+            planned = self._unscaled_planning_s(dataclasses.replace(shape, page_copies=0))
+            if planned > 0:
+                self._add_ratio(latency_s / planned)
                 self._calibrate()
         self._observations.append((shape, latency_s))
         self._since_refit += 1
@@ -103,14 +128,29 @@ class CostModel:
         self.calibration = min(self.MAX_CALIBRATION, max(1.0, ratio))
 
     def refit(self) -> None:
-        """Fit the form to the window, starting from the current coefficients (terms the
-        window does not exercise keep theirs)."""
+        """Fit the form to the window less its copy costs, starting from the current
+        coefficients (terms the window does not exercise keep theirs), then the copy terms
+        to what the form leaves of the steps that copied pages: one round of alternating
+        least squares per refit."""
         self._since_refit = 0
         if len(self._observations) < 8:
             return
         shapes = [s for s, _ in self._observations]
         latencies = np.array([t for _, t in self._observations])
-        self.coefficients = self.form.fit(shapes, latencies, start=self.coefficients)
+        copies = np.array([s.page_copies for s in shapes], dtype=np.float64)
+        copy_x = np.column_stack([copies > 0, copies]).astype(np.float64)
+        copy_part = copy_x @ np.asarray(self.copy_coefficients)
+        self.coefficients = self.form.fit(shapes, latencies - copy_part, start=self.coefficients)
+        copied = copies > 0
+        if copied.any():
+            residual = latencies[copied] - self.form.predict_all(self.coefficients,
+                                                                 [s for s in shapes
+                                                                  if s.page_copies])
+            w = 1.0 / np.maximum(latencies[copied], 1e-4)  # relative error, as the forms fit
+            per_step, per_page = nnls(copy_x[copied] * w[:, None], residual * w)
+            self.copy_coefficients = (float(per_step), float(per_page))
+            copy_part = copy_x @ np.asarray(self.copy_coefficients)
+        self.mean_copy_s = float(copy_part.mean())
         self.num_refits += 1
 
     @property

@@ -130,8 +130,7 @@ class AntiphonScheduler(Scheduler):
             map(request_class_of, self.waiting), map(request_class_of, self.running),
             self.kv_cache_manager.block_pool.get_num_free_blocks(),
             {c: n - preemptions_before[c] for c, n in self.stats.num_preemptions.items()
-             if n > preemptions_before[c]}, fallback,
-            getattr(output.kv_connector_metadata, "num_page_copies", 0))
+             if n > preemptions_before[c]}, fallback, self._step_shape.page_copies)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
@@ -191,8 +190,10 @@ class AntiphonScheduler(Scheduler):
             yield request, num_new, num_new > 1 or before < request.num_prompt_tokens
 
     def _shape_of(self, output: SchedulerOutput) -> StepShape:
-        """The scheduled step's composition (context counted after the step)."""
-        shape = StepShape(after_prefill=int(self._last_step_had_prefill))
+        """The scheduled step's composition (context counted after the step), with the KV
+        connector's page copies that vLLM's schedule() just planned."""
+        shape = StepShape(after_prefill=int(self._last_step_had_prefill),
+                          page_copies=getattr(output.kv_connector_metadata, "num_page_copies", 0))
         for request, num_new, is_prefill in self._scheduled(output):
             shape = shape.plus(num_new, request.num_computed_tokens, is_prefill)
         return shape

@@ -26,6 +26,10 @@ class StepShape:
     # 1 when the step before this one computed prefill tokens: the decode step right after a
     # prefill runs slower than the ones after it (see costforms' bros_after)
     after_prefill: int = 0
+    # KV pages the tiering connector copies in the step (loads, saves, checkpoints), counted
+    # once per layer; known when vLLM has scheduled the step, not while a policy plans it
+    # (see CostModel's copy terms)
+    page_copies: int = 0
 
     @classmethod
     def of(cls, requests: Iterable[tuple[int, int] | tuple[int, int, bool]]) -> StepShape:
