@@ -8,9 +8,9 @@ drift is visible.
 
 To the form it adds the KV connector's page copies, which no paper's form has: a fixed cost
 for a step that copies pages and a cost per page-layer copied, learned online from the
-residuals of the form (the profile runs no tier loads). Served on a 2-core CPU, decode steps
-with copies ran 13-14% slower than the form predicted and steps without 4-5% faster
-(docs/benchmarks.md). The copies are known once vLLM has scheduled a step, after the policy
+residuals of the form (a profiled fit holds the form's terms only). Served on a 2-core CPU,
+decode steps with copies ran 13-14% slower than the form predicted and steps without 4-5%
+faster (docs/benchmarks.md). The copies are known once vLLM has scheduled a step, after the policy
 planned it, so planning adds the copy cost of an average recent step instead.
 """
 
