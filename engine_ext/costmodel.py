@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -96,7 +95,8 @@ class CostModel:
 
     def observe(self, shape: StepShape, latency_s: float) -> None:
         """Record a measured step (seconds); refits every `refit_every` observations."""
-        predicted = self.predict_s(shape)
+        form_s = self.form.predict_s(self.coefficients, shape)
+        predicted = form_s + self.copy_s(shape)
         if latency_s > 0:
             if len(self._errors) == self._errors.maxlen:
                 self._error_sum -= self._errors[0]
@@ -104,7 +104,7 @@ class CostModel:
             self._errors.append(error)
             self._error_sum += error
             # calibrated against what a policy planned with: copies unknown, their mean
-            planned = self._unscaled_planning_s(dataclasses.replace(shape, page_copies=0))
+            planned = form_s + self.mean_copy_s
             if planned > 0:
                 self._add_ratio(latency_s / planned)
                 self._calibrate()
