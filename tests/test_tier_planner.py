@@ -396,35 +396,34 @@ def test_background_kv_reaches_the_ssd_tier_only_once_checkpointed(planner: Tier
     assert planner.check_integrity() == []
 
 
+def checkpoint_left_on_ssd(planner: TierPlanner) -> TokenView:
+    """Preempt BE work and checkpoint it, then run another turn, which needs the host room:
+    with 6 host slots (the BE request's 2 chunks and tail, every layer) the checkpoint's host
+    copies go. Returns the BE request's view."""
+    tokens = [*TURN1, 110]
+    _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10], background=True)
+    fake_worker_saves(planner, meta.checkpoints)
+    planner.step_done({meta.step}, set())
+    run_turn(planner, "other", list(range(500, 509)), [1, 2, 3])
+    return TokenView("be", tokens, background=True)
+
+
 def test_a_checkpoint_the_host_tier_evicts_is_restored_from_the_ssd_tier(tmp_path: Path
                                                                          ) -> None:
-    # The host tier has 6 slots: the BE request's 2 chunks and tail, every layer. A turn
-    # after its preemption needs room there, so the checkpoint's host copies go.
     planner = make_planner(tmp_path / "ssd", host_tier_bytes=6 * PAGE_BYTES)
     try:
-        tokens = [*TURN1, 110]
-        _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10], background=True)
-        fake_worker_saves(planner, meta.checkpoints)
-        planner.step_done({meta.step}, set())
-        run_turn(planner, "other", list(range(500, 509)), [1, 2, 3])
+        view = checkpoint_left_on_ssd(planner)
         assert planner.host.stats.evictions == 4  # 4 of the checkpoint's 6 host copies
-        view = TokenView("be", tokens, background=True)
         assert planner.stored_prefix_tokens(view) == 10  # from the SSD tier: nothing lost
     finally:
         planner.close()
 
 
 def test_be_work_restored_from_ssd_is_held_while_a_turn_would_wait(tmp_path: Path) -> None:
-    # As above: the checkpoint's chunks are left on the SSD tier alone.
     planner = make_planner(tmp_path / "ssd", host_tier_bytes=6 * PAGE_BYTES,
                            ssd_fetch_wait_s=5.0)
     try:
-        tokens = [*TURN1, 110]
-        _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10], background=True)
-        fake_worker_saves(planner, meta.checkpoints)
-        planner.step_done({meta.step}, set())
-        run_turn(planner, "other", list(range(500, 509)), [1, 2, 3])
-        view = TokenView("be", tokens, background=True)
+        view = checkpoint_left_on_ssd(planner)
         # The step's RT streams do not wait for BE work's fetch: it is held to a later step.
         assert planner.num_new_matched_tokens(view, 0) is None
         assert wait_for_admission(planner, view) == 10
