@@ -76,8 +76,9 @@ def mape(predicted: np.ndarray, measured: np.ndarray) -> float:
     return float(np.mean(np.abs(predicted[keep] - measured[keep]) / measured[keep]))
 
 
-def _weights(latencies: np.ndarray) -> np.ndarray:
-    return 1.0 / np.maximum(latencies, 1e-4)  # relative, not absolute, error
+def relative_weights(latencies: np.ndarray) -> np.ndarray:
+    """Least-squares weights that fit relative, not absolute, error: 1 / measured latency."""
+    return 1.0 / np.maximum(latencies, 1e-4)
 
 
 class CostForm(abc.ABC):
@@ -93,8 +94,12 @@ class CostForm(abc.ABC):
 
     @abc.abstractmethod
     def fit(self, shapes: Sequence[StepShape], latencies: np.ndarray,
-            start: Sequence[float] | None = None) -> tuple[float, ...]:
-        """Coefficients fitted to measured step `latencies` (seconds); pure."""
+            start: Sequence[float] | None = None,
+            weights: np.ndarray | None = None) -> tuple[float, ...]:
+        """Coefficients fitted to step `latencies` (seconds); pure. `weights` per step
+        (default: `relative_weights` of `latencies`) must come from the measured latencies
+        when `latencies` is a part of them: a target near or below zero would otherwise
+        weigh thousands of times more than the other steps."""
 
     def predict_all(self, coefficients: Sequence[float],
                     shapes: Sequence[StepShape]) -> np.ndarray:
@@ -127,14 +132,16 @@ class LinearForm(CostForm):
                                                    strict=True)))
 
     def fit(self, shapes: Sequence[StepShape], latencies: np.ndarray,
-            start: Sequence[float] | None = None) -> tuple[float, ...]:
+            start: Sequence[float] | None = None,
+            weights: np.ndarray | None = None) -> tuple[float, ...]:
         x = np.array([self.features(s) for s in shapes], dtype=np.float64)
         y = np.asarray(latencies, dtype=np.float64)
         exercised = np.ones(x.shape[1], dtype=bool)
         if start is not None:
             exercised = (x != 0).any(axis=0)
             y = y - x[:, ~exercised] @ np.asarray(start, dtype=np.float64)[~exercised]
-        w = _weights(np.asarray(latencies, dtype=np.float64))
+        w = relative_weights(np.asarray(latencies, dtype=np.float64)) if weights is None \
+            else np.asarray(weights, dtype=np.float64)
         coef = np.zeros(x.shape[1]) if start is None else np.array(start, dtype=np.float64)
         coef[exercised] = nnls(x[:, exercised] * w[:, None], y * w)
         return tuple(float(c) for c in coef)
@@ -225,12 +232,13 @@ class EchoForm(CostForm):
         return tp + td
 
     def fit(self, shapes: Sequence[StepShape], latencies: np.ndarray,
-            start: Sequence[float] | None = None) -> tuple[float, ...]:
+            start: Sequence[float] | None = None,
+            weights: np.ndarray | None = None) -> tuple[float, ...]:
         """Alternates between the piecewise choices (which steps' prefill sits at the floor c,
         which phase is the longer) and a linear fit under them, for each lambda on a grid
         (near the start's lambda when given); keeps the iterate of lowest relative error."""
         y = np.asarray(latencies, dtype=np.float64)
-        w = _weights(y)
+        w = relative_weights(y) if weights is None else np.asarray(weights, dtype=np.float64)
         if start is None:
             kappas = self._KAPPAS
             prefill_only = [t for s, t in zip(shapes, y, strict=True)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from antiphon.engine_ext.costforms import CostForm, cost_form, nnls
+from antiphon.engine_ext.costforms import CostForm, cost_form, nnls, relative_weights
 from antiphon.engine_ext.stepshape import StepShape
 from antiphon.quantiles import percentile_of_sorted
 
@@ -140,14 +140,18 @@ class CostModel:
         copies = np.array([s.page_copies for s in shapes], dtype=np.float64)
         copy_x = np.column_stack([copies > 0, copies]).astype(np.float64)
         copy_part = copy_x @ np.asarray(self.copy_coefficients)
-        self.coefficients = self.form.fit(shapes, latencies - copy_part, start=self.coefficients)
+        # Both fits weigh a step by its measured latency (relative error), not by the part
+        # left to fit: a copy part as long as the step left a target near zero, whose weight
+        # drowned every other step; served, the form fell to zero (docs/benchmarks.md).
+        w = relative_weights(latencies)
+        self.coefficients = self.form.fit(shapes, latencies - copy_part, start=self.coefficients,
+                                          weights=w)
         copied = copies > 0
         if copied.any():
             residual = latencies[copied] - self.form.predict_all(self.coefficients,
                                                                  [s for s in shapes
                                                                   if s.page_copies])
-            w = 1.0 / np.maximum(latencies[copied], 1e-4)  # relative error, as the forms fit
-            per_step, per_page = nnls(copy_x[copied] * w[:, None], residual * w)
+            per_step, per_page = nnls(copy_x[copied] * w[copied, None], residual * w[copied])
             self.copy_coefficients = (float(per_step), float(per_page))
             copy_part = copy_x @ np.asarray(self.copy_coefficients)
         self.mean_copy_s = float(copy_part.mean())

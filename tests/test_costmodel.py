@@ -315,3 +315,27 @@ def test_a_plan_counts_the_copies_of_an_average_recent_step() -> None:
         * model.calibration)
     # calibrated against those plans: copies that came unplanned still fit 4 steps in 5
     assert 1.0 < model.calibration < 1.3
+
+
+@pytest.mark.parametrize("form", ["hygen", "bros_after", "echo"])
+def test_copy_steps_slow_at_start_do_not_drown_the_form(form: str) -> None:
+    # Served: the first copying steps ran long (engine start, a burst), the copy terms took
+    # that, and at the next refit the copying steps' targets (latency less copy part) fell
+    # below zero. Weighted by those targets, they outweighed every other step and the form
+    # fell to zero: steps without copies were predicted to take no time.
+    rng = np.random.default_rng(7)
+    model = CostModel(form, TRUTH[form], refit_every=32)
+
+    def step(copies: int, slow: float = 1.0) -> tuple[StepShape, float]:
+        shape = dataclasses.replace(random_shape(rng), page_copies=copies)
+        latency = FORMS[form].predict_s(TRUTH[form], shape) + (0.002 if copies else 0.0)
+        return shape, latency * slow * (1 + 0.02 * rng.standard_normal())
+
+    for i in range(32):  # two copying steps at four times their time, one per page less
+        model.observe(*step(30 * (i % 16 == 0), 4.0 if i % 16 == 0 else 1.0))
+    for i in range(256):
+        model.observe(*step(30 if i % 8 == 0 else 0))
+    plain = [step(0)[0] for _ in range(64)]
+    predicted = model.form.predict_all(model.coefficients, plain)
+    truth = FORMS[form].predict_all(TRUTH[form], plain)
+    assert np.mean(np.abs(predicted - truth) / truth) < 0.1
