@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from antiphon.bench.args import names_in
+from antiphon.bench.args import names_in, positive_int
 from antiphon.bench.report import args_config
 from antiphon.bench.serverproc import ServerProcess
 from antiphon.bench.sessions_clients import ChatClient, OpenAIChat, TurnResult, WsChat
@@ -47,6 +47,7 @@ from antiphon.bench.sessions_metrics import (
     COUNTERS,
     POINT_METRICS,
     counter_deltas,
+    merge_runs,
     summarise_point,
     turn_records,
 )
@@ -94,12 +95,18 @@ def think_time_s(reply: str, message: str, time_scale: float) -> tuple[float, fl
             len(message.split()) / TYPE_WPM * 60.0 * time_scale)
 
 
-def advisory_flags(num_turns: int, miss: float | None, rng: random.Random) -> tuple[bool, ...]:
-    """Per turn, whether a typing advisory precedes it. Never before the first turn (there is
-    no KV to bring back yet); each other one is dropped with probability `miss`."""
+def advisory_flags(num_turns: Sequence[int], miss: float | None,
+                   rng: random.Random) -> list[tuple[bool, ...]]:
+    """Per user (of `num_turns` turns each) and turn, whether a typing advisory precedes it.
+    Never before a first turn (there is no KV to bring back yet). Of the other turns, exactly
+    `round(miss * count)` go without, drawn at random: a Bernoulli draw per turn would drop
+    anywhere from none to twice the share at a sweep point of a few dozen turns."""
     if miss is None:
-        return (False,) * num_turns
-    return (False, *(rng.random() >= miss for _ in range(num_turns - 1)))
+        return [(False,) * n for n in num_turns]
+    followups = [(user, turn) for user, n in enumerate(num_turns) for turn in range(1, n)]
+    dropped = set(rng.sample(followups, round(miss * len(followups))))
+    return [(False, *((user, turn) not in dropped for turn in range(1, n)))
+            for user, n in enumerate(num_turns)]
 
 
 def kv_bytes_per_token(model_config: dict[str, Any], dtype_bytes: int = 2) -> int:
@@ -198,17 +205,17 @@ async def measure_point(chat: ChatFactory, read_counters: CounterReader, system:
     before = await read_counters()
     stop = asyncio.Event()
     prober = asyncio.create_task(probe_fresh(chat, messages, f"{args.seed}/{users}", stop))
+    advised = advisory_flags([len(m) for m in messages], system.advisory_miss, rng)
     try:
         per_user = await asyncio.gather(*(
-            run_user(chat(args.max_tokens), m, advisory_flags(len(m), system.advisory_miss,
-                                                               rng), args.time_scale)
-            for m in messages))
+            run_user(chat(args.max_tokens), m, flags, args.time_scale)
+            for m, flags in zip(messages, advised, strict=True)))
     finally:
         stop.set()
         fresh = await prober
     tiering = counter_deltas(before, await read_counters())
     records = [r for user, results in enumerate(per_user)
-               for r in turn_records(users, user, results)]
+               for r in turn_records(users, user, results, advised[user])]
     for r in records:
         r["fresh_ttft_s"] = fresh.get((r["user"], r["turn"]))
     metrics = summarise_point(records, tiering)
@@ -306,15 +313,20 @@ def main(args: argparse.Namespace) -> int:
                             for u in sweep.users]}
     print("config: " + json.dumps(config), flush=True)
     out = Path(args.out)
-    systems: dict[str, dict[str, Any]] = {}
-    for name in args.systems.split(","):
-        system = SYSTEMS[name]
-        with tempfile.TemporaryDirectory(prefix=f"antiphon-bench-{name}-") as tmp:
-            cmd = server_command(system, model_dir, sweep, args, Path(tmp))
-            with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log"),
-                               health_path="/health" if system.is_stock_vllm else "/healthz",
-                               ) as server:
-                systems[name] = asyncio.run(measure_system(system, server, sweep, args))
+    names = args.systems.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for repeat in range(args.repeats):  # systems interleaved, so drift hits each alike
+        for name in names:
+            system = SYSTEMS[name]
+            if args.repeats > 1:
+                print(f"[{name}] run {repeat + 1}/{args.repeats}", flush=True)
+            with tempfile.TemporaryDirectory(prefix=f"antiphon-bench-{name}-") as tmp:
+                cmd = server_command(system, model_dir, sweep, args, Path(tmp))
+                with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log"),
+                                   health_path="/health" if system.is_stock_vllm else "/healthz",
+                                   ) as server:
+                    runs[name].append(asyncio.run(measure_system(system, server, sweep, args)))
+    systems = {name: merge_runs(r) for name, r in runs.items()}
     report({"benchmark": "sessions", "config": config, "systems": systems}, out)
     return 0
 
@@ -354,6 +366,10 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--serve-extra", default="",
                    help="more `antiphon serve` options for the Antiphon systems, e.g. "
                         "'--step-trace steps.jsonl'")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="sweeps per system, the systems alternated; each point's metrics are "
+                        "the median over them (one engine start differs from the next by a few "
+                        "percent)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(bench_func=lambda a: main(_defaults(a)))
 

@@ -23,7 +23,7 @@ COUNTERS = ("prompt_tokens", "tokens_from_device", "tokens_from_host", "tokens_f
             "rt_preemptions")
 POINT_METRICS = ("recomputed_context_frac", "followup_ttft_p50_s", "followup_ttft_p99_s",
                  "fresh_ttft_p50_s", "followup_over_fresh_p50", "tpot_p50_s", "host_hit_frac",
-                 "ssd_hit_frac")
+                 "ssd_hit_frac", "missed_advisories", "missed_over_advised_p50")
 
 
 def prior_context_tokens(prev_prompt: int, prev_completion: int, prompt: int) -> int:
@@ -37,8 +37,10 @@ def recomputed_context_tokens(prior_context: int, cached: int) -> int:
     return max(0, prior_context - cached)
 
 
-def turn_records(users: int, user: int, results: Sequence[TurnResult]) -> list[dict[str, Any]]:
-    """One JSON record per turn of one simulated user, with its context accounting."""
+def turn_records(users: int, user: int, results: Sequence[TurnResult],
+                 advised: Sequence[bool] | None = None) -> list[dict[str, Any]]:
+    """One JSON record per turn of one simulated user, with its context accounting and
+    whether a typing advisory preceded it (`advised`, per turn; none did when omitted)."""
     records = []
     for turn, r in enumerate(results):
         prev = results[turn - 1] if turn else None
@@ -49,7 +51,8 @@ def turn_records(users: int, user: int, results: Sequence[TurnResult]) -> list[d
                         "completion_tokens": r.completion_tokens,
                         "cached_tokens": r.cached_tokens, "prior_context_tokens": prior,
                         "recomputed_context_tokens": recomputed_context_tokens(
-                            prior, r.cached_tokens), "fresh_ttft_s": None})
+                            prior, r.cached_tokens), "fresh_ttft_s": None,
+                        "advised": bool(advised[turn]) if advised else False})
     return records
 
 
@@ -73,6 +76,13 @@ def summarise_point(records: Sequence[dict[str, Any]],
     def share(tokens: int | None) -> float | None:
         return tokens / prior if tokens is not None and prior else None
 
+    # Follow-ups that went without the advisory their system sends (advisory_miss10), against
+    # those that had it, in the same run: what a missed advisory costs, free of the few
+    # percent one engine start differs from the next.
+    advised = [r["ttft_s"] for r in followups if r.get("advised")]
+    missed = [r["ttft_s"] for r in followups if not r.get("advised")] if advised else []
+    advised_p50, missed_p50 = percentile(advised, 0.5), percentile(missed, 0.5)
+
     return {
         "recomputed_context_frac": share(sum(r["recomputed_context_tokens"] for r in followups)),
         "followup_ttft_p50_s": percentile([r["ttft_s"] for r in followups], 0.5),
@@ -84,4 +94,21 @@ def summarise_point(records: Sequence[dict[str, Any]],
                                  0.5),
         "host_hit_frac": share(tiering["tokens_from_host"] if tiering else None),
         "ssd_hit_frac": share(tiering["tokens_from_ssd"] if tiering else None),
+        "missed_advisories": len(missed) if advised else None,
+        "missed_over_advised_p50": missed_p50 / advised_p50
+        if missed_p50 is not None and advised_p50 else None,
     }
+
+
+def merge_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One system's repeated sweeps (`--repeats`) as one: each point metric the median over
+    the runs that report it, every turn (tagged with its run), the runs themselves kept."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    merged: dict[str, Any] = {"users": runs[0]["users"]}
+    for k in POINT_METRICS:
+        merged[k] = [percentile([r[k][i] for r in runs if r[k][i] is not None], 0.5)
+                     for i in range(len(merged["users"]))]
+    merged["turns"] = [{**t, "run": n} for n, r in enumerate(runs) for t in r["turns"]]
+    merged["runs"] = [{k: v for k, v in r.items() if k != "turns"} for r in runs]
+    return merged

@@ -26,7 +26,26 @@ def report(record: dict[str, Any], out: Path) -> None:
           f"(capped by the sweep):")
     print_table({name: capacity_rows(s, systems[baseline]) for name, s in systems.items()},
                 baseline)
+    if "advisory" in systems and "advisory_miss10" in systems:
+        print("\nwhat the dropped advisories cost, per point: follow-up TTFT p50 of "
+              "advisory_miss10 over advisory's, and of its own turns without an advisory over "
+              "those with one:")
+        print_table({"advisory_miss10": miss_cost_rows(systems["advisory_miss10"],
+                                                       systems["advisory"])},
+                    "advisory_miss10")
     plot(systems, out.with_suffix(".png"))
+
+
+def miss_cost_rows(missing: dict[str, Any], advised: dict[str, Any]) -> dict[str, float]:
+    """Per user count: `missing`'s follow-up TTFT p50 over `advised`'s, how many follow-ups
+    went without an advisory, and their TTFT p50 over the advised ones' in the same run."""
+    rows = {}
+    for i, users in enumerate(missing["users"]):
+        mine, theirs = missing["followup_ttft_p50_s"][i], advised["followup_ttft_p50_s"][i]
+        rows[f"u{users}_over_advisory"] = _num(mine / theirs if mine and theirs else None)
+        rows[f"u{users}_missed_advisories"] = _num(missing["missed_advisories"][i])
+        rows[f"u{users}_missed_over_advised"] = _num(missing["missed_over_advised_p50"][i])
+    return rows
 
 
 def point_rows(system: dict[str, Any]) -> dict[str, float]:

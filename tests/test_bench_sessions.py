@@ -16,14 +16,22 @@ import pytest
 from antiphon.bench import sessions
 from antiphon.bench.sessions_clients import TurnResult
 from antiphon.bench.sessions_metrics import (
+    POINT_METRICS,
     counter_deltas,
+    merge_runs,
     percentile,
     prior_context_tokens,
     recomputed_context_tokens,
     summarise_point,
     turn_records,
 )
-from antiphon.bench.sessions_report import capacity_rows, point_rows, report, ttft_ratio_rows
+from antiphon.bench.sessions_report import (
+    capacity_rows,
+    miss_cost_rows,
+    point_rows,
+    report,
+    ttft_ratio_rows,
+)
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
            "hidden_size": 576}
@@ -43,17 +51,23 @@ def test_think_time_reads_at_238_and_types_at_52_words_a_minute() -> None:
 
 def test_advisories_never_precede_the_first_turn_and_none_without_advisories() -> None:
     rng = random.Random(0)
-    assert sessions.advisory_flags(4, None, rng) == (False,) * 4
-    assert sessions.advisory_flags(4, 0.0, rng) == (False, True, True, True)
+    assert sessions.advisory_flags([4, 1], None, rng) == [(False,) * 4, (False,)]
+    assert sessions.advisory_flags([4, 2], 0.0, rng) == [(False, True, True, True),
+                                                         (False, True)]
 
 
-def test_advisory_drop_rate_is_seeded_and_near_its_target() -> None:
-    def flags(seed: str) -> tuple[bool, ...]:
-        return sessions.advisory_flags(20_001, 0.1, random.Random(seed))
+def test_exactly_the_share_of_follow_up_advisories_is_dropped_and_seeded() -> None:
+    def flags(seed: str, turns: list[int]) -> list[tuple[bool, ...]]:
+        return sessions.advisory_flags(turns, 0.1, random.Random(seed))
 
-    sent = flags("0/8")[1:]
-    assert sent.count(False) / len(sent) == pytest.approx(0.1, abs=0.01)
-    assert flags("0/8") == flags("0/8") and flags("0/8") != flags("0/16")
+    turns = [3] * 16  # 32 follow-ups: 3 dropped (round(3.2)), not anywhere from 0 to 7
+    for seed in ("0/16", "1/16", "2/16"):
+        dropped = [f for user in flags(seed, turns) for f in user[1:]].count(False)
+        assert dropped == 3
+        assert all(user[0] is False for user in flags(seed, turns))
+    assert flags("0/16", turns) == flags("0/16", turns)
+    assert flags("0/16", turns) != flags("1/16", turns)
+    assert flags("0/2", [3, 3]) == [(False, True, True)] * 2  # 10% of 4 rounds to none
 
 
 def test_prior_context_leaves_out_the_last_generated_token_and_is_capped() -> None:
@@ -100,6 +114,37 @@ def test_point_summary_shares_are_of_the_follow_ups_prior_context() -> None:
     assert probed["fresh_ttft_p50_s"] == 1.0 and probed["followup_over_fresh_p50"] == 3.0
     untiered = summarise_point(records, None)
     assert untiered["host_hit_frac"] is None and untiered["ssd_hit_frac"] is None
+    assert probed["missed_advisories"] is None  # no follow-up had an advisory to miss
+    assert probed["missed_over_advised_p50"] is None
+
+
+def test_point_summary_compares_follow_ups_without_their_advisory_to_the_advised() -> None:
+    results = [result(50, 30, 0, 1.0), result(120, 40, 0, 0.2), result(200, 40, 0, 0.3)]
+    records = (turn_records(2, 0, results, (False, True, True))
+               + turn_records(2, 1, [*results[:2], result(200, 40, 0, 0.9)],
+                              (False, True, False)))
+    assert [r["advised"] for r in records] == [False, True, True, False, True, False]
+    summary = summarise_point(records, None)
+    assert summary["missed_advisories"] == 1
+    assert summary["missed_over_advised_p50"] == pytest.approx(0.9 / 0.2)
+    assert summary["followup_ttft_p50_s"] == pytest.approx(0.25)
+
+
+def test_repeated_sweeps_merge_to_the_median_of_each_point() -> None:
+    def run(ttfts: list[float | None], turn_ttft: float) -> dict:
+        sweep: dict = {k: [None, None] for k in POINT_METRICS}
+        sweep.update(users=[2, 4], followup_ttft_p50_s=ttfts, tiering=[None, None],
+                     turns=turn_records(2, 0, [result(50, 30, 0, turn_ttft)]))
+        return sweep
+
+    merged = merge_runs([run([0.1, 0.5], 1.0), run([0.3, None], 2.0), run([0.2, 0.7], 3.0)])
+    assert merged["users"] == [2, 4]
+    assert merged["followup_ttft_p50_s"] == pytest.approx([0.2, 0.6])  # None: not measured
+    assert merged["tpot_p50_s"] == [None, None]
+    assert [(t["run"], t["ttft_s"]) for t in merged["turns"]] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+    assert len(merged["runs"]) == 3 and all("turns" not in r for r in merged["runs"])
+    single = run([0.1, 0.5], 1.0)
+    assert merge_runs([single]) == single
 
 
 def test_counter_deltas_tolerate_servers_without_tiers() -> None:
@@ -184,7 +229,8 @@ def test_report_writes_the_record_and_the_plot(tmp_path: Path) -> None:
     system = {"users": [2], "recomputed_context_frac": [1.0], "followup_ttft_p50_s": [0.4],
               "followup_ttft_p99_s": [0.4], "fresh_ttft_p50_s": [0.1],
               "followup_over_fresh_p50": [4.0], "tpot_p50_s": [0.01], "host_hit_frac": [None],
-              "ssd_hit_frac": [None], "turns": turns}
+              "ssd_hit_frac": [None], "missed_advisories": [None],
+              "missed_over_advised_p50": [None], "turns": turns}
     out = tmp_path / "sessions.json"
     report({"benchmark": "sessions", "config": {}, "systems": {"tiers": system}}, out)
     assert json.loads(out.read_text())["systems"]["tiers"]["host_hit_frac"] == [None]
@@ -203,3 +249,14 @@ def test_capacity_is_the_most_users_at_no_higher_median_tpot() -> None:
     assert math.isnan(rows["at_u8_tpot_ratio"])  # the baseline measured no TPOT there
     assert math.isnan(capacity_rows({"users": [2], "tpot_p50_s": [0.1]}, baseline)[
         "at_u2_tpot_ratio"])  # slower everywhere
+
+
+def test_miss_cost_compares_with_the_advised_system_and_within_the_run() -> None:
+    advised = {"users": [2, 16], "followup_ttft_p50_s": [0.05, 0.1]}
+    missing = {"users": [2, 16], "followup_ttft_p50_s": [0.055, 0.104],
+               "missed_advisories": [0, 3], "missed_over_advised_p50": [None, 1.2]}
+    rows = miss_cost_rows(missing, advised)
+    assert rows["u2_over_advisory"] == pytest.approx(1.1)
+    assert rows["u16_over_advisory"] == pytest.approx(1.04)
+    assert rows["u2_missed_advisories"] == 0 and math.isnan(rows["u2_missed_over_advised"])
+    assert rows["u16_missed_over_advised"] == pytest.approx(1.2)
