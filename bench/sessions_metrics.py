@@ -78,10 +78,13 @@ def summarise_point(records: Sequence[dict[str, Any]],
 
     # Follow-ups that went without the advisory their system sends (advisory_miss10), against
     # those that had it, in the same run: what a missed advisory costs, free of the few
-    # percent one engine start differs from the next.
-    advised = [r["ttft_s"] for r in followups if r.get("advised")]
-    missed = [r["ttft_s"] for r in followups if not r.get("advised")] if advised else []
+    # percent one engine start differs from the next. Each turn counts as its TTFT over its
+    # message's fresh TTFT, so that a long new message does not pass for a missed advisory.
+    advised = [r["ttft_s"] / r["fresh_ttft_s"] for r in probed if r.get("advised")]
+    missed = [r["ttft_s"] / r["fresh_ttft_s"] for r in probed
+              if not r.get("advised")] if advised else []
     advised_p50, missed_p50 = percentile(advised, 0.5), percentile(missed, 0.5)
+    any_advised = any(r.get("advised") for r in followups)
 
     return {
         "recomputed_context_frac": share(sum(r["recomputed_context_tokens"] for r in followups)),
@@ -94,7 +97,8 @@ def summarise_point(records: Sequence[dict[str, Any]],
                                  0.5),
         "host_hit_frac": share(tiering["tokens_from_host"] if tiering else None),
         "ssd_hit_frac": share(tiering["tokens_from_ssd"] if tiering else None),
-        "missed_advisories": len(missed) if advised else None,
+        "missed_advisories": sum(not r.get("advised") for r in followups)
+        if any_advised else None,
         "missed_over_advised_p50": missed_p50 / advised_p50
         if missed_p50 is not None and advised_p50 else None,
     }

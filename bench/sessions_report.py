@@ -28,8 +28,9 @@ def report(record: dict[str, Any], out: Path) -> None:
                 baseline)
     if "advisory" in systems and "advisory_miss10" in systems:
         print("\nwhat the dropped advisories cost, per point: follow-up TTFT p50 of "
-              "advisory_miss10 over advisory's, and of its own turns without an advisory over "
-              "those with one:")
+              "advisory_miss10 over advisory's, and within advisory_miss10, the turns without "
+              "an advisory over those with one (each turn's TTFT over its message's fresh "
+              "TTFT, p50):")
         print_table({"advisory_miss10": miss_cost_rows(systems["advisory_miss10"],
                                                        systems["advisory"])},
                     "advisory_miss10")
@@ -38,7 +39,8 @@ def report(record: dict[str, Any], out: Path) -> None:
 
 def miss_cost_rows(missing: dict[str, Any], advised: dict[str, Any]) -> dict[str, float]:
     """Per user count: `missing`'s follow-up TTFT p50 over `advised`'s, how many follow-ups
-    went without an advisory, and their TTFT p50 over the advised ones' in the same run."""
+    went without an advisory, and what that cost them against the advised ones in the same
+    run (`summarise_point`'s missed_over_advised_p50)."""
     rows = {}
     for i, users in enumerate(missing["users"]):
         mine, theirs = missing["followup_ttft_p50_s"][i], advised["followup_ttft_p50_s"][i]

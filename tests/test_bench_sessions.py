@@ -126,7 +126,12 @@ def test_point_summary_compares_follow_ups_without_their_advisory_to_the_advised
     assert [r["advised"] for r in records] == [False, True, True, False, True, False]
     summary = summarise_point(records, None)
     assert summary["missed_advisories"] == 1
-    assert summary["missed_over_advised_p50"] == pytest.approx(0.9 / 0.2)
+    assert summary["missed_over_advised_p50"] is None  # no fresh TTFT to weigh them by
+    for r, fresh in zip(records, (None, 0.2, 0.15, None, 0.1, 0.3), strict=True):
+        r["fresh_ttft_s"] = fresh
+    summary = summarise_point(records, None)
+    # each over its message alone: advised 1.0, 2.0 and 2.0, missed 3.0
+    assert summary["missed_over_advised_p50"] == pytest.approx(3.0 / 2.0)
     assert summary["followup_ttft_p50_s"] == pytest.approx(0.25)
 
 
