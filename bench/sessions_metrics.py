@@ -81,8 +81,7 @@ def summarise_point(records: Sequence[dict[str, Any]],
     # percent one engine start differs from the next. Each turn counts as its TTFT over its
     # message's fresh TTFT, so that a long new message does not pass for a missed advisory.
     advised = [r["ttft_s"] / r["fresh_ttft_s"] for r in probed if r.get("advised")]
-    missed = [r["ttft_s"] / r["fresh_ttft_s"] for r in probed
-              if not r.get("advised")] if advised else []
+    missed = [r["ttft_s"] / r["fresh_ttft_s"] for r in probed if not r.get("advised")]
     advised_p50, missed_p50 = percentile(advised, 0.5), percentile(missed, 0.5)
     any_advised = any(r.get("advised") for r in followups)
 

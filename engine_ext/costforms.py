@@ -81,6 +81,13 @@ def relative_weights(latencies: np.ndarray) -> np.ndarray:
     return 1.0 / np.maximum(latencies, 1e-4)
 
 
+def _fit_weights(latencies: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
+    """A fit's weights: those given, else `relative_weights` of the latencies it fits."""
+    if weights is None:
+        return relative_weights(np.asarray(latencies, dtype=np.float64))
+    return np.asarray(weights, dtype=np.float64)
+
+
 class CostForm(abc.ABC):
     name: str
     # The form this one adds terms to, if any: it must predict clearly better to be chosen.
@@ -140,8 +147,7 @@ class LinearForm(CostForm):
         if start is not None:
             exercised = (x != 0).any(axis=0)
             y = y - x[:, ~exercised] @ np.asarray(start, dtype=np.float64)[~exercised]
-        w = relative_weights(np.asarray(latencies, dtype=np.float64)) if weights is None \
-            else np.asarray(weights, dtype=np.float64)
+        w = _fit_weights(latencies, weights)
         coef = np.zeros(x.shape[1]) if start is None else np.array(start, dtype=np.float64)
         coef[exercised] = nnls(x[:, exercised] * w[:, None], y * w)
         return tuple(float(c) for c in coef)
@@ -238,7 +244,7 @@ class EchoForm(CostForm):
         which phase is the longer) and a linear fit under them, for each lambda on a grid
         (near the start's lambda when given); keeps the iterate of lowest relative error."""
         y = np.asarray(latencies, dtype=np.float64)
-        w = relative_weights(y) if weights is None else np.asarray(weights, dtype=np.float64)
+        w = _fit_weights(y, weights)
         if start is None:
             kappas = self._KAPPAS
             prefill_only = [t for s, t in zip(shapes, y, strict=True)

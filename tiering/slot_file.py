@@ -20,7 +20,7 @@ has its own checksum, so a torn write (new header, old payload) fails verificati
 whose header page is all zeros is empty. `sequence` grows with every write: after a restart
 the newest record of a key wins.
 
-The checks are XXH3 rather than CRC-32 (format 2): every chunk-layer written or read is checked,
+The checks are XXH3 (format 3; format 2 used CRC-32): every chunk-layer written or read is checked,
 and zlib's CRC-32 took 17 µs per 96 KiB page-layer here against 2 µs, on the fetch path of a
 follow-up turn and on cores the model's threads share with the writer (docs/benchmarks.md).
 """
