@@ -225,6 +225,8 @@ def run_system(args: argparse.Namespace, model_dir: Path, name: str, extra: list
            str(args.ttft_slo), "--rt-tpot-slo-s", str(args.tpot_slo), "--data-dir",
            str(data_dir), "--step-trace", str(trace)]
     cmd += [] if args.be_step_limit_s is None else ["--be-step-limit-s", str(args.be_step_limit_s)]
+    cmd += [] if args.be_concurrency is None else ["--max-batch-concurrency",
+                                                   str(args.be_concurrency)]
     cmd += extra  # after the common options, so a system's own guard wins
     cmd += ["--enforce-eager"] if args.quick else []
     if args.model is None:
@@ -280,6 +282,9 @@ def add_workload_arguments(p: argparse.ArgumentParser, kv_pages: int) -> None:
     p.add_argument("--rt-prompt-tokens", type=int, default=300, help="mean RT prompt length")
     p.add_argument("--rt-output-tokens", type=int, default=48, help="mean RT output length")
     p.add_argument("--be-items", type=int, default=400, help="BE chunks in the batch job")
+    p.add_argument("--be-concurrency", type=positive_int, default=None,
+                   help="BE items running on the engine at once (serve "
+                        "--max-batch-concurrency); default the server's")
     p.add_argument("--be-warmup-s", type=float, default=5.0)
     p.add_argument("--window-tail-s", type=float, default=20.0,
                    help="BE tokens and engine counters are measured from the first RT arrival "
