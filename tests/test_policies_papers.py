@@ -205,6 +205,27 @@ def test_hygen_rt_prefills_get_the_chunk_that_meets_their_ttft_past_the_budget()
     assert plan.token_limits == {"new": 43, "newer": 43}  # ceil(300 / 7)
 
 
+def test_hygen_running_be_decodes_keep_their_step_when_prefills_fill_the_budget() -> None:
+    # 10 ms a step and 0.1 ms a token: the 0.1 s TPOT budget holds 900 tokens after the step.
+    cost = token_cost(1e-4, step_s=0.01)
+    policy = HygenPolicy(cost)
+    # A running BE prefill that arrived first would fill the budget; the decode behind it
+    # would sit out the step holding its pages.
+    doc = view("doc", BE, prompt=5000, computed=512, running=True, arrival=0.0)
+    views = [decoding("rt"), doc, decoding("be_dec", BE, arrival=1.0)]
+    plan = policy.plan(views, budget())
+    assert plan.order == ["rt", "be_dec", "doc"]
+    assert plan.token_limits == {"doc": 898}
+    # An RT prompt longer than the budget leaves room for the BE decodes (its TTFT floor,
+    # 2,000 tokens over 9 steps, is far below its chunk).
+    views = [decoding("rt"), view("new", RT, prompt=2000), decoding("be1", BE),
+             decoding("be2", BE)]
+    plan = policy.plan(views, budget())
+    assert plan.order == ["rt", "new", "be1", "be2"]
+    assert plan.token_limits == {"new": 897}
+    assert predicted_s(cost, views, plan) <= 0.1 + 1e-12
+
+
 def test_hygen_rt_takes_pages_from_be_never_the_reverse() -> None:
     policy = HygenPolicy(constant_cost(0.01))
     be_old = decoding("be_old", BE, arrival=0.0)

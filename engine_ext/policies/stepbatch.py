@@ -41,6 +41,14 @@ class StepBatch:
             shape = shape.plus(num_new_tokens, num_context_tokens, is_prefill)
         return self._cost_model.planning_s(shape)
 
+    def time_with_decodes_s(self, views: Iterable[RequestView]) -> float:
+        """Predicted step latency (seconds, as `time_s`) with one more decode token for each
+        of `views`."""
+        shape = self._shape
+        for view in views:
+            shape = shape.plus(1, view.num_computed_tokens + 1, False)
+        return self._cost_model.planning_s(shape)
+
     def max_chunk(self, view: RequestView, limit_s: float, num_cached_tokens: int = 0,
                   first_tokens: float = math.inf, min_tokens: int = 0
                   ) -> tuple[int, int, bool]:
