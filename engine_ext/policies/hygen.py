@@ -17,8 +17,9 @@ predicts the step as it grows.
    decodes before prefills (not in the paper: a prefill chunk fills the budget, and decodes
    after it would sit out holding their pages), then waiting BE requests, each taken either
    from the depth-first order of the prefix tree over their page hashes (prefix-sharing
-   requests back to back) or, against starvation, oldest first; a share `utility` of picks comes from the tree. BE requests only use free pages.
-   A request that gets no chunk ends the phase. The phase also keeps the step within the
+   requests back to back) or, against starvation, oldest first; a share `utility` of picks
+   comes from the tree. BE requests only use free pages. A request that gets no chunk ends the
+   phase. The phase also keeps the step within the
    arrival guard `StepBudget.max_be_step_s` (not in the paper), so with no RT request present
    a step is not unbounded and a turn arriving meanwhile waits at most that long to start.
 The first request of a step always gets its chunk, and while a step is empty a request that gets
