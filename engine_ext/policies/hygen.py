@@ -19,9 +19,9 @@ predicts the step as it grows.
    from the depth-first order of the prefix tree over their page hashes (prefix-sharing
    requests back to back) or, against starvation, oldest first; a share `utility` of picks
    comes from the tree. BE requests only use free pages. A request that gets no chunk ends the
-   phase. The phase also keeps the step within the
-   arrival guard `StepBudget.max_be_step_s` (not in the paper), so with no RT request present
-   a step is not unbounded and a turn arriving meanwhile waits at most that long to start.
+   phase. The phase also keeps the step within the arrival guard `StepBudget.max_be_step_s`
+   (not in the paper), so with no RT request present a step is not unbounded and a turn
+   arriving meanwhile waits at most that long to start.
 The first request of a step always gets its chunk, and while a step is empty a request that gets
 none is skipped rather than ending a phase, so the engine never idles when something fits.
 Requests not chosen sit the step out and keep their pages; prefill chunks cut short are returned
