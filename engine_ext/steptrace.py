@@ -13,6 +13,7 @@ One JSON line per scheduled step, written when the step's output arrives:
     copies    KV pages the connector copies in the step, once per layer (0 without tiering)
     preempted per class: requests preempted while scheduling this step
     fallback  the step was vLLM's own (the policy's plan had stalled)
+    shape     the step's StepShape as a list (`StepShape.to_list`), what the cost model saw
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class StepTrace:
                   scheduled: Iterable[tuple[RequestClass, int, bool]],
                   waiting: Iterable[RequestClass], running: Iterable[RequestClass],
                   free_pages: int, preempted: dict[str, int], fallback: bool,
-                  page_copies: int = 0) -> None:
+                  page_copies: int = 0, shape: list[int] | None = None) -> None:
         """A step was scheduled: `scheduled` holds (class, new tokens, is prefill) per
         request. The record is written when `finished` gives its latency."""
         phases = {c.value: [0, 0, 0] for c in RequestClass}
@@ -48,7 +49,7 @@ class StepTrace:
                          "pred_s": round(predicted_s, 4), **phases,
                          "waiting": _count(waiting), "running": _count(running),
                          "free": free_pages, "copies": page_copies, "preempted": preempted,
-                         "fallback": fallback}
+                         "fallback": fallback, "shape": shape}
 
     def finished(self, latency_s: float) -> None:
         if self._pending is None:
