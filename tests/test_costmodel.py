@@ -339,3 +339,20 @@ def test_copy_steps_slow_at_start_do_not_drown_the_form(form: str) -> None:
     predicted = model.form.predict_all(model.coefficients, plain)
     truth = FORMS[form].predict_all(TRUTH[form], plain)
     assert np.mean(np.abs(predicted - truth) / truth) < 0.1
+
+
+def test_the_online_model_follows_the_median_step_not_the_mean() -> None:
+    # Served steps scatter with a right tail: most run near the form, some much slower. The
+    # error the model reports is the absolute one, which a fit through the median minimises;
+    # a squared-error fit would sit above most steps.
+    rng = np.random.default_rng(5)
+    model = CostModel("bros_after", TRUTH["bros_after"], refit_every=32)
+    for _ in range(512):
+        shape = random_shape(rng)
+        slow = 1.4 if rng.random() < 0.3 else 1.0  # 30% of steps 40% slower
+        latency = FORMS["bros_after"].predict_s(TRUTH["bros_after"], shape)
+        model.observe(shape, latency * slow * (1 + 0.005 * rng.standard_normal()))
+    plain = [random_shape(rng) for _ in range(64)]
+    ratio = (model.form.predict_all(model.coefficients, plain)
+             / FORMS["bros_after"].predict_all(TRUTH["bros_after"], plain))
+    assert np.median(ratio) == pytest.approx(1.0, abs=0.02)  # squared error: 1.07
