@@ -22,12 +22,12 @@ decode requests. Where a paper leaves a choice open:
 - Echo's eq. (8), lambda*max + (1-lambda)*min, lies between min and max, yet its text puts a
   mixed batch between the max and the sum; the form here is the mix the text describes.
 
-Every fit minimises the squared relative error (weights 1/t), with non-negative coefficients, so
-no term makes a step cheaper. MAPE measures the absolute relative error, whose best fit follows
-the median step rather than the mean; `absolute_error_weights` turns a fit into one round of
-iteratively reweighted least squares towards it (see the function). Given `start` coefficients, terms
-the data never exercises keep their start value instead of falling to zero: an online window
-of decode steps says nothing about prefill.
+Every fit minimises the squared relative error (weights 1/t), with non-negative coefficients,
+so no term makes a step cheaper. MAPE measures the absolute relative error, whose best fit
+follows the median step rather than the mean; `absolute_error_weights` turns a fit into one
+round of iteratively reweighted least squares towards it (see the function). Given `start`
+coefficients, terms the data never exercises keep their start value instead of falling to
+zero: an online window of decode steps says nothing about prefill.
 """
 
 from __future__ import annotations
