@@ -127,30 +127,46 @@ class BrosPolicy(Policy):
             victims.take_until(pages, batch, plan)
             batch.add(view, new, pages)
 
-        preempted = set(plan.preempt)
         be_limit = min(time_limit, budget.max_be_step_s)
+        # A waiting BE request may not start on the pages a waiting RT turn needs, unless the
+        # step would be empty without it (not in the paper): an empty step makes no progress,
+        # and in the ablation without block preemption it followed when the running BE request
+        # the turn waited on preempted itself, short of pages.
+        for is_blocked in dict.fromkeys((is_admission_blocked, False)):
+            is_at_risk = self._add_be(bes, batch, plan, cap, be_limit, time_limit,
+                                      is_blocked) or is_at_risk
+            if batch.ids:
+                break
+
+        self._adapt_batch_size(is_at_risk, budget.max_num_seqs)
+        plan.order = batch.ids
+        plan.token_limits = batch.token_limits
+        return plan
+
+    def _add_be(self, bes: Sequence[RequestView], batch: StepBatch, plan: StepPlan, cap: int,
+                be_limit: float, time_limit: float, is_admission_blocked: bool) -> bool:
+        """BE requests in order, running first, each its largest chunk within `be_limit`;
+        returns whether an RT token's slack cut a chunk (the step is at risk)."""
+        is_at_risk = False
+        preempted = set(plan.preempt)
         for view in bes:
             if view.request_id in preempted or (is_admission_blocked and not view.is_running):
                 continue  # nor may a BE request start on the pages a waiting RT turn needs
             if len(batch.ids) >= cap or batch.tokens_left <= 0:
                 break
             chunk, pages, is_short_of_pages = batch.max_chunk(view, be_limit,
-                                                              first_tokens=budget.page_tokens)
+                                                              first_tokens=batch.page_tokens)
             if is_short_of_pages:
                 if not self.block_preemption and view.is_running:
                     preempt(view, batch, plan)
                 continue  # a smaller BE request may still fit
             if chunk < min(view.num_new_tokens, batch.tokens_left):
                 # cut by time: by an RT token's slack (at risk), else by the arrival guard
-                is_at_risk = is_at_risk or time_limit <= budget.max_be_step_s
+                is_at_risk = is_at_risk or time_limit <= be_limit
                 if chunk <= 0:
                     break
             batch.add(view, chunk, pages)
-
-        self._adapt_batch_size(is_at_risk, budget.max_num_seqs)
-        plan.order = batch.ids
-        plan.token_limits = batch.token_limits
-        return plan
+        return is_at_risk
 
     def _misses_ttft(self, view: RequestView, budget: StepBudget) -> bool:
         """A prefill too long to make its TTFT target even run alone the moment it arrived. It
