@@ -303,6 +303,22 @@ def test_echo_predicts_rt_bursts_from_recent_rt_pages() -> None:
     assert policy.headroom_pages([], at) == 56
 
 
+@pytest.mark.parametrize(("checkpoint_pages", "reserve"), [(None, 56), (1, 16)])
+def test_echo_reserves_only_the_mean_rt_pages_where_evictions_are_checkpointed(
+        checkpoint_pages: int | None, reserve: int) -> None:
+    # Echo keeps two standard deviations because an evicted BE request recomputes; with
+    # bidirectional blocks it is checkpointed (its view says what that would copy), and the
+    # reserve is the mean.
+    policy = EchoPolicy(constant_cost(0.01), headroom_fraction=0.0)
+    at = StepBudget(now_s=0.0, max_num_seqs=8, max_num_tokens=2048, num_free_pages=500,
+                    page_tokens=PAGE, num_total_pages=1000)
+    be = decoding("be", BE, checkpoint_pages=checkpoint_pages)
+    rt_40_pages = view("rt", prompt=40 * PAGE, computed=40 * PAGE, output=1, running=True)
+    for step in range(4):
+        policy.headroom_pages([be, rt_40_pages] if step % 2 else [be], at)
+    assert policy.headroom_pages([be], at) == reserve
+
+
 def test_echo_prefers_be_work_whose_prefix_is_resident() -> None:
     holder = view("holder", BE, prompt=64, computed=64, output=1, running=True,
                   prefix_page_hashes=chain("a", "b", "c", "d"))
