@@ -3,8 +3,8 @@
 Runs the `bench serve` workload through vLLM's AsyncLLM (no server), alternating: the stock
 scheduler, vLLM's own AsyncScheduler, Antiphon's scheduler in both forms under the identity
 (`fcfs`) plan, so the cost of the scheduler class itself shows on this machine, and Antiphon's
-scheduler under the `bros` policy with every request RT, then every request BE (issue 3: with
-one class only, throughput at least 97% of stock vLLM).
+scheduler under the `bros` (or `echo`) policy with every request RT, then every request BE
+(issue 3: with one class only, throughput at least 97% of stock vLLM).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ ENGINE = {"max_model_len": 2048, "enforce_eager": True,
 FCFS = SchedulerSettings("fcfs").to_additional_config()
 BROS = {"scheduler_cls": SCHEDULER_CLS,
         "additional_config": SchedulerSettings("bros").to_additional_config()}
+ECHO = {"scheduler_cls": SCHEDULER_CLS,
+        "additional_config": SchedulerSettings("echo").to_additional_config()}
 # name: (engine arguments, class of every request)
 VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
     "stock": ({}, None),
@@ -34,6 +36,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
     "antiphon_async": ({"scheduler_cls": ASYNC_SCHEDULER_CLS, "additional_config": FCFS}, None),
     "bros_rt_only": (BROS, "rt"),
     "bros_be_only": (BROS, "be"),
+    "echo_rt_only": (ECHO, "rt"),
+    "echo_be_only": (ECHO, "be"),
 }
 
 
