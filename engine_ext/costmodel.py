@@ -147,19 +147,19 @@ class CostModel:
         copy_x = np.column_stack([copies > 0, copies]).astype(np.float64)
         copied = copies > 0
         copy_part = copy_x @ np.asarray(self.copy_coefficients)
+        form_part = self.form.predict_all(self.coefficients, shapes)
         for _ in range(self.REFIT_ROUNDS):
             # Both fits weigh a step by its measured latency (relative error), not by the
             # part left to fit: a copy part as long as the step left a target near zero,
             # whose weight drowned every other step; served, the form fell to zero
             # (docs/benchmarks.md). And by its error under the current coefficients, towards
             # the fit of least MAPE, the error the model reports.
-            w = absolute_error_weights(
-                latencies, self.form.predict_all(self.coefficients, shapes) + copy_part)
+            w = absolute_error_weights(latencies, form_part + copy_part)
             self.coefficients = self.form.fit(shapes, latencies - copy_part,
                                               start=self.coefficients, weights=w)
+            form_part = self.form.predict_all(self.coefficients, shapes)
             if copied.any():
-                residual = latencies[copied] - self.form.predict_all(
-                    self.coefficients, [s for s in shapes if s.page_copies])
+                residual = latencies[copied] - form_part[copied]
                 per_step, per_page = nnls(copy_x[copied] * w[copied, None],
                                           residual * w[copied])
                 self.copy_coefficients = (float(per_step), float(per_page))
