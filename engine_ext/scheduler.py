@@ -130,8 +130,7 @@ class AntiphonScheduler(Scheduler):
             map(request_class_of, self.waiting), map(request_class_of, self.running),
             self.kv_cache_manager.block_pool.get_num_free_blocks(),
             {c: n - preemptions_before[c] for c, n in self.stats.num_preemptions.items()
-             if n > preemptions_before[c]}, fallback, self._step_shape.page_copies,
-            self._step_shape.to_list())
+             if n > preemptions_before[c]}, fallback, self._step_shape)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:

@@ -22,6 +22,7 @@ import json
 from collections.abc import Iterable
 from typing import IO, Any
 
+from antiphon.engine_ext.stepshape import StepShape
 from antiphon.engine_ext.types import RequestClass
 
 
@@ -34,7 +35,7 @@ class StepTrace:
                   scheduled: Iterable[tuple[RequestClass, int, bool]],
                   waiting: Iterable[RequestClass], running: Iterable[RequestClass],
                   free_pages: int, preempted: dict[str, int], fallback: bool,
-                  page_copies: int = 0, shape: list[int] | None = None) -> None:
+                  shape: StepShape) -> None:
         """A step was scheduled: `scheduled` holds (class, new tokens, is prefill) per
         request. The record is written when `finished` gives its latency."""
         phases = {c.value: [0, 0, 0] for c in RequestClass}
@@ -48,8 +49,8 @@ class StepTrace:
         self._pending = {"t": round(t, 4), "plan_s": round(plan_s, 6),
                          "pred_s": round(predicted_s, 4), **phases,
                          "waiting": _count(waiting), "running": _count(running),
-                         "free": free_pages, "copies": page_copies, "preempted": preempted,
-                         "fallback": fallback, "shape": shape}
+                         "free": free_pages, "copies": shape.page_copies,
+                         "preempted": preempted, "fallback": fallback, "shape": shape.to_list()}
 
     def finished(self, latency_s: float) -> None:
         if self._pending is None:
