@@ -128,15 +128,16 @@ class BrosPolicy(Policy):
             batch.add(view, new, pages)
 
         be_limit = min(time_limit, budget.max_be_step_s)
+        is_slack_limited = time_limit <= budget.max_be_step_s
+        is_at_risk = self._add_be(bes, batch, plan, cap, be_limit, is_slack_limited,
+                                  is_admission_blocked) or is_at_risk
         # A waiting BE request may not start on the pages a waiting RT turn needs, unless the
         # step would be empty without it (not in the paper): an empty step makes no progress,
         # and in the ablation without block preemption it followed when the running BE request
         # the turn waited on preempted itself, short of pages.
-        for is_blocked in dict.fromkeys((is_admission_blocked, False)):
-            is_at_risk = self._add_be(bes, batch, plan, cap, be_limit, time_limit,
-                                      is_blocked) or is_at_risk
-            if batch.ids:
-                break
+        if is_admission_blocked and not batch.ids:
+            is_at_risk = self._add_be(bes, batch, plan, cap, be_limit, is_slack_limited,
+                                      False) or is_at_risk
 
         self._adapt_batch_size(is_at_risk, budget.max_num_seqs)
         plan.order = batch.ids
@@ -144,9 +145,10 @@ class BrosPolicy(Policy):
         return plan
 
     def _add_be(self, bes: Sequence[RequestView], batch: StepBatch, plan: StepPlan, cap: int,
-                be_limit: float, time_limit: float, is_admission_blocked: bool) -> bool:
-        """BE requests in order, running first, each its largest chunk within `be_limit`;
-        returns whether an RT token's slack cut a chunk (the step is at risk)."""
+                be_limit: float, is_slack_limited: bool, is_admission_blocked: bool) -> bool:
+        """BE requests in order, running first, each its largest chunk within `be_limit` (an
+        RT token's slack where `is_slack_limited`, else the arrival guard); returns whether
+        the slack cut a chunk (the step is at risk)."""
         is_at_risk = False
         preempted = set(plan.preempt)
         for view in bes:
@@ -162,7 +164,7 @@ class BrosPolicy(Policy):
                 continue  # a smaller BE request may still fit
             if chunk < min(view.num_new_tokens, batch.tokens_left):
                 # cut by time: by an RT token's slack (at risk), else by the arrival guard
-                is_at_risk = is_at_risk or time_limit <= be_limit
+                is_at_risk = is_at_risk or is_slack_limited
                 if chunk <= 0:
                     break
             batch.add(view, chunk, pages)
