@@ -85,6 +85,23 @@ def test_step_shape_sums_each_phase() -> None:
     assert StepShape.from_list(shape.to_list()) == shape
 
 
+def test_step_shape_plus_keeps_every_other_field() -> None:
+    # `plus` builds the shape field by field: a field it forgot or misplaced shows here.
+    names = [f.name for f in dataclasses.fields(StepShape)]
+    start = StepShape(*range(3, 3 + len(names)))
+    prefill = start.plus(7, 40, True)
+    decode = start.plus(1, 900, False)
+    assert prefill == dataclasses.replace(
+        start, num_prefill_requests=start.num_prefill_requests + 1,
+        num_prefill_tokens=start.num_prefill_tokens + 7,
+        prefill_attention_area=start.prefill_attention_area + 7 * 40)
+    assert decode == dataclasses.replace(
+        start, num_decode_requests=start.num_decode_requests + 1,
+        num_decode_tokens=start.num_decode_tokens + 1,
+        decode_attention_area=start.decode_attention_area + 900,
+        decode_context_tokens=start.decode_context_tokens + 900, max_decode_context=900)
+
+
 def test_nnls_keeps_coefficients_non_negative() -> None:
     rng = np.random.default_rng(1)
     a = rng.random((50, 3))

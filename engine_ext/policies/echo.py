@@ -152,13 +152,15 @@ class EchoPolicy(Policy):
                 return
             new, pages, is_short_of_pages = batch.max_chunk(view, limit_s, cached,
                                                             first_tokens=batch.page_tokens)
-            start = view.num_computed_tokens + cached
             if (new <= 0 or is_short_of_pages
                     or pages > batch.pages_left - (reserve if batch.ids else 0)):
                 continue
-            before_s, after_s = batch.time_s(), batch.time_s(new, start + new, view.is_prefill)
-            if new + cached - self._punishment(rt_slacks, before_s, after_s) <= 0:
-                continue
+            if rt_slacks:  # else nothing is punished: the net is the tokens, positive
+                before_s = batch.time_s()
+                end = view.num_computed_tokens + cached + new
+                after_s = batch.time_s(new, end, view.is_prefill)
+                if new + cached - self._punishment(rt_slacks, before_s, after_s) <= 0:
+                    continue
             batch.add(view, new, pages, num_cached_tokens=cached)
 
     def _punishment(self, rt_slacks: list[float], before_s: float, after_s: float) -> float:

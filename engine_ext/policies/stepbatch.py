@@ -77,7 +77,7 @@ class StepBatch:
         """The most of `wanted` new tokens `view` can compute, starting after `start` tokens
         (default: its computed ones), with the step's predicted time within `limit_s`."""
         start = view.num_computed_tokens if start is None else start
-        if self.time_s(wanted, start + wanted, view.is_prefill) <= limit_s:
+        if limit_s == math.inf or self.time_s(wanted, start + wanted, view.is_prefill) <= limit_s:
             return wanted
         lo, hi = 0, wanted - 1  # largest chunk within the limit; time grows with it
         while lo < hi:
