@@ -24,20 +24,22 @@ ENGINE = {"max_model_len": 2048, "enforce_eager": True,
           "max_num_seqs": 64, "kv_cache_memory_bytes": 2 << 30, "seed": 0,
           "enable_prefix_caching": True, "max_num_batched_tokens": 2048}
 FCFS = SchedulerSettings("fcfs").to_additional_config()
-BROS = {"scheduler_cls": SCHEDULER_CLS,
-        "additional_config": SchedulerSettings("bros").to_additional_config()}
-ECHO = {"scheduler_cls": SCHEDULER_CLS,
-        "additional_config": SchedulerSettings("echo").to_additional_config()}
+
+
+def policy_engine(policy: str) -> dict[str, Any]:
+    """Engine arguments for Antiphon's scheduler under `policy`."""
+    return {"scheduler_cls": SCHEDULER_CLS,
+            "additional_config": SchedulerSettings(policy).to_additional_config()}
+
+
 # name: (engine arguments, class of every request)
 VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
     "stock": ({}, None),
     "vllm_async": ({"scheduler_cls": "vllm.v1.core.sched.async_scheduler.AsyncScheduler"}, None),
-    "antiphon": ({"scheduler_cls": SCHEDULER_CLS, "additional_config": FCFS}, None),
+    "antiphon": (policy_engine("fcfs"), None),
     "antiphon_async": ({"scheduler_cls": ASYNC_SCHEDULER_CLS, "additional_config": FCFS}, None),
-    "bros_rt_only": (BROS, "rt"),
-    "bros_be_only": (BROS, "be"),
-    "echo_rt_only": (ECHO, "rt"),
-    "echo_be_only": (ECHO, "be"),
+    **{f"{policy}_{cls}_only": (policy_engine(policy), cls)
+       for policy in ("bros", "echo") for cls in ("rt", "be")},
 }
 
 
