@@ -34,7 +34,9 @@ from antiphon.bench.workload import (
 POLICIES = ("fcfs", "priority", "bros", "hygen", "echo")
 # Printed per run when a benchmark repeats its systems.
 KEY_METRICS = ("rt_ttft_slo_attainment", "rt_tpot_slo_attainment", "rt_normalized_latency_s",
-               "be_tokens_per_s", "be_recomputed_tokens")
+               "be_tokens_per_s", "be_recomputed_tokens", "host_decode_step_s")
+# Decode-only steps of this many requests (inclusive) gauge the host's speed per run.
+HOST_GAUGE_REQUESTS = (8, 12)
 
 
 async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival: RtArrival,
@@ -98,7 +100,7 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
             "completion_window": "24h"})).json()
         await asyncio.sleep(args.be_warmup_s)
         m0, s0 = (await client.get("/metrics")).text, (await client.get("/v1/engine/stats")).json()
-        start = time.perf_counter()
+        start, start_wall = time.perf_counter(), time.time()
         turns = [asyncio.create_task(rt_request(client, model, prompts[i % len(prompts)], a,
                                                 start)) for i, a in enumerate(arrivals)]
         # Every system is measured over the same window, whenever its RT turns finish: a
@@ -107,7 +109,7 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         # promptly count none.
         await asyncio.sleep(max(0.0, start + measurement_window_s(args, arrivals)
                                 - time.perf_counter()))
-        window = time.perf_counter() - start
+        window, end_wall = time.perf_counter() - start, time.time()
         m1, s1 = (await client.get("/metrics")).text, (await client.get("/v1/engine/stats")).json()
         unfinished = sum(1 for turn in turns if not turn.done())
         results = await asyncio.gather(*turns)
@@ -142,6 +144,7 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         "rt_requests": len(results),
         "rt_unfinished_at_window_end": unfinished,
         "window_s": window,
+        "window_wall": (start_wall, end_wall),
         "timeline": results,
     }
 
@@ -233,7 +236,27 @@ def run_system(args: argparse.Namespace, model_dir: Path, name: str, extra: list
         cmd += ["--served-model-name", "SmolLM2-135M-Instruct"]
     with scratch_data_dir(data_dir), \
             ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
-        return asyncio.run(run_policy(server, args, prompts, arrivals, batch_path))
+        result = asyncio.run(run_policy(server, args, prompts, arrivals, batch_path))
+    result["host_decode_step_s"] = host_decode_step_s(trace, *result.pop("window_wall"))
+    return result
+
+
+def host_decode_step_s(trace: Path, start: float, end: float) -> float:
+    """How fast the host ran a system: the median latency of its plain decode steps of
+    `HOST_GAUGE_REQUESTS` requests (no prefill, no KV copies) from `start` to `end`
+    (`time.time()`), read from its step trace; 0 when there were none. Every policy runs
+    such steps, and they cost about the same under any of them, so a system whose figure
+    differs from the others' ran on a faster or slower host (these CPUs drift by up to half
+    within an hour), and a comparison with it is confounded."""
+    low, high = HOST_GAUGE_REQUESTS
+    latencies = []
+    with trace.open() as lines:
+        for line in lines:
+            step = json.loads(line)
+            if (start <= step["t"] <= end and not step["rt"][0] and not step["be"][0]
+                    and not step["copies"] and low <= step["rt"][2] + step["be"][2] <= high):
+                latencies.append(step["lat_s"])
+    return statistics.median(latencies) if latencies else 0.0
 
 
 def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,12 +1,20 @@
-"""The repeated-run summary and the measurement window of `bench mixed` and `bench blocks`."""
+"""The repeated-run summary, the measurement window and the host gauge of `bench mixed` and
+`bench blocks`."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 
-from antiphon.bench.mixed import measurement_window_s, positive_int, summarise_runs
+from antiphon.bench.mixed import (
+    host_decode_step_s,
+    measurement_window_s,
+    positive_int,
+    summarise_runs,
+)
 from antiphon.bench.workload import RtArrival
 
 
@@ -34,3 +42,25 @@ def test_every_system_is_measured_over_the_trace_and_a_fixed_tail() -> None:
     arrivals = [RtArrival(0.5, 100, 48), RtArrival(39.0, 100, 48), RtArrival(12.0, 100, 48)]
     assert measurement_window_s(args, arrivals) == 59.0
     assert measurement_window_s(args, []) == 20.0
+
+
+def _step(t: float, lat_s: float, rt: list[int], be: list[int], copies: int = 0) -> str:
+    return json.dumps({"t": t, "lat_s": lat_s, "rt": rt, "be": be, "copies": copies}) + "\n"
+
+
+def test_the_host_gauge_reads_plain_decode_steps_of_the_window(tmp_path: Path) -> None:
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("".join([
+        _step(5.0, 0.030, [0, 0, 6], [0, 0, 4]),  # before the window
+        _step(10.0, 0.040, [0, 0, 6], [0, 0, 4]),
+        _step(11.0, 0.050, [0, 0, 2], [0, 0, 6]),
+        _step(12.0, 0.060, [0, 0, 9], [0, 0, 3]),
+        _step(13.0, 0.200, [1, 300, 6], [0, 0, 4]),  # an RT prefill
+        _step(14.0, 0.300, [0, 0, 6], [1, 500, 4]),  # a BE prefill
+        _step(15.0, 0.090, [0, 0, 6], [0, 0, 4], copies=60),  # KV copies
+        _step(16.0, 0.030, [0, 0, 3], [0, 0, 4]),  # 7 requests: too few
+        _step(17.0, 0.020, [0, 0, 9], [0, 0, 4]),  # 13: too many
+        _step(30.0, 0.500, [0, 0, 6], [0, 0, 4]),  # after the window
+    ]))
+    assert host_decode_step_s(trace, 10.0, 20.0) == pytest.approx(0.050)
+    assert host_decode_step_s(trace, 40.0, 50.0) == 0.0
