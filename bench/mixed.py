@@ -37,6 +37,8 @@ KEY_METRICS = ("rt_ttft_slo_attainment", "rt_tpot_slo_attainment", "rt_normalize
                "be_tokens_per_s", "be_recomputed_tokens", "host_decode_step_s")
 # Decode-only steps of this many requests (inclusive) gauge the host's speed per run.
 HOST_GAUGE_REQUESTS = (8, 12)
+# A spread of host gauges between runs beyond which the table is flagged as confounded.
+HOST_DRIFT_WARNING = 0.05
 
 
 async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival: RtArrival,
@@ -206,6 +208,10 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     print_table({p: {k: float(v) for k, v in s.items() if k != "runs"}
                  for p, s in results.items()},
                 baseline=baseline if baseline in results else next(iter(results)))
+    drift = host_drift(runs)
+    if drift > HOST_DRIFT_WARNING:
+        print(f"warning: the host's speed differed by {drift:.0%} between runs "
+              "(host_decode_step_s); compare these systems over interleaved --repeats")
     if args.repeats > 1:
         print("per run:")
         for name, rs in runs.items():
@@ -239,6 +245,13 @@ def run_system(args: argparse.Namespace, model_dir: Path, name: str, extra: list
         result = asyncio.run(run_policy(server, args, prompts, arrivals, batch_path))
     result["host_decode_step_s"] = host_decode_step_s(trace, *result.pop("window_wall"))
     return result
+
+
+def host_drift(runs: dict[str, list[dict[str, Any]]]) -> float:
+    """How much slower the slowest run's host gauge was than the fastest's (0.1: 10%)."""
+    gauges = [r["host_decode_step_s"] for rs in runs.values() for r in rs
+              if r.get("host_decode_step_s")]
+    return max(gauges) / min(gauges) - 1 if gauges else 0.0
 
 
 def host_decode_step_s(trace: Path, start: float, end: float) -> float:

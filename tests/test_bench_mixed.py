@@ -11,6 +11,7 @@ import pytest
 
 from antiphon.bench.mixed import (
     host_decode_step_s,
+    host_drift,
     measurement_window_s,
     positive_int,
     summarise_runs,
@@ -64,3 +65,11 @@ def test_the_host_gauge_reads_plain_decode_steps_of_the_window(tmp_path: Path) -
     ]))
     assert host_decode_step_s(trace, 10.0, 20.0) == pytest.approx(0.050)
     assert host_decode_step_s(trace, 40.0, 50.0) == 0.0
+
+
+def test_host_drift_compares_the_slowest_run_with_the_fastest() -> None:
+    runs = {"fcfs": [{"host_decode_step_s": 0.044}, {"host_decode_step_s": 0.040}],
+            "echo": [{"host_decode_step_s": 0.050}],
+            "stock": [{"host_decode_step_s": 0.0}]}  # no plain decode steps: no gauge
+    assert host_drift(runs) == pytest.approx(0.25)
+    assert host_drift({"echo": [{"be_tokens_per_s": 8.0}]}) == 0.0
