@@ -23,12 +23,11 @@ from antiphon.model import resolve_model
 ENGINE = {"max_model_len": 2048, "enforce_eager": True,
           "max_num_seqs": 64, "kv_cache_memory_bytes": 2 << 30, "seed": 0,
           "enable_prefix_caching": True, "max_num_batched_tokens": 2048}
-FCFS = SchedulerSettings("fcfs").to_additional_config()
 
 
-def policy_engine(policy: str) -> dict[str, Any]:
-    """Engine arguments for Antiphon's scheduler under `policy`."""
-    return {"scheduler_cls": SCHEDULER_CLS,
+def policy_engine(policy: str, scheduler_cls: str = SCHEDULER_CLS) -> dict[str, Any]:
+    """Engine arguments for Antiphon's scheduler (`scheduler_cls`) under `policy`."""
+    return {"scheduler_cls": scheduler_cls,
             "additional_config": SchedulerSettings(policy).to_additional_config()}
 
 
@@ -37,7 +36,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
     "stock": ({}, None),
     "vllm_async": ({"scheduler_cls": "vllm.v1.core.sched.async_scheduler.AsyncScheduler"}, None),
     "antiphon": (policy_engine("fcfs"), None),
-    "antiphon_async": ({"scheduler_cls": ASYNC_SCHEDULER_CLS, "additional_config": FCFS}, None),
+    "antiphon_async": (policy_engine("fcfs", ASYNC_SCHEDULER_CLS), None),
     **{f"{policy}_{cls}_only": (policy_engine(policy), cls)
        for policy in ("bros", "echo") for cls in ("rt", "be")},
 }
