@@ -34,11 +34,16 @@ from antiphon.bench.workload import (
 POLICIES = ("fcfs", "priority", "bros", "hygen", "echo")
 # Printed per run when a benchmark repeats its systems.
 KEY_METRICS = ("rt_ttft_slo_attainment", "rt_tpot_slo_attainment", "rt_normalized_latency_s",
-               "be_tokens_per_s", "be_recomputed_tokens", "host_decode_step_s")
+               "be_tokens_per_s", "be_recomputed_tokens", "cost_model_mape", "host_decode_step_s",
+               "host_step_noise")
 # Decode-only steps of this many requests (inclusive) gauge the host's speed per run.
 HOST_GAUGE_REQUESTS = (8, 12)
 # A spread of host gauges between runs beyond which the table is flagged as confounded.
 HOST_DRIFT_WARNING = 0.05
+# Seconds an idle client connection is kept open, under the server's keep-alive.
+CLIENT_KEEPALIVE_S = 1.0
+# Steps of one batch size on either side whose median a step's noise is measured from.
+NOISE_NEIGHBOURS = 5
 
 
 async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival: RtArrival,
@@ -91,7 +96,11 @@ def counter(metrics: str, name: str, label: str = "") -> float:
 
 async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: list[str],
                      arrivals: list[RtArrival], batch_path: Path) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+    # Idle connections close on the client before the server's keep-alive (uvicorn's 5 s)
+    # closes them: with both at 5 s, a turn sent on a connection the server was closing
+    # failed with a ReadError, and the run with it.
+    limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S)
+    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         await rt_request(client, model, "Hello!", RtArrival(0, 8, 8), time.perf_counter())
         with batch_path.open("rb") as f:
@@ -243,7 +252,9 @@ def run_system(args: argparse.Namespace, model_dir: Path, name: str, extra: list
     with scratch_data_dir(data_dir), \
             ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
         result = asyncio.run(run_policy(server, args, prompts, arrivals, batch_path))
-    result["host_decode_step_s"] = host_decode_step_s(trace, *result.pop("window_wall"))
+    window = result.pop("window_wall")
+    result["host_decode_step_s"] = host_decode_step_s(trace, *window)
+    result["host_step_noise"] = host_step_noise(trace, *window)
     return result
 
 
@@ -262,14 +273,42 @@ def host_decode_step_s(trace: Path, start: float, end: float) -> float:
     differs from the others' ran on a faster or slower host (these CPUs drift by up to half
     within an hour), and a comparison with it is confounded."""
     low, high = HOST_GAUGE_REQUESTS
-    latencies = []
+    latencies = [lat for n, lat in plain_decode_steps(trace, start, end) if low <= n <= high]
+    return statistics.median(latencies) if latencies else 0.0
+
+
+def host_step_noise(trace: Path, start: float, end: float) -> float:
+    """How much the host's step latency jitters, as the cost-model error is measured
+    (mean |predicted - measured| / measured): how far the plain decode steps from `start`
+    to `end` lie from the median of their `NOISE_NEIGHBOURS` nearest steps of the same batch
+    size on either side, which had the same shape and nearly the same time. A model that
+    predicts from a step's shape cannot do much better on those steps (on this 2-core host
+    the model's error on them came within 0-1.3 points of this figure). 0 when no step had
+    enough such neighbours."""
+    by_size: dict[int, list[float]] = {}
+    for n, lat in plain_decode_steps(trace, start, end):
+        by_size.setdefault(n, []).append(lat)
+    deviations = []
+    k = NOISE_NEIGHBOURS
+    for latencies in by_size.values():
+        for i, lat in enumerate(latencies):
+            near = latencies[max(0, i - k):i] + latencies[i + 1:i + 1 + k]
+            if len(near) >= k:
+                deviations.append(abs(lat - statistics.median(near)) / lat)
+    return statistics.mean(deviations) if deviations else 0.0
+
+
+def plain_decode_steps(trace: Path, start: float, end: float) -> list[tuple[int, float]]:
+    """(requests, latency in seconds) of each step in `trace` from `start` to `end`
+    (`time.time()`) that only decoded: no prefill, no KV copies."""
+    steps = []
     with trace.open() as lines:
         for line in lines:
             step = json.loads(line)
             if (start <= step["t"] <= end and not step["rt"][0] and not step["be"][0]
-                    and not step["copies"] and low <= step["rt"][2] + step["be"][2] <= high):
-                latencies.append(step["lat_s"])
-    return statistics.median(latencies) if latencies else 0.0
+                    and not step["copies"] and step.get("lat_s")):
+                steps.append((step["rt"][2] + step["be"][2], step["lat_s"]))
+    return steps
 
 
 def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:

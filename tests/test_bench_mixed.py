@@ -12,6 +12,7 @@ import pytest
 from antiphon.bench.mixed import (
     host_decode_step_s,
     host_drift,
+    host_step_noise,
     measurement_window_s,
     positive_int,
     summarise_runs,
@@ -73,3 +74,19 @@ def test_host_drift_compares_the_slowest_run_with_the_fastest() -> None:
             "stock": [{"host_decode_step_s": 0.0}]}  # no plain decode steps: no gauge
     assert host_drift(runs) == pytest.approx(0.25)
     assert host_drift({"echo": [{"be_tokens_per_s": 8.0}]}) == 0.0
+
+
+def test_host_noise_compares_each_plain_decode_step_with_its_neighbours_of_its_size(
+        tmp_path: Path) -> None:
+    latencies = [0.040] * 5 + [0.050] + [0.040] * 5  # 10 requests each: one step off by 0.01
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("".join(
+        [_step(10.0 + i, lat, [0, 0, 6], [0, 0, 4]) for i, lat in enumerate(latencies)]
+        + [_step(30.0 + i, lat, [0, 0, 2], [0, 0, 2]) for i, lat in enumerate([0.02, 0.09])]
+        + [_step(40.0, 0.300, [1, 300, 6], [0, 0, 4]),  # an RT prefill
+           _step(41.0, 0.090, [0, 0, 6], [0, 0, 4], copies=60),  # KV copies
+           _step(60.0, 0.500, [0, 0, 6], [0, 0, 4])]))  # after the window
+    # Only the odd step deviates from the median of its neighbours, by 0.01 / 0.05; the
+    # steps of 4 requests have too few neighbours to count.
+    assert host_step_noise(trace, 0.0, 50.0) == pytest.approx(0.2 / len(latencies))
+    assert host_step_noise(trace, 30.0, 50.0) == 0.0
