@@ -40,10 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"antiphon serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(config, VllmEngine(config.engine, model_dir, config.tiering))
-    uvicorn.run(app, host=config.server.host, port=config.server.port,
-                ws_max_size=4 * config.server.max_frame_bytes, log_level=args.log_level.lower(),
-                # Token frames are tiny: compressing each costs more CPU than it saves.
-                ws_per_message_deflate=False)
+    uvicorn.run(app, log_level=args.log_level.lower(), **config.server.uvicorn_options())
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+from typing import Any
 
 from antiphon.configfields import doc
 
@@ -39,6 +40,10 @@ class ServerConfig:
     max_batch_items: int = doc("Most requests (lines) in one batch input file", default=50_000)
     max_batch_concurrency: int = doc(
         "Most batch (BE) requests running on the engine at once, over all batches", default=8)
+    keep_alive_s: float = doc(
+        "Seconds an idle HTTP connection stays open for the client's next request. Longer than "
+        "clients keep theirs (httpx, and the OpenAI client with it: 5 s), so the client closes "
+        "first: a request sent on a connection the server is closing fails", default=75.0)
     dashboard_interval_s: float = doc("Seconds between the dashboard's samples", default=1.0)
     dashboard_history: int = doc("Dashboard samples kept (the charts' time span)", default=600)
     dashboard_max_requests: int = doc(
@@ -61,7 +66,15 @@ class ServerConfig:
                      "max_batch_concurrency", "dashboard_history", "dashboard_max_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        if not self.dashboard_interval_s > 0:
-            raise ValueError("dashboard_interval_s must be positive")
+        for name in ("dashboard_interval_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        """The options uvicorn serves the app with."""
+        return {"host": self.host, "port": self.port, "timeout_keep_alive": self.keep_alive_s,
+                "ws_max_size": 4 * self.max_frame_bytes,
+                # Token frames are tiny: compressing each costs more CPU than it saves.
+                "ws_per_message_deflate": False}

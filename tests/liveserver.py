@@ -20,9 +20,8 @@ def live_server(config: AppConfig, engine: Engine) -> Iterator[str]:
     """Yield the base URL (http://127.0.0.1:PORT) of a running server."""
     port = free_port()
     app = create_app(config, engine)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning",
-        ws_max_size=4 * config.server.max_frame_bytes, ws_per_message_deflate=False))
+    options = {**config.server.uvicorn_options(), "host": "127.0.0.1", "port": port}
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
