@@ -283,7 +283,7 @@ def host_step_noise(trace: Path, start: float, end: float) -> float:
     to `end` lie from the median of their `NOISE_NEIGHBOURS` nearest steps of the same batch
     size on either side, which had the same shape and nearly the same time. A model that
     predicts from a step's shape cannot do much better on those steps (on this 2-core host
-    the model's error on them came within 0-1.3 points of this figure). 0 when no step had
+    the model's error on them came within 0.8 points of this figure). 0 when no step had
     enough such neighbours."""
     by_size: dict[int, list[float]] = {}
     for n, lat in plain_decode_steps(trace, start, end):
