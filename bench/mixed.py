@@ -96,9 +96,9 @@ def counter(metrics: str, name: str, label: str = "") -> float:
 
 async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: list[str],
                      arrivals: list[RtArrival], batch_path: Path) -> dict[str, Any]:
-    # Idle connections close on the client before the server's keep-alive (uvicorn's 5 s)
-    # closes them: with both at 5 s, a turn sent on a connection the server was closing
-    # failed with a ReadError, and the run with it.
+    # Idle connections close on the client first, whatever the server's keep-alive: with
+    # both at 5 s (httpx's and uvicorn's defaults), a turn sent on a connection the server
+    # was closing failed with a ReadError, and the run with it.
     limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S)
     async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
