@@ -29,8 +29,8 @@ def main() -> None:
                                            max_batch_concurrency=args.concurrency),
                        sessions=SessionConfig(data_dir=args.data_dir))
     engine = ScriptedEngine(token_delay_s=args.token_delay)
-    uvicorn.run(create_app(config, engine), host="127.0.0.1", port=args.port,
-                log_level="warning")
+    uvicorn.run(create_app(config, engine), log_level="warning",
+                **config.server.uvicorn_options())
 
 
 if __name__ == "__main__":
