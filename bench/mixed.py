@@ -15,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,8 @@ KEY_METRICS = ("rt_ttft_slo_attainment", "rt_tpot_slo_attainment", "rt_normalize
 HOST_GAUGE_REQUESTS = (8, 12)
 # A spread of host gauges between runs beyond which the table is flagged as confounded.
 HOST_DRIFT_WARNING = 0.05
+# Each system's runs: their metrics, by system name.
+Runs = dict[str, list[dict[str, Any]]]
 # Seconds an idle client connection is kept open, under the server's keep-alive.
 CLIENT_KEEPALIVE_S = 1.0
 # Steps of one batch size on either side whose median a step's noise is measured from.
@@ -200,20 +203,26 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     batch_path = out.with_suffix(".batch.jsonl")
     be_batch_file(batch_path, "SmolLM2-135M-Instruct" if args.model is None else model_dir.name,
                   args.be_items, (32, 128), args.seed)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
-    timelines: dict[str, list[dict[str, float]]] = {}
-    results: dict[str, dict[str, Any]] = {}
-    for repeat in range(args.repeats):  # systems interleaved, so drift hits each alike
-        for name, extra in systems.items():
-            print(f"[{name}] run {repeat + 1}/{args.repeats}: {len(arrivals)} RT turns over "
-                  f"{duration:.0f} s with BE load ...", flush=True)
-            runs[name].append(run_system(args, model_dir, name, extra, prompts, arrivals,
-                                         batch_path))
-            timelines[name] = runs[name][-1].pop("timeline")
-            # Written after every run, so a run stopped part way keeps what it measured.
-            results = {n: summarise_runs(r) for n, r in runs.items() if r}
-            write_json(out, {"benchmark": benchmark, "config": args_config(args),
-                             "systems": results, "timelines": timelines})
+    timelines: dict[str, list[dict[str, float]]] = {}  # of each system's last run
+
+    def run_one(name: str, repeat: int) -> dict[str, Any]:
+        print(f"[{name}] run {repeat + 1}/{args.repeats}: {len(arrivals)} RT turns over "
+              f"{duration:.0f} s with BE load ...", flush=True)
+        result = run_system(args, model_dir, name, systems[name], prompts, arrivals, batch_path)
+        timelines[name] = result.pop("timeline")
+        return result
+
+    def record(runs: Runs, failures: list[dict[str, Any]]) -> None:
+        # Written after every run, so a run stopped part way keeps what it measured.
+        write_json(out, {"benchmark": benchmark, "config": args_config(args),
+                         "systems": {n: summarise_runs(r) for n, r in runs.items() if r},
+                         "timelines": timelines, "failures": failures})
+
+    runs, failures = interleaved_runs(args.repeats, list(systems), run_one, record)
+    results = {n: summarise_runs(r) for n, r in runs.items() if r}
+    if not results:
+        print("every run failed")
+        return 1
     print_table({p: {k: float(v) for k, v in s.items() if k != "runs"}
                  for p, s in results.items()},
                 baseline=baseline if baseline in results else next(iter(results)))
@@ -227,7 +236,31 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
             for metric in KEY_METRICS:
                 print(f"  {name} {metric}: " + ", ".join(fmt(r[metric]) for r in rs))
     _plot(timelines, out.with_suffix(".png"))
-    return 0
+    for failure in failures:
+        print(f"failed: {failure['system']} run {failure['repeat']}: {failure['error']}")
+    return 1 if failures else 0
+
+
+
+def interleaved_runs(repeats: int, names: list[str],
+                     run_one: Callable[[str, int], dict[str, Any]],
+                     record: Callable[[Runs, list[dict[str, Any]]], None]
+                     ) -> tuple[Runs, list[dict[str, Any]]]:
+    """Run each system `repeats` times, interleaved so the host's drift hits each alike:
+    `run_one(name, repeat)` for its metrics, then `record(runs so far, failures)`. A run that
+    raises is recorded as failed and the runs after it go on: one lost turn must not cost
+    the systems still to run. Returns each system's runs and the failures."""
+    runs: Runs = {name: [] for name in names}
+    failures: list[dict[str, Any]] = []
+    for repeat in range(repeats):
+        for name in names:
+            try:
+                runs[name].append(run_one(name, repeat))
+            except Exception as exc:  # any failure of the run: server, engine or client
+                print(f"[{name}] run {repeat + 1} failed: {exc!r}", flush=True)
+                failures.append({"system": name, "repeat": repeat + 1, "error": repr(exc)})
+            record(runs, failures)
+    return runs, failures
 
 
 def run_system(args: argparse.Namespace, model_dir: Path, name: str, extra: list[str],

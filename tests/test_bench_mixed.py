@@ -13,6 +13,7 @@ from antiphon.bench.mixed import (
     host_decode_step_s,
     host_drift,
     host_step_noise,
+    interleaved_runs,
     measurement_window_s,
     positive_int,
     summarise_runs,
@@ -90,3 +91,27 @@ def test_host_noise_compares_each_plain_decode_step_with_its_neighbours_of_its_s
     # steps of 4 requests have too few neighbours to count.
     assert host_step_noise(trace, 0.0, 50.0) == pytest.approx(0.2 / len(latencies))
     assert host_step_noise(trace, 30.0, 50.0) == 0.0
+
+
+def test_a_failed_run_is_recorded_and_the_runs_after_it_go_on() -> None:
+    order: list[tuple[str, int]] = []
+    recorded: list[tuple[dict[str, int], int]] = []
+
+    def run_one(name: str, repeat: int) -> dict[str, float]:
+        order.append((name, repeat))
+        if (name, repeat) == ("echo", 0):
+            raise ConnectionError("server closed the connection")
+        return {"be_tokens_per_s": 10.0 * (repeat + 1)}
+
+    def record(runs: dict[str, list[dict[str, float]]], failures: list[dict[str, object]]
+               ) -> None:
+        recorded.append(({n: len(r) for n, r in runs.items()}, len(failures)))
+
+    runs, failures = interleaved_runs(2, ["fcfs", "echo"], run_one, record)
+    assert order == [("fcfs", 0), ("echo", 0), ("fcfs", 1), ("echo", 1)]  # interleaved
+    assert runs == {"fcfs": [{"be_tokens_per_s": 10.0}, {"be_tokens_per_s": 20.0}],
+                    "echo": [{"be_tokens_per_s": 20.0}]}
+    assert failures == [{"system": "echo", "repeat": 1,
+                         "error": "ConnectionError('server closed the connection')"}]
+    assert recorded == [({"fcfs": 1, "echo": 0}, 0), ({"fcfs": 1, "echo": 0}, 1),
+                        ({"fcfs": 2, "echo": 0}, 1), ({"fcfs": 2, "echo": 1}, 1)]
