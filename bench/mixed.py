@@ -241,7 +241,6 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     return 1 if failures else 0
 
 
-
 def interleaved_runs(repeats: int, names: list[str],
                      run_one: Callable[[str, int], dict[str, Any]],
                      record: Callable[[Runs, list[dict[str, Any]]], None]
@@ -285,41 +284,40 @@ def run_system(args: argparse.Namespace, model_dir: Path, name: str, extra: list
     with scratch_data_dir(data_dir), \
             ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
         result = asyncio.run(run_policy(server, args, prompts, arrivals, batch_path))
-    window = result.pop("window_wall")
-    result["host_decode_step_s"] = host_decode_step_s(trace, *window)
-    result["host_step_noise"] = host_step_noise(trace, *window)
+    steps = plain_decode_steps(trace, *result.pop("window_wall"))  # the trace, read once
+    result["host_decode_step_s"] = host_decode_step_s(steps)
+    result["host_step_noise"] = host_step_noise(steps)
     return result
 
 
-def host_drift(runs: dict[str, list[dict[str, Any]]]) -> float:
+def host_drift(runs: Runs) -> float:
     """How much slower the slowest run's host gauge was than the fastest's (0.1: 10%)."""
     gauges = [r["host_decode_step_s"] for rs in runs.values() for r in rs
               if r.get("host_decode_step_s")]
     return max(gauges) / min(gauges) - 1 if gauges else 0.0
 
 
-def host_decode_step_s(trace: Path, start: float, end: float) -> float:
-    """How fast the host ran a system: the median latency of its plain decode steps of
-    `HOST_GAUGE_REQUESTS` requests (no prefill, no KV copies) from `start` to `end`
-    (`time.time()`), read from its step trace; 0 when there were none. Every policy runs
-    such steps, and they cost about the same under any of them, so a system whose figure
-    differs from the others' ran on a faster or slower host (these CPUs drift by up to half
-    within an hour), and a comparison with it is confounded."""
+def host_decode_step_s(steps: list[tuple[int, float]]) -> float:
+    """How fast the host ran a system: the median latency of its plain decode `steps`
+    (`plain_decode_steps`) of `HOST_GAUGE_REQUESTS` requests; 0 when there were none. Every
+    policy runs such steps, and they cost about the same under any of them, so a system whose
+    figure differs from the others' ran on a faster or slower host (these CPUs drift by up to
+    half within an hour), and a comparison with it is confounded."""
     low, high = HOST_GAUGE_REQUESTS
-    latencies = [lat for n, lat in plain_decode_steps(trace, start, end) if low <= n <= high]
+    latencies = [lat for n, lat in steps if low <= n <= high]
     return statistics.median(latencies) if latencies else 0.0
 
 
-def host_step_noise(trace: Path, start: float, end: float) -> float:
+def host_step_noise(steps: list[tuple[int, float]]) -> float:
     """How much the host's step latency jitters, as the cost-model error is measured
-    (mean |predicted - measured| / measured): how far the plain decode steps from `start`
-    to `end` lie from the median of their `NOISE_NEIGHBOURS` nearest steps of the same batch
-    size on either side, which had the same shape and nearly the same time. A model that
+    (mean |predicted - measured| / measured): how far the plain decode `steps`
+    (`plain_decode_steps`) lie from the median of their `NOISE_NEIGHBOURS` nearest steps of
+    the same batch size on either side, which had the same shape and nearly the same time. A model that
     predicts from a step's shape cannot do much better on those steps (on this 2-core host
     the model's error on them came within 0.8 points of this figure). 0 when no step had
     enough such neighbours."""
     by_size: dict[int, list[float]] = {}
-    for n, lat in plain_decode_steps(trace, start, end):
+    for n, lat in steps:
         by_size.setdefault(n, []).append(lat)
     deviations = []
     k = NOISE_NEIGHBOURS

@@ -15,6 +15,7 @@ from antiphon.bench.mixed import (
     host_step_noise,
     interleaved_runs,
     measurement_window_s,
+    plain_decode_steps,
     positive_int,
     summarise_runs,
 )
@@ -65,8 +66,8 @@ def test_the_host_gauge_reads_plain_decode_steps_of_the_window(tmp_path: Path) -
         _step(17.0, 0.020, [0, 0, 9], [0, 0, 4]),  # 13: too many
         _step(30.0, 0.500, [0, 0, 6], [0, 0, 4]),  # after the window
     ]))
-    assert host_decode_step_s(trace, 10.0, 20.0) == pytest.approx(0.050)
-    assert host_decode_step_s(trace, 40.0, 50.0) == 0.0
+    assert host_decode_step_s(plain_decode_steps(trace, 10.0, 20.0)) == pytest.approx(0.050)
+    assert host_decode_step_s(plain_decode_steps(trace, 40.0, 50.0)) == 0.0
 
 
 def test_host_drift_compares_the_slowest_run_with_the_fastest() -> None:
@@ -89,8 +90,9 @@ def test_host_noise_compares_each_plain_decode_step_with_its_neighbours_of_its_s
            _step(60.0, 0.500, [0, 0, 6], [0, 0, 4])]))  # after the window
     # Only the odd step deviates from the median of its neighbours, by 0.01 / 0.05; the
     # steps of 4 requests have too few neighbours to count.
-    assert host_step_noise(trace, 0.0, 50.0) == pytest.approx(0.2 / len(latencies))
-    assert host_step_noise(trace, 30.0, 50.0) == 0.0
+    assert host_step_noise(plain_decode_steps(trace, 0.0, 50.0)) == pytest.approx(
+        0.2 / len(latencies))
+    assert host_step_noise(plain_decode_steps(trace, 30.0, 50.0)) == 0.0
 
 
 def test_a_failed_run_is_recorded_and_the_runs_after_it_go_on() -> None:
