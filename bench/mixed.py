@@ -312,10 +312,10 @@ def host_step_noise(steps: list[tuple[int, float]]) -> float:
     """How much the host's step latency jitters, as the cost-model error is measured
     (mean |predicted - measured| / measured): how far the plain decode `steps`
     (`plain_decode_steps`) lie from the median of their `NOISE_NEIGHBOURS` nearest steps of
-    the same batch size on either side, which had the same shape and nearly the same time. A model that
-    predicts from a step's shape cannot do much better on those steps (on this 2-core host
-    the model's error on them came within 0.8 points of this figure). 0 when no step had
-    enough such neighbours."""
+    the same batch size on either side, which had the same shape and nearly the same time.
+    A model that predicts from a step's shape cannot do much better on those steps (on this
+    2-core host the model's error on them came within 0.8 points of this figure). 0 when no
+    step had enough such neighbours."""
     by_size: dict[int, list[float]] = {}
     for n, lat in steps:
         by_size.setdefault(n, []).append(lat)
