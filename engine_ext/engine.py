@@ -68,6 +68,10 @@ class EngineDeadError(RuntimeError):
     """The engine process has failed; no further requests can be served."""
 
 
+class EngineRequestFailedError(RuntimeError):
+    """The engine failed one request (its own fault, not the caller's); it serves others."""
+
+
 class Engine(abc.ABC):
     """What the server needs from a model engine."""
 
@@ -257,16 +261,19 @@ class VllmEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
 
-        sampling = SamplingParams(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            stop=list(params.stop) or None,
-            seed=params.seed,
-            ignore_eos=params.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args=_extra_args(params),
-        )
+        try:
+            sampling = SamplingParams(
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                stop=list(params.stop) or None,
+                seed=params.seed,
+                ignore_eos=params.ignore_eos,
+                output_kind=RequestOutputKind.DELTA,
+                extra_args=_extra_args(params),
+            )
+        except (VLLMClientError, ValueError) as exc:  # vLLM's own checks of the parameters
+            raise EngineRequestError(str(exc)) from exc
         stream = self._llm.generate(
             TokensPrompt(prompt_token_ids=prompt_token_ids),
             sampling,
@@ -290,6 +297,12 @@ class VllmEngine(Engine):
             raise EngineDeadError(str(exc)) from exc
         except (VLLMClientError, ValueError) as exc:  # the request was invalid
             raise EngineRequestError(str(exc)) from exc
+        except Exception as exc:  # vLLM's EngineGenerateError: this request failed
+            # vLLM aborts a failed request only once it was fully added; one that failed on
+            # its way to the engine core would stay unfinished for good.
+            await self._llm.abort(request_id)
+            cause = exc.__cause__ or exc
+            raise EngineRequestFailedError(f"{type(cause).__name__}: {cause}") from exc
 
     async def health(self) -> EngineHealth:
         if self._llm is None:

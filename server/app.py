@@ -13,12 +13,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from antiphon.config import AppConfig
 from antiphon.engine_ext.engine import Engine
 from antiphon.server import batch_api, openai_api, rest
 from antiphon.server.context import AppContext
-from antiphon.server.errors import ApiError, bad_message
+from antiphon.server.errors import ApiError, ErrorCode, bad_message
 from antiphon.server.http import error_response
 from antiphon.server.ws import websocket_endpoint
 
@@ -64,6 +65,23 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return await on_api_error(_request, bad_message(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}.get(exc.status_code)
+        if code is None:
+            return JSONResponse({"error": {"code": "http_error", "message": str(exc.detail),
+                                           "type": "invalid_request_error"}},
+                                status_code=exc.status_code, headers=exc.headers)
+        what = "no route" if code is ErrorCode.NOT_FOUND else "method not allowed"
+        return await on_api_error(request, ApiError(
+            code, f"{what}: {request.method} {request.url.path}"))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback after this answers.
+        return await on_api_error(request, ApiError(
+            ErrorCode.INTERNAL_ERROR, "internal error; see the server log"))
 
     static = resources.files("antiphon.web_ui") / "static"
     app.mount("/static", StaticFiles(directory=str(static)), name="static")

@@ -9,16 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Any
 
-from antiphon.engine_ext.engine import Engine, EngineDeadError, EngineRequestError
+from antiphon.engine_ext.engine import (
+    Engine,
+    EngineDeadError,
+    EngineRequestError,
+    EngineRequestFailedError,
+)
 from antiphon.engine_ext.types import ChatContext, ChatTurn, Delta, GenerationParams, RequestClass
 from antiphon.server.config import ServerConfig
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.metrics import FinishedRequest, ServerMetrics
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -72,11 +80,11 @@ class ChatService:
         self.config = config
         self.rt_slo_s = rt_slo_s
 
-    def check_content(self, content: str) -> None:
+    def check_content(self, content: str, may_be_empty: bool = False) -> None:
         if len(content) > self.config.max_content_chars:
             raise ApiError(ErrorCode.TOO_LARGE, f"message has {len(content)} characters; the "
                            f"limit is {self.config.max_content_chars}")
-        if not content.strip():
+        if not may_be_empty and not content.strip():
             raise ApiError(ErrorCode.BAD_MESSAGE, "message content is empty")
 
     def check_max_tokens(self, max_tokens: int | None) -> None:
@@ -109,7 +117,7 @@ class ChatService:
             raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                            f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
                            f"exceeds the model's context of {self.engine.max_model_len} tokens")
-        limit = max_tokens if max_tokens is not None else min(self.config.default_max_tokens, room)
+        limit = max_tokens if max_tokens is not None else min(self.config.reply_max_tokens, room)
         params = GenerationParams(
             max_tokens=limit,
             temperature=0.0 if temperature is None else temperature,
@@ -140,6 +148,10 @@ class ChatService:
             raise ApiError(ErrorCode.BAD_MESSAGE, str(exc)) from exc
         except EngineDeadError as exc:
             raise ApiError(ErrorCode.ENGINE_ERROR, f"the engine failed: {exc}") from exc
+        except EngineRequestFailedError as exc:
+            logger.error("request %s failed in the engine: %s", gen.request_id, exc)
+            raise ApiError(ErrorCode.ENGINE_ERROR,
+                           f"the engine failed this request: {exc}") from exc
         finally:
             self._record(gen, api, outcome)
 

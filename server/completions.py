@@ -3,17 +3,18 @@ the `chat.completion` response object. Shared by `/v1/chat/completions` and the 
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from antiphon.engine_ext.types import ChatTurn, RequestClass
 from antiphon.server.chat import ChatService, Generation
 from antiphon.server.errors import ApiError, ErrorCode
-from antiphon.server.protocol import ID_PATTERN
+from antiphon.server.protocol import ID_PATTERN, StrictBool, StrictFloat, StrictInt
 
 
 class TextPart(BaseModel):
@@ -24,44 +25,85 @@ class TextPart(BaseModel):
 class OpenAIMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
+    """Required, and not blank, except in an assistant message (clients send "" or null)."""
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> OpenAIMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(
-            p.text for p in self.content)
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text for p in self.content)
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI parameters this server does not implement, each with the values that ask for nothing
+# it would ignore: any other value is refused rather than silently dropped.
+UNSUPPORTED_PARAMETERS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,),
+}
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what the engine's samplers take
+StopText = Annotated[str, Field(min_length=1)]
+
+
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
     messages: Annotated[list[OpenAIMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = 1.0
     n: Literal[1] = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
+    stop: StopText | list[StopText] | None = None
+    """At most the server's `max_stop_sequences`, each non-empty."""
+    seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    ignore_eos: StrictBool = False
     """vLLM's extension: generate exactly max_tokens (benchmarks)."""
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     vllm_xargs: dict[str, Any] | None = None
     """Antiphon reads `request_class` ("rt" or "be"), `ttft_slo_s`, `tpot_slo_s` and
     `session_id` here."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, neutral in UNSUPPORTED_PARAMETERS.items():
+                if name in data and not any(_same(data[name], v) for v in neutral):
+                    raise ValueError(f"{name} is not supported by this server")
+        return data
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
+def _same(value: Any, neutral: Any) -> bool:
+    """`value` equals `neutral` as JSON sees it (0 and 0.0 alike, false and 0 not)."""
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
 def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[ChatTurn]:
     """The request's conversation, after every check that needs no tokenizer (model, message
-    count and size, max_tokens); raises `ApiError`."""
+    count and size, max_tokens, stop sequences, `vllm_xargs`); raises `ApiError`."""
     if body.model != chat.engine.model_name:
         raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"model {body.model!r} is not served here; "
                        f"this server serves {chat.engine.model_name!r}")
@@ -70,10 +112,15 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
         raise ApiError(ErrorCode.TOO_LARGE, f"{len(body.messages)} messages; the limit is "
                        f"{limits.max_messages}")
     chat.check_max_tokens(body.requested_max_tokens)
+    _request_class(body.vllm_xargs or {})
+    _slo_overrides(body.vllm_xargs or {})
+    if len(body.stop_sequences) > limits.max_stop_sequences:
+        raise ApiError(ErrorCode.TOO_LARGE, f"{len(body.stop_sequences)} stop sequences; the "
+                       f"limit is {limits.max_stop_sequences}")
     turns = []
     for m in body.messages:
         text = m.text()
-        chat.check_content(text)
+        chat.check_content(text, may_be_empty=m.role == "assistant")
         turns.append(ChatTurn("system" if m.role == "developer" else m.role, text))
     return turns
 
@@ -96,28 +143,32 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest,
     bad input."""
     turns = completion_turns(chat, body)
     if request_class is None:
-        xargs = body.vllm_xargs or {}
-        try:
-            request_class = RequestClass(xargs.get("request_class", "rt"))
-        except ValueError:
-            raise ApiError(ErrorCode.BAD_MESSAGE,
-                           "vllm_xargs.request_class must be 'rt' or 'be'") from None
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        request_class = _request_class(body.vllm_xargs or {})
     return chat.prepare(
         secrets.token_hex(12), turns, body.requested_max_tokens, body.temperature,
-        request_class, session_id, top_p=body.top_p, stop=stop, seed=body.seed,
+        request_class, session_id, top_p=body.top_p, stop=body.stop_sequences, seed=body.seed,
         ignore_eos=body.ignore_eos, **_slo_overrides(body.vllm_xargs or {}))
 
 
+def _request_class(xargs: dict[str, Any]) -> RequestClass:
+    """The class `vllm_xargs.request_class` names (RT by default)."""
+    try:
+        return RequestClass(xargs.get("request_class", "rt"))
+    except ValueError:
+        raise ApiError(ErrorCode.BAD_MESSAGE,
+                       "vllm_xargs.request_class must be 'rt' or 'be'") from None
+
+
 def _slo_overrides(xargs: dict[str, Any]) -> dict[str, Any]:
-    """Per-request TTFT/TPOT targets from `vllm_xargs` (seconds, positive)."""
+    """Per-request TTFT/TPOT targets from `vllm_xargs` (seconds, positive and finite)."""
     out: dict[str, Any] = {}
     for key in ("ttft_slo_s", "tpot_slo_s"):
         if key in xargs:
             value = xargs[key]
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not 0 < value < math.inf):
                 raise ApiError(ErrorCode.BAD_MESSAGE,
-                               f"vllm_xargs.{key} must be a positive number of seconds")
+                               f"vllm_xargs.{key} must be a positive, finite number of seconds")
             out[key] = float(value)
     return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 from typing import Any
 
 from antiphon.configfields import doc
@@ -29,12 +30,21 @@ class ServerConfig:
                                default=256 * 1024)
     max_content_chars: int = doc("Longest user message, in characters", default=32_000)
     max_messages: int = doc("Most messages in one /v1/chat/completions request", default=256)
-    default_max_tokens: int = doc("Output tokens when a request does not say", default=512)
+    default_max_tokens: int | None = doc(
+        "Output tokens when a request does not say; unset: 512, or --max-tokens-limit where "
+        "that is lower", default=None)
     max_tokens_limit: int = doc("Largest max_tokens a request may ask for", default=4096)
+    max_stop_sequences: int = doc("Most stop sequences in one request", default=16)
     max_inflight_per_connection: int = doc(
         "Most generations in flight on one websocket connection", default=16)
     max_connections: int = doc("Most open websocket connections", default=512)
     max_sessions_listed: int = doc("Most sessions returned by one listing", default=200)
+    typing_interval_s: float = doc(
+        "A session's typing advisories closer together than this many seconds count once: "
+        "the rest are dropped unrecorded (a client that sends one per keystroke)", default=1.0)
+    max_advisory_lead_s: float = doc(
+        "Latest expected_arrival an advisory may name, in seconds from now: the prefetched KV "
+        "stays reserved until then (plus the engine's --advisory-ttl-s)", default=600.0)
     max_batch_file_bytes: int = doc("Largest file uploaded to /v1/files, in bytes",
                                     default=64 * 1024 * 1024)
     max_batch_items: int = doc("Most requests (lines) in one batch input file", default=50_000)
@@ -61,16 +71,27 @@ class ServerConfig:
         if any(len(k) < 8 for k in self.api_keys):
             raise ValueError("API keys must be at least 8 characters long")
         for name in ("max_frame_bytes", "max_content_chars", "max_messages", "default_max_tokens",
-                     "max_tokens_limit", "max_inflight_per_connection", "max_connections",
-                     "max_sessions_listed", "max_batch_file_bytes", "max_batch_items",
+                     "max_tokens_limit", "max_stop_sequences", "max_inflight_per_connection",
+                     "max_connections", "max_sessions_listed", "max_batch_file_bytes", "max_batch_items",
                      "max_batch_concurrency", "dashboard_history", "dashboard_max_requests"):
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("dashboard_interval_s", "keep_alive_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive")
-        if self.default_max_tokens > self.max_tokens_limit:
-            raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+        for name in ("dashboard_interval_s", "keep_alive_s", "max_advisory_lead_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be positive and finite")
+        if not 0 <= self.typing_interval_s < math.inf:
+            raise ValueError("typing_interval_s must be at least 0 and finite")
+        if self.reply_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed "
+                             f"max_tokens_limit ({self.max_tokens_limit})")
+
+    @property
+    def reply_max_tokens(self) -> int:
+        """Output tokens of a request that does not say (`default_max_tokens` resolved)."""
+        if self.default_max_tokens is None:
+            return min(512, self.max_tokens_limit)
+        return self.default_max_tokens
 
     def uvicorn_options(self) -> dict[str, Any]:
         """The options uvicorn serves the app with."""

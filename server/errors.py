@@ -24,6 +24,7 @@ class ErrorCode(enum.StrEnum):
     ENGINE_ERROR = "engine_error"
     SHUTTING_DOWN = "shutting_down"
     FILE_NOT_FOUND = "file_not_found"
+    FILE_IN_USE = "file_in_use"
     INVALID_FILE = "invalid_file"
     BATCH_NOT_FOUND = "batch_not_found"
     BATCH_NOT_CANCELLABLE = "batch_not_cancellable"
@@ -32,6 +33,9 @@ class ErrorCode(enum.StrEnum):
     UNSUPPORTED_URL = "unsupported_url"
     TOO_MANY_ITEMS = "too_many_items"
     BATCH_EXPIRED = "batch_expired"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    INTERNAL_ERROR = "internal_error"
 
 
 # HTTP status for each code, used by the REST layer.
@@ -52,6 +56,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.ENGINE_ERROR: 500,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.FILE_NOT_FOUND: 404,
+    ErrorCode.FILE_IN_USE: 409,
     ErrorCode.INVALID_FILE: 400,
     ErrorCode.BATCH_NOT_FOUND: 404,
     ErrorCode.BATCH_NOT_CANCELLABLE: 409,
@@ -60,16 +65,20 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNSUPPORTED_URL: 400,
     ErrorCode.TOO_MANY_ITEMS: 413,
     ErrorCode.BATCH_EXPIRED: 408,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.INTERNAL_ERROR: 500,
 }
 
 
 class ApiError(Exception):
     """An error the client caused or must know about; carries a stable code."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.request_id = request_id  # of the websocket request it answers, where known
 
     @property
     def http_status(self) -> int:

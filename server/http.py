@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import TypeVar
 
 from fastapi import Request
@@ -12,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 from antiphon.server.auth import key_from_headers
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
+from antiphon.server.protocol import parse_json
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -41,11 +41,7 @@ async def read_body(request: Request) -> bytes:
 
 async def read_model(request: Request, model: type[M]) -> M:
     """Parse and validate a JSON body into `model`; raises typed `ApiError`s."""
-    raw = await read_body(request)
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(ErrorCode.BAD_JSON, f"body is not valid JSON: {exc}") from None
+    data = parse_json(await read_body(request), "body")
     try:
         return model.model_validate(data)
     except ValidationError as exc:

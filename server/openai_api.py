@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from antiphon.server.chat import Generation
 from antiphon.server.completions import (
@@ -19,10 +22,12 @@ from antiphon.server.completions import (
     session_xarg,
 )
 from antiphon.server.context import AppContext
-from antiphon.server.errors import ApiError
+from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.http import authorize, read_model
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the reply
 
 
 @router.get("/v1/models")
@@ -35,7 +40,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+async def chat_completions(request: Request) -> Response:
     """A chat completion. With `vllm_xargs.session_id` (one of the caller's sessions) the
     request runs as a turn of that session: the client still sends the whole conversation,
     and the server keeps the exchange's exact tokens as the session's context, which an
@@ -48,16 +53,56 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
         await ctx.turns.get(owner, session_id)
     gen = prepare_completion(ctx.chat, body, session_id=session_id)
     completion_id = "chatcmpl-" + gen.request_id
+    release = None
+    if session_id is not None:
+        ctx.turns.claim(session_id, gen.request_id)
+        release = BackgroundTask(_release, ctx, session_id, gen.request_id)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # The release also runs after the stream: a client gone before its first chunk
+        # leaves the stream never started, so its own `finally` never runs.
         return StreamingResponse(
             _sse(ctx, gen, completion_id, body.model, include_usage),
-            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    async with aclosing(ctx.chat.stream(gen, api="openai")) as pieces:
-        async for _ in pieces:
-            pass
-    await ctx.turns.record_exchange(gen)
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+            background=release)
+    try:
+        if not await _complete_unless_gone(ctx, gen, request):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        if release is not None:
+            await release()
     return JSONResponse(completion_object(gen, body.model))
+
+
+async def _release(ctx: AppContext, session_id: str, request_id: str) -> None:
+    ctx.turns.release(session_id, request_id)  # async: a sync task would run off the loop
+
+
+async def _complete_unless_gone(ctx: AppContext, gen: Generation, request: Request) -> bool:
+    """Run `gen` to its end and keep the exchange; False, with the generation aborted, if the
+    client disconnected first."""
+    async def run() -> None:
+        async with aclosing(ctx.chat.stream(gen, api="openai")) as pieces:
+            async for _ in pieces:
+                pass
+        await ctx.turns.record_exchange(gen)
+
+    async def disconnected() -> None:  # the body is read: the next message is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.create_task(run()), asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, watch):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.cancelled():
+        return False
+    work.result()  # raises the generation's ApiError
+    return True
 
 
 async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
@@ -74,16 +119,28 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
             payload["usage"] = usage
         return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
+    def error(err: ApiError) -> str:
+        return "data: " + json.dumps({"error": {"code": err.code.value,
+                                                "message": err.message}}) + "\n\n"
+
     try:
+        yield chunk({"role": "assistant", "content": ""})
         async with aclosing(ctx.chat.stream(gen, api="openai")) as pieces:
             async for text in pieces:
                 yield chunk({"content": text})
+        await ctx.turns.record_exchange(gen)
     except ApiError as err:
-        yield "data: " + json.dumps({"error": {"code": err.code.value,
-                                               "message": err.message}}) + "\n\n"
+        ctx.metrics.errors.labels(err.code.value).inc()
+        yield error(err)
         return
-    await ctx.turns.record_exchange(gen)
+    except Exception:
+        logger.exception("chat completion %s failed", completion_id)
+        ctx.metrics.errors.labels(ErrorCode.INTERNAL_ERROR.value).inc()
+        yield error(ApiError(ErrorCode.INTERNAL_ERROR, "internal error; see the server log"))
+        return
+    finally:
+        if gen.params.session_id is not None:
+            ctx.turns.release(gen.params.session_id, gen.request_id)
     yield chunk({}, gen.finish_reason)
     if include_usage:
         yield chunk({}, usage=gen.usage())

@@ -27,6 +27,8 @@ Server to client::
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -36,6 +38,10 @@ from antiphon.server.errors import ApiError, ErrorCode, bad_message
 # Ids are opaque tokens chosen by the server or the client; restricting their alphabet keeps them
 # safe to log and to use as keys.
 ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
+# Numbers and flags as JSON has them: "5" is not 5, and true is not 1.
+StrictInt = Annotated[int, Field(strict=True)]
+StrictFloat = Annotated[float, Field(strict=True)]
+StrictBool = Annotated[bool, Field(strict=True)]
 
 
 class _Msg(BaseModel):
@@ -72,8 +78,8 @@ class ChatMessage(_Msg):
     """The user's message; its size limit is the server's `max_content_chars`."""
     request_id: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
     """Client-chosen id for correlating replies; the server assigns one when absent."""
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
 
 
 class Typing(_Msg):
@@ -95,12 +101,40 @@ CLIENT_TYPES = ("session.open", "session.list", "session.rename", "session.delet
                 "typing", "cancel")
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def parse_json(raw: str | bytes, what: str = "message") -> Any:
+    """Strict JSON as the APIs take it: no NaN or Infinity, nesting Python can walk, and every
+    string valid Unicode (a `\\ud800` escape decodes to an unpaired surrogate, which nothing
+    downstream can encode). Raises `bad_json` naming `what`."""
+    try:
+        if isinstance(raw, bytes):  # UTF-8 only: json.loads would also guess UTF-16 and 32
+            raw = raw.decode("utf-8-sig")
+        data = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+        json.dumps(data, ensure_ascii=False).encode()  # finds any unpaired surrogate
+    except RecursionError:
+        raise ApiError(ErrorCode.BAD_JSON, f"{what} is nested too deeply") from None
+    except UnicodeEncodeError:
+        raise ApiError(ErrorCode.BAD_JSON, f"{what} has a string that is not valid Unicode "
+                       "(an unpaired surrogate escape)") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the constants, and
+        # integers past Python's digit limit
+        raise ApiError(ErrorCode.BAD_JSON, f"{what} is not valid JSON: {exc}") from None
+    return data
+
+
 def decode_client_message(raw: str | bytes) -> ClientMessage:
     """Parse one client frame; raises `ApiError` with a typed code on any defect."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(ErrorCode.BAD_JSON, f"message is not valid JSON: {exc}") from None
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise ApiError(ErrorCode.BAD_MESSAGE, "message must be a JSON object")
     kind = data.get("type")
@@ -112,8 +146,11 @@ def decode_client_message(raw: str | bytes) -> ClientMessage:
     try:
         return _client_adapter.validate_python(data)
     except ValidationError as exc:
-        raise bad_message(exc.errors(), prefix=f"{kind}: ", skip_loc=1,
-                          default_loc="message") from None
+        err = bad_message(exc.errors(), prefix=f"{kind}: ", skip_loc=1, default_loc="message")
+        request_id = data.get("request_id")
+        if isinstance(request_id, str) and re.fullmatch(ID_PATTERN, request_id):
+            err.request_id = request_id  # the client can tell which request failed
+        raise err from None
 
 
 def encode(kind: str, **fields: Any) -> str:
@@ -122,4 +159,5 @@ def encode(kind: str, **fields: Any) -> str:
 
 
 def error_frame(err: ApiError, request_id: str | None = None) -> str:
-    return encode("error", code=err.code.value, message=err.message, request_id=request_id)
+    return encode("error", code=err.code.value, message=err.message,
+                  request_id=request_id or err.request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
@@ -85,6 +86,10 @@ async def advisory(request: Request) -> dict[str, Any]:
     body = await read_model(request, Advisory)
     if body.model_id is not None and body.model_id != ctx.engine.model_name:
         raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"model {body.model_id!r} is not served here")
+    lead = ctx.config.server.max_advisory_lead_s
+    if body.expected_arrival is not None and body.expected_arrival > lead:
+        raise ApiError(ErrorCode.BAD_MESSAGE, f"expected_arrival is {body.expected_arrival} s "
+                       f"away; the limit is {lead} s")
     held = await ctx.turns.record_advisory(owner, body.session_id, "rest",
                                            body.expected_arrival)
     return {"accepted": True, "session_id": body.session_id, "context_tokens_held": held}
@@ -114,6 +119,8 @@ async def dashboard(request: Request, since: float | None = None) -> dict[str, A
     """The live dashboard's time series: points sampled after `since` (unix seconds), or all
     kept. See `server/dashboard.py` for the fields."""
     authorize(request)
+    if since is not None and not math.isfinite(since):
+        raise ApiError(ErrorCode.BAD_MESSAGE, "since must be a finite number of seconds")
     return _ctx(request).dashboard.snapshot(since)
 
 

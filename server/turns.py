@@ -19,6 +19,16 @@ from antiphon.server.metrics import ServerMetrics
 from antiphon.sessions.store import Message, Session, SessionStore
 
 Emit = Callable[[str], Awaitable[None]]
+MAX_TYPING_SESSIONS = 10_000  # sessions whose last typing advisory is remembered before pruning
+
+
+def clean_title(title: str) -> str:
+    """A session title as stored: whitespace runs as single spaces, no control characters;
+    raises `bad_message` when nothing is left."""
+    title = " ".join("".join(ch for ch in title if ch.isprintable() or ch.isspace()).split())
+    if not title:
+        raise ApiError(ErrorCode.BAD_MESSAGE, "title is empty")
+    return title
 
 
 class SessionTurns:
@@ -26,14 +36,15 @@ class SessionTurns:
         self.store = store
         self.chat = chat
         self.metrics = metrics
-        self._busy_session_ids: set[str] = set()
+        self._busy: dict[str, str] = {}  # session id -> the request answering in it
+        self._last_typing_s: dict[str, float] = {}  # session id -> its last typing advisory
 
     async def open(self, owner: str, session_id: str | None,
                    title: str | None = None) -> tuple[Session, list[Message]]:
         """Create a session (no id) or load one of `owner`'s; raises `session_not_found`."""
         if session_id is None:
-            session = await asyncio.to_thread(self.store.create_session, owner,
-                                              title or "New chat")
+            title = "New chat" if title is None else clean_title(title)
+            session = await asyncio.to_thread(self.store.create_session, owner, title)
             return session, []
         session = await self.get(owner, session_id)
         return session, await asyncio.to_thread(self.store.messages, session_id)
@@ -46,17 +57,15 @@ class SessionTurns:
 
     async def rename(self, owner: str, session_id: str, title: str) -> Session:
         """Retitle one of `owner`'s sessions; raises `session_not_found` or `bad_message`."""
-        title = " ".join(title.split())
-        if not title:
-            raise ApiError(ErrorCode.BAD_MESSAGE, "title is empty")
-        if not await asyncio.to_thread(self.store.rename_session, owner, session_id, title):
+        if not await asyncio.to_thread(self.store.rename_session, owner, session_id,
+                                       clean_title(title)):
             raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
         return await self.get(owner, session_id)
 
     async def delete(self, owner: str, session_id: str) -> None:
         """Delete one of `owner`'s sessions with its messages. Refused (`session_busy`, nothing
         changed) while a reply of it is streaming: stop that first."""
-        if session_id in self._busy_session_ids:
+        if session_id in self._busy:
             await self.get(owner, session_id)  # someone else's session stays "not found"
             raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is answering a "
                            "message; stop the reply before deleting the session")
@@ -67,8 +76,11 @@ class SessionTurns:
                               expected_arrival_s: float | None = None) -> int | None:
         """Record that `session_id` is about to send a turn (typing, agent hook, REST) and
         have the engine bring its KV forward. Returns the context tokens the engine's KV tiers
-        hold for it (None: the engine keeps no tiers)."""
+        hold for it (None: the engine keeps no tiers, or a typing advisory came within
+        `typing_interval_s` of the session's last and was dropped)."""
         await self.get(owner, session_id)
+        if source == "typing" and self._is_typing_repeat(session_id):
+            return None
         await asyncio.to_thread(self.store.record_advisory, session_id, source, time.time())
         self.metrics.advisories.labels(source).inc()
         history, context = await asyncio.to_thread(self._history, session_id)
@@ -80,6 +92,32 @@ class SessionTurns:
         else:
             return 0  # a new session: no conversation to bring forward yet
         return await self.chat.engine.advise(session_id, tokens, expected_arrival_s)
+
+    def _is_typing_repeat(self, session_id: str) -> bool:
+        """Whether a typing advisory for `session_id` now repeats one within the interval;
+        records it as the last otherwise."""
+        now, interval = time.monotonic(), self.chat.config.typing_interval_s
+        last = self._last_typing_s.get(session_id)
+        if last is not None and now - last < interval:
+            return True
+        if len(self._last_typing_s) >= MAX_TYPING_SESSIONS:  # forget sessions gone quiet
+            self._last_typing_s = {k: t for k, t in self._last_typing_s.items()
+                                   if now - t < interval}
+        self._last_typing_s[session_id] = now
+        return False
+
+    def claim(self, session_id: str, request_id: str) -> None:
+        """Mark `session_id` as answering `request_id`; raises `session_busy` if it already
+        answers another. One turn per session keeps the conversation in a single order."""
+        if session_id in self._busy:
+            raise ApiError(ErrorCode.SESSION_BUSY,
+                           f"session {session_id} is already answering a message")
+        self._busy[session_id] = request_id
+
+    def release(self, session_id: str, request_id: str) -> None:
+        """Clear `claim`'s mark, if `request_id` still holds it (safe to call twice)."""
+        if self._busy.get(session_id) == request_id:
+            del self._busy[session_id]
 
     async def record_exchange(self, gen: Generation) -> None:
         """Keep a finished chat completion of a session (`/v1/chat/completions` with
@@ -98,10 +136,7 @@ class SessionTurns:
         """
         self.chat.check_content(msg.content)
         await self.get(owner, msg.session_id)
-        if msg.session_id in self._busy_session_ids:
-            raise ApiError(ErrorCode.SESSION_BUSY,
-                           f"session {msg.session_id} is already answering a message")
-        self._busy_session_ids.add(msg.session_id)
+        self.claim(msg.session_id, request_id)
         try:
             history, context = await asyncio.to_thread(self._history, msg.session_id)
             turns = [ChatTurn(m.role, m.content) for m in history]
@@ -114,7 +149,7 @@ class SessionTurns:
                 await asyncio.to_thread(self.store.title_if_untitled, msg.session_id,
                                         " ".join(msg.content.split())[:60])
         except BaseException:
-            self._busy_session_ids.discard(msg.session_id)
+            self.release(msg.session_id, request_id)
             raise
         return gen
 
@@ -152,7 +187,7 @@ class SessionTurns:
                 await asyncio.shield(self._commit_reply(session_id, gen))
             raise
         finally:
-            self._busy_session_ids.discard(session_id)
+            self.release(session_id, rid)
 
     def _history(self, session_id: str) -> tuple[list[Message], ChatContext | None]:
         """The session's messages and the exact tokens through its last reply (if stored)."""

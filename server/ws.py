@@ -24,6 +24,13 @@ CLOSE_UNAUTHORIZED = 4401
 CLOSE_TRY_AGAIN = 1013
 
 
+def frame_bytes(data: str | bytes) -> int:
+    """A frame's size in bytes as it came over the wire (UTF-8 for a text frame)."""
+    if isinstance(data, bytes) or data.isascii():
+        return len(data)
+    return len(data.encode("utf-8", "surrogatepass"))
+
+
 class Connection:
     def __init__(self, ws: WebSocket, ctx: AppContext, owner: str) -> None:
         self.ws = ws
@@ -51,10 +58,13 @@ class Connection:
             await self._cancel_all()
 
     async def _handle_frame(self, data: str | bytes) -> None:
+        """Answer one frame; whatever goes wrong with it, the connection and the other
+        requests on it go on."""
         request_id: str | None = None
         try:
-            if len(data) > self.ctx.config.server.max_frame_bytes:
-                raise ApiError(ErrorCode.TOO_LARGE, f"message of {len(data)} bytes exceeds the "
+            size = frame_bytes(data)
+            if size > self.ctx.config.server.max_frame_bytes:
+                raise ApiError(ErrorCode.TOO_LARGE, f"message of {size} bytes exceeds the "
                                f"limit of {self.ctx.config.server.max_frame_bytes}")
             msg = protocol.decode_client_message(data)
             if isinstance(msg, protocol.ChatMessage):
@@ -63,6 +73,11 @@ class Connection:
         except ApiError as err:
             self.ctx.metrics.errors.labels(err.code.value).inc()
             await self.send(protocol.error_frame(err, request_id))
+        except Exception:
+            logger.exception("websocket frame failed")
+            self.ctx.metrics.errors.labels(ErrorCode.INTERNAL_ERROR.value).inc()
+            await self.send(protocol.error_frame(ApiError(
+                ErrorCode.INTERNAL_ERROR, "internal error; see the server log"), request_id))
 
     async def _dispatch(self, msg: protocol.ClientMessage) -> None:
         turns = self.ctx.turns

@@ -7,7 +7,7 @@ from contextlib import aclosing
 
 import pytest
 
-from antiphon.engine_ext.engine import EngineRequestError, VllmEngine
+from antiphon.engine_ext.engine import EngineRequestError, EngineRequestFailedError, VllmEngine
 from antiphon.engine_ext.types import ChatTurn, GenerationParams
 
 pytestmark = pytest.mark.engine
@@ -67,3 +67,24 @@ async def test_prompt_over_the_context_is_refused(engine: VllmEngine) -> None:
     with pytest.raises(EngineRequestError):
         async for _ in engine.generate("too-long", [1] * 3000, GenerationParams(max_tokens=4)):
             pass
+
+
+async def test_parameters_vllm_refuses_are_the_callers_error(engine: VllmEngine) -> None:
+    with pytest.raises(EngineRequestError, match="stop"):
+        async for _ in engine.generate("empty-stop", engine.render_chat(QUESTION),
+                                       GenerationParams(max_tokens=4, stop=("",))):
+            pass
+
+
+async def test_a_request_that_fails_on_its_way_in_is_aborted(engine: VllmEngine) -> None:
+    """A seed past 64 bits fails in vLLM after the request is registered but before the
+    engine core has it (the API refuses such seeds first; the engine must not rely on that):
+    the request fails alone, and nothing stays unfinished."""
+    with pytest.raises(EngineRequestFailedError):
+        async for _ in engine.generate("huge-seed", engine.render_chat(QUESTION),
+                                       GenerationParams(max_tokens=4, seed=2**70)):
+            pass
+    health = await engine.health()
+    assert health.is_healthy and health.num_unfinished_requests == 0
+    text, _ = await generate_text(engine, "after-failure", QUESTION)
+    assert "Paris" in text

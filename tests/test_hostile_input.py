@@ -1,0 +1,249 @@
+"""Hostile and odd input over a live server and a scripted engine: every case gets a typed
+error, changes nothing, and leaves the connection and the requests beside it running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+
+from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.server.config import ServerConfig
+from tests.conftest import Scripted, scripted_config
+from tests.liveserver import live_server
+from tests.wsclient import open_session, recv, recv_until, send
+
+CHAT = "/v1/chat/completions"
+DEEP = "[" * 3000 + "]" * 3000  # deeper than Python's recursion limit, within the size limit
+
+
+def post(s: Scripted, raw: str, path: str = CHAT) -> httpx.Response:
+    return httpx.post(s.url + path, content=raw.encode(),
+                      headers={"content-type": "application/json"}, timeout=30)
+
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    return {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def error_code(response: httpx.Response) -> tuple[int, str]:
+    return response.status_code, response.json()["error"]["code"]
+
+
+@pytest.mark.parametrize(("raw", "status", "code"), [
+    # an unpaired surrogate escape: valid JSON, but no tokenizer can encode it
+    ('{"model": "scripted", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     400, "bad_json"),
+    ('{"model": "scripted", "messages": [{"role": "user", "content": "hi"}], '
+     '"stop": ["\\udfff"]}', 400, "bad_json"),
+    (DEEP, 400, "bad_json"),
+    ('{"model": "scripted", "messages": [{"role": "user", "content": "hi"}], '
+     '"vllm_xargs": {"ttft_slo_s": NaN}}', 400, "bad_json"),
+    ('{"model": "scripted", "messages": [{"role": "user", "content": "hi"}], '
+     '"temperature": 1e999}', 400, "bad_json"),
+    ('{"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "seed": 1'
+     + "0" * 5000 + "}", 400, "bad_json"),  # past Python's integer digit limit
+])
+def test_json_no_part_of_the_server_could_use_is_refused(scripted: Scripted, raw: str,
+                                                          status: int, code: str) -> None:
+    assert error_code(post(scripted, raw)) == (status, code)
+    assert not scripted.engine.finished_request_ids  # nothing reached the engine
+
+
+@pytest.mark.parametrize(("fields", "status", "code", "words"), [
+    ({"stop": [""]}, 400, "bad_message", "stop"),
+    ({"stop": [str(i) for i in range(17)]}, 413, "too_large", "stop sequences"),
+    ({"seed": 2**70}, 400, "bad_message", "seed"),
+    ({"max_tokens": "5"}, 400, "bad_message", "max_tokens"),
+    ({"max_tokens": True}, 400, "bad_message", "max_tokens"),
+    ({"stream": "yes"}, 400, "bad_message", "stream"),
+    ({"temperature": "0.5"}, 400, "bad_message", "temperature"),
+    ({"logprobs": True}, 400, "bad_message", "logprobs is not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "bad_message",
+     "tools is not supported"),
+    ({"response_format": {"type": "json_object"}}, 400, "bad_message", "response_format"),
+    ({"presence_penalty": 0.5}, 400, "bad_message", "presence_penalty"),
+    ({"vllm_xargs": {"tpot_slo_s": 1e308 * 10}}, 400, "bad_json", "not valid JSON"),
+    ({"vllm_xargs": {"ttft_slo_s": -1}}, 400, "bad_message", "ttft_slo_s"),
+])
+def test_parameters_are_checked_not_coerced_or_ignored(
+        scripted: Scripted, fields: dict[str, Any], status: int, code: str, words: str) -> None:
+    response = post(scripted, json.dumps(chat_body(**fields)))
+    assert error_code(response) == (status, code)
+    assert words in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("fields", [
+    {"logprobs": False, "presence_penalty": 0.0, "frequency_penalty": 0, "tool_choice": "none",
+     "response_format": {"type": "text"}, "user": "u1", "seed": 2**64 - 1},
+    # what OpenAI clients send back as the assistant's earlier turn
+    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
+                  {"role": "assistant", "content": None}, {"role": "user", "content": "b"}]},
+])
+def test_neutral_values_of_unsupported_parameters_are_accepted(
+        scripted: Scripted, fields: dict[str, Any]) -> None:
+    response = post(scripted, json.dumps(chat_body(**fields)))
+    assert response.status_code == 200, response.text
+
+
+def test_unknown_routes_and_methods_answer_in_the_error_format(scripted: Scripted) -> None:
+    assert error_code(httpx.get(scripted.url + "/v1/nope")) == (404, "not_found")
+    assert error_code(httpx.delete(scripted.url + "/v1/models")) == (405, "method_not_allowed")
+    assert error_code(httpx.get(scripted.url + "/v1/dashboard?since=nan")) == (400,
+                                                                              "bad_message")
+
+
+def test_an_advisory_cannot_reserve_memory_past_the_lead_limit(scripted: Scripted) -> None:
+    sid = httpx.post(scripted.url + "/v1/sessions", json={}).json()["session_id"]
+    far = ServerConfig().max_advisory_lead_s + 1
+    response = httpx.post(scripted.url + "/v1/advisory",
+                          json={"session_id": sid, "expected_arrival": far})
+    assert error_code(response) == (400, "bad_message")
+    assert not scripted.engine.advisories
+    ok = httpx.post(scripted.url + "/v1/advisory", json={"session_id": sid,
+                                                         "expected_arrival": 2.5})
+    assert ok.status_code == 202
+
+
+def test_session_titles_are_cleaned_alike_on_create_and_rename(scripted: Scripted) -> None:
+    url = scripted.url + "/v1/sessions"
+    assert error_code(httpx.post(url, json={"title": "  \n "})) == (400, "bad_message")
+    created = httpx.post(url, json={"title": " a\u0000\n  b<script> "}).json()
+    assert created["title"] == "a b<script>"
+    renamed = httpx.patch(f"{url}/{created['session_id']}", json={"title": "c\u0007  d"})
+    assert renamed.json()["title"] == "c d"
+
+
+async def test_a_bad_frame_answers_an_error_and_the_replies_beside_it_go_on(
+        scripted: Scripted) -> None:
+    scripted.engine.token_delay_s = 0.02
+    async with connect(scripted.ws_url) as ws:
+        busy = (await open_session(ws))["session"]["session_id"]
+        other = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=busy, content="w " * 30, request_id="long")
+        await recv(ws)  # accepted
+        surrogate = json.dumps({"type": "message", "session_id": other, "content": "a\ud800b",
+                                "request_id": "sur"})  # json.dumps writes it as an escape
+        frames = [surrogate,
+                  '{"type": "session.open", "title": ' + DEEP + "}"]
+        for frame in frames:
+            await ws.send(frame)
+        errors = [f for f in await recv_until(ws, "done") if f["type"] == "error"]
+        assert [(e["code"], e["request_id"]) for e in errors] == [("bad_json", None)] * 2
+        await send(ws, type="message", session_id=other, content="still here")
+        done = (await recv_until(ws, "done"))[-1]
+        assert done["text"] == "You said: still here"
+        assert (await open_session(ws, busy))["messages"][-1]["finish_reason"] == "stop"
+
+
+async def test_a_failed_message_names_its_request(scripted: Scripted) -> None:
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="hi", max_tokens="5",
+                   request_id="mine")
+        frame = await recv(ws)
+        assert (frame["code"], frame["request_id"]) == ("bad_message", "mine")
+
+
+async def test_the_frame_limit_counts_bytes(scripted: Scripted) -> None:
+    limit = scripted.config.server.max_frame_bytes
+    async with connect(scripted.ws_url) as ws:
+        # fewer characters than the limit, more bytes: each is two bytes in UTF-8
+        await ws.send(json.dumps({"type": "session.list", "pad": "é" * (limit // 2 + 10)},
+                                 ensure_ascii=False))
+        assert (await recv(ws))["code"] == "too_large"
+
+
+async def test_an_unexpected_failure_answers_internal_error_and_the_connection_goes_on(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(*_args: object) -> None:
+        raise RuntimeError("the engine's advisory channel broke")
+
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="first")
+        await recv_until(ws, "done")  # a conversation to bring forward
+        monkeypatch.setattr(scripted.engine, "advise", broken)
+        await send(ws, type="typing", session_id=sid)
+        assert (await recv(ws))["code"] == "internal_error"
+        await send(ws, type="session.list")
+        assert (await recv(ws))["type"] == "sessions"
+    metrics = httpx.get(scripted.url + "/metrics").text
+    assert 'antiphon_errors_total{code="internal_error"} 1.0' in metrics
+
+
+async def test_typing_advisories_of_a_session_count_once_per_interval(tmp_path: Path) -> None:
+    engine = ScriptedEngine()
+    config = scripted_config(tmp_path, typing_interval_s=60.0)
+    with live_server(config, engine) as url:
+        await _type_away(url.replace("http://", "ws://") + "/v1/ws")
+        metrics = httpx.get(url + "/metrics").text
+    assert len(engine.advisories) == 1
+    assert 'antiphon_advisories_total{source="typing"} 1.0' in metrics
+
+
+async def _type_away(ws_url: str) -> None:
+    async with connect(ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="first")
+        await recv_until(ws, "done")
+        for _ in range(200):  # a client sending one per keystroke
+            await send(ws, type="typing", session_id=sid)
+        await send(ws, type="session.list")
+        assert (await recv(ws))["type"] == "sessions"  # answered after all of them
+
+
+async def test_a_rest_turn_waits_for_a_websocket_turn_of_its_session(
+        scripted: Scripted) -> None:
+    scripted.engine.token_delay_s = 0.02
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="w " * 30)
+        await recv(ws)  # accepted: the session is answering
+        async with httpx.AsyncClient() as client:
+            response = await client.post(scripted.url + CHAT, json=chat_body(
+                vllm_xargs={"session_id": sid}))
+            assert error_code(response) == (409, "session_busy")
+            await recv_until(ws, "done")
+            response = await client.post(scripted.url + CHAT, json=chat_body(
+                vllm_xargs={"session_id": sid}))
+            assert response.status_code == 200
+            # the REST turn holds the session too, streaming or not, and lets it go after
+            async with client.stream("POST", scripted.url + CHAT, json=chat_body(
+                    stream=True, messages=[{"role": "user", "content": "w " * 30}],
+                    vllm_xargs={"session_id": sid})) as stream:
+                lines = stream.aiter_lines()
+                await anext(lines)
+                await send(ws, type="message", session_id=sid, content="now?")
+                assert (await recv(ws))["code"] == "session_busy"
+                async for _ in lines:
+                    pass
+        await send(ws, type="message", session_id=sid, content="now")
+        assert (await recv_until(ws, "done"))[-1]["text"] == "You said: now"
+
+
+async def test_a_client_that_leaves_a_non_streaming_completion_aborts_it(
+        scripted: Scripted) -> None:
+    scripted.engine.token_delay_s = 0.05
+    async with httpx.AsyncClient() as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(scripted.url + CHAT, timeout=0.5, json=chat_body(
+                messages=[{"role": "user", "content": "w " * 60}]))
+    for _ in range(100):
+        if not scripted.engine.active_request_ids:
+            break
+        await asyncio.sleep(0.02)
+    assert not scripted.engine.active_request_ids
+    assert len(scripted.engine.finished_request_ids) == 1
+
+
+def test_the_default_reply_length_fits_a_lower_token_limit() -> None:
+    assert ServerConfig(max_tokens_limit=256).reply_max_tokens == 256
+    assert ServerConfig().reply_max_tokens == 512
+    with pytest.raises(ValueError, match=r"default_max_tokens \(300\) must not exceed"):
+        ServerConfig(max_tokens_limit=256, default_max_tokens=300)
