@@ -89,6 +89,21 @@ async def file_content(file_id: str, request: Request) -> FileResponse:
     return FileResponse(ctx.files.path(file_id), media_type="application/jsonl")
 
 
+@router.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str, request: Request) -> dict[str, Any]:
+    """Delete a file: an input no unfinished batch reads, or a finished batch's results
+    (the batch keeps naming them; their content is gone)."""
+    ctx, owner = _ctx(request), authorize(request)
+    why_not = await asyncio.to_thread(ctx.batch_store.delete_file, owner, file_id)
+    if why_not == "not found":
+        raise ApiError(ErrorCode.FILE_NOT_FOUND, f"no file {file_id}")
+    if why_not is not None:
+        raise ApiError(ErrorCode.FILE_IN_USE,
+                       f"file {file_id} is the input of a batch still running; cancel it first")
+    await asyncio.to_thread(ctx.files.path(file_id).unlink, missing_ok=True)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
 @router.post("/v1/batches")
 async def create_batch(request: Request) -> dict[str, Any]:
     ctx, owner = _ctx(request), authorize(request)

@@ -15,6 +15,7 @@ from antiphon.server.batch_types import BATCH_ENDPOINT, InputItem
 from antiphon.server.chat import ChatService
 from antiphon.server.completions import ChatCompletionRequest, completion_turns
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
+from antiphon.server.protocol import parse_json
 
 MAX_CUSTOM_ID_CHARS = 512
 
@@ -71,8 +72,10 @@ def _check_request(data: dict[str, Any]) -> ChatCompletionRequest:
     if data.get("url") != BATCH_ENDPOINT:
         raise ApiError(ErrorCode.UNSUPPORTED_URL,
                        f"url {data.get('url')!r} is not supported; use {BATCH_ENDPOINT!r}")
+    if not isinstance(data.get("body"), dict):
+        raise ApiError(ErrorCode.BAD_MESSAGE, "body must be a JSON object: the request")
     try:
-        body = ChatCompletionRequest.model_validate(data.get("body"))
+        body = ChatCompletionRequest.model_validate(data["body"])
     except ValidationError as exc:
         raise bad_message(exc.errors(), prefix="body.") from None
     if body.stream:
@@ -81,10 +84,7 @@ def _check_request(data: dict[str, Any]) -> ChatCompletionRequest:
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(ErrorCode.BAD_JSON, f"the line is not valid JSON: {exc}") from None
+    data = parse_json(raw, "the line")
     if not isinstance(data, dict):
         raise ApiError(ErrorCode.BAD_MESSAGE, "the line must be a JSON object")
     return data

@@ -102,25 +102,36 @@ class BatchRunner:
         """Move each unfinished batch one stage on, then fill free slots with items."""
         runnable: list[Batch] = []
         for b in await asyncio.to_thread(self.store.unfinished_batches):
-            if b.status == BatchStatus.VALIDATING:
-                await self._validate(b)
-            elif b.status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
-                await self._abort([k for k in self._inflight if k[0] == b.batch_id])
-                await self._finalize(b)
-            elif time.time() >= b.times["expires_at"]:
-                num_expired = await asyncio.to_thread(self.store.expire_batch, b.batch_id)
-                self.metrics.batch_items.labels("failed").inc(num_expired)
-                self.notify()
-            elif b.counts.num_pending == 0:
-                await asyncio.to_thread(self.store.begin_finalize, b.batch_id)
-                self.notify()
-            else:
-                runnable.append(b)
+            try:
+                if await self._advance(b):
+                    runnable.append(b)
+            except Exception:  # this batch waits for the next step; the others go on
+                logger.exception("batch %s: %s failed; trying again", b.batch_id, b.status)
         await self._dispatch(runnable)
         num_waiting = sum(b.counts.num_pending for b in runnable) - len(self._inflight)
         self.metrics.batch_queue.set(max(0, num_waiting))
 
+    async def _advance(self, b: Batch) -> bool:
+        """Move batch `b` one stage on; whether it has items to run now."""
+        if b.status == BatchStatus.VALIDATING:
+            await self._validate(b)
+        elif b.status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
+            await self._abort([k for k in self._inflight if k[0] == b.batch_id])
+            await self._finalize(b)
+        elif time.time() >= b.times["expires_at"]:
+            num_expired = await asyncio.to_thread(self.store.expire_batch, b.batch_id)
+            self.metrics.batch_items.labels("failed").inc(num_expired)
+            self.notify()
+        elif b.counts.num_pending == 0:
+            await asyncio.to_thread(self.store.begin_finalize, b.batch_id)
+            self.notify()
+        else:
+            return True
+        return False
+
     async def _validate(self, b: Batch) -> None:
+        """Check every line of `b`'s input; fails the batch as a whole only when the file
+        cannot be read (or its check fails in a way no line explains: it would every time)."""
         path = self.files.path(b.input_file_id)
         try:
             items = await asyncio.to_thread(read_items, path, self.chat,
@@ -129,6 +140,12 @@ class BatchRunner:
         except OSError as exc:
             await asyncio.to_thread(self.store.fail_batch, b.batch_id, ErrorCode.INVALID_FILE,
                                     f"the input file cannot be read: {exc.strerror}")
+            return
+        except Exception as exc:
+            logger.exception("batch %s: validation failed", b.batch_id)
+            await asyncio.to_thread(self.store.fail_batch, b.batch_id, ErrorCode.INVALID_FILE,
+                                    f"the input file could not be checked: "
+                                    f"{type(exc).__name__}: {exc}")
             return
         if not items:
             await asyncio.to_thread(self.store.fail_batch, b.batch_id, ErrorCode.INVALID_FILE,
@@ -172,6 +189,12 @@ class BatchRunner:
             if result is not None and await self._commit(batch_id, item.line_index, result):
                 outcome = "completed" if result.state == ItemState.SUCCEEDED else "failed"
                 self.metrics.batch_items.labels(outcome).inc()
+        except asyncio.CancelledError:
+            # Stopped on purpose (shutdown or cancel), not cut short by a failure: the start
+            # does not count towards MAX_ITEM_ATTEMPTS. A crash leaves it counted.
+            await asyncio.shield(asyncio.to_thread(
+                self.store.record_attempts, batch_id, [item.line_index], -1))
+            raise
         except Exception:
             logger.exception("batch %s line %d failed; it will run again", batch_id,
                              item.line_index)
@@ -202,7 +225,8 @@ class BatchRunner:
                     pass
         except ApiError as err:
             if err.http_status < 500:
-                return ItemResult(None, None, err.code.value, err.message)
+                return ItemResult(None, None, err.code.value,
+                                  f"line {item.line_index + 1}: {err.message}")
             logger.warning("batch item %s: %s; it will run again", item.custom_id, err.message)
             self._paused_until = time.monotonic() + RETRY_DELAY_S
             return None

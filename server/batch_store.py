@@ -35,7 +35,8 @@ _STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expi
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS files (
     file_id TEXT PRIMARY KEY, owner TEXT NOT NULL, purpose TEXT NOT NULL,
-    filename TEXT NOT NULL, num_bytes INTEGER NOT NULL, created_at REAL NOT NULL
+    filename TEXT NOT NULL, num_bytes INTEGER NOT NULL, created_at REAL NOT NULL,
+    deleted_at REAL  -- set by DELETE /v1/files: the row stays for the batches naming it
 );
 CREATE TABLE IF NOT EXISTS batches (
     batch_id TEXT PRIMARY KEY, owner TEXT NOT NULL,
@@ -70,6 +71,7 @@ _COUNTS = ("(SELECT COUNT(*) FROM items i WHERE i.batch_id = b.batch_id),"
            " (SELECT COUNT(*) FROM items i WHERE i.batch_id = b.batch_id AND i.state = 1),"
            " (SELECT COUNT(*) FROM items i WHERE i.batch_id = b.batch_id AND i.state = 2)")
 _SELECT_BATCH = f"SELECT {_BATCH_COLUMNS}, {_COUNTS} FROM batches b"
+_FILE_COLUMNS = "file_id, owner, purpose, filename, num_bytes, created_at"  # FileRecord's
 _FINISHED = str(tuple(s.value for s in BatchStatus if s.is_finished))  # an SQL list literal
 
 
@@ -91,6 +93,10 @@ class BatchStore:
 
     def __init__(self, path: Path, synchronous: str = "FULL") -> None:
         self.db = SqliteDb(path, _SCHEMA, synchronous)
+        with self.db.locked() as db:
+            columns = {row[1] for row in db.execute("PRAGMA table_info(files)")}
+            if "deleted_at" not in columns:  # a database from before files could be deleted
+                db.execute("ALTER TABLE files ADD COLUMN deleted_at REAL")
 
     def close(self) -> None:
         self.db.close()
@@ -103,14 +109,30 @@ class BatchStore:
 
     def get_file(self, owner: str, file_id: str) -> FileRecord | None:
         with self.db.locked() as db:
-            row = db.execute("SELECT * FROM files WHERE file_id = ? AND owner = ?",
-                             (file_id, owner)).fetchone()
+            row = db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE file_id = ? AND"
+                             " owner = ? AND deleted_at IS NULL", (file_id, owner)).fetchone()
         return FileRecord(*row) if row else None
+
+    def delete_file(self, owner: str, file_id: str) -> str | None:
+        """Mark one of `owner`'s files deleted (the caller then removes it from disk; a crash
+        before that leaves it to `FileStore.sweep`). Returns None when deleted, else why not:
+        "not found", or "in use" while an unfinished batch reads it."""
+        with self.db.transaction() as db:
+            if db.execute("SELECT 1 FROM files WHERE file_id = ? AND owner = ? AND"
+                          " deleted_at IS NULL", (file_id, owner)).fetchone() is None:
+                return "not found"
+            if db.execute("SELECT 1 FROM batches WHERE input_file_id = ? AND status NOT IN"
+                          f" {_FINISHED}", (file_id,)).fetchone() is not None:
+                return "in use"
+            db.execute("UPDATE files SET deleted_at = ? WHERE file_id = ?",
+                       (time.time(), file_id))
+        return None
 
     def file_sizes(self) -> dict[str, int]:
         """Bytes of every registered file, by id."""
         with self.db.locked() as db:
-            return dict(db.execute("SELECT file_id, num_bytes FROM files").fetchall())
+            return dict(db.execute("SELECT file_id, num_bytes FROM files"
+                                   " WHERE deleted_at IS NULL").fetchall())
 
     # Batches.
 
@@ -236,12 +258,15 @@ class BatchStore:
                 (batch_id, ItemState.PENDING, limit)).fetchall()
         return [PendingItem(*r) for r in rows]
 
-    def record_attempts(self, batch_id: str, line_indexes: Sequence[int]) -> None:
-        """Count one more start of each item (before it is sent to the engine)."""
+    def record_attempts(self, batch_id: str, line_indexes: Sequence[int],
+                        delta: int = 1) -> None:
+        """Count one more start of each item (before it is sent to the engine); `delta` -1
+        takes a start back (it was stopped on purpose, not cut short by a failure)."""
         with self.db.transaction() as db:
             db.executemany(
-                "UPDATE items SET num_attempts = num_attempts + 1"
-                " WHERE batch_id = ? AND line_index = ?", [(batch_id, i) for i in line_indexes])
+                "UPDATE items SET num_attempts = MAX(0, num_attempts + ?)"
+                " WHERE batch_id = ? AND line_index = ?",
+                [(delta, batch_id, i) for i in line_indexes])
 
     def commit_item(self, batch_id: str, line_index: int, result: ItemResult) -> bool:
         """Commit an item's result, durable on return. False (nothing written) when the item
@@ -299,7 +324,7 @@ class BatchStore:
 
 
 def _insert_file(db: sqlite3.Connection, f: FileRecord) -> None:
-    db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)",
+    db.execute(f"INSERT INTO files ({_FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
                (f.file_id, f.owner, f.purpose, f.filename, f.num_bytes, f.created_at))
 
 

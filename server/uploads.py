@@ -59,6 +59,10 @@ class _Receiver:
         self._name = ""
         self._is_file = False
         self._value = bytearray()
+        self.is_complete = False  # the closing boundary arrived
+
+    def on_end(self) -> None:
+        self.is_complete = True
 
     def on_part_begin(self) -> None:
         self._disposition, self._is_file, self._value = b"", False, bytearray()
@@ -121,13 +125,19 @@ async def receive_upload(request: Request, writer: FileWriter, max_lines: int) -
         "on_part_begin": r.on_part_begin, "on_part_data": r.on_part_data,
         "on_part_end": r.on_part_end, "on_header_field": r.on_header_field,
         "on_header_value": r.on_header_value, "on_header_end": r.on_header_end,
-        "on_headers_finished": r.on_headers_finished})
+        "on_headers_finished": r.on_headers_finished, "on_end": r.on_end})
     try:
         async for chunk in request.stream():
             parser.write(chunk)
         parser.finalize()
     except MultipartParseError as exc:
         raise ApiError(ErrorCode.BAD_MESSAGE, f"malformed multipart body: {exc}") from None
+    if not r.is_complete:
+        raise ApiError(ErrorCode.BAD_MESSAGE,
+                       "malformed multipart body: it ends before its closing boundary")
     if r.filename is None:
         raise ApiError(ErrorCode.BAD_MESSAGE, f"no file in the form field {FILE_FIELD!r}")
-    return Upload(r.filename, r.fields, writer.num_bytes, r.lines.finish())
+    num_lines = r.lines.finish()  # the last line, if no newline ends it, counts here
+    if num_lines > max_lines:
+        raise ApiError(ErrorCode.TOO_MANY_ITEMS, f"file has more than {max_lines} lines")
+    return Upload(r.filename, r.fields, writer.num_bytes, num_lines)

@@ -6,8 +6,12 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.server import batch_runner
 from antiphon.server.batch_runner import BatchRunner
 from antiphon.server.batch_store import BatchStore
 from antiphon.server.batch_types import (
@@ -93,3 +97,42 @@ async def test_crash_during_finalize_rebuilds_the_files(tmp_path: Path) -> None:
     assert not engine.finished_request_ids  # nothing ran again
     store.check_integrity()
     files.check_integrity(store.file_sizes())
+
+
+async def test_a_batch_whose_check_fails_fails_alone_and_the_others_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure no line explains (here: a checker bug) fails that batch, once; it neither
+    stops the runner nor keeps the batches beside it waiting."""
+    store, files, engine, runner = direct_runner(tmp_path)
+    await engine.start()
+    good = add_input(store, files, 4)
+    broken = add_input(store, files, 3)
+    real = batch_runner.read_items
+
+    def read_items(path: Path, *args: Any) -> Any:
+        if path == files.path(store.get_batch("o", broken).input_file_id):  # type: ignore[union-attr]
+            raise RecursionError("maximum recursion depth exceeded")
+        return real(path, *args)
+
+    monkeypatch.setattr(batch_runner, "read_items", read_items)
+    assert (await run_until_finished(store, runner, good)).status == BatchStatus.COMPLETED
+    failed = store.get_batch("o", broken)
+    assert failed is not None and failed.status == BatchStatus.FAILED
+    assert failed.errors and "RecursionError" in failed.errors[0]["message"]
+    store.check_integrity()
+
+
+async def test_stopping_the_server_does_not_use_up_an_items_attempts(tmp_path: Path) -> None:
+    """Items cut off by a clean shutdown run again as often as the server restarts; only a
+    start that ends in a crash counts towards MAX_ITEM_ATTEMPTS."""
+    store, files, engine, runner = direct_runner(tmp_path, token_delay_s=0.05)
+    await engine.start()
+    batch_id = add_input(store, files, 2)
+    for _ in range(batch_runner.MAX_ITEM_ATTEMPTS + 1):
+        await runner.start()
+        while len(engine.active_request_ids) < 2:
+            await asyncio.sleep(0.01)
+        await runner.stop()
+    assert [it.num_attempts for it in store.pending_items(batch_id, 10)] == [0, 0]
+    batch = await run_until_finished(store, runner, batch_id)
+    assert (batch.counts.completed, batch.counts.failed) == (2, 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,27 @@ def test_input_lines_fail_one_by_one(tmp_path: Path) -> None:
     duplicate = by_line[4]
     assert duplicate.custom_id == "a" and duplicate.body is None and duplicate.error is not None
     assert duplicate.error[1].startswith("line 5: ")
+
+
+def test_a_database_from_before_file_deletion_opens_and_deletes(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript("CREATE TABLE files (file_id TEXT PRIMARY KEY, owner TEXT NOT NULL,"
+                      " purpose TEXT NOT NULL, filename TEXT NOT NULL,"
+                      " num_bytes INTEGER NOT NULL, created_at REAL NOT NULL);"
+                      "INSERT INTO files VALUES ('file-old', 'alice', 'batch', 'a.jsonl', 3, 0);")
+    old.close()
+    store = BatchStore(path)
+    try:
+        assert store.get_file("alice", "file-old") is not None
+        batch_id = store.create_batch("alice", "file-old", "24h", 3600.0, None).batch_id
+        assert store.delete_file("alice", "file-old") == "in use"
+        assert store.request_cancel("alice", batch_id) is not None
+        store.finish_batch(store.get_batch("alice", batch_id), None, None)  # type: ignore[arg-type]
+        assert store.delete_file("bob", "file-old") == "not found"
+        assert store.delete_file("alice", "file-old") is None
+        assert store.get_file("alice", "file-old") is None and store.file_sizes() == {}
+        assert store.get_batch("alice", batch_id).input_file_id == "file-old"  # type: ignore[union-attr]
+        store.check_integrity()
+    finally:
+        store.close()

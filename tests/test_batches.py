@@ -310,3 +310,64 @@ def test_kill_9_mid_batch_resumes_without_losing_or_repeating_items(tmp_path: Pa
     assert not list((tmp_path / "files").glob("*.part"))
     check_stores(tmp_path)
     assert os.path.getsize(tmp_path / "files" / (batch["output_file_id"] + ".jsonl")) > 0
+
+
+def test_lines_no_part_of_the_server_could_use_fail_alone(tmp_path: Path) -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    lines = [request_line("ok-1", "fine"),
+             '{"custom_id": "deep", "method": "POST", "x": ' + deep + "}",
+             '{"custom_id": "digits", "x": 1' + "0" * 5000 + "}",
+             request_line("surrogate", "a\ud800b"),
+             request_line("seed", "x", seed=2**70),
+             request_line("slo", "x", vllm_xargs={"ttft_slo_s": -1}),
+             json.dumps({"custom_id": "nobody", "method": "POST", "url": "/v1/chat/completions"}),
+             request_line("ok-2", "also fine")]
+    with batch_server(tmp_path) as live:
+        client = live.client()
+        batch = wait_finished(live.url, submit(client, ("\n".join(lines) + "\n").encode()))
+        assert batch["status"] == "completed"
+        assert batch["request_counts"] == {"total": 8, "completed": 2, "failed": 6}
+        errors = [(r["custom_id"], r["error"]["code"], r["error"]["message"].split(":")[0])
+                  for r in lines_of(client, batch["error_file_id"])]
+        assert errors == [
+            (None, "bad_json", "line 2"), (None, "bad_json", "line 3"),
+            (None, "bad_json", "line 4"), ("seed", "bad_message", "line 5"),
+            ("slo", "bad_message", "line 6"), ("nobody", "bad_message", "line 7")]
+
+
+def test_uploads_that_end_early_or_hide_a_line_are_refused(tmp_path: Path) -> None:
+    with batch_server(tmp_path, max_batch_items=5) as live:
+        def refused(body: bytes, headers: dict[str, str]) -> tuple[int, str]:
+            r = httpx.post(live.url + "/v1/files", content=body, headers=headers)
+            return r.status_code, r.json()["error"]["code"]
+
+        lines = b"\n".join(request_line(f"i{i}", "x").encode() for i in range(6))  # no last \n
+        files = {"file": ("a.jsonl", lines)}
+        r = httpx.post(live.url + "/v1/files", files=files, data={"purpose": "batch"})
+        assert (r.status_code, r.json()["error"]["code"]) == (413, "too_many_items")
+        boundary = "b0undary"
+        cut = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n"
+               f"batch\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+               f"filename=\"a.jsonl\"\r\n\r\n").encode() + lines[:150]
+        assert refused(cut, {"content-type": f"multipart/form-data; boundary={boundary}"}) == (
+            400, "bad_message")
+        assert list((tmp_path / "files").iterdir()) == []
+
+
+def test_files_can_be_deleted_once_no_running_batch_reads_them(tmp_path: Path) -> None:
+    with batch_server(tmp_path, token_delay_s=0.02) as live:
+        client = live.client()
+        batch_id = submit(client, jsonl(6))
+        input_id = client.batches.retrieve(batch_id).input_file_id
+        with pytest.raises(openai.ConflictError, match="still running"):
+            client.files.delete(input_id)
+        batch = wait_finished(live.url, batch_id)
+        deleted = client.files.delete(batch["output_file_id"])
+        assert (deleted.id, deleted.deleted) == (batch["output_file_id"], True)
+        with pytest.raises(openai.NotFoundError):
+            client.files.content(batch["output_file_id"])
+        assert client.files.delete(input_id).deleted
+        with pytest.raises(openai.NotFoundError):
+            client.files.delete(input_id)
+        assert list((tmp_path / "files").iterdir()) == []
+        assert client.batches.retrieve(batch_id).status == "completed"
