@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class ErrorCode(enum.StrEnum):
@@ -87,8 +90,12 @@ class ApiError(Exception):
 
 def bad_message(errors: Sequence[Mapping[str, Any]], prefix: str = "", skip_loc: int = 0,
                 default_loc: str = "body") -> ApiError:
-    """A `bad_message` error naming the first failed field of a pydantic validation (`errors()`
-    of a ValidationError), e.g. "messages.0.role: Input should be 'user' or ..."."""
-    first = errors[0]
-    where = ".".join(str(p) for p in first["loc"][skip_loc:]) or default_loc
+    """A `bad_message` error naming a failed field of a pydantic validation (`errors()` of a
+    ValidationError), e.g. "messages.0.role: Input should be 'user' or ...": the first of the
+    deepest, which for a union (`str | list[str]`) is the member the input's shape matched.
+    The names pydantic gives union members ("constrained-str") are left out of the path."""
+    deepest = max(len(e["loc"]) for e in errors)
+    first = next(e for e in errors if len(e["loc"]) == deepest)
+    where = ".".join(str(p) for p in first["loc"][skip_loc:] if isinstance(p, int)
+                     or _FIELD_NAME.fullmatch(str(p))) or default_loc
     return ApiError(ErrorCode.BAD_MESSAGE, f"{prefix}{where}: {first['msg']}")

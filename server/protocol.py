@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -105,6 +106,13 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _bounded_int(text: str) -> int:
+    limit = sys.get_int_max_str_digits()
+    if limit and len(text.lstrip("-")) > limit:
+        raise ValueError(f"a number has more than {limit} digits")
+    return int(text)
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -119,15 +127,15 @@ def parse_json(raw: str | bytes, what: str = "message") -> Any:
     try:
         if isinstance(raw, bytes):  # UTF-8 only: json.loads would also guess UTF-16 and 32
             raw = raw.decode("utf-8-sig")
-        data = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+        data = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float,
+                          parse_int=_bounded_int)
         json.dumps(data, ensure_ascii=False).encode()  # finds any unpaired surrogate
     except RecursionError:
         raise ApiError(ErrorCode.BAD_JSON, f"{what} is nested too deeply") from None
     except UnicodeEncodeError:
         raise ApiError(ErrorCode.BAD_JSON, f"{what} has a string that is not valid Unicode "
                        "(an unpaired surrogate escape)") from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the constants, and
-        # integers past Python's digit limit
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the number checks
         raise ApiError(ErrorCode.BAD_JSON, f"{what} is not valid JSON: {exc}") from None
     return data
 
