@@ -22,10 +22,16 @@ Emit = Callable[[str], Awaitable[None]]
 MAX_TYPING_SESSIONS = 10_000  # sessions whose last typing advisory is remembered before pruning
 
 
+def title_text(text: str) -> str:
+    """`text` as a session title shows it: whitespace runs as single spaces, no control
+    characters."""
+    return " ".join("".join(ch for ch in text if ch.isprintable() or ch.isspace()).split())
+
+
 def clean_title(title: str) -> str:
-    """A session title as stored: whitespace runs as single spaces, no control characters;
-    raises `bad_message` when nothing is left."""
-    title = " ".join("".join(ch for ch in title if ch.isprintable() or ch.isspace()).split())
+    """A title a client gave, as stored (`title_text`); raises `bad_message` when nothing is
+    left."""
+    title = title_text(title)
     if not title:
         raise ApiError(ErrorCode.BAD_MESSAGE, "title is empty")
     return title
@@ -146,8 +152,9 @@ class SessionTurns:
             await asyncio.to_thread(self.store.append_message, msg.session_id, "user",
                                     msg.content, self.chat.engine.count_tokens(msg.content))
             if not history:
-                await asyncio.to_thread(self.store.title_if_untitled, msg.session_id,
-                                        " ".join(msg.content.split())[:60])
+                title = title_text(msg.content)[:60]
+                if title:
+                    await asyncio.to_thread(self.store.title_if_untitled, msg.session_id, title)
         except BaseException:
             self.release(msg.session_id, request_id)
             raise

@@ -122,6 +122,18 @@ def test_session_titles_are_cleaned_alike_on_create_and_rename(scripted: Scripte
     assert renamed.json()["title"] == "c d"
 
 
+async def test_a_session_is_named_after_its_first_message_as_printed(
+        scripted: Scripted) -> None:
+    async with connect(scripted.ws_url) as ws:
+        named, unnamed = [(await open_session(ws))["session"]["session_id"] for _ in range(2)]
+        for sid, content in ((named, "\u0000hello\n\tworld\u001b"), (unnamed, "\u0000\u0001")):
+            await send(ws, type="message", session_id=sid, content=content)
+            await recv_until(ws, "done")
+        titles = {s["session_id"]: s["title"]
+                  for s in httpx.get(scripted.url + "/v1/sessions").json()["sessions"]}
+    assert (titles[named], titles[unnamed]) == ("hello world", "New chat")
+
+
 async def test_a_bad_frame_answers_an_error_and_the_replies_beside_it_go_on(
         scripted: Scripted) -> None:
     scripted.engine.token_delay_s = 0.02
