@@ -98,4 +98,5 @@ def bad_message(errors: Sequence[Mapping[str, Any]], prefix: str = "", skip_loc:
     first = next(e for e in errors if len(e["loc"]) == deepest)
     where = ".".join(str(p) for p in first["loc"][skip_loc:] if isinstance(p, int)
                      or _FIELD_NAME.fullmatch(str(p))) or default_loc
-    return ApiError(ErrorCode.BAD_MESSAGE, f"{prefix}{where}: {first['msg']}")
+    message = str(first["msg"]).removeprefix("Value error, ")  # a validator's own words
+    return ApiError(ErrorCode.BAD_MESSAGE, f"{prefix}{where}: {message}")

@@ -140,6 +140,17 @@ def parse_json(raw: str | bytes, what: str = "message") -> Any:
     return data
 
 
+_REQUEST_ID_FIELD = re.compile(r'"request_id"\s*:\s*"([A-Za-z0-9_.:-]{1,64})"')
+
+
+def find_request_id(raw: str | bytes) -> str | None:
+    """The request id a frame that cannot be decoded (too large, not JSON) seems to carry,
+    found by its text, so its error can still name the request a client waits on."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    match = _REQUEST_ID_FIELD.search(text)
+    return match.group(1) if match else None
+
+
 def decode_client_message(raw: str | bytes) -> ClientMessage:
     """Parse one client frame; raises `ApiError` with a typed code on any defect."""
     data = parse_json(raw)

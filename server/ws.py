@@ -72,6 +72,8 @@ class Connection:
             await self._dispatch(msg)
         except ApiError as err:
             self.ctx.metrics.errors.labels(err.code.value).inc()
+            if err.code in (ErrorCode.TOO_LARGE, ErrorCode.BAD_JSON):
+                request_id = protocol.find_request_id(data)  # the client waits on it
             await self.send(protocol.error_frame(err, request_id))
         except Exception:
             logger.exception("websocket frame failed")
@@ -122,11 +124,16 @@ class Connection:
             msg.session_id, gen, self.send,
             is_user_cancel=lambda: request_id in self._cancelled_request_ids))
         self._turns[request_id] = task
-        task.add_done_callback(lambda _t: self._finish_turn(request_id))
+        task.add_done_callback(lambda _t: self._finish_turn(msg.session_id, request_id))
+        # Let the turn start before the next frame is read: a task cancelled before its first
+        # step never runs its body, so a `cancel` right behind the message would end it with
+        # no `done` frame and nothing committed.
+        await asyncio.sleep(0)
 
-    def _finish_turn(self, request_id: str) -> None:
+    def _finish_turn(self, session_id: str, request_id: str) -> None:
         self._turns.pop(request_id, None)
         self._cancelled_request_ids.discard(request_id)
+        self.ctx.turns.release(session_id, request_id)  # whatever way the turn ended
 
     async def _cancel_all(self) -> None:
         tasks = list(self._turns.values())

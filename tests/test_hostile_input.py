@@ -66,7 +66,7 @@ def test_json_no_part_of_the_server_could_use_is_refused(scripted: Scripted, raw
     ({"max_tokens": True}, 400, "bad_message", "max_tokens"),
     ({"stream": "yes"}, 400, "bad_message", "stream"),
     ({"temperature": "0.5"}, 400, "bad_message", "temperature"),
-    ({"logprobs": True}, 400, "bad_message", "logprobs is not supported"),
+    ({"logprobs": True}, 400, "bad_message", "body: logprobs is not supported"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "bad_message",
      "tools is not supported"),
     ({"response_format": {"type": "json_object"}}, 400, "bad_message", "response_format"),
@@ -149,7 +149,9 @@ async def test_a_bad_frame_answers_an_error_and_the_replies_beside_it_go_on(
         for frame in frames:
             await ws.send(frame)
         errors = [f for f in await recv_until(ws, "done") if f["type"] == "error"]
-        assert [(e["code"], e["request_id"]) for e in errors] == [("bad_json", None)] * 2
+        # the request id the undecodable frame carried is still named
+        assert [(e["code"], e["request_id"]) for e in errors] == [("bad_json", "sur"),
+                                                                   ("bad_json", None)]
         await send(ws, type="message", session_id=other, content="still here")
         done = (await recv_until(ws, "done"))[-1]
         assert done["text"] == "You said: still here"
@@ -168,10 +170,27 @@ async def test_a_failed_message_names_its_request(scripted: Scripted) -> None:
 async def test_the_frame_limit_counts_bytes(scripted: Scripted) -> None:
     limit = scripted.config.server.max_frame_bytes
     async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
         # fewer characters than the limit, more bytes: each is two bytes in UTF-8
-        await ws.send(json.dumps({"type": "session.list", "pad": "é" * (limit // 2 + 10)},
-                                 ensure_ascii=False))
-        assert (await recv(ws))["code"] == "too_large"
+        await ws.send(json.dumps({"type": "message", "session_id": sid, "request_id": "big",
+                                  "content": "é" * (limit // 2 + 10)}, ensure_ascii=False))
+        frame = await recv(ws)
+        assert (frame["code"], frame["request_id"]) == ("too_large", "big")
+
+
+async def test_a_cancel_right_behind_its_message_ends_the_turn(scripted: Scripted) -> None:
+    """Both frames in one write: the cancel arrives before the turn's task has run."""
+    scripted.engine.token_delay_s = 0.02
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        for i in range(5):
+            await send(ws, type="message", session_id=sid, content="w " * 20,
+                       request_id=f"r{i}")
+            await send(ws, type="cancel", request_id=f"r{i}")
+            frames = await recv_until(ws, "done", timeout=10)
+            assert frames[-1]["finish_reason"] == "cancelled"
+        await send(ws, type="message", session_id=sid, content="then this")
+        assert (await recv_until(ws, "done"))[-1]["text"] == "You said: then this"
 
 
 async def test_an_unexpected_failure_answers_internal_error_and_the_connection_goes_on(
