@@ -18,6 +18,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -31,11 +33,13 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 from antiphon.agents.errors import (
     AntiphonError,
     ConnectionLostError,
+    InvalidRequestError,
     RequestTimeoutError,
     error_for,
 )
 
 FINAL_BATCH_STATUSES = frozenset({"completed", "failed", "cancelled", "expired"})
+CLOSE_UNAUTHORIZED = 4401  # the server's close code for a missing or wrong API key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +81,13 @@ class _Turn:
 class AsyncAntiphon:
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, *,
                  timeout_s: float = 120.0, connect_attempts: int = 5,
-                 max_frame_bytes: int = 1 << 22) -> None:
+                 max_frame_bytes: int = 1 << 22, max_inflight: int = 16) -> None:
         """`timeout_s` bounds every REST call and the wait for each streamed token;
-        `connect_attempts` bounds the tries to (re)open the websocket."""
-        if connect_attempts < 1:
-            raise ValueError("connect_attempts must be at least 1")
+        `connect_attempts` bounds the tries to (re)open the websocket; `max_inflight` turns
+        at most are in flight on it (the server's --max-inflight-per-connection, 16 by
+        default), and more wait here for their turn."""
+        if connect_attempts < 1 or max_inflight < 1:
+            raise ValueError("connect_attempts and max_inflight must be at least 1")
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s
@@ -94,6 +100,8 @@ class AsyncAntiphon:
         self._reader: asyncio.Task[None] | None = None
         self._connect_lock = asyncio.Lock()
         self._turns: dict[str, _Turn] = {}
+        self._inflight = asyncio.Semaphore(max_inflight)
+        self._is_closed = False
         self.num_reconnects = 0
 
     async def __aenter__(self) -> AsyncAntiphon:
@@ -103,6 +111,8 @@ class AsyncAntiphon:
         await self.close()
 
     async def close(self) -> None:
+        """Close the websocket and the HTTP client; later calls raise ConnectionLostError."""
+        self._is_closed = True
         if self._ws is not None:
             await self._ws.close()
         if self._reader is not None:
@@ -112,15 +122,24 @@ class AsyncAntiphon:
 
     # -- REST ------------------------------------------------------------------------------
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise ConnectionLostError("the client is closed")
+
+    async def _get(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """The response, whatever its status; raises the SDK's errors when there is none."""
+        self._check_open()
         try:
-            r = await self._http.request(method, path, **kwargs)
+            return await self._http.request(method, path, **kwargs)
         except httpx.TimeoutException as exc:
             raise RequestTimeoutError(f"{method} {path}: no answer in {self.timeout_s} s") \
                 from exc
         except httpx.HTTPError as exc:
             raise ConnectionLostError(f"{method} {path}: cannot reach {self.base_url}: {exc}") \
                 from exc
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        r = await self._get(method, path, **kwargs)
         if r.is_success:
             return r
         try:
@@ -135,8 +154,8 @@ class AsyncAntiphon:
         return result
 
     async def health(self) -> dict[str, Any]:
-        r = await self._http.get("/healthz")
-        result: dict[str, Any] = r.json()
+        """The server's `/healthz`: `status` "ok", or "unavailable" (503) with a `detail`."""
+        result: dict[str, Any] = (await self._get("GET", "/healthz")).json()
         return result
 
     async def models(self) -> list[str]:
@@ -163,6 +182,8 @@ class AsyncAntiphon:
         """Announce that `session_id` will send a turn in about `expected_arrival` seconds
         (None: soon, unknown when), so the server brings its KV cache forward. Returns the
         context tokens the server's KV tiers hold for the session (None: it keeps no tiers)."""
+        if expected_arrival is not None and not math.isfinite(expected_arrival):
+            raise InvalidRequestError("bad_message", "expected_arrival must be finite")
         body = {"session_id": session_id, "expected_arrival": expected_arrival,
                 "ordered": ordered, "priority": priority}
         held: int | None = (await self._json("POST", "/v1/advisory", json=body))[
@@ -175,11 +196,13 @@ class AsyncAntiphon:
 
     # -- Batch API -------------------------------------------------------------------------
 
-    async def upload_batch_file(self, lines: Path | bytes, filename: str = "batch.jsonl"
-                                ) -> dict[str, Any]:
-        """Upload a JSONL of Batch API requests (a path or its bytes); returns the file."""
-        if isinstance(lines, Path):
-            filename, lines = lines.name, lines.read_bytes()
+    async def upload_batch_file(self, lines: str | os.PathLike[str] | bytes,
+                                filename: str = "batch.jsonl") -> dict[str, Any]:
+        """Upload a JSONL of Batch API requests (a path, or the file's bytes); returns the
+        file."""
+        if not isinstance(lines, bytes):
+            path = Path(lines)
+            filename, lines = path.name, path.read_bytes()
         return await self._json("POST", "/v1/files", data={"purpose": "batch"},
                                 files={"file": (filename, lines, "application/jsonl")})
 
@@ -224,6 +247,7 @@ class AsyncAntiphon:
             + "/v1/ws"
 
     async def _socket(self) -> ClientConnection:
+        self._check_open()
         async with self._connect_lock:
             if self._ws is not None and self._reader is not None and not self._reader.done():
                 return self._ws
@@ -249,7 +273,7 @@ class AsyncAntiphon:
 
     async def _read(self, ws: ClientConnection) -> None:
         """Route frames to their turns; when the socket closes, tell every turn in flight."""
-        reason = "the connection closed"
+        closed: dict[str, Any] = {"type": "_closed", "message": "the connection closed"}
         try:
             async for raw in ws:
                 frame = json.loads(raw)
@@ -257,23 +281,34 @@ class AsyncAntiphon:
                 if turn is not None:
                     turn.queue.put_nowait(frame)
                 elif frame.get("type") == "error" and frame.get("code") == "unauthorized":
-                    reason = f"unauthorized: {frame.get('message')}"
+                    closed.update(code="unauthorized", message=str(frame.get("message")))
         except ConnectionClosed as exc:
-            reason = f"the connection closed ({exc})"
+            try:
+                _raise_if_unauthorized(exc)
+            except AntiphonError as err:
+                closed.update(code=err.code, message=err.message)
+            else:
+                closed["message"] = f"the connection closed ({exc})"
         finally:
             for turn in self._turns.values():
-                turn.queue.put_nowait({"type": "_closed", "message": reason})
+                turn.queue.put_nowait(closed)
 
     async def _send(self, payload: dict[str, Any]) -> None:
+        try:
+            frame = json.dumps(payload, allow_nan=False)
+        except ValueError as exc:  # NaN or Infinity: JSON has neither, the server refuses
+            raise InvalidRequestError("bad_message", str(exc)) from None
         ws = await self._socket()
         try:
-            await ws.send(json.dumps(payload))
-        except ConnectionClosed:
+            await ws.send(frame)
+        except ConnectionClosed as exc:
+            _raise_if_unauthorized(exc)
             # The socket died between use and send: one fresh socket, then give up.
             ws = await self._socket()
             try:
-                await ws.send(json.dumps(payload))
+                await ws.send(frame)
             except ConnectionClosed as exc:
+                _raise_if_unauthorized(exc)
                 raise ConnectionLostError(f"cannot send to {self.ws_url}: {exc}") from exc
 
     async def typing(self, session_id: str) -> None:
@@ -286,8 +321,19 @@ class AsyncAntiphon:
                    request_id: str | None = None) -> ChatReply:
         """Send one user message to a session and return the whole reply; `on_token` sees
         each streamed piece. The session keeps the exchange for the next turn. `request_id`
-        (default: a fresh one) is what `cancel` takes."""
+        (default: a fresh one) is what `cancel` takes; cancelling this call cancels the turn
+        on the server too."""
         request_id = request_id or "sdk_" + secrets.token_hex(8)
+        async with self._inflight:
+            return await self._chat(session_id, content, request_id, max_tokens, temperature,
+                                    on_token)
+
+    async def _chat(self, session_id: str, content: str, request_id: str,
+                    max_tokens: int | None, temperature: float | None,
+                    on_token: Callable[[str], Any] | None) -> ChatReply:
+        if request_id in self._turns:
+            raise InvalidRequestError("duplicate_request",
+                                      f"request {request_id} is in flight on this client")
         turn = _Turn(asyncio.Queue())
         self._turns[request_id] = turn
         payload: dict[str, Any] = {"type": "message", "session_id": session_id,
@@ -303,7 +349,10 @@ class AsyncAntiphon:
             prompt_tokens = 0
             while True:
                 try:
-                    frame = await asyncio.wait_for(turn.queue.get(), self.timeout_s)
+                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel
+                    # that lands as the frame arrives, and the turn would run on.
+                    async with asyncio.timeout(self.timeout_s):
+                        frame = await turn.queue.get()
                 except TimeoutError:
                     await self._cancel_quietly(request_id)
                     raise RequestTimeoutError(f"no reply frame for {self.timeout_s} s "
@@ -329,7 +378,12 @@ class AsyncAntiphon:
                 elif kind == "error":
                     raise error_for(frame["code"], frame["message"])
                 elif kind == "_closed":
+                    if "code" in frame:
+                        raise error_for(frame["code"], frame["message"])
                     raise ConnectionLostError(frame["message"], "".join(turn.text), request_id)
+        except asyncio.CancelledError:  # stop the turn on the server too (harmless if done)
+            await asyncio.shield(self._cancel_quietly(request_id))
+            raise
         finally:
             self._turns.pop(request_id, None)
 
@@ -341,3 +395,9 @@ class AsyncAntiphon:
         """Stop a turn in flight on this client; its `chat` returns finish_reason
         "cancelled" with the text so far."""
         await self._send({"type": "cancel", "request_id": request_id})
+
+
+def _raise_if_unauthorized(exc: ConnectionClosed) -> None:
+    """Raise AuthenticationError if the server closed the socket for the API key."""
+    if exc.rcvd is not None and exc.rcvd.code == CLOSE_UNAUTHORIZED:
+        raise error_for("unauthorized", exc.rcvd.reason or "missing or wrong API key")

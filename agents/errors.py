@@ -63,10 +63,12 @@ _BY_CODE: dict[str, type[AntiphonError]] = {
     "model_not_found": NotFoundError,
     "file_not_found": NotFoundError,
     "batch_not_found": NotFoundError,
+    "not_found": NotFoundError,
     "too_many_requests": BusyError,
     "session_busy": BusyError,
     "shutting_down": BusyError,
     "engine_error": ServerError,
+    "internal_error": ServerError,
 }
 
 

@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from antiphon.agents.client import AsyncAntiphon
+from antiphon.agents.errors import ConnectionLostError
 
 
 class Antiphon:
@@ -24,7 +25,11 @@ class Antiphon:
         self._thread = threading.Thread(target=self._loop.run_forever, name="antiphon-client",
                                         daemon=True)
         self._thread.start()
-        self.aio: AsyncAntiphon = self._run(self._make(base_url, api_key, options))
+        try:
+            self.aio: AsyncAntiphon = self._run(self._make(base_url, api_key, options))
+        except BaseException:  # bad options: leave no thread behind
+            self._stop_loop()
+            raise
 
     @staticmethod
     async def _make(base_url: str, api_key: str | None, options: dict[str, Any]
@@ -32,6 +37,9 @@ class Antiphon:
         return AsyncAntiphon(base_url, api_key, **options)  # created on the client's loop
 
     def _run(self, coro: Any) -> Any:
+        if self._loop.is_closed():
+            coro.close()
+            raise ConnectionLostError("the client is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def __getattr__(self, name: str) -> Any:
@@ -47,7 +55,12 @@ class Antiphon:
     def close(self) -> None:
         if self._loop.is_closed():
             return
-        self._run(self.aio.close())
+        try:
+            self._run(self.aio.close())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,7 +19,9 @@ from antiphon.agents import (
     ConnectionLostError,
     InvalidRequestError,
     NotFoundError,
+    ServerError,
 )
+from antiphon.agents.errors import error_for
 from antiphon.agents.workflows import APPROVE, REQUEST_CHANGES, run_workflow
 from antiphon.engine_ext.scripted import ScriptedEngine
 from tests.conftest import Scripted, scripted_config
@@ -84,6 +88,9 @@ async def test_api_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
         async with AsyncAntiphon(url, api_key="sdk-key-123456") as client:
             sid = (await client.create_session()).session_id
             assert (await client.chat(sid, "key")).text == "You said: key"
+        async with AsyncAntiphon(url, api_key="wrong-key-123456") as wrong:
+            with pytest.raises(AuthenticationError):  # the socket closes with 4401
+                await wrong.chat(sid, "hi")
 
 
 async def test_reconnects_and_keeps_the_session_consistent(scripted: Scripted) -> None:
@@ -128,6 +135,71 @@ def test_blocking_client(scripted: Scripted) -> None:
     with Antiphon(scripted.url) as client:
         sid = client.create_session().session_id
         assert client.chat(sid, "sync").text == "You said: sync"
+    with pytest.raises(ConnectionLostError, match="closed"):
+        client.chat(sid, "after close")
+    threads = threading.active_count()
+    with pytest.raises(ValueError):
+        Antiphon(scripted.url, connect_attempts=0)
+    assert threading.active_count() == threads  # its loop's thread is gone
+
+
+async def test_requests_the_server_would_refuse_fail_at_once(scripted: Scripted) -> None:
+    async with AsyncAntiphon(scripted.url, timeout_s=5) as client:
+        sid = (await client.create_session()).session_id
+        with pytest.raises(InvalidRequestError):
+            await client.chat(sid, "hi", temperature=float("nan"))
+        with pytest.raises(InvalidRequestError):
+            await client.advise(sid, float("inf"))
+        with pytest.raises(NotFoundError):
+            await client.get_batch("a/b")  # no such route: not_found
+    assert error_for("internal_error", "x").__class__ is ServerError
+
+
+async def test_a_request_id_in_flight_is_not_taken_twice(scripted: Scripted) -> None:
+    async with AsyncAntiphon(scripted.url) as client:
+        a, b = [(await client.create_session()).session_id for _ in range(2)]
+        first = asyncio.create_task(client.chat(a, "w " * 20, request_id="dup"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(InvalidRequestError, match="dup"):
+            await client.chat(b, "hello", request_id="dup")
+        assert (await first).text.startswith("You said: w")
+
+
+async def test_more_turns_than_the_server_takes_at_once_wait_their_turn(
+        scripted: Scripted) -> None:
+    async with AsyncAntiphon(scripted.url) as client:
+        sids = [(await client.create_session()).session_id for _ in range(20)]
+        replies = await asyncio.gather(*(client.chat(sid, f"n{i}") for i, sid in enumerate(sids)))
+        assert [r.text for r in replies] == [f"You said: n{i}" for i in range(20)]
+
+
+async def test_cancelling_a_chat_call_stops_the_turn_on_the_server(scripted: Scripted) -> None:
+    async with AsyncAntiphon(scripted.url) as client:
+        sid = (await client.create_session()).session_id
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(client.chat(sid, " ".join(["w"] * 80)), 0.3)
+        for _ in range(100):
+            if not scripted.engine.active_request_ids:
+                break
+            await asyncio.sleep(0.02)
+        assert not scripted.engine.active_request_ids
+        assert (await client.chat(sid, "next")).text == "You said: next"  # not busy
+
+
+async def test_a_closed_client_says_so_and_paths_upload_as_files(scripted: Scripted,
+                                                                 tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"custom_id": "a"}\n')
+    async with AsyncAntiphon(scripted.url) as client:
+        uploaded = await client.upload_batch_file(str(path))
+        assert (uploaded["filename"], uploaded["bytes"]) == ("in.jsonl", path.stat().st_size)
+    with pytest.raises(ConnectionLostError, match="closed"):
+        await client.chat("s_x", "hi")
+    with pytest.raises(ConnectionLostError, match="closed"):
+        await client.list_sessions()
+    async with AsyncAntiphon("http://127.0.0.1:9", timeout_s=2) as dead:
+        with pytest.raises(ConnectionLostError):
+            await dead.health()
 
 
 async def test_workflow_sends_call_graph_advisories(scripted: Scripted) -> None:
