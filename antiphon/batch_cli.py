@@ -211,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
     except BatchCliError as exc:
         print(f"antiphon batch: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a local file: the input, or where the results go
+        print(f"antiphon batch: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
+              file=sys.stderr)
+        return 1
 
 
 def add_batch_parser(commands: Any) -> None:

@@ -39,7 +39,12 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, ModelPrepareError) as exc:
         print(f"antiphon serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(config, VllmEngine(config.engine, model_dir, config.tiering))
+    try:
+        app = create_app(config, VllmEngine(config.engine, model_dir, config.tiering))
+    except OSError as exc:  # the data folder: missing parent, read-only, not a folder
+        print(f"antiphon serve: cannot use {exc.filename or config.sessions.data_dir}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 2
     uvicorn.run(app, log_level=args.log_level.lower(), **config.server.uvicorn_options())
     return 0
 

@@ -191,7 +191,8 @@ async def probe_fresh(chat: ChatFactory, messages: Sequence[Sequence[str]], seed
         async with chat(1) as c:
             ttfts[user, turn] = (await c.turn(messages[user][turn])).ttft_s
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), PROBE_GAP_S)
+            async with asyncio.timeout(PROBE_GAP_S):
+                await stop.wait()
     return ttfts
 
 

@@ -93,8 +93,11 @@ class BatchRunner:
                 except Exception:
                     logger.exception("batch runner step failed; retrying")
                     await asyncio.sleep(RETRY_DELAY_S)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel
+                # (stop) that lands as the event is set, and the runner would run on.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), POLL_INTERVAL_S)
+                    async with asyncio.timeout(POLL_INTERVAL_S):
+                        await self._wake.wait()
         finally:
             await self._abort(list(self._inflight))
 
