@@ -20,7 +20,8 @@ def cache_dir() -> Path:
 
 
 def data_dir() -> Path | None:
-    """ANTIPHON_DATA_DIR: sessions database and tier files (default: `--data-dir` or `./.data`)."""
+    """ANTIPHON_DATA_DIR: sessions database, batch files and the SSD tier (`--data-dir`
+    overrides it; unset, `~/.local/share/antiphon`)."""
     value = os.environ.get("ANTIPHON_DATA_DIR")
     return Path(value) if value else None
 

@@ -57,7 +57,7 @@ class TieringConfig:
         "in a session: websocket chats, REST turns with vllm_xargs.session_id), rt (every "
         "chat turn) or all (BE work too). The rest stays in the host tier, where prefix "
         "reuse and lazy checkpoints find it; a checkpoint writes its chunks down. On 2 cores "
-        "in bench mixed, writing every request through cost a fifth of the BE tokens/s",
+        "in bench mixed, writing every request through took 16% off the BE tokens/s",
         default="sessions")
     ssd_fetch_wait_s: float = doc(
         "How long the engine waits, in the step that admits a chat turn, for the SSD fetch "
