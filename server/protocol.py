@@ -14,7 +14,7 @@ Client to server::
 Server to client::
 
     {"type": "session", "session": {...}, "messages": [...]}
-    {"type": "sessions", "sessions": [...]}
+    {"type": "sessions", "sessions": [...], "has_more": bool}  # the most recent, up to a limit
     {"type": "session.renamed", "session": {...}}
     {"type": "session.deleted", "session_id": str}
     {"type": "accepted", "request_id": str, "session_id": str, "prompt_tokens": int}

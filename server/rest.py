@@ -46,9 +46,10 @@ def _ctx(request: Request) -> AppContext:
 @router.get("/v1/sessions")
 async def list_sessions(request: Request) -> dict[str, Any]:
     ctx, owner = _ctx(request), authorize(request)
-    sessions = await asyncio.to_thread(ctx.store.list_sessions, owner,
-                                       ctx.config.server.max_sessions_listed)
-    return {"sessions": [s.to_json() for s in sessions]}
+    limit = ctx.config.server.max_sessions_listed
+    sessions = await asyncio.to_thread(ctx.store.list_sessions, owner, limit + 1)
+    return {"sessions": [s.to_json() for s in sessions[:limit]],
+            "has_more": len(sessions) > limit}
 
 
 @router.post("/v1/sessions", status_code=201)

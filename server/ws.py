@@ -89,8 +89,10 @@ class Connection:
                                             messages=[m.to_json() for m in messages]))
         elif isinstance(msg, protocol.SessionList):
             limit = self.ctx.config.server.max_sessions_listed
-            sessions = await asyncio.to_thread(self.ctx.store.list_sessions, self.owner, limit)
-            await self.send(protocol.encode("sessions", sessions=[s.to_json() for s in sessions]))
+            sessions = await asyncio.to_thread(self.ctx.store.list_sessions, self.owner,
+                                               limit + 1)
+            await self.send(protocol.encode("sessions", has_more=len(sessions) > limit,
+                                            sessions=[s.to_json() for s in sessions[:limit]]))
         elif isinstance(msg, protocol.SessionRename):
             session = await turns.rename(self.owner, msg.session_id, msg.title)
             await self.send(protocol.encode("session.renamed", session=session.to_json()))

@@ -281,3 +281,17 @@ def test_the_default_reply_length_fits_a_lower_token_limit() -> None:
     assert ServerConfig().reply_max_tokens == 512
     with pytest.raises(ValueError, match=r"default_max_tokens \(300\) must not exceed"):
         ServerConfig(max_tokens_limit=256, default_max_tokens=300)
+
+
+async def test_session_listings_say_when_older_sessions_are_left_out(tmp_path: Path) -> None:
+    config = scripted_config(tmp_path, max_sessions_listed=3)
+    with live_server(config, ScriptedEngine()) as url:
+        for n in range(4):
+            httpx.post(url + "/v1/sessions", json={"title": f"s{n}"})
+            listed = httpx.get(url + "/v1/sessions").json()
+            assert (len(listed["sessions"]), listed["has_more"]) == (min(n + 1, 3), n == 3)
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            await send(ws, type="session.list")
+            frame = await recv(ws)
+        assert [s["title"] for s in frame["sessions"]] == ["s3", "s2", "s1"]
+        assert frame["has_more"] is True

@@ -155,6 +155,38 @@ def test_stop_ends_the_generation(server: ServerProcess, page: Any) -> None:
     while httpx.get(server.url + "/healthz").json()["num_unfinished_requests"]:
         assert time.monotonic() < deadline, "the stopped request still runs on the engine"
         time.sleep(0.1)
+    page.reload()  # the reply stays marked as cut short
+    wait_connected(page)
+    page.locator(".msg.assistant.cancelled").wait_for(timeout=30_000)
+
+
+def test_a_double_click_on_send_sends_once_and_stops_nothing(server: ServerProcess,
+                                                             page: Any) -> None:
+    """Stop takes Send's place while a reply streams: the second click lands on it."""
+    page.goto(server.url + "/")
+    wait_connected(page)
+    page.locator("#new-session").click()
+    page.locator("#composer").fill(QUESTION)
+    page.locator("#send").dblclick()
+    reply = page.locator(".msg.assistant").first
+    wait_reply_done(reply)
+    assert "cancelled" not in reply.locator(".timings").inner_text()
+    assert page.locator(".msg.user").count() == 1
+
+
+def test_a_refused_message_goes_back_to_the_composer(server: ServerProcess, page: Any) -> None:
+    page.goto(server.url + "/")
+    wait_connected(page)
+    sessions_before = len(httpx.get(server.url + "/v1/sessions").json()["sessions"])
+    page.locator("#new-session").click()  # no session until a message is sent
+    page.locator("#new-session").click()
+    assert len(httpx.get(server.url + "/v1/sessions").json()["sessions"]) == sessions_before
+    too_long = "x" * 32_001  # the server's --max-content-chars is 32,000
+    page.locator("#composer").fill(too_long)
+    page.locator("#composer").press("Enter")
+    page.locator(".msg.assistant.failed").wait_for(timeout=30_000)
+    assert "too_large" in page.locator("#error").inner_text()
+    assert page.locator("#composer").input_value() == too_long
 
 
 def test_sessions_switch_rename_and_delete(server: ServerProcess, page: Any) -> None:

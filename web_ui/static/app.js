@@ -19,11 +19,16 @@ const state = {
   currentId: load(KEYS.sessionId) || null,
   pending: new Map(), // request_id -> {sessionId, root, body, raw, streamed, cancelling, frame}
   queued: null, // message content waiting for a freshly opened session
+  sentAt: -Infinity, // performance.now() of the last send (see STOP_GRACE_MS)
   stick: true, // keep the conversation scrolled to the bottom while streaming
   restoring: false, // re-opening a remembered session (it may be gone)
   cancelled: new Set(), // request ids we sent `cancel` for
   deleteWhenDone: new Set(), // sessions to delete once their streaming reply has stopped
 };
+
+// Stop takes Send's place while a reply streams: a double-click on Send would land its second
+// click on Stop and cancel the reply it just asked for. Stop is disabled this long after a send.
+const STOP_GRACE_MS = 500;
 
 const client = new ChatClient();
 const composer = setupComposer($("#composer"), {
@@ -58,15 +63,18 @@ function refreshControls() {
   const generating = isGenerating();
   ui.stop.hidden = !generating;
   ui.send.hidden = generating;
-  ui.send.disabled = !client.connected || composer.isBlank();
+  // While a new session opens for a queued message, a second message waits in the composer.
+  ui.send.disabled = !client.connected || composer.isBlank() || state.queued !== null;
   const current = [...state.pending.values()].filter((p) => p.sessionId === state.currentId);
-  ui.stop.disabled = current.length > 0 && current.every((p) => p.cancelling);
+  ui.stop.disabled = (current.length > 0 && current.every((p) => p.cancelling))
+    || performance.now() - state.sentAt < STOP_GRACE_MS;
   ui.body.dataset.generating = String(generating);
 }
 
 function renderSessions() {
   renderSessionList(ui.sessionList, state.sessions, state.currentId,
     { onPick: pickSession, onRename: renameSession, onDelete: deleteSession });
+  $("#sessions-cut").hidden = !state.sessionsCut;
 }
 
 function upsertSession(session) {
@@ -155,11 +163,8 @@ function deleteSession(id) {
 function newSession() {
   setSidebar(false);
   state.queued = null;
-  if (client.connected) {
-    client.openSession(null);
-  } else {
-    showBlankChat(); // the session is opened once a message is sent
-  }
+  showBlankChat(); // the session is opened once a message is sent: no empty sessions
+  refreshControls();
   composer.focus();
 }
 
@@ -168,6 +173,8 @@ function sendMessage(content) {
   const user = makeBubble("user", content, requestId);
   ui.messages.append(user.root);
   const entry = addAssistantBubble(requestId, state.currentId);
+  entry.content = content; // back into the composer if the server refuses it
+  markSent();
   if (!client.sendMessage(state.currentId, content, requestId)) {
     finishEntry(requestId, { cls: "failed", note: "Not sent: connection lost." });
     return;
@@ -179,7 +186,7 @@ function sendMessage(content) {
 
 function submit() {
   const content = composer.value;
-  if (composer.isBlank() || isGenerating()) return;
+  if (composer.isBlank() || isGenerating() || state.queued !== null) return;
   if (!client.connected) {
     showError("disconnected", "Not connected to the server; reconnecting…");
     return;
@@ -190,9 +197,15 @@ function submit() {
     sendMessage(content);
   } else {
     state.queued = content;
+    markSent();
     client.openSession(null);
   }
   refreshControls();
+}
+
+function markSent() {
+  state.sentAt = performance.now();
+  setTimeout(refreshControls, STOP_GRACE_MS + 10); // Stop's grace is over
 }
 
 /** Ask the server to stop every reply of `sessionId` still streaming; how many there were. */
@@ -216,6 +229,7 @@ function stop() {
 const handlers = {
   sessions(msg) {
     state.sessions = Array.isArray(msg.sessions) ? msg.sessions : [];
+    state.sessionsCut = Boolean(msg.has_more);
     const current = state.sessions.find((s) => s.session_id === state.currentId);
     if (current) ui.title.textContent = sessionTitle(current);
     renderSessions();
@@ -226,9 +240,11 @@ const handlers = {
     state.restoring = false;
     setCurrentSession(s.session_id || null);
     ui.title.textContent = sessionTitle(s);
-    const bubbles = (Array.isArray(msg.messages) ? msg.messages : []).map(
-      (m) => makeBubble(m.role, m.content ?? "").root,
-    );
+    const bubbles = (Array.isArray(msg.messages) ? msg.messages : []).map((m) => {
+      const { root } = makeBubble(m.role, m.content ?? "");
+      if (m.finish_reason === "cancelled") root.classList.add("cancelled"); // cut short
+      return root;
+    });
     // Replies still streaming for this session stay visible after a re-open.
     for (const p of state.pending.values()) if (p.sessionId === s.session_id) bubbles.push(p.root);
     ui.messages.replaceChildren(...bubbles);
@@ -303,6 +319,8 @@ const handlers = {
     const silent = msg.code === "session_not_found" && !msg.request_id && state.restoring;
     if (!silent) showError(msg.code, msg.message);
     if (msg.request_id && state.pending.has(msg.request_id)) {
+      const { content } = state.pending.get(msg.request_id);
+      if (content && composer.isBlank()) composer.value = content; // to fix and send again
       finishEntry(msg.request_id, { cls: "failed", note: `${msg.code}: ${msg.message}` });
     } else if (msg.code === "session_not_found") {
       // A remembered session that no longer exists: start fresh.

@@ -82,6 +82,7 @@ async function refresh() {
   clearTimeout(state.timer);
   try {
     state.batches = (await api("/v1/batches?limit=50")).data;
+    if ($("#error").dataset.code === "disconnected") hideError(); // reached it again
     renderRows();
     await renderDetail();
   } catch (err) {

@@ -53,6 +53,11 @@ export function setupComposer(textarea, { onSubmit, onChange, onTyping }) {
     get value() {
       return textarea.value;
     },
+    set value(text) {
+      textarea.value = text;
+      autosize();
+      onChange();
+    },
     isBlank: () => textarea.value.trim() === "",
     clear() {
       textarea.value = "";

@@ -23,8 +23,12 @@ function node(tag, className = "") {
   return el;
 }
 
-/** Render `text` into a new DocumentFragment. */
-export function renderMarkdown(text) {
+// Block quotes nest this deep at most; deeper markers stay text (each level re-renders the
+// lines inside it, and thousands of levels would exhaust the call stack).
+const MAX_QUOTE_DEPTH = 16;
+
+/** Render `text` into a new DocumentFragment (`depth`: block quotes around it). */
+export function renderMarkdown(text, depth = 0) {
   const frag = document.createDocumentFragment();
   const lines = String(text ?? "").replace(/\r\n?/g, "\n").split("\n");
   let i = 0;
@@ -83,7 +87,9 @@ export function renderMarkdown(text) {
         i += 1;
       }
       const q = node("blockquote");
-      q.append(renderMarkdown(quoted.join("\n")));
+      const inner = quoted.join("\n");
+      q.append(depth < MAX_QUOTE_DEPTH ? renderMarkdown(inner, depth + 1)
+        : document.createTextNode(inner));
       frag.append(q);
     } else if (line.trim() === "") {
       flushPara();
