@@ -20,6 +20,7 @@ from antiphon.tiering.config import TieringConfig
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from antiphon.datalock import DataDirInUseError, lock_data_dir
     from antiphon.engine_ext.engine import VllmEngine
     from antiphon.model import DEFAULT_MODEL_NAME, ModelPrepareError, resolve_model
     from antiphon.server.app import create_app
@@ -40,7 +41,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"antiphon serve: {exc}", file=sys.stderr)
         return 2
     try:
+        lock_data_dir(config.sessions.data_dir)  # held until the process ends
         app = create_app(config, VllmEngine(config.engine, model_dir, config.tiering))
+    except DataDirInUseError as exc:
+        print(f"antiphon serve: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:  # the data folder: missing parent, read-only, not a folder
         print(f"antiphon serve: cannot use {exc.filename or config.sessions.data_dir}: "
               f"{exc.strerror or exc}", file=sys.stderr)

@@ -7,6 +7,7 @@ per session is in flight at a time, so the conversation has a single order.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -17,6 +18,8 @@ from antiphon.server.chat import ChatService, Generation
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.metrics import ServerMetrics
 from antiphon.sessions.store import Message, Session, SessionStore
+
+logger = logging.getLogger(__name__)
 
 Emit = Callable[[str], Awaitable[None]]
 MAX_TYPING_SESSIONS = 10_000  # sessions whose last typing advisory is remembered before pruning
@@ -182,7 +185,15 @@ class SessionTurns:
             except ApiError as err:
                 await emit(protocol.error_frame(err, rid))
                 return
-            await self._commit_reply(session_id, gen)
+            try:
+                await self._commit_reply(session_id, gen)
+            except Exception as exc:  # the store failed (a full disk): say so, do not hang
+                logger.exception("session %s: the reply to %s could not be saved", session_id,
+                                 rid)
+                is_committed = True  # a second try in the handler below would fail alike
+                await emit(protocol.error_frame(ApiError(
+                    ErrorCode.INTERNAL_ERROR, f"the reply could not be saved: {exc}"), rid))
+                return
             is_committed = True
             await emit(protocol.encode(
                 "done", request_id=rid, session_id=session_id, finish_reason=gen.finish_reason,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -295,3 +296,26 @@ async def test_session_listings_say_when_older_sessions_are_left_out(tmp_path: P
             frame = await recv(ws)
         assert [s["title"] for s in frame["sessions"]] == ["s3", "s2", "s1"]
         assert frame["has_more"] is True
+
+
+async def test_a_reply_that_cannot_be_saved_ends_with_an_error_not_a_hang(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a full disk: the store refuses the reply."""
+    from antiphon.sessions.store import SessionStore
+    real = SessionStore.append_message
+
+    def append(self: SessionStore, session_id: str, role: str, *args: Any) -> Any:
+        if role == "assistant":
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(self, session_id, role, *args)
+
+    monkeypatch.setattr(SessionStore, "append_message", append)
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="hi", request_id="lost")
+        frame = (await recv_until(ws, "error", timeout=10))[-1]
+        assert (frame["code"], frame["request_id"]) == ("internal_error", "lost")
+        assert "disk is full" in frame["message"]
+        monkeypatch.setattr(SessionStore, "append_message", real)
+        await send(ws, type="message", session_id=sid, content="again")  # not left busy
+        assert (await recv_until(ws, "done"))[-1]["text"] == "You said: again"

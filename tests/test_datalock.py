@@ -1,0 +1,33 @@
+"""One server per data folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from antiphon.datalock import DataDirInUseError, lock_data_dir
+
+
+def test_a_second_holder_is_refused_until_the_first_lets_go(tmp_path: Path) -> None:
+    fd = lock_data_dir(tmp_path / "data")
+    with pytest.raises(DataDirInUseError, match=f"pid {os.getpid()}"):
+        lock_data_dir(tmp_path / "data")
+    os.close(fd)
+    os.close(lock_data_dir(tmp_path / "data"))
+
+
+def test_serve_refuses_a_data_folder_another_server_holds(tmp_path: Path) -> None:
+    fd = lock_data_dir(tmp_path)
+    try:
+        done = subprocess.run([sys.executable, "-m", "antiphon", "serve", "--data-dir",
+                               str(tmp_path), "--port", "8199"], capture_output=True, text=True,
+                              timeout=120)
+    finally:
+        os.close(fd)
+    assert done.returncode == 2
+    assert f"is in use by another antiphon server (pid {os.getpid()})" in done.stderr
+    assert not (tmp_path / "sessions.sqlite3").exists()  # refused before opening anything
