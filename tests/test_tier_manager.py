@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import threading
 import uuid
 from pathlib import Path
@@ -261,3 +262,19 @@ def test_build_from_config(tmp_path: Path) -> None:
         assert store.write_through(GRID[0][1])  # the host tier is the slowest one now
     with pytest.raises(ValueError, match="both tiers are off"):
         build_tiered_store(TieringConfig(host_tier_bytes=0), slot_bytes=64)
+
+
+def test_an_unusable_ssd_folder_leaves_the_host_tier_serving(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    not_a_folder = tmp_path / "kv"
+    not_a_folder.write_text("a file where the SSD tier's folder should be")
+    config = TieringConfig(host_tier_bytes=8 * 64, ssd_tier_bytes=1 << 20, ssd_dir=not_a_folder,
+                           host_shm_name=f"antiphon-test-{uuid.uuid4().hex[:12]}")
+    with build_tiered_store(config, slot_bytes=64) as store:
+        assert [type(t) for t in store.tiers] == [HostTier]
+        assert store.tiers[0].policy.name == "session_lru"  # it holds the only copy now
+        assert store.put(GRID[0][0], data(GRID[0][0]))
+    assert "serving with the host tier alone" in caplog.text
+    with pytest.raises(OSError):  # without a host tier there is nothing to serve with
+        build_tiered_store(dataclasses.replace(config, host_tier_bytes=0), slot_bytes=64)

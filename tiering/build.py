@@ -34,6 +34,18 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
     def policy(is_lowest: bool) -> EvictionPolicy:
         return SessionLruPolicy() if is_lowest else get_eviction_policy(config.eviction_policy)
 
+    ssd: SsdTier | None = None
+    if ssd_dir is not None:
+        try:
+            ssd = SsdTier(ssd_dir, config.ssd_tier_bytes, slot_bytes=slot_bytes,
+                          policy=policy(is_lowest=True),
+                          max_pending_writes=config.writer_queue_depth,
+                          fsync=config.ssd_fsync, writer_nice=config.ssd_writer_nice)
+        except OSError as exc:  # unwritable, not a folder: the host tier can still serve
+            if not config.is_host_tier_enabled:
+                raise
+            logger.warning("the SSD tier in %s is unusable (%s): serving with the host tier "
+                           "alone, which recomputes what the SSD would have kept", ssd_dir, exc)
     tiers: list[Tier] = []
     if config.is_host_tier_enabled:
         if config.host_shm_name is None:
@@ -41,17 +53,14 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
             if orphans:
                 logger.warning("removed %d host-tier arenas left by killed processes: %s",
                                len(orphans), ", ".join(orphans))
-        tiers.append(HostTier.create(config.host_shm_name or default_arena_name(),
-                                     config.host_tier_bytes, slot_bytes,
-                                     policy=policy(is_lowest=ssd_dir is None)))
-    if ssd_dir is not None:
         try:
-            tiers.append(SsdTier(ssd_dir, config.ssd_tier_bytes, slot_bytes=slot_bytes,
-                                 policy=policy(is_lowest=True),
-                                 max_pending_writes=config.writer_queue_depth,
-                                 fsync=config.ssd_fsync, writer_nice=config.ssd_writer_nice))
+            tiers.append(HostTier.create(config.host_shm_name or default_arena_name(),
+                                         config.host_tier_bytes, slot_bytes,
+                                         policy=policy(is_lowest=ssd is None)))
         except BaseException:
-            for tier in tiers:
-                tier.close()
+            if ssd is not None:
+                ssd.close()
             raise
+    if ssd is not None:
+        tiers.append(ssd)
     return TieredStore(tiers, promote_on_hit=config.promote_on_hit)
