@@ -77,11 +77,10 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 class ApiError(Exception):
     """An error the client caused or must know about; carries a stable code."""
 
-    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-        self.request_id = request_id  # of the websocket request it answers, where known
 
     @property
     def http_status(self) -> int:

@@ -102,6 +102,9 @@ CLIENT_TYPES = ("session.open", "session.list", "session.rename", "session.delet
                 "typing", "cancel")
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
@@ -129,7 +132,10 @@ def parse_json(raw: str | bytes, what: str = "message") -> Any:
             raw = raw.decode("utf-8-sig")
         data = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float,
                           parse_int=_bounded_int)
-        json.dumps(data, ensure_ascii=False).encode()  # finds any unpaired surrogate
+        # Text that came as UTF-8 holds no surrogates: only `\udXXX` escapes make them, so
+        # only text with one pays for the re-encoding that finds an unpaired one.
+        if _SURROGATE_ESCAPE.search(raw):
+            json.dumps(data, ensure_ascii=False).encode()
     except RecursionError:
         raise ApiError(ErrorCode.BAD_JSON, f"{what} is nested too deeply") from None
     except UnicodeEncodeError:
@@ -144,8 +150,8 @@ _REQUEST_ID_FIELD = re.compile(r'"request_id"\s*:\s*"([A-Za-z0-9_.:-]{1,64})"')
 
 
 def find_request_id(raw: str | bytes) -> str | None:
-    """The request id a frame that cannot be decoded (too large, not JSON) seems to carry,
-    found by its text, so its error can still name the request a client waits on."""
+    """The request id a frame that did not decode (too large, not JSON, invalid) seems to
+    carry, found by its text, so its error can still name the request a client waits on."""
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
     match = _REQUEST_ID_FIELD.search(text)
     return match.group(1) if match else None
@@ -165,11 +171,8 @@ def decode_client_message(raw: str | bytes) -> ClientMessage:
     try:
         return _client_adapter.validate_python(data)
     except ValidationError as exc:
-        err = bad_message(exc.errors(), prefix=f"{kind}: ", skip_loc=1, default_loc="message")
-        request_id = data.get("request_id")
-        if isinstance(request_id, str) and re.fullmatch(ID_PATTERN, request_id):
-            err.request_id = request_id  # the client can tell which request failed
-        raise err from None
+        raise bad_message(exc.errors(), prefix=f"{kind}: ", skip_loc=1,
+                          default_loc="message") from None
 
 
 def encode(kind: str, **fields: Any) -> str:
@@ -178,5 +181,4 @@ def encode(kind: str, **fields: Any) -> str:
 
 
 def error_frame(err: ApiError, request_id: str | None = None) -> str:
-    return encode("error", code=err.code.value, message=err.message,
-                  request_id=request_id or err.request_id)
+    return encode("error", code=err.code.value, message=err.message, request_id=request_id)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 from typing import Annotated, Any
 
@@ -46,10 +45,8 @@ def _ctx(request: Request) -> AppContext:
 @router.get("/v1/sessions")
 async def list_sessions(request: Request) -> dict[str, Any]:
     ctx, owner = _ctx(request), authorize(request)
-    limit = ctx.config.server.max_sessions_listed
-    sessions = await asyncio.to_thread(ctx.store.list_sessions, owner, limit + 1)
-    return {"sessions": [s.to_json() for s in sessions[:limit]],
-            "has_more": len(sessions) > limit}
+    sessions, has_more = await ctx.turns.list_recent(owner)
+    return {"sessions": [s.to_json() for s in sessions], "has_more": has_more}
 
 
 @router.post("/v1/sessions", status_code=201)

@@ -58,6 +58,13 @@ class SessionTurns:
         session = await self.get(owner, session_id)
         return session, await asyncio.to_thread(self.store.messages, session_id)
 
+    async def list_recent(self, owner: str) -> tuple[list[Session], bool]:
+        """`owner`'s most recent sessions, at most `max_sessions_listed`, and whether there
+        are more."""
+        limit = self.chat.config.max_sessions_listed
+        sessions = await asyncio.to_thread(self.store.list_sessions, owner, limit + 1)
+        return sessions[:limit], len(sessions) > limit
+
     async def get(self, owner: str, session_id: str) -> Session:
         session = await asyncio.to_thread(self.store.get_session, owner, session_id)
         if session is None:

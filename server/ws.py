@@ -61,6 +61,7 @@ class Connection:
         """Answer one frame; whatever goes wrong with it, the connection and the other
         requests on it go on."""
         request_id: str | None = None
+        msg: protocol.ClientMessage | None = None
         try:
             size = frame_bytes(data)
             if size > self.ctx.config.server.max_frame_bytes:
@@ -72,8 +73,8 @@ class Connection:
             await self._dispatch(msg)
         except ApiError as err:
             self.ctx.metrics.errors.labels(err.code.value).inc()
-            if err.code in (ErrorCode.TOO_LARGE, ErrorCode.BAD_JSON):
-                request_id = protocol.find_request_id(data)  # the client waits on it
+            if msg is None:  # the frame did not decode: name the request its text carries
+                request_id = protocol.find_request_id(data)
             await self.send(protocol.error_frame(err, request_id))
         except Exception:
             logger.exception("websocket frame failed")
@@ -88,11 +89,9 @@ class Connection:
             await self.send(protocol.encode("session", session=session.to_json(),
                                             messages=[m.to_json() for m in messages]))
         elif isinstance(msg, protocol.SessionList):
-            limit = self.ctx.config.server.max_sessions_listed
-            sessions = await asyncio.to_thread(self.ctx.store.list_sessions, self.owner,
-                                               limit + 1)
-            await self.send(protocol.encode("sessions", has_more=len(sessions) > limit,
-                                            sessions=[s.to_json() for s in sessions[:limit]]))
+            sessions, has_more = await turns.list_recent(self.owner)
+            await self.send(protocol.encode("sessions", has_more=has_more,
+                                            sessions=[s.to_json() for s in sessions]))
         elif isinstance(msg, protocol.SessionRename):
             session = await turns.rename(self.owner, msg.session_id, msg.title)
             await self.send(protocol.encode("session.renamed", session=session.to_json()))
