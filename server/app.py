@@ -22,6 +22,7 @@ from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
 from antiphon.server.http import error_response
 from antiphon.server.ws import websocket_endpoint
+from antiphon.shmsweep import EngineSegments
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,11 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        segments = EngineSegments(config.sessions.data_dir)
+        segments.sweep()  # those a killed predecessor's engine left in /dev/shm
+        before = segments.names()
         await engine.start()
+        segments.remember(before)
         await ctx.batches.start()
         sampler = asyncio.create_task(ctx.dashboard.run())
         ctx.is_ready = True
@@ -47,6 +52,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
                 await sampler
             await ctx.batches.stop()
             await engine.shutdown()
+            segments.forget()
             ctx.store.close()
             ctx.batch_store.close()
 

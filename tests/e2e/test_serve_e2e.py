@@ -18,6 +18,7 @@ from websockets.asyncio.client import connect
 
 from antiphon.bench.serverproc import ServerProcess
 from antiphon.model import DEFAULT_MODEL_NAME
+from antiphon.shmsweep import RECORD_NAME, SHM_DIR
 from tests.wsclient import chat, open_session, recv_until, send
 
 pytestmark = pytest.mark.e2e
@@ -91,8 +92,12 @@ async def test_kill_9_loses_no_accepted_message(server: ServerProcess) -> None:
                    content="Now write a very long essay about Paris.")
         accepted = json.loads(await ws.recv())
         assert accepted["type"] == "accepted"
+        record = Path(server.log_path).parent / RECORD_NAME  # the engine's /dev/shm segments
+        left = [SHM_DIR / name for name in json.loads(record.read_text())["segments"]]
         server.stop(signal.SIGKILL)
+    assert left and all(path.exists() for path in left)  # nothing else would remove them
     server.start()
+    assert not any(path.exists() for path in left)
     async with connect(server.ws_url) as ws:
         messages = (await open_session(ws, sid))["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "user"]

@@ -1,0 +1,113 @@
+"""Shared-memory segments a killed engine left behind, removed on the next start.
+
+vLLM's engine creates POSIX shared-memory segments (`/dev/shm/psm_<hex>`: the message queues
+between the API process and the engine core, sparse files of up to 240 MiB each) and named
+semaphores (`/dev/shm/sem.mp-<name>`), and unlinks them when it shuts down. A server killed
+with SIGKILL never does, and nothing else will: they stay until the machine reboots, each
+holding whatever pages were written to it.
+
+A server records the segments that appeared while its engine started, in
+`<data-dir>/engine-shm.json`, and deletes the record when it shuts down cleanly. A server that
+finds a record at start (its predecessor on this data folder was killed) unlinks the recorded
+segments that no live process still maps. Only recorded names are touched: a segment another
+program created is left alone, and one a live process still maps (an engine core that outlived
+its server) stays recorded, for the start after.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+# Python's default names for multiprocessing.shared_memory segments and semaphores, which
+# vLLM's engine uses.
+PREFIXES = ("psm_", "sem.mp-")
+RECORD_NAME = "engine-shm.json"
+
+
+class EngineSegments:
+    """The record of one server's engine segments in `data_dir`."""
+
+    def __init__(self, data_dir: Path, shm_dir: Path = SHM_DIR) -> None:
+        self.record = Path(data_dir) / RECORD_NAME
+        self.shm_dir = shm_dir
+        self._still_mapped: set[str] = set()  # recorded by a predecessor, in use at `sweep`
+
+    def names(self) -> set[str]:
+        """The segment names present now."""
+        try:
+            return {p.name for p in self.shm_dir.iterdir() if p.name.startswith(PREFIXES)}
+        except OSError:  # no /dev/shm: nothing to track
+            return set()
+
+    def sweep(self) -> list[str]:
+        """Unlink the segments a killed predecessor recorded that no live process maps.
+        Returns the names unlinked; those still mapped are kept for the next `remember`."""
+        try:
+            recorded = json.loads(self.record.read_text())["segments"]
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignoring %s (%s)", self.record, exc)
+            self.record.unlink(missing_ok=True)
+            return []
+        mapped = _mapped_segment_names(self.shm_dir)
+        removed = []
+        for name in recorded:
+            if not (isinstance(name, str) and name.startswith(PREFIXES) and "/" not in name):
+                continue
+            if name in mapped:
+                self._still_mapped.add(name)
+                continue
+            try:
+                (self.shm_dir / name).unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                logger.warning("cannot remove %s (%s)", self.shm_dir / name, exc)
+                continue
+            removed.append(name)
+        self.record.unlink(missing_ok=True)
+        if removed:
+            logger.warning("removed %d shared-memory segments left by a killed engine: %s",
+                           len(removed), ", ".join(sorted(removed)))
+        return removed
+
+    def remember(self, before: set[str]) -> None:
+        """Record the segments that appeared since `before` (taken before the engine
+        started), written atomically."""
+        new = sorted((self.names() - before) | (self._still_mapped & self.names()))
+        tmp = self.record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "segments": new}))
+        os.replace(tmp, self.record)
+
+    def forget(self) -> None:
+        """A clean shutdown: the engine unlinked its own segments."""
+        self.record.unlink(missing_ok=True)
+
+
+def _mapped_segment_names(shm_dir: Path) -> set[str]:
+    """Names of segments under `shm_dir` that a live process maps or holds open."""
+    prefix = f"{shm_dir}/"
+    names: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            with open(proc / "maps", encoding="utf-8", errors="replace") as maps:
+                for line in maps:
+                    path = line.rstrip("\n").partition("/")[2]
+                    if f"/{path}".startswith(prefix):
+                        names.add(f"/{path}"[len(prefix):].removesuffix(" (deleted)"))
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(prefix):
+                    names.add(target[len(prefix):].removesuffix(" (deleted)"))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return names
