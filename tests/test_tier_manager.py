@@ -221,6 +221,8 @@ def test_config_validation() -> None:
         TieringConfig(writer_queue_depth=0)
     with pytest.raises(ValueError, match="ssd_writer_nice"):
         TieringConfig(ssd_writer_nice=20)
+    with pytest.raises(ValueError, match="ssd_min_free_bytes"):
+        TieringConfig(ssd_min_free_bytes=-1)
     with pytest.raises(ValueError, match="sessions, rt, all"):
         TieringConfig(ssd_write_through="everything")
     with pytest.raises(ValueError):
@@ -253,6 +255,10 @@ def test_build_from_config(tmp_path: Path) -> None:
                             slot_bytes=64) as reopened:
         assert [type(t) for t in reopened.tiers] == [SsdTier]
         assert reopened.get(GRID[0][0]) == data(GRID[0][0])  # survived the restart
+    no_room = TieringConfig(ssd_dir=tmp_path, host_tier_bytes=0, ssd_min_free_bytes=1 << 60)
+    with build_tiered_store(no_room, slot_bytes=64) as reopened:  # the reserve reaches the tier
+        ssd = reopened.tiers[0]
+        assert isinstance(ssd, SsdTier) and ssd.capacity_bytes == ssd.stride  # the one slot it has
     host_only = TieringConfig(ssd_dir=tmp_path, ssd_tier_bytes=0, host_tier_bytes=8 * 64,
                               host_shm_name=f"antiphon-test-{uuid.uuid4().hex[:12]}")
     with build_tiered_store(host_only, slot_bytes=64) as store:

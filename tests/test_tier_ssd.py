@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,6 +105,44 @@ def test_capacity_eviction_reuses_slots(ssd: SsdTier) -> None:
     assert ssd._file.num_slots_on_disk == 10  # the evicted entries' slots were reused
     assert all(ssd.get(key(0, layer)) == payload(0, layer) for layer in range(2, 12))
     ssd.check_integrity()
+
+
+def test_the_tier_keeps_the_disk_reserve_free_while_it_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget larger than the disk: the slot file stops growing at the reserve, the tier
+    evicts instead, and grows again when room comes back."""
+    free = {"bytes": 1000 * STRIDE}  # the disk: the reserve plus room for 3 slots, then less
+    monkeypatch.setattr("antiphon.tiering.ssd_tier._disk_free", lambda directory: free["bytes"])
+    tier = open_tier(tmp_path / "kv", num_slots=10, min_free_disk_bytes=997 * STRIDE)
+    try:
+        assert tier.capacity_bytes == 3 * STRIDE  # capped at start already
+        for layer in range(3):
+            assert tier.put(key(0, layer), payload(0, layer))
+            free["bytes"] -= STRIDE  # each slot's record takes its room on disk
+        assert tier.put(key(0, 3), payload(0, 3))  # no room left above the reserve: evicts
+        tier.flush()
+        assert tier._file.num_slots_on_disk == 3 and tier.stats.evictions == 1
+        assert not tier.contains(key(0, 0)) and tier.get(key(0, 3)) == payload(0, 3)
+        free["bytes"] += 100 * STRIDE  # another program freed space: the budget applies again
+        for layer in range(4, 12):
+            assert tier.put(key(0, layer), payload(0, layer))
+        tier.flush()
+        assert tier.capacity_bytes == 10 * STRIDE and tier._file.num_slots_on_disk == 10
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
+def test_a_disk_without_room_above_the_reserve_stores_nothing(tmp_path: Path) -> None:
+    reserve = shutil.disk_usage(tmp_path).free + (1 << 40)  # more than any disk here has
+    tier = open_tier(tmp_path / "kv", min_free_disk_bytes=reserve)
+    try:
+        assert tier.capacity_bytes == 0 and not tier.put(key(), payload())
+        assert tier.stats.refused == 1 and tier._file.num_slots_on_disk == 0
+    finally:
+        tier.close()
+    with pytest.raises(ValueError, match="min_free_disk_bytes"):
+        open_tier(tmp_path / "other", min_free_disk_bytes=-1)
 
 
 def test_remove_clears_the_slot_and_a_restart_does_not_find_it(tmp_path: Path) -> None:

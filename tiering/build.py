@@ -40,7 +40,8 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
             ssd = SsdTier(ssd_dir, config.ssd_tier_bytes, slot_bytes=slot_bytes,
                           policy=policy(is_lowest=True),
                           max_pending_writes=config.writer_queue_depth,
-                          fsync=config.ssd_fsync, writer_nice=config.ssd_writer_nice)
+                          fsync=config.ssd_fsync, writer_nice=config.ssd_writer_nice,
+                          min_free_disk_bytes=config.ssd_min_free_bytes)
         except OSError as exc:  # unwritable, not a folder: the host tier can still serve
             if not config.is_host_tier_enabled:
                 raise

@@ -26,6 +26,10 @@ class TieringConfig:
     ssd_tier_bytes: int = doc(
         "Disk space for session KV files, in bytes; 0 turns the SSD tier off (the host tier "
         "alone, as bidirectional blocks' checkpoints need)", default=32 * GiB)
+    ssd_min_free_bytes: int = doc(
+        "Disk space the SSD tier leaves free while it runs, in bytes: where the disk has less "
+        "room than the budget, the tier evicts rather than grow past this reserve, so the "
+        "sessions database and batch files can still be written", default=GiB)
     ssd_dir: Path | None = doc(
         "Directory of the SSD tier (one file of chunk-layer slots; a restart keeps it); "
         "unset: <data-dir>/kv", default=None)
@@ -77,6 +81,8 @@ class TieringConfig:
             raise ValueError(f"host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
         if self.ssd_tier_bytes < 0:
             raise ValueError(f"ssd_tier_bytes must be >= 0, got {self.ssd_tier_bytes}")
+        if self.ssd_min_free_bytes < 0:
+            raise ValueError(f"ssd_min_free_bytes must be >= 0, got {self.ssd_min_free_bytes}")
         if self.kv_tiering and not (self.host_tier_bytes or self.ssd_tier_bytes):
             raise ValueError("host_tier_bytes and ssd_tier_bytes are both 0: KV tiering needs "
                              "one tier (or turn kv_tiering off)")

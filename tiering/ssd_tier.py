@@ -12,6 +12,12 @@ the index is rebuilt from the slots' headers, oldest write first, so LRU order s
 restart approximately; damaged headers are cleared. An evicted record stays on disk until its
 slot is reused, so a restart may find it again: a key names its content, so it is still
 right. `remove` and a failed verification clear the slot.
+
+The disk keeps `min_free_disk_bytes` free while the tier runs, whatever its budget: the slot
+file grows only when every slot in it is taken, and then only as far as the disk's free space
+above that reserve allows; past it the tier evicts instead, as if its budget were the file's
+size. When room comes back, it grows again up to its budget. (Writes still queued are not yet
+in the free space, so the reserve may be undercut by up to the writer's queue.)
 """
 
 from __future__ import annotations
@@ -61,15 +67,19 @@ class SsdTier(IndexedTier[SsdSlot]):
     def __init__(self, directory: Path, capacity_bytes: int, *, slot_bytes: int,
                  name: str = "ssd", policy: EvictionPolicy | None = None,
                  max_pending_writes: int = 64, fsync: bool = False,
-                 verify_on_start: bool = False, writer_nice: int = 0) -> None:
+                 verify_on_start: bool = False, writer_nice: int = 0,
+                 min_free_disk_bytes: int = 0) -> None:
         """Open (or create) `directory` and rebuild the index from its slot file.
 
         `slot_bytes` is the largest payload (one chunk-layer); `max_pending_writes` bounds
         queued writes (and the payload memory they hold); `fsync` makes each record survive
         power loss; `verify_on_start` checks every payload checksum during the scan (reads
         everything) instead of only the headers; `writer_nice` is the writer thread's CPU
-        priority (`WriteBehind`).
+        priority (`WriteBehind`); `min_free_disk_bytes` is the disk space the tier leaves free
+        (it evicts rather than grow into it).
         """
+        if min_free_disk_bytes < 0:
+            raise ValueError(f"min_free_disk_bytes must be >= 0, got {min_free_disk_bytes}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd: int | None = _lock_directory(self.directory)
@@ -81,6 +91,10 @@ class SsdTier(IndexedTier[SsdSlot]):
             raise
         num_slots = capacity_bytes // self._file.stride
         super().__init__(name, num_slots * self._file.stride, policy or LruPolicy())
+        self._budget_slots = num_slots
+        self._min_free_disk_bytes = min_free_disk_bytes
+        self._file_slots = 0  # slots the file covers, written or allocated: set by `_rebuild`
+        self._is_disk_short = False  # capped below the budget by the disk's free space
         self._slots: SlotAllocator  # built by `_rebuild` from the slots found in use
         self._next_sequence = 1  # of the next record written; `_rebuild` moves it past the file's
         self._writer = WriteBehind(name, max_pending_writes, nice=writer_nice)
@@ -89,7 +103,7 @@ class SsdTier(IndexedTier[SsdSlot]):
         except BaseException:
             self.close()
             raise
-        _warn_if_disk_is_short(self.directory, self.capacity_bytes, self.used_bytes)
+        self._fit_to_disk()
 
     @property
     def slot_bytes(self) -> int:
@@ -240,14 +254,38 @@ class SsdTier(IndexedTier[SsdSlot]):
             raise ValueError(f"{self.name}: a {num_payload_bytes}-byte payload does not fit a "
                              f"{self.slot_bytes}-byte slot")
         key_bytes(key)
+        if self._index.used_bytes >= self._file_slots * self.stride:  # the file must grow
+            self._fit_to_disk()
         return self.stride
+
+    def _fit_to_disk(self) -> None:
+        """Set the capacity to the budget, or lower, to the slots the file has plus those the
+        disk's free space above the reserve can take (lock held, or in `__init__`)."""
+        if self._file_slots >= self._budget_slots:
+            return  # the file never grows again
+        free = _disk_free(self.directory)
+        growable = max(0, (free - self._min_free_disk_bytes) // self.stride)
+        slots = min(self._budget_slots, self._file_slots + growable)
+        self._index.capacity_bytes = slots * self.stride
+        is_short = slots < self._budget_slots
+        if is_short and not self._is_disk_short:
+            log.warning("%s: %s has %d bytes free; keeping %d free (--ssd-min-free-bytes), the "
+                        "tier holds %d bytes instead of its %d-byte budget, and evicts rather "
+                        "than grow", self.name, self.directory, free, self._min_free_disk_bytes,
+                        slots * self.stride, self._budget_slots * self.stride)
+        elif self._is_disk_short and not is_short:
+            log.warning("%s: the disk has room again; back to the %d-byte budget", self.name,
+                        self._budget_slots * self.stride)
+        self._is_disk_short = is_short
 
     def _store(self, key: ChunkKey, data: memoryview) -> SsdSlot:
         # An immutable `bytes` payload (the host tier's copy, on write-through) is kept as it
         # is: copying it again cost the engine's scheduler thread a memcpy per chunk-layer.
         source = data.obj
         payload = source if isinstance(source, bytes) and len(source) == len(data) else bytes(data)
-        return SsdSlot(self._slots.allocate(), Future(), payload)
+        slot = self._slots.allocate()
+        self._file_slots = max(self._file_slots, slot + 1)
+        return SsdSlot(slot, Future(), payload)
 
     def _load(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> bytes:
         pending = entry.location.pending
@@ -300,7 +338,9 @@ class SsdTier(IndexedTier[SsdSlot]):
             newest[record.key] = (record.sequence, slot)
         self._file.truncate(num_slots)
         self.stats.corrupt_dropped += report.num_corrupt_removed
-        self._slots = SlotAllocator(num_slots, used=[slot for _, slot in newest.values()])
+        used = [slot for _, slot in newest.values()]
+        self._slots = SlotAllocator(num_slots, used=used)
+        self._file_slots = max([self._file.num_slots_on_disk, *(slot + 1 for slot in used)])
         for key, (_, slot) in sorted(newest.items(), key=lambda item: item[1][0]):
             self._index.insert(key, SsdSlot(slot, done_future(True), None), self.stride)
             report.num_loaded += 1
@@ -326,12 +366,12 @@ def _remove_legacy_files(directory: Path) -> int:
     return removed
 
 
-def _warn_if_disk_is_short(directory: Path, capacity_bytes: int, used_bytes: int) -> None:
-    free = shutil.disk_usage(directory).free
-    if free < capacity_bytes - used_bytes:
-        log.warning("the SSD tier may use %d more bytes but %s has %d free: writes past that "
-                    "fail and are dropped (set --ssd-tier-bytes lower)",
-                    capacity_bytes - used_bytes, directory, free)
+def _disk_free(directory: Path) -> int:
+    """Bytes free on `directory`'s file system for this user (0 when it cannot be read)."""
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return 0
 
 
 def _lock_directory(directory: Path) -> int:
