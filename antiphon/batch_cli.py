@@ -17,6 +17,10 @@ from antiphon import env
 DEFAULT_URL = "http://127.0.0.1:8000"
 BAR_WIDTH = 30
 FINISHED = ("completed", "failed", "expired", "cancelled")
+# Exit statuses of a wait for a batch: every item answered, the batch finished without
+# answering all (failed, expired, cancelled; a refused request also exits 1), or it completed
+# with some items failed (their errors are in the results).
+EXIT_ALL_ANSWERED, EXIT_NOT_COMPLETED, EXIT_ITEMS_FAILED = 0, 1, 3
 
 
 class BatchCliError(Exception):
@@ -163,7 +167,20 @@ def _submit(client: BatchClient, args: argparse.Namespace) -> int:
         print(f"\nstopped watching; the batch keeps running: antiphon batch status {batch['id']}")
         return 130
     _fetch(client, batch, _results_path(path))
-    return 0 if batch["status"] == "completed" else 1
+    return finished_status(batch)
+
+
+def finished_status(batch: dict[str, Any]) -> int:
+    """The exit status for a finished batch (`EXIT_*`), said in a line when not 0."""
+    if batch["status"] != "completed":
+        print(f"batch {batch['id']} {batch['status']}")
+        return EXIT_NOT_COMPLETED
+    failed = (batch.get("request_counts") or {}).get("failed", 0)
+    if failed:
+        total = batch["request_counts"].get("total", 0)
+        print(f"{failed} of {total} items failed; their errors are in the results")
+        return EXIT_ITEMS_FAILED
+    return EXIT_ALL_ANSWERED
 
 
 def _fetch(client: BatchClient, batch: dict[str, Any], out: Path) -> None:
@@ -185,7 +202,7 @@ def _status(client: BatchClient, args: argparse.Namespace) -> int:
             print(f"  {name}: {batch[name]}")
     for error in (batch.get("errors") or {}).get("data", []):
         print(f"  {error['code']}: {error['message']}")
-    return 0
+    return finished_status(batch) if args.wait else 0
 
 
 def _results(client: BatchClient, args: argparse.Namespace) -> int:
@@ -228,7 +245,9 @@ def add_batch_parser(commands: Any) -> None:
     submit.add_argument("file", help="JSONL: one {custom_id, method, url, body} per line")
     submit.add_argument("--wait", action="store_true",
                         help="show progress until it finishes, then download the results "
-                             "to FILE's name with .results.jsonl")
+                             "to FILE's name with .results.jsonl; exits 0 when every item "
+                             "was answered, 3 when some failed, 1 when the batch did not "
+                             "complete")
     _add_watch_options(submit)
     submit.set_defaults(batch_func=_submit)
     for name, func, text in (("status", _status, "show a batch's progress"),
@@ -241,7 +260,8 @@ def add_batch_parser(commands: Any) -> None:
             action.add_argument("--out", help="file to write (default ID.results.jsonl)")
         if name == "status":
             action.add_argument("--wait", action="store_true",
-                                help="show progress until the batch finishes")
+                                help="show progress until the batch finishes; exits as "
+                                     "submit --wait does")
             _add_watch_options(action)
     batch.set_defaults(func=run)
 

@@ -257,6 +257,17 @@ def test_cli_submit_wait_status_results_cancel(tmp_path: Path,
         assert main(["batch", "status", "batch_nope", *url]) == 1
         assert "HTTP 404: batch_not_found" in capsys.readouterr().err
 
+        mixed = tmp_path / "mixed.jsonl"  # a line that is not JSON fails alone
+        mixed.write_bytes(jsonl(3) + b"{not json\n")
+        assert main(["batch", "submit", str(mixed), "--wait", "--poll-interval", "0.05",
+                     *url]) == 3
+        out = capsys.readouterr().out
+        assert "3/4 completed, 1 failed (completed)" in out
+        assert "1 of 4 items failed; their errors are in the results" in out
+        assert len((tmp_path / "mixed.results.jsonl").read_text().splitlines()) == 4
+        assert main(["batch", "status", out.split()[1], "--wait", *url]) == 3
+        assert main(["batch", "status", out.split()[1], *url]) == 0  # a look, not a wait
+
 
 def is_mid_batch(url: str, batch_id: str, min_completed: int) -> bool:
     """At least `min_completed` items answered and some running on the engine right now (an
