@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
@@ -166,8 +167,16 @@ class AsyncAntiphon:
                                                   json={"title": title}))
 
     async def list_sessions(self) -> list[Session]:
-        data = await self._json("GET", "/v1/sessions")
-        return [Session.from_json(s) for s in data["sessions"]]
+        """Every session of this API key, most recent first (the server lists them a page at
+        a time)."""
+        sessions: list[Session] = []
+        path = "/v1/sessions"
+        while True:
+            data = await self._json("GET", path)
+            sessions += [Session.from_json(s) for s in data["sessions"]]
+            if not data.get("next_before"):
+                return sessions
+            path = f"/v1/sessions?{urlencode({'before': data['next_before']})}"
 
     async def get_session(self, session_id: str) -> tuple[Session, list[dict[str, Any]]]:
         """The session and its messages (`role`, `content`, `finish_reason`, ...)."""

@@ -3,7 +3,7 @@
 Client to server::
 
     {"type": "session.open", "session_id": null | str, "title": str?}
-    {"type": "session.list"}
+    {"type": "session.list", "before": str?}
     {"type": "session.rename", "session_id": str, "title": str}
     {"type": "session.delete", "session_id": str}
     {"type": "message", "session_id": str, "content": str, "request_id": str?,
@@ -14,7 +14,8 @@ Client to server::
 Server to client::
 
     {"type": "session", "session": {...}, "messages": [...]}
-    {"type": "sessions", "sessions": [...], "has_more": bool}  # the most recent, up to a limit
+    {"type": "sessions", "sessions": [...], "has_more": bool, "before": str | null,
+     "next_before": str | null}  # most recent first, up to a limit; `next_before` pages on
     {"type": "session.renamed", "session": {...}}
     {"type": "session.deleted", "session_id": str}
     {"type": "accepted", "request_id": str, "session_id": str, "prompt_tokens": int}
@@ -58,6 +59,8 @@ class SessionOpen(_Msg):
 
 class SessionList(_Msg):
     type: Literal["session.list"]
+    before: Annotated[str, Field(max_length=200)] | None = None
+    """A listing's `next_before`: the page after it; null lists the most recent."""
 
 
 class SessionRename(_Msg):

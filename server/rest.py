@@ -43,10 +43,12 @@ def _ctx(request: Request) -> AppContext:
 
 
 @router.get("/v1/sessions")
-async def list_sessions(request: Request) -> dict[str, Any]:
+async def list_sessions(request: Request, before: str | None = None) -> dict[str, Any]:
+    """The most recent sessions; `?before=` a listing's `next_before` gives the next page."""
     ctx, owner = _ctx(request), authorize(request)
-    sessions, has_more = await ctx.turns.list_recent(owner)
-    return {"sessions": [s.to_json() for s in sessions], "has_more": has_more}
+    sessions, next_before = await ctx.turns.list_recent(owner, before)
+    return {"sessions": [s.to_json() for s in sessions], "has_more": next_before is not None,
+            "next_before": next_before}
 
 
 @router.post("/v1/sessions", status_code=201)

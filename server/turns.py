@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -40,6 +42,23 @@ def clean_title(title: str) -> str:
     return title
 
 
+def session_cursor(session: Session) -> str:
+    """Where a listing goes on after `session`: `<updated_at>|<session_id>`."""
+    return f"{session.updated_at!r}|{session.session_id}"
+
+
+def parse_cursor(cursor: str) -> tuple[float, str]:
+    """A `session_cursor`'s (updated_at, session_id); raises `bad_message`."""
+    updated_at, _, session_id = cursor.partition("|")
+    try:
+        value = float(updated_at)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and re.fullmatch(protocol.ID_PATTERN, session_id)):
+        raise ApiError(ErrorCode.BAD_MESSAGE, f"not a session listing cursor: {cursor[:80]!r}")
+    return value, session_id
+
+
 class SessionTurns:
     def __init__(self, store: SessionStore, chat: ChatService, metrics: ServerMetrics) -> None:
         self.store = store
@@ -58,12 +77,15 @@ class SessionTurns:
         session = await self.get(owner, session_id)
         return session, await asyncio.to_thread(self.store.messages, session_id)
 
-    async def list_recent(self, owner: str) -> tuple[list[Session], bool]:
-        """`owner`'s most recent sessions, at most `max_sessions_listed`, and whether there
-        are more."""
+    async def list_recent(self, owner: str,
+                          before: str | None = None) -> tuple[list[Session], str | None]:
+        """`owner`'s most recent sessions (after the `before` cursor, when given), at most
+        `max_sessions_listed`, and the cursor of the next page (None: no more)."""
         limit = self.chat.config.max_sessions_listed
-        sessions = await asyncio.to_thread(self.store.list_sessions, owner, limit + 1)
-        return sessions[:limit], len(sessions) > limit
+        sessions = await asyncio.to_thread(self.store.list_sessions, owner, limit + 1,
+                                           None if before is None else parse_cursor(before))
+        listed = sessions[:limit]
+        return listed, session_cursor(listed[-1]) if len(sessions) > limit else None
 
     async def get(self, owner: str, session_id: str) -> Session:
         session = await asyncio.to_thread(self.store.get_session, owner, session_id)

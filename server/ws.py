@@ -89,9 +89,10 @@ class Connection:
             await self.send(protocol.encode("session", session=session.to_json(),
                                             messages=[m.to_json() for m in messages]))
         elif isinstance(msg, protocol.SessionList):
-            sessions, has_more = await turns.list_recent(self.owner)
-            await self.send(protocol.encode("sessions", has_more=has_more,
-                                            sessions=[s.to_json() for s in sessions]))
+            sessions, next_before = await turns.list_recent(self.owner, msg.before)
+            await self.send(protocol.encode(
+                "sessions", sessions=[s.to_json() for s in sessions], before=msg.before,
+                has_more=next_before is not None, next_before=next_before))
         elif isinstance(msg, protocol.SessionRename):
             session = await turns.rename(self.owner, msg.session_id, msg.title)
             await self.send(protocol.encode("session.renamed", session=session.to_json()))

@@ -111,14 +111,20 @@ class SessionStore:
             ).fetchone()
         return Session(*row) if row else None
 
-    def list_sessions(self, owner: str, limit: int = 100) -> list[Session]:
-        """The owner's sessions, most recently updated first."""
+    def list_sessions(self, owner: str, limit: int = 100,
+                      before: tuple[float, str] | None = None) -> list[Session]:
+        """The owner's sessions, most recently updated first (ties by id, descending);
+        `before` = (updated_at, session_id) lists those after that one in this order."""
+        after = "" if before is None else (
+            " AND (s.updated_at < ? OR (s.updated_at = ? AND s.session_id < ?))")
+        cursor = () if before is None else (before[0], before[0], before[1])
         with self._db.locked() as db:
             rows = db.execute(
                 "SELECT s.session_id, s.owner, s.title, s.created_at, s.updated_at,"
                 " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id)"
-                " FROM sessions s WHERE s.owner = ? ORDER BY s.updated_at DESC LIMIT ?",
-                (owner, limit),
+                f" FROM sessions s WHERE s.owner = ?{after}"
+                " ORDER BY s.updated_at DESC, s.session_id DESC LIMIT ?",
+                (owner, *cursor, limit),
             ).fetchall()
         return [Session(*r) for r in rows]
 

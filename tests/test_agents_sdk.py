@@ -93,6 +93,14 @@ async def test_api_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
                 await wrong.chat(sid, "hi")
 
 
+async def test_list_sessions_pages_through_every_session(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with live_server(scripted_config(tmp_path, max_sessions_listed=2), ScriptedEngine()) as url:
+        async with AsyncAntiphon(url) as client:
+            created = [(await client.create_session(title=f"t{n}")).session_id for n in range(5)]
+            listed = [s.session_id for s in await client.list_sessions()]
+    assert listed == created[::-1]  # all five, most recent first, each once
+
+
 async def test_reconnects_and_keeps_the_session_consistent(scripted: Scripted) -> None:
     async with AsyncAntiphon(scripted.url) as client:
         sid = (await client.create_session()).session_id

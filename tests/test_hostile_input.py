@@ -284,18 +284,37 @@ def test_the_default_reply_length_fits_a_lower_token_limit() -> None:
         ServerConfig(max_tokens_limit=256, default_max_tokens=300)
 
 
-async def test_session_listings_say_when_older_sessions_are_left_out(tmp_path: Path) -> None:
+async def test_session_listings_page_past_the_most_recent(tmp_path: Path) -> None:
     config = scripted_config(tmp_path, max_sessions_listed=3)
     with live_server(config, ScriptedEngine()) as url:
-        for n in range(4):
+        for n in range(7):
             httpx.post(url + "/v1/sessions", json={"title": f"s{n}"})
             listed = httpx.get(url + "/v1/sessions").json()
-            assert (len(listed["sessions"]), listed["has_more"]) == (min(n + 1, 3), n == 3)
+            assert (len(listed["sessions"]), listed["has_more"]) == (min(n + 1, 3), n >= 3)
+        titles, before = [], None  # REST, page by page
+        while True:
+            page = httpx.get(url + "/v1/sessions",
+                             params={} if before is None else {"before": before}).json()
+            titles += [s["title"] for s in page["sessions"]]
+            before = page["next_before"]
+            if before is None:
+                break
+        assert titles == [f"s{n}" for n in range(6, -1, -1)]  # each once, newest first
         async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
             await send(ws, type="session.list")
-            frame = await recv(ws)
-        assert [s["title"] for s in frame["sessions"]] == ["s3", "s2", "s1"]
-        assert frame["has_more"] is True
+            first = await recv(ws)
+            await send(ws, type="session.list", before=first["next_before"])
+            second = await recv(ws)
+            await send(ws, type="session.list", before="1e999|s")
+            refused = await recv(ws)
+        assert [s["title"] for s in first["sessions"]] == ["s6", "s5", "s4"]
+        assert first["has_more"] is True and first["before"] is None
+        assert [s["title"] for s in second["sessions"]] == ["s3", "s2", "s1"]
+        assert second["before"] == first["next_before"] and second["has_more"] is True
+        assert refused["code"] == "bad_message"
+        for cursor in ("nope", "1.5|bad id", "nan|x", "|"):
+            r = httpx.get(url + "/v1/sessions", params={"before": cursor})
+            assert (r.status_code, r.json()["error"]["code"]) == (400, "bad_message")
 
 
 async def test_a_reply_that_cannot_be_saved_ends_with_an_error_not_a_hang(

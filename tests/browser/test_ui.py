@@ -22,6 +22,7 @@ from antiphon.model import DEFAULT_MODEL_NAME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 
+SESSIONS_LISTED = 40  # a listing's page; more than the other tests' sessions
 QUESTION = "What is the capital of France? Answer in one word."
 LONG_ASK = "Write a very long story about a dragon who learns to sail. Use many chapters."
 XSS = '<script>window.__xss = 1</script><img src="x" onerror="window.__xss = 2"> **bold**'
@@ -76,7 +77,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     data_dir = tmp_path_factory.mktemp("ui-data")
     cmd = [sys.executable, "-m", "antiphon", "serve", "--enforce-eager", "--kv-cache-gib", "0.5",
            "--max-model-len", "4096", "--data-dir", str(data_dir), "--cost-model", "online",
-           "--dashboard-interval-s", "0.5"]
+           "--dashboard-interval-s", "0.5", "--max-sessions-listed", str(SESSIONS_LISTED)]
     with ServerProcess(cmd, log_path=data_dir / "serve.log") as proc:
         yield proc
 
@@ -289,6 +290,36 @@ def test_dashboard_charts_follow_the_load(server: ServerProcess, page: Any,
     page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
 
 
+def test_the_dashboard_backs_off_while_unreachable_and_breaks_lines_at_gaps(
+        server: ServerProcess, page: Any) -> None:
+    page.goto(server.url + "/dashboard")
+    page.wait_for_selector("body[data-connected=true]")
+    polls: list[float] = []
+
+    def unreachable(route: Any) -> None:
+        polls.append(time.monotonic())
+        route.abort()
+
+    page.route("**/v1/dashboard*", unreachable)
+    page.wait_for_selector("body[data-connected=false]", timeout=10_000)
+    page.wait_for_timeout(6000)
+    # Every 0.5 s (the sampling interval) would be 12 polls; doubling per failure makes 3-4.
+    assert 2 <= len(polls) <= 5, polls
+    assert "retrying in" in page.locator("#live-status").inner_text()
+    page.unroute("**/v1/dashboard*")
+    page.wait_for_selector("body[data-connected=true]", timeout=40_000)  # it comes back
+    # Samples further apart than the gap (an outage) are two lines, not one across it.
+    lines = page.evaluate("""async () => {
+      const { LineChart } = await import("/static/chart.js");
+      const box = document.createElement("div");
+      const chart = new LineChart(box, { id: "t", title: "t", unit: "", gapS: 1.5,
+        series: [{ key: "v", label: "v", color: "#000" }] });
+      chart.update([0, 0.5, 1, 1.5, 10, 10.5, 11].map((t) => ({ t: 1000 + t, v: 1 })));
+      return box.querySelectorAll("polyline").length;
+    }""")
+    assert lines == 2
+
+
 def test_batch_upload_runs_and_its_results_download(server: ServerProcess, page: Any,
                                                     artifacts: Path, tmp_path: Path) -> None:
     lines = [json.dumps({"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/chat/completions",
@@ -361,3 +392,34 @@ def test_ui_adds_little_to_ttft(server: ServerProcess, page: Any, artifacts: Pat
     (artifacts / "ttft.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
     assert statistics.median(added) <= 0.020, report
+
+
+def test_the_sidebar_pages_past_the_most_recent_sessions(server: ServerProcess,
+                                                         page: Any) -> None:
+    """Last in this file: it adds more sessions than one listing holds."""
+    for n in range(2 * SESSIONS_LISTED + 10):
+        httpx.post(server.url + "/v1/sessions", json={"title": f"older chat {n}"})
+    total = len(_all_sessions(server))
+    page.goto(server.url + "/")
+    wait_connected(page)
+    rows, older = page.locator(".session-row"), page.locator("#sessions-older")
+    page.wait_for_function(f"document.querySelectorAll('.session-row').length === "
+                           f"{SESSIONS_LISTED}")
+    while older.is_visible():
+        shown = rows.count()
+        older.click()
+        page.wait_for_function(f"document.querySelectorAll('.session-row').length > {shown}")
+    ids = page.eval_on_selector_all(".session-row", "rows => rows.map(r => r.dataset.sessionId)")
+    assert len(ids) == total == len(set(ids))  # every session, once
+    assert rows.filter(has_text="older chat 0").count() == 1  # the oldest of them
+
+
+def _all_sessions(server: ServerProcess) -> list[dict[str, Any]]:
+    sessions: list[dict[str, Any]] = []
+    params: dict[str, str] = {}
+    while True:
+        page = httpx.get(server.url + "/v1/sessions", params=params).json()
+        sessions += page["sessions"]
+        if page["next_before"] is None:
+            return sessions
+        params = {"before": page["next_before"]}

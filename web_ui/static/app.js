@@ -16,6 +16,7 @@ const ui = {
 
 const state = {
   sessions: [],
+  nextBefore: null, // cursor of the sessions older than those listed (null: all are listed)
   currentId: load(KEYS.sessionId) || null,
   pending: new Map(), // request_id -> {sessionId, root, body, raw, streamed, cancelling, frame}
   queued: null, // message content waiting for a freshly opened session
@@ -74,7 +75,9 @@ function refreshControls() {
 function renderSessions() {
   renderSessionList(ui.sessionList, state.sessions, state.currentId,
     { onPick: pickSession, onRename: renameSession, onDelete: deleteSession });
-  $("#sessions-cut").hidden = !state.sessionsCut;
+  const older = $("#sessions-older");
+  older.hidden = state.nextBefore === null;
+  older.disabled = false;
 }
 
 function upsertSession(session) {
@@ -228,8 +231,14 @@ function stop() {
 
 const handlers = {
   sessions(msg) {
-    state.sessions = Array.isArray(msg.sessions) ? msg.sessions : [];
-    state.sessionsCut = Boolean(msg.has_more);
+    const listed = Array.isArray(msg.sessions) ? msg.sessions : [];
+    if (msg.before) { // a page of older sessions: added below those listed
+      const known = new Set(state.sessions.map((s) => s.session_id));
+      state.sessions.push(...listed.filter((s) => !known.has(s.session_id)));
+    } else {
+      state.sessions = listed;
+    }
+    state.nextBefore = msg.has_more && typeof msg.next_before === "string" ? msg.next_before : null;
     const current = state.sessions.find((s) => s.session_id === state.currentId);
     if (current) ui.title.textContent = sessionTitle(current);
     renderSessions();
@@ -374,6 +383,9 @@ $("#composer-form").addEventListener("submit", (ev) => {
 });
 ui.stop.addEventListener("click", stop);
 $("#new-session").addEventListener("click", newSession);
+$("#sessions-older").addEventListener("click", (ev) => {
+  if (state.nextBefore !== null && client.listSessions(state.nextBefore)) ev.currentTarget.disabled = true;
+});
 ui.sidebarToggle.addEventListener("click", () => setSidebar(!ui.body.classList.contains("sidebar-open")));
 ui.backdrop.addEventListener("click", () => setSidebar(false));
 $("#error .error-close").addEventListener("click", hideError);

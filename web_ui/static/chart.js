@@ -40,7 +40,8 @@ function niceMax(values, fixedMax, target) {
 export class LineChart {
   /**
    * `opts`: {title, unit ("", "s", "%", "/s"), series: [{key, label, color}], max?, target?,
-   * spanS?}. `key` reads a point's field, or a function of the point.
+   * spanS?, gapS?}. `key` reads a point's field, or a function of the point; points further
+   * apart in time than `gapS` (an outage) are not joined.
    */
   constructor(container, opts) {
     this.opts = opts;
@@ -94,7 +95,8 @@ export class LineChart {
       }));
     }
     for (const s of series) {
-      // A gap (null) in a series breaks its line rather than drawing through zero.
+      // A gap (null, or no samples for longer than `gapS`) breaks the line rather than
+      // drawing through zero or across an outage.
       let run = [];
       const flush = () => {
         if (run.length === 1) {
@@ -108,10 +110,13 @@ export class LineChart {
         }
         run = [];
       };
+      const gap = this.opts.gapS ?? Infinity;
+      let lastT = -Infinity;
       for (const p of shown) {
         const v = this.value(p, s);
-        if (v === null) flush();
-        else run.push([x(p.t), y(v)]);
+        if (v === null || p.t - lastT > gap) flush();
+        if (v !== null) run.push([x(p.t), y(v)]);
+        lastT = p.t;
       }
       flush();
     }

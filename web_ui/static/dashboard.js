@@ -10,8 +10,15 @@ const THIRD = "#2e9d6b";
 const FOURTH = "#9c5ccf";
 const MAX_POINTS = 3600;
 const SPAN_S = 300; // the charts show the last five minutes
+const GAP_INTERVALS = 3; // samples further apart than this many intervals: an outage, no line
+const MAX_RETRY_S = 30; // a server that does not answer is asked again at most this far apart
 
-const state = { points: [], targets: {}, intervalS: 1, timer: null, model: "" };
+const state = {
+  points: [], targets: {}, intervalS: 1, model: "",
+  timer: null, // the next poll, when one is due
+  polling: false, // a request is out
+  failures: 0, // polls failed in a row
+};
 
 const fromTokens = (tier) => (p) => {
   const f = p.prompt_tokens_from;
@@ -85,13 +92,24 @@ function redraw() {
     const target = CHARTS[i].target;
     chart.opts.target = target ? state.targets[target] : undefined;
     chart.opts.spanS = SPAN_S;
+    chart.opts.gapS = GAP_INTERVALS * state.intervalS;
     chart.update(state.points);
   }
   renderTiles();
 }
 
+/** Seconds to the next poll: the sampling interval, doubled per failure in a row (to
+ * `MAX_RETRY_S`), so a server that is down is not asked again every interval. */
+function nextPollS() {
+  const base = Math.max(0.25, state.intervalS);
+  return state.failures ? Math.min(MAX_RETRY_S, base * 2 ** state.failures) : base;
+}
+
 async function poll() {
   clearTimeout(state.timer);
+  state.timer = null;
+  if (document.hidden || state.polling) return; // a hidden tab does not poll; shown, it does
+  state.polling = true;
   try {
     const last = state.points.length ? state.points[state.points.length - 1].t : null;
     const data = await api(`/v1/dashboard${last === null ? "" : `?since=${last}`}`);
@@ -105,13 +123,21 @@ async function poll() {
     if (!box.hidden) hideError();
     $("#live-status").textContent = "Live";
     document.body.dataset.connected = "true";
+    state.failures = 0;
   } catch (err) {
+    state.failures += 1;
     document.body.dataset.connected = "false";
-    $("#live-status").textContent = "Offline, retrying…";
+    $("#live-status").textContent = `Offline, retrying in ${Math.round(nextPollS())} s…`;
     showError(err.code || "error", err.message);
+  } finally {
+    state.polling = false;
   }
-  state.timer = setTimeout(poll, Math.max(250, state.intervalS * 1000));
+  if (!document.hidden) state.timer = setTimeout(poll, nextPollS() * 1000);
 }
+
+document.addEventListener("visibilitychange", () => {
+  if (!document.hidden && state.timer === null) poll();
+});
 
 const askKey = setupApiKey(() => poll());
 $("#api-key-button").addEventListener("click", () => askKey(""));

@@ -116,8 +116,9 @@ export class ChatClient extends EventTarget {
     return true;
   }
 
-  listSessions() {
-    return this.send({ type: "session.list" });
+  /** The most recent sessions, or the page after a listing's `next_before` cursor. */
+  listSessions(before = null) {
+    return this.send(before === null ? { type: "session.list" } : { type: "session.list", before });
   }
 
   openSession(sessionId = null) {
