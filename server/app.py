@@ -21,6 +21,7 @@ from antiphon.server import batch_api, openai_api, rest
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
 from antiphon.server.http import error_response
+from antiphon.server.origin import BrowserGuard
 from antiphon.server.ws import websocket_endpoint
 from antiphon.shmsweep import EngineSegments
 
@@ -58,6 +59,11 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
 
     app = FastAPI(title="Antiphon", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
+    if not ctx.auth.is_required:  # keys keep other sites out; without them, this does
+        app.add_middleware(
+            BrowserGuard, allowed_origins=config.server.allowed_origins,
+            allowed_hosts=config.server.allowed_hosts,
+            on_refused=ctx.metrics.errors.labels(ErrorCode.FORBIDDEN_ORIGIN.value).inc)
     app.include_router(openai_api.router)
     app.include_router(rest.router)
     app.include_router(batch_api.router)

@@ -26,6 +26,14 @@ class ServerConfig:
     api_keys: tuple[str, ...] = doc(
         "Accepted API key (repeat the option for several; also ANTIPHON_API_KEYS). "
         "Optional on loopback, required on any other address", default=())
+    allowed_origins: tuple[str, ...] = doc(
+        "Web origin (scheme://host:port) besides the server's own whose pages may use a server "
+        "without API keys through the user's browser (repeat for several); other sites' pages "
+        "are refused", default=())
+    allowed_hosts: tuple[str, ...] = doc(
+        "Host name besides localhost and loopback addresses that a server without API keys "
+        "answers to (repeat for several); others are refused, against DNS rebinding",
+        default=())
     max_frame_bytes: int = doc("Largest websocket message or REST body, in bytes",
                                default=256 * 1024)
     max_content_chars: int = doc("Longest user message, in characters", default=32_000)

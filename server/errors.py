@@ -22,6 +22,7 @@ class ErrorCode(enum.StrEnum):
     DUPLICATE_REQUEST = "duplicate_request"
     MODEL_NOT_FOUND = "model_not_found"
     UNAUTHORIZED = "unauthorized"
+    FORBIDDEN_ORIGIN = "forbidden_origin"
     TOO_MANY_REQUESTS = "too_many_requests"
     SESSION_BUSY = "session_busy"
     ENGINE_ERROR = "engine_error"
@@ -54,6 +55,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.DUPLICATE_REQUEST: 409,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.FORBIDDEN_ORIGIN: 403,
     ErrorCode.TOO_MANY_REQUESTS: 429,
     ErrorCode.SESSION_BUSY: 409,
     ErrorCode.ENGINE_ERROR: 500,

@@ -1,0 +1,84 @@
+"""Other web sites may not use a server that has no API keys, through the user's browser.
+
+A server without API keys (it binds to loopback only) trusts whoever reaches it, and the
+user's browser reaches it on behalf of every page it shows:
+- any page may open `ws://127.0.0.1:8000/v1/ws` (websockets have no same-origin policy) and
+  read every session, or post a form or a `text/plain` body to the REST API (no preflight);
+- a page on a domain that resolves to 127.0.0.1 (DNS rebinding) is even same-origin with the
+  server, and reads REST answers too.
+
+Two checks close this, for HTTP requests and websocket upgrades alike:
+- **Host**: the `Host` header must name `localhost` or a loopback address (or one of
+  `--allowed-hosts`); a rebinding page's requests name its own domain.
+- **Origin**: a request that carries an `Origin` (browsers send one on every websocket upgrade
+  and on every POST) must come from the server's own origin or one of `--allowed-origins`.
+
+Clients that are not browsers (curl, the OpenAI client, the SDK) send no `Origin` and a
+loopback `Host`, and pass. With API keys a page cannot authenticate, so neither check applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from antiphon.server.config import is_loopback
+from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.http import error_response
+
+
+def host_name(host_header: str) -> str:
+    """The name in a `Host` header, without its port: `[::1]:8000` -> `::1`."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+class BrowserGuard:
+    """ASGI middleware refusing cross-site browser requests and foreign `Host` names."""
+
+    def __init__(self, app: ASGIApp, *, allowed_origins: Sequence[str] = (),
+                 allowed_hosts: Sequence[str] = (),
+                 on_refused: Callable[[], None] = lambda: None) -> None:
+        self.app = app
+        self.allowed_origins = {origin.rstrip("/").lower() for origin in allowed_origins}
+        self.allowed_hosts = {host.lower() for host in allowed_hosts}
+        self.on_refused = on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
+                   if k in (b"host", b"origin")}
+        reason = self.refusal(headers.get("host"), headers.get("origin"))
+        if reason is None:
+            await self.app(scope, receive, send)
+            return
+        self.on_refused()
+        if scope["type"] == "websocket":  # closed before accepting: the upgrade gets 403
+            await send({"type": "websocket.close", "code": 1008, "reason": reason[:120]})
+            return
+        await error_response(ApiError(ErrorCode.FORBIDDEN_ORIGIN, reason))(scope, receive, send)
+
+    def refusal(self, host: str | None, origin: str | None) -> str | None:
+        """Why a request with these headers is refused, or None."""
+        if host is not None:
+            name = host_name(host)
+            if not (is_loopback(name) or name in self.allowed_hosts):
+                return (f"Host {host!r} is not this server's: a server without API keys "
+                        "answers only to localhost or a loopback address (see --allowed-hosts)")
+        if origin is None:
+            return None
+        origin = origin.strip().rstrip("/").lower()
+        if origin in self.allowed_origins:
+            return None
+        parts = urlsplit(origin)
+        if host is not None and parts.scheme in ("http", "https") and (
+                parts.netloc == host.strip().lower()):
+            return None  # the server's own pages
+        return (f"requests from the web page at {origin!r} are refused: a server without API "
+                "keys serves only its own pages (see --allowed-origins)")
