@@ -18,12 +18,11 @@ from antiphon.tiering.config import TieringConfig
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
 
     from antiphon.datalock import DataDirInUseError, lock_data_dir
     from antiphon.engine_ext.engine import VllmEngine
     from antiphon.model import DEFAULT_MODEL_NAME, ModelPrepareError, resolve_model
-    from antiphon.server.app import create_app
+    from antiphon.server.app import DrainingServer, create_app
 
     try:
         config = AppConfig(
@@ -50,7 +49,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"antiphon serve: cannot use {exc.filename or config.sessions.data_dir}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, log_level=args.log_level.lower(), **config.server.uvicorn_options())
+    DrainingServer(app, log_level=args.log_level.lower(),
+                   **config.server.uvicorn_options()).run()
     return 0
 
 

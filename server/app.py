@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
+from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
@@ -18,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from antiphon.config import AppConfig
 from antiphon.engine_ext.engine import Engine
 from antiphon.server import batch_api, openai_api, rest
+from antiphon.server.auth import redact_api_keys_in_logs
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
 from antiphon.server.http import error_response
@@ -108,3 +112,28 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
         app.add_api_route(path, page(name), methods=["GET"], include_in_schema=False)
 
     return app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn closes every websocket at once when it shuts down (1012, cutting the replies
+    streaming on it short); this server first lets live replies finish, for up to
+    `--drain-timeout-s`, while new turns are refused and `/healthz` says not ready."""
+
+    def __init__(self, app: FastAPI, **options: Any) -> None:
+        super().__init__(uvicorn.Config(app, **options))  # configures uvicorn's logging
+        redact_api_keys_in_logs()
+        self.ctx: AppContext = app.state.ctx
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if not self.force_exit:  # a second Ctrl-C skips the wait
+            ctx = self.ctx
+            ctx.is_ready = False
+            await ctx.batches.stop()  # its items run again after the restart
+            timeout_s = ctx.config.server.drain_timeout_s
+            logger.info("shutting down: waiting up to %.0f s for the replies streaming now",
+                        timeout_s)
+            left = await ctx.chat.drain(timeout_s)
+            if left:
+                logger.warning("%d replies still streaming after %.0f s are cut short", left,
+                               timeout_s)
+        await super().shutdown(sockets)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import re
 
 from antiphon.server.errors import ApiError, ErrorCode
 
@@ -44,3 +46,29 @@ def key_from_headers(authorization: str | None, api_key_param: str | None = None
         if scheme.lower() == "bearer" and value.strip():
             return value.strip()
     return api_key_param or None
+
+
+_KEY_IN_URL = re.compile(r"([?&]api_key=)[^&\s\"]*")
+# uvicorn logs each request's path with its query string: HTTP to "uvicorn.access", websocket
+# upgrades to "uvicorn.error". The browser UI sends its key as `?api_key=` on the websocket.
+URL_LOGGERS = ("uvicorn.access", "uvicorn.error")
+
+
+class RedactApiKeys(logging.Filter):
+    """Replaces the value of an `api_key` query parameter in logged URLs with `***`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_KEY_IN_URL.sub(r"\1***", a) if isinstance(a, str) else a
+                                for a in record.args)
+        if isinstance(record.msg, str) and "api_key=" in record.msg:
+            record.msg = _KEY_IN_URL.sub(r"\1***", record.msg)
+        return True
+
+
+def redact_api_keys_in_logs() -> None:
+    """Keep API keys out of uvicorn's request logs (idempotent)."""
+    for name in URL_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactApiKeys) for f in logger.filters):
+            logger.addFilter(RedactApiKeys())

@@ -8,10 +8,12 @@ filling in the generation's usage and timings.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import secrets
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -33,9 +35,13 @@ logger = logging.getLogger(__name__)
 class Generation:
     """One request: its prompt, then its output and timings as they arrive."""
 
-    request_id: str
+    request_id: str  # as the client knows it (a websocket client may choose it)
     prompt_token_ids: list[int]
     params: GenerationParams
+    # The engine's id: unique, so that two clients choosing the same request id never share
+    # one (vLLM aborts by id).
+    engine_request_id: str = dataclasses.field(
+        default_factory=lambda: "q_" + secrets.token_urlsafe(12))
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     pieces: list[str] = dataclasses.field(default_factory=list)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -79,6 +85,37 @@ class ChatService:
         self.metrics = metrics
         self.config = config
         self.rt_slo_s = rt_slo_s
+        self.is_draining = False  # shutting down: live replies finish, new turns are refused
+        self._num_live = 0  # replies streaming to clients (batch items are not waited for)
+        self._none_live = asyncio.Event()
+        self._none_live.set()
+
+    def check_open(self) -> None:
+        """Raise `shutting_down` once a shutdown has begun."""
+        if self.is_draining:
+            raise ApiError(ErrorCode.SHUTTING_DOWN, "the server is shutting down; send this "
+                           "again once it is back")
+
+    @contextlib.contextmanager
+    def live(self) -> Iterator[None]:
+        """Mark a reply to a client as in flight until the block ends (`drain` waits)."""
+        self._num_live += 1
+        self._none_live.clear()
+        try:
+            yield
+        finally:
+            self._num_live -= 1
+            if not self._num_live:
+                self._none_live.set()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new turns, and wait up to `timeout_s` for the replies streaming now to
+        finish; returns how many still stream."""
+        self.is_draining = True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._none_live.wait()
+        return self._num_live
 
     def check_content(self, content: str, may_be_empty: bool = False) -> None:
         if len(content) > self.config.max_content_chars:
@@ -132,28 +169,31 @@ class ChatService:
         cls = gen.params.request_class.value
         self.metrics.inflight.labels(cls).inc()
         outcome = "error"
-        try:
-            deltas = self.engine.generate(gen.request_id, gen.prompt_token_ids, gen.params)
-            async with aclosing(deltas):
-                async for delta in deltas:
-                    self._apply(gen, delta)
-                    if delta.text:
-                        yield delta.text
-            outcome = "ok"
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
-            gen.finish_reason = "cancelled"
-            raise
-        except EngineRequestError as exc:
-            raise ApiError(ErrorCode.BAD_MESSAGE, str(exc)) from exc
-        except EngineDeadError as exc:
-            raise ApiError(ErrorCode.ENGINE_ERROR, f"the engine failed: {exc}") from exc
-        except EngineRequestFailedError as exc:
-            logger.error("request %s failed in the engine: %s", gen.request_id, exc)
-            raise ApiError(ErrorCode.ENGINE_ERROR,
-                           f"the engine failed this request: {exc}") from exc
-        finally:
-            self._record(gen, api, outcome)
+        with self.live() if api != "batch" else contextlib.nullcontext():
+            try:
+                deltas = self.engine.generate(gen.engine_request_id, gen.prompt_token_ids,
+                                              gen.params)
+                async with aclosing(deltas):
+                    async for delta in deltas:
+                        self._apply(gen, delta)
+                        if delta.text:
+                            yield delta.text
+                outcome = "ok"
+            except (asyncio.CancelledError, GeneratorExit):
+                outcome = "cancelled"
+                gen.finish_reason = "cancelled"
+                raise
+            except EngineRequestError as exc:
+                raise ApiError(ErrorCode.BAD_MESSAGE, str(exc)) from exc
+            except EngineDeadError as exc:
+                raise ApiError(ErrorCode.ENGINE_ERROR, f"the engine failed: {exc}") from exc
+            except EngineRequestFailedError as exc:
+                logger.error("request %s (engine %s) failed in the engine: %s", gen.request_id,
+                             gen.engine_request_id, exc)
+                raise ApiError(ErrorCode.ENGINE_ERROR,
+                               f"the engine failed this request: {exc}") from exc
+            finally:
+                self._record(gen, api, outcome)
 
     def _apply(self, gen: Generation, delta: Delta) -> None:
         if delta.num_new_tokens:

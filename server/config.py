@@ -62,6 +62,11 @@ class ServerConfig:
         "Seconds an idle HTTP connection stays open for the client's next request. Longer than "
         "clients keep theirs (httpx, and the OpenAI client with it: 5 s), so the client closes "
         "first: a request sent on a connection the server is closing fails", default=75.0)
+    drain_timeout_s: float = doc(
+        "On SIGTERM or Ctrl-C, how long chat replies streaming then may run to their end "
+        "before the server closes their connections (new turns get shutting_down, and "
+        "/healthz says not ready, meanwhile); batch items stop at once and run again after "
+        "the restart", default=30.0)
     dashboard_interval_s: float = doc("Seconds between the dashboard's samples", default=1.0)
     dashboard_history: int = doc("Dashboard samples kept (the charts' time span)", default=600)
     dashboard_max_requests: int = doc(
@@ -85,7 +90,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("dashboard_interval_s", "keep_alive_s", "max_advisory_lead_s"):
+        for name in ("dashboard_interval_s", "keep_alive_s", "max_advisory_lead_s",
+                     "drain_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be positive and finite")
         if not 0 <= self.typing_interval_s < math.inf:
@@ -104,6 +110,8 @@ class ServerConfig:
     def uvicorn_options(self) -> dict[str, Any]:
         """The options uvicorn serves the app with."""
         return {"host": self.host, "port": self.port, "timeout_keep_alive": self.keep_alive_s,
+                # After the drain (`app.DrainingServer`), what still streams is cut soon.
+                "timeout_graceful_shutdown": 5.0,
                 "ws_max_size": 4 * self.max_frame_bytes,
                 # Token frames are tiny: compressing each costs more CPU than it saves.
                 "ws_per_message_deflate": False}

@@ -47,6 +47,7 @@ async def chat_completions(request: Request) -> Response:
     advisory for the session (`POST /v1/advisory`) brings forward before its next call."""
     ctx: AppContext = request.app.state.ctx
     owner = authorize(request)
+    ctx.chat.check_open()
     body = await read_model(request, ChatCompletionRequest)
     session_id = session_xarg(body)
     if session_id is not None:

@@ -199,6 +199,11 @@ class SessionTurns:
         A cancel (the task is cancelled and `is_user_cancel()` is true) commits the partial
         reply and emits `done` with finish_reason "cancelled"; a disconnect commits it too.
         """
+        with self.chat.live():  # a shutdown waits for the `done` frame, not only the tokens
+            await self._run(session_id, gen, emit, is_user_cancel)
+
+    async def _run(self, session_id: str, gen: Generation, emit: Emit,
+                   is_user_cancel: Callable[[], bool]) -> None:
         rid = gen.request_id
         is_committed = False
         try:

@@ -112,6 +112,7 @@ class Connection:
             await self._start_turn(msg)
 
     async def _start_turn(self, msg: protocol.ChatMessage) -> None:
+        self.ctx.chat.check_open()
         request_id = msg.request_id or "r_" + secrets.token_urlsafe(9)
         if request_id in self._turns:
             raise ApiError(ErrorCode.DUPLICATE_REQUEST, f"request {request_id} is in flight")

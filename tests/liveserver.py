@@ -7,21 +7,28 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import uvicorn
-
 from antiphon.bench.serverproc import free_port
 from antiphon.config import AppConfig
 from antiphon.engine_ext.engine import Engine
-from antiphon.server.app import create_app
+from antiphon.server.app import DrainingServer, create_app
 
 
 @contextmanager
 def live_server(config: AppConfig, engine: Engine) -> Iterator[str]:
     """Yield the base URL (http://127.0.0.1:PORT) of a running server."""
+    with running_server(config, engine) as (url, _server):
+        yield url
+
+
+@contextmanager
+def running_server(config: AppConfig, engine: Engine,
+                   log_level: str = "warning") -> Iterator[tuple[str, DrainingServer]]:
+    """`live_server`, with the uvicorn server (`should_exit = True` shuts it down as SIGTERM
+    does), and its thread joined on exit."""
     port = free_port()
     app = create_app(config, engine)
     options = {**config.server.uvicorn_options(), "host": "127.0.0.1", "port": port}
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **options))
+    server = DrainingServer(app, log_level=log_level, **options)  # as `antiphon serve` runs
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
@@ -30,7 +37,7 @@ def live_server(config: AppConfig, engine: Engine) -> Iterator[str]:
             raise RuntimeError("server did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
-        thread.join(timeout=30)
+        thread.join(timeout=60)

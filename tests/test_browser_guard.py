@@ -14,7 +14,7 @@ from websockets.exceptions import ConnectionClosedError, InvalidStatus
 from antiphon.engine_ext.scripted import ScriptedEngine
 from antiphon.server.origin import BrowserGuard, host_name
 from tests.conftest import scripted_config
-from tests.liveserver import live_server
+from tests.liveserver import live_server, running_server
 
 EVIL = "http://evil.example"
 
@@ -50,6 +50,20 @@ async def test_other_sites_pages_cannot_use_a_server_without_keys(tmp_path: Path
         assert [s["title"] for s in r.json()["sessions"]] == ["private"]
         assert 'antiphon_errors_total{code="forbidden_origin"} 3.0' in httpx.get(
             url + "/metrics").text
+
+
+async def test_api_keys_in_urls_stay_out_of_the_request_log(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    config = scripted_config(tmp_path, api_keys=("secret-key-42",))
+    with running_server(config, ScriptedEngine(), log_level="info") as (url, _server):
+        assert await list_titles(url, None, key="secret-key-42") == []  # what the UI does
+        assert httpx.get(url + "/v1/sessions?limit=1&api_key=secret-key-42").status_code == 200
+        assert httpx.get(url + "/v1/models?api_key=wrong-guess-1").status_code == 401
+    logged = capfd.readouterr()
+    log = logged.out + logged.err
+    assert '"WebSocket /v1/ws?api_key=***"' in log
+    assert "/v1/sessions?limit=1&api_key=*** HTTP/1.1" in log
+    assert "secret-key-42" not in log and "wrong-guess-1" not in log
 
 
 async def test_with_api_keys_the_key_is_what_counts(tmp_path: Path) -> None:

@@ -79,13 +79,28 @@ async def test_disconnect_mid_stream_aborts_generation(scripted: Scripted) -> No
         sid = (await open_session(ws))["session"]["session_id"]
         await send(ws, type="message", session_id=sid, content="w " * 200, request_id="gone")
         await recv_until(ws, "token")
-        assert scripted.engine.active_request_ids == {"gone"}
+        (engine_id,) = scripted.engine.active_request_ids  # the engine's own id, not "gone"
     for _ in range(100):
         if not scripted.engine.active_request_ids:
             break
         await asyncio.sleep(0.02)
     assert not scripted.engine.active_request_ids
-    assert "gone" in scripted.engine.finished_request_ids
+    assert engine_id in scripted.engine.finished_request_ids
+
+
+async def test_clients_choosing_the_same_request_id_do_not_collide(scripted: Scripted) -> None:
+    """The engine aborts by id: a client's chosen id must never name another's request."""
+    scripted.engine.token_delay_s = 0.02
+    async with connect(scripted.ws_url) as a, connect(scripted.ws_url) as b:
+        sessions = [(await open_session(ws))["session"]["session_id"] for ws in (a, b)]
+        for ws, sid in zip((a, b), sessions, strict=True):
+            await send(ws, type="message", session_id=sid, content="same id", request_id="r-1")
+        await recv_until(a, "token")
+        await send(a, type="cancel", request_id="r-1")  # cancels a's turn, not b's
+        assert (await recv_until(a, "done"))[-1]["finish_reason"] == "cancelled"
+        done = (await recv_until(b, "done"))[-1]
+    assert (done["request_id"], done["finish_reason"], done["text"]) == (
+        "r-1", "stop", "You said: same id")
 
 
 @pytest.mark.parametrize(("message", "code"), [

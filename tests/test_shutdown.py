@@ -1,0 +1,64 @@
+"""A shutdown (SIGTERM, Ctrl-C) lets the replies streaming then finish, within
+`--drain-timeout-s`, refusing new turns meanwhile; real websocket and HTTP clients."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from pathlib import Path
+
+import httpx
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from antiphon.engine_ext.scripted import ScriptedEngine
+from tests.conftest import scripted_config
+from tests.liveserver import running_server
+from tests.wsclient import open_session, recv, recv_until, send
+
+LONG = "one two three four five six seven eight nine ten " * 4  # 40 tokens echoed back
+
+
+async def test_a_shutdown_lets_live_replies_finish_and_refuses_new_turns(
+        tmp_path: Path) -> None:
+    config = scripted_config(tmp_path, drain_timeout_s=30)
+    with running_server(config, ScriptedEngine(token_delay_s=0.05)) as (url, server):
+        ws_url = url.replace("http://", "ws://") + "/v1/ws"
+        async with connect(ws_url) as ws, connect(ws_url) as late:
+            sid = (await open_session(ws))["session"]["session_id"]
+            late_sid = (await open_session(late))["session"]["session_id"]
+            await send(ws, type="message", session_id=sid, content=LONG, request_id="live")
+            await recv_until(ws, "token")
+            server.should_exit = True  # what SIGTERM does
+            await asyncio.sleep(0.3)
+            await send(late, type="message", session_id=late_sid, content="hello?")
+            refused = await recv(late)
+            health = await asyncio.to_thread(httpx.get, url + "/healthz")
+            done = (await recv_until(ws, "done"))[-1]
+            with contextlib.suppress(ConnectionClosed):  # then closed: 1012, service restart
+                await recv(ws, timeout=30)
+    assert (refused["type"], refused["code"]) == ("error", "shutting_down")
+    assert health.status_code == 503  # a load balancer stops sending traffic here
+    assert (done["finish_reason"], done["text"]) == ("stop", "You said: " + LONG)
+    db = sqlite3.connect(tmp_path / "sessions.sqlite3")
+    rows = db.execute("SELECT session_id, role, finish_reason FROM messages").fetchall()
+    assert rows == [(sid, "user", None), (sid, "assistant", "stop")]  # "hello?" was not taken
+
+
+async def test_replies_longer_than_the_drain_are_cut_short_and_kept(tmp_path: Path) -> None:
+    config = scripted_config(tmp_path, drain_timeout_s=0.3)
+    with running_server(config, ScriptedEngine(token_delay_s=0.05)) as (url, server):
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            await send(ws, type="message", session_id=sid, content=LONG)
+            await recv_until(ws, "token")
+            server.should_exit = True
+            try:
+                while True:
+                    await recv(ws, timeout=30)
+            except ConnectionClosed:
+                pass
+    db = sqlite3.connect(tmp_path / "sessions.sqlite3")
+    assert db.execute("SELECT role, finish_reason FROM messages").fetchall() == [
+        ("user", None), ("assistant", "cancelled")]
