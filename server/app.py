@@ -25,7 +25,7 @@ from antiphon.server.auth import redact_api_keys_in_logs
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
 from antiphon.server.http import error_response
-from antiphon.server.origin import BrowserGuard
+from antiphon.server.origin import BrowserGuard, SecurityHeaders
 from antiphon.server.ws import websocket_endpoint
 from antiphon.shmsweep import EngineSegments
 
@@ -63,6 +63,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
 
     app = FastAPI(title="Antiphon", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
+    app.add_middleware(SecurityHeaders)
     if not ctx.auth.is_required:  # keys keep other sites out; without them, this does
         app.add_middleware(
             BrowserGuard, allowed_origins=config.server.allowed_origins,

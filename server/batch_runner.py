@@ -230,7 +230,7 @@ class BatchRunner:
             if err.http_status < 500:
                 return ItemResult(None, None, err.code.value,
                                   f"line {item.line_index + 1}: {err.message}")
-            logger.warning("batch item %s: %s; it will run again", item.custom_id, err.message)
+            logger.warning("batch item %r: %s; it will run again", item.custom_id, err.message)
             self._paused_until = time.monotonic() + RETRY_DELAY_S
             return None
         return ItemResult(gen.request_id, json.dumps(completion_object(gen, body.model),

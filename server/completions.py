@@ -113,7 +113,7 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
                        f"{limits.max_messages}")
     chat.check_max_tokens(body.requested_max_tokens)
     _request_class(body.vllm_xargs or {})
-    _slo_overrides(body.vllm_xargs or {})
+    _slo_overrides(chat, body.vllm_xargs or {})
     if len(body.stop_sequences) > limits.max_stop_sequences:
         raise ApiError(ErrorCode.TOO_LARGE, f"{len(body.stop_sequences)} stop sequences; the "
                        f"limit is {limits.max_stop_sequences}")
@@ -147,7 +147,7 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest,
     return chat.prepare(
         secrets.token_hex(12), turns, body.requested_max_tokens, body.temperature,
         request_class, session_id, top_p=body.top_p, stop=body.stop_sequences, seed=body.seed,
-        ignore_eos=body.ignore_eos, **_slo_overrides(body.vllm_xargs or {}))
+        ignore_eos=body.ignore_eos, **_slo_overrides(chat, body.vllm_xargs or {}))
 
 
 def _request_class(xargs: dict[str, Any]) -> RequestClass:
@@ -159,16 +159,24 @@ def _request_class(xargs: dict[str, Any]) -> RequestClass:
                        "vllm_xargs.request_class must be 'rt' or 'be'") from None
 
 
-def _slo_overrides(xargs: dict[str, Any]) -> dict[str, Any]:
-    """Per-request TTFT/TPOT targets from `vllm_xargs` (seconds, positive and finite)."""
+def _slo_overrides(chat: ChatService, xargs: dict[str, Any]) -> dict[str, Any]:
+    """Per-request TTFT/TPOT targets from `vllm_xargs` (seconds, finite), no tighter than
+    `--min-request-slo-frac` of the deployment's: a tighter target takes step time from every
+    other request, so one client could otherwise shrink everyone's batches."""
     out: dict[str, Any] = {}
-    for key in ("ttft_slo_s", "tpot_slo_s"):
+    frac = chat.config.min_request_slo_frac
+    for key, deployment_s in zip(("ttft_slo_s", "tpot_slo_s"), chat.rt_slo_s, strict=True):
         if key in xargs:
             value = xargs[key]
             if (not isinstance(value, (int, float)) or isinstance(value, bool)
                     or not 0 < value < math.inf):
                 raise ApiError(ErrorCode.BAD_MESSAGE,
                                f"vllm_xargs.{key} must be a positive, finite number of seconds")
+            if value < frac * deployment_s:
+                raise ApiError(ErrorCode.BAD_MESSAGE, (
+                    f"vllm_xargs.{key} {value:g} is tighter than this server allows: at least "
+                    f"{frac * deployment_s:g} s ({frac:g} of the deployment's {deployment_s:g} "
+                    "s; --min-request-slo-frac)"))
             out[key] = float(value)
     return out
 

@@ -62,6 +62,11 @@ class ServerConfig:
         "Seconds an idle HTTP connection stays open for the client's next request. Longer than "
         "clients keep theirs (httpx, and the OpenAI client with it: 5 s), so the client closes "
         "first: a request sent on a connection the server is closing fails", default=75.0)
+    min_request_slo_frac: float = doc(
+        "The tightest TTFT or TPOT target a request may set for itself (vllm_xargs), as a "
+        "fraction of the deployment's (--rt-ttft-slo-s, --rt-tpot-slo-s): a tighter target "
+        "takes step time from every other request. 1: none tighter than the deployment's; "
+        "looser targets are always allowed", default=1.0)
     drain_timeout_s: float = doc(
         "On SIGTERM or Ctrl-C, how long chat replies streaming then may run to their end "
         "before the server closes their connections (new turns get shutting_down, and "
@@ -94,6 +99,8 @@ class ServerConfig:
                      "drain_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be positive and finite")
+        if not 0 < self.min_request_slo_frac <= 1:
+            raise ValueError("min_request_slo_frac must be within (0, 1]")
         if not 0 <= self.typing_interval_s < math.inf:
             raise ValueError("typing_interval_s must be at least 0 and finite")
         if self.reply_max_tokens > self.max_tokens_limit:

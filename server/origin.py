@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from antiphon.server.config import is_loopback
 from antiphon.server.errors import ApiError, ErrorCode
@@ -82,3 +82,35 @@ class BrowserGuard:
             return None  # the server's own pages
         return (f"requests from the web page at {origin!r} are refused: a server without API "
                 "keys serves only its own pages (see --allowed-origins)")
+
+
+# Sent with every HTTP response: no MIME sniffing (a JSONL download is never run as a page), no
+# framing by other sites (a framed chat page could be clicked through), no referrer sent on, and
+# for the pages a policy that lets them load and connect only to this server.
+SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"content-security-policy",
+     b"default-src 'self'; img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; "
+     b"base-uri 'none'; form-action 'self'"),
+]
+
+
+class SecurityHeaders:
+    """ASGI middleware adding `SECURITY_HEADERS` to every HTTP response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)

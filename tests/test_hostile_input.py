@@ -74,6 +74,10 @@ def test_json_no_part_of_the_server_could_use_is_refused(scripted: Scripted, raw
     ({"presence_penalty": 0.5}, 400, "bad_message", "presence_penalty"),
     ({"vllm_xargs": {"tpot_slo_s": 1e308 * 10}}, 400, "bad_json", "not valid JSON"),
     ({"vllm_xargs": {"ttft_slo_s": -1}}, 400, "bad_message", "ttft_slo_s"),
+    # a request may not claim step time from every other one with a target tighter than the
+    # deployment's (0.1 s per token by default)
+    ({"vllm_xargs": {"tpot_slo_s": 1e-9}}, 400, "bad_message",
+     "vllm_xargs.tpot_slo_s 1e-09 is tighter than this server allows: at least 0.1 s"),
 ])
 def test_parameters_are_checked_not_coerced_or_ignored(
         scripted: Scripted, fields: dict[str, Any], status: int, code: str, words: str) -> None:
@@ -88,11 +92,23 @@ def test_parameters_are_checked_not_coerced_or_ignored(
     # what OpenAI clients send back as the assistant's earlier turn
     {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
                   {"role": "assistant", "content": None}, {"role": "user", "content": "b"}]},
+    {"vllm_xargs": {"ttft_slo_s": 5.0, "tpot_slo_s": 0.1}},  # looser, or the deployment's
 ])
 def test_neutral_values_of_unsupported_parameters_are_accepted(
         scripted: Scripted, fields: dict[str, Any]) -> None:
     response = post(scripted, json.dumps(chat_body(**fields)))
     assert response.status_code == 200, response.text
+
+
+def test_a_server_may_allow_tighter_request_targets(tmp_path: Path) -> None:
+    config = scripted_config(tmp_path, min_request_slo_frac=0.5)
+    with live_server(config, ScriptedEngine()) as url:
+        for tpot, status in ((0.05, 200), (0.049, 400)):
+            response = httpx.post(url + "/v1/chat/completions", json=chat_body(
+                vllm_xargs={"tpot_slo_s": tpot}))
+            assert response.status_code == status, response.text
+    with pytest.raises(ValueError, match="min_request_slo_frac"):
+        ServerConfig(min_request_slo_frac=0)
 
 
 def test_unknown_routes_and_methods_answer_in_the_error_format(scripted: Scripted) -> None:

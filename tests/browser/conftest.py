@@ -49,9 +49,12 @@ def browser() -> Iterator[object]:
 
 @pytest.fixture
 def page(browser: object) -> Iterator[object]:
-    """A page in a fresh context (its own storage); JavaScript errors fail the test."""
+    """A page in a fresh context (its own storage); JavaScript errors fail the test. The
+    pages' Content-Security-Policy is bypassed: it forbids the `eval` that Playwright's
+    `wait_for_function` runs in the page (`test_pages_work_under_their_content_security_policy`
+    drives the pages with it on)."""
     context = browser.new_context(viewport={"width": 1280, "height": 860},  # type: ignore[attr-defined]
-                                  accept_downloads=True)
+                                  accept_downloads=True, bypass_csp=True)
     pg = context.new_page()
     errors: list[str] = []
     pg.on("pageerror", lambda exc: errors.append(str(exc)))

@@ -394,6 +394,42 @@ def test_ui_adds_little_to_ttft(server: ServerProcess, page: Any, artifacts: Pat
     assert statistics.median(added) <= 0.020, report
 
 
+CSP_PROBE = """
+window.__cspViolations = [];
+document.addEventListener("securitypolicyviolation",
+  (e) => window.__cspViolations.push(`${e.violatedDirective} ${e.blockedURI}`));
+"""
+
+
+def test_pages_work_under_their_content_security_policy(server: ServerProcess,
+                                                        browser: Any) -> None:
+    """The pages load, chat over the websocket, draw charts and list batches with the policy
+    on (no eval here: locator waits only), and nothing is blocked."""
+    headers = httpx.get(server.url + "/").headers
+    assert "frame-ancestors 'none'" in headers["content-security-policy"]
+    assert headers["x-content-type-options"] == "nosniff"
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.add_init_script(CSP_PROBE)
+        page.goto(server.url + "/")
+        page.locator("body[data-connected=true]").wait_for()
+        page.locator("#composer").fill("Say the word gamma.")
+        page.locator("#composer").press("Enter")
+        page.locator(".msg.assistant .timings").first.wait_for(timeout=120_000)
+        page.goto(server.url + "/dashboard")
+        page.locator("body[data-connected=true]").wait_for()
+        page.locator('[data-chart="tokens"] svg text').first.wait_for()  # axes drawn
+        page.goto(server.url + "/batches")
+        page.locator("h1, h2").first.wait_for()
+        assert page.evaluate("window.__cspViolations") == []
+        assert not errors, errors
+    finally:
+        context.close()
+
+
 def test_the_sidebar_pages_past_the_most_recent_sessions(server: ServerProcess,
                                                          page: Any) -> None:
     """Last in this file: it adds more sessions than one listing holds."""
