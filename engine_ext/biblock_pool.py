@@ -6,7 +6,10 @@ places them for the request being allocated for (RT from the low end of a shared
 the high end). The free queue is a doubly linked list, so taking a page from its middle is
 O(1); prefix caching keeps working: a free page that still holds a cached prefix is evicted
 from the cache when taken, exactly as when vLLM pops it, and pages a request finds in the
-prefix cache (`touch`) become its own in the layout when nobody else holds them.
+prefix cache (`touch`) become its own in the layout when nobody else holds them. Where the
+layout has a choice of blocks, it takes pages holding no cached KV first, then those freed
+longest ago, as vLLM's LRU free queue does: taking the lowest block every time, it evicted the
+turn that had just finished, and vLLM's prefix cache never hit for a follow-up turn.
 
 Three methods of the pool instance are wrapped (`get_new_blocks`, `touch`, `free_blocks`), and
 `allocate_slots` of the manager, which names the request the pages are for.
@@ -35,6 +38,8 @@ class PositionalPages:
                                         excluded=[pool.null_block.block_id])
         self._is_rt = is_rt
         self._current: tuple[str, bool] | None = None
+        self._frees = 0  # pages freed so far: each page's number orders them by recency
+        self._freed_as: dict[int, int] = {}  # page -> `_frees` when it was last freed
         self._install(manager)
 
     def _install(self, manager: KVCacheManager) -> None:
@@ -59,6 +64,8 @@ class PositionalPages:
             for block in blocks:
                 if block.ref_cnt == 0:
                     self.layout.release(block.block_id)
+                    self._frees += 1
+                    self._freed_as[block.block_id] = self._frees
 
         def allocate(request: Request, *args: Any, **kwargs: Any) -> Any:
             with self.allocating_for(request):
@@ -87,7 +94,8 @@ class PositionalPages:
             ret = pool.free_block_queue.popleft_n(num_blocks)
         else:
             request_id, is_rt = self._current
-            pages = self.layout.place(request_id, is_rt, num_blocks, self._is_free)
+            pages = self.layout.place(request_id, is_rt, num_blocks, self._is_free,
+                                      self._eviction_cost)
             ret = [pool.blocks[page] for page in pages]
             for block in ret:
                 pool.free_block_queue.remove(block)
@@ -96,6 +104,12 @@ class PositionalPages:
     def _is_free(self, page: int) -> bool:
         block = self.pool.blocks[page]
         return block.ref_cnt == 0 and not block.is_null
+
+    def _eviction_cost(self, page: int) -> int:
+        """0 for a free page holding no cached KV; else when it was freed (older: cheaper)."""
+        if self.pool.blocks[page].block_hash is None:
+            return 0
+        return self._freed_as.get(page, 0) + 1
 
     def preempting(self, request_id: str) -> None:
         self.layout.preempting(request_id)

@@ -15,7 +15,9 @@ back (`release`). Placement, in order of preference:
 
     grow      the request's current block, next page in its direction
     new block a block with no other request of its class: the one with the most free pages
-              on its side (BROS's "most empty slots")
+              on its side (BROS's "most empty slots"); among equals, the one whose free pages
+              lose the least of vLLM's prefix cache (`eviction_cost`: pages holding no cached
+              KV first, then those freed longest ago, as vLLM's own free queue evicts)
     overflow  a block that already has a request of its class, where the direction still holds
     stray     any free page (counted; the direction no longer describes that page)
 
@@ -85,9 +87,11 @@ class SharedBlockLayout:
     # -- changes -----------------------------------------------------------------------------
 
     def place(self, request_id: str, is_rt: bool, num_pages: int,
-              is_free: Callable[[int], bool]) -> list[int]:
+              is_free: Callable[[int], bool],
+              eviction_cost: Callable[[int], int] = lambda page: 0) -> list[int]:
         """Choose `num_pages` pages for the request among those `is_free` says vLLM has free
-        (there must be that many), and record them as its own."""
+        (there must be that many), and record them as its own. `eviction_cost(page)` is what
+        taking a free page loses (0: nothing cached in it); it breaks ties between blocks."""
         taken: list[int] = []
         chosen: set[int] = set()
 
@@ -95,7 +99,7 @@ class SharedBlockLayout:
             return page not in chosen and page not in self._excluded and is_free(page)
 
         for _ in range(num_pages):
-            page = self._next_page(request_id, is_rt, free)
+            page = self._next_page(request_id, is_rt, free, eviction_cost)
             chosen.add(page)
             self.take(request_id, is_rt, page)
             taken.append(page)
@@ -174,7 +178,8 @@ class SharedBlockLayout:
 
     # -- placement ---------------------------------------------------------------------------
 
-    def _next_page(self, request_id: str, is_rt: bool, free: Callable[[int], bool]) -> int:
+    def _next_page(self, request_id: str, is_rt: bool, free: Callable[[int], bool],
+                   eviction_cost: Callable[[int], int]) -> int:
         last = self._last.get(request_id)
         if last is not None and last not in self._strays:
             page = self._page_in(last // self.block_pages, is_rt, free)
@@ -183,11 +188,12 @@ class SharedBlockLayout:
         candidates = []
         for index, block in enumerate(self._blocks):
             others = [r for r in (block.rt if is_rt else block.be) if r != request_id]
-            room = self._room(index, is_rt, free)
-            if room:
-                candidates.append((bool(others), -room, index))
+            window = self._free_window(index, is_rt, free)
+            if window:
+                cost = max(eviction_cost(page) for page in window)
+                candidates.append((bool(others), -len(window), cost, index))
         if candidates:
-            has_others, _, index = min(candidates)
+            has_others, _, _, index = min(candidates)
             page = self._page_in(index, is_rt, free)
             assert page is not None
             if has_others:
@@ -218,12 +224,12 @@ class SharedBlockLayout:
                 low_be = min(low_be, page)
         return high_rt, low_be
 
-    def _room(self, index: int, is_rt: bool, free: Callable[[int], bool]) -> int:
+    def _free_window(self, index: int, is_rt: bool, free: Callable[[int], bool]) -> list[int]:
         """Free pages of the block the class may take without breaking the direction."""
         high_rt, low_be = self._bounds(index)
         pages = self._pages(index)
         window = range(pages.start, low_be) if is_rt else range(high_rt + 1, pages.stop)
-        return sum(1 for page in window if free(page))
+        return [page for page in window if free(page)]
 
     def _page_in(self, index: int, is_rt: bool, free: Callable[[int], bool]) -> int | None:
         """The block's next page for the class: RT the lowest free page below every BE page,

@@ -60,6 +60,36 @@ def test_placement_prefers_blocks_without_a_request_of_the_same_class() -> None:
     assert owners == {0, 1, 2} and pool.layout.counters.overflows == 0
 
 
+def test_placement_spares_the_cached_pages_of_a_turn_that_just_finished() -> None:
+    """Among equally empty blocks, pages holding no cached KV first, then those freed longest
+    ago (vLLM's LRU): a new turn must not evict the turn that just finished."""
+    pool = Pool(17, 4)  # blocks [1..3], [4..7], [8..11], [12..15], [16]
+    cached_since: dict[int, int] = {}  # page -> when its request finished (it stays cached)
+
+    def grow(request_id: str, num_pages: int) -> list[int]:
+        cost = lambda page: cached_since.get(page, -1) + 1  # noqa: E731
+        taken = pool.layout.place(request_id, True, num_pages, pool.free.__contains__, cost)
+        pool.free -= set(taken)
+        pool.pages[request_id] = taken
+        for page in taken:
+            cached_since.pop(page, None)  # taking a page evicts what it cached
+        return taken
+
+    def finish(request_id: str, when: int) -> None:
+        for page in pool.pages[request_id]:
+            cached_since[page] = when
+        pool.finish(request_id)
+
+    assert grow("turn-1", 3) == [4, 5, 6]  # a full block first (most room)
+    finish("turn-1", when=1)
+    assert grow("turn-2", 3) == [8, 9, 10]  # not block [4..7]: it holds turn-1's KV
+    finish("turn-2", when=2)
+    assert grow("turn-3", 3) == [12, 13, 14]
+    finish("turn-3", when=3)
+    assert grow("turn-4", 3) == [4, 5, 6]  # every block caches something: the oldest goes
+    assert pool.layout.check_integrity(pool.free.__contains__) == []
+
+
 def test_integrity_reports_a_broken_direction_and_a_double_owner() -> None:
     layout = SharedBlockLayout(8, 8)
     layout.take("be", False, 2)

@@ -86,3 +86,29 @@ async def test_preempted_be_work_is_checkpointed_and_restored_exactly(
     blocks = sched1["biblocks"]
     assert blocks["pages_placed"] > 0 and blocks["strays"] == 0
     assert sched1["integrity_problems"] == 0
+
+
+async def test_follow_up_turns_find_their_context_in_vllms_prefix_cache(
+        biblock_engine: VllmEngine) -> None:
+    """Pages are placed by position, but not over the cached KV of a turn that just finished:
+    taking the lowest shared block every time, each new turn evicted the last one's, and a
+    follow-up found none of its context on the device (it came from the host tier instead)."""
+    before = (await biblock_engine.tiering_stats())["tokens_from_device"]
+    turns = {s: [ChatTurn("user", f"Conversation {s}. {DOC[:900]} Reply in a word.")]
+             for s in range(3)}
+    cached: list[int] = []
+    for turn in range(2):
+        for s, history in turns.items():
+            params = GenerationParams(max_tokens=8, ignore_eos=True, session_id=f"pc{s}")
+            reply, most = "", 0
+            async for delta in biblock_engine.generate(f"pc{s}-{turn}",
+                                                       biblock_engine.render_chat(history),
+                                                       params):
+                reply, most = reply + delta.text, max(most, delta.num_cached_tokens)
+            history += [ChatTurn("assistant", reply), ChatTurn("user", "And in two words?")]
+            if turn:
+                cached.append(most)
+    from_device = (await biblock_engine.tiering_stats())["tokens_from_device"] - before
+    # vLLM caches whole pages (128 tokens): each follow-up's first page came from the device.
+    assert min(cached) >= 128 and from_device >= 128 * len(cached), (cached, from_device)
+    assert await biblock_engine.check_integrity() == []
