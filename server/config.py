@@ -46,6 +46,12 @@ class ServerConfig:
     max_inflight_per_connection: int = doc(
         "Most generations in flight on one websocket connection", default=16)
     max_connections: int = doc("Most open websocket connections", default=512)
+    max_connections_per_key: int = doc(
+        "Most open websocket connections of one API key (with keys only)", default=64)
+    max_inflight_per_key: int = doc(
+        "Most chat replies (websocket turns and REST completions) of one API key generating "
+        "at once (with keys only); batch items share --max-batch-concurrency instead",
+        default=64)
     max_sessions_listed: int = doc("Most sessions returned by one listing", default=200)
     typing_interval_s: float = doc(
         "A session's typing advisories closer together than this many seconds count once: "
@@ -90,7 +96,8 @@ class ServerConfig:
             raise ValueError("API keys must be at least 8 characters long")
         for name in ("max_frame_bytes", "max_content_chars", "max_messages", "default_max_tokens",
                      "max_tokens_limit", "max_stop_sequences", "max_inflight_per_connection",
-                     "max_connections", "max_sessions_listed", "max_batch_file_bytes", "max_batch_items",
+                     "max_connections", "max_connections_per_key", "max_inflight_per_key",
+                     "max_sessions_listed", "max_batch_file_bytes", "max_batch_items",
                      "max_batch_concurrency", "dashboard_history", "dashboard_max_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -12,6 +12,7 @@ from antiphon.server.batch_store import BatchStore
 from antiphon.server.chat import ChatService
 from antiphon.server.dashboard import Dashboard
 from antiphon.server.file_store import FileStore
+from antiphon.server.limits import PerKeyLimit
 from antiphon.server.metrics import ServerMetrics
 from antiphon.server.turns import SessionTurns
 from antiphon.sessions.store import SessionStore
@@ -30,6 +31,8 @@ class AppContext:
     files: FileStore
     batches: BatchRunner
     dashboard: Dashboard
+    connections_per_key: PerKeyLimit
+    inflight_per_key: PerKeyLimit  # chat replies generating (websocket and REST)
     num_connections: int = 0  # open websocket connections
     is_ready: bool = False  # the engine accepts requests
 
@@ -42,8 +45,14 @@ class AppContext:
         data_dir = config.sessions.data_dir
         batch_store = BatchStore(data_dir / "batches.sqlite3", config.sessions.sqlite_synchronous)
         files = FileStore(data_dir / "files")
-        return cls(config, engine, store, metrics, Authenticator(config.server.api_keys),
+        auth = Authenticator(config.server.api_keys)
+        server = config.server
+        return cls(config, engine, store, metrics, auth,
                    chat, SessionTurns(store, chat, metrics), batch_store, files,
                    BatchRunner(batch_store, files, chat, metrics),
                    Dashboard(metrics, engine, targets_s, config.server.dashboard_interval_s,
-                             config.server.dashboard_history))
+                             config.server.dashboard_history),
+                   PerKeyLimit(server.max_connections_per_key, "open websocket connections",
+                               "--max-connections-per-key", applies=auth.is_required),
+                   PerKeyLimit(server.max_inflight_per_key, "replies generating",
+                               "--max-inflight-per-key", applies=auth.is_required))

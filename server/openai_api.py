@@ -24,6 +24,7 @@ from antiphon.server.completions import (
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.http import authorize, read_model
+from antiphon.server.limits import Slot
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -54,29 +55,36 @@ async def chat_completions(request: Request) -> Response:
         await ctx.turns.get(owner, session_id)
     gen = prepare_completion(ctx.chat, body, session_id=session_id)
     completion_id = "chatcmpl-" + gen.request_id
-    release = None
+    slot = ctx.inflight_per_key.take(owner)
     if session_id is not None:
-        ctx.turns.claim(session_id, gen.request_id)
-        release = BackgroundTask(_release, ctx, session_id, gen.request_id)
+        try:
+            ctx.turns.claim(session_id, gen.request_id)
+        except ApiError:
+            slot.release()
+            raise
+    release = BackgroundTask(_release, ctx, gen, slot)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # The release also runs after the stream: a client gone before its first chunk
         # leaves the stream never started, so its own `finally` never runs.
         return StreamingResponse(
-            _sse(ctx, gen, completion_id, body.model, include_usage),
+            _sse(ctx, gen, completion_id, body.model, include_usage, slot),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             background=release)
     try:
         if not await _complete_unless_gone(ctx, gen, request):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
-        if release is not None:
-            await release()
+        await release()
     return JSONResponse(completion_object(gen, body.model))
 
 
-async def _release(ctx: AppContext, session_id: str, request_id: str) -> None:
-    ctx.turns.release(session_id, request_id)  # async: a sync task would run off the loop
+async def _release(ctx: AppContext, gen: Generation, slot: Slot) -> None:
+    """The completion is over: its session claim and its slot of the key's limit go back
+    (async: a sync task would run off the loop; safe to run twice)."""
+    slot.release()
+    if gen.params.session_id is not None:
+        ctx.turns.release(gen.params.session_id, gen.request_id)
 
 
 async def _complete_unless_gone(ctx: AppContext, gen: Generation, request: Request) -> bool:
@@ -107,7 +115,7 @@ async def _complete_unless_gone(ctx: AppContext, gen: Generation, request: Reque
 
 
 async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
-               include_usage: bool) -> AsyncIterator[str]:
+               include_usage: bool, slot: Slot) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None,
@@ -140,8 +148,7 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
         yield error(ApiError(ErrorCode.INTERNAL_ERROR, "internal error; see the server log"))
         return
     finally:
-        if gen.params.session_id is not None:
-            ctx.turns.release(gen.params.session_id, gen.request_id)
+        await _release(ctx, gen, slot)
     yield chunk({}, gen.finish_reason)
     if include_usage:
         yield chunk({}, usage=gen.usage())

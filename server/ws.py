@@ -17,6 +17,7 @@ from antiphon.server import protocol
 from antiphon.server.auth import key_from_headers
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.limits import Slot
 
 logger = logging.getLogger(__name__)
 
@@ -119,21 +120,28 @@ class Connection:
         if len(self._turns) >= self.ctx.config.server.max_inflight_per_connection:
             raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many requests in flight on this "
                            f"connection (limit {self.ctx.config.server.max_inflight_per_connection})")
-        gen = await self.ctx.turns.accept(self.owner, msg, request_id)
-        await self.send(protocol.encode("accepted", request_id=request_id,
-                                        session_id=msg.session_id,
-                                        prompt_tokens=len(gen.prompt_token_ids)))
+        slot = self.ctx.inflight_per_key.take(self.owner)
+        try:
+            gen = await self.ctx.turns.accept(self.owner, msg, request_id)
+            await self.send(protocol.encode("accepted", request_id=request_id,
+                                            session_id=msg.session_id,
+                                            prompt_tokens=len(gen.prompt_token_ids)))
+        except BaseException:  # refused, or the client left before it heard "accepted"
+            slot.release()
+            self.ctx.turns.release(msg.session_id, request_id)
+            raise
         task = asyncio.create_task(self.ctx.turns.run(
             msg.session_id, gen, self.send,
             is_user_cancel=lambda: request_id in self._cancelled_request_ids))
         self._turns[request_id] = task
-        task.add_done_callback(lambda _t: self._finish_turn(msg.session_id, request_id))
+        task.add_done_callback(lambda _t: self._finish_turn(msg.session_id, request_id, slot))
         # Let the turn start before the next frame is read: a task cancelled before its first
         # step never runs its body, so a `cancel` right behind the message would end it with
         # no `done` frame and nothing committed.
         await asyncio.sleep(0)
 
-    def _finish_turn(self, session_id: str, request_id: str) -> None:
+    def _finish_turn(self, session_id: str, request_id: str, slot: Slot) -> None:
+        slot.release()
         self._turns.pop(request_id, None)
         self._cancelled_request_ids.discard(request_id)
         self.ctx.turns.release(session_id, request_id)  # whatever way the turn ended
@@ -156,9 +164,12 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         await ws.send_text(protocol.error_frame(err))
         await ws.close(code=CLOSE_UNAUTHORIZED, reason=err.message)
         return
-    if ctx.num_connections >= ctx.config.server.max_connections:
-        await ws.send_text(protocol.error_frame(
-            ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many open connections")))
+    try:
+        if ctx.num_connections >= ctx.config.server.max_connections:
+            raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many open connections")
+        slot = ctx.connections_per_key.take(owner)
+    except ApiError as err:
+        await ws.send_text(protocol.error_frame(err))
         await ws.close(code=CLOSE_TRY_AGAIN)
         return
     ctx.num_connections += 1
@@ -166,6 +177,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     try:
         await Connection(ws, ctx, owner).serve()
     finally:
+        slot.release()
         ctx.num_connections -= 1
         ctx.metrics.connections.dec()
 

@@ -1,0 +1,83 @@
+"""Limits per API key: one key cannot hold every connection or flood the engine while another
+key waits; real websocket and HTTP clients against a live server (scripted engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+
+import httpx
+from websockets.asyncio.client import connect
+
+from antiphon.engine_ext.scripted import ScriptedEngine
+from tests.conftest import scripted_config
+from tests.liveserver import live_server
+from tests.wsclient import open_session, recv, recv_until, send
+
+A, B = "tenant-a-key-1", "tenant-b-key-2"
+
+
+def completion(key: str, content: str = "hi", stream: bool = False) -> dict[str, object]:
+    return {"url": "/v1/chat/completions", "headers": {"Authorization": f"Bearer {key}"},
+            "json": {"model": "scripted", "stream": stream, "max_tokens": 40,
+                     "messages": [{"role": "user", "content": content}]}}
+
+
+async def test_one_key_cannot_hold_every_connection(tmp_path: Path) -> None:
+    config = scripted_config(tmp_path, api_keys=(A, B), max_connections_per_key=2)
+    with live_server(config, ScriptedEngine()) as url:
+        ws_url = url.replace("http://", "ws://") + "/v1/ws?api_key="
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(2):
+                await stack.enter_async_context(connect(ws_url + A))
+            async with connect(ws_url + A) as third:
+                refused = json.loads(await third.recv())
+                await third.wait_closed()
+            assert refused["code"] == "too_many_requests"
+            assert "--max-connections-per-key" in refused["message"]
+            assert third.close_code == 1013  # try again later
+            async with connect(ws_url + B) as other:  # another key still gets in
+                await send(other, type="session.list")
+                assert (await recv(other))["type"] == "sessions"
+        async with connect(ws_url + A) as again:  # A's connections closed: room again
+            await send(again, type="session.list")
+            assert (await recv(again))["type"] == "sessions"
+
+
+async def test_one_key_cannot_flood_the_engine(tmp_path: Path) -> None:
+    config = scripted_config(tmp_path, api_keys=(A, B), max_inflight_per_key=1)
+    with live_server(config, ScriptedEngine(token_delay_s=0.05)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            first = asyncio.create_task(client.post(**completion(A, "one two three " * 5)))
+            await asyncio.sleep(0.3)  # generating now
+            second = await client.post(**completion(A))
+            other = await client.post(**completion(B))
+            assert (second.status_code, second.json()["error"]["code"]) == (
+                429, "too_many_requests")
+            assert other.status_code == 200
+            assert (await first).status_code == 200
+            async with client.stream(**completion(A, stream=True), method="POST") as r:
+                assert r.status_code == 200  # the slot came back
+                body = "".join([chunk async for chunk in r.aiter_text()])
+            assert body.endswith("data: [DONE]\n\n")
+            # A websocket turn takes the key's slot too.
+            ws_url = url.replace("http://", "ws://") + f"/v1/ws?api_key={A}"
+            async with connect(ws_url) as ws:
+                sid = (await open_session(ws))["session"]["session_id"]
+                await send(ws, type="message", session_id=sid, content="long " * 30)
+                await recv_until(ws, "token")
+                refused = await client.post(**completion(A))
+                await recv_until(ws, "done")
+            assert refused.status_code == 429
+            assert (await client.post(**completion(A))).status_code == 200
+
+
+async def test_without_keys_only_the_server_wide_limits_apply(tmp_path: Path) -> None:
+    config = scripted_config(tmp_path, max_inflight_per_key=1, max_connections_per_key=1)
+    with live_server(config, ScriptedEngine(token_delay_s=0.02)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            replies = await asyncio.gather(*(client.post(**completion("unused", "x y z"))
+                                             for _ in range(3)))
+        assert [r.status_code for r in replies] == [200, 200, 200]
