@@ -13,6 +13,7 @@ the batch is finalized again.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -159,10 +160,19 @@ class BatchRunner:
         self.notify()
 
     async def _dispatch(self, batches: list[Batch]) -> None:
-        """Start pending items, taking the batches in turn, while slots are free."""
+        """Start pending items while slots are free, fairly: each free slot goes to the owner
+        (API key) with the fewest items running, then to its batch with the fewest, then the
+        oldest. (Taking the batches in turn from the oldest each time a slot came free gave
+        every slot to the oldest batch: another key's batch waited for all of it.)"""
         num_free = self.config.max_batch_concurrency - len(self._inflight)
         if num_free <= 0 or not batches or time.monotonic() < self._paused_until:
             return
+        running_in = collections.Counter(batch_id for batch_id, _ in self._inflight)
+        owner_of = {b.batch_id: b.owner for b in batches}
+        running_of = collections.Counter({owner: 0 for owner in owner_of.values()})
+        for batch_id, n in running_in.items():
+            if batch_id in owner_of:
+                running_of[owner_of[batch_id]] += n
         queues = []
         for b in batches:
             pending = await asyncio.to_thread(self.store.pending_items, b.batch_id,
@@ -171,7 +181,12 @@ class BatchRunner:
                            not in self._inflight])
         chosen: list[tuple[Batch, PendingItem]] = []
         while len(chosen) < num_free and any(queues):
-            chosen += [q.pop(0) for q in queues if q][:num_free - len(chosen)]
+            queue = min((q for q in queues if q), key=lambda q: (
+                running_of[q[0][0].owner], running_in[q[0][0].batch_id]))  # stable: oldest
+            b, item = queue.pop(0)
+            chosen.append((b, item))
+            running_of[b.owner] += 1
+            running_in[b.batch_id] += 1
         for b in batches:
             mine = [it for owner, it in chosen if owner is b]
             if mine:

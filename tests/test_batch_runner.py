@@ -40,13 +40,14 @@ def direct_runner(tmp_path: Path, token_delay_s: float = 0.0,
                                              metrics)
 
 
-def add_input(store: BatchStore, files: FileStore, n: int, window_s: float = 3600.0) -> str:
+def add_input(store: BatchStore, files: FileStore, n: int, window_s: float = 3600.0,
+              owner: str = "o") -> str:
     file_id = new_file_id()
     with files.create(file_id) as w:
         w.write(jsonl(n))
         w.commit()
-    store.add_file(FileRecord(file_id, "o", "batch", "in.jsonl", w.num_bytes, time.time()))
-    return store.create_batch("o", file_id, "24h", window_s, None).batch_id
+    store.add_file(FileRecord(file_id, owner, "batch", "in.jsonl", w.num_bytes, time.time()))
+    return store.create_batch(owner, file_id, "24h", window_s, None).batch_id
 
 
 async def run_until_finished(store: BatchStore, runner: BatchRunner, batch_id: str) -> Batch:
@@ -136,3 +137,29 @@ async def test_stopping_the_server_does_not_use_up_an_items_attempts(tmp_path: P
     assert [it.num_attempts for it in store.pending_items(batch_id, 10)] == [0, 0]
     batch = await run_until_finished(store, runner, batch_id)
     assert (batch.counts.completed, batch.counts.failed) == (2, 0)
+
+
+async def test_another_keys_batch_does_not_wait_for_a_big_one(tmp_path: Path) -> None:
+    """Free slots go to the owner with the fewest items running: a one-item batch of key B
+    starts as soon as a slot frees, not after all of key A's earlier batch."""
+    store, files, _engine, runner = direct_runner(tmp_path, token_delay_s=0.01)
+
+    def batch(owner: str, batch_id: str) -> Batch:
+        found = store.get_batch(owner, batch_id)
+        assert found is not None
+        return found
+
+    big = add_input(store, files, 40, owner="a")
+    await runner.start()
+    try:
+        while batch("a", big).counts.completed < 2:  # both slots busy with key A's items
+            await asyncio.sleep(0.02)
+        small = add_input(store, files, 1, owner="b")
+        runner.notify()
+        while not batch("b", small).status.is_finished:
+            await asyncio.sleep(0.02)
+        remaining = batch("a", big).counts
+    finally:
+        await runner.stop()
+        store.close()
+    assert remaining.num_pending > 20, remaining
