@@ -64,9 +64,22 @@ async def upload_file(request: Request) -> dict[str, Any]:
     """Multipart upload (`file`, `purpose=batch`), streamed to disk under a new id."""
     ctx, owner = _ctx(request), authorize(request)
     limits = ctx.config.server
+    stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
+    room = limits.max_stored_file_bytes - stored
+    full = ApiError(ErrorCode.TOO_LARGE, (
+        f"this API key stores {stored} bytes of files and may store "
+        f"{limits.max_stored_file_bytes} (--max-stored-file-bytes): delete some first "
+        "(DELETE /v1/files/ID)"))
+    if room <= 0:
+        raise full
     file_id = new_file_id()
-    with ctx.files.create(file_id, limits.max_batch_file_bytes) as writer:
-        upload = await receive_upload(request, writer, limits.max_batch_items)
+    with ctx.files.create(file_id, min(limits.max_batch_file_bytes, room)) as writer:
+        try:
+            upload = await receive_upload(request, writer, limits.max_batch_items)
+        except ApiError as err:
+            if err.code is ErrorCode.TOO_LARGE and room < limits.max_batch_file_bytes:
+                raise full from err
+            raise
         if upload.fields.get("purpose") != INPUT_PURPOSE:
             raise ApiError(ErrorCode.BAD_MESSAGE, f"purpose must be {INPUT_PURPOSE!r}")
         await asyncio.to_thread(writer.commit)

@@ -107,6 +107,12 @@ class BatchStore:
         with self.db.locked() as db:
             _insert_file(db, f)
 
+    def stored_bytes(self, owner: str) -> int:
+        """Bytes of `owner`'s files not deleted (inputs and results)."""
+        with self.db.locked() as db:
+            return int(db.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM files WHERE owner = ?"
+                                  " AND deleted_at IS NULL", (owner,)).fetchone()[0])
+
     def get_file(self, owner: str, file_id: str) -> FileRecord | None:
         with self.db.locked() as db:
             row = db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE file_id = ? AND"

@@ -61,6 +61,10 @@ class ServerConfig:
         "stays reserved until then (plus the engine's --advisory-ttl-s)", default=600.0)
     max_batch_file_bytes: int = doc("Largest file uploaded to /v1/files, in bytes",
                                     default=64 * 1024 * 1024)
+    max_stored_file_bytes: int = doc(
+        "Most bytes of files (batch inputs, outputs and errors) one API key keeps stored, all "
+        "keys together without keys; an upload past it is refused until files are deleted",
+        default=8 * 1024 ** 3)
     max_batch_items: int = doc("Most requests (lines) in one batch input file", default=50_000)
     max_batch_concurrency: int = doc(
         "Most batch (BE) requests running on the engine at once, over all batches", default=8)
@@ -97,7 +101,7 @@ class ServerConfig:
         for name in ("max_frame_bytes", "max_content_chars", "max_messages", "default_max_tokens",
                      "max_tokens_limit", "max_stop_sequences", "max_inflight_per_connection",
                      "max_connections", "max_connections_per_key", "max_inflight_per_key",
-                     "max_sessions_listed", "max_batch_file_bytes", "max_batch_items",
+                     "max_sessions_listed", "max_batch_file_bytes", "max_stored_file_bytes", "max_batch_items",
                      "max_batch_concurrency", "dashboard_history", "dashboard_max_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -225,6 +225,25 @@ def test_upload_and_create_limits(tmp_path: Path) -> None:
         assert httpx.get(live.url + "/v1/batches?limit=0").status_code == 400
 
 
+def test_stored_files_are_limited_per_key(tmp_path: Path) -> None:
+    one = jsonl(3)
+
+    def refused(client: openai.OpenAI, data: bytes) -> None:
+        with pytest.raises(openai.APIStatusError) as error:
+            client.files.create(file=("c.jsonl", data), purpose="batch")
+        assert error.value.status_code == 413
+        assert "--max-stored-file-bytes" in error.value.message
+
+    with batch_server(tmp_path, max_stored_file_bytes=2 * len(one)) as live:
+        client = live.client()
+        first = client.files.create(file=("a.jsonl", one), purpose="batch")
+        client.files.create(file=("b.jsonl", one), purpose="batch")
+        refused(client, b"{}\n")  # no room left at all
+        client.files.delete(first.id)  # room for one more like it, and no more
+        refused(client, jsonl(4))  # found too large while it streams in
+        assert client.files.create(file=("c.jsonl", one), purpose="batch").bytes == len(one)
+
+
 def test_empty_input_fails_the_batch(tmp_path: Path) -> None:
     with batch_server(tmp_path) as live:
         client = live.client()
