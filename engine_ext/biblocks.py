@@ -185,15 +185,26 @@ class SharedBlockLayout:
             page = self._page_in(last // self.block_pages, is_rt, free)
             if page is not None:
                 return page
-        candidates = []
+        best: tuple[bool, int] | None = None  # (has others, -room) of the best blocks
+        ties: list[tuple[int, list[int]]] = []  # those blocks: (index, free window)
         for index, block in enumerate(self._blocks):
             others = [r for r in (block.rt if is_rt else block.be) if r != request_id]
             window = self._free_window(index, is_rt, free)
-            if window:
-                cost = max(eviction_cost(page) for page in window)
-                candidates.append((bool(others), -len(window), cost, index))
-        if candidates:
-            has_others, _, _, index = min(candidates)
+            if not window:
+                continue
+            key = (bool(others), -len(window))
+            if best is None or key < best:
+                best, ties = key, []
+            if key == best:
+                if key == (False, -self.block_pages) and not any(map(eviction_cost, window)):
+                    # An empty block holding nothing cached: no other block does better.
+                    self.counters.new_blocks += 1
+                    return window[0] if is_rt else window[-1]  # as `_page_in` picks
+                ties.append((index, window))
+        if best is not None:
+            # Among the best, the block whose pages lose the least of the prefix cache.
+            _, index = min((max(map(eviction_cost, window)), index) for index, window in ties)
+            has_others = best[0]
             page = self._page_in(index, is_rt, free)
             assert page is not None
             if has_others:
