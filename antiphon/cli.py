@@ -18,7 +18,6 @@ from antiphon.tiering.config import TieringConfig
 
 
 def _serve(args: argparse.Namespace) -> int:
-
     from antiphon.datalock import DataDirInUseError, lock_data_dir
     from antiphon.engine_ext.engine import VllmEngine
     from antiphon.model import DEFAULT_MODEL_NAME, ModelPrepareError, resolve_model

@@ -15,19 +15,30 @@ class DataDirInUseError(RuntimeError):
     """Another process holds the data folder."""
 
 
-def lock_data_dir(data_dir: Path) -> int:
-    """Lock `data_dir` (created if missing) for this process; returns the lock's file
-    descriptor (closing it, or the process ending, releases the lock). Raises
-    DataDirInUseError naming the holder's pid when another process holds it."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(data_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+def try_lock(path: Path, mode: int = 0o644) -> int | None:
+    """An exclusive flock on `path` (created if missing) for this process: its file
+    descriptor (closing it, or the process ending, releases the lock), or None when another
+    process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
+        return None
+    return fd
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Lock `data_dir` (created if missing) for this process; returns the lock's file
+    descriptor. Raises DataDirInUseError naming the holder's pid when another process holds
+    it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / ".lock"
+    fd = try_lock(path)
+    if fd is None:
+        holder = path.read_text(errors="replace").strip()[:32] or "unknown"
         raise DataDirInUseError(f"{data_dir} is in use by another antiphon server (pid "
-                                f"{holder}); give this one its own --data-dir") from None
+                                f"{holder}); give this one its own --data-dir")
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd

@@ -16,6 +16,7 @@ its server) stays recorded, for the start after.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -81,7 +82,8 @@ class EngineSegments:
     def remember(self, before: set[str]) -> None:
         """Record the segments that appeared since `before` (taken before the engine
         started), written atomically."""
-        new = sorted((self.names() - before) | (self._still_mapped & self.names()))
+        present = self.names()
+        new = sorted((present - before) | (self._still_mapped & present))
         tmp = self.record.with_suffix(".tmp")
         tmp.write_text(json.dumps({"pid": os.getpid(), "segments": new}))
         os.replace(tmp, self.record)
@@ -100,14 +102,12 @@ def _mapped_segment_names(shm_dir: Path) -> set[str]:
             continue
         try:
             with open(proc / "maps", encoding="utf-8", errors="replace") as maps:
-                for line in maps:
-                    path = line.rstrip("\n").partition("/")[2]
-                    if f"/{path}".startswith(prefix):
-                        names.add(f"/{path}"[len(prefix):].removesuffix(" (deleted)"))
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith(prefix):
-                    names.add(target[len(prefix):].removesuffix(" (deleted)"))
+                # a line ends with the mapped file's path, the only field with a '/'
+                paths = [line[line.find("/"):].rstrip("\n") for line in maps if "/" in line]
         except OSError:  # gone meanwhile, or not ours to read
             continue
+        with contextlib.suppress(OSError):
+            paths += [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+        names.update(path[len(prefix):].removesuffix(" (deleted)") for path in paths
+                     if path.startswith(prefix))
     return names

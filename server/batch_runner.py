@@ -167,12 +167,10 @@ class BatchRunner:
         num_free = self.config.max_batch_concurrency - len(self._inflight)
         if num_free <= 0 or not batches or time.monotonic() < self._paused_until:
             return
-        running_in = collections.Counter(batch_id for batch_id, _ in self._inflight)
         owner_of = {b.batch_id: b.owner for b in batches}
-        running_of = collections.Counter({owner: 0 for owner in owner_of.values()})
-        for batch_id, n in running_in.items():
-            if batch_id in owner_of:
-                running_of[owner_of[batch_id]] += n
+        running_in = collections.Counter(batch_id for batch_id, _ in self._inflight)
+        running_of = collections.Counter(owner_of[batch_id] for batch_id, _ in self._inflight
+                                         if batch_id in owner_of)
         queues = []
         for b in batches:
             pending = await asyncio.to_thread(self.store.pending_items, b.batch_id,

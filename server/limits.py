@@ -47,6 +47,3 @@ class PerKeyLimit:
         self._in_use[owner] -= 1
         if self._in_use[owner] <= 0:
             del self._in_use[owner]
-
-    def in_use(self, owner: str) -> int:
-        return self._in_use[owner]

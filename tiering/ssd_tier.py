@@ -23,13 +23,13 @@ in the free space, so the reserve may be undercut by up to the writer's queue.)
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
 import os
 import shutil
 from concurrent.futures import Future
 from pathlib import Path
 
+from antiphon.datalock import try_lock
 from antiphon.tiering.eviction import EvictionPolicy, LruPolicy
 from antiphon.tiering.index import IndexEntry
 from antiphon.tiering.indexed_tier import IndexedTier
@@ -376,10 +376,7 @@ def _disk_free(directory: Path) -> int:
 
 def _lock_directory(directory: Path) -> int:
     """Hold an exclusive flock on `<directory>/.lock`; RuntimeError if another tier holds it."""
-    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RuntimeError(f"{directory} is in use by another SSD tier") from None
+    fd = try_lock(directory / ".lock", 0o600)
+    if fd is None:
+        raise RuntimeError(f"{directory} is in use by another SSD tier")
     return fd
