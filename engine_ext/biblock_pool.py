@@ -9,10 +9,13 @@ from the cache when taken, exactly as when vLLM pops it, and pages a request fin
 prefix cache (`touch`) become its own in the layout when nobody else holds them. Where the
 layout has a choice of blocks, it takes pages holding no cached KV first, then those freed
 longest ago, as vLLM's LRU free queue does: taking the lowest block every time, it evicted the
-turn that had just finished, and vLLM's prefix cache never hit for a follow-up turn.
+turn that had just finished, and vLLM's prefix cache never hit for a follow-up turn. A freed
+page's eviction cost is fixed when it is freed (it holds cached KV or not, and when it was
+freed); only taking the page, or resetting the prefix cache, changes that.
 
-Three methods of the pool instance are wrapped (`get_new_blocks`, `touch`, `free_blocks`), and
-`allocate_slots` of the manager, which names the request the pages are for.
+Four methods of the pool instance are wrapped (`get_new_blocks`, `touch`, `free_blocks`,
+`reset_prefix_cache`), and `allocate_slots` of the manager, which names the request the pages
+are for.
 """
 
 from __future__ import annotations
@@ -38,13 +41,13 @@ class PositionalPages:
                                         excluded=[pool.null_block.block_id])
         self._is_rt = is_rt
         self._current: tuple[str, bool] | None = None
-        self._frees = 0  # pages freed so far: each page's number orders them by recency
-        self._freed_as: dict[int, int] = {}  # page -> `_frees` when it was last freed
+        self._frees = 0  # pages freed so far: orders the cached free pages by recency
         self._install(manager)
 
     def _install(self, manager: KVCacheManager) -> None:
         pool = self.pool
         free_blocks, touch, allocate_slots = pool.free_blocks, pool.touch, manager.allocate_slots
+        reset_prefix_cache = pool.reset_prefix_cache
 
         def get_new_blocks(num_blocks: int) -> list[KVCacheBlock]:
             return self._get_new_blocks(num_blocks)
@@ -63,9 +66,16 @@ class PositionalPages:
             free_blocks(blocks)
             for block in blocks:
                 if block.ref_cnt == 0:
-                    self.layout.release(block.block_id)
                     self._frees += 1
-                    self._freed_as[block.block_id] = self._frees
+                    # Cached KV is evicted oldest first: a more recent page costs more.
+                    cost = 0 if block.block_hash is None else self._frees
+                    self.layout.release(block.block_id, cost)
+
+        def reset(*args: Any, **kwargs: Any) -> bool:
+            done: bool = reset_prefix_cache(*args, **kwargs)
+            if done:
+                self.layout.forget_costs()
+            return done
 
         def allocate(request: Request, *args: Any, **kwargs: Any) -> Any:
             with self.allocating_for(request):
@@ -74,6 +84,7 @@ class PositionalPages:
         pool.get_new_blocks = get_new_blocks  # type: ignore[method-assign]
         pool.touch = touch_blocks  # type: ignore[method-assign]
         pool.free_blocks = free  # type: ignore[method-assign]
+        pool.reset_prefix_cache = reset  # type: ignore[method-assign]
         manager.allocate_slots = allocate  # type: ignore[method-assign]
 
     @contextmanager
@@ -94,8 +105,7 @@ class PositionalPages:
             ret = pool.free_block_queue.popleft_n(num_blocks)
         else:
             request_id, is_rt = self._current
-            pages = self.layout.place(request_id, is_rt, num_blocks, self._is_free,
-                                      self._eviction_cost)
+            pages = self.layout.place(request_id, is_rt, num_blocks, self._is_free)
             ret = [pool.blocks[page] for page in pages]
             for block in ret:
                 pool.free_block_queue.remove(block)
@@ -104,12 +114,6 @@ class PositionalPages:
     def _is_free(self, page: int) -> bool:
         block = self.pool.blocks[page]
         return block.ref_cnt == 0 and not block.is_null
-
-    def _eviction_cost(self, page: int) -> int:
-        """0 for a free page holding no cached KV; else when it was freed (older: cheaper)."""
-        if self.pool.blocks[page].block_hash is None:
-            return 0
-        return self._freed_as.get(page, 0) + 1
 
     def preempting(self, request_id: str) -> None:
         self.layout.preempting(request_id)

@@ -10,16 +10,24 @@ request's block, it takes the BE request's *tail*, the pages the lazy checkpoint
 host tier, while the BE request's older pages stay on the device for its prefix cache.
 
 `SharedBlockLayout` is the bookkeeping only (no vLLM, no torch): the scheduler asks it where to
-put a request's next pages (`place`) among the pages vLLM has free, and tells it when pages come
-back (`release`). Placement, in order of preference:
+put a request's next pages (`place`), and tells it which pages a request found in the prefix
+cache (`take`) and which came back (`release`, with what taking the page again would evict).
+Placement, in order of preference:
 
     grow      the request's current block, next page in its direction
-    new block a block with no other request of its class: the one with the most free pages
-              on its side (BROS's "most empty slots"); among equals, the one whose free pages
-              lose the least of vLLM's prefix cache (`eviction_cost`: pages holding no cached
-              KV first, then those freed longest ago, as vLLM's own free queue evicts)
+    new block a block with no request of its class: the one with the most free pages on its
+              side (BROS's "most empty slots"); among equals, the one whose free pages lose
+              the least of vLLM's prefix cache (eviction cost: pages holding no cached KV
+              first, then those freed longest ago, as vLLM's own free queue evicts)
     overflow  a block that already has a request of its class, where the direction still holds
     stray     any free page (counted; the direction no longer describes that page)
+
+A GPU pool has 10^5 pages, so placement must not scan them. Each class keeps a heap of blocks
+keyed by (has a request of the class, -free pages on its side, eviction cost, index); a page
+taken or released in a block re-keys that block alone (O(block_pages + log blocks)), and stale
+entries are skipped when popped. The pages the layout sees as free are those it does not own;
+`place` checks each page it picks against vLLM's pool, and a page the pool holds without the
+layout knowing (`foreign`, counted) is set aside until the pool frees it.
 
 `check_integrity()` verifies the invariants: every page owned once, and in every shared block
 every RT page below every BE page (strays excepted, and counted).
@@ -28,7 +36,12 @@ every RT page below every BE page (strays excepted, and counted).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Callable, Iterable
+
+# A block's place in a class's heap: (has a request of the class, -free pages on the class's
+# side, eviction cost of those pages, block index, the block's version when keyed).
+_Key = tuple[bool, int, int, int, int]
 
 
 @dataclasses.dataclass
@@ -38,6 +51,7 @@ class LayoutCounters:
     overflows: int = 0  # a request shared a block with another request of its class
     strays: int = 0  # no page kept the direction: placed anywhere
     collisions: int = 0  # an RT request took a page a preempted BE request had just held
+    foreign: int = 0  # pages the pool held although the layout had them free (set aside)
 
 
 @dataclasses.dataclass
@@ -61,9 +75,17 @@ class SharedBlockLayout:
         self._excluded = frozenset(excluded)
         self._blocks = [_Block() for _ in range(self.num_blocks)]
         self._owner: dict[int, tuple[str, bool]] = {}  # page -> (request id, is RT)
+        self._pages_of: dict[str, set[int]] = {}  # request -> its pages
+        self._num_rt_pages = 0
         self._last: dict[str, int] = {}  # request -> the page it took last (in the layout)
         self._strays: set[int] = set()
         self._tails: set[int] = set()  # pages of preempted BE requests, not yet reused
+        self._foreign: set[int] = set()  # held by the pool, not by the layout
+        self._cost: dict[int, int] = {}  # free page -> what taking it evicts (absent: nothing)
+        self._version = [0] * self.num_blocks
+        self._heaps: dict[bool, list[_Key]] = {True: [], False: []}  # by class (is RT)
+        for index in range(self.num_blocks):
+            self._rekey(index)
         self.counters = LayoutCounters()
 
     # -- queries -----------------------------------------------------------------------------
@@ -72,7 +94,7 @@ class SharedBlockLayout:
         return self._owner.get(page)
 
     def pages_of_class(self, is_rt: bool) -> int:
-        return sum(1 for _, rt in self._owner.values() if rt == is_rt)
+        return self._num_rt_pages if is_rt else len(self._owner) - self._num_rt_pages
 
     def shared_blocks(self) -> int:
         """Blocks that hold an RT and a BE request now."""
@@ -87,20 +109,17 @@ class SharedBlockLayout:
     # -- changes -----------------------------------------------------------------------------
 
     def place(self, request_id: str, is_rt: bool, num_pages: int,
-              is_free: Callable[[int], bool],
-              eviction_cost: Callable[[int], int] = lambda page: 0) -> list[int]:
-        """Choose `num_pages` pages for the request among those `is_free` says vLLM has free
-        (there must be that many), and record them as its own. `eviction_cost(page)` is what
-        taking a free page loses (0: nothing cached in it); it breaks ties between blocks."""
+              is_free: Callable[[int], bool]) -> list[int]:
+        """Choose `num_pages` pages for the request among those free in vLLM's pool (`is_free`;
+        there must be that many), and record them as its own."""
         taken: list[int] = []
-        chosen: set[int] = set()
-
-        def free(page: int) -> bool:
-            return page not in chosen and page not in self._excluded and is_free(page)
-
         for _ in range(num_pages):
-            page = self._next_page(request_id, is_rt, free, eviction_cost)
-            chosen.add(page)
+            page = self._next_page(request_id, is_rt)
+            while not is_free(page):  # the pool holds it: set it aside until it comes back
+                self._foreign.add(page)
+                self.counters.foreign += 1
+                self._rekey(page // self.block_pages)
+                page = self._next_page(request_id, is_rt)
             self.take(request_id, is_rt, page)
             taken.append(page)
         return taken
@@ -118,39 +137,60 @@ class SharedBlockLayout:
         side = block.rt if is_rt else block.be
         side[request_id] = side.get(request_id, 0) + 1
         self._owner[page] = (request_id, is_rt)
+        self._pages_of.setdefault(request_id, set()).add(page)
+        self._num_rt_pages += is_rt
         self._last[request_id] = page
+        self._cost.pop(page, None)
+        self._foreign.discard(page)
         self.counters.pages_placed += 1
         if page in self._tails:
             self._tails.discard(page)
             if is_rt:
                 self.counters.collisions += 1
+        self._rekey(index)
 
-    def release(self, page: int) -> None:
-        """vLLM has the page back (free, perhaps still in its prefix cache)."""
+    def release(self, page: int, eviction_cost: int = 0) -> None:
+        """vLLM has the page back, free; `eviction_cost` is what taking it again loses (0: it
+        holds no cached KV; else larger the more recently it was freed)."""
+        self._foreign.discard(page)
+        if eviction_cost:
+            self._cost[page] = eviction_cost
         owner = self._owner.pop(page, None)
         self._strays.discard(page)
-        if owner is None:
-            return
-        request_id, is_rt = owner
-        block = self._blocks[page // self.block_pages]
-        side = block.rt if is_rt else block.be
-        side[request_id] -= 1
-        if not side[request_id]:
-            del side[request_id]
-        if self._last.get(request_id) == page:
-            del self._last[request_id]
+        if owner is not None:
+            request_id, is_rt = owner
+            block = self._blocks[page // self.block_pages]
+            side = block.rt if is_rt else block.be
+            side[request_id] -= 1
+            if not side[request_id]:
+                del side[request_id]
+            pages = self._pages_of[request_id]
+            pages.discard(page)
+            if not pages:
+                del self._pages_of[request_id]
+            self._num_rt_pages -= is_rt
+            if self._last.get(request_id) == page:
+                del self._last[request_id]
+        self._rekey(page // self.block_pages)
+
+    def forget_costs(self) -> None:
+        """vLLM's prefix cache was reset: no free page holds cached KV any more."""
+        touched = {page // self.block_pages for page in self._cost}
+        self._cost.clear()
+        for index in touched:
+            self._rekey(index)
 
     def preempting(self, request_id: str) -> None:
         """The request is about to give its pages back for others (lazy checkpointing): an RT
         request that takes one of them next has collided with it."""
-        self._tails.update(p for p, (rid, is_rt) in self._owner.items()
-                           if rid == request_id and not is_rt)
+        self._tails.update(p for p in self._pages_of.get(request_id, ())
+                           if not self._owner[p][1])
 
     # -- integrity ---------------------------------------------------------------------------
 
     def check_integrity(self, is_free: Callable[[int], bool] | None = None) -> list[str]:
         """The invariants, as a list of problems (empty when they hold). With `is_free`, also
-        that no owned page is free in vLLM's pool."""
+        that the pages the layout owns are the pages the pool holds."""
         problems = []
         counts: list[_Block] = [_Block() for _ in range(self.num_blocks)]
         for page, (request_id, is_rt) in self._owner.items():
@@ -161,61 +201,72 @@ class SharedBlockLayout:
             side = counts[page // self.block_pages]
             table = side.rt if is_rt else side.be
             table[request_id] = table.get(request_id, 0) + 1
+        if is_free is not None:
+            problems += [f"page {page} is held in the pool but not in the layout"
+                         for page in range(self.num_pages) if page not in self._owner
+                         and page not in self._excluded and page not in self._foreign
+                         and not is_free(page)]
         for index, (block, count) in enumerate(zip(self._blocks, counts, strict=True)):
             if block.rt != count.rt or block.be != count.be:
                 problems.append(f"block {index}: owner counts {block} disagree with pages {count}")
-            pages = range(index * self.block_pages,
-                          min(self.num_pages, (index + 1) * self.block_pages))
-            rt_pages = [p for p in pages if p not in self._strays
-                        and self._owner.get(p, ("", False))[1]]
-            be_pages = [p for p in pages if p not in self._strays and p in self._owner
-                        and not self._owner[p][1]]
-            if rt_pages and be_pages and max(rt_pages) > min(be_pages):
-                problems.append(f"block {index}: RT page {max(rt_pages)} above BE page "
-                                f"{min(be_pages)}")
+            high_rt, low_be = self._bounds(index)
+            if high_rt > low_be:
+                problems.append(f"block {index}: RT page {high_rt} above BE page {low_be}")
         problems += [f"stray page {p} is not owned" for p in self._strays if p not in self._owner]
+        if sum(map(len, self._pages_of.values())) != len(self._owner):
+            problems.append("pages by request disagree with page owners")
         return problems
 
     # -- placement ---------------------------------------------------------------------------
 
-    def _next_page(self, request_id: str, is_rt: bool, free: Callable[[int], bool],
-                   eviction_cost: Callable[[int], int]) -> int:
+    def _next_page(self, request_id: str, is_rt: bool) -> int:
         last = self._last.get(request_id)
         if last is not None and last not in self._strays:
-            page = self._page_in(last // self.block_pages, is_rt, free)
+            page = self._page_in(last // self.block_pages, is_rt)
             if page is not None:
                 return page
-        best: tuple[bool, int] | None = None  # (has others, -room) of the best blocks
-        ties: list[tuple[int, list[int]]] = []  # those blocks: (index, free window)
-        for index, block in enumerate(self._blocks):
-            others = [r for r in (block.rt if is_rt else block.be) if r != request_id]
-            window = self._free_window(index, is_rt, free)
-            if not window:
-                continue
-            key = (bool(others), -len(window))
-            if best is None or key < best:
-                best, ties = key, []
-            if key == best:
-                if key == (False, -self.block_pages) and not any(map(eviction_cost, window)):
-                    # An empty block holding nothing cached: no other block does better.
-                    self.counters.new_blocks += 1
-                    return window[0] if is_rt else window[-1]  # as `_page_in` picks
-                ties.append((index, window))
-        if best is not None:
-            # Among the best, the block whose pages lose the least of the prefix cache.
-            _, index = min((max(map(eviction_cost, window)), index) for index, window in ties)
-            has_others = best[0]
-            page = self._page_in(index, is_rt, free)
-            assert page is not None
-            if has_others:
+        index = self._best_block(is_rt)
+        if index is not None:
+            side = self._blocks[index].rt if is_rt else self._blocks[index].be
+            if any(other != request_id for other in side):
                 self.counters.overflows += 1
             else:
                 self.counters.new_blocks += 1
+            page = self._page_in(index, is_rt)
+            assert page is not None, "a keyed block with room has a free page"
             return page
-        for page in range(self.num_pages):
-            if free(page):
+        for page in range(self.num_pages):  # rare: no block has room in the class's direction
+            if self._is_free(page):
                 return page
         raise ValueError("no free page to place")
+
+    def _best_block(self, is_rt: bool) -> int | None:
+        """The block the class's heap puts first, skipping stale entries."""
+        heap = self._heaps[is_rt]
+        while heap:
+            index, version = heap[0][3], heap[0][4]
+            if version == self._version[index]:
+                return index
+            heapq.heappop(heap)
+        return None
+
+    def _rekey(self, index: int) -> None:
+        """The block changed: a new entry in each class's heap (the old ones go stale)."""
+        self._version[index] += 1
+        version = self._version[index]
+        block = self._blocks[index]
+        for is_rt, heap in self._heaps.items():
+            window = self._free_window(index, is_rt)
+            if window:
+                cost = max(self._cost.get(page, 0) for page in window)
+                heapq.heappush(heap, (bool(block.rt if is_rt else block.be), -len(window),
+                                      cost, index, version))
+            if len(heap) > 4 * self.num_blocks + 64:
+                heap[:] = [key for key in heap if key[4] == self._version[key[3]]]
+                heapq.heapify(heap)
+
+    def _is_free(self, page: int) -> bool:
+        return not (page in self._owner or page in self._excluded or page in self._foreign)
 
     def _pages(self, index: int) -> range:
         return range(index * self.block_pages,
@@ -235,17 +286,17 @@ class SharedBlockLayout:
                 low_be = min(low_be, page)
         return high_rt, low_be
 
-    def _free_window(self, index: int, is_rt: bool, free: Callable[[int], bool]) -> list[int]:
+    def _free_window(self, index: int, is_rt: bool) -> list[int]:
         """Free pages of the block the class may take without breaking the direction."""
         high_rt, low_be = self._bounds(index)
         pages = self._pages(index)
         window = range(pages.start, low_be) if is_rt else range(high_rt + 1, pages.stop)
-        return [page for page in window if free(page)]
+        return [page for page in window if self._is_free(page)]
 
-    def _page_in(self, index: int, is_rt: bool, free: Callable[[int], bool]) -> int | None:
+    def _page_in(self, index: int, is_rt: bool) -> int | None:
         """The block's next page for the class: RT the lowest free page below every BE page,
         BE the highest free page above every RT page."""
-        high_rt, low_be = self._bounds(index)
-        pages = self._pages(index)
-        window = range(pages.start, low_be) if is_rt else range(pages.stop - 1, high_rt, -1)
-        return next((page for page in window if free(page)), None)
+        window = self._free_window(index, is_rt)
+        if not window:
+            return None
+        return window[0] if is_rt else window[-1]

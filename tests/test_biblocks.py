@@ -64,30 +64,63 @@ def test_placement_spares_the_cached_pages_of_a_turn_that_just_finished() -> Non
     """Among equally empty blocks, pages holding no cached KV first, then those freed longest
     ago (vLLM's LRU): a new turn must not evict the turn that just finished."""
     pool = Pool(17, 4)  # blocks [1..3], [4..7], [8..11], [12..15], [16]
-    cached_since: dict[int, int] = {}  # page -> when its request finished (it stays cached)
 
-    def grow(request_id: str, num_pages: int) -> list[int]:
-        cost = lambda page: cached_since.get(page, -1) + 1  # noqa: E731
-        taken = pool.layout.place(request_id, True, num_pages, pool.free.__contains__, cost)
-        pool.free -= set(taken)
-        pool.pages[request_id] = taken
-        for page in taken:
-            cached_since.pop(page, None)  # taking a page evicts what it cached
-        return taken
+    def finish(request_id: str, when: int) -> None:  # its pages stay cached, freed at `when`
+        for page in pool.pages.pop(request_id):
+            pool.layout.release(page, eviction_cost=when)
+            pool.free.add(page)
 
-    def finish(request_id: str, when: int) -> None:
-        for page in pool.pages[request_id]:
-            cached_since[page] = when
-        pool.finish(request_id)
-
-    assert grow("turn-1", 3) == [4, 5, 6]  # a full block first (most room)
+    assert pool.grow("turn-1", True, 3) == [4, 5, 6]  # a full block first (most room)
     finish("turn-1", when=1)
-    assert grow("turn-2", 3) == [8, 9, 10]  # not block [4..7]: it holds turn-1's KV
+    assert pool.grow("turn-2", True, 3) == [8, 9, 10]  # not [4..7]: it holds turn-1's KV
     finish("turn-2", when=2)
-    assert grow("turn-3", 3) == [12, 13, 14]
+    assert pool.grow("turn-3", True, 3) == [12, 13, 14]
     finish("turn-3", when=3)
-    assert grow("turn-4", 3) == [4, 5, 6]  # every block caches something: the oldest goes
+    assert pool.grow("turn-4", True, 3) == [4, 5, 6]  # every block caches: the oldest goes
+    finish("turn-4", when=4)
+    pool.layout.forget_costs()  # the prefix cache was reset: nothing cached anywhere
+    assert pool.grow("turn-5", True, 3) == [4, 5, 6]  # the lowest of the emptiest blocks
     assert pool.layout.check_integrity(pool.free.__contains__) == []
+
+
+def test_a_page_the_pool_holds_unknown_to_the_layout_is_set_aside_until_freed() -> None:
+    pool = Pool(9, 4)  # blocks [1..3], [4..7], [8]
+    pool.free.discard(4)  # vLLM handed page 4 out without naming a request
+    assert pool.grow("rt", True, 2) == [1, 2]  # block [4..7] looked emptiest; 4 was held
+    assert pool.layout.counters.foreign == 1
+    assert pool.grow("rt2", True, 3) == [5, 6, 7]  # page 4 is not handed out twice
+    assert pool.layout.check_integrity(pool.free.__contains__) == []
+    pool.layout.release(4)  # the pool frees it
+    pool.free.add(4)
+    assert sorted(pool.grow("rt3", True, 3)) == [3, 4, 8]  # page 4 is placed again
+    assert pool.layout.check_integrity(pool.free.__contains__) == []
+
+
+def test_placement_does_not_scan_the_pool() -> None:
+    """On a GPU-sized pool, placing a page looks at a few blocks, not at every page: count
+    the layout's reads of page ownership per page placed."""
+    layout = SharedBlockLayout(100_000, 16, excluded=[0])
+    free = set(range(1, 100_000))
+    reads = 0
+
+    class CountingOwners(dict[int, tuple[str, bool]]):
+        def get(self, *args: object) -> object:  # type: ignore[override]
+            nonlocal reads
+            reads += 1
+            return super().get(*args)  # type: ignore[arg-type]
+
+    layout._owner = CountingOwners()
+    held: list[list[int]] = []
+    for i in range(400):
+        pages = layout.place(f"r{i}", i % 2 == 0, 5, free.__contains__)
+        free -= set(pages)
+        held.append(pages)
+        if len(held) > 50:
+            for page in held.pop(0):
+                layout.release(page, eviction_cost=i)
+                free.add(page)
+    assert reads / (400 * 5) < 20 * 16  # a few blocks of 16 pages each, not 100,000 pages
+    assert layout.check_integrity(free.__contains__) == []
 
 
 def test_integrity_reports_a_broken_direction_and_a_double_owner() -> None:
@@ -98,7 +131,7 @@ def test_integrity_reports_a_broken_direction_and_a_double_owner() -> None:
     assert layout.check_integrity() == []
     with pytest.raises(ValueError, match="owned"):
         layout.take("rt2", True, 2)
-    assert layout.check_integrity(is_free=lambda page: page == 5) == [
+    assert layout.check_integrity(is_free=lambda page: page != 2) == [
         "page 5 of rt is free in the pool"]
 
 
