@@ -61,31 +61,40 @@ async def _batch(ctx: AppContext, owner: str, batch_id: str) -> Batch:
 
 @router.post("/v1/files")
 async def upload_file(request: Request) -> dict[str, Any]:
-    """Multipart upload (`file`, `purpose=batch`), streamed to disk under a new id."""
+    """Multipart upload (`file`, `purpose=batch`), streamed to disk under a new id. The key's
+    stored bytes are checked as the file streams in, and again under a per-key lock before it
+    is kept, so uploads in flight together cannot pass `--max-stored-file-bytes`."""
     ctx, owner = _ctx(request), authorize(request)
     limits = ctx.config.server
+
+    def full(stored: int) -> ApiError:
+        return ApiError(ErrorCode.TOO_LARGE, (
+            f"this API key stores {stored} bytes of files and may store "
+            f"{limits.max_stored_file_bytes} (--max-stored-file-bytes): delete some first "
+            "(DELETE /v1/files/ID)"))
+
     stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
     room = limits.max_stored_file_bytes - stored
-    full = ApiError(ErrorCode.TOO_LARGE, (
-        f"this API key stores {stored} bytes of files and may store "
-        f"{limits.max_stored_file_bytes} (--max-stored-file-bytes): delete some first "
-        "(DELETE /v1/files/ID)"))
     if room <= 0:
-        raise full
+        raise full(stored)
     file_id = new_file_id()
     with ctx.files.create(file_id, min(limits.max_batch_file_bytes, room)) as writer:
         try:
             upload = await receive_upload(request, writer, limits.max_batch_items)
         except ApiError as err:
             if err.code is ErrorCode.TOO_LARGE and room < limits.max_batch_file_bytes:
-                raise full from err
+                raise full(stored) from err
             raise
         if upload.fields.get("purpose") != INPUT_PURPOSE:
             raise ApiError(ErrorCode.BAD_MESSAGE, f"purpose must be {INPUT_PURPOSE!r}")
-        await asyncio.to_thread(writer.commit)
-    record = FileRecord(file_id, owner, INPUT_PURPOSE, upload.filename, upload.num_bytes,
-                        time.time())
-    await asyncio.to_thread(ctx.batch_store.add_file, record)
+        record = FileRecord(file_id, owner, INPUT_PURPOSE, upload.filename, upload.num_bytes,
+                            time.time())
+        async with ctx.upload_locks[owner]:
+            stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
+            if stored + upload.num_bytes > limits.max_stored_file_bytes:
+                raise full(stored)  # another upload of this key was kept meanwhile
+            await asyncio.to_thread(writer.commit)
+            await asyncio.to_thread(ctx.batch_store.add_file, record)
     return record.to_json()
 
 

@@ -53,6 +53,9 @@ class ServerConfig:
         "at once (with keys only); batch items share --max-batch-concurrency instead",
         default=64)
     max_sessions_listed: int = doc("Most sessions returned by one listing", default=200)
+    max_sessions_per_key: int = doc(
+        "Most chat sessions one API key keeps, all keys together without keys; creating one "
+        "past it is refused until sessions are deleted", default=100_000)
     typing_interval_s: float = doc(
         "A session's typing advisories closer together than this many seconds count once: "
         "the rest are dropped unrecorded (a client that sends one per keystroke)", default=1.0)
@@ -101,7 +104,8 @@ class ServerConfig:
         for name in ("max_frame_bytes", "max_content_chars", "max_messages", "default_max_tokens",
                      "max_tokens_limit", "max_stop_sequences", "max_inflight_per_connection",
                      "max_connections", "max_connections_per_key", "max_inflight_per_key",
-                     "max_sessions_listed", "max_batch_file_bytes", "max_stored_file_bytes", "max_batch_items",
+                     "max_sessions_listed", "max_sessions_per_key", "max_batch_file_bytes",
+                     "max_stored_file_bytes", "max_batch_items",
                      "max_batch_concurrency", "dashboard_history", "dashboard_max_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections import defaultdict
 
 from antiphon.config import AppConfig
 from antiphon.engine_ext.engine import Engine
@@ -33,6 +35,9 @@ class AppContext:
     dashboard: Dashboard
     connections_per_key: PerKeyLimit
     inflight_per_key: PerKeyLimit  # chat replies generating (websocket and REST)
+    # Per API key: held while an upload is checked against the key's stored bytes and kept.
+    upload_locks: defaultdict[str, asyncio.Lock] = dataclasses.field(
+        default_factory=lambda: defaultdict(asyncio.Lock))
     num_connections: int = 0  # open websocket connections
     is_ready: bool = False  # the engine accepts requests
 

@@ -25,6 +25,7 @@ class ErrorCode(enum.StrEnum):
     FORBIDDEN_ORIGIN = "forbidden_origin"
     TOO_MANY_REQUESTS = "too_many_requests"
     SESSION_BUSY = "session_busy"
+    TOO_MANY_SESSIONS = "too_many_sessions"
     ENGINE_ERROR = "engine_error"
     SHUTTING_DOWN = "shutting_down"
     FILE_NOT_FOUND = "file_not_found"
@@ -58,6 +59,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.FORBIDDEN_ORIGIN: 403,
     ErrorCode.TOO_MANY_REQUESTS: 429,
     ErrorCode.SESSION_BUSY: 409,
+    ErrorCode.TOO_MANY_SESSIONS: 429,
     ErrorCode.ENGINE_ERROR: 500,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.FILE_NOT_FOUND: 404,

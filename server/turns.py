@@ -72,7 +72,12 @@ class SessionTurns:
         """Create a session (no id) or load one of `owner`'s; raises `session_not_found`."""
         if session_id is None:
             title = "New chat" if title is None else clean_title(title)
-            session = await asyncio.to_thread(self.store.create_session, owner, title)
+            limit = self.chat.config.max_sessions_per_key
+            session = await asyncio.to_thread(self.store.create_session, owner, title, limit)
+            if session is None:
+                raise ApiError(ErrorCode.TOO_MANY_SESSIONS, (
+                    f"this API key has {limit} sessions, the most it may keep "
+                    "(--max-sessions-per-key): delete some first"))
             return session, []
         session = await self.get(owner, session_id)
         return session, await asyncio.to_thread(self.store.messages, session_id)

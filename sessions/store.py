@@ -90,15 +90,19 @@ class SessionStore:
     def close(self) -> None:
         self._db.close()
 
-    def create_session(self, owner: str, title: str = "New chat") -> Session:
+    def create_session(self, owner: str, title: str = "New chat",
+                       max_sessions: int | None = None) -> Session | None:
+        """A new session of `owner`'s; None (and nothing written) when the owner has
+        `max_sessions` already."""
         now = time.time()
         session = Session(new_session_id(), owner, title, now, now)
         with self._db.locked() as db:
-            db.execute(
-                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?)",
-                (session.session_id, owner, title, now, now),
-            )
-        return session
+            inserted = db.execute(
+                "INSERT INTO sessions SELECT ?, ?, ?, ?, ? WHERE ? IS NULL OR"
+                " (SELECT COUNT(*) FROM sessions WHERE owner = ?) < ?",
+                (session.session_id, owner, title, now, now, max_sessions, owner, max_sessions),
+            ).rowcount
+        return session if inserted else None
 
     def get_session(self, owner: str, session_id: str) -> Session | None:
         """The session, or None when it does not exist or belongs to another owner."""

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -242,6 +243,36 @@ def test_stored_files_are_limited_per_key(tmp_path: Path) -> None:
         client.files.delete(first.id)  # room for one more like it, and no more
         refused(client, jsonl(4))  # found too large while it streams in
         assert client.files.create(file=("c.jsonl", one), purpose="batch").bytes == len(one)
+
+
+def test_uploads_in_flight_together_cannot_pass_the_stored_bytes_limit(tmp_path: Path) -> None:
+    """Two uploads that each fit alone stream in at the same time: one is kept, the other is
+    refused at the end, and nothing of it stays on disk."""
+    one = jsonl(3)
+    boundary = "antiphon-test"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            f"filename=\"a.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n").encode()
+    tail = f"\r\n--{boundary}--\r\n".encode()
+
+    def slow_body() -> Iterator[bytes]:
+        yield head + one[:10]
+        time.sleep(0.5)  # both uploads are past the first check and streaming now
+        yield one[10:] + tail
+
+    with batch_server(tmp_path, max_stored_file_bytes=len(one) * 3 // 2) as live:
+        def upload() -> httpx.Response:
+            return httpx.post(live.url + "/v1/files", content=slow_body(), headers={
+                "content-type": f"multipart/form-data; boundary={boundary}"}, timeout=30)
+
+        with ThreadPoolExecutor(2) as pool:
+            responses = list(pool.map(lambda _: upload(), range(2)))
+        assert sorted(r.status_code for r in responses) == [200, 413], [r.text for r in responses]
+        refused = next(r for r in responses if r.status_code == 413)
+        assert "--max-stored-file-bytes" in refused.json()["error"]["message"]
+        kept = next(r for r in responses if r.status_code == 200).json()
+        assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [f"{kept['id']}.jsonl"]
+        assert live.client().files.retrieve(kept["id"]).bytes == len(one)
 
 
 def test_empty_input_fails_the_batch(tmp_path: Path) -> None:

@@ -333,6 +333,33 @@ async def test_session_listings_page_past_the_most_recent(tmp_path: Path) -> Non
             assert (r.status_code, r.json()["error"]["code"]) == (400, "bad_message")
 
 
+async def test_sessions_are_limited_per_key(tmp_path: Path) -> None:
+    """Past --max-sessions-per-key a new session is refused and nothing is written; deleting
+    one makes room. Each key counts its own."""
+    keys = ("key-one-0123", "key-two-0123")
+    config = scripted_config(tmp_path, max_sessions_per_key=2, api_keys=keys)
+    with live_server(config, ScriptedEngine()) as url:
+        def create(key: str) -> httpx.Response:
+            return httpx.post(url + "/v1/sessions", json={"title": "t"},
+                              headers={"authorization": f"Bearer {key}"})
+
+        first, _ = create(keys[0]).json(), create(keys[0])
+        refused = create(keys[0])
+        assert error_code(refused) == (429, "too_many_sessions")
+        assert "--max-sessions-per-key" in refused.json()["error"]["message"]
+        assert create(keys[1]).status_code == 201  # another key's sessions are its own
+        ws_url = url.replace("http://", "ws://") + f"/v1/ws?api_key={keys[0]}"
+        async with connect(ws_url) as ws:
+            await send(ws, type="session.open", session_id=None, title="over")
+            assert (await recv(ws))["code"] == "too_many_sessions"
+        listed = httpx.get(url + "/v1/sessions",
+                           headers={"authorization": f"Bearer {keys[0]}"}).json()
+        assert len(listed["sessions"]) == 2  # nothing written for the refused ones
+        httpx.delete(url + f"/v1/sessions/{first['session_id']}",
+                     headers={"authorization": f"Bearer {keys[0]}"})
+        assert create(keys[0]).status_code == 201
+
+
 async def test_a_reply_that_cannot_be_saved_ends_with_an_error_not_a_hang(
         scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
     """As on a full disk: the store refuses the reply."""
