@@ -138,10 +138,11 @@ class Engine(abc.ABC):
         return {}
 
     async def advise(self, session_id: str, context_token_ids: list[int],
-                     expected_arrival_s: float | None) -> int | None:
+                     expected_arrival_s: float | None,
+                     cache_salt: str | None = None) -> int | None:
         """A turn of `session_id`, whose conversation so far is `context_token_ids`, is
-        coming: prefetch its KV. Returns the context tokens the KV tiers hold, None when the
-        engine keeps no tiers."""
+        coming: prefetch its KV (that of requests with `cache_salt`). Returns the context
+        tokens the KV tiers hold, None when the engine keeps no tiers."""
         return None
 
     async def tiering_stats(self) -> dict[str, Any]:
@@ -274,8 +275,11 @@ class VllmEngine(Engine):
             )
         except (VLLMClientError, ValueError) as exc:  # vLLM's own checks of the parameters
             raise EngineRequestError(str(exc)) from exc
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        if params.cache_salt is not None:
+            prompt["cache_salt"] = params.cache_salt
         stream = self._llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_token_ids),
+            prompt,
             sampling,
             request_id,
             priority=_PRIORITY[params.request_class],
@@ -321,11 +325,12 @@ class VllmEngine(Engine):
         return dict(await self._llm.engine_core.call_utility_async("antiphon_scheduler_stats"))
 
     async def advise(self, session_id: str, context_token_ids: list[int],
-                     expected_arrival_s: float | None) -> int | None:
+                     expected_arrival_s: float | None,
+                     cache_salt: str | None = None) -> int | None:
         if self._llm is None or self.tiering is None:
             return None
         held = await self._llm.engine_core.call_utility_async(
-            "antiphon_advise", session_id, context_token_ids, expected_arrival_s)
+            "antiphon_advise", session_id, context_token_ids, expected_arrival_s, cache_salt)
         return None if held < 0 else int(held)
 
     async def tiering_stats(self) -> dict[str, Any]:

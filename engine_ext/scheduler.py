@@ -405,13 +405,14 @@ def _tier_planner(core: EngineCore) -> Any:
 
 
 def _engine_core_advise(self: EngineCore, session_id: str, token_ids: list[int],
-                        expected_arrival_s: float | None) -> int:
+                        expected_arrival_s: float | None, cache_salt: str | None = None) -> int:
     """EngineCore utility method: an advisory; returns the context tokens the tiers hold
     (-1 when KV tiering is off)."""
     planner = _tier_planner(self)
     if planner is None:
         return -1
-    return int(planner.advise(session_id, token_ids, expected_arrival_s))
+    salt = cache_salt.encode() if cache_salt else b""  # as the connector salts requests
+    return int(planner.advise(session_id, token_ids, expected_arrival_s, salt=salt))
 
 
 def _engine_core_tiering_stats(self: EngineCore) -> dict[str, Any]:

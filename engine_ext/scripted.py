@@ -33,6 +33,7 @@ class ScriptedEngine(Engine):
         self.active_request_ids: set[str] = set()
         self.finished_request_ids: list[str] = []
         self.advisories: list[tuple[str, list[int], float | None]] = []
+        self.cache_salts: list[str | None] = []  # of each request, then each advisory
         self._replies: dict[tuple[int, ...], str] = {}
         self._is_running = False
 
@@ -62,6 +63,7 @@ class ScriptedEngine(Engine):
             raise EngineRequestError(f"request {request_id} is already running")
         if len(prompt_token_ids) >= self.max_model_len:
             raise EngineRequestError("prompt is longer than the model context")
+        self.cache_salts.append(params.cache_salt)
         reply = self._replies.get(tuple(prompt_token_ids), "ok")
         words = reply.split(" ")
         self.active_request_ids.add(request_id)
@@ -87,9 +89,11 @@ class ScriptedEngine(Engine):
             self.finished_request_ids.append(request_id)
 
     async def advise(self, session_id: str, context_token_ids: list[int],
-                     expected_arrival_s: float | None) -> int | None:
+                     expected_arrival_s: float | None,
+                     cache_salt: str | None = None) -> int | None:
         """Recorded in `advisories`; no KV tiers here, so None."""
         self.advisories.append((session_id, list(context_token_ids), expected_arrival_s))
+        self.cache_salts.append(cache_salt)
         return None
 
     async def health(self) -> EngineHealth:

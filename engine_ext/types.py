@@ -51,6 +51,7 @@ class GenerationParams:
     tpot_slo_s: float | None = None
     request_class: RequestClass = RequestClass.RT
     session_id: str | None = None  # lets the engine keep a session's KV across turns
+    cache_salt: str | None = None  # KV is shared only among requests of one salt (a tenant)
 
 
 @dataclasses.dataclass(frozen=True)

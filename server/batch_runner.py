@@ -192,16 +192,17 @@ class BatchRunner:
                                         [it.line_index for it in mine])
             for it in mine:
                 key = (b.batch_id, it.line_index)
-                self._inflight[key] = asyncio.create_task(self._run_item(b.batch_id, it))
+                self._inflight[key] = asyncio.create_task(self._run_item(b, it))
 
-    async def _run_item(self, batch_id: str, item: PendingItem) -> None:
+    async def _run_item(self, batch: Batch, item: PendingItem) -> None:
+        batch_id = batch.batch_id
         try:
             if item.num_attempts >= MAX_ITEM_ATTEMPTS:
                 result: ItemResult | None = ItemResult(
                     None, None, ErrorCode.ENGINE_ERROR.value,
                     f"stopped after {item.num_attempts} attempts that did not finish")
             else:
-                result = await self._answer(item)
+                result = await self._answer(item, batch.owner)
             if result is not None and await self._commit(batch_id, item.line_index, result):
                 outcome = "completed" if result.state == ItemState.SUCCEEDED else "failed"
                 self.metrics.batch_items.labels(outcome).inc()
@@ -230,12 +231,12 @@ class BatchRunner:
             await commit
             raise
 
-    async def _answer(self, item: PendingItem) -> ItemResult | None:
-        """Run one request on the engine as BE; None when the engine failed (not the request),
+    async def _answer(self, item: PendingItem, owner: str) -> ItemResult | None:
+        """Run one request of `owner`'s on the engine as BE; None when the engine failed (not the request),
         so the item stays pending and runs again."""
         body = ChatCompletionRequest.model_validate_json(item.body)
         try:
-            gen = prepare_completion(self.chat, body, RequestClass.BE)
+            gen = prepare_completion(self.chat, body, owner, RequestClass.BE)
             async with aclosing(self.chat.stream(gen, api="batch")) as pieces:
                 async for _ in pieces:
                     pass

@@ -24,6 +24,7 @@ from antiphon.engine_ext.engine import (
     EngineRequestFailedError,
 )
 from antiphon.engine_ext.types import ChatContext, ChatTurn, Delta, GenerationParams, RequestClass
+from antiphon.server.auth import ANONYMOUS_OWNER
 from antiphon.server.config import ServerConfig
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.metrics import FinishedRequest, ServerMetrics
@@ -129,6 +130,13 @@ class ChatService:
             raise ApiError(ErrorCode.MAX_TOKENS_TOO_LARGE, f"max_tokens {max_tokens} exceeds "
                            f"the limit of {self.config.max_tokens_limit}")
 
+    def cache_salt(self, owner: str) -> str | None:
+        """What keeps `owner`'s cached KV apart from other keys' (None: shared). The owner is
+        a key's fingerprint, never the key."""
+        if owner == ANONYMOUS_OWNER or self.config.share_kv_across_keys:
+            return None
+        return owner
+
     def prepare(
         self,
         request_id: str,
@@ -138,11 +146,12 @@ class ChatService:
         request_class: RequestClass = RequestClass.RT,
         session_id: str | None = None,
         context: ChatContext | None = None,
+        owner: str = ANONYMOUS_OWNER,
         **sampling: Any,
     ) -> Generation:
-        """Validate and render a request (extending `context`, the exact tokens of the
-        conversation so far, where it has one); raises `ApiError` and changes nothing on bad
-        input."""
+        """Validate and render a request of `owner`'s (extending `context`, the exact tokens
+        of the conversation so far, where it has one); raises `ApiError` and changes nothing
+        on bad input."""
         self.check_max_tokens(max_tokens)
         prompt = self.engine.continue_chat(turns, context)
         room = self.engine.max_model_len - len(prompt)
@@ -160,6 +169,7 @@ class ChatService:
             temperature=0.0 if temperature is None else temperature,
             request_class=request_class,
             session_id=session_id,
+            cache_salt=self.cache_salt(owner),
             **sampling,
         )
         return Generation(request_id, prompt, params)

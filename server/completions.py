@@ -135,18 +135,18 @@ def session_xarg(body: ChatCompletionRequest) -> str | None:
     return session_id
 
 
-def prepare_completion(chat: ChatService, body: ChatCompletionRequest,
+def prepare_completion(chat: ChatService, body: ChatCompletionRequest, owner: str,
                        request_class: RequestClass | None = None,
                        session_id: str | None = None) -> Generation:
-    """A generation for `body`, in `session_id` where given; its class is `request_class`,
-    else the one `vllm_xargs` names (RT by default). Raises `ApiError` and changes nothing on
-    bad input."""
+    """A generation of `owner`'s for `body`, in `session_id` where given; its class is
+    `request_class`, else the one `vllm_xargs` names (RT by default). Raises `ApiError` and
+    changes nothing on bad input."""
     turns = completion_turns(chat, body)
     if request_class is None:
         request_class = _request_class(body.vllm_xargs or {})
     return chat.prepare(
         secrets.token_hex(12), turns, body.requested_max_tokens, body.temperature,
-        request_class, session_id, top_p=body.top_p, stop=body.stop_sequences, seed=body.seed,
+        request_class, session_id, owner=owner, top_p=body.top_p, stop=body.stop_sequences, seed=body.seed,
         ignore_eos=body.ignore_eos, **_slo_overrides(chat, body.vllm_xargs or {}))
 
 

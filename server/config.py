@@ -53,6 +53,11 @@ class ServerConfig:
         "at once (with keys only); batch items share --max-batch-concurrency instead",
         default=64)
     max_sessions_listed: int = doc("Most sessions returned by one listing", default=200)
+    share_kv_across_keys: bool = doc(
+        "Let API keys share cached KV (vLLM's prefix cache and the KV tiers): a prompt prefix "
+        "common to several keys is computed once, but one key can then time another's "
+        "prompts (a cache hit answers sooner). Off: each key's KV is salted with its own "
+        "fingerprint (vLLM's cache_salt)", default=False)
     max_sessions_per_key: int = doc(
         "Most chat sessions one API key keeps, all keys together without keys; creating one "
         "past it is refused until sessions are deleted", default=100_000)

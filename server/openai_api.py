@@ -53,7 +53,7 @@ async def chat_completions(request: Request) -> Response:
     session_id = session_xarg(body)
     if session_id is not None:
         await ctx.turns.get(owner, session_id)
-    gen = prepare_completion(ctx.chat, body, session_id=session_id)
+    gen = prepare_completion(ctx.chat, body, owner, session_id=session_id)
     completion_id = "chatcmpl-" + gen.request_id
     slot = ctx.inflight_per_key.take(owner)
     if session_id is not None:

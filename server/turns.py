@@ -134,7 +134,8 @@ class SessionTurns:
                 [ChatTurn(m.role, m.content) for m in history], context, open_reply=False)
         else:
             return 0  # a new session: no conversation to bring forward yet
-        return await self.chat.engine.advise(session_id, tokens, expected_arrival_s)
+        return await self.chat.engine.advise(session_id, tokens, expected_arrival_s,
+                                             self.chat.cache_salt(owner))
 
     def _is_typing_repeat(self, session_id: str) -> bool:
         """Whether a typing advisory for `session_id` now repeats one within the interval;
@@ -185,7 +186,7 @@ class SessionTurns:
             turns = [ChatTurn(m.role, m.content) for m in history]
             turns.append(ChatTurn("user", msg.content))
             gen = self.chat.prepare(request_id, turns, msg.max_tokens, msg.temperature,
-                                    session_id=msg.session_id, context=context)
+                                    session_id=msg.session_id, context=context, owner=owner)
             await asyncio.to_thread(self.store.append_message, msg.session_id, "user",
                                     msg.content, self.chat.engine.count_tokens(msg.content))
             if not history:

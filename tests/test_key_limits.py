@@ -81,3 +81,32 @@ async def test_without_keys_only_the_server_wide_limits_apply(tmp_path: Path) ->
             replies = await asyncio.gather(*(client.post(**completion("unused", "x y z"))
                                              for _ in range(3)))
         assert [r.status_code for r in replies] == [200, 200, 200]
+
+
+async def test_each_keys_kv_is_salted_apart(tmp_path: Path) -> None:
+    """Every engine request and advisory carries its key's salt (the key's fingerprint, never
+    the key): one key's cached KV is never served to, or timed by, another. Without keys, or
+    with --share-kv-across-keys, nothing is salted."""
+    from antiphon.server.auth import Authenticator
+
+    engine = ScriptedEngine()
+    with live_server(scripted_config(tmp_path, api_keys=(A, B)), engine) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws?api_key=" + A) as ws:
+            session = (await open_session(ws))["session"]["session_id"]
+            await send(ws, type="message", session_id=session, content="hello")
+            await recv_until(ws, "done")
+            await send(ws, type="typing", session_id=session)
+            await asyncio.sleep(0.3)  # the advisory reaches the engine
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            assert (await client.post(**completion(B))).status_code == 200
+    salt_a, salt_b = Authenticator.fingerprint(A), Authenticator.fingerprint(B)
+    assert engine.cache_salts == [salt_a, salt_a, salt_b]  # turn, advisory, completion
+    assert salt_a != salt_b and A not in salt_a
+
+    for config in (scripted_config(tmp_path / "nokeys"),
+                   scripted_config(tmp_path / "shared", api_keys=(A, B),
+                                   share_kv_across_keys=True)):
+        engine = ScriptedEngine()
+        with live_server(config, engine) as url, httpx.Client(base_url=url) as client:
+            assert client.post(**completion(A)).status_code == 200
+        assert engine.cache_salts == [None]

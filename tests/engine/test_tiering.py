@@ -67,6 +67,7 @@ class FirstRun:
     replies: list[str]
     usage: list[tuple[int, int]]
     stats: dict[str, Any]
+    by_salt: dict[str | None, tuple[int, int | None]] = dataclasses.field(default_factory=dict)
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +83,23 @@ async def first_run(tmp_path_factory: pytest.TempPathFactory) -> FirstRun:
     try:
         replies, usage = await converse(eng, "host", reset_device=True)
         stats = await eng.tiering_stats()
+        by_salt = {salt: await found_by_salt(eng, salt) for salt in ("tenant-b", None)}
     finally:
         await eng.shutdown()
-    return FirstRun(ssd_dir, replies, usage, stats)
+    return FirstRun(ssd_dir, replies, usage, stats, by_salt)
+
+
+async def found_by_salt(engine: VllmEngine, salt: str | None) -> tuple[int, int | None]:
+    """(prompt tokens a request with `salt` finds cached, context tokens an advisory with
+    `salt` finds in the tiers) for the conversation's first prompt, stored without a salt."""
+    prompt = engine.render_chat([ChatTurn("user", QUESTIONS[0])])
+    advised = await engine.advise(f"probe-{salt}", prompt, None, salt)
+    assert await engine.reset_prefix_cache()
+    cached = 0
+    params = GenerationParams(max_tokens=1, cache_salt=salt)
+    async for delta in engine.generate(f"salted-{salt}", prompt, params):
+        cached = max(cached, delta.num_cached_tokens)
+    return cached, advised
 
 
 async def rerun(first: FirstRun, tmp_path: Path, tag: str
@@ -110,6 +125,14 @@ def test_host_tier_turns_match_recompute(reference: list[str], first_run: FirstR
         assert cached >= previous_prompt, (first_run.usage, stats)
     assert stats["tokens_from_host"] > 0 and stats["tokens_from_ssd"] == 0, stats
     assert stats["tiers"]["ssd"]["bytes_in"] > 0, stats
+
+
+def test_a_salt_keeps_kv_apart(first_run: FirstRun) -> None:
+    """KV stored without a salt is found by requests and advisories without one, and by no
+    request or advisory with another salt (a tenant's key), in vLLM's cache or the tiers."""
+    assert first_run.by_salt["tenant-b"] == (0, 0), first_run.by_salt
+    cached, advised = first_run.by_salt[None]
+    assert cached > 0 and advised is not None and advised > 0, first_run.by_salt
 
 
 async def test_ssd_tier_after_restart_matches_recompute(reference: list[str],
