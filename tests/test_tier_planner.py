@@ -246,10 +246,13 @@ def test_an_advisory_prefetches_and_is_used_by_its_sessions_turn(tmp_path: Path)
         assert handle is not None and handle.wait(10)
         view = TokenView("r2", [*TURN1, 110, 111], session="s1")
         planner.add_request(view)
+        hints = planner.host.policy._sessions  # type: ignore[attr-defined]
+        assert "s1" in hints  # kept ahead of other sessions' KV until the turn comes
         assert planner.num_new_matched_tokens(view, 0) == 10  # no wait: already in host
         stats = planner.stats()
         assert stats["advisories_received"] == 1 and stats["advisories_used"] == 1
         assert stats["turns_held"] == 0
+        assert "s1" not in hints  # it spoke: no longer ahead of the others
     finally:
         planner.close()
 

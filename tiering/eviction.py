@@ -134,6 +134,9 @@ class LayerPriorityPolicy(EvictionPolicy):
         self._keys_by_prefix: dict[bytes, set[ChunkKey]] = {}
         self._sessions: dict[Hashable, SessionHint] = {}
         self._sessions_by_prefix: dict[bytes, set[Hashable]] = {}
+        # `_session_rank` per prefix: a prefix every session shares (a system prompt) has one
+        # hint per session, and each of its keys' priorities would otherwise scan them all.
+        self._ranks: dict[bytes, tuple[float, int]] = {}
 
     def priority(self, key: ChunkKey) -> Priority:
         """Eviction rank of a tracked key, smallest evicted first:
@@ -179,6 +182,7 @@ class LayerPriorityPolicy(EvictionPolicy):
         self._sessions[session] = hint
         for prefix in hint.prefix_hashes:
             self._sessions_by_prefix.setdefault(prefix, set()).add(session)
+            self._ranks.pop(prefix, None)
         self._reprioritise(hint.prefix_hashes)
 
     def clear_hint(self, session: Hashable) -> None:
@@ -190,6 +194,7 @@ class LayerPriorityPolicy(EvictionPolicy):
             sessions.discard(session)
             if not sessions:
                 del self._sessions_by_prefix[prefix]
+            self._ranks.pop(prefix, None)
         self._reprioritise(hint.prefix_hashes)
 
     def check_integrity(self, evictable: Set[ChunkKey]) -> None:
@@ -204,14 +209,20 @@ class LayerPriorityPolicy(EvictionPolicy):
         for session, hint in self._sessions.items():
             for prefix in hint.prefix_hashes:
                 assert session in self._sessions_by_prefix[prefix], "session index broken"
+        for prefix, rank in self._ranks.items():
+            assert rank == max((self._sessions[s].likelihood, self._sessions[s].num_chunks)
+                               for s in self._sessions_by_prefix[prefix]), "stale rank"
 
     def _session_rank(self, prefix: bytes) -> tuple[float, int]:
         """(likelihood, num_chunks) of the most likely session holding `prefix`."""
-        sessions = self._sessions_by_prefix.get(prefix)
-        if not sessions:
-            return (self.default_likelihood, 0)
-        return max((self._sessions[s].likelihood, self._sessions[s].num_chunks)
-                   for s in sessions)
+        rank = self._ranks.get(prefix)
+        if rank is None:
+            sessions = self._sessions_by_prefix.get(prefix)
+            if not sessions:
+                return (self.default_likelihood, 0)
+            rank = self._ranks[prefix] = max(
+                (self._sessions[s].likelihood, self._sessions[s].num_chunks) for s in sessions)
+        return rank
 
     def _touch(self, key: ChunkKey) -> None:
         self._tick += 1

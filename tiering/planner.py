@@ -720,6 +720,9 @@ class TierPlanner:
         if advisory is None:
             return
         self.counters.advisories_used += 1
+        # The turn came: the session has just spoken, and its KV is no longer kept ahead of
+        # others' (it stayed so until the advisory's expiry before).
+        self.store.clear_hint(advisory.session)
         if advisory.reclaimed:
             return  # its KV went back to the tiers below; the turn loaded what it needed
         handle = advisory.handle
