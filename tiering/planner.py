@@ -19,7 +19,7 @@ allocator, the SSD tier). Per engine step:
 Advisories (`advise`) run the same match for a session's context before its turn arrives and
 prefetch into the host arena, pinned until the turn uses them or they expire. Those pins are a
 soft reservation: when a turn's load or a save finds the arena full of pins, the advisory
-expected last gives its pins up first (`_reclaim_advisory`), so advised sessions never make a
+expected last gives its pins up first (`_room_for`), so advised sessions never make a
 running turn recompute.
 """
 
@@ -740,26 +740,23 @@ class TierPlanner:
             self._retire(advisory.handle)
 
     def _room_for(self, num_slots: int, session: str | None) -> None:
-        """Reclaim other sessions' advisory pins until `num_slots` host slots can be had."""
-        while not self.host.can_make_room(num_slots * self.host.slot_bytes) \
-                and self._reclaim_advisory(session):
-            pass
-
-    def _reclaim_advisory(self, keep: str | None) -> bool:
-        """Release the pins of the live advisory expected last (not `keep`'s): running turns
-        take host room before sessions that have not spoken yet. False if none holds any."""
-        held = [a for a in self._advisories.values() if a.handle is not None
-                and a.session != keep]
-        if not held:
-            return False
-        # Settled prefetches first: their pins go at once (a running one's go once it stops).
-        advisory = max(held, key=lambda a: (a.handle is not None and a.handle.is_done,
-                                            a.expires_at, a.received_at))
-        assert advisory.handle is not None
-        self._retire(advisory.handle)
-        advisory.handle, advisory.reclaimed = None, True
-        self.counters.advisories_reclaimed += 1
-        return True
+        """Reclaim other sessions' advisory pins until `num_slots` host slots can be had:
+        running turns take host room before sessions that have not spoken yet. Settled
+        prefetches go first (their pins go at once, a running one's once it stops), then the
+        advisory expected last."""
+        if self.host.can_make_room(num_slots * self.host.slot_bytes):
+            return
+        held = sorted((a for a in self._advisories.values()
+                       if a.handle is not None and a.session != session),
+                      key=lambda a: (a.handle is not None and a.handle.is_done, a.expires_at,
+                                     a.received_at), reverse=True)
+        for advisory in held:  # one sort per call, not one scan per advisory reclaimed
+            assert advisory.handle is not None
+            self._retire(advisory.handle)
+            advisory.handle, advisory.reclaimed = None, True
+            self.counters.advisories_reclaimed += 1
+            if self.host.can_make_room(num_slots * self.host.slot_bytes):
+                return
 
     def _retire(self, handle: PrefetchHandle) -> None:
         """Stop a prefetch and drop its pins once it has settled (pins taken while it still
