@@ -128,6 +128,37 @@ def test_resident_prefixes_count_whole_shared_pages_but_never_the_last_token() -
     assert resident.num_cached_tokens(view("w3", BE, prompt=64)) == 0
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["grow", "stop", "swap"]),
+                          st.integers(0, 3)), min_size=1, max_size=40))
+def test_resident_prefixes_kept_across_steps_match_a_fresh_index(
+        steps: list[tuple[int, str, int]]) -> None:
+    """Updated step by step (hash lists growing in place as vLLM's do, requests stopping,
+    a request's list replaced), the index answers as one built from scratch."""
+    lists: dict[str, list[bytes]] = {}
+    computed: dict[str, int] = {}
+    kept = ResidentPrefixes()
+    for index, action, arg in steps:
+        rid = f"r{index}"
+        if action == "stop":
+            lists.pop(rid, None)
+        elif action == "swap" or rid not in lists:
+            lists[rid] = list(chain(*"ab"[:1 + arg % 2], rid)[:2 + arg])
+            computed[rid] = len(lists[rid]) * PAGE
+        else:
+            lists[rid].extend(chain(rid, *map(str, range(len(lists[rid]) + arg + 1)))[
+                len(lists[rid]):len(lists[rid]) + arg + 1])
+            computed[rid] = min(len(lists[rid]), computed[rid] // PAGE + arg) * PAGE
+        views = [view(r, BE, prompt=len(h) * PAGE, computed=computed[r], running=True,
+                      prefix_page_hashes=h) for r, h in lists.items()]
+        kept.update(views, PAGE)
+        fresh = ResidentPrefixes(views, PAGE)
+        assert kept._num_holders == fresh._num_holders
+        for h in lists.values():
+            query = view("w", BE, prompt=len(h) * PAGE + 1, prefix_page_hashes=tuple(h))
+            assert kept.num_cached_tokens(query) == fresh.num_cached_tokens(query)
+
+
 # --- HyGen ----------------------------------------------------------------------------------
 
 def test_hygen_runs_prefix_sharing_be_requests_back_to_back() -> None:

@@ -52,6 +52,7 @@ class EchoPolicy(Policy):
                  late_token_penalty: float = 1e6,
                  checkpointed_burst_sigmas: float = 0.0) -> None:
         super().__init__(cost_model)
+        self._resident = ResidentPrefixes()  # pages the running requests hold, kept across steps
         if not 0.0 <= headroom_fraction < 1.0 or burst_sigmas < 0 or window_steps < 1 \
                 or checkpointed_burst_sigmas < 0:
             raise ValueError("need 0 <= headroom_fraction < 1, burst_sigmas >= 0, "
@@ -74,9 +75,10 @@ class EchoPolicy(Policy):
         batch = StepBatch(budget, self.cost_model)
         plan = StepPlan(is_restrictive=True)
         self._add_rt(rts, bes, batch, plan)
-        rt_slacks = sorted(v.slack_s(budget.now_s) for v in rts if v.request_id in batch.ids)
+        seated = set(batch.ids)
+        rt_slacks = sorted(v.slack_s(budget.now_s) for v in rts if v.request_id in seated)
         evicted = set(plan.preempt)
-        resident = ResidentPrefixes(views, budget.page_tokens)
+        resident = self._resident.update(views, budget.page_tokens)
         running = [v for v in bes if v.is_running and v.request_id not in evicted]
         self._add_be(running, batch, rt_slacks, resident, 0, budget.max_be_step_s)
         waiting = [v for v in bes if not v.is_running]

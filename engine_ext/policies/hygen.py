@@ -49,6 +49,7 @@ class HygenPolicy(Policy):
                  budget_fraction: float = 1.0, utility: float = 0.8,
                  min_prefill_tokens: int = 16) -> None:
         super().__init__(cost_model)
+        self._resident = ResidentPrefixes()  # pages the running requests hold, kept across steps
         if not 0.0 <= utility <= 1.0:
             raise ValueError(f"utility must be within [0, 1], got {utility}")
         if budget_fraction <= 0 or (latency_budget_s is not None and latency_budget_s <= 0):
@@ -75,7 +76,7 @@ class HygenPolicy(Policy):
         preempted = set(plan.preempt)
         running_bes = [v for v in bes if v.is_running and v.request_id not in preempted]
         waiting_bes = [v for v in bes if not v.is_running]
-        resident = ResidentPrefixes(views, budget.page_tokens)
+        resident = self._resident.update(views, budget.page_tokens)
         # BE work also keeps the step within the arrival guard, so a turn arriving meanwhile
         # does not wait behind a long document prefill.
         self._offline_phase(running_bes, waiting_bes, batch, min(limit_s, budget.max_be_step_s),
