@@ -24,7 +24,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL
 );
-CREATE INDEX IF NOT EXISTS sessions_owner ON sessions(owner, updated_at);
+DROP INDEX IF EXISTS sessions_owner;
+CREATE INDEX IF NOT EXISTS sessions_owner_recent ON sessions(owner, updated_at, session_id);
 CREATE TABLE IF NOT EXISTS messages (
     session_id    TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE,
     seq           INTEGER NOT NULL,
@@ -119,9 +120,10 @@ class SessionStore:
                       before: tuple[float, str] | None = None) -> list[Session]:
         """The owner's sessions, most recently updated first (ties by id, descending);
         `before` = (updated_at, session_id) lists those after that one in this order."""
-        after = "" if before is None else (
-            " AND (s.updated_at < ? OR (s.updated_at = ? AND s.session_id < ?))")
-        cursor = () if before is None else (before[0], before[0], before[1])
+        # A row-value comparison, which SQLite answers from the index (an OR of the two
+        # columns made it scan all of the owner's sessions for every page after the first).
+        after = "" if before is None else " AND (s.updated_at, s.session_id) < (?, ?)"
+        cursor = () if before is None else before
         with self._db.locked() as db:
             rows = db.execute(
                 "SELECT s.session_id, s.owner, s.title, s.created_at, s.updated_at,"
