@@ -122,6 +122,26 @@ def test_a_follow_up_loads_its_whole_prior_context(planner: TierPlanner) -> None
     planner.store.check_integrity()
 
 
+def test_a_turn_vllm_could_not_place_is_answered_again_from_its_pins(
+        planner: TierPlanner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM asks every step while it has no pages for the turn: the match its pins hold is the
+    answer, without matching and pinning the context again; a new device hit re-admits."""
+    run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9])
+    view = TokenView("r2", [*TURN1, 110, 111, 112])
+    planner.add_request(view)
+    assert planner.num_new_matched_tokens(view, 0) == 10
+    pins = []
+    real_pin = planner.host.pin
+    monkeypatch.setattr(planner.host, "pin", lambda key: pins.append(key) or real_pin(key))
+    assert planner.num_new_matched_tokens(view, 0) == 10  # no page for it last step
+    assert pins == []
+    assert planner.num_new_matched_tokens(view, 4) == 6  # vLLM's own cache holds a page now
+    assert pins  # admitted afresh
+    planner.plan_load("r2", [1, 2, 3], 6, len(view.token_ids))
+    planner.step_done({planner.build_metadata([]).step}, set())
+    planner.store.check_integrity()
+
+
 def test_a_different_prefix_matches_nothing(planner: TierPlanner) -> None:
     run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9])
     view = TokenView("r2", [1, *TURN1])

@@ -85,6 +85,8 @@ class _Request:
     fetch_attempts: int = 0  # fetches from SSD this turn waited for
     ssd_chunks: set[int] = dataclasses.field(default_factory=set)  # chunks that came from SSD
     stored_tokens: tuple[int, int] | None = None  # `stored_prefix_tokens`: (of tokens, found)
+    # (tokens, device hit) of the last admission that pinned a match vLLM has not loaded yet
+    admitted: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -205,8 +207,15 @@ class TierPlanner:
                 advisory.handle = None
             if st.prefetch is not None and not st.prefetch.is_done:
                 return None
+            if st.match is not None and st.admitted == (len(view.token_ids), num_computed):
+                # Asked again because vLLM had no pages for the turn last step: its pins still
+                # hold the match, so the answer stands (matching and pinning a 32k-token
+                # context again cost 0.1 s a step).
+                return st.match.num_tokens - num_computed
+            st.admitted = None
             matched = self._admit_again(st, view, num_computed)
             if matched is not None:
+                self._note_admitted(st, view, num_computed, matched)
                 return matched
             # `_admit` just sent an SSD fetch for this turn. Only a chat turn waits for it:
             # the step's RT streams must not wait for BE work's restore.
@@ -223,7 +232,14 @@ class TierPlanner:
                     self.counters.turns_held += 1
                 else:
                     self.counters.turns_fetched_in_step += 1
+            self._note_admitted(st, view, num_computed, matched)
             return matched
+
+    @staticmethod
+    def _note_admitted(st: _Request, view: TokenView, num_computed: int,
+                       matched: int | None) -> None:
+        if matched and st.match is not None:
+            st.admitted = (len(view.token_ids), num_computed)
 
     def _admit_again(self, st: _Request, view: TokenView, num_computed: int) -> int | None:
         """`_admit`, with the pins of an earlier admission set aside until it is done."""
@@ -327,7 +343,7 @@ class TierPlanner:
                                                         slots, whole.start - chunk_first))
             self._pending_load_pins.extend(st.pins)
             st.pins = []
-            st.match = None
+            st.match, st.admitted = None, None
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -693,6 +709,7 @@ class TierPlanner:
             self.host.unpin(key)
         st.pins = []
         st.match = None
+        st.admitted = None
 
     def _drop_prefetch(self, st: _Request) -> None:
         if st.prefetch is not None:
