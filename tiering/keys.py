@@ -43,7 +43,8 @@ class ChunkKey:
 
     def with_layer(self, layer: int) -> ChunkKey:
         """The same chunk at another layer."""
-        return dataclasses.replace(self, layer=layer)
+        # Not `dataclasses.replace`: this runs per chunk-layer matched, and it costs half.
+        return ChunkKey(self.model_id, self.prefix_hash, self.chunk_index, layer)
 
 
 def prefix_seed(model_id: str, salt: bytes = b"") -> bytes:
