@@ -3,12 +3,18 @@
 ShareGPT conversations (at least 3 user turns) are replayed as concurrent simulated users.
 Between turns each user reads the reply (238 words/min), then types the next message (52
 words/min); a `typing` advisory fires when typing starts. The number of users is swept from what
-a small KV pool holds to about 4x more, on each system in one run, one server start each:
+a small KV pool holds to about 4x more, on each system in one run:
 
     vllm             stock vLLM's OpenAI server, prefix caching on; the client keeps the history
     tiers            `antiphon serve --kv-tiering` over websockets, no advisories
     advisory         the same, with a typing advisory before every follow-up turn
     advisory_miss10  the same, with 10% of the advisories dropped (seeded)
+
+Stock vLLM runs on a server of its own. The Antiphon systems differ only in their clients, so
+they share one server: at each point they run one after another (the order rotated from point
+to point), each under an API key of its own, which salts its KV apart from the others' (no
+system finds another's conversations cached). One engine start differs from the next by a few
+percent, as much as the 10%-missed advisories' cost that `advisory_miss10` measures.
 
 Per turn: client TTFT and TPOT, prompt and cached tokens, and how much of the prior context was
 recomputed (`sessions_metrics`), which is what tiering exists to avoid. While the users talk, a
@@ -228,20 +234,32 @@ async def measure_point(chat: ChatFactory, read_counters: CounterReader, system:
     return metrics, tiering, records
 
 
-async def measure_system(system: System, server: ServerProcess, sweep: Sweep,
-                         args: argparse.Namespace) -> dict[str, Any]:
-    """The whole sweep on one running server."""
+def system_key(system: System) -> str:
+    """The API key a system's clients use on the shared Antiphon server."""
+    return f"bench-{system.name}-key"
+
+
+async def measure_systems(systems: Sequence[System], server: ServerProcess, sweep: Sweep,
+                          args: argparse.Namespace, rotate: int = 0) -> dict[str, Any]:
+    """The whole sweep of each of `systems` on one running server (stock vLLM alone; the
+    Antiphon systems each with its key): at point `p` they run one after another, in their
+    order rotated by `rotate + p`. Returns each system's result by name."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
+    is_stock = systems[0].is_stock_vllm
+    headers = {} if is_stock else {"Authorization": f"Bearer {system_key(systems[0])}"}
+    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits,
+                                 headers=headers) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
 
-        def chat(max_tokens: int) -> ChatClient:
-            if system.is_stock_vllm:
-                return OpenAIChat(http, model, max_tokens)
-            return WsChat(server.ws_url, max_tokens)
+        def chat_of(system: System) -> ChatFactory:
+            def chat(max_tokens: int) -> ChatClient:
+                if system.is_stock_vllm:
+                    return OpenAIChat(http, model, max_tokens)
+                return WsChat(f"{server.ws_url}?api_key={system_key(system)}", max_tokens)
+            return chat
 
         async def read_counters() -> dict[str, Any] | None:
-            if system.is_stock_vllm:  # no tiers: nothing ever comes from host or SSD
+            if is_stock:  # no tiers: nothing ever comes from host or SSD
                 return dict.fromkeys(COUNTERS, 0)
             stats = (await http.get("/v1/engine/stats")).json()
             tiering = stats.get("tiering")
@@ -250,29 +268,34 @@ async def measure_system(system: System, server: ServerProcess, sweep: Sweep,
                 tiering["rt_preemptions"] = preemptions.get("rt", 0)
             return tiering
 
-        async with chat(4) as warm_up:  # first-request costs stay out of the first point
+        async with chat_of(systems[0])(4) as warm_up:  # first-request costs stay out
             await warm_up.turn("Hello!")
-        result: dict[str, Any] = {"users": list(sweep.users), "tiering": [],
-                                  **{k: [] for k in POINT_METRICS}}
-        turns = []
-        for users, messages in zip(sweep.users, sweep.messages, strict=True):
-            metrics, tiering, records = await measure_point(chat, read_counters, system, users,
-                                                            messages, args)
-            for k in POINT_METRICS:
-                result[k].append(metrics[k])
-            result["tiering"].append(tiering)
-            turns += records
+        results: dict[str, dict[str, Any]] = {
+            s.name: {"users": list(sweep.users), "tiering": [], "turns": [],
+                     **{k: [] for k in POINT_METRICS}} for s in systems}
+        for point, (users, messages) in enumerate(zip(sweep.users, sweep.messages,
+                                                      strict=True)):
+            shift = (rotate + point) % len(systems)
+            for system in (*systems[shift:], *systems[:shift]):
+                metrics, tiering, records = await measure_point(
+                    chat_of(system), read_counters, system, users, messages, args)
+                result = results[system.name]
+                for k in POINT_METRICS:
+                    result[k].append(metrics[k])
+                result["tiering"].append(tiering)
+                result["turns"] += records
         # Every tiering counter at the end, per tier too (puts refused, misses, evictions):
-        # what a prefetch that failed leaves behind.
-        result["tiering_final"] = None if system.is_stock_vllm else await read_counters()
-    result["turns"] = turns
-    return result
+        # what a prefetch that failed leaves behind (all systems on the server together).
+        final = None if is_stock else await read_counters()
+        for result in results.values():
+            result["tiering_final"] = final
+    return results
 
 
 def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse.Namespace,
                    tmp: Path) -> list[str]:
     """The same engine shape and dtype (`args.dtype`) for every system; the Antiphon ones with
-    their tiers in `tmp`."""
+    their tiers in `tmp` and an API key for each Antiphon system."""
     from antiphon.model import DEFAULT_MODEL_NAME
 
     name = DEFAULT_MODEL_NAME if args.model is None else model_dir.name
@@ -285,7 +308,9 @@ def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse
                 "--host", "127.0.0.1", "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--num-gpu-blocks-override", str(sweep.kv_pages), "--kv-cache-memory-bytes",
                 str(KV_CACHE_GIB << 30), "--disable-uvicorn-access-log"]
-    return [sys.executable, "-m", "antiphon", "serve", *engine, "--num-kv-pages",
+    keys = ",".join(system_key(s) for s in SYSTEMS.values() if not s.is_stock_vllm)
+    return [sys.executable, "-m", "antiphon", "serve", *engine, "--api-keys", keys,
+            "--num-kv-pages",
             str(sweep.kv_pages), "--kv-cache-gib", str(KV_CACHE_GIB), "--data-dir",
             str(tmp / "data"), "--kv-tiering", "--ssd-dir", str(tmp / "ssd"), "--host-tier-bytes",
             str(args.host_tier_bytes), "--ssd-tier-bytes", str(args.ssd_tier_bytes),
@@ -316,17 +341,21 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     names = args.systems.split(",")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    for repeat in range(args.repeats):  # systems interleaved, so drift hits each alike
-        for name in names:
-            system = SYSTEMS[name]
+    groups = [[SYSTEMS[n] for n in names if SYSTEMS[n].is_stock_vllm],
+              [SYSTEMS[n] for n in names if not SYSTEMS[n].is_stock_vllm]]
+    for repeat in range(args.repeats):  # servers alternated, so drift hits each alike
+        for group in (g for g in groups if g):
+            label = "vllm" if group[0].is_stock_vllm else "antiphon"
             if args.repeats > 1:
-                print(f"[{name}] run {repeat + 1}/{args.repeats}", flush=True)
-            with tempfile.TemporaryDirectory(prefix=f"antiphon-bench-{name}-") as tmp:
-                cmd = server_command(system, model_dir, sweep, args, Path(tmp))
-                with ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log"),
-                                   health_path="/health" if system.is_stock_vllm else "/healthz",
+                print(f"[{label}] run {repeat + 1}/{args.repeats}", flush=True)
+            with tempfile.TemporaryDirectory(prefix=f"antiphon-bench-{label}-") as tmp:
+                cmd = server_command(group[0], model_dir, sweep, args, Path(tmp))
+                with ServerProcess(cmd, log_path=out.with_suffix(f".{label}.log"),
+                                   health_path="/health" if label == "vllm" else "/healthz",
                                    ) as server:
-                    runs[name].append(asyncio.run(measure_system(system, server, sweep, args)))
+                    measured = asyncio.run(measure_systems(group, server, sweep, args, repeat))
+            for name, result in measured.items():
+                runs[name].append(result)
     systems = {name: merge_runs(r) for name, r in runs.items()}
     report({"benchmark": "sessions", "config": config, "systems": systems}, out)
     return 0

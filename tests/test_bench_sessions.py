@@ -265,3 +265,39 @@ def test_miss_cost_compares_with_the_advised_system_and_within_the_run() -> None
     assert rows["u16_over_advisory"] == pytest.approx(1.04)
     assert rows["u2_missed_advisories"] == 0 and math.isnan(rows["u2_missed_over_advised"])
     assert rows["u16_missed_over_advised"] == pytest.approx(1.2)
+
+
+async def test_antiphon_systems_share_one_server_each_with_its_key(tmp_path: Path) -> None:
+    """Over a live server (scripted engine): each Antiphon system's turns run under its own
+    key, so the engine salts its KV apart; at each point the systems take turns in an order
+    rotated from point to point, and every system gets its whole sweep."""
+    from antiphon.engine_ext.scripted import ScriptedEngine
+    from antiphon.server.auth import Authenticator
+    from tests.conftest import scripted_config
+    from tests.liveserver import live_server
+
+    systems = [sessions.SYSTEMS[n] for n in ("tiers", "advisory", "advisory_miss10")]
+    keys = tuple(sessions.system_key(s) for s in systems)
+    engine = ScriptedEngine()
+    order: list[str] = []
+    real_measure = sessions.measure_point
+
+    async def measure_point(chat, read_counters, system, *args):  # type: ignore[no-untyped-def]
+        order.append(system.name)
+        return await real_measure(chat, read_counters, system, *args)
+
+    sweep = sessions.Sweep(users=(1, 2), messages=((("a0", "a1"),), (("b0", "b1"), ("c0", "c1"))),
+                           max_model_len=4096, kv_pages=8, pages_per_user=1.0)
+    args = argparse.Namespace(seed=0, max_tokens=4, time_scale=0.0)
+    with live_server(scripted_config(tmp_path, api_keys=keys), engine) as url:
+        server = argparse.Namespace(url=url, ws_url=url.replace("http://", "ws://") + "/v1/ws")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sessions, "measure_point", measure_point)
+            results = await sessions.measure_systems(systems, server, sweep, args, rotate=1)
+    assert order == ["advisory", "advisory_miss10", "tiers",  # point 0: rotated by 1
+                     "advisory_miss10", "tiers", "advisory"]  # point 1: by 2
+    assert sorted(results) == ["advisory", "advisory_miss10", "tiers"]
+    for result in results.values():
+        assert result["users"] == [1, 2] and len(result["turns"]) == 2 + 4
+    salts = set(engine.cache_salts)
+    assert salts == {Authenticator.fingerprint(k) for k in keys}  # each key's own, and no other
