@@ -308,9 +308,9 @@ def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse
                 "--host", "127.0.0.1", "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--num-gpu-blocks-override", str(sweep.kv_pages), "--kv-cache-memory-bytes",
                 str(KV_CACHE_GIB << 30), "--disable-uvicorn-access-log"]
-    keys = ",".join(system_key(s) for s in SYSTEMS.values() if not s.is_stock_vllm)
-    return [sys.executable, "-m", "antiphon", "serve", *engine, "--api-keys", keys,
-            "--num-kv-pages",
+    keys = [arg for s in SYSTEMS.values() if not s.is_stock_vllm
+            for arg in ("--api-keys", system_key(s))]
+    return [sys.executable, "-m", "antiphon", "serve", *engine, *keys, "--num-kv-pages",
             str(sweep.kv_pages), "--kv-cache-gib", str(KV_CACHE_GIB), "--data-dir",
             str(tmp / "data"), "--kv-tiering", "--ssd-dir", str(tmp / "ssd"), "--host-tier-bytes",
             str(args.host_tier_bytes), "--ssd-tier-bytes", str(args.ssd_tier_bytes),

@@ -301,3 +301,20 @@ async def test_antiphon_systems_share_one_server_each_with_its_key(tmp_path: Pat
         assert result["users"] == [1, 2] and len(result["turns"]) == 2 + 4
     salts = set(engine.cache_salts)
     assert salts == {Authenticator.fingerprint(k) for k in keys}  # each key's own, and no other
+
+
+def test_the_shared_antiphon_server_takes_a_key_per_system(tmp_path: Path) -> None:
+    from antiphon.cli import build_parser
+    from antiphon.configfields import dataclass_from_args
+    from antiphon.server.config import ServerConfig
+
+    sweep = sessions.Sweep(users=(1,), messages=(), max_model_len=640, kv_pages=14,
+                           pages_per_user=1.0)
+    args = argparse.Namespace(dtype="bfloat16", enforce_eager=True, host_tier_bytes=1 << 20,
+                              ssd_tier_bytes=1 << 24, policy=None, serve_extra="", model=None)
+    cmd = sessions.server_command(sessions.SYSTEMS["advisory"], tmp_path, sweep, args, tmp_path)
+    assert cmd[1:3] == ["-m", "antiphon"]
+    parsed = build_parser().parse_args(cmd[3:])
+    config = dataclass_from_args(ServerConfig, parsed)
+    assert config.api_keys == tuple(sessions.system_key(s) for s in sessions.SYSTEMS.values()
+                                    if not s.is_stock_vllm)
