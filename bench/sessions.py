@@ -66,7 +66,7 @@ MIN_USER_TURNS = 3
 # it also spares vLLM's CPU backend reserving most of the machine's memory).
 KV_CACHE_GIB = 2
 # Sizes of the run; --quick fits 10 minutes on 2 CPU cores with all four systems.
-QUICK = {"users": "2,4,16", "pool_users": 5, "max_turns": 3, "max_tokens": 32,
+QUICK = {"users": "2,4,16", "pool_users": 5, "max_turns": 4, "max_tokens": 32,
          "max_message_tokens": 96, "time_scale": 0.08}
 FULL = {"users": "4,8,16,32", "pool_users": 8, "max_turns": 4, "max_tokens": 256,
         "max_message_tokens": 256, "time_scale": 1.0}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import random
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ from antiphon.quantiles import percentile
 
 # Prior-context edges (tokens) of the follow-up / fresh TTFT table.
 CONTEXT_EDGES = (0, 256, 512, 1024, 2048)
+BOOTSTRAP_DRAWS = 2000  # resamples behind the pooled miss cost's 95% interval
 
 
 def report(record: dict[str, Any], out: Path) -> None:
@@ -30,7 +34,8 @@ def report(record: dict[str, Any], out: Path) -> None:
         print("\nwhat the dropped advisories cost, per point: follow-up TTFT p50 of "
               "advisory_miss10 over advisory's, and within advisory_miss10, the turns without "
               "an advisory over those with one (each turn's TTFT over its message's fresh "
-              "TTFT, p50):")
+              "TTFT, p50); all points pooled, that ratio's median over advisory's with its 95% "
+              "bootstrap interval:")
         print_table({"advisory_miss10": miss_cost_rows(systems["advisory_miss10"],
                                                        systems["advisory"])},
                     "advisory_miss10")
@@ -47,7 +52,31 @@ def miss_cost_rows(missing: dict[str, Any], advised: dict[str, Any]) -> dict[str
         rows[f"u{users}_over_advisory"] = _num(mine / theirs if mine and theirs else None)
         rows[f"u{users}_missed_advisories"] = _num(missing["missed_advisories"][i])
         rows[f"u{users}_missed_over_advised"] = _num(missing["missed_over_advised_p50"][i])
+    cost, low, high = pooled_ratio(fresh_ratios(missing["turns"]), fresh_ratios(advised["turns"]))
+    rows["all_over_advisory"], rows["all_over_advisory_lo95"], rows["all_over_advisory_hi95"] = (
+        _num(cost), _num(low), _num(high))
     return rows
+
+
+def fresh_ratios(turns: list[dict[str, Any]]) -> list[float]:
+    """Each follow-up's TTFT over its message's fresh TTFT (where the prober measured it)."""
+    return [t["ttft_s"] / t["fresh_ttft_s"] for t in turns if t.get("fresh_ttft_s")]
+
+
+def pooled_ratio(mine: Sequence[float], theirs: Sequence[float], seed: int = 0
+                 ) -> tuple[float | None, float | None, float | None]:
+    """median(`mine`) / median(`theirs`), pooled over every point, and its 95% bootstrap
+    interval (each side resampled with replacement, seeded). A point has a dozen follow-ups,
+    whose median moves by several percent between two identical systems; the interval says
+    which differences the run can tell apart."""
+    if not mine or not theirs:
+        return None, None, None
+    rng = random.Random(seed)
+    draws = sorted(statistics.median(rng.choices(mine, k=len(mine)))
+                   / statistics.median(rng.choices(theirs, k=len(theirs)))
+                   for _ in range(BOOTSTRAP_DRAWS))
+    return (statistics.median(mine) / statistics.median(theirs),
+            draws[int(0.025 * BOOTSTRAP_DRAWS)], draws[int(0.975 * BOOTSTRAP_DRAWS) - 1])
 
 
 def point_rows(system: dict[str, Any]) -> dict[str, float]:

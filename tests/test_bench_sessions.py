@@ -219,7 +219,7 @@ def test_quick_fills_in_sizes_and_systems_are_checked() -> None:
     parser = argparse.ArgumentParser()
     sessions.add_parser(parser.add_subparsers())
     args = sessions._defaults(parser.parse_args(["sessions", "--quick", "--systems", "vllm"]))
-    assert (args.time_scale, args.max_turns, args.enforce_eager) == (0.08, 3, True)
+    assert (args.time_scale, args.max_turns, args.enforce_eager) == (0.08, 4, True)
     assert (args.users, args.pool_users) == ("2,4,16", 5)
     full = sessions._defaults(parser.parse_args(["sessions", "--time-scale", "0.5"]))
     assert (full.time_scale, full.enforce_eager, full.systems) == (
@@ -257,14 +257,23 @@ def test_capacity_is_the_most_users_at_no_higher_median_tpot() -> None:
 
 
 def test_miss_cost_compares_with_the_advised_system_and_within_the_run() -> None:
-    advised = {"users": [2, 16], "followup_ttft_p50_s": [0.05, 0.1]}
+    rng = random.Random(1)
+    advised = {"users": [2, 16], "followup_ttft_p50_s": [0.05, 0.1],
+               "turns": [{"ttft_s": rng.uniform(0.9, 1.1), "fresh_ttft_s": 1.0}
+                         for _ in range(40)] + [{"ttft_s": 0.1, "fresh_ttft_s": None}]}
     missing = {"users": [2, 16], "followup_ttft_p50_s": [0.055, 0.104],
-               "missed_advisories": [0, 3], "missed_over_advised_p50": [None, 1.2]}
+               "missed_advisories": [0, 3], "missed_over_advised_p50": [None, 1.2],
+               "turns": [{**t, "ttft_s": t["ttft_s"] * 1.5} for t in advised["turns"]]}
     rows = miss_cost_rows(missing, advised)
     assert rows["u2_over_advisory"] == pytest.approx(1.1)
     assert rows["u16_over_advisory"] == pytest.approx(1.04)
     assert rows["u2_missed_advisories"] == 0 and math.isnan(rows["u2_missed_over_advised"])
     assert rows["u16_missed_over_advised"] == pytest.approx(1.2)
+    # Pooled: every turn 1.5 times slower, and the interval tells it from no difference.
+    assert rows["all_over_advisory"] == pytest.approx(1.5)
+    assert 1.2 < rows["all_over_advisory_lo95"] < 1.5 < rows["all_over_advisory_hi95"]
+    same = miss_cost_rows({**missing, "turns": advised["turns"]}, advised)
+    assert same["all_over_advisory_lo95"] < 1.0 < same["all_over_advisory_hi95"]
 
 
 async def test_antiphon_systems_share_one_server_each_with_its_key(tmp_path: Path) -> None:
