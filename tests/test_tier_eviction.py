@@ -135,6 +135,39 @@ def test_heap_matches_naive_sort(policy_class: type[LayerPriorityPolicy]) -> Non
     assert drain(policy) == expected_order
 
 
+def test_stale_entries_are_dropped_a_few_per_operation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No call rebuilds the heap at once (at 10^6 keys that took a second): stale entries
+    move out a few per operation, the heap stays within a few times the live keys, and the
+    order is still exactly a full sort's."""
+    from antiphon.tiering import eviction
+
+    def no_rebuild(heap: list[object]) -> None:
+        raise AssertionError("the heap was rebuilt in one call")
+
+    monkeypatch.setattr(eviction.heapq, "heapify", no_rebuild)
+    rng = random.Random(3)
+    policy = LayerPriorityPolicy()
+    keys = [key(f"p{p}", c, layer) for p in range(50) for c in range(4) for layer in range(4)]
+    for k in keys:
+        policy.on_insert(k)
+    tracked = set(keys)
+    for step in range(20_000):
+        k = rng.choice(keys)
+        if k in tracked and rng.random() < 0.1:
+            policy.on_remove(k)
+            tracked.discard(k)
+        elif k in tracked:
+            policy.on_access(k)
+        else:
+            policy.on_insert(k)
+            tracked.add(k)
+        entries = len(policy._heap) + len(policy._old)
+        assert entries <= 3 * len(tracked) + 2 * 64, (step, entries, len(tracked))
+    policy.check_integrity(tracked)
+    expected = sorted(tracked, key=policy.priority)
+    assert drain(policy) == expected
+
+
 def test_index_make_room_refuses_when_pins_forbid() -> None:
     index: ChunkIndex[int] = ChunkIndex(30, LruPolicy())
     a, b, c = key("a"), key("b"), key("c")

@@ -117,6 +117,7 @@ class SessionHint:
 
 
 Priority = tuple[float, ...]
+COMPACT_PER_OP = 16  # stale-heavy heap entries `_maybe_compact` moves per operation
 
 
 class LayerPriorityPolicy(EvictionPolicy):
@@ -130,6 +131,10 @@ class LayerPriorityPolicy(EvictionPolicy):
         self._last_use: dict[ChunkKey, int] = {}
         self._priority: dict[ChunkKey, Priority] = {}  # current priority of each tracked key
         self._heap: list[tuple[Priority, int, ChunkKey]] = []  # may hold stale entries
+        # A heap of stale-heavy entries being moved into `_heap` a few per operation
+        # (`_maybe_compact`), and the keys moved so far.
+        self._old: list[tuple[Priority, int, ChunkKey]] = []
+        self._moved: set[ChunkKey] = set()
         self._seq = 0  # heap tie-breaker: keys themselves are not ordered
         self._keys_by_prefix: dict[bytes, set[ChunkKey]] = {}
         self._sessions: dict[Hashable, SessionHint] = {}
@@ -163,12 +168,15 @@ class LayerPriorityPolicy(EvictionPolicy):
         self._maybe_compact()
 
     def pop_victim(self) -> ChunkKey | None:
-        while self._heap:
-            priority, _, key = heapq.heappop(self._heap)
-            if self._priority.get(key) == priority:
-                self.on_remove(key)
-                return key
-        return None
+        for heap in (self._heap, self._old):  # stale tops off, so each top is live
+            while heap and self._priority.get(heap[0][2]) != heap[0][0]:
+                heapq.heappop(heap)
+        heaps = [heap for heap in (self._heap, self._old) if heap]
+        if not heaps:
+            return None
+        _, _, key = heapq.heappop(min(heaps, key=lambda heap: heap[0][:2]))
+        self.on_remove(key)
+        return key
 
     def tracked_keys(self) -> Set[ChunkKey]:
         return self._priority.keys()
@@ -202,7 +210,8 @@ class LayerPriorityPolicy(EvictionPolicy):
         assert self._last_use.keys() == self._priority.keys(), "recency and priority disagree"
         for key, priority in self._priority.items():
             assert priority == self.priority(key), f"stale priority for {key}"
-        live = {key for priority, _, key in self._heap if self._priority.get(key) == priority}
+        live = {key for priority, _, key in (*self._heap, *self._old)
+                if self._priority.get(key) == priority}
         assert live == self._priority.keys(), "a tracked key has no live heap entry"
         indexed = {key for keys in self._keys_by_prefix.values() for key in keys}
         assert indexed == self._priority.keys(), "prefix index disagrees with tracked keys"
@@ -234,6 +243,7 @@ class LayerPriorityPolicy(EvictionPolicy):
         self._priority[key] = priority
         self._seq += 1
         heapq.heappush(self._heap, (priority, self._seq, key))
+        self._maybe_compact()
 
     def _reprioritise(self, prefixes: Set[bytes]) -> None:
         for prefix in prefixes:
@@ -242,14 +252,23 @@ class LayerPriorityPolicy(EvictionPolicy):
         self._maybe_compact()
 
     def _maybe_compact(self) -> None:
-        """Drop stale heap entries once they outnumber the live ones."""
-        if len(self._heap) > 2 * len(self._priority) + 64:
-            live: dict[ChunkKey, tuple[Priority, int, ChunkKey]] = {}
-            for entry in self._heap:
-                if self._priority.get(entry[2]) == entry[0]:
-                    live.setdefault(entry[2], entry)  # one entry per key
-            self._heap = list(live.values())
-            heapq.heapify(self._heap)
+        """Drop stale heap entries once they outnumber the live ones, a few per operation:
+        rebuilding a heap of 10^6 keys at once stopped the caller for a second. The full heap
+        becomes `_old`, which `pop_victim` still reads, and its live entries move into a new
+        `_heap`, `COMPACT_PER_OP` per call (taking a heap's last entry keeps it a heap)."""
+        if not self._old:
+            if len(self._heap) <= 2 * len(self._priority) + 64:
+                return
+            self._old, self._heap, self._moved = self._heap, [], set()
+        for _ in range(COMPACT_PER_OP):
+            if not self._old:
+                self._moved = set()
+                return
+            entry = self._old.pop()
+            key = entry[2]
+            if self._priority.get(key) == entry[0] and key not in self._moved:
+                self._moved.add(key)
+                heapq.heappush(self._heap, entry)
 
 
 class SessionLruPolicy(LayerPriorityPolicy):
