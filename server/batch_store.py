@@ -32,6 +32,7 @@ from antiphon.sqlite import SqliteDb
 
 _STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
            "cancelling_at", "cancelled_at")
+_FINISHED = str(tuple(s.value for s in BatchStatus if s.is_finished))  # an SQL list literal
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS files (
     file_id TEXT PRIMARY KEY, owner TEXT NOT NULL, purpose TEXT NOT NULL,
@@ -49,6 +50,9 @@ CREATE TABLE IF NOT EXISTS batches (
     {", ".join(f"{s} REAL" for s in _STAMPS)}
 );
 CREATE INDEX IF NOT EXISTS batches_owner ON batches(owner, created_at);
+-- The runner's work list: finished batches, however many, are never read for it.
+CREATE INDEX IF NOT EXISTS batches_unfinished ON batches(created_at)
+    WHERE status NOT IN {_FINISHED};
 CREATE TABLE IF NOT EXISTS items (
     batch_id   TEXT NOT NULL REFERENCES batches(batch_id),
     line_index INTEGER NOT NULL,  -- 0-based line of the input file
@@ -72,7 +76,6 @@ _COUNTS = ("(SELECT COUNT(*) FROM items i WHERE i.batch_id = b.batch_id),"
            " (SELECT COUNT(*) FROM items i WHERE i.batch_id = b.batch_id AND i.state = 2)")
 _SELECT_BATCH = f"SELECT {_BATCH_COLUMNS}, {_COUNTS} FROM batches b"
 _FILE_COLUMNS = "file_id, owner, purpose, filename, num_bytes, created_at"  # FileRecord's
-_FINISHED = str(tuple(s.value for s in BatchStatus if s.is_finished))  # an SQL list literal
 
 
 def _batch(row: Sequence[Any]) -> Batch:
