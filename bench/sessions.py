@@ -293,9 +293,11 @@ async def measure_systems(systems: Sequence[System], server: ServerProcess, swee
 
 
 def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse.Namespace,
-                   tmp: Path) -> list[str]:
+                   tmp: Path, num_sharing: int = 1) -> list[str]:
     """The same engine shape and dtype (`args.dtype`) for every system; the Antiphon ones with
-    their tiers in `tmp` and an API key for each Antiphon system."""
+    their tiers in `tmp`, an API key for each Antiphon system, and tiers `num_sharing` times
+    `args`' sizes: as much room as each of the systems sharing the server had alone, where
+    the KV the others leave behind competes for it as its own stale KV did."""
     from antiphon.model import DEFAULT_MODEL_NAME
 
     name = DEFAULT_MODEL_NAME if args.model is None else model_dir.name
@@ -313,7 +315,8 @@ def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse
     return [sys.executable, "-m", "antiphon", "serve", *engine, *keys, "--num-kv-pages",
             str(sweep.kv_pages), "--kv-cache-gib", str(KV_CACHE_GIB), "--data-dir",
             str(tmp / "data"), "--kv-tiering", "--ssd-dir", str(tmp / "ssd"), "--host-tier-bytes",
-            str(args.host_tier_bytes), "--ssd-tier-bytes", str(args.ssd_tier_bytes),
+            str(num_sharing * args.host_tier_bytes), "--ssd-tier-bytes",
+            str(num_sharing * args.ssd_tier_bytes),
             *(["--policy", args.policy] if args.policy else []), *shlex.split(args.serve_extra)]
 
 
@@ -349,7 +352,7 @@ def main(args: argparse.Namespace) -> int:
             if args.repeats > 1:
                 print(f"[{label}] run {repeat + 1}/{args.repeats}", flush=True)
             with tempfile.TemporaryDirectory(prefix=f"antiphon-bench-{label}-") as tmp:
-                cmd = server_command(group[0], model_dir, sweep, args, Path(tmp))
+                cmd = server_command(group[0], model_dir, sweep, args, Path(tmp), len(group))
                 with ServerProcess(cmd, log_path=out.with_suffix(f".{label}.log"),
                                    health_path="/health" if label == "vllm" else "/healthz",
                                    ) as server:

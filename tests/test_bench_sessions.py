@@ -321,9 +321,12 @@ def test_the_shared_antiphon_server_takes_a_key_per_system(tmp_path: Path) -> No
                            pages_per_user=1.0)
     args = argparse.Namespace(dtype="bfloat16", enforce_eager=True, host_tier_bytes=1 << 20,
                               ssd_tier_bytes=1 << 24, policy=None, serve_extra="", model=None)
-    cmd = sessions.server_command(sessions.SYSTEMS["advisory"], tmp_path, sweep, args, tmp_path)
+    cmd = sessions.server_command(sessions.SYSTEMS["advisory"], tmp_path, sweep, args, tmp_path,
+                                  num_sharing=3)
     assert cmd[1:3] == ["-m", "antiphon"]
     parsed = build_parser().parse_args(cmd[3:])
     config = dataclass_from_args(ServerConfig, parsed)
     assert config.api_keys == tuple(sessions.system_key(s) for s in sessions.SYSTEMS.values()
                                     if not s.is_stock_vllm)
+    # The systems sharing the server have as much tier room each as one had alone.
+    assert (parsed.host_tier_bytes, parsed.ssd_tier_bytes) == (3 << 20, 3 << 24)
