@@ -255,8 +255,9 @@ class SharedBlockLayout:
         self._version[index] += 1
         version = self._version[index]
         block = self._blocks[index]
+        bounds = self._bounds(index)
         for is_rt, heap in self._heaps.items():
-            window = self._free_window(index, is_rt)
+            window = self._free_window(index, is_rt, bounds)
             if window:
                 cost = max(self._cost.get(page, 0) for page in window)
                 heapq.heappush(heap, (bool(block.rt if is_rt else block.be), -len(window),
@@ -286,9 +287,11 @@ class SharedBlockLayout:
                 low_be = min(low_be, page)
         return high_rt, low_be
 
-    def _free_window(self, index: int, is_rt: bool) -> list[int]:
-        """Free pages of the block the class may take without breaking the direction."""
-        high_rt, low_be = self._bounds(index)
+    def _free_window(self, index: int, is_rt: bool,
+                     bounds: tuple[int, int] | None = None) -> list[int]:
+        """Free pages of the block the class may take without breaking the direction
+        (`bounds`: the block's `_bounds`, where the caller has them)."""
+        high_rt, low_be = bounds or self._bounds(index)
         pages = self._pages(index)
         window = range(pages.start, low_be) if is_rt else range(high_rt + 1, pages.stop)
         return [page for page in window if self._is_free(page)]

@@ -186,7 +186,7 @@ class BatchRunner:
             running_of[b.owner] += 1
             running_in[b.batch_id] += 1
         for b in batches:
-            mine = [it for owner, it in chosen if owner is b]
+            mine = [it for batch, it in chosen if batch is b]
             if mine:
                 await asyncio.to_thread(self.store.record_attempts, b.batch_id,
                                         [it.line_index for it in mine])

@@ -248,8 +248,7 @@ class LayerPriorityPolicy(EvictionPolicy):
     def _reprioritise(self, prefixes: Set[bytes]) -> None:
         for prefix in prefixes:
             for key in self._keys_by_prefix.get(prefix, ()):
-                self._push(key)
-        self._maybe_compact()
+                self._push(key)  # which compacts as it goes
 
     def _maybe_compact(self) -> None:
         """Drop stale heap entries once they outnumber the live ones, a few per operation:

@@ -85,7 +85,7 @@ class _Request:
     fetch_attempts: int = 0  # fetches from SSD this turn waited for
     ssd_chunks: set[int] = dataclasses.field(default_factory=set)  # chunks that came from SSD
     stored_tokens: tuple[int, int] | None = None  # `stored_prefix_tokens`: (of tokens, found)
-    # (tokens, device hit) of the last admission that pinned a match vLLM has not loaded yet
+    # (tokens, device hit) of the last admission that pinned `match` (stands while it is set)
     admitted: tuple[int, int] | None = None
 
 
@@ -343,7 +343,7 @@ class TierPlanner:
                                                         slots, whole.start - chunk_first))
             self._pending_load_pins.extend(st.pins)
             st.pins = []
-            st.match, st.admitted = None, None
+            st.match = None
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -709,7 +709,6 @@ class TierPlanner:
             self.host.unpin(key)
         st.pins = []
         st.match = None
-        st.admitted = None
 
     def _drop_prefetch(self, st: _Request) -> None:
         if st.prefetch is not None:

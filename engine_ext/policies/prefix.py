@@ -85,7 +85,7 @@ class ResidentPrefixes:
         """Tokens of waiting `view` found resident (whole pages, and never its last token,
         which vLLM always computes); 0 for running requests."""
         hashes = view.prefix_page_hashes
-        if view.is_running or not self._num_holders or not hashes or hashes[0] not in self._num_holders:
+        if view.is_running or not hashes or hashes[0] not in self._num_holders:
             return 0
         # Page k resident implies pages before it are (chained hashes): bisect the longest run.
         lo, hi = 1, len(hashes)
