@@ -197,3 +197,57 @@ def test_a_database_from_before_file_deletion_opens_and_deletes(tmp_path: Path) 
         store.check_integrity()
     finally:
         store.close()
+
+
+def test_batch_counts_are_kept_through_every_change_of_an_item(tmp_path: Path) -> None:
+    """The counts a batch reports are kept by triggers, not counted on read: every way an item
+    changes (validation failure, commit, expiry, skip on cancel) moves them, and the integrity
+    check compares them with the items."""
+    store = BatchStore(tmp_path / "b.sqlite3")
+    expired, cancelled = make_batch(store), make_batch(store)
+    for bid in (expired, cancelled):
+        store.start_batch(bid, items(6, failed=(2,)))
+        store.commit_item(bid, 0, ok(0))
+        store.commit_item(bid, 1, ItemResult("r1", None, "context_length_exceeded", "long"))
+    assert store.expire_batch(expired) == 3
+    store.request_cancel("alice", cancelled)
+    store.finish_batch(store.get_batch("alice", cancelled), None, None)  # type: ignore[arg-type]
+    counts = {bid: store.get_batch("alice", bid).counts for bid in (expired, cancelled)}  # type: ignore[union-attr]
+    assert (counts[expired].total, counts[expired].completed, counts[expired].failed) == (6, 1, 5)
+    assert (counts[cancelled].total, counts[cancelled].completed,
+            counts[cancelled].failed) == (6, 1, 2)  # 3 skipped: neither
+    store.check_integrity()
+    with store.db.locked() as db:
+        with pytest.raises(sqlite3.IntegrityError, match="never deleted"):
+            db.execute("DELETE FROM items WHERE batch_id = ?", (expired,))
+        db.execute("UPDATE batches SET num_items = num_items + 1 WHERE batch_id = ?",
+                   (expired,))
+    with pytest.raises(AssertionError, match="kept counts differ"):
+        store.check_integrity()
+
+
+def test_a_database_from_before_kept_counts_is_counted_once_on_open(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    store = BatchStore(path)
+    bid = make_batch(store)
+    store.start_batch(bid, items(5, failed=(4,)))
+    store.commit_item(bid, 0, ok(0))
+    store.close()
+    old = sqlite3.connect(path)  # as the store was before it kept counts
+    for trigger in ("items_counted", "items_recounted", "items_kept"):
+        old.execute(f"DROP TRIGGER {trigger}")
+    for column in ("num_items", "num_succeeded", "num_failed"):
+        old.execute(f"ALTER TABLE batches DROP COLUMN {column}")
+    old.execute("UPDATE items SET state = 1, response = '{}', request_id = 'r1',"
+                " num_commits = 1 WHERE line_index = 1")  # answered by the old code
+    old.commit()
+    old.close()
+    store = BatchStore(path)
+    try:
+        counts = store.get_batch("alice", bid).counts  # type: ignore[union-attr]
+        assert (counts.total, counts.completed, counts.failed) == (5, 2, 1)
+        assert store.commit_item(bid, 2, ok(2))
+        assert store.get_batch("alice", bid).counts.completed == 3  # type: ignore[union-attr]
+        store.check_integrity()
+    finally:
+        store.close()
