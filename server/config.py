@@ -58,6 +58,10 @@ class ServerConfig:
         "common to several keys is computed once, but one key can then time another's "
         "prompts (a cache hit answers sooner). Off: each key's KV is salted with its own "
         "fingerprint (vLLM's cache_salt)", default=False)
+    public_metrics: bool = doc(
+        "Serve /metrics without an API key when keys are set (a Prometheus scraper with no "
+        "credentials). Off: /metrics needs a key like /v1/engine/stats; /healthz never does",
+        default=False)
     max_sessions_per_key: int = doc(
         "Most chat sessions one API key keeps, all keys together without keys; creating one "
         "past it is refused until sessions are deleted", default=100_000)

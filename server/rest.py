@@ -126,7 +126,11 @@ async def dashboard(request: Request, since: float | None = None) -> dict[str, A
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
+    """Prometheus text. With API keys it needs one (its counters describe every key's load),
+    unless `--public-metrics`."""
     ctx = _ctx(request)
+    if not ctx.config.server.public_metrics:
+        authorize(request)
     body = (ctx.metrics.render() + scheduler_metrics_text(await ctx.engine.scheduler_stats())
             + tiering_metrics_text(await ctx.engine.tiering_stats()))
     return Response(body, media_type="text/plain; version=0.0.4")

@@ -110,3 +110,19 @@ async def test_each_keys_kv_is_salted_apart(tmp_path: Path) -> None:
         with live_server(config, engine) as url, httpx.Client(base_url=url) as client:
             assert client.post(**completion(A)).status_code == 200
         assert engine.cache_salts == [None]
+
+
+def test_metrics_need_a_key_when_keys_are_set(tmp_path: Path) -> None:
+    """/metrics counts every key's load, so it is behind the keys like /v1/engine/stats;
+    /healthz (a load balancer's probe) is not; --public-metrics opens /metrics for a scraper
+    without credentials."""
+    with live_server(scripted_config(tmp_path, api_keys=(A,)), ScriptedEngine()) as url:
+        assert httpx.get(url + "/metrics").status_code == 401
+        assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer wrong-key-1"}
+                         ).status_code == 401
+        keyed = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {A}"})
+        assert keyed.status_code == 200 and "antiphon_" in keyed.text
+        assert httpx.get(url + "/healthz").status_code == 200
+    config = scripted_config(tmp_path, api_keys=(A,), public_metrics=True)
+    with live_server(config, ScriptedEngine()) as url:
+        assert httpx.get(url + "/metrics").status_code == 200
