@@ -114,6 +114,23 @@ def test_round_trip_and_eviction(tier: HostTier) -> None:
     tier.check_integrity()
 
 
+def test_pin_all_pins_every_key_or_none(tier: HostTier) -> None:
+    """A turn pins every layer of a chunk it loads, under one lock: all of them, or none when
+    one is gone (the chunk is then recomputed, and nothing of it stays held)."""
+    for layer in range(3):
+        assert tier.put(key("a", layer=layer), b"x")
+    layers = [key("a", layer=layer) for layer in range(3)]
+    assert not tier.pin_all([*layers, key("a", layer=3)])
+    assert tier.remove(layers[0])  # nothing was left pinned
+    assert tier.put(layers[0], b"x")
+    assert tier.pin_all(layers)
+    assert not tier.remove(layers[1])
+    tier.check_integrity()
+    tier.unpin_all(layers)
+    assert tier.remove(layers[1])
+    tier.check_integrity()
+
+
 def test_reserve_commit_abort(tier: HostTier) -> None:
     slot = tier.reserve(key("a"))
     assert slot is not None

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import pickle
+import subprocess
+import sys
+
 import pytest
 
 from antiphon.tiering.keys import ChunkKey, chunk_keys, prefix_hashes, prefix_seed
@@ -54,3 +59,20 @@ def test_key_validation_and_helpers() -> None:
     grid = chunk_keys(MODEL, [b"a", b"b"], num_layers=3, first_chunk=4)
     assert [[(k.chunk_index, k.layer) for k in row] for row in grid] == [
         [(4, 0), (4, 1), (4, 2)], [(5, 0), (5, 1), (5, 2)]]
+
+
+def test_a_key_hashes_alike_after_crossing_to_another_process() -> None:
+    """Keys cache their hash; one pickled across processes (another string hash seed) must
+    find the same entries as a key built there."""
+    k = ChunkKey(MODEL, b"p" * 32, 3, 7)
+    same = ChunkKey(MODEL, b"p" * 32, 3, 7)
+    assert k == same and hash(k) == hash(same) and len({k, same}) == 1
+    assert k != ChunkKey(MODEL, b"p" * 32, 3, 8) and k != ChunkKey("other", b"p" * 32, 3, 7)
+    assert k != (MODEL, b"p" * 32, 3, 7)
+    check = ("import pickle, sys; from antiphon.tiering.keys import ChunkKey; "
+             "k = pickle.loads(sys.stdin.buffer.read()); "
+             f"fresh = ChunkKey({MODEL!r}, b'p' * 32, 3, 7); "
+             "assert hash(k) == hash(fresh) and k in {fresh: 1}, 'stale hash'")
+    for seed in ("1", "2"):
+        subprocess.run([sys.executable, "-c", check], input=pickle.dumps(k), check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed})

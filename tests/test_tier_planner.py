@@ -131,8 +131,9 @@ def test_a_turn_vllm_could_not_place_is_answered_again_from_its_pins(
     planner.add_request(view)
     assert planner.num_new_matched_tokens(view, 0) == 10
     pins = []
-    real_pin = planner.host.pin
-    monkeypatch.setattr(planner.host, "pin", lambda key: pins.append(key) or real_pin(key))
+    real_pin_all = planner.host.pin_all
+    monkeypatch.setattr(planner.host, "pin_all",
+                        lambda keys: pins.extend(keys) or real_pin_all(keys))
     assert planner.num_new_matched_tokens(view, 0) == 10  # no page for it last step
     assert pins == []
     assert planner.num_new_matched_tokens(view, 4) == 6  # vLLM's own cache holds a page now

@@ -165,7 +165,6 @@ class LayerPriorityPolicy(EvictionPolicy):
         siblings.discard(key)
         if not siblings:
             del self._keys_by_prefix[key.prefix_hash]
-        self._maybe_compact()
 
     def pop_victim(self) -> ChunkKey | None:
         for heap in (self._heap, self._old):  # stale tops off, so each top is live

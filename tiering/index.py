@@ -14,7 +14,7 @@ the tier frees their storage.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
 from antiphon.tiering.eviction import EvictionPolicy
@@ -120,6 +120,15 @@ class ChunkIndex(Generic[Location]):
             self.policy.on_remove(key)
             self.pinned_bytes += entry.nbytes
         entry.pins += 1
+        return True
+
+    def pin_all(self, keys: Sequence[ChunkKey]) -> bool:
+        """Pin every one of `keys`, or none (False) when one is absent."""
+        entries = self._entries
+        if not all(key in entries for key in keys):
+            return False
+        for key in keys:
+            self.pin(key)
         return True
 
     def unpin(self, key: ChunkKey) -> None:

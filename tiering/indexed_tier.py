@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 from antiphon.tiering.eviction import EvictionPolicy
@@ -102,6 +102,16 @@ class IndexedTier(Tier, Generic[Location]):
     def unpin(self, key: ChunkKey) -> None:
         with self._lock:
             self._index.unpin(key)
+
+    def pin_all(self, keys: Sequence[ChunkKey]) -> bool:
+        """One lock for all of `keys` (a turn pins every layer of each chunk it loads)."""
+        with self._lock:
+            return self._index.pin_all(keys)
+
+    def unpin_all(self, keys: Iterable[ChunkKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._index.unpin(key)
 
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:

@@ -23,14 +23,20 @@ _SEED_DOMAIN = b"antiphon-kv-v1\0"
 PREFIX_HASH_BYTES = 32  # sha256
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class ChunkKey:
-    """One chunk-layer of KV: the unit every tier stores, evicts and prefetches."""
+    """One chunk-layer of KV: the unit every tier stores, evicts and prefetches.
+
+    Every tier, index and eviction heap keys a dict or set by it, a few times per chunk-layer
+    per turn (8,192 chunk-layers for a 32k-token context of 32 layers), so its hash is computed
+    once and equality tests the hash first.
+    """
 
     model_id: str  # the served model (and anything else that changes KV bytes, e.g. kv dtype)
     prefix_hash: bytes  # chained hash of all tokens up to the end of this chunk
     chunk_index: int  # position of the chunk in its sequence (0 = first `chunk_tokens` tokens)
     layer: int  # attention layer index, 0 = first
+    _hash: int = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix_hash, bytes) or not self.prefix_hash:
@@ -40,6 +46,23 @@ class ChunkKey:
                              f"{self.chunk_index}, {self.layer}")
         if not self.model_id:
             raise ValueError("model_id must be non-empty")
+        object.__setattr__(self, "_hash", hash(
+            (self.model_id, self.prefix_hash, self.chunk_index, self.layer)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not ChunkKey:
+            return NotImplemented
+        assert isinstance(other, ChunkKey)
+        return (self._hash == other._hash and self.prefix_hash == other.prefix_hash
+                and self.layer == other.layer and self.chunk_index == other.chunk_index
+                and self.model_id == other.model_id)
+
+    def __reduce__(self) -> tuple[type[ChunkKey], tuple[str, bytes, int, int]]:
+        """Pickled without its hash: another process hashes strings differently."""
+        return (ChunkKey, (self.model_id, self.prefix_hash, self.chunk_index, self.layer))
 
     def with_layer(self, layer: int) -> ChunkKey:
         """The same chunk at another layer."""

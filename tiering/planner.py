@@ -66,6 +66,11 @@ class _Match:
 
     chunks: list[ChunkKey]
     num_tokens: int
+    layers: list[list[ChunkKey]]  # per chunk, its key at every layer (built once per match)
+
+    def layer_keys(self, first_chunk: int = 0) -> list[ChunkKey]:
+        """Every chunk-layer from chunk `first_chunk` on, in chunk order, layer 0 first."""
+        return [key for keys in self.layers[first_chunk:] for key in keys]
 
 
 # Fetches from SSD one turn waits for before it takes what the host holds and recomputes the
@@ -259,8 +264,7 @@ class TierPlanner:
             self._drop_prefetch(st)
             self._use_advisory(view.session)
             return 0
-        wanted = [key.with_layer(layer) for key in match.chunks[first_chunk:]
-                  for layer in range(self.num_layers)]
+        wanted = match.layer_keys(first_chunk)
         absent = [key for key in wanted if not self.host.contains(key)]
         missing = set(absent)
         if missing and self._fetch_again(st, missing):
@@ -501,8 +505,7 @@ class TierPlanner:
             self.counters.advisories_received += 1
             self._release_advisory(session)
             match = self._match(token_ids, len(token_ids), salt, None)
-            keys = self._leading_chunks_with_room([key.with_layer(layer) for key in match.chunks
-                                                   for layer in range(self.num_layers)])
+            keys = self._leading_chunks_with_room(match.layer_keys())
             due = now + (expected_arrival_s or 0.0)
             handle = self._prefetcher.submit(keys, due) if keys else None
             self._advisories[session] = _Advisory(
@@ -535,23 +538,31 @@ class TierPlanner:
         hashes = (self._hashes(st, limit // self.chunk_tokens) if st is not None else
                   prefix_hashes(token_ids[:limit], self.chunk_tokens, self.model_id, salt=salt))
         chunks: list[ChunkKey] = []
+        layers: list[list[ChunkKey]] = []
         for index, prefix_hash in enumerate(hashes[:limit // self.chunk_tokens]):
             key = ChunkKey(self.model_id, prefix_hash, index, 0)
-            if not self._stored(key):
+            keys = self._stored(key)
+            if keys is None:
                 break
             chunks.append(key)
+            layers.append(keys)
         start = len(chunks) * self.chunk_tokens
         rest = token_ids[start:min(limit, start + self.chunk_tokens - 1)]
         previous = chunks[-1].prefix_hash if chunks else prefix_seed(self.model_id, salt)
         for length, tail_hash in reversed(list(enumerate(tail_hashes(previous, rest), 1))):
             key = ChunkKey(self.model_id, tail_hash, len(chunks), 0)
-            if self._stored(key):
-                return _Match([*chunks, key], start + length)
-        return _Match(chunks, start)
+            keys = self._stored(key)
+            if keys is not None:
+                return _Match([*chunks, key], start + length, [*layers, keys])
+        return _Match(chunks, start, layers)
 
-    def _stored(self, key: ChunkKey) -> bool:
-        return all(self.store.contains(key.with_layer(layer))
-                   for layer in range(self.num_layers))
+    def _stored(self, key: ChunkKey) -> list[ChunkKey] | None:
+        """`key`'s chunk at every layer, if some tier holds each (layer 0 first: a partial
+        chunk is probed at up to 127 lengths, most of them stored nowhere)."""
+        if not self.store.contains(key):
+            return None
+        keys = [key, *(key.with_layer(layer) for layer in range(1, self.num_layers))]
+        return keys if all(self.store.contains(k) for k in keys[1:]) else None
 
     def _hashes(self, st: _Request, num_chunks: int) -> list[bytes]:
         """The request's first `num_chunks` full-chunk hashes, extending the cached chain."""
@@ -598,14 +609,12 @@ class TierPlanner:
         """Pin every layer of the matched chunks from `first_chunk` in the host arena; returns
         the tokens covered up to the first chunk that could not be pinned."""
         for index in range(first_chunk, len(match.chunks)):
-            keys = [match.chunks[index].with_layer(layer) for layer in range(self.num_layers)]
-            pinned = [key for key in keys if self.host.pin(key)]
-            if len(pinned) < len(keys):
-                for key in pinned:
-                    self.host.unpin(key)
-                st.match = _Match(match.chunks[:index], index * self.chunk_tokens)
+            keys = match.layers[index]
+            if not self.host.pin_all(keys):
+                st.match = _Match(match.chunks[:index], index * self.chunk_tokens,
+                                  match.layers[:index])
                 return st.match.num_tokens
-            st.pins.extend(pinned)
+            st.pins.extend(keys)
         st.match = match
         return match.num_tokens
 
@@ -705,8 +714,7 @@ class TierPlanner:
         return True
 
     def _unpin(self, st: _Request) -> None:
-        for key in st.pins:
-            self.host.unpin(key)
+        self.host.unpin_all(st.pins)
         st.pins = []
         st.match = None
 
