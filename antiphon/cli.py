@@ -48,9 +48,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"antiphon serve: cannot use {exc.filename or config.sessions.data_dir}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return 2
-    DrainingServer(app, log_level=args.log_level.lower(),
-                   **config.server.uvicorn_options()).run()
-    return 0
+    server = DrainingServer(app, log_level=args.log_level.lower(),
+                            **config.server.uvicorn_options())
+    server.run()
+    if server.exit_status:
+        print("antiphon serve: the engine died; exiting with status 1 so that a supervisor "
+              "restarts the server", file=sys.stderr)
+    return server.exit_status
 
 
 def _model(args: argparse.Namespace) -> int:

@@ -133,6 +133,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def health(self) -> EngineHealth: ...
 
+    @property
+    def is_dead(self) -> bool:
+        """The engine failed for good (its process died): every request now fails, and only
+        a new engine serves again."""
+        return False
+
     async def scheduler_stats(self) -> dict[str, Any]:
         """Scheduler counters; engines without a scheduler of their own report none."""
         return {}
@@ -307,6 +313,10 @@ class VllmEngine(Engine):
             await self._llm.abort(request_id)
             cause = exc.__cause__ or exc
             raise EngineRequestFailedError(f"{type(cause).__name__}: {cause}") from exc
+
+    @property
+    def is_dead(self) -> bool:
+        return self._llm is not None and bool(self._llm.errored)
 
     async def health(self) -> EngineHealth:
         if self._llm is None:

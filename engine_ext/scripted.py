@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable, Sequence
 
-from antiphon.engine_ext.engine import Engine, EngineRequestError
+from antiphon.engine_ext.engine import Engine, EngineDeadError, EngineRequestError
 from antiphon.engine_ext.types import ChatTurn, Delta, EngineHealth, GenerationParams
 
 
@@ -36,6 +36,16 @@ class ScriptedEngine(Engine):
         self.cache_salts: list[str | None] = []  # of each request, then each advisory
         self._replies: dict[tuple[int, ...], str] = {}
         self._is_running = False
+        self._is_dead = False
+
+    def die(self) -> None:
+        """Fail as vLLM does when its engine process dies: every request, running or new,
+        raises `EngineDeadError` from now on."""
+        self._is_dead = True
+
+    @property
+    def is_dead(self) -> bool:
+        return self._is_dead
 
     async def start(self) -> None:
         self._is_running = True
@@ -59,6 +69,8 @@ class ScriptedEngine(Engine):
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
     ) -> AsyncGenerator[Delta, None]:
+        if self._is_dead:
+            raise EngineDeadError("the scripted engine died")
         if request_id in self.active_request_ids:
             raise EngineRequestError(f"request {request_id} is already running")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -71,6 +83,8 @@ class ScriptedEngine(Engine):
             for i, word in enumerate(words[: params.max_tokens]):
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
+                if self._is_dead:
+                    raise EngineDeadError("the scripted engine died")
                 is_last = i == min(len(words), params.max_tokens) - 1
                 reason = None
                 if is_last:
@@ -97,7 +111,8 @@ class ScriptedEngine(Engine):
         return None
 
     async def health(self) -> EngineHealth:
-        return EngineHealth(self._is_running, self.model_name, len(self.active_request_ids))
+        return EngineHealth(self._is_running and not self._is_dead, self.model_name,
+                            len(self.active_request_ids))
 
     async def shutdown(self) -> None:
         self._is_running = False

@@ -45,6 +45,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
         segments.remember(before)
         await ctx.batches.start()
         sampler = asyncio.create_task(ctx.dashboard.run())
+        watchdog = asyncio.create_task(watch_engine(ctx))
         ctx.is_ready = True
         logger.info("Antiphon serving %s on http://%s:%d", engine.model_name,
                     config.server.host, config.server.port)
@@ -52,9 +53,10 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
             yield
         finally:
             ctx.is_ready = False
-            sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sampler
+            for task in (sampler, watchdog):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await ctx.batches.stop()
             await engine.shutdown()
             segments.forget()
@@ -115,6 +117,27 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
     return app
 
 
+ENGINE_WATCH_INTERVAL_S = 0.5
+
+
+async def watch_engine(ctx: AppContext) -> None:
+    """Shut the server down once the engine has failed for good (its process died: killed
+    for memory, say). vLLM cannot restart it in place, and a server left running would fail
+    every turn while it looked alive to anything but /healthz. `antiphon serve` then exits
+    with status 1, so that a supervisor restarts it; batch items that were running run
+    again after the restart (the runner starts none into a dead engine, which would use up
+    their attempts)."""
+    while not ctx.engine.is_dead:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+    ctx.engine_died = True
+    ctx.is_ready = False
+    logger.error("The engine failed for good (the cause is logged above): shutting down so "
+                 "that a supervisor can restart the server; batch items that were running "
+                 "will run again after the restart")
+    if ctx.request_shutdown is not None:
+        ctx.request_shutdown()
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn closes every websocket at once when it shuts down (1012, cutting the replies
     streaming on it short); this server first lets live replies finish, for up to
@@ -124,6 +147,15 @@ class DrainingServer(uvicorn.Server):
         super().__init__(uvicorn.Config(app, **options))  # configures uvicorn's logging
         redact_api_keys_in_logs()
         self.ctx: AppContext = app.state.ctx
+        self.ctx.request_shutdown = self._request_exit
+
+    def _request_exit(self) -> None:
+        self.should_exit = True  # as SIGTERM does
+
+    @property
+    def exit_status(self) -> int:
+        """The process's exit status once `run` returns: 1 when the engine died."""
+        return 1 if self.ctx.engine_died else 0
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if not self.force_exit:  # a second Ctrl-C skips the wait

@@ -111,7 +111,8 @@ class BatchRunner:
                     runnable.append(b)
             except Exception:  # this batch waits for the next step; the others go on
                 logger.exception("batch %s: %s failed; trying again", b.batch_id, b.status)
-        await self._dispatch(runnable)
+        if not self.chat.engine.is_dead:  # nothing runs until a restart brings a new one
+            await self._dispatch(runnable)
         num_waiting = sum(b.counts.num_pending for b in runnable) - len(self._inflight)
         self.metrics.batch_queue.set(max(0, num_waiting))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import defaultdict
+from collections.abc import Callable
 
 from antiphon.config import AppConfig
 from antiphon.engine_ext.engine import Engine
@@ -40,6 +41,9 @@ class AppContext:
         default_factory=lambda: defaultdict(asyncio.Lock))
     num_connections: int = 0  # open websocket connections
     is_ready: bool = False  # the engine accepts requests
+    engine_died: bool = False  # the engine failed for good: the server shuts down
+    # Set by the server running the app (`DrainingServer`): begin a graceful shutdown.
+    request_shutdown: Callable[[], None] | None = None
 
     @classmethod
     def build(cls, config: AppConfig, engine: Engine) -> AppContext:

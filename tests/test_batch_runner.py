@@ -139,6 +139,24 @@ async def test_stopping_the_server_does_not_use_up_an_items_attempts(tmp_path: P
     assert (batch.counts.completed, batch.counts.failed) == (2, 0)
 
 
+async def test_no_item_is_started_into_a_dead_engine(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each start into a dead engine would fail at once and count as an attempt: the items
+    would use up their attempts before the server restarted (it shuts down when the engine
+    dies), and fail for good."""
+    monkeypatch.setattr(batch_runner, "RETRY_DELAY_S", 0.0)
+    store, files, engine, runner = direct_runner(tmp_path)
+    await engine.start()
+    engine.die()
+    batch_id = add_input(store, files, 2)
+    await runner.start()
+    await asyncio.sleep(0.5)  # the runner's steps: validated, none started
+    await runner.stop()
+    batch = store.get_batch("o", batch_id)
+    assert batch is not None and batch.status == BatchStatus.IN_PROGRESS
+    assert [it.num_attempts for it in store.pending_items(batch_id, 10)] == [0, 0]
+
+
 async def test_another_keys_batch_does_not_wait_for_a_big_one(tmp_path: Path) -> None:
     """Free slots go to the owner with the fewest items running: a one-item batch of key B
     starts as soon as a slot frees, not after all of key A's earlier batch."""

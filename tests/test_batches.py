@@ -26,7 +26,7 @@ from antiphon.server.batch_store import BatchStore
 from antiphon.server.batch_types import BatchStatus
 from antiphon.server.file_store import FileStore
 from tests.conftest import scripted_config
-from tests.liveserver import live_server
+from tests.liveserver import live_server, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 FINISHED = ("completed", "failed", "expired", "cancelled")
@@ -371,6 +371,40 @@ def test_kill_9_mid_batch_resumes_without_losing_or_repeating_items(tmp_path: Pa
     assert not list((tmp_path / "files").glob("*.part"))
     check_stores(tmp_path)
     assert os.path.getsize(tmp_path / "files" / (batch["output_file_id"] + ".jsonl")) > 0
+
+
+def test_a_dead_engine_stops_the_server_and_its_batch_resumes_after_the_restart(
+        tmp_path: Path) -> None:
+    """An engine that dies for good (vLLM's process killed for memory, say) shuts the server
+    down (`antiphon serve` then exits 1, for a supervisor to restart it) instead of leaving it
+    up to fail every request: before, the runner kept starting the batch's items into the dead
+    engine until each had used up its attempts, and the batch completed with them failed."""
+    n = 40
+    engine = ScriptedEngine(token_delay_s=0.02)
+    with running_server(scripted_config(tmp_path), engine) as (url, server):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        batch_id = submit(client, jsonl(n))
+        deadline = time.monotonic() + 30
+        while not is_mid_batch(url, batch_id, n // 5):
+            assert time.monotonic() < deadline, "the batch did not start"
+            time.sleep(0.005)
+        engine.die()
+        deadline = time.monotonic() + 10
+        while not server.should_exit:
+            assert time.monotonic() < deadline, "the server did not shut down"
+            time.sleep(0.01)
+        assert server.exit_status == 1
+    store = BatchStore(tmp_path / "batches.sqlite3")
+    at_death = store.get_batch("local", batch_id)
+    store.close()
+    assert at_death is not None and at_death.status == BatchStatus.IN_PROGRESS
+    assert n // 5 <= at_death.counts.completed < n and at_death.counts.failed == 0
+
+    with batch_server(tmp_path, token_delay_s=0.001) as live:
+        batch = wait_finished(live.url, batch_id)
+        out = lines_of(live.client(), batch["output_file_id"])
+    assert batch["request_counts"] == {"total": n, "completed": n, "failed": 0}
+    assert sorted(r["custom_id"] for r in out) == sorted(f"item-{i}" for i in range(n))
 
 
 def test_lines_no_part_of_the_server_could_use_fail_alone(tmp_path: Path) -> None:
