@@ -63,7 +63,11 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
             ctx.store.close()
             ctx.batch_store.close()
 
-    app = FastAPI(title="Antiphon", version="0.1.0", lifespan=lifespan)
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN, which the pages'
+    # content security policy (and an offline machine) refuses, so they rendered blank.
+    # The schema they draw, /openapi.json, stays.
+    app = FastAPI(title="Antiphon", version="0.1.0", lifespan=lifespan, docs_url=None,
+                  redoc_url=None)
     app.state.ctx = ctx
     app.add_middleware(SecurityHeaders)
     if not ctx.auth.is_required:  # keys keep other sites out; without them, this does

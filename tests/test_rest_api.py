@@ -20,6 +20,13 @@ def test_models_lists_the_served_model(scripted: Scripted) -> None:
     assert [m.id for m in models.data] == ["scripted"]
 
 
+def test_the_schema_is_served_and_no_page_that_needs_a_cdn(scripted: Scripted) -> None:
+    schema = httpx.get(scripted.url + "/openapi.json").json()
+    assert "/v1/chat/completions" in schema["paths"] and "/v1/batches" in schema["paths"]
+    for page in ("/docs", "/redoc"):  # FastAPI's, drawn by scripts from a CDN the CSP refuses
+        assert httpx.get(scripted.url + page).status_code == 404
+
+
 def test_chat_completion(scripted: Scripted) -> None:
     out = client(scripted).chat.completions.create(
         model="scripted", messages=[{"role": "system", "content": "be brief"},
