@@ -126,3 +126,20 @@ def test_metrics_need_a_key_when_keys_are_set(tmp_path: Path) -> None:
     config = scripted_config(tmp_path, api_keys=(A,), public_metrics=True)
     with live_server(config, ScriptedEngine()) as url:
         assert httpx.get(url + "/metrics").status_code == 200
+
+
+def test_every_api_route_needs_the_key(tmp_path: Path) -> None:
+    """Every `/v1/` route the app has, whatever its method, answers 401 without a key: a
+    route added later without `authorize` fails here."""
+    from antiphon.server.app import create_app
+
+    config = scripted_config(tmp_path, api_keys=(A,))
+    routes = [(method, route.path) for route in create_app(config, ScriptedEngine()).routes
+              if route.path.startswith("/v1/") and hasattr(route, "methods")
+              for method in sorted(route.methods)]
+    assert len(routes) >= 15 and ("POST", "/v1/chat/completions") in routes
+    with live_server(config, ScriptedEngine()) as url:
+        for method, path in routes:
+            concrete = path.replace("{", "x").replace("}", "")  # any id: the key comes first
+            reply = httpx.request(method, url + concrete, json={})
+            assert reply.status_code == 401, (method, path, reply.status_code, reply.text)
