@@ -64,6 +64,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._paused_until = 0.0  # time.monotonic() before which no new item starts
+        self._alone: ItemKey | None = None  # a suspect item running with nothing beside it
 
     async def start(self) -> None:
         """Remove files a crash left unregistered, then resume every unfinished batch."""
@@ -164,9 +165,15 @@ class BatchRunner:
         """Start pending items while slots are free, fairly: each free slot goes to the owner
         (API key) with the fewest items running, then to its batch with the fewest, then the
         oldest. (Taking the batches in turn from the oldest each time a slot came free gave
-        every slot to the oldest batch: another key's batch waited for all of it.)"""
+        every slot to the oldest batch: another key's batch waited for all of it.)
+
+        A suspect item, one started before that never finished (a crash, or the engine failed
+        it), runs alone: the items running finish first, and none starts beside it. A request
+        that crashes the engine then takes no other item's attempts with it: run beside the
+        same neighbours after each restart, it made them fail too."""
         num_free = self.config.max_batch_concurrency - len(self._inflight)
-        if num_free <= 0 or not batches or time.monotonic() < self._paused_until:
+        if (num_free <= 0 or not batches or time.monotonic() < self._paused_until
+                or self._alone in self._inflight):
             return
         owner_of = {b.batch_id: b.owner for b in batches}
         running_in = collections.Counter(batch_id for batch_id, _ in self._inflight)
@@ -182,7 +189,13 @@ class BatchRunner:
         while len(chosen) < num_free and any(queues):
             queue = min((q for q in queues if q), key=lambda q: (
                 running_of[q[0][0].owner], running_in[q[0][0].batch_id]))  # stable: oldest
-            b, item = queue.pop(0)
+            b, item = queue[0]
+            if 0 < item.num_attempts < MAX_ITEM_ATTEMPTS:  # a suspect
+                if not chosen and not self._inflight:
+                    chosen.append(queue.pop(0))
+                    self._alone = (b.batch_id, item.line_index)
+                break  # or it waits for the pipeline to drain, and so does what is after it
+            queue.pop(0)
             chosen.append((b, item))
             running_of[b.owner] += 1
             running_in[b.batch_id] += 1

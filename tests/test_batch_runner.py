@@ -157,6 +157,48 @@ async def test_no_item_is_started_into_a_dead_engine(tmp_path: Path,
     assert [it.num_attempts for it in store.pending_items(batch_id, 10)] == [0, 0]
 
 
+class NeighbourRecordingEngine(ScriptedEngine):
+    """Records, for each request's prompt, the most requests that ran beside it."""
+
+    def __init__(self) -> None:
+        super().__init__(token_delay_s=0.01)
+        self.most_beside: dict[str, int] = {}
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: Any) -> Any:
+        prompt = self.decode(prompt_token_ids)
+        async for delta in super().generate(request_id, prompt_token_ids, params):
+            beside = len(self.active_request_ids) - 1
+            self.most_beside[prompt] = max(self.most_beside.get(prompt, 0), beside)
+            yield delta
+
+
+async def test_an_item_a_crash_cut_short_runs_alone(tmp_path: Path) -> None:
+    """Items started before that never finished may be what crashed the engine: each runs
+    with nothing beside it, so a crashing request cannot use up its neighbours' attempts;
+    the others run side by side as before."""
+    store, files, _, _ = direct_runner(tmp_path)
+    engine = NeighbourRecordingEngine()
+    metrics, config = ServerMetrics(), ServerConfig(max_batch_concurrency=4)
+    runner = BatchRunner(store, files, ChatService(engine, metrics, config), metrics)
+    await engine.start()
+    batch_id = add_input(store, files, 0)
+    body = json.loads(jsonl(1).decode())["body"]
+    items = [InputItem(i, f"item-{i}", json.dumps(
+        {**body, "messages": [{"role": "user", "content": f"doc {i} a b c"}]}))
+        for i in range(10)]
+    assert store.start_batch(batch_id, items)
+    store.record_attempts(batch_id, [0, 1, 5])  # in flight at a crash
+    batch = await run_until_finished(store, runner, batch_id)
+    assert (batch.counts.completed, batch.counts.failed) == (10, 0)
+    beside = {int(prompt.split("doc ")[1].split()[0]): n
+              for prompt, n in engine.most_beside.items()}
+    assert sorted(beside) == list(range(10))
+    assert [beside[i] for i in (0, 1, 5)] == [0, 0, 0]
+    assert max(beside[i] for i in (2, 3, 4, 6, 7, 8, 9)) > 0  # the rest ran side by side
+    store.check_integrity()
+
+
 async def test_another_keys_batch_does_not_wait_for_a_big_one(tmp_path: Path) -> None:
     """Free slots go to the owner with the fewest items running: a one-item batch of key B
     starts as soon as a slot frees, not after all of key A's earlier batch."""

@@ -3,6 +3,7 @@ owners, cancel, limits, the CLI, and a kill -9 in the middle of a batch."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,6 +23,7 @@ import pytest
 from antiphon.bench.serverproc import ServerProcess
 from antiphon.cli import main
 from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.server import batch_runner
 from antiphon.server.batch_store import BatchStore
 from antiphon.server.batch_types import BatchStatus
 from antiphon.server.file_store import FileStore
@@ -405,6 +407,46 @@ def test_a_dead_engine_stops_the_server_and_its_batch_resumes_after_the_restart(
         out = lines_of(live.client(), batch["output_file_id"])
     assert batch["request_counts"] == {"total": n, "completed": n, "failed": 0}
     assert sorted(r["custom_id"] for r in out) == sorted(f"item-{i}" for i in range(n))
+
+
+class PoisonedEngine(ScriptedEngine):
+    """Dies, as vLLM's engine process would, whenever it runs a prompt holding "poison"."""
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: Any) -> Any:
+        async for delta in super().generate(request_id, prompt_token_ids, params):
+            if "poison" in self.decode(prompt_token_ids):
+                self.die()
+            yield delta
+
+
+def test_a_request_that_kills_the_engine_fails_alone(tmp_path: Path) -> None:
+    """A batch line that crashes the engine every time it runs: the server restarts after
+    each crash (as a supervisor would), the line fails after its attempts, and every other
+    line is answered. Before, the items running beside it at each crash were the same ones
+    each time (the lowest pending lines), and failed with it."""
+    n = 12
+    lines = [request_line(f"item-{i}", "poison" if i == 2 else f"doc {i}") for i in range(n)]
+    batch_id, batch = None, {}
+    for _restart in range(batch_runner.MAX_ITEM_ATTEMPTS + 2):
+        engine = PoisonedEngine(token_delay_s=0.02)
+        with running_server(scripted_config(tmp_path), engine) as (url, server):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            if batch_id is None:
+                batch_id = submit(client, "".join(line + "\n" for line in lines).encode())
+            deadline = time.monotonic() + 30
+            while not server.should_exit:  # until the engine dies and the server shuts down
+                with contextlib.suppress(httpx.TransportError):  # it is shutting down
+                    batch = httpx.get(f"{url}/v1/batches/{batch_id}").json()
+                if batch.get("status") in FINISHED:
+                    break
+                assert time.monotonic() < deadline, "neither finished nor crashed"
+                time.sleep(0.02)
+        if batch.get("status") in FINISHED:
+            break
+    assert batch["status"] == "completed"
+    assert batch["request_counts"] == {"total": n, "completed": n - 1, "failed": 1}
+    check_stores(tmp_path)
 
 
 def test_lines_no_part_of_the_server_could_use_fail_alone(tmp_path: Path) -> None:
