@@ -58,6 +58,12 @@ class ServerConfig:
         "common to several keys is computed once, but one key can then time another's "
         "prompts (a cache hit answers sooner). Off: each key's KV is salted with its own "
         "fingerprint (vLLM's cache_salt)", default=False)
+    context_refill_frac: float = doc(
+        "When a chat session's conversation leaves a reply less room than it asks for, its "
+        "oldest messages leave the model's view (they stay in the session) until what "
+        "remains fills at most this fraction of the model's context: the rest is room to "
+        "grow, and the conversation is recomputed once per cut, not at every turn",
+        default=0.5)
     public_metrics: bool = doc(
         "Serve /metrics without an API key when keys are set (a Prometheus scraper with no "
         "credentials). Off: /metrics needs a key like /v1/engine/stats; /healthz never does",
@@ -123,6 +129,8 @@ class ServerConfig:
                      "drain_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be positive and finite")
+        if not 0 < self.context_refill_frac < 1:
+            raise ValueError("context_refill_frac must be within (0, 1)")
         if not 0 < self.min_request_slo_frac <= 1:
             raise ValueError("min_request_slo_frac must be within (0, 1]")
         if not 0 <= self.typing_interval_s < math.inf:

@@ -126,7 +126,7 @@ class SessionTurns:
             return None
         await asyncio.to_thread(self.store.record_advisory, session_id, source, time.time())
         self.metrics.advisories.labels(source).inc()
-        history, context = await asyncio.to_thread(self._history, session_id)
+        history, context, _ = await asyncio.to_thread(self._history, session_id)
         if context is not None and context.num_messages == 0:
             tokens = list(context.token_ids)  # the last exchange of an OpenAI-API client
         elif history:
@@ -182,11 +182,14 @@ class SessionTurns:
         await self.get(owner, msg.session_id)
         self.claim(msg.session_id, request_id)
         try:
-            history, context = await asyncio.to_thread(self._history, msg.session_id)
+            history, context, start = await asyncio.to_thread(self._history, msg.session_id)
             turns = [ChatTurn(m.role, m.content) for m in history]
             turns.append(ChatTurn("user", msg.content))
-            gen = self.chat.prepare(request_id, turns, msg.max_tokens, msg.temperature,
-                                    session_id=msg.session_id, context=context, owner=owner)
+            gen, cut = self._prepare_in_window(owner, msg, request_id, turns, context)
+            if cut:
+                logger.info("session %s outgrew the model's context: the model sees it from "
+                            "message %d on", msg.session_id, start + cut)
+                await asyncio.to_thread(self.store.move_window, msg.session_id, start + cut)
             await asyncio.to_thread(self.store.append_message, msg.session_id, "user",
                                     msg.content, self.chat.engine.count_tokens(msg.content))
             if not history:
@@ -247,11 +250,53 @@ class SessionTurns:
         finally:
             self.release(session_id, rid)
 
-    def _history(self, session_id: str) -> tuple[list[Message], ChatContext | None]:
-        """The session's messages and the exact tokens through its last reply (if stored)."""
-        history = self.store.messages(session_id)
+    def _prepare_in_window(self, owner: str, msg: protocol.ChatMessage, request_id: str,
+                           turns: list[ChatTurn], context: ChatContext | None,
+                           ) -> tuple[Generation, int]:
+        """The turn's generation, and how many of `turns`' first messages it had to leave out
+        of the model's view: none while the reply gets the room it asks for (`max_tokens`, or
+        the server's default), else the fewest whose removal (at a user message) leaves the
+        rest within `context_refill_frac` of the model's context. Raises
+        `context_length_exceeded` when the new message alone leaves no room."""
+        def prepare(window: list[ChatTurn], ctx: ChatContext | None) -> Generation:
+            return self.chat.prepare(request_id, window, msg.max_tokens, msg.temperature,
+                                     session_id=msg.session_id, context=ctx, owner=owner)
+
+        max_model_len, frac = self.chat.engine.max_model_len, self.chat.config.context_refill_frac
+        # At most half what a cut leaves free: the conversation then grows by the other half
+        # before the next cut, instead of every turn cutting (and recomputing) again.
+        wanted = min(msg.max_tokens or self.chat.config.reply_max_tokens,
+                     int(max_model_len * (1 - frac) / 2))
+        try:
+            gen = prepare(turns, context)
+            if gen.params.max_tokens >= wanted:
+                return gen, 0
+        except ApiError as err:
+            if err.code != ErrorCode.CONTEXT_LENGTH_EXCEEDED:
+                raise
+        starts = [i for i in range(1, len(turns)) if turns[i].role == "user"]
+        if not starts:  # the new message alone: nothing to leave out
+            return prepare(turns, context), 0
+        budget = max_model_len * frac
+        lo, hi = 0, len(starts) - 1  # the last start, the new message alone, always counts
+        while lo < hi:  # the first start whose window fits the budget
+            mid = (lo + hi) // 2
+            if len(self.chat.engine.render_chat(turns[starts[mid]:])) <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        return prepare(turns[starts[lo]:], None), starts[lo]
+
+    def _history(self, session_id: str) -> tuple[list[Message], ChatContext | None, int]:
+        """The messages of the session the model sees, the exact tokens through the last
+        reply among them (if stored), and the index of the first of them in the session."""
+        start = self.store.window_start(session_id)
+        history = self.store.messages(session_id)[start:]
         stored = self.store.context(session_id)
-        return history, None if stored is None else ChatContext(*stored)
+        if stored is None or (stored[0] and stored[0] <= start):
+            return history, None, start
+        num_messages, token_ids = stored
+        return history, ChatContext(num_messages - start if num_messages else 0, token_ids), start
 
     async def _commit_reply(self, session_id: str, gen: Generation) -> None:
         context = self.chat.engine.context_tokens(gen.prompt_token_ids, gen.output_token_ids)

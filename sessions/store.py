@@ -47,6 +47,12 @@ CREATE TABLE IF NOT EXISTS contexts (
     num_messages INTEGER NOT NULL,
     token_ids    BLOB NOT NULL
 );
+-- The first message the model still sees, once a conversation outgrew the model's context
+-- (no row: the first message of all).
+CREATE TABLE IF NOT EXISTS windows (
+    session_id    TEXT PRIMARY KEY REFERENCES sessions(session_id) ON DELETE CASCADE,
+    first_message INTEGER NOT NULL
+);
 """
 
 
@@ -209,6 +215,21 @@ class SessionStore:
         ids = array.array("I")
         ids.frombytes(row[1])
         return row[0], tuple(ids)
+
+    def window_start(self, session_id: str) -> int:
+        """The first message the model sees of the session's conversation (`move_window`)."""
+        with self._db.locked() as db:
+            row = db.execute("SELECT first_message FROM windows WHERE session_id = ?",
+                             (session_id,)).fetchone()
+        return 0 if row is None else int(row[0])
+
+    def move_window(self, session_id: str, first_message: int) -> None:
+        """From now on the model sees the conversation from message `first_message` on; the
+        stored context, rendered from the messages before, is dropped with it."""
+        with self._db.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO windows SELECT session_id, ? FROM sessions"
+                       " WHERE session_id = ?", (first_message, session_id))
+            db.execute("DELETE FROM contexts WHERE session_id = ?", (session_id,))
 
     def record_advisory(self, session_id: str, source: str, received_at: float) -> None:
         with self._db.locked() as db:

@@ -1,0 +1,66 @@
+"""A chat session whose conversation outgrows the model's context goes on: its oldest messages
+leave the model's view (not the session), once per cut, and the turns after a cut extend the
+cut conversation's exact tokens again. Real websocket clients, a live server, a scripted engine
+(one token per character of the prompt)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from websockets.asyncio.client import connect
+
+from antiphon.engine_ext.scripted import ScriptedEngine
+from tests.conftest import scripted_config
+from tests.liveserver import live_server
+from tests.wsclient import open_session, recv_until, send
+
+MAX_MODEL_LEN = 1000
+
+
+class PromptRecordingEngine(ScriptedEngine):
+    def __init__(self) -> None:
+        super().__init__(max_model_len=MAX_MODEL_LEN)
+        self.prompts: list[str] = []
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: Any) -> Any:
+        self.prompts.append(self.decode(prompt_token_ids))
+        async for delta in super().generate(request_id, prompt_token_ids, params):
+            yield delta
+
+
+async def talk(url: str, session_id: str | None, first: int, n: int) -> str:
+    async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+        sid = (await open_session(ws, session_id))["session"]["session_id"]
+        for i in range(first, first + n):
+            await send(ws, type="message", session_id=sid, content=f"message {i} " + "x" * 30)
+            done = (await recv_until(ws, "done"))[-1]
+            assert done["finish_reason"] == "stop", done
+        return str(sid)
+
+
+async def test_a_conversation_longer_than_the_context_goes_on(tmp_path: Path) -> None:
+    engine = PromptRecordingEngine()
+    config = scripted_config(tmp_path, max_content_chars=500, context_refill_frac=0.5)
+    with live_server(config, engine) as url:
+        sid = await talk(url, None, 0, 14)
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            messages = (await open_session(ws, sid))["messages"]
+    assert len(messages) == 28  # the session keeps every message
+    prompts = engine.prompts
+    firsts = [int(p.split("message ")[1].split()[0]) for p in prompts]
+    assert all(len(p) <= MAX_MODEL_LEN for p in prompts)
+    assert firsts[0] == 0 and firsts[-1] > 0  # the model's view moved on
+    cuts = [i for i in range(1, len(firsts)) if firsts[i] != firsts[i - 1]]
+    assert 1 <= len(cuts) <= len(prompts) // 3, firsts  # a cut leaves room for several turns
+    for i in cuts:
+        assert len(prompts[i]) <= MAX_MODEL_LEN * 0.5  # refilled to at most half
+    for i in range(1, len(prompts)):
+        if i not in cuts:  # the turn extends the last one's exact tokens: its KV is reused
+            assert prompts[i].startswith(prompts[i - 1]), (i, firsts)
+
+    engine = PromptRecordingEngine()
+    with live_server(config, engine) as url:  # after a restart, the same view
+        await talk(url, sid, 14, 1)
+    assert engine.prompts[0].startswith(prompts[-1])
