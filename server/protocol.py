@@ -21,7 +21,8 @@ Server to client::
     {"type": "accepted", "request_id": str, "session_id": str, "prompt_tokens": int}
     {"type": "token", "request_id": str, "session_id": str, "text": str}
     {"type": "done", "request_id": str, "session_id": str, "finish_reason": str, "text": str,
-     "usage": {...}, "timings": {"ttft_s": float, "tpot_s": float | null, "total_s": float}}
+     "usage": {...}, "timings": {"ttft_s": float, "tpot_s": float | null, "total_s": float},
+     "context_start": int}  # the first message the model still sees (0: all of them)
     {"type": "error", "code": str, "message": str, "request_id": str | null}
 """
 

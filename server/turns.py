@@ -238,9 +238,11 @@ class SessionTurns:
                     ErrorCode.INTERNAL_ERROR, f"the reply could not be saved: {exc}"), rid))
                 return
             is_committed = True
+            context_start = await asyncio.to_thread(self.store.window_start, session_id)
             await emit(protocol.encode(
                 "done", request_id=rid, session_id=session_id, finish_reason=gen.finish_reason,
-                text=gen.text, usage=gen.usage(), timings=gen.timings()))
+                text=gen.text, usage=gen.usage(), timings=gen.timings(),
+                context_start=context_start))
         except BaseException:
             # Disconnected or shut down mid-reply: keep what the user already saw.
             if not is_committed and gen.pieces:

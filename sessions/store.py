@@ -64,11 +64,12 @@ class Session:
     created_at: float  # unix seconds
     updated_at: float
     num_messages: int = 0
+    context_start: int = 0  # the first message the model still sees (`move_window`)
 
     def to_json(self) -> dict[str, object]:
         return {"session_id": self.session_id, "title": self.title,
                 "created_at": self.created_at, "updated_at": self.updated_at,
-                "num_messages": self.num_messages}
+                "num_messages": self.num_messages, "context_start": self.context_start}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,13 @@ class Message:
 
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+
+# `Session`'s fields, from `sessions s`.
+_SESSION_COLUMNS = (
+    "s.session_id, s.owner, s.title, s.created_at, s.updated_at,"
+    " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id),"
+    " COALESCE((SELECT first_message FROM windows w WHERE w.session_id = s.session_id), 0)")
 
 
 def new_session_id() -> str:
@@ -115,9 +123,8 @@ class SessionStore:
         """The session, or None when it does not exist or belongs to another owner."""
         with self._db.locked() as db:
             row = db.execute(
-                "SELECT s.session_id, s.owner, s.title, s.created_at, s.updated_at,"
-                " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id)"
-                " FROM sessions s WHERE s.session_id = ? AND s.owner = ?",
+                f"SELECT {_SESSION_COLUMNS} FROM sessions s"
+                " WHERE s.session_id = ? AND s.owner = ?",
                 (session_id, owner),
             ).fetchone()
         return Session(*row) if row else None
@@ -132,9 +139,7 @@ class SessionStore:
         cursor = () if before is None else before
         with self._db.locked() as db:
             rows = db.execute(
-                "SELECT s.session_id, s.owner, s.title, s.created_at, s.updated_at,"
-                " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id)"
-                f" FROM sessions s WHERE s.owner = ?{after}"
+                f"SELECT {_SESSION_COLUMNS} FROM sessions s WHERE s.owner = ?{after}"
                 " ORDER BY s.updated_at DESC, s.session_id DESC LIMIT ?",
                 (owner, *cursor, limit),
             ).fetchall()

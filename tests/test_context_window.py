@@ -37,6 +37,7 @@ async def talk(url: str, session_id: str | None, first: int, n: int) -> str:
             await send(ws, type="message", session_id=sid, content=f"message {i} " + "x" * 30)
             done = (await recv_until(ws, "done"))[-1]
             assert done["finish_reason"] == "stop", done
+            assert done["context_start"] % 2 == 0 and done["context_start"] <= 2 * i
         return str(sid)
 
 
@@ -46,12 +47,13 @@ async def test_a_conversation_longer_than_the_context_goes_on(tmp_path: Path) ->
     with live_server(config, engine) as url:
         sid = await talk(url, None, 0, 14)
         async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
-            messages = (await open_session(ws, sid))["messages"]
-    assert len(messages) == 28  # the session keeps every message
+            opened = await open_session(ws, sid)
+    assert len(opened["messages"]) == 28  # the session keeps every message
     prompts = engine.prompts
     firsts = [int(p.split("message ")[1].split()[0]) for p in prompts]
     assert all(len(p) <= MAX_MODEL_LEN for p in prompts)
     assert firsts[0] == 0 and firsts[-1] > 0  # the model's view moved on
+    assert opened["session"]["context_start"] == 2 * firsts[-1]  # message i is number 2i
     cuts = [i for i in range(1, len(firsts)) if firsts[i] != firsts[i - 1]]
     assert 1 <= len(cuts) <= len(prompts) // 3, firsts  # a cut leaves room for several turns
     for i in cuts:

@@ -4,8 +4,8 @@ import { setupComposer } from "/static/composer.js";
 import { setupAuthDialog } from "/static/auth-dialog.js";
 import { KEYS, load, store } from "/static/storage.js";
 import {
-  $, el, formatTimings, hideError, makeBubble, renderReply, renderSessionList, sessionTitle, setTimings,
-  showError,
+  $, el, formatTimings, hideError, makeBubble, markContextStart, renderReply, renderSessionList,
+  sessionTitle, setTimings, showError,
 } from "/static/view.js";
 
 const ui = {
@@ -257,6 +257,7 @@ const handlers = {
     // Replies still streaming for this session stay visible after a re-open.
     for (const p of state.pending.values()) if (p.sessionId === s.session_id) bubbles.push(p.root);
     ui.messages.replaceChildren(...bubbles);
+    markContextStart(ui.messages, s.context_start);
     scrollToBottom(true);
     if (s.session_id) upsertSession(s);
     renderSessions();
@@ -302,6 +303,7 @@ const handlers = {
     if (line) setTimings(entry.root, line);
     const cancelled = msg.finish_reason === "cancelled";
     finishEntry(msg.request_id, { cls: cancelled ? "cancelled" : null });
+    if (msg.session_id === state.currentId) markContextStart(ui.messages, msg.context_start);
     scrollToBottom();
     if (state.deleteWhenDone.delete(msg.session_id)) {
       client.send({ type: "session.delete", session_id: msg.session_id });

@@ -111,6 +111,21 @@ export function makeBubble(role, text = "", requestId = null) {
   return { root, body };
 }
 
+/**
+ * Mark where the model's view of a long conversation starts: a note before the message at
+ * `index` (the server's `context_start`) among the messages in `listEl`; none when it is 0.
+ */
+export function markContextStart(listEl, index) {
+  listEl.querySelector(":scope > .context-cut")?.remove();
+  const first = Number.isInteger(index) && index > 0
+    ? listEl.querySelectorAll(":scope > .msg")[index] : undefined;
+  if (!first) return;
+  const note = el("div", "context-cut",
+    "The conversation outgrew the model's context: it no longer sees the messages above.");
+  note.setAttribute("role", "note");
+  first.before(note);
+}
+
 /** (Re)render a reply's Markdown into its bubble body. */
 export function renderReply(body, text) {
   body.replaceChildren(renderMarkdown(text));
