@@ -51,6 +51,7 @@ class Generation:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: str | None = None
+    context_start: int = 0  # a session turn: the session's first message its prompt renders
 
     @property
     def text(self) -> str:

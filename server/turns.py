@@ -186,6 +186,7 @@ class SessionTurns:
             turns = [ChatTurn(m.role, m.content) for m in history]
             turns.append(ChatTurn("user", msg.content))
             gen, cut = self._prepare_in_window(owner, msg, request_id, turns, context)
+            gen.context_start = start + cut
             if cut:
                 logger.info("session %s outgrew the model's context: the model sees it from "
                             "message %d on", msg.session_id, start + cut)
@@ -238,11 +239,10 @@ class SessionTurns:
                     ErrorCode.INTERNAL_ERROR, f"the reply could not be saved: {exc}"), rid))
                 return
             is_committed = True
-            context_start = await asyncio.to_thread(self.store.window_start, session_id)
             await emit(protocol.encode(
                 "done", request_id=rid, session_id=session_id, finish_reason=gen.finish_reason,
                 text=gen.text, usage=gen.usage(), timings=gen.timings(),
-                context_start=context_start))
+                context_start=gen.context_start))
         except BaseException:
             # Disconnected or shut down mid-reply: keep what the user already saw.
             if not is_committed and gen.pieces:
@@ -269,16 +269,14 @@ class SessionTurns:
         # before the next cut, instead of every turn cutting (and recomputing) again.
         wanted = min(msg.max_tokens or self.chat.config.reply_max_tokens,
                      int(max_model_len * (1 - frac) / 2))
+        starts = [i for i in range(1, len(turns)) if turns[i].role == "user"]
         try:
             gen = prepare(turns, context)
-            if gen.params.max_tokens >= wanted:
+            if gen.params.max_tokens >= wanted or not starts:  # or nothing to leave out
                 return gen, 0
         except ApiError as err:
-            if err.code != ErrorCode.CONTEXT_LENGTH_EXCEEDED:
+            if err.code != ErrorCode.CONTEXT_LENGTH_EXCEEDED or not starts:
                 raise
-        starts = [i for i in range(1, len(turns)) if turns[i].role == "user"]
-        if not starts:  # the new message alone: nothing to leave out
-            return prepare(turns, context), 0
         budget = max_model_len * frac
         lo, hi = 0, len(starts) - 1  # the last start, the new message alone, always counts
         while lo < hi:  # the first start whose window fits the budget

@@ -104,7 +104,7 @@ class IndexedTier(Tier, Generic[Location]):
             self._index.unpin(key)
 
     def pin_all(self, keys: Sequence[ChunkKey]) -> bool:
-        """One lock for all of `keys` (a turn pins every layer of each chunk it loads)."""
+        # One lock for all of `keys` (a turn pins every layer of each chunk it loads).
         with self._lock:
             return self._index.pin_all(keys)
 

@@ -84,18 +84,13 @@ class Tier(abc.ABC):
         """Release one pin; ValueError if `key` is not pinned, no-op if it is absent (a pinned
         entry disappears only when its bytes fail verification)."""
 
+    @abc.abstractmethod
     def pin_all(self, keys: Sequence[ChunkKey]) -> bool:
         """Pin every one of `keys`, or none of them (False) when one is absent."""
-        pinned = [key for key in keys if self.pin(key)]
-        if len(pinned) < len(keys):
-            self.unpin_all(pinned)
-            return False
-        return True
 
+    @abc.abstractmethod
     def unpin_all(self, keys: Iterable[ChunkKey]) -> None:
         """`unpin` each of `keys`."""
-        for key in keys:
-            self.unpin(key)
 
     @abc.abstractmethod
     def remove(self, key: ChunkKey) -> bool:
