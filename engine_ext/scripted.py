@@ -9,7 +9,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable, Sequence
 
-from antiphon.engine_ext.engine import Engine, EngineDeadError, EngineRequestError
+from antiphon.engine_ext.engine import (
+    Engine,
+    EngineDeadError,
+    EngineRequestError,
+    EngineRequestFailedError,
+)
 from antiphon.engine_ext.types import ChatTurn, Delta, EngineHealth, GenerationParams
 
 
@@ -37,11 +42,17 @@ class ScriptedEngine(Engine):
         self._replies: dict[tuple[int, ...], str] = {}
         self._is_running = False
         self._is_dead = False
+        self._fail_next = False
 
     def die(self) -> None:
         """Fail as vLLM does when its engine process dies: every request, running or new,
         raises `EngineDeadError` from now on."""
         self._is_dead = True
+
+    def fail_next_request(self) -> None:
+        """Fail the next request as vLLM fails one it cannot serve
+        (`EngineRequestFailedError`), after its prompt was accepted; the engine serves on."""
+        self._fail_next = True
 
     @property
     def is_dead(self) -> bool:
@@ -71,6 +82,9 @@ class ScriptedEngine(Engine):
     ) -> AsyncGenerator[Delta, None]:
         if self._is_dead:
             raise EngineDeadError("the scripted engine died")
+        if self._fail_next:
+            self._fail_next = False
+            raise EngineRequestFailedError("the scripted engine failed the request")
         if request_id in self.active_request_ids:
             raise EngineRequestError(f"request {request_id} is already running")
         if len(prompt_token_ids) >= self.max_model_len:

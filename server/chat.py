@@ -52,6 +52,7 @@ class Generation:
     last_token_at: float | None = None
     finish_reason: str | None = None
     context_start: int = 0  # a session turn: the session's first message its prompt renders
+    replaces_reply: bool = False  # a session turn: its reply replaces the session's last one
 
     @property
     def text(self) -> str:

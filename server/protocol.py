@@ -8,6 +8,8 @@ Client to server::
     {"type": "session.delete", "session_id": str}
     {"type": "message", "session_id": str, "content": str, "request_id": str?,
      "max_tokens": int?, "temperature": float?}
+    {"type": "regenerate", "session_id": str, "request_id": str?, "max_tokens": int?,
+     "temperature": float?}  # answer the last user message again (see `Regenerate`)
     {"type": "typing", "session_id": str}
     {"type": "cancel", "request_id": str}
 
@@ -76,15 +78,29 @@ class SessionDelete(_Msg):
     """Deletes the session and its messages; replies of it still streaming are cancelled."""
 
 
-class ChatMessage(_Msg):
-    type: Literal["message"]
+class TurnRequest(_Msg):
+    """What every request for a reply carries."""
+
     session_id: Annotated[str, Field(pattern=ID_PATTERN)]
-    content: str
-    """The user's message; its size limit is the server's `max_content_chars`."""
     request_id: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
     """Client-chosen id for correlating replies; the server assigns one when absent."""
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
+
+
+class ChatMessage(TurnRequest):
+    type: Literal["message"]
+    content: str
+    """The user's message; its size limit is the server's `max_content_chars`."""
+
+
+class Regenerate(TurnRequest):
+    """Answer the session's last user message again. The new reply replaces the last one
+    when it is committed (a regenerate stopped before its first token keeps the old reply);
+    a message left without a reply (the server crashed or the engine failed while answering
+    it) gets its first."""
+
+    type: Literal["regenerate"]
 
 
 class Typing(_Msg):
@@ -98,12 +114,13 @@ class Cancel(_Msg):
 
 
 ClientMessage = Annotated[
-    SessionOpen | SessionList | SessionRename | SessionDelete | ChatMessage | Typing | Cancel,
+    SessionOpen | SessionList | SessionRename | SessionDelete | ChatMessage | Regenerate | Typing
+    | Cancel,
     Field(discriminator="type"),
 ]
 _client_adapter: TypeAdapter[ClientMessage] = TypeAdapter(ClientMessage)
 CLIENT_TYPES = ("session.open", "session.list", "session.rename", "session.delete", "message",
-                "typing", "cancel")
+                "regenerate", "typing", "cancel")
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")

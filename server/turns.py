@@ -172,25 +172,38 @@ class SessionTurns:
         tokens = self.chat.engine.context_tokens(gen.prompt_token_ids, gen.output_token_ids)
         await asyncio.to_thread(self.store.set_context, session_id, tokens)
 
-    async def accept(self, owner: str, msg: protocol.ChatMessage, request_id: str) -> Generation:
-        """Validate a turn, commit its user message and mark the session busy.
+    async def accept(self, owner: str, msg: protocol.TurnRequest, request_id: str) -> Generation:
+        """Validate a turn, commit its user message and mark the session busy. A `regenerate`
+        commits nothing here: its reply replaces the session's last one when it is committed.
 
         Raises `ApiError` (nothing changed) when the session is unknown or busy, or the message
         breaks a limit. The caller must follow up with `run`, which clears the busy mark.
         """
-        self.chat.check_content(msg.content)
+        if isinstance(msg, protocol.ChatMessage):
+            self.chat.check_content(msg.content)
         await self.get(owner, msg.session_id)
         self.claim(msg.session_id, request_id)
         try:
             history, context, start = await asyncio.to_thread(self._history, msg.session_id)
             turns = [ChatTurn(m.role, m.content) for m in history]
-            turns.append(ChatTurn("user", msg.content))
+            replaces_reply = False
+            if isinstance(msg, protocol.ChatMessage):
+                turns.append(ChatTurn("user", msg.content))
+            elif turns and turns[-1].role == "assistant":
+                turns.pop()  # its stored context, which covers it, no longer applies
+                replaces_reply = True
+            if not turns:
+                raise ApiError(ErrorCode.BAD_MESSAGE, f"session {msg.session_id} has no "
+                               "message to answer again")
             gen, cut = self._prepare_in_window(owner, msg, request_id, turns, context)
             gen.context_start = start + cut
+            gen.replaces_reply = replaces_reply
             if cut:
                 logger.info("session %s outgrew the model's context: the model sees it from "
                             "message %d on", msg.session_id, start + cut)
                 await asyncio.to_thread(self.store.move_window, msg.session_id, start + cut)
+            if not isinstance(msg, protocol.ChatMessage):
+                return gen
             await asyncio.to_thread(self.store.append_message, msg.session_id, "user",
                                     msg.content, self.chat.engine.count_tokens(msg.content))
             if not history:
@@ -230,7 +243,8 @@ class SessionTurns:
                 await emit(protocol.error_frame(err, rid))
                 return
             try:
-                await self._commit_reply(session_id, gen)
+                if gen.pieces or not gen.replaces_reply:  # a regenerate stopped before its
+                    await self._commit_reply(session_id, gen)  # first token keeps the old
             except Exception as exc:  # the store failed (a full disk): say so, do not hang
                 logger.exception("session %s: the reply to %s could not be saved", session_id,
                                  rid)
@@ -252,7 +266,7 @@ class SessionTurns:
         finally:
             self.release(session_id, rid)
 
-    def _prepare_in_window(self, owner: str, msg: protocol.ChatMessage, request_id: str,
+    def _prepare_in_window(self, owner: str, msg: protocol.TurnRequest, request_id: str,
                            turns: list[ChatTurn], context: ChatContext | None,
                            ) -> tuple[Generation, int]:
         """The turn's generation, and how many of `turns`' first messages it had to leave out
@@ -301,4 +315,5 @@ class SessionTurns:
     async def _commit_reply(self, session_id: str, gen: Generation) -> None:
         context = self.chat.engine.context_tokens(gen.prompt_token_ids, gen.output_token_ids)
         await asyncio.to_thread(self.store.append_message, session_id, "assistant", gen.text,
-                                gen.num_output_tokens, gen.finish_reason, context)
+                                gen.num_output_tokens, gen.finish_reason, context,
+                                replaces_reply=gen.replaces_reply)

@@ -69,7 +69,7 @@ class Connection:
                 raise ApiError(ErrorCode.TOO_LARGE, f"message of {size} bytes exceeds the "
                                f"limit of {self.ctx.config.server.max_frame_bytes}")
             msg = protocol.decode_client_message(data)
-            if isinstance(msg, protocol.ChatMessage):
+            if isinstance(msg, protocol.TurnRequest):
                 request_id = msg.request_id
             await self._dispatch(msg)
         except ApiError as err:
@@ -112,7 +112,7 @@ class Connection:
         else:
             await self._start_turn(msg)
 
-    async def _start_turn(self, msg: protocol.ChatMessage) -> None:
+    async def _start_turn(self, msg: protocol.TurnRequest) -> None:
         self.ctx.chat.check_open()
         request_id = msg.request_id or "r_" + secrets.token_urlsafe(9)
         if request_id in self._turns:

@@ -179,11 +179,19 @@ class SessionStore:
     def append_message(
         self, session_id: str, role: str, content: str, num_tokens: int,
         finish_reason: str | None = None, context_ids: Sequence[int] | None = None,
+        replaces_reply: bool = False,
     ) -> Message:
         """Append and commit one message (durable on return); bumps the session's updated_at.
-        `context_ids`: the conversation's exact tokens through this message (`context`)."""
+        `context_ids`: the conversation's exact tokens through this message (`context`).
+        `replaces_reply`: the session's last message, if a reply, is deleted in the same
+        transaction (a regenerated reply)."""
         now = time.time()
         with self._db.transaction() as db:
+            if replaces_reply:
+                db.execute(
+                    "DELETE FROM messages WHERE session_id = ? AND role = 'assistant' AND seq ="
+                    " (SELECT MAX(seq) FROM messages WHERE session_id = ?)",
+                    (session_id, session_id))
             db.execute(
                 "INSERT INTO messages SELECT ?, COALESCE(MAX(seq), -1) + 1, ?, ?, ?, ?, ?"
                 " FROM messages WHERE session_id = ?",

@@ -70,6 +70,36 @@ function refreshControls() {
   ui.stop.disabled = (current.length > 0 && current.every((p) => p.cancelling))
     || performance.now() - state.sentAt < STOP_GRACE_MS;
   ui.body.dataset.generating = String(generating);
+  refreshRegenerate(generating);
+}
+
+/**
+ * Offer to answer the conversation's last user message again, under its last message, while
+ * nothing streams: "Regenerate" under a reply, "Retry" under a message left without one (the
+ * server went down or the engine failed while answering it).
+ */
+function refreshRegenerate(generating) {
+  const msgs = ui.messages.querySelectorAll(":scope > .msg");
+  const last = msgs[msgs.length - 1];
+  let label = null;
+  if (state.currentId && !generating && client.connected && last) {
+    if (last.classList.contains("user")) label = "Retry";
+    else if (!last.classList.contains("failed")) label = "Regenerate";
+    else if (last.dataset.accepted === "true") label = "Retry"; // its message was kept
+  }
+  const row = ui.messages.querySelector(":scope > .msg-actions");
+  if (row && label !== null && row === ui.messages.lastElementChild
+      && row.firstElementChild.textContent === label) return;
+  row?.remove();
+  if (label === null) return;
+  const button = el("button", "btn btn-ghost regenerate", label);
+  button.type = "button";
+  button.title = label === "Retry" ? "Ask for a reply to your last message"
+    : "Replace the last reply with a new one";
+  button.addEventListener("click", regenerate);
+  const actions = el("div", "msg-actions");
+  actions.append(button);
+  ui.messages.append(actions);
 }
 
 function renderSessions() {
@@ -187,6 +217,30 @@ function sendMessage(content) {
   refreshControls();
 }
 
+/** Answer the last user message again; the reply shown under it (if any) gives way. */
+function regenerate() {
+  if (!state.currentId || isGenerating() || state.queued !== null) return;
+  if (!client.connected) {
+    showError("disconnected", "Not connected to the server; reconnecting…");
+    return;
+  }
+  hideError();
+  const msgs = ui.messages.querySelectorAll(":scope > .msg");
+  const last = msgs[msgs.length - 1];
+  if (last?.classList.contains("assistant")) last.remove();
+  const requestId = newRequestId();
+  const entry = addAssistantBubble(requestId, state.currentId);
+  entry.regenerate = true;
+  markSent();
+  if (!client.send({ type: "regenerate", session_id: state.currentId, request_id: requestId })) {
+    finishEntry(requestId, { cls: "failed", note: "Not sent: connection lost." });
+    return;
+  }
+  entry.root.classList.add("streaming");
+  scrollToBottom(true);
+  refreshControls();
+}
+
 function submit() {
   const content = composer.value;
   if (composer.isBlank() || isGenerating() || state.queued !== null) return;
@@ -271,7 +325,9 @@ const handlers = {
 
   accepted(msg) {
     const entry = state.pending.get(msg.request_id);
-    if (entry && typeof msg.prompt_tokens === "number") entry.root.dataset.promptTokens = msg.prompt_tokens;
+    if (!entry) return;
+    entry.root.dataset.accepted = "true"; // the server keeps the message, whatever happens next
+    if (typeof msg.prompt_tokens === "number") entry.root.dataset.promptTokens = msg.prompt_tokens;
   },
 
   token(msg) {
@@ -303,6 +359,9 @@ const handlers = {
     if (line) setTimings(entry.root, line);
     const cancelled = msg.finish_reason === "cancelled";
     finishEntry(msg.request_id, { cls: cancelled ? "cancelled" : null });
+    if (entry.regenerate && entry.raw === "" && msg.session_id === state.currentId) {
+      client.openSession(msg.session_id); // stopped before its first word: the old reply stays
+    }
     if (msg.session_id === state.currentId) markContextStart(ui.messages, msg.context_start);
     scrollToBottom();
     if (state.deleteWhenDone.delete(msg.session_id)) {
@@ -330,9 +389,16 @@ const handlers = {
     const silent = msg.code === "session_not_found" && !msg.request_id && state.restoring;
     if (!silent) showError(msg.code, msg.message);
     if (msg.request_id && state.pending.has(msg.request_id)) {
-      const { content } = state.pending.get(msg.request_id);
-      if (content && composer.isBlank()) composer.value = content; // to fix and send again
+      const entry = state.pending.get(msg.request_id);
+      // A message refused goes back to the composer, to fix and send again; one accepted is
+      // kept by the server, and "Retry" asks for its reply again.
+      if (entry.content && entry.root.dataset.accepted !== "true" && composer.isBlank()) {
+        composer.value = entry.content;
+      }
       finishEntry(msg.request_id, { cls: "failed", note: `${msg.code}: ${msg.message}` });
+      if (entry.regenerate && entry.sessionId === state.currentId) {
+        client.openSession(entry.sessionId); // what the server kept (the old reply, if any)
+      }
     } else if (msg.code === "session_not_found") {
       // A remembered session that no longer exists: start fresh.
       state.restoring = false;
