@@ -23,7 +23,7 @@ from antiphon.engine_ext.engine import Engine
 from antiphon.server import batch_api, openai_api, rest
 from antiphon.server.auth import redact_api_keys_in_logs
 from antiphon.server.context import AppContext
-from antiphon.server.errors import ApiError, ErrorCode, bad_message
+from antiphon.server.errors import ApiError, ErrorCode, bad_message, unexpected_error
 from antiphon.server.http import error_response
 from antiphon.server.origin import BrowserGuard, SecurityHeaders
 from antiphon.server.ws import websocket_endpoint
@@ -102,9 +102,8 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette logs the traceback after this answers.
-        return await on_api_error(request, ApiError(
-            ErrorCode.INTERNAL_ERROR, "internal error; see the server log"))
+        return await on_api_error(request, unexpected_error(  # Starlette logs the traceback
+            exc, f"{request.method} {request.url.path}", log_traceback=False))
 
     static = resources.files("antiphon.web_ui") / "static"
     app.mount("/static", StaticFiles(directory=str(static)), name="static")

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import enum
+import errno
+import logging
 import re
+import sqlite3
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -40,6 +45,7 @@ class ErrorCode(enum.StrEnum):
     BATCH_EXPIRED = "batch_expired"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    STORAGE_FULL = "storage_full"
     INTERNAL_ERROR = "internal_error"
 
 
@@ -74,6 +80,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.BATCH_EXPIRED: 408,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.STORAGE_FULL: 507,
     ErrorCode.INTERNAL_ERROR: 500,
 }
 
@@ -103,3 +110,34 @@ def bad_message(errors: Sequence[Mapping[str, Any]], prefix: str = "", skip_loc:
                      or _FIELD_NAME.fullmatch(str(p))) or default_loc
     message = str(first["msg"]).removeprefix("Value error, ")  # a validator's own words
     return ApiError(ErrorCode.BAD_MESSAGE, f"{prefix}{where}: {message}")
+
+
+def is_storage_full(exc: BaseException) -> bool:
+    """Whether `exc` (or what it was raised from) is a full disk: SQLite's SQLITE_FULL, or
+    an OSError of no space or quota left."""
+    seen: BaseException | None = exc
+    for _ in range(4):  # its causes, a few deep
+        if seen is None:
+            return False
+        if isinstance(seen, sqlite3.OperationalError):
+            if getattr(seen, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+                return True
+        elif isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def unexpected_error(exc: BaseException, where: str, outcome: str = "nothing was saved",
+                     log_traceback: bool = True) -> ApiError:
+    """What a client is told of an exception no handler expected in `where` (for the log):
+    `storage_full`, saying `outcome`, when the disk is full (an operator can fix it and the
+    client retry), logged as one line; else `internal_error`, logged with its traceback
+    (unless the caller's framework logs it)."""
+    if is_storage_full(exc):
+        logger.error("%s: the disk is full (%s)", where, exc)
+        return ApiError(ErrorCode.STORAGE_FULL, f"the server's disk is full, so {outcome}; "
+                        "try again once space is freed")
+    if log_traceback:
+        logger.error("%s failed", where, exc_info=exc)
+    return ApiError(ErrorCode.INTERNAL_ERROR, "internal error; see the server log")

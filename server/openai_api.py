@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -22,11 +21,10 @@ from antiphon.server.completions import (
     session_xarg,
 )
 from antiphon.server.context import AppContext
-from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.errors import ApiError, unexpected_error
 from antiphon.server.http import authorize, read_model
 from antiphon.server.limits import Slot
 
-logger = logging.getLogger(__name__)
 router = APIRouter()
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the reply
 
@@ -142,10 +140,11 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
         ctx.metrics.errors.labels(err.code.value).inc()
         yield error(err)
         return
-    except Exception:
-        logger.exception("chat completion %s failed", completion_id)
-        ctx.metrics.errors.labels(ErrorCode.INTERNAL_ERROR.value).inc()
-        yield error(ApiError(ErrorCode.INTERNAL_ERROR, "internal error; see the server log"))
+    except Exception as exc:
+        failure = unexpected_error(exc, f"chat completion {completion_id}",
+                                   "the session's context was not saved")
+        ctx.metrics.errors.labels(failure.code.value).inc()
+        yield error(failure)
         return
     finally:
         await _release(ctx, gen, slot)

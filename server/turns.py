@@ -17,7 +17,7 @@ from contextlib import aclosing
 from antiphon.engine_ext.types import ChatContext, ChatTurn
 from antiphon.server import protocol
 from antiphon.server.chat import ChatService, Generation
-from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.errors import ApiError, ErrorCode, unexpected_error
 from antiphon.server.metrics import ServerMetrics
 from antiphon.sessions.store import Message, Session, SessionStore
 
@@ -246,11 +246,10 @@ class SessionTurns:
                 if gen.pieces or not gen.replaces_reply:  # a regenerate stopped before its
                     await self._commit_reply(session_id, gen)  # first token keeps the old
             except Exception as exc:  # the store failed (a full disk): say so, do not hang
-                logger.exception("session %s: the reply to %s could not be saved", session_id,
-                                 rid)
                 is_committed = True  # a second try in the handler below would fail alike
-                await emit(protocol.error_frame(ApiError(
-                    ErrorCode.INTERNAL_ERROR, f"the reply could not be saved: {exc}"), rid))
+                await emit(protocol.error_frame(unexpected_error(
+                    exc, f"session {session_id}: saving the reply to {rid}",
+                    "the reply was not saved (regenerate asks for it again)"), rid))
                 return
             is_committed = True
             await emit(protocol.encode(

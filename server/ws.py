@@ -8,7 +8,6 @@ cancels its turns, which aborts their generations and frees their KV pages.
 from __future__ import annotations
 
 import asyncio
-import logging
 import secrets
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -16,10 +15,8 @@ from fastapi import WebSocket, WebSocketDisconnect
 from antiphon.server import protocol
 from antiphon.server.auth import key_from_headers
 from antiphon.server.context import AppContext
-from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.errors import ApiError, ErrorCode, unexpected_error
 from antiphon.server.limits import Slot
-
-logger = logging.getLogger(__name__)
 
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_TRY_AGAIN = 1013
@@ -77,11 +74,10 @@ class Connection:
             if msg is None:  # the frame did not decode: name the request its text carries
                 request_id = protocol.find_request_id(data)
             await self.send(protocol.error_frame(err, request_id))
-        except Exception:
-            logger.exception("websocket frame failed")
-            self.ctx.metrics.errors.labels(ErrorCode.INTERNAL_ERROR.value).inc()
-            await self.send(protocol.error_frame(ApiError(
-                ErrorCode.INTERNAL_ERROR, "internal error; see the server log"), request_id))
+        except Exception as exc:
+            failure = unexpected_error(exc, f"websocket {msg.type if msg else 'frame'}")
+            self.ctx.metrics.errors.labels(failure.code.value).inc()
+            await self.send(protocol.error_frame(failure, request_id))
 
     async def _dispatch(self, msg: protocol.ClientMessage) -> None:
         turns = self.ctx.turns
