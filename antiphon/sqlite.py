@@ -22,6 +22,9 @@ class SqliteDb:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._db.execute("PRAGMA foreign_keys=ON")
+        # What is deleted (a session, its messages and context) is overwritten in the file,
+        # not left in its free pages.
+        self._db.execute("PRAGMA secure_delete=ON")
         self._db.executescript(schema)
 
     def close(self) -> None:

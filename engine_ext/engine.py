@@ -9,6 +9,7 @@ The server never touches vLLM types: it renders a conversation to token ids, sub
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -36,6 +37,10 @@ from antiphon.engine_ext.types import (
 from antiphon.tiering.config import TieringConfig
 
 logger = logging.getLogger(__name__)
+
+# How long `forget` waits for a deleted session's KV to be erased (its SSD slots zeroed behind
+# the writes queued before them) before it gives up; the server then tries again later.
+FORGET_TIMEOUT_S = 120.0
 
 # vLLM orders waiting requests by ascending priority value.
 _PRIORITY = {RequestClass.RT: 0, RequestClass.BE: 1}
@@ -151,6 +156,13 @@ class Engine(abc.ABC):
         tokens the KV tiers hold, None when the engine keeps no tiers."""
         return None
 
+    async def forget(self, session_id: str, chains: Sequence[Sequence[int]],
+                     cache_salt: str | None = None) -> int | None:
+        """`session_id` was deleted: erase from the KV tiers every chunk of the token
+        sequences it ran (`chains`, with `cache_salt`), and drop its advisory. Returns the
+        chunk-layers erased, None when the engine keeps no tiers."""
+        return None
+
     async def tiering_stats(self) -> dict[str, Any]:
         """KV tier counters (tokens served per tier, advisories, occupancy); {} without."""
         return {}
@@ -235,9 +247,12 @@ class VllmEngine(Engine):
 
         from antiphon.tiering.connector import kv_transfer_config
 
-        # Anything that changes the KV bytes separates stored KV: the weights and the dtype.
-        model_id = f"{self.model_dir.resolve()}|{self.dtype}"
-        return KVTransferConfig(**kv_transfer_config(self.tiering, model_id))
+        return KVTransferConfig(**kv_transfer_config(self.tiering, self._tier_model_id))
+
+    @property
+    def _tier_model_id(self) -> str:
+        """What separates stored KV: anything that changes its bytes, the weights and dtype."""
+        return f"{self.model_dir.resolve()}|{self.dtype}"
 
     def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True) -> list[int]:
         conversation = [{"role": t.role, "content": t.content} for t in turns]
@@ -342,6 +357,26 @@ class VllmEngine(Engine):
         held = await self._llm.engine_core.call_utility_async(
             "antiphon_advise", session_id, context_token_ids, expected_arrival_s, cache_salt)
         return None if held < 0 else int(held)
+
+    async def forget(self, session_id: str, chains: Sequence[Sequence[int]],
+                     cache_salt: str | None = None) -> int | None:
+        if self._llm is None or self.tiering is None:
+            return None
+        from antiphon.tiering.keys import chain_hashes
+
+        salt = cache_salt.encode() if cache_salt else b""  # as the connector salts requests
+        hashes = await asyncio.to_thread(chain_hashes, chains, self.tiering.chunk_tokens,
+                                         self._tier_model_id, salt=salt)
+        core = self._llm.engine_core
+        if not await core.call_utility_async("antiphon_forget", session_id, sorted(hashes)):
+            return None
+        deadline = time.monotonic() + FORGET_TIMEOUT_S
+        while (erased := await core.call_utility_async("antiphon_forgotten", session_id)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the erasure of session {session_id}'s KV did not finish "
+                                   f"in {FORGET_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(0.05)
+        return int(erased)
 
     async def tiering_stats(self) -> dict[str, Any]:
         if self._llm is None or self.tiering is None:

@@ -456,6 +456,31 @@ def _engine_core_advise(self: EngineCore, session_id: str, token_ids: list[int],
     return int(planner.advise(session_id, token_ids, expected_arrival_s, salt=salt))
 
 
+def _engine_core_forget(self: EngineCore, session_id: str, prefix_hashes: list[bytes]) -> bool:
+    """EngineCore utility method: start erasing a deleted session's KV from the tiers (in a
+    thread: steps go on); `antiphon_forgotten` says when it is done. False when KV tiering
+    is off."""
+    planner = _tier_planner(self)
+    if planner is None:
+        return False
+    planner.forget(session_id, prefix_hashes)
+    return True
+
+
+def _engine_core_forgotten(self: EngineCore, session_id: str) -> int | None:
+    """EngineCore utility method: the chunk-layers `antiphon_forget` erased, once every
+    erasure is on disk (None until then)."""
+    planner = _tier_planner(self)
+    done = None if planner is None else planner.forgotten(session_id)
+    if done is None:
+        return None
+    erased, kept = done
+    if kept:
+        logger.info("session %s deleted: %d chunk-layers of its KV erased, %d kept (running "
+                    "turns share them)", session_id, erased, kept)
+    return erased
+
+
 def _engine_core_tiering_stats(self: EngineCore) -> dict[str, Any]:
     """EngineCore utility method: the KV connector's counters ({} when tiering is off)."""
     planner = _tier_planner(self)
@@ -467,6 +492,8 @@ EngineCore.antiphon_scheduler_stats = _engine_core_stats  # type: ignore[attr-de
 EngineCore.antiphon_set_policy = _engine_core_set_policy  # type: ignore[attr-defined]
 EngineCore.antiphon_advise = _engine_core_advise  # type: ignore[attr-defined]
 EngineCore.antiphon_tiering_stats = _engine_core_tiering_stats  # type: ignore[attr-defined]
+EngineCore.antiphon_forget = _engine_core_forget  # type: ignore[attr-defined]
+EngineCore.antiphon_forgotten = _engine_core_forgotten  # type: ignore[attr-defined]
 EngineCore.antiphon_use_cost_model = _engine_core_use_cost_model  # type: ignore[attr-defined]
 EngineCore.antiphon_recorded_steps = _engine_core_recorded_steps  # type: ignore[attr-defined]
 EngineCore.antiphon_check_integrity = _engine_core_check_integrity  # type: ignore[attr-defined]

@@ -38,6 +38,7 @@ class ScriptedEngine(Engine):
         self.active_request_ids: set[str] = set()
         self.finished_request_ids: list[str] = []
         self.advisories: list[tuple[str, list[int], float | None]] = []
+        self.forgotten: list[tuple[str, list[list[int]], str | None]] = []  # `forget` calls
         self.cache_salts: list[str | None] = []  # of each request, then each advisory
         self._replies: dict[tuple[int, ...], str] = {}
         self._is_running = False
@@ -130,3 +131,11 @@ class ScriptedEngine(Engine):
 
     async def shutdown(self) -> None:
         self._is_running = False
+
+    async def forget(self, session_id: str, chains: Sequence[Sequence[int]],
+                     cache_salt: str | None = None) -> int | None:
+        """Recorded in `forgotten`; no KV tiers here, so None."""
+        if self._is_dead:
+            raise EngineDeadError("the scripted engine died")
+        self.forgotten.append((session_id, [list(c) for c in chains], cache_salt))
+        return None

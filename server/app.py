@@ -44,6 +44,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
         await engine.start()
         segments.remember(before)
         await ctx.batches.start()
+        ctx.turns.erase_deleted_kv()  # of sessions deleted before a restart, if any are left
         sampler = asyncio.create_task(ctx.dashboard.run())
         watchdog = asyncio.create_task(watch_engine(ctx))
         ctx.is_ready = True
@@ -58,6 +59,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await ctx.batches.stop()
+            await ctx.turns.stop_erasing()  # what is left, the next start erases
             await engine.shutdown()
             segments.forget()
             ctx.store.close()

@@ -215,6 +215,8 @@ _TIERING_COUNTERS = (
      "Advisories that expired unused"),
     ("advisories_reclaimed", "antiphon_kv_advisories_reclaimed_total",
      "Advisories whose prefetched KV was given up for a running turn's host room"),
+    ("chunk_layers_forgotten", "antiphon_kv_chunk_layers_forgotten_total",
+     "Chunk-layers of KV erased from the tiers because their session was deleted"),
     ("turns_held", "antiphon_kv_turns_held_total",
      "Turns held to a later step for their SSD fetch"),
     ("turns_fetched_in_step", "antiphon_kv_turns_fetched_in_step_total",

@@ -7,6 +7,7 @@ per session is in flight at a time, so the conversation has a single order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
@@ -66,6 +67,7 @@ class SessionTurns:
         self.metrics = metrics
         self._busy: dict[str, str] = {}  # session id -> the request answering in it
         self._last_typing_s: dict[str, float] = {}  # session id -> its last typing advisory
+        self._eraser: asyncio.Task[None] | None = None  # erasing deleted sessions' KV
 
     async def open(self, owner: str, session_id: str | None,
                    title: str | None = None) -> tuple[Session, list[Message]]:
@@ -112,8 +114,45 @@ class SessionTurns:
             await self.get(owner, session_id)  # someone else's session stays "not found"
             raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is answering a "
                            "message; stop the reply before deleting the session")
-        if not await asyncio.to_thread(self.store.delete_session, owner, session_id):
+        await self.get(owner, session_id)
+        if not await asyncio.to_thread(self.store.delete_session, owner, session_id,
+                                       await asyncio.to_thread(self._last_prompt, session_id)):
             raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
+        self.erase_deleted_kv()
+
+    def erase_deleted_kv(self) -> None:
+        """Have the engine erase the KV of deleted sessions from its tiers, in the
+        background (those the store has queued: from now, or from before a restart)."""
+        if self._eraser is None or self._eraser.done():
+            self._eraser = asyncio.create_task(self._erase_deleted_kv())
+
+    async def stop_erasing(self) -> None:
+        if self._eraser is not None:
+            self._eraser.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._eraser
+
+    async def _erase_deleted_kv(self) -> None:
+        while pending := await asyncio.to_thread(self.store.pending_erasures):
+            for erasure_id, session_id, owner, chains in pending:
+                try:
+                    erased = await self.chat.engine.forget(session_id, chains,
+                                                           self.chat.cache_salt(owner))
+                except Exception:  # the engine is down: the next start erases it
+                    logger.exception("session %s: its KV could not be erased yet", session_id)
+                    return
+                logger.info("session %s deleted: %d chunk-layers of its KV erased", session_id,
+                            erased or 0)
+                await asyncio.to_thread(self.store.finish_erasure, erasure_id)
+
+    def _last_prompt(self, session_id: str) -> list[int] | None:
+        """The prompt the session's conversation renders to now (that of a turn whose reply
+        was never stored, if one is pending), for the erasure of its KV."""
+        history, context, _ = self._history(session_id)
+        if not history:
+            return None
+        return self.chat.engine.continue_chat([ChatTurn(m.role, m.content) for m in history],
+                                              context)
 
     async def record_advisory(self, owner: str, session_id: str, source: str,
                               expected_arrival_s: float | None = None) -> int | None:

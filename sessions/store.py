@@ -53,7 +53,28 @@ CREATE TABLE IF NOT EXISTS windows (
     session_id    TEXT PRIMARY KEY REFERENCES sessions(session_id) ON DELETE CASCADE,
     first_message INTEGER NOT NULL
 );
+-- Token sequences a session ran that its stored context no longer extends (a window cut, a
+-- prompt rendered anew): the KV tiers may hold their chunks, which its deletion erases.
+CREATE TABLE IF NOT EXISTS kv_chains (
+    session_id TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE,
+    token_ids  BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS kv_chains_session ON kv_chains(session_id);
+-- Deleted sessions whose KV the engine has yet to erase from its tiers (kept across a
+-- restart; a row goes once the engine has erased it).
+CREATE TABLE IF NOT EXISTS kv_erasures (
+    erasure_id INTEGER PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    owner      TEXT NOT NULL,
+    chains     BLOB NOT NULL
+);
 """
+
+# Before a session's stored context is replaced: keep it as a chain unless the new context
+# (parameter 2, token ids as `_ids` packs them) extends it.
+_KEEP_DIVERGED_CHAIN = (
+    "INSERT INTO kv_chains SELECT session_id, token_ids FROM contexts WHERE session_id = ?"
+    " AND (? IS NULL OR substr(?, 1, length(token_ids)) != token_ids)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +110,30 @@ _SESSION_COLUMNS = (
     "s.session_id, s.owner, s.title, s.created_at, s.updated_at,"
     " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id),"
     " COALESCE((SELECT first_message FROM windows w WHERE w.session_id = s.session_id), 0)")
+
+
+def _ids(token_ids: Sequence[int]) -> bytes:
+    return array.array("I", token_ids).tobytes()
+
+
+def _unpack_ids(blob: bytes) -> tuple[int, ...]:
+    ids = array.array("I")
+    ids.frombytes(blob)
+    return tuple(ids)
+
+
+def _pack_chains(chains: Sequence[bytes]) -> bytes:
+    """Token-id blobs, each behind its length in tokens."""
+    return b"".join(array.array("I", [len(c) // 4]).tobytes() + c for c in chains)
+
+
+def _unpack_chains(blob: bytes) -> list[tuple[int, ...]]:
+    ids = _unpack_ids(blob)
+    chains, at = [], 0
+    while at < len(ids):
+        chains.append(ids[at + 1:at + 1 + ids[at]])
+        at += 1 + ids[at]
+    return chains
 
 
 def new_session_id() -> str:
@@ -160,12 +205,46 @@ class SessionStore:
             )
         return cur.rowcount == 1
 
-    def delete_session(self, owner: str, session_id: str) -> bool:
+    def delete_session(self, owner: str, session_id: str,
+                       last_prompt: Sequence[int] | None = None) -> bool:
+        """Delete the session with its messages, and queue the erasure of its KV from the
+        engine's tiers (`kv_erasures`): its stored context, its earlier chains, and
+        `last_prompt` (the prompt its conversation renders to now: that of a turn whose reply
+        was never stored). False (nothing changed) when `owner` has no such session."""
+        with self._db.transaction() as db:
+            if db.execute("SELECT 1 FROM sessions WHERE session_id = ? AND owner = ?",
+                          (session_id, owner)).fetchone() is None:
+                return False
+            chains = [row[0] for row in db.execute(
+                "SELECT token_ids FROM contexts WHERE session_id = ? UNION ALL"
+                " SELECT token_ids FROM kv_chains WHERE session_id = ?",
+                (session_id, session_id))]
+            if last_prompt:
+                chains.append(_ids(last_prompt))
+            if chains:
+                db.execute("INSERT INTO kv_erasures (session_id, owner, chains) VALUES (?, ?, ?)",
+                           (session_id, owner, _pack_chains(chains)))
+            db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+        return True
+
+    def pending_erasures(self) -> list[tuple[int, str, str, list[tuple[int, ...]]]]:
+        """(erasure id, session id, owner, token chains) of each deleted session whose KV the
+        engine has not yet erased, oldest first."""
         with self._db.locked() as db:
-            cur = db.execute(
-                "DELETE FROM sessions WHERE session_id = ? AND owner = ?", (session_id, owner)
-            )
-        return cur.rowcount == 1
+            rows = db.execute("SELECT erasure_id, session_id, owner, chains FROM kv_erasures"
+                              " ORDER BY erasure_id").fetchall()
+        return [(r[0], r[1], r[2], _unpack_chains(r[3])) for r in rows]
+
+    def finish_erasure(self, erasure_id: int) -> None:
+        with self._db.locked() as db:
+            db.execute("DELETE FROM kv_erasures WHERE erasure_id = ?", (erasure_id,))
+
+    def kv_chains(self, session_id: str) -> list[tuple[int, ...]]:
+        """The token sequences the session ran that its stored context does not extend."""
+        with self._db.locked() as db:
+            rows = db.execute("SELECT token_ids FROM kv_chains WHERE session_id = ?",
+                              (session_id,)).fetchall()
+        return [_unpack_ids(r[0]) for r in rows]
 
     def messages(self, session_id: str) -> list[Message]:
         with self._db.locked() as db:
@@ -200,20 +279,24 @@ class SessionStore:
             db.execute("UPDATE sessions SET updated_at = ? WHERE session_id = ?",
                        (now, session_id))
             if context_ids is not None:
+                ids = _ids(context_ids)
+                db.execute(_KEEP_DIVERGED_CHAIN, (session_id, ids, ids))
                 db.execute(
                     "INSERT OR REPLACE INTO contexts SELECT ?, COUNT(*), ? FROM messages"
                     " WHERE session_id = ?",
-                    (session_id, array.array("I", context_ids).tobytes(), session_id))
+                    (session_id, ids, session_id))
         return Message(role, content, num_tokens, now, finish_reason)
 
     def set_context(self, session_id: str, token_ids: Sequence[int]) -> None:
         """Keep `token_ids` as the session's context with no messages behind it
         (`num_messages` 0): the last exchange of a client that sends the whole conversation
         itself (the OpenAI API), which advisories bring forward. Bumps updated_at."""
+        ids = _ids(token_ids)
         with self._db.transaction() as db:
+            db.execute(_KEEP_DIVERGED_CHAIN, (session_id, ids, ids))
             db.execute("INSERT OR REPLACE INTO contexts SELECT session_id, 0, ? FROM sessions"
                        " WHERE session_id = ?",  # nothing once the session is deleted
-                       (array.array("I", token_ids).tobytes(), session_id))
+                       (ids, session_id))
             db.execute("UPDATE sessions SET updated_at = ? WHERE session_id = ?",
                        (time.time(), session_id))
 
@@ -225,9 +308,7 @@ class SessionStore:
                 (session_id,)).fetchone()
         if row is None:
             return None
-        ids = array.array("I")
-        ids.frombytes(row[1])
-        return row[0], tuple(ids)
+        return row[0], _unpack_ids(row[1])
 
     def window_start(self, session_id: str) -> int:
         """The first message the model sees of the session's conversation (`move_window`)."""
@@ -242,6 +323,7 @@ class SessionStore:
         with self._db.transaction() as db:
             db.execute("INSERT OR REPLACE INTO windows SELECT session_id, ? FROM sessions"
                        " WHERE session_id = ?", (first_message, session_id))
+            db.execute(_KEEP_DIVERGED_CHAIN, (session_id, None, None))
             db.execute("DELETE FROM contexts WHERE session_id = ?", (session_id,))
 
     def record_advisory(self, session_id: str, source: str, received_at: float) -> None:

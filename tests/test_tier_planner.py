@@ -339,6 +339,7 @@ def test_every_counter_is_exported_to_prometheus(planner: TierPlanner) -> None:
     text = tiering_metrics_text(planner.stats()).decode()
     assert 'antiphon_kv_tokens_total{tier="host"} 0' in text
     assert "antiphon_kv_advisories_reclaimed_total 0" in text
+    assert "antiphon_kv_chunk_layers_forgotten_total 0" in text
     assert 'antiphon_kv_tier_bytes{tier="host",kind="capacity"} 4096' in text
     assert tiering_metrics_text({}) == b""
 

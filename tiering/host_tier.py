@@ -102,6 +102,16 @@ class HostTier(IndexedTier[HostSlot]):
         with self._lock:
             return key in self._reserved
 
+    def remove(self, key: ChunkKey) -> bool:
+        """Delete `key` now (not while pinned); its slot's bytes are zeroed (the tier keeps
+        no copy of a deleted session's KV), then freed."""
+        with self._lock:
+            location = self.location_of(key)
+            removed = super().remove(key)
+            if removed and location is not None:
+                self.arena.write(location.slot, bytes(location.num_bytes))
+            return removed
+
     def close(self) -> None:
         with self._lock:
             self.arena.close()

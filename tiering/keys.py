@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 _SEED_DOMAIN = b"antiphon-kv-v1\0"
 PREFIX_HASH_BYTES = 32  # sha256
@@ -128,3 +128,20 @@ def tail_hashes(previous: bytes, tail_token_ids: Sequence[int]) -> list[bytes]:
         digest.update(struct.pack("<q", token))
         hashes.append(digest.copy().digest())
     return hashes
+
+
+def chain_hashes(chains: Iterable[Sequence[int]], chunk_tokens: int, model_id: str, *,
+                 salt: bytes = b"") -> set[bytes]:
+    """Every prefix hash the KV of `chains` (token sequences a session ran) can be stored
+    under: each full chunk, and each partial chunk that a turn ending at any point of a chain
+    would have saved (every length from 1 to `chunk_tokens - 1` after every full chunk)."""
+    found: set[bytes] = set()
+    seed = prefix_seed(model_id, salt)
+    for tokens in chains:
+        hashes = prefix_hashes(tokens, chunk_tokens, model_id, salt=salt)
+        found.update(hashes)
+        for index in range(len(hashes) + 1):
+            start = index * chunk_tokens
+            rest = tokens[start:min(len(tokens), start + chunk_tokens - 1)]
+            found.update(tail_hashes(hashes[index - 1] if index else seed, rest))
+    return found

@@ -29,7 +29,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from antiphon.tiering.build import build_tiered_store
@@ -132,6 +133,7 @@ class TieringCounters:
     saved_chunks: int = 0  # chunks (all layers) saved from the device
     saves_refused: int = 0  # chunks not saved: no host slot, every one pinned (recomputed later)
     advisories_received: int = 0
+    chunk_layers_forgotten: int = 0  # erased from the tiers when their session was deleted
     advisories_used: int = 0  # a turn of the session arrived while the advisory was live
     advisories_expired: int = 0
     prefetch_load_s_sum: float = 0.0  # advisory prefetch time, received -> all in host
@@ -183,6 +185,7 @@ class TierPlanner:
         self._in_flight: dict[int, _InFlight] = {}
         self._pending_checkpoints: list[PageCopy] = []
         self._checkpoints: dict[str, Checkpoint] = {}  # the preemption table
+        self._forgetting: dict[str, Future[tuple[int, int]]] = {}  # deleted sessions' erasures
         self._retiring: list[PrefetchHandle] = []
         self.counters = TieringCounters()
 
@@ -512,6 +515,60 @@ class TierPlanner:
                 session, now, due + self.config.advisory_ttl_s, handle, match.num_tokens)
             self.store.set_hint(session, [key.prefix_hash for key in match.chunks], 1.0)
             return match.num_tokens
+
+    # -- deleted sessions ---------------------------------------------------------------------
+
+    def forget(self, session: str, prefix_hashes: Collection[bytes]
+               ) -> Future[tuple[int, int]]:
+        """`session` was deleted: drop its advisory, and erase from every tier each
+        chunk-layer stored under one of `prefix_hashes` (`keys.chain_hashes` of the token
+        sequences it ran), bytes and all, in a thread of its own (the engine's steps go on).
+        A copy pinned by a running turn, or held for a checkpointed request, stays: that turn
+        shares the prefix. The future resolves to (chunk-layers erased, kept) once every
+        erasure is on disk; `forgotten(session)` reads it."""
+        wanted = set(prefix_hashes)
+        done: Future[tuple[int, int]] = Future()
+        with self._lock:
+            self._release_advisory(session)
+            self.store.clear_hint(session)
+            wanted -= {key.prefix_hash for cp in self._checkpoints.values() for key in cp.chunks}
+            self._forgetting[session] = done
+
+        def erase() -> None:
+            try:
+                done.set_result(self._erase(wanted))
+            except BaseException as exc:
+                done.set_exception(exc)
+        threading.Thread(target=erase, name="antiphon-forget", daemon=True).start()
+        return done
+
+    def forgotten(self, session: str) -> tuple[int, int] | None:
+        """What `forget(session)` erased and kept, once it is done (None until then; (0, 0)
+        for a session it was not asked to forget). Raises what the erasure raised."""
+        with self._lock:
+            done = self._forgetting.get(session)
+            if done is None:
+                return 0, 0
+            if not done.done():
+                return None
+            del self._forgetting[session]
+        return done.result()
+
+    def _erase(self, wanted: set[bytes]) -> tuple[int, int]:
+        erased = kept = 0
+        for tier in self.store.tiers:  # a scan of each index beats probing every layer of
+            stored = tier.keys()  # up to 127 partial lengths per chunk (a snapshot: removes
+            for key in stored:  # go on under it)
+                if key.prefix_hash in wanted:
+                    if tier.remove(key):
+                        erased += 1
+                    else:
+                        kept += 1
+        for tier in self.store.tiers:
+            tier.barrier().result()  # its queued erasures, on disk
+        with self._lock:
+            self.counters.chunk_layers_forgotten += erased
+        return erased, kept
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -138,6 +138,7 @@ class SlotFile:
         self.slot_bytes = slot_bytes
         self.stride = stride_for(slot_bytes)
         self.fsync = fsync
+        self._zero_slot = b""  # `clear`'s zeros, made on its first use
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self.was_reset = False
         try:
@@ -170,9 +171,12 @@ class SlotFile:
             os.fdatasync(self._fd)
 
     def clear(self, slot: int) -> None:
-        """Mark `slot` empty (its header page zeroed), if the file reaches it."""
+        """Erase `slot`, if the file reaches it: its header and payload zeroed, so neither a
+        restart nor a reader of the file finds what it held."""
         if slot < self.num_slots_on_disk:
-            os.pwrite(self._fd, _ZERO_PAGE, self.offset(slot))
+            if not self._zero_slot:
+                self._zero_slot = bytes(self.stride)
+            os.pwrite(self._fd, self._zero_slot, self.offset(slot))
             if self.fsync:
                 os.fdatasync(self._fd)
 

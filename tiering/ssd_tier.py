@@ -168,6 +168,11 @@ class SsdTier(IndexedTier[SsdSlot]):
             self._clear_behind(slot)
         return removed
 
+    def barrier(self) -> Future[bool]:
+        if self._writer is None:
+            return done_future(True)
+        return self._writer.submit(lambda: True)  # jobs run in order: those before it first
+
     def flush(self) -> None:
         if self._writer is not None:
             self._writer.flush()

@@ -139,6 +139,11 @@ class Tier(abc.ABC):
         """
         return done_future(self.put(key, data))
 
+    def barrier(self) -> Future[bool]:
+        """A future that resolves once every write and erasure queued before it is done
+        (at once where nothing is queued)."""
+        return done_future(True)
+
     def flush(self) -> None:
         """Block until every accepted write is durable (no-op for synchronous tiers)."""
         return None

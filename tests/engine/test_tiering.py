@@ -16,6 +16,7 @@ from antiphon.engine_ext.engine import VllmEngine
 from antiphon.engine_ext.types import ChatTurn, GenerationParams
 from antiphon.model import resolve_model
 from antiphon.tiering.config import MiB, TieringConfig
+from antiphon.tiering.keys import chain_hashes
 from antiphon.tiering.slot_file import RECORD_HEADER_BYTES, SlotFile, stored_slot_bytes
 from tests.engine import TEST_DTYPE
 
@@ -180,3 +181,60 @@ def damage_every_third_record(ssd_dir: Path) -> int:
 def test_tiering_config_is_validated() -> None:
     with pytest.raises(ValueError, match="advisory_ttl_s"):
         dataclasses.replace(TieringConfig(), advisory_ttl_s=0)
+
+
+async def test_a_deleted_sessions_kv_leaves_host_and_ssd(tmp_path: Path) -> None:
+    """`forget` erases a session's KV from both tiers (the SSD slot file keeps no record of
+    it), leaves another session's, and the session's prompt then recomputes to the same
+    greedy reply."""
+    eng = await tiered_engine(tmp_path / "ssd")
+    try:
+        turns: list[ChatTurn] = []
+        chains, replies = [], []
+        for index, question in enumerate(QUESTIONS[:2]):
+            assert await eng.reset_prefix_cache()
+            turns.append(ChatTurn("user", question))
+            prompt = eng.render_chat(turns)
+            output: list[int] = []
+            text = ""
+            params = GenerationParams(max_tokens=40, temperature=0.0, session_id="gone")
+            async for delta in eng.generate(f"gone-{index}", prompt, params):
+                output += delta.token_ids
+                text += delta.text
+            turns.append(ChatTurn("assistant", text))
+            chains.append(eng.context_tokens(prompt, output))  # what the server stores
+            replies.append(text)
+        other = eng.render_chat([ChatTurn("user", "Name three colours of the sea. " * 20)])
+        async for _ in eng.generate("kept-0", other, GenerationParams(max_tokens=8,
+                                                                        session_id="kept")):
+            pass
+        first_prompt = eng.render_chat([ChatTurn("user", QUESTIONS[0])])
+        # An advisory of the session pins its KV in the host tier; the delete releases it.
+        assert (await eng.advise("gone", first_prompt, None) or 0) > 0
+        before = await eng.tiering_stats()
+
+        erased = await eng.forget("gone", chains)
+
+        stats = await eng.tiering_stats()
+        assert erased and stats["chunk_layers_forgotten"] == erased, stats
+        assert (stats["tiers"]["host"]["used_bytes"] < before["tiers"]["host"]["used_bytes"])
+        assert await eng.advise("probe-2", first_prompt, None) == 0  # in no tier
+        assert (await eng.advise("probe-3", other, None) or 0) > 0  # the other session's stay
+        ssd_dir = tmp_path / "ssd"
+        gone = chain_hashes(chains, eng.tiering.chunk_tokens,  # type: ignore[union-attr]
+                            eng._tier_model_id)
+        slot_bytes = stored_slot_bytes(ssd_dir)
+        assert slot_bytes is not None
+        with SlotFile(ssd_dir, slot_bytes) as slots:
+            records = [slots.read_header(s) for s in range(slots.num_slots_on_disk)]
+        keys = [r.key for r in records if r is not None]
+        assert keys and not [k for k in keys if k.prefix_hash in gone]
+        assert await eng.reset_prefix_cache()
+        text, cached = "", 0
+        async for delta in eng.generate("again", first_prompt,
+                                        GenerationParams(max_tokens=40, temperature=0.0)):
+            text += delta.text
+            cached = max(cached, delta.num_cached_tokens)
+        assert (text, cached) == (replies[0], 0)
+    finally:
+        await eng.shutdown()

@@ -1,0 +1,195 @@
+"""A deleted session's KV leaves the tiers: the planner erases it from host and SSD (bytes and
+all), the store queues the erasure with the session's delete and keeps it across a restart,
+and the server has the engine carry it out."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect
+
+from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.sessions.store import SessionStore
+from antiphon.tiering.keys import chain_hashes, prefix_hashes, tail_hashes
+from antiphon.tiering.planner import TierPlanner, TokenView
+from tests.conftest import scripted_config
+from tests.liveserver import live_server
+from tests.test_tier_planner import CHUNK, LAYERS, TURN1, make_planner, run_turn
+from tests.wsclient import chat, open_session, recv_until, send
+
+OTHER = list(range(200, 211))  # another session's 11 tokens
+
+
+def test_chain_hashes_name_every_full_chunk_and_every_partial_one() -> None:
+    tokens = list(range(10))  # 2 full chunks of 4, then 2 tokens
+    found = chain_hashes([tokens], CHUNK, "m")
+    full = prefix_hashes(tokens, CHUNK, "m")
+    assert set(full) <= found
+    assert set(tail_hashes(full[1], tokens[8:])) <= found  # the tail a turn ended with
+    assert set(tail_hashes(full[0], tokens[4:7])) <= found  # one an earlier turn ended with
+    assert len(found) == 2 + 3 + 3 + 2  # full chunks, then tails of 1-3, 1-3 and 1-2 tokens
+    assert not found & chain_hashes([tokens], CHUNK, "m", salt=b"other key")
+
+
+def session_keys(planner: TierPlanner, tier: int, tokens: list[int]) -> list[object]:
+    wanted = chain_hashes([tokens], CHUNK, "test-model")
+    stored = planner.store.tiers[tier].keys()  # a tier's snapshot, not a dict's view
+    return [k for k in stored if k.prefix_hash in wanted]
+
+
+def test_a_deleted_sessions_kv_is_erased_from_every_tier_bytes_and_all(tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd")
+    chain = [*TURN1, 110]
+    try:
+        run_turn(planner, "r1", chain, [7, 8, 9], session="s1")
+        run_turn(planner, "r2", OTHER, [4, 5, 6], session="s2")
+        planner.store.flush()
+        host, ssd = planner.store.tiers
+        mine = session_keys(planner, 0, chain)
+        assert len(mine) == 3 * LAYERS == len(session_keys(planner, 1, chain))
+        host_slots = [host.slot_of(k) for k in mine]  # type: ignore[attr-defined]
+        ssd_slots = [ssd.slot_of(k) for k in mine]  # type: ignore[attr-defined]
+        planner.advise("s1", chain, expected_arrival_s=None)
+
+        erased, kept = planner.forget("s1", chain_hashes([chain], CHUNK, "test-model")).result(10)
+
+        assert (erased, kept) == (2 * 3 * LAYERS, 0)
+        assert session_keys(planner, 0, chain) == [] == session_keys(planner, 1, chain)
+        assert len(session_keys(planner, 0, OTHER)) == 3 * LAYERS  # the other session's stay
+        assert len(session_keys(planner, 1, OTHER)) == 3 * LAYERS
+        for slot in host_slots:
+            assert host.arena.read(slot) == bytes(host.slot_bytes)  # type: ignore[attr-defined]
+        with open(ssd.path, "rb") as f:  # type: ignore[attr-defined]
+            for slot in ssd_slots:
+                f.seek(ssd._file.offset(slot))  # type: ignore[attr-defined]
+                assert f.read(ssd.stride) == bytes(ssd.stride)  # type: ignore[attr-defined]
+        stats = planner.stats()
+        assert stats["chunk_layers_forgotten"] == erased and stats["advisories_live"] == 0
+        planner.store.check_integrity()
+    finally:
+        planner.close()
+    again = make_planner(tmp_path / "ssd")  # a restart finds none of it on SSD
+    try:
+        assert again.advise("s1", chain, expected_arrival_s=None) == 0
+        assert again.advise("s2", OTHER, expected_arrival_s=None) == 10
+    finally:
+        again.close()
+
+
+def test_a_copy_a_running_turn_loads_from_stays(tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd")
+    chain = [*TURN1, 110]
+    try:
+        run_turn(planner, "r1", chain, [7, 8, 9], session="s1")
+        planner.store.flush()
+        follow_up = TokenView("r2", [*chain, 111, 112], session="s1b")  # same prefix
+        planner.add_request(follow_up)
+        assert planner.num_new_matched_tokens(follow_up, 0) == 10
+        planner.plan_load("r2", [1, 2, 3], 10, 13)  # its host copies are pinned now
+        erased, kept = planner.forget("s1", chain_hashes([chain], CHUNK, "test-model")).result(10)
+        assert (erased, kept) == (3 * LAYERS, 3 * LAYERS)  # the SSD copies went, not those
+        assert len(session_keys(planner, 0, chain)) == 3 * LAYERS
+        planner.store.check_integrity()
+    finally:
+        planner.close()
+
+
+def test_the_store_keeps_every_chain_a_session_ran_and_queues_their_erasure(
+        tmp_path: Path) -> None:
+    path = tmp_path / "sessions.sqlite3"
+    store = SessionStore(path)
+    sid = store.create_session("k1").session_id  # type: ignore[union-attr]
+    other = store.create_session("k1").session_id  # type: ignore[union-attr]
+    store.append_message(sid, "user", "a", 1)
+    store.append_message(sid, "assistant", "b", 1, context_ids=[1, 2, 3])
+    store.append_message(sid, "user", "c", 1)
+    store.append_message(sid, "assistant", "d", 1, context_ids=[1, 2, 3, 4, 5])  # extends
+    assert store.kv_chains(sid) == []
+    store.append_message(sid, "assistant", "e", 1, context_ids=[1, 2, 9],  # diverges
+                         replaces_reply=True)
+    assert store.kv_chains(sid) == [(1, 2, 3, 4, 5)]
+    store.move_window(sid, 2)  # the window's cut: the context so far is a chain now
+    store.set_context(sid, [7, 8])
+    assert store.kv_chains(sid) == [(1, 2, 3, 4, 5), (1, 2, 9)]
+    store.append_message(other, "assistant", "x", 1, context_ids=[5, 5])
+
+    assert not store.delete_session("k2", sid, [1, 1])  # someone else's: nothing changes
+    assert store.pending_erasures() == []
+    assert store.delete_session("k1", sid, [7, 8, 6])
+    assert store.kv_chains(sid) == [] and store.context(sid) is None
+    store.close()
+    store = SessionStore(path)  # the queue survives a restart
+    ((erasure_id, session_id, owner, chains),) = store.pending_erasures()
+    assert (session_id, owner) == (sid, "k1")
+    assert sorted(chains) == sorted([(7, 8), (1, 2, 3, 4, 5), (1, 2, 9), (7, 8, 6)])
+    store.finish_erasure(erasure_id)
+    assert store.pending_erasures() == []
+    assert store.context(other) == (1, (5, 5))
+    store.check_integrity()
+    store.close()
+
+
+class FailingForget(ScriptedEngine):
+    """An engine whose tiers cannot be reached (its `forget` fails)."""
+
+    async def forget(self, session_id: str, chains: object, cache_salt: str | None = None
+                     ) -> int | None:
+        raise RuntimeError("the engine is not answering")
+
+
+async def test_deleting_a_session_has_the_engine_erase_its_kv_even_after_a_restart(
+        tmp_path: Path) -> None:
+    config = scripted_config(tmp_path)
+    with live_server(config, FailingForget()) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            first = await chat(ws, sid, "hello")
+            await send(ws, type="session.delete", session_id=sid)
+            await recv_until(ws, "session.deleted")
+        await asyncio.sleep(0.2)
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    assert [e[1] for e in store.pending_erasures()] == [sid]  # not lost with the failure
+    store.close()
+
+    engine = ScriptedEngine()
+    with live_server(config, engine) as url:
+        for _ in range(100):
+            if engine.forgotten:
+                break
+            await asyncio.sleep(0.02)
+    ((session_id, chains, salt),) = engine.forgotten
+    assert (session_id, salt) == (sid, None)
+    context = "<user>hello\n<assistant>" + first["done"]["text"]
+    assert "".join(map(chr, chains[0])) == context
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    assert store.pending_erasures() == []
+    store.close()
+
+
+@pytest.mark.parametrize("owner_key", [None, "key-0001"])
+async def test_the_erasure_names_the_owners_kv(tmp_path: Path, owner_key: str | None) -> None:
+    engine = ScriptedEngine()
+    config = scripted_config(tmp_path, api_keys=() if owner_key is None else (owner_key,))
+    headers = {} if owner_key is None else {"Authorization": f"Bearer {owner_key}"}
+    with live_server(config, engine) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws",
+                           additional_headers=headers) as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            await chat(ws, sid, "hello")
+            await send(ws, type="message", session_id=sid, content="a second message")
+            await recv_until(ws, "done")
+            await send(ws, type="session.delete", session_id=sid)
+            await recv_until(ws, "session.deleted")
+        for _ in range(100):
+            if engine.forgotten:
+                break
+            await asyncio.sleep(0.02)
+    ((_, chains, salt),) = engine.forgotten
+    assert (salt is None) == (owner_key is None)
+    rendered = ["".join(map(chr, c)) for c in chains]
+    # Its context through the last reply, and the prompt of its conversation as it stands.
+    assert any(r.endswith("<user>a second message\n<assistant>You said: a second message")
+               for r in rendered)
+    assert any(r.endswith("You said: a second message\n<assistant>") for r in rendered)
