@@ -151,8 +151,12 @@ class SessionTurns:
         history, context, _ = self._history(session_id)
         if not history:
             return None
-        return self.chat.engine.continue_chat([ChatTurn(m.role, m.content) for m in history],
-                                              context)
+        try:
+            return self.chat.engine.continue_chat(
+                [ChatTurn(m.role, m.content) for m in history], context)
+        except Exception:  # a delete goes on: the stored contexts are erased all the same
+            logger.exception("session %s: its conversation did not render", session_id)
+            return None
 
     async def record_advisory(self, owner: str, session_id: str, source: str,
                               expected_arrival_s: float | None = None) -> int | None:
