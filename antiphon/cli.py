@@ -22,6 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
     from antiphon.engine_ext.engine import VllmEngine
     from antiphon.model import DEFAULT_MODEL_NAME, ModelPrepareError, resolve_model
     from antiphon.server.app import DrainingServer, create_app
+    from antiphon.sqlite import DatabaseDamaged
 
     try:
         config = AppConfig(
@@ -43,6 +44,10 @@ def _serve(args: argparse.Namespace) -> int:
         app = create_app(config, VllmEngine(config.engine, model_dir, config.tiering))
     except DataDirInUseError as exc:
         print(f"antiphon serve: {exc}", file=sys.stderr)
+        return 2
+    except DatabaseDamaged as exc:
+        print(f"antiphon serve: {exc}. Restore it from a backup, or move it aside to start "
+              "with an empty one.", file=sys.stderr)
         return 2
     except OSError as exc:  # the data folder: missing parent, read-only, not a folder
         print(f"antiphon serve: cannot use {exc.filename or config.sessions.data_dir}: "

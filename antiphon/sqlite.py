@@ -9,23 +9,41 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+class DatabaseDamaged(RuntimeError):
+    """A database file that SQLite finds damaged, or that is no SQLite database at all."""
+
+
 class SqliteDb:
     """A connection in autocommit mode: each statement outside `transaction()` commits (and,
     with synchronous FULL, is durable) before it returns."""
 
     def __init__(self, path: Path, schema: str, synchronous: str = "FULL") -> None:
+        """Open (or create) `path` and check it (SQLite's quick_check: 0.15 s for a
+        270 MB file). Raises `DatabaseDamaged` rather than serve from a damaged file, whose
+        writes would fail, and whose reads would be wrong."""
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={synchronous}")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        # What is deleted (a session, its messages and context) is overwritten in the file,
-        # not left in its free pages.
-        self._db.execute("PRAGMA secure_delete=ON")
-        self._db.executescript(schema)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={synchronous}")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            # What is deleted (a session, its messages and context) is overwritten in the
+            # file, not left in its free pages.
+            self._db.execute("PRAGMA secure_delete=ON")
+            problems = [row[0] for row in self._db.execute("PRAGMA quick_check")]
+            if problems != ["ok"]:
+                raise DatabaseDamaged(f"{path} is damaged ({problems[0]}; "
+                                      f"{len(problems)} problems)")
+            self._db.executescript(schema)
+        except sqlite3.DatabaseError as exc:  # "file is not a database", "malformed"
+            self._db.close()
+            raise DatabaseDamaged(f"{path} is damaged ({exc})") from exc
+        except BaseException:
+            self._db.close()
+            raise
 
     def close(self) -> None:
         with self._lock:

@@ -1,6 +1,9 @@
 from pathlib import Path
 
+import pytest
+
 from antiphon.sessions.store import SessionStore
+from antiphon.sqlite import DatabaseDamaged
 
 
 def test_sessions_persist_across_reopen(tmp_path: Path) -> None:
@@ -66,3 +69,37 @@ def test_a_reply_stores_the_exact_context_tokens_with_it(tmp_path: Path) -> None
     assert reopened.delete_session("o", s.session_id)
     assert reopened.context(s.session_id) is None
     reopened.check_integrity()
+
+
+def damage(path: Path, page: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(4096 * page)
+        f.write(bytes(range(256)) * 16)
+
+
+@pytest.mark.parametrize("how", ["a damaged page", "not a database"])
+def test_a_damaged_database_is_refused_with_a_clear_error(tmp_path: Path, how: str) -> None:
+    path = tmp_path / "sessions.sqlite3"
+    store = SessionStore(path)
+    for i in range(60):
+        sid = store.create_session("k", f"title {i} " * 20).session_id  # type: ignore[union-attr]
+        store.append_message(sid, "user", "hello " * 50, 50)
+    store.close()
+    if how == "a damaged page":
+        damage(path, 2)
+    else:
+        path.write_bytes(b"this is no database " * 500)
+    with pytest.raises(DatabaseDamaged, match=r"sessions\.sqlite3 is damaged"):
+        SessionStore(path)
+
+
+def test_serve_refuses_a_damaged_database(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from antiphon.cli import main
+    from tests.conftest import default_model_or_skip
+
+    default_model_or_skip()
+    (tmp_path / "sessions.sqlite3").write_bytes(b"this is no database " * 500)
+    assert main(["serve", "--data-dir", str(tmp_path), "--port", "18999"]) == 2
+    err = capsys.readouterr().err
+    assert "sessions.sqlite3 is damaged" in err and "move it aside" in err
