@@ -73,8 +73,10 @@ CREATE TABLE IF NOT EXISTS kv_erasures (
 # Before a session's stored context is replaced: keep it as a chain unless the new context
 # (parameter 2, token ids as `_ids` packs them) extends it.
 _KEEP_DIVERGED_CHAIN = (
-    "INSERT INTO kv_chains SELECT session_id, token_ids FROM contexts WHERE session_id = ?"
-    " AND (? IS NULL OR substr(?, 1, length(token_ids)) != token_ids)")
+    "INSERT INTO kv_chains SELECT c.session_id, c.token_ids FROM contexts c WHERE"
+    " c.session_id = ? AND (? IS NULL OR substr(?, 1, length(c.token_ids)) != c.token_ids)"
+    " AND NOT EXISTS (SELECT 1 FROM kv_chains k WHERE k.session_id = c.session_id"
+    " AND k.token_ids = c.token_ids)")  # a greedy reply regenerated again: the same chain
 
 
 @dataclasses.dataclass(frozen=True)

@@ -110,6 +110,10 @@ def test_the_store_keeps_every_chain_a_session_ran_and_queues_their_erasure(
     store.append_message(sid, "assistant", "e", 1, context_ids=[1, 2, 9],  # diverges
                          replaces_reply=True)
     assert store.kv_chains(sid) == [(1, 2, 3, 4, 5)]
+    store.append_message(sid, "assistant", "d", 1, context_ids=[1, 2, 3, 4, 5],
+                         replaces_reply=True)  # regenerated back and forth: each kept once
+    store.append_message(sid, "assistant", "e", 1, context_ids=[1, 2, 9], replaces_reply=True)
+    assert store.kv_chains(sid) == [(1, 2, 3, 4, 5), (1, 2, 9)]
     store.move_window(sid, 2)  # the window's cut: the context so far is a chain now
     store.set_context(sid, [7, 8])
     assert store.kv_chains(sid) == [(1, 2, 3, 4, 5), (1, 2, 9)]
