@@ -161,6 +161,25 @@ def test_stop_ends_the_generation(server: ServerProcess, page: Any) -> None:
     page.locator(".msg.assistant.cancelled").wait_for(timeout=30_000)
 
 
+def test_regenerate_replaces_the_reply_with_the_model(server: ServerProcess, page: Any) -> None:
+    page.goto(server.url + "/")
+    wait_connected(page)
+    page.locator("#new-session").click()
+    first = send_message(page, QUESTION)
+    wait_reply_done(first)
+    before = first.locator(".bubble").inner_text()
+    page.locator(".msg-actions .regenerate", has_text="Regenerate").click()
+    page.wait_for_function("document.querySelectorAll('.msg.assistant .timings').length === 1"
+                           " && !document.body.dataset.generating.startsWith('t')")
+    replies = page.locator(".msg.assistant")
+    assert replies.count() == 1 and page.locator(".msg.user").count() == 1
+    assert replies.first.locator(".bubble").inner_text() == before  # greedy: the same reply
+    page.reload()
+    wait_connected(page)
+    page.locator(".msg.assistant .bubble", has_text=before).wait_for()
+    assert page.locator(".msg.assistant").count() == 1
+
+
 def test_a_double_click_on_send_sends_once_and_stops_nothing(server: ServerProcess,
                                                              page: Any) -> None:
     """Stop takes Send's place while a reply streams: the second click lands on it."""
