@@ -332,12 +332,28 @@ class AsyncAntiphon:
         each streamed piece. The session keeps the exchange for the next turn. `request_id`
         (default: a fresh one) is what `cancel` takes; cancelling this call cancels the turn
         on the server too."""
+        return await self._turn({"type": "message", "session_id": session_id,
+                                 "content": content}, request_id, max_tokens, temperature,
+                                on_token)
+
+    async def regenerate(self, session_id: str, *, max_tokens: int | None = None,
+                         temperature: float | None = None,
+                         on_token: Callable[[str], Any] | None = None,
+                         request_id: str | None = None) -> ChatReply:
+        """Answer the session's last user message again: the new reply replaces the last one
+        once it is complete (one stopped before its first token leaves the old one), and a
+        message left without a reply (the server went down while answering it) gets one."""
+        return await self._turn({"type": "regenerate", "session_id": session_id}, request_id,
+                                max_tokens, temperature, on_token)
+
+    async def _turn(self, payload: dict[str, Any], request_id: str | None,
+                    max_tokens: int | None, temperature: float | None,
+                    on_token: Callable[[str], Any] | None) -> ChatReply:
         request_id = request_id or "sdk_" + secrets.token_hex(8)
         async with self._inflight:
-            return await self._chat(session_id, content, request_id, max_tokens, temperature,
-                                    on_token)
+            return await self._chat(payload, request_id, max_tokens, temperature, on_token)
 
-    async def _chat(self, session_id: str, content: str, request_id: str,
+    async def _chat(self, payload: dict[str, Any], request_id: str,
                     max_tokens: int | None, temperature: float | None,
                     on_token: Callable[[str], Any] | None) -> ChatReply:
         if request_id in self._turns:
@@ -345,8 +361,8 @@ class AsyncAntiphon:
                                       f"request {request_id} is in flight on this client")
         turn = _Turn(asyncio.Queue())
         self._turns[request_id] = turn
-        payload: dict[str, Any] = {"type": "message", "session_id": session_id,
-                                   "content": content, "request_id": request_id}
+        session_id = payload["session_id"]
+        payload = {**payload, "request_id": request_id}
         if max_tokens is not None:
             payload["max_tokens"] = max_tokens
         if temperature is not None:

@@ -128,6 +128,21 @@ async def test_reconnects_and_keeps_the_session_consistent(scripted: Scripted) -
         assert messages[5]["finish_reason"] == "cancelled"
 
 
+async def test_regenerate_replaces_the_last_reply(scripted: Scripted) -> None:
+    from tests.test_regenerate import Versioned
+
+    scripted.engine.reply = replies = Versioned()
+    async with AsyncAntiphon(scripted.url) as client:
+        sid = (await client.create_session()).session_id
+        assert (await client.chat(sid, "q")).text == "v1 to q"
+        replies.version = 2
+        again = await client.regenerate(sid, max_tokens=10)
+        assert (again.text, again.finish_reason) == ("v2 to q", "stop")
+        _, messages = await client.get_session(sid)
+    assert [(m["role"], m["content"]) for m in messages] == [("user", "q"),
+                                                             ("assistant", "v2 to q")]
+
+
 async def test_cancel_a_turn(scripted: Scripted) -> None:
     async with AsyncAntiphon(scripted.url) as client:
         sid = (await client.create_session()).session_id
