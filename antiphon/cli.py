@@ -99,10 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     model_commands.add_parser("path", help="print where the default model is prepared")
     model.set_defaults(func=_model)
 
+    from antiphon.backup_cli import add_backup_parser
     from antiphon.batch_cli import add_batch_parser
     from antiphon.bench.cli import add_bench_parser
     from antiphon.profile_cli import add_profile_parser
 
+    add_backup_parser(commands)
     add_batch_parser(commands)
     add_bench_parser(commands)
     add_profile_parser(commands)

@@ -1,0 +1,108 @@
+"""`antiphon backup DEST`: a consistent copy of a data folder's sessions and batch jobs, taken
+while the server runs.
+
+Each database is copied with SQLite's online backup (a snapshot as of one moment, whatever the
+server writes meanwhile), then the batch files that snapshot names. The KV tiers are not copied:
+they are a cache of what the sessions hold, rebuilt by use. To restore, stop the server and
+start it with `--data-dir DEST` (or copy DEST's contents into the data folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+from antiphon import env
+from antiphon.server.file_store import FileStore
+from antiphon.sessions.config import SessionConfig
+from antiphon.sqlite import DatabaseDamaged
+
+DATABASES = ("sessions.sqlite3", "batches.sqlite3")
+
+
+def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
+    """Copy `data_dir`'s databases and batch files into `dest` (new or empty); what was
+    copied. Raises FileExistsError (`dest` holds files), FileNotFoundError (no database in
+    `data_dir`), DatabaseDamaged (a copy fails SQLite's integrity check)."""
+    if dest.exists() and any(dest.iterdir()):
+        raise FileExistsError(f"{dest} is not empty")
+    found = [name for name in DATABASES if (data_dir / name).is_file()]
+    if not found:
+        raise FileNotFoundError(f"{data_dir} holds no Antiphon database")
+    dest.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {}
+    for name in found:
+        summary[name] = _copy_database(data_dir / name, dest / name)
+    if "batches.sqlite3" in found:
+        summary["files"] = _copy_files(dest / "batches.sqlite3", data_dir / "files",
+                                       dest / "files")
+    return summary
+
+
+def _copy_database(source: Path, target: Path) -> dict[str, int]:
+    src = sqlite3.connect(source)
+    dst = sqlite3.connect(target)
+    try:
+        src.backup(dst)  # one snapshot; the server's writes go on beside it (WAL)
+        (status,) = dst.execute("PRAGMA integrity_check").fetchone()
+        if status != "ok":
+            raise DatabaseDamaged(f"the copy of {source} is damaged ({status})")
+        tables = [r[0] for r in dst.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")]
+        return {t: dst.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables}
+    finally:
+        dst.close()
+        src.close()
+
+
+def _copy_files(database: Path, source: Path, target: Path) -> dict[str, Any]:
+    """The batch files `database` names (not deleted), from `source` into `target`."""
+    db = sqlite3.connect(database)
+    try:
+        ids = [r[0] for r in db.execute("SELECT file_id FROM files WHERE deleted_at IS NULL")]
+    finally:
+        db.close()
+    files = FileStore(source)
+    target.mkdir(exist_ok=True)
+    copied, missing, num_bytes = 0, [], 0
+    for file_id in ids:
+        path = files.path(file_id)
+        try:
+            shutil.copy2(path, target / path.name)
+        except FileNotFoundError:  # deleted after the snapshot
+            missing.append(file_id)
+            continue
+        copied += 1
+        num_bytes += path.stat().st_size
+    return {"copied": copied, "bytes": num_bytes, "missing": missing}
+
+
+def _backup(args: argparse.Namespace) -> int:
+    data_dir = Path(args.data_dir or env.data_dir() or SessionConfig().data_dir).expanduser()
+    try:
+        summary = backup(data_dir, Path(args.dest))
+    except (FileExistsError, FileNotFoundError, DatabaseDamaged, sqlite3.Error) as exc:
+        print(f"antiphon backup: {exc}", file=sys.stderr)
+        return 2
+    for name, counts in summary.items():
+        if name == "files":
+            print(f"files: {counts['copied']} ({counts['bytes']} bytes)"
+                  + (f"; {len(counts['missing'])} deleted meanwhile" if counts["missing"] else ""))
+        else:
+            print(f"{name}: " + ", ".join(f"{n} {t}" for t, n in counts.items()))
+    print(f"backed up {data_dir} into {args.dest} (the KV tiers are a cache and are not copied)")
+    return 0
+
+
+def add_backup_parser(commands: Any) -> None:
+    p = commands.add_parser("backup", help="copy the sessions and batch jobs of a data folder, "
+                            "while the server runs")
+    p.add_argument("dest", help="folder to create (or an empty one)")
+    p.add_argument("--data-dir", default=None,
+                   help="the server's data folder (default: ANTIPHON_DATA_DIR, or "
+                   "~/.local/share/antiphon)")
+    p.set_defaults(func=_backup)

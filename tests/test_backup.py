@@ -1,0 +1,78 @@
+"""`antiphon backup`: a copy of a data folder taken while the server writes to it, that a new
+server starts from with every session, message and batch result."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from websockets.asyncio.client import connect
+
+from antiphon.cli import main
+from antiphon.engine_ext.scripted import ScriptedEngine
+from tests.conftest import scripted_config
+from tests.liveserver import live_server
+from tests.test_batches import jsonl, lines_of, submit, wait_finished
+from tests.wsclient import chat, open_session
+
+
+async def converse(url: str, sessions: int, turns: int) -> list[str]:
+    async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+        ids = []
+        for s in range(sessions):
+            sid = (await open_session(ws))["session"]["session_id"]
+            for t in range(turns):
+                await chat(ws, sid, f"session {s} turn {t}")
+            ids.append(sid)
+        return ids
+
+
+def test_a_backup_taken_while_the_server_writes_restores_every_session_and_batch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data, dest = tmp_path / "data", tmp_path / "backup"
+    config = scripted_config(data)
+    with live_server(config, ScriptedEngine()) as url:
+        sids = asyncio.run(converse(url, 3, 2))
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        batch_id = submit(client, jsonl(20))
+        batch = wait_finished(url, batch_id)
+        stop = threading.Event()
+
+        def keep_writing() -> None:  # the server goes on writing during the backup
+            while not stop.is_set():
+                asyncio.run(converse(url, 1, 1))
+
+        writer = threading.Thread(target=keep_writing)
+        writer.start()
+        try:
+            assert main(["backup", str(dest), "--data-dir", str(data)]) == 0
+        finally:
+            stop.set()
+            writer.join()
+        assert main(["backup", str(dest), "--data-dir", str(data)]) == 2  # not over a backup
+    out, err = capsys.readouterr()
+    assert "is not empty" in err and "sessions.sqlite3: " in out and "files: 2 " in out
+
+    with live_server(scripted_config(dest), ScriptedEngine()) as url:
+        listed = {s["session_id"] for s in httpx.get(url + "/v1/sessions").json()["sessions"]}
+        assert set(sids) <= listed
+        for sid in sids:
+            messages = httpx.get(f"{url}/v1/sessions/{sid}").json()["messages"]
+            assert [m["content"] for m in messages][:2] == [
+                messages[0]["content"], "You said: " + messages[0]["content"]]
+            assert len(messages) == 4
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        restored = client.batches.retrieve(batch_id)
+        assert restored.status == "completed" and restored.request_counts.completed == 20
+        assert len(lines_of(client, restored.output_file_id)) == 20
+        assert restored.output_file_id == batch["output_file_id"]
+
+
+def test_backup_refuses_a_folder_without_a_database(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["backup", str(tmp_path / "out"), "--data-dir", str(tmp_path)]) == 2
+    assert "holds no Antiphon database" in capsys.readouterr().err
