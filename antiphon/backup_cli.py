@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from antiphon import env
+from antiphon.private import private_dir, private_file
 from antiphon.server.file_store import FileStore
 from antiphon.sessions.config import SessionConfig
 from antiphon.sqlite import DatabaseDamaged
@@ -33,7 +34,7 @@ def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
     found = [name for name in DATABASES if (data_dir / name).is_file()]
     if not found:
         raise FileNotFoundError(f"{data_dir} holds no Antiphon database")
-    dest.mkdir(parents=True, exist_ok=True)
+    private_dir(dest)
     summary: dict[str, Any] = {}
     for name in found:
         summary[name] = _copy_database(data_dir / name, dest / name)
@@ -45,7 +46,7 @@ def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
 
 def _copy_database(source: Path, target: Path) -> dict[str, int]:
     src = sqlite3.connect(source)
-    dst = sqlite3.connect(target)
+    dst = sqlite3.connect(private_file(target))
     try:
         src.backup(dst)  # one snapshot; the server's writes go on beside it (WAL)
         (status,) = dst.execute("PRAGMA integrity_check").fetchone()
@@ -67,7 +68,7 @@ def _copy_files(database: Path, source: Path, target: Path) -> dict[str, Any]:
     finally:
         db.close()
     files = FileStore(source)
-    target.mkdir(exist_ok=True)
+    private_dir(target)
     copied, missing, num_bytes = 0, [], 0
     for file_id in ids:
         path = files.path(file_id)

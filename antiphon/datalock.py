@@ -10,6 +10,8 @@ import fcntl
 import os
 from pathlib import Path
 
+from antiphon.private import private_dir
+
 
 class DataDirInUseError(RuntimeError):
     """Another process holds the data folder."""
@@ -32,7 +34,7 @@ def lock_data_dir(data_dir: Path) -> int:
     """Lock `data_dir` (created if missing) for this process; returns the lock's file
     descriptor. Raises DataDirInUseError naming the holder's pid when another process holds
     it."""
-    data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(data_dir, tighten=False)
     path = data_dir / ".lock"
     fd = try_lock(path)
     if fd is None:

@@ -22,6 +22,8 @@ import logging
 import os
 from pathlib import Path
 
+from antiphon.private import open_private
+
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
@@ -85,7 +87,9 @@ class EngineSegments:
         present = self.names()
         new = sorted((present - before) | (self._still_mapped & present))
         tmp = self.record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "segments": new}))
+        tmp.unlink(missing_ok=True)
+        with os.fdopen(open_private(tmp), "w") as f:
+            f.write(json.dumps({"pid": os.getpid(), "segments": new}))
         os.replace(tmp, self.record)
 
     def forget(self) -> None:

@@ -8,6 +8,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from antiphon.private import private_dir, private_file
+
 
 class DatabaseDamaged(RuntimeError):
     """A database file that SQLite finds damaged, or that is no SQLite database at all."""
@@ -23,7 +25,7 @@ class SqliteDb:
         writes would fail, and whose reads would be wrong."""
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_file(private_dir(path.parent, tighten=False) / path.name)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         try:

@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from types import TracebackType
 
+from antiphon.private import open_private, private_dir
 from antiphon.server.batch_types import FILE_ID_RE
 from antiphon.server.errors import ApiError, ErrorCode
 
@@ -28,7 +29,7 @@ class FileWriter:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self._part = path.with_suffix(_PART_SUFFIX)
-        self._file = self._part.open("xb")
+        self._file = os.fdopen(open_private(self._part), "wb")
         self._is_committed = False
 
     def write(self, data: bytes) -> None:
@@ -59,8 +60,7 @@ class FileWriter:
 
 class FileStore:
     def __init__(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.directory = directory
+        self.directory = private_dir(directory)
 
     def path(self, file_id: str) -> Path:
         """Where the file `file_id` lives; raises ValueError for an id the server cannot have

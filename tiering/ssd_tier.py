@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from antiphon.datalock import try_lock
+from antiphon.private import private_dir
 from antiphon.tiering.eviction import EvictionPolicy, LruPolicy
 from antiphon.tiering.index import IndexEntry
 from antiphon.tiering.indexed_tier import IndexedTier
@@ -80,8 +81,7 @@ class SsdTier(IndexedTier[SsdSlot]):
         """
         if min_free_disk_bytes < 0:
             raise ValueError(f"min_free_disk_bytes must be >= 0, got {min_free_disk_bytes}")
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = private_dir(Path(directory))
         self._lock_fd: int | None = _lock_directory(self.directory)
         self._writer: WriteBehind | None = None
         try:
