@@ -68,6 +68,7 @@ class SessionTurns:
         self._busy: dict[str, str] = {}  # session id -> the request answering in it
         self._last_typing_s: dict[str, float] = {}  # session id -> its last typing advisory
         self._eraser: asyncio.Task[None] | None = None  # erasing deleted sessions' KV
+        self._erase_wanted = False  # a session was deleted since the eraser read the queue
 
     async def open(self, owner: str, session_id: str | None,
                    title: str | None = None) -> tuple[Session, list[Message]]:
@@ -123,6 +124,7 @@ class SessionTurns:
     def erase_deleted_kv(self) -> None:
         """Have the engine erase the KV of deleted sessions from its tiers, in the
         background (those the store has queued: from now, or from before a restart)."""
+        self._erase_wanted = True  # a running eraser reads the queue again before it ends
         if self._eraser is None or self._eraser.done():
             self._eraser = asyncio.create_task(self._erase_deleted_kv())
 
@@ -133,8 +135,10 @@ class SessionTurns:
                 await self._eraser
 
     async def _erase_deleted_kv(self) -> None:
-        while pending := await asyncio.to_thread(self.store.pending_erasures):
-            for erasure_id, session_id, owner, chains in pending:
+        while self._erase_wanted:
+            self._erase_wanted = False
+            for erasure_id, session_id, owner, chains in await asyncio.to_thread(
+                    self.store.pending_erasures):
                 try:
                     erased = await self.chat.engine.forget(session_id, chains,
                                                            self.chat.cache_salt(owner))
