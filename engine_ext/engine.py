@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 # How long `forget` waits for a deleted session's KV to be erased (its SSD slots zeroed behind
 # the writes queued before them) before it gives up; the server then tries again later.
 FORGET_TIMEOUT_S = 120.0
+PROFILING_SESSION = "antiphon-profiling"  # the session id profiling's KV is erased under
 
 # vLLM orders waiting requests by ascending priority value.
 _PRIORITY = {RequestClass.RT: 0, RequestClass.BE: 1}
@@ -377,6 +378,17 @@ class VllmEngine(Engine):
                                    f"in {FORGET_TIMEOUT_S:.0f} s")
             await asyncio.sleep(0.05)
         return int(erased)
+
+    async def forget_profiling(self, chains: Sequence[Sequence[int]]) -> None:
+        """Clear what profiling at start left (`chains`, the tokens of its requests): its KV
+        in the tiers and vLLM's page cache, and its share of the scheduler's and the tiers'
+        counters, so that served traffic starts from clean ones. Best effort: logged."""
+        try:
+            await self.forget(PROFILING_SESSION, chains)
+            await self.reset_prefix_cache()
+            await self._llm.engine_core.call_utility_async("antiphon_reset_counters")
+        except Exception:
+            logger.exception("what profiling left in the engine could not be cleared")
 
     async def tiering_stats(self) -> dict[str, Any]:
         if self._llm is None or self.tiering is None:

@@ -129,9 +129,11 @@ def _fits(point: GridPoint, spec: GridSpec, limits: EngineLimits) -> bool:
 
 async def profile_steps(engine: VllmEngine, points: list[GridPoint],
                         warmup: list[GridPoint], spec: GridSpec, seed: int = 0,
-                        progress: Callable[[int, int], None] | None = None) -> list[ProfiledStep]:
+                        progress: Callable[[int, int], None] | None = None,
+                        ran: list[list[int]] | None = None) -> list[ProfiledStep]:
     """Run `warmup`, then each of `points` recording its steps (grouped by point); the
-    scheduler's policy is FCFS meanwhile and restored after."""
+    scheduler's policy is FCFS meanwhile and restored after. Each request's tokens (prompt
+    and output) are appended to `ran`."""
     policy = (await engine.scheduler_stats()).get("policy")
     await engine.set_policy("fcfs")
     rng = random.Random(seed)
@@ -139,10 +141,10 @@ async def profile_steps(engine: VllmEngine, points: list[GridPoint],
     steps: list[ProfiledStep] = []
     try:
         for i, point in enumerate(warmup):
-            await _run_point(engine, point, spec, rng, f"{tag}-warmup{i}")
+            await _run_point(engine, point, spec, rng, f"{tag}-warmup{i}", ran)
         await engine.recorded_steps(record=True)
         for i, point in enumerate(points):
-            await _run_point(engine, point, spec, rng, f"{tag}-{i}")
+            await _run_point(engine, point, spec, rng, f"{tag}-{i}", ran)
             steps += [ProfiledStep(StepShape.from_list(row[:-1]), float(row[-1]), group=i)
                       for row in await engine.recorded_steps(record=True)]
             if progress is not None:
@@ -155,20 +157,21 @@ async def profile_steps(engine: VllmEngine, points: list[GridPoint],
 
 
 async def _run_point(engine: VllmEngine, point: GridPoint, spec: GridSpec, rng: random.Random,
-                     tag: str) -> None:
+                     tag: str, ran: list[list[int]] | None = None) -> None:
     decoders: list[asyncio.Task[None]] = []
     if point.num_decodes:
         prefix = random_token_ids(rng, point.decode_context - _TAIL)
-        await generate_tokens(engine, f"{tag}-primer", prefix + random_token_ids(rng, _TAIL), 1)
+        await generate_tokens(engine, f"{tag}-primer", prefix + random_token_ids(rng, _TAIL), 1,
+                              ran=ran)
         started = [asyncio.Event() for _ in range(point.num_decodes)]
         decoders = [asyncio.create_task(generate_tokens(
             engine, f"{tag}-d{i}", prefix + random_token_ids(rng, _TAIL),
-            _decoder_tokens(point, spec), started[i])) for i in range(point.num_decodes)]
+            _decoder_tokens(point, spec), started[i], ran)) for i in range(point.num_decodes)]
         await asyncio.gather(*(e.wait() for e in started))
     for r in range(point.rounds if point.num_prefills else 0):
         await asyncio.gather(*(
             generate_tokens(engine, f"{tag}-r{r}p{i}",
-                            random_token_ids(rng, point.prefill_tokens), 1)
+                            random_token_ids(rng, point.prefill_tokens), 1, ran=ran)
             for i in range(point.num_prefills)))
     if point.num_prefills:
         for task in decoders:
@@ -179,17 +182,23 @@ async def _run_point(engine: VllmEngine, point: GridPoint, spec: GridSpec, rng: 
 
 
 async def generate_tokens(engine: VllmEngine, request_id: str, token_ids: list[int],
-                          max_tokens: int, started: asyncio.Event | None = None) -> None:
-    """Run one request to its end; sets `started` at its first token (or when it fails)."""
+                          max_tokens: int, started: asyncio.Event | None = None,
+                          ran: list[list[int]] | None = None) -> None:
+    """Run one request to its end; sets `started` at its first token (or when it fails), and
+    appends its tokens (prompt and output) to `ran`."""
     params = GenerationParams(max_tokens=max_tokens, ignore_eos=True,
                               request_class=RequestClass.BE)
+    output: list[int] = []
     try:
         async for delta in engine.generate(request_id, token_ids, params):
+            output += delta.token_ids
             if started is not None and delta.num_new_tokens:
                 started.set()
     finally:
         if started is not None:
             started.set()
+        if ran is not None:
+            ran.append(token_ids + output)
 
 
 def random_token_ids(rng: random.Random, n: int) -> list[int]:
@@ -199,8 +208,10 @@ def random_token_ids(rng: random.Random, n: int) -> list[int]:
 
 async def profile(engine: VllmEngine, spec: GridSpec,
                   progress: Callable[[int, int], None] | None = None,
+                  ran: list[list[int]] | None = None,
                   ) -> tuple[CostFit, list[ProfiledStep]]:
-    """Profile `engine` over `spec` and choose the form (see costfit); stores nothing."""
+    """Profile `engine` over `spec` and choose the form (see costfit); stores nothing. The
+    tokens of every request it ran are appended to `ran`."""
     limits = engine.limits()
     points = grid_points(spec, limits)
     if not points:
@@ -209,7 +220,7 @@ async def profile(engine: VllmEngine, spec: GridSpec,
     warmup = [max((p for p in points if not p.num_decodes), default=points[0],
                   key=lambda p: p.num_prefills * p.prefill_tokens),
               next((p for p in points if p.num_decodes and p.num_prefills), points[-1])]
-    steps = await profile_steps(engine, points, warmup, spec, progress=progress)
+    steps = await profile_steps(engine, points, warmup, spec, progress=progress, ran=ran)
     model, machine = engine.cost_model_key()
     return choose_fit(steps, model, machine), steps
 
@@ -233,11 +244,14 @@ async def prepare_cost_model(engine: VllmEngine) -> CostFit | None:
         logger.info("No cost-model fit stored for this model and machine: profiling the "
                     "engine (quick grid, a few minutes, once); `antiphon profile` fits a "
                     "finer one")
+        ran: list[list[int]] = []
         try:
-            fit, _ = await profile(engine, QUICK)
+            fit, _ = await profile(engine, QUICK, ran=ran)
         except Exception:
             logger.exception("Profiling failed; the cost model starts from its prior")
             return None
+        finally:  # served traffic starts from clean tiers and counters
+            await engine.forget_profiling(ran)
         if is_storable(fit):
             save_fit(fit, path)
             logger.info("Cost-model fit stored in %s", path)

@@ -41,5 +41,13 @@ class SchedulerStats:
     def record_step_latency(self, step_s: float) -> None:
         self.step_s += step_s
 
+    def reset(self) -> SchedulerStats:
+        """New counters, with this one's cost-model state (form, errors, calibration)."""
+        return SchedulerStats(
+            cost_model_mape=self.cost_model_mape,
+            cost_model_calibration=self.cost_model_calibration,
+            cost_model_form=self.cost_model_form,
+            cost_model_profiled_mape=self.cost_model_profiled_mape)
+
     def snapshot(self, **extra: Any) -> dict[str, Any]:
         return {**dataclasses.asdict(self), **extra}

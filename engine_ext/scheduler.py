@@ -387,6 +387,10 @@ class AntiphonScheduler(Scheduler):
         self._recorded_steps = [] if record else None
         return taken
 
+    def reset_counters(self) -> None:
+        """Counters from zero; the cost model's fields stay what they are."""
+        self.stats = self.stats.reset()
+
     def antiphon_stats(self) -> dict[str, Any]:
         return self.stats.snapshot(num_waiting=len(self.waiting), num_running=len(self.running),
                                    policy=self.step_policy.name,
@@ -481,6 +485,15 @@ def _engine_core_forgotten(self: EngineCore, session_id: str) -> int | None:
     return erased
 
 
+def _engine_core_reset_counters(self: EngineCore) -> None:
+    """EngineCore utility method: the scheduler's and the KV tiers' counters start again from
+    zero (after profiling at start); the cost model's state is kept."""
+    _antiphon_scheduler(self).reset_counters()
+    planner = _tier_planner(self)
+    if planner is not None:
+        planner.reset_counters()
+
+
 def _engine_core_tiering_stats(self: EngineCore) -> dict[str, Any]:
     """EngineCore utility method: the KV connector's counters ({} when tiering is off)."""
     planner = _tier_planner(self)
@@ -494,6 +507,7 @@ EngineCore.antiphon_advise = _engine_core_advise  # type: ignore[attr-defined]
 EngineCore.antiphon_tiering_stats = _engine_core_tiering_stats  # type: ignore[attr-defined]
 EngineCore.antiphon_forget = _engine_core_forget  # type: ignore[attr-defined]
 EngineCore.antiphon_forgotten = _engine_core_forgotten  # type: ignore[attr-defined]
+EngineCore.antiphon_reset_counters = _engine_core_reset_counters  # type: ignore[attr-defined]
 EngineCore.antiphon_use_cost_model = _engine_core_use_cost_model  # type: ignore[attr-defined]
 EngineCore.antiphon_recorded_steps = _engine_core_recorded_steps  # type: ignore[attr-defined]
 EngineCore.antiphon_check_integrity = _engine_core_check_integrity  # type: ignore[attr-defined]

@@ -373,3 +373,16 @@ def test_the_online_model_follows_the_median_step_not_the_mean() -> None:
     ratio = (model.form.predict_all(model.coefficients, plain)
              / FORMS["bros_after"].predict_all(TRUTH["bros_after"], plain))
     assert np.median(ratio) == pytest.approx(1.0, abs=0.02)  # squared error: 1.07
+
+
+def test_scheduler_counters_reset_keeps_the_cost_models_state() -> None:
+    from antiphon.engine_ext.schedstats import SchedulerStats
+
+    stats = SchedulerStats(num_steps=7, step_s=1.5, cost_model_mape=0.04,
+                           cost_model_calibration=1.1, cost_model_form="echo",
+                           cost_model_profiled_mape=0.03)
+    stats.num_preemptions["be"] = 3
+    fresh = stats.reset()
+    assert (fresh.num_steps, fresh.step_s, fresh.num_preemptions["be"]) == (0, 0.0, 0)
+    assert (fresh.cost_model_mape, fresh.cost_model_calibration, fresh.cost_model_form,
+            fresh.cost_model_profiled_mape) == (0.04, 1.1, "echo", 0.03)

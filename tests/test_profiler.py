@@ -30,6 +30,7 @@ class StandInEngine:
     def __init__(self, mode: str) -> None:
         self.config = EngineConfig(cost_model=mode)
         self.installed: list[tuple[str, tuple[float, ...], float | None]] = []
+        self.forgotten: list[list[list[int]]] = []  # `forget_profiling` calls
 
     def cost_model_key(self) -> tuple[str, Machine]:
         return MODEL, MACHINE
@@ -37,6 +38,9 @@ class StandInEngine:
     async def use_cost_model(self, form: str, coefficients: Sequence[float],
                              profiled_mape: float | None = None) -> None:
         self.installed.append((form, tuple(coefficients), profiled_mape))
+
+    async def forget_profiling(self, chains: Sequence[Sequence[int]]) -> None:
+        self.forgotten.append([list(c) for c in chains])
 
 
 @pytest.fixture
@@ -50,9 +54,12 @@ def profiled(monkeypatch: pytest.MonkeyPatch) -> list[CostFit]:
     """Fits the stand-in profile made (it makes a HyGen one)."""
     made: list[CostFit] = []
 
-    async def fake_profile(engine: Any, spec: Any, progress: Any = None) -> tuple[CostFit, list]:
+    async def fake_profile(engine: Any, spec: Any, progress: Any = None,
+                           ran: list[list[int]] | None = None) -> tuple[CostFit, list]:
         fit = choose_fit(synthetic_steps("hygen"), MODEL, MACHINE)
         made.append(fit)
+        if ran is not None:
+            ran.append([1, 2, 3])  # the tokens of a request it ran
         return fit, []
 
     monkeypatch.setattr(profiler, "profile", fake_profile)
@@ -71,7 +78,7 @@ async def test_a_stored_fit_is_installed(cache: Path, profiled: list[CostFit], m
     engine = StandInEngine(mode)
     assert await prepare_cost_model(engine) == fit  # type: ignore[arg-type]
     assert engine.installed == [(fit.form, fit.coefficients, fit.heldout_mape)]
-    assert profiled == []
+    assert profiled == [] and engine.forgotten == []
 
 
 async def test_online_ignores_the_stored_fit(cache: Path, profiled: list[CostFit]) -> None:
@@ -102,6 +109,7 @@ async def test_auto_profiles_stores_and_installs_when_no_usable_fit_is_stored(
     fit = await prepare_cost_model(engine)  # type: ignore[arg-type]
     assert profiled == [fit] and fit is not None and fit.form == "hygen"
     assert engine.installed == [("hygen", fit.coefficients, fit.heldout_mape)]
+    assert engine.forgotten == [[[1, 2, 3]]]  # what profiling ran is cleared before serving
     assert read_fit(path) == fit
     # The next start finds it.
     again = StandInEngine("auto")
@@ -120,7 +128,8 @@ async def test_a_fit_from_too_few_steps_is_neither_used_nor_stored(
     path.unlink()
     small = choose_fit(synthetic_steps("hygen", num_steps=20), MODEL, MACHINE)
 
-    async def small_profile(engine: Any, spec: Any, progress: Any = None) -> tuple[CostFit, list]:
+    async def small_profile(engine: Any, spec: Any, progress: Any = None,
+                            ran: Any = None) -> tuple[CostFit, list]:
         return small, []
 
     monkeypatch.setattr(profiler, "profile", small_profile)
@@ -132,7 +141,10 @@ async def test_a_fit_from_too_few_steps_is_neither_used_nor_stored(
 
 async def test_a_failed_profile_leaves_the_prior(cache: Path, monkeypatch: pytest.MonkeyPatch,
                                                 caplog: pytest.LogCaptureFixture) -> None:
-    async def failing_profile(engine: Any, spec: Any, progress: Any = None) -> None:
+    async def failing_profile(engine: Any, spec: Any, progress: Any = None,
+                              ran: list[list[int]] | None = None) -> None:
+        assert ran is not None
+        ran.append([4, 5])  # it ran a request before it failed
         raise RuntimeError("engine died")
 
     monkeypatch.setattr(profiler, "profile", failing_profile)
@@ -140,6 +152,7 @@ async def test_a_failed_profile_leaves_the_prior(cache: Path, monkeypatch: pytes
     assert await prepare_cost_model(engine) is None  # type: ignore[arg-type]
     assert engine.installed == [] and "Profiling failed" in caplog.text
     assert not fit_path(cache, MODEL, MACHINE).exists()
+    assert engine.forgotten == [[[4, 5]]]  # cleared all the same
 
 
 def test_serve_profiles_on_first_start_and_code_does_not() -> None:

@@ -578,3 +578,17 @@ def test_a_finished_request_leaves_the_preemption_table(planner: TierPlanner) ->
     assert planner.check_integrity() == []
     assert not planner.host.policy._sessions  # type: ignore[attr-defined]  # nor its hint
     assert planner.checkpoint("unknown", 5, [1, 2]) == 0
+
+
+def test_counters_start_again_from_zero_and_the_tiers_keep_their_kv(planner: TierPlanner
+                                                                     ) -> None:
+    run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9])
+    planner.store.flush()
+    before = planner.stats()
+    assert before["saved_chunks"] == 2 and before["tiers"]["host"]["bytes_in"] > 0
+    planner.reset_counters()
+    after = planner.stats()
+    assert after["saved_chunks"] == 0 and after["prompt_tokens"] == 0
+    assert all(v == 0 for tier in after["tiers"].values() for k, v in tier.items()
+               if k not in ("used_bytes", "capacity_bytes"))
+    assert after["tiers"]["host"]["used_bytes"] == before["tiers"]["host"]["used_bytes"]

@@ -542,6 +542,13 @@ class TierPlanner:
         threading.Thread(target=erase, name="antiphon-forget", daemon=True).start()
         return done
 
+    def reset_counters(self) -> None:
+        """The connector's and every tier's counters from zero (occupancy is not a counter)."""
+        with self._lock:
+            self.counters = TieringCounters()
+            for tier in self.store.tiers:
+                tier.stats.reset()
+
     def forgotten(self, session: str) -> tuple[int, int] | None:
         """What `forget(session)` erased and kept, once it is done (None until then; (0, 0)
         for a session it was not asked to forget). Raises what the erasure raised."""

@@ -17,6 +17,11 @@ class TierStats:
     refused: int = 0  # `put` calls refused for capacity (everything left is pinned)
     corrupt_dropped: int = 0  # chunk-layers dropped because they failed verification
 
+    def reset(self) -> None:
+        """Every counter back to zero."""
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, 0)
+
     def snapshot(self) -> TierStats:
         """A copy that later updates do not change."""
         return dataclasses.replace(self)
