@@ -59,6 +59,10 @@ class ScriptedEngine(Engine):
     def is_dead(self) -> bool:
         return self._is_dead
 
+    def _check_alive(self) -> None:
+        if self._is_dead:
+            raise EngineDeadError("the scripted engine died")
+
     async def start(self) -> None:
         self._is_running = True
 
@@ -81,8 +85,7 @@ class ScriptedEngine(Engine):
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
     ) -> AsyncGenerator[Delta, None]:
-        if self._is_dead:
-            raise EngineDeadError("the scripted engine died")
+        self._check_alive()
         if self._fail_next:
             self._fail_next = False
             raise EngineRequestFailedError("the scripted engine failed the request")
@@ -98,8 +101,7 @@ class ScriptedEngine(Engine):
             for i, word in enumerate(words[: params.max_tokens]):
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                if self._is_dead:
-                    raise EngineDeadError("the scripted engine died")
+                self._check_alive()
                 is_last = i == min(len(words), params.max_tokens) - 1
                 reason = None
                 if is_last:
@@ -135,7 +137,6 @@ class ScriptedEngine(Engine):
     async def forget(self, session_id: str, chains: Sequence[Sequence[int]],
                      cache_salt: str | None = None) -> int | None:
         """Recorded in `forgotten`; no KV tiers here, so None."""
-        if self._is_dead:
-            raise EngineDeadError("the scripted engine died")
+        self._check_alive()
         self.forgotten.append((session_id, [list(c) for c in chains], cache_salt))
         return None

@@ -111,11 +111,10 @@ class SessionTurns:
     async def delete(self, owner: str, session_id: str) -> None:
         """Delete one of `owner`'s sessions with its messages. Refused (`session_busy`, nothing
         changed) while a reply of it is streaming: stop that first."""
+        await self.get(owner, session_id)  # someone else's session stays "not found"
         if session_id in self._busy:
-            await self.get(owner, session_id)  # someone else's session stays "not found"
             raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is answering a "
                            "message; stop the reply before deleting the session")
-        await self.get(owner, session_id)
         if not await asyncio.to_thread(self.store.delete_session, owner, session_id,
                                        await asyncio.to_thread(self._last_prompt, session_id)):
             raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")

@@ -71,10 +71,11 @@ CREATE TABLE IF NOT EXISTS kv_erasures (
 """
 
 # Before a session's stored context is replaced: keep it as a chain unless the new context
-# (parameter 2, token ids as `_ids` packs them) extends it.
+# (`:ids`, token ids as `_ids` packs them; null when there is none) extends it.
 _KEEP_DIVERGED_CHAIN = (
     "INSERT INTO kv_chains SELECT c.session_id, c.token_ids FROM contexts c WHERE"
-    " c.session_id = ? AND (? IS NULL OR substr(?, 1, length(c.token_ids)) != c.token_ids)"
+    " c.session_id = :session AND (:ids IS NULL OR substr(:ids, 1, length(c.token_ids))"
+    " != c.token_ids)"
     " AND NOT EXISTS (SELECT 1 FROM kv_chains k WHERE k.session_id = c.session_id"
     " AND k.token_ids = c.token_ids)")  # a greedy reply regenerated again: the same chain
 
@@ -282,7 +283,7 @@ class SessionStore:
                        (now, session_id))
             if context_ids is not None:
                 ids = _ids(context_ids)
-                db.execute(_KEEP_DIVERGED_CHAIN, (session_id, ids, ids))
+                db.execute(_KEEP_DIVERGED_CHAIN, {"session": session_id, "ids": ids})
                 db.execute(
                     "INSERT OR REPLACE INTO contexts SELECT ?, COUNT(*), ? FROM messages"
                     " WHERE session_id = ?",
@@ -295,7 +296,7 @@ class SessionStore:
         itself (the OpenAI API), which advisories bring forward. Bumps updated_at."""
         ids = _ids(token_ids)
         with self._db.transaction() as db:
-            db.execute(_KEEP_DIVERGED_CHAIN, (session_id, ids, ids))
+            db.execute(_KEEP_DIVERGED_CHAIN, {"session": session_id, "ids": ids})
             db.execute("INSERT OR REPLACE INTO contexts SELECT session_id, 0, ? FROM sessions"
                        " WHERE session_id = ?",  # nothing once the session is deleted
                        (ids, session_id))
@@ -325,7 +326,7 @@ class SessionStore:
         with self._db.transaction() as db:
             db.execute("INSERT OR REPLACE INTO windows SELECT session_id, ? FROM sessions"
                        " WHERE session_id = ?", (first_message, session_id))
-            db.execute(_KEEP_DIVERGED_CHAIN, (session_id, None, None))
+            db.execute(_KEEP_DIVERGED_CHAIN, {"session": session_id, "ids": None})
             db.execute("DELETE FROM contexts WHERE session_id = ?", (session_id,))
 
     def record_advisory(self, session_id: str, source: str, received_at: float) -> None:
