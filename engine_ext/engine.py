@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -250,10 +251,14 @@ class VllmEngine(Engine):
 
         return KVTransferConfig(**kv_transfer_config(self.tiering, self._tier_model_id))
 
-    @property
+    @functools.cached_property
     def _tier_model_id(self) -> str:
-        """What separates stored KV: anything that changes its bytes, the weights and dtype."""
-        return f"{self.model_dir.resolve()}|{self.dtype}"
+        """What separates stored KV: anything that changes its bytes, the weights (the folder,
+        and `weights_fingerprint`, read once: a model changed while serving is not seen until
+        the next start, as vLLM's loaded weights are not) and the dtype."""
+        from antiphon.model import weights_fingerprint
+
+        return f"{self.model_dir.resolve()}|{self.dtype}|{weights_fingerprint(self.model_dir)}"
 
     def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True) -> list[int]:
         conversation = [{"role": t.role, "content": t.content} for t in turns]

@@ -268,6 +268,25 @@ def test_another_slot_size_empties_the_file(tmp_path: Path) -> None:
         other.check_integrity()
 
 
+def test_records_of_another_model_are_not_served_and_their_slots_are_reused(
+        tmp_path: Path) -> None:
+    other = ChunkKey("m-old-weights", HASHES[0], 0, 0)
+    with open_tier(tmp_path, model_id="m-old-weights") as tier:
+        tier.put(other, payload(0, 0))
+        tier.put(ChunkKey("m-old-weights", HASHES[1], 1, 0), payload(1, 0))
+    with open_tier(tmp_path, num_slots=2, model_id="m") as tier:
+        assert tier.scan_report.num_other_model == 2
+        assert tier.keys() == [] and tier.get(other) is None
+        assert tier.put(key(0, 0), payload(0, 0)) and tier.put(key(1, 0), payload(1, 0))
+        tier.flush()
+        assert tier.stats.evictions == 0  # both slots were free
+        tier.check_integrity()
+    with open_tier(tmp_path, num_slots=2) as every_model:  # None keeps every model's records
+        stored = every_model.keys()
+        assert sorted(k.chunk_index for k in stored) == [0, 1]
+        assert every_model.scan_report.num_other_model == 0
+
+
 def test_files_of_the_old_format_are_removed(tmp_path: Path) -> None:
     shard = tmp_path / "3f"
     shard.mkdir()

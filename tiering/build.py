@@ -15,14 +15,16 @@ from antiphon.tiering.tier import Tier
 logger = logging.getLogger(__name__)
 
 
-def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore:
+def build_tiered_store(config: TieringConfig, *, slot_bytes: int,
+                       model_id: str | None = None) -> TieredStore:
     """A store with a host tier (if enabled) over an SSD tier (if enabled).
 
     `slot_bytes` is one chunk-layer's KV size in bytes: the per-layer page size times
     `config.pages_per_chunk`. The host arena is created here, named `config.host_shm_name`
     (default `antiphon-kv-<pid>`); this process owns it and unlinks it on `close`. The tier
     above orders evictions per `config.eviction_policy`; the lowest one, which holds the only
-    copy of what it stores, by `SessionLruPolicy` (see `eviction`).
+    copy of what it stores, by `SessionLruPolicy` (see `eviction`). `model_id` is the KV's
+    model: the SSD tier does not load what another model stored (None loads everything).
     """
     if slot_bytes < 1:
         raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
@@ -41,7 +43,7 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int) -> TieredStore
                           policy=policy(is_lowest=True),
                           max_pending_writes=config.writer_queue_depth,
                           fsync=config.ssd_fsync, writer_nice=config.ssd_writer_nice,
-                          min_free_disk_bytes=config.ssd_min_free_bytes)
+                          min_free_disk_bytes=config.ssd_min_free_bytes, model_id=model_id)
         except OSError as exc:  # unwritable, not a folder: the host tier can still serve
             if not config.is_host_tier_enabled:
                 raise

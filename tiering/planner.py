@@ -165,7 +165,8 @@ class TierPlanner:
         self.chunk_tokens = config.chunk_tokens
         self.page_tokens = config.page_tokens
         self.pages_per_chunk = config.pages_per_chunk
-        self.store = build_tiered_store(config, slot_bytes=page_bytes * self.pages_per_chunk)
+        self.store = build_tiered_store(config, slot_bytes=page_bytes * self.pages_per_chunk,
+                                        model_id=model_id)
         host = self.store.tiers[0]
         if not isinstance(host, HostTier):
             raise ValueError("the KV connector needs the host tier (host_tier_bytes > 0): the "

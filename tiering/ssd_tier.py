@@ -59,6 +59,7 @@ class ScanReport:
     num_superseded: int = 0  # older records of a key found again in a newer slot
     num_over_capacity: int = 0  # valid records beyond a budget that shrank
     num_legacy_removed: int = 0  # files of the old one-file-per-chunk-layer format
+    num_other_model: int = 0  # valid records of another model (or weights, or dtype): not used
     was_reset: bool = False  # the slot file had another format or slot size, and was emptied
 
 
@@ -69,7 +70,7 @@ class SsdTier(IndexedTier[SsdSlot]):
                  name: str = "ssd", policy: EvictionPolicy | None = None,
                  max_pending_writes: int = 64, fsync: bool = False,
                  verify_on_start: bool = False, writer_nice: int = 0,
-                 min_free_disk_bytes: int = 0) -> None:
+                 min_free_disk_bytes: int = 0, model_id: str | None = None) -> None:
         """Open (or create) `directory` and rebuild the index from its slot file.
 
         `slot_bytes` is the largest payload (one chunk-layer); `max_pending_writes` bounds
@@ -77,7 +78,9 @@ class SsdTier(IndexedTier[SsdSlot]):
         power loss; `verify_on_start` checks every payload checksum during the scan (reads
         everything) instead of only the headers; `writer_nice` is the writer thread's CPU
         priority (`WriteBehind`); `min_free_disk_bytes` is the disk space the tier leaves free
-        (it evicts rather than grow into it).
+        (it evicts rather than grow into it). With `model_id`, records stored under another
+        model id (other weights or dtype: `ChunkKey.model_id`) are left out of the index and
+        their slots reused, as they can never be served; None keeps every model's records.
         """
         if min_free_disk_bytes < 0:
             raise ValueError(f"min_free_disk_bytes must be >= 0, got {min_free_disk_bytes}")
@@ -99,7 +102,7 @@ class SsdTier(IndexedTier[SsdSlot]):
         self._next_sequence = 1  # of the next record written; `_rebuild` moves it past the file's
         self._writer = WriteBehind(name, max_pending_writes, nice=writer_nice)
         try:
-            self.scan_report = self._rebuild(num_slots, verify_on_start)
+            self.scan_report = self._rebuild(num_slots, verify_on_start, model_id)
         except BaseException:
             self.close()
             raise
@@ -312,8 +315,10 @@ class SsdTier(IndexedTier[SsdSlot]):
                 record = self._file.read_header(location.slot)
                 assert record is not None and record.key == key, f"{key}: slot holds another"
 
-    def _rebuild(self, num_slots: int, verify_payload: bool) -> ScanReport:
-        """Index the records in the slot file; clear what cannot be used."""
+    def _rebuild(self, num_slots: int, verify_payload: bool,
+                 model_id: str | None) -> ScanReport:
+        """Index the records in the slot file; clear what cannot be used, and free the slots
+        of other models' records without writing (they are overwritten as slots are reused)."""
         report = ScanReport(was_reset=self._file.was_reset,
                             num_legacy_removed=_remove_legacy_files(self.directory))
         if report.was_reset:
@@ -335,12 +340,19 @@ class SsdTier(IndexedTier[SsdSlot]):
                 report.num_over_capacity += 1
                 continue
             self._next_sequence = max(self._next_sequence, record.sequence + 1)
+            if model_id is not None and record.key.model_id != model_id:
+                report.num_other_model += 1
+                continue
             previous = newest.get(record.key)
             if previous is not None:
                 report.num_superseded += 1
                 if previous[0] > record.sequence:
                     continue
             newest[record.key] = (record.sequence, slot)
+        if report.num_other_model:
+            log.warning("%s: %d chunk-layers of KV stored for another model, its weights or "
+                        "dtype changed since, are not used; their slots are reused",
+                        self.name, report.num_other_model)
         self._file.truncate(num_slots)
         self.stats.corrupt_dropped += report.num_corrupt_removed
         used = [slot for _, slot in newest.values()]

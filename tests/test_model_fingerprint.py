@@ -1,0 +1,48 @@
+"""KV is stored under the model's identity: new weights in the same folder get new keys."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from antiphon.engine_ext.config import EngineConfig
+from antiphon.engine_ext.engine import VllmEngine
+from antiphon.model import weights_fingerprint
+
+
+def make_model(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text('{"num_hidden_layers": 2}')
+    (folder / "model.safetensors").write_bytes(b"weights v1")
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+def test_the_fingerprint_follows_weights_and_config_not_other_files(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m")
+    first = weights_fingerprint(model)
+    assert weights_fingerprint(model) == first
+    (model / "tokenizer.json").write_text('{"changed": true}')  # tokens are in the keys already
+    (model / "antiphon-prepared.json").write_text("{}")
+    assert weights_fingerprint(model) == first
+
+    weights = model / "model.safetensors"
+    stat = weights.stat()
+    weights.write_bytes(b"weights v2")  # same size, replaced in place
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    second = weights_fingerprint(model)
+    assert second != first
+    (model / "model-00002-of-00002.safetensors").write_bytes(b"a shard more")
+    third = weights_fingerprint(model)
+    assert third != second
+    (model / "config.json").write_text('{"num_hidden_layers": 3}')
+    assert weights_fingerprint(model) not in (first, second, third)
+
+
+def test_the_engines_kv_identity_holds_dtype_and_weights(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m")
+    identity = VllmEngine(EngineConfig(dtype="float32"), model)._tier_model_id
+    assert identity == VllmEngine(EngineConfig(dtype="float32"), model)._tier_model_id
+    assert identity != VllmEngine(EngineConfig(dtype="bfloat16"), model)._tier_model_id
+    (model / "model.safetensors").write_bytes(b"fine-tuned weights, longer")
+    assert identity != VllmEngine(EngineConfig(dtype="float32"), model)._tier_model_id
