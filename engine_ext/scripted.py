@@ -40,6 +40,7 @@ class ScriptedEngine(Engine):
         self.advisories: list[tuple[str, list[int], float | None]] = []
         self.forgotten: list[tuple[str, list[list[int]], str | None]] = []  # `forget` calls
         self.cache_salts: list[str | None] = []  # of each request, then each advisory
+        self.params: list[GenerationParams] = []  # of each request, in order
         self._replies: dict[tuple[int, ...], str] = {}
         self._is_running = False
         self._is_dead = False
@@ -94,6 +95,7 @@ class ScriptedEngine(Engine):
         if len(prompt_token_ids) >= self.max_model_len:
             raise EngineRequestError("prompt is longer than the model context")
         self.cache_salts.append(params.cache_salt)
+        self.params.append(params)
         reply = self._replies.get(tuple(prompt_token_ids), "ok")
         words = reply.split(" ")
         self.active_request_ids.add(request_id)

@@ -44,6 +44,12 @@ class GenerationParams:
     max_tokens: int  # output tokens, at most
     temperature: float = 0.0  # 0 is greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: none
+    min_tokens: int = 0  # output tokens before EOS or a stop sequence may end it
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)

@@ -69,10 +69,13 @@ class Generation:
             return None
         return (self.last_token_at - self.first_token_at) / (self.num_output_tokens - 1)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object; `cached_prompt_tokens` repeats `prompt_tokens_details`'s
+        `cached_tokens` (where Antiphon's clients read it)."""
         n_prompt = len(self.prompt_token_ids)
         return {"prompt_tokens": n_prompt, "completion_tokens": self.num_output_tokens,
                 "total_tokens": n_prompt + self.num_output_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
                 "cached_prompt_tokens": self.num_cached_tokens}
 
     def timings(self) -> dict[str, float | None]:
@@ -166,13 +169,20 @@ class ChatService:
                            f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
                            f"exceeds the model's context of {self.engine.max_model_len} tokens")
         limit = max_tokens if max_tokens is not None else min(self.config.reply_max_tokens, room)
+        if sampling.get("min_tokens", 0) > limit:
+            raise ApiError(ErrorCode.BAD_MESSAGE, f"min_tokens ({sampling['min_tokens']}) "
+                           f"exceeds the reply's max_tokens ({limit})")
+        defaults = {"temperature": 1.0, **self.engine.sampling_defaults}
+        if self.config.default_temperature is not None:
+            defaults["temperature"] = self.config.default_temperature
+        if temperature is not None:
+            sampling["temperature"] = temperature
         params = GenerationParams(
             max_tokens=limit,
-            temperature=0.0 if temperature is None else temperature,
             request_class=request_class,
             session_id=session_id,
             cache_salt=self.cache_salt(owner),
-            **sampling,
+            **{**defaults, **sampling},
         )
         return Generation(request_id, prompt, params)
 

@@ -48,31 +48,52 @@ class StreamOptions(BaseModel):
 # it would ignore: any other value is refused rather than silently dropped.
 UNSUPPORTED_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,),
+    "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+    "web_search_options": (None,), "echo": (None, False), "best_of": (None, 1),
 }
+# OpenAI parameters that change nothing a reply holds (bookkeeping and routing on OpenAI's
+# side): accepted and not used.
+IGNORED_PARAMETERS = frozenset({
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+    "prompt_cache_retention",
+})
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what the engine's samplers take
 StopText = Annotated[str, Field(min_length=1)]
+Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 
 
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """OpenAI's chat-completion request, with vLLM's sampling extensions (`top_k`, `min_p`,
+    `repetition_penalty`, `min_tokens`, `ignore_eos`). A parameter the server does not know is
+    refused, as OpenAI refuses one; `null` means the default, as in OpenAI's API."""
+
+    model_config = ConfigDict(extra="allow")  # checked by `_refuse_unsupported`
     model: str
     messages: Annotated[list[OpenAIMessage], Field(min_length=1)]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = 1.0
-    n: Literal[1] = 1
+    """None: the server's `--default-temperature`."""
+    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    """vLLM's: sample from the k likeliest tokens; 0 or -1 (and None) for all."""
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[Finite, Field(gt=0.0)] | None = None
+    """vLLM's: above 1 discourages tokens already in the prompt or output."""
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    """vLLM's: output tokens generated before EOS or a stop sequence may end the reply."""
+    n: Literal[1] | None = None
     stop: StopText | list[StopText] | None = None
     """At most the server's `max_stop_sequences`, each non-empty."""
     seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
-    ignore_eos: StrictBool = False
+    ignore_eos: StrictBool | None = None
     """vLLM's extension: generate exactly max_tokens (benchmarks)."""
-    stream: StrictBool = False
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     vllm_xargs: dict[str, Any] | None = None
     """Antiphon reads `request_class` ("rt" or "be"), `ttft_slo_s`, `tpot_slo_s` and
@@ -85,6 +106,10 @@ class ChatCompletionRequest(BaseModel):
             for name, neutral in UNSUPPORTED_PARAMETERS.items():
                 if name in data and not any(_same(data[name], v) for v in neutral):
                     raise ValueError(f"{name} is not supported by this server")
+            unknown = sorted(set(data) - set(cls.model_fields) - set(UNSUPPORTED_PARAMETERS)
+                             - IGNORED_PARAMETERS)
+            if unknown:
+                raise ValueError(f"unrecognized request argument: {', '.join(unknown)}")
         return data
 
     @property
@@ -95,18 +120,34 @@ class ChatCompletionRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def sampling(self) -> dict[str, Any]:
+        """The sampling parameters the request sets, as `GenerationParams` fields (the rest
+        keep their defaults)."""
+        given = {name: getattr(self, name) for name in (
+            "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "min_tokens", "seed", "ignore_eos")}
+        if self.top_k is not None:
+            given["top_k"] = max(self.top_k, 0)  # -1 and 0 both mean every token
+        given["stop"] = self.stop_sequences
+        return {name: value for name, value in given.items() if value is not None}
+
 
 def _same(value: Any, neutral: Any) -> bool:
     """`value` equals `neutral` as JSON sees it (0 and 0.0 alike, false and 0 not)."""
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
+def require_served_model(chat: ChatService, model: str) -> None:
+    """Raises `model_not_found` unless `model` is the model this server serves."""
+    if model != chat.engine.model_name:
+        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} is not served here; "
+                       f"this server serves {chat.engine.model_name!r}")
+
+
 def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[ChatTurn]:
     """The request's conversation, after every check that needs no tokenizer (model, message
     count and size, max_tokens, stop sequences, `vllm_xargs`); raises `ApiError`."""
-    if body.model != chat.engine.model_name:
-        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"model {body.model!r} is not served here; "
-                       f"this server serves {chat.engine.model_name!r}")
+    require_served_model(chat, body.model)
     limits = chat.config
     if len(body.messages) > limits.max_messages:
         raise ApiError(ErrorCode.TOO_LARGE, f"{len(body.messages)} messages; the limit is "
@@ -146,8 +187,8 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest, owner: st
         request_class = _request_class(body.vllm_xargs or {})
     return chat.prepare(
         secrets.token_hex(12), turns, body.requested_max_tokens, body.temperature,
-        request_class, session_id, owner=owner, top_p=body.top_p, stop=body.stop_sequences, seed=body.seed,
-        ignore_eos=body.ignore_eos, **_slo_overrides(chat, body.vllm_xargs or {}))
+        request_class, session_id, owner=owner,
+        **body.sampling(), **_slo_overrides(chat, body.vllm_xargs or {}))
 
 
 def _request_class(xargs: dict[str, Any]) -> RequestClass:

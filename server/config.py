@@ -42,6 +42,10 @@ class ServerConfig:
         "Output tokens when a request does not say; unset: 512, or --max-tokens-limit where "
         "that is lower", default=None)
     max_tokens_limit: int = doc("Largest max_tokens a request may ask for", default=4096)
+    default_temperature: float | None = doc(
+        "Sampling temperature of a request that does not say (REST, websocket and batch); 0 "
+        "answers greedily. Unset: the model's generation_config.json temperature, as vLLM "
+        "takes it (the default model's: 0.2), else 1 as in OpenAI's API", default=None)
     max_stop_sequences: int = doc("Most stop sequences in one request", default=16)
     max_inflight_per_connection: int = doc(
         "Most generations in flight on one websocket connection", default=16)
@@ -133,6 +137,8 @@ class ServerConfig:
             raise ValueError("context_refill_frac must be within (0, 1)")
         if not 0 < self.min_request_slo_frac <= 1:
             raise ValueError("min_request_slo_frac must be within (0, 1]")
+        if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
+            raise ValueError("default_temperature must be within [0, 2]")
         if not 0 <= self.typing_interval_s < math.inf:
             raise ValueError("typing_interval_s must be at least 0 and finite")
         if self.reply_max_tokens > self.max_tokens_limit:

@@ -10,6 +10,7 @@ Client to server::
      "max_tokens": int?, "temperature": float?}
     {"type": "regenerate", "session_id": str, "request_id": str?, "max_tokens": int?,
      "temperature": float?}  # answer the last user message again (see `Regenerate`)
+    (an unset temperature is the server's --default-temperature, else the model's)
     {"type": "typing", "session_id": str}
     {"type": "cancel", "request_id": str}
 

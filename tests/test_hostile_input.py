@@ -13,6 +13,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
+from antiphon.engine_ext.engine import model_sampling_defaults
 from antiphon.engine_ext.scripted import ScriptedEngine
 from antiphon.server.config import ServerConfig
 from tests.conftest import Scripted, scripted_config
@@ -71,7 +72,17 @@ def test_json_no_part_of_the_server_could_use_is_refused(scripted: Scripted, raw
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "bad_message",
      "tools is not supported"),
     ({"response_format": {"type": "json_object"}}, 400, "bad_message", "response_format"),
-    ({"presence_penalty": 0.5}, 400, "bad_message", "presence_penalty"),
+    ({"presence_penalty": 2.5}, 400, "bad_message", "presence_penalty"),
+    ({"repetition_penalty": 0}, 400, "bad_message", "repetition_penalty"),
+    ({"top_k": -2}, 400, "bad_message", "top_k"),
+    ({"min_tokens": 1000}, 400, "bad_message", "min_tokens (1000) exceeds the reply's max_tokens"),
+    # what an engine would honour but this server does not: refused, never silently dropped
+    ({"guided_choice": ["yes", "no"]}, 400, "bad_message",
+     "body: unrecognized request argument: guided_choice"),
+    ({"structured_outputs": {"json": {}}, "typo_temprature": 1}, 400, "bad_message",
+     "unrecognized request argument: structured_outputs, typo_temprature"),
+    ({"best_of": 2}, 400, "bad_message", "best_of is not supported"),
+    ({"reasoning_effort": "high"}, 400, "bad_message", "reasoning_effort is not supported"),
     ({"vllm_xargs": {"tpot_slo_s": 1e308 * 10}}, 400, "bad_json", "not valid JSON"),
     ({"vllm_xargs": {"ttft_slo_s": -1}}, 400, "bad_message", "ttft_slo_s"),
     # a request may not claim step time from every other one with a target tighter than the
@@ -86,6 +97,47 @@ def test_parameters_are_checked_not_coerced_or_ignored(
     assert words in response.json()["error"]["message"]
 
 
+def test_sampling_parameters_reach_the_engine(scripted: Scripted) -> None:
+    fields = {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
+              "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+              "min_tokens": 3, "seed": 7, "stop": "x", "max_completion_tokens": 20}
+    assert post(scripted, json.dumps(chat_body(**fields))).status_code == 200
+    assert post(scripted, json.dumps(chat_body(top_k=-1))).status_code == 200
+    chosen, defaults = scripted.engine.params
+    assert (chosen.temperature, chosen.top_p, chosen.top_k, chosen.min_p, chosen.presence_penalty,
+            chosen.frequency_penalty, chosen.repetition_penalty, chosen.min_tokens, chosen.seed,
+            chosen.stop, chosen.max_tokens) == (0.7, 0.9, 40, 0.05, 0.5, -0.5, 1.2, 3, 7, ("x",), 20)
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p,
+            defaults.repetition_penalty, defaults.min_tokens) == (1.0, 1.0, 0, 0.0, 1.0, 0)
+
+
+@pytest.mark.parametrize(("server_default", "temperatures"), [
+    (None, [0.2, 1.5, 0.0]),  # the model's
+    (0.0, [0.0, 1.5, 0.0]),  # the server's, over the model's
+])
+def test_unset_sampling_parameters_are_the_servers_or_the_models(
+        tmp_path: Path, server_default: float | None, temperatures: list[float]) -> None:
+    engine = ScriptedEngine()
+    engine.sampling_defaults = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
+    config = scripted_config(tmp_path, default_temperature=server_default)
+    with live_server(config, engine) as url:
+        scripted = Scripted(url, engine, config)
+        for fields in ({}, {"temperature": 1.5}, {"temperature": 0, "top_p": 0.5}):
+            assert post(scripted, json.dumps(chat_body(**fields))).status_code == 200
+    assert [p.temperature for p in engine.params] == temperatures
+    assert [p.top_p for p in engine.params] == [0.9, 0.9, 0.5]
+    assert {p.repetition_penalty for p in engine.params} == {1.1}
+
+
+def test_the_models_sampling_defaults_are_read_as_vllm_reads_them(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 2,
+        "max_new_tokens": 100, "repetition_penalty": None}))
+    assert dict(model_sampling_defaults(tmp_path)) == {"temperature": 0.6, "top_p": 0.95,
+                                                        "top_k": 20}
+    assert dict(model_sampling_defaults(tmp_path / "none")) == {}
+
+
 @pytest.mark.parametrize("fields", [
     {"logprobs": False, "presence_penalty": 0.0, "frequency_penalty": 0, "tool_choice": "none",
      "response_format": {"type": "text"}, "user": "u1", "seed": 2**64 - 1},
@@ -93,8 +145,13 @@ def test_parameters_are_checked_not_coerced_or_ignored(
     {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
                   {"role": "assistant", "content": None}, {"role": "user", "content": "b"}]},
     {"vllm_xargs": {"ttft_slo_s": 5.0, "tpot_slo_s": 0.1}},  # looser, or the deployment's
+    # null is the default, as in OpenAI's API; bookkeeping OpenAI keeps is not ours to keep
+    {"top_p": None, "n": None, "stream": None, "temperature": None, "ignore_eos": None,
+     "stop": None, "seed": None, "max_tokens": None, "best_of": None, "echo": False},
+    {"metadata": {"app": "x"}, "store": False, "service_tier": "auto",
+     "safety_identifier": "u-1", "prompt_cache_key": "k", "parallel_tool_calls": True},
 ])
-def test_neutral_values_of_unsupported_parameters_are_accepted(
+def test_neutral_values_and_bookkeeping_parameters_are_accepted(
         scripted: Scripted, fields: dict[str, Any]) -> None:
     response = post(scripted, json.dumps(chat_body(**fields)))
     assert response.status_code == 200, response.text

@@ -77,7 +77,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     data_dir = tmp_path_factory.mktemp("ui-data")
     cmd = [sys.executable, "-m", "antiphon", "serve", "--enforce-eager", "--kv-cache-gib", "0.5",
            "--max-model-len", "4096", "--data-dir", str(data_dir), "--cost-model", "online",
-           "--dashboard-interval-s", "0.5", "--max-sessions-listed", str(SESSIONS_LISTED)]
+           "--dashboard-interval-s", "0.5", "--max-sessions-listed", str(SESSIONS_LISTED),
+           "--default-temperature", "0"]  # greedy (the page sends none): known answers
     with ServerProcess(cmd, log_path=data_dir / "serve.log") as proc:
         yield proc
 
