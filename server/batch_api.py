@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
@@ -96,6 +96,22 @@ async def upload_file(request: Request) -> dict[str, Any]:
             await asyncio.to_thread(writer.commit)
             await asyncio.to_thread(ctx.batch_store.add_file, record)
     return record.to_json()
+
+
+@router.get("/v1/files")
+async def list_files(request: Request, limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+                     after: str | None = None, purpose: str | None = None,
+                     order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
+    """The caller's files, newest first (or oldest, `order=asc`), a page at a time (`after` =
+    last id seen), as OpenAI's `GET /v1/files`."""
+    ctx, owner = _ctx(request), authorize(request)
+    files = await asyncio.to_thread(ctx.batch_store.list_files, owner, limit + 1, after, purpose,
+                                    order == "desc")
+    page = files[:limit]
+    return {"object": "list", "data": [f.to_json() for f in page],
+            "first_id": page[0].file_id if page else None,
+            "last_id": page[-1].file_id if page else None,
+            "has_more": len(files) > limit}
 
 
 @router.get("/v1/files/{file_id}")

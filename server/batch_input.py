@@ -77,7 +77,7 @@ def _check_request(data: dict[str, Any]) -> ChatCompletionRequest:
     try:
         body = ChatCompletionRequest.model_validate(data["body"])
     except ValidationError as exc:
-        raise bad_message(exc.errors(), prefix="body.") from None
+        raise bad_message(exc.errors(), parent="body") from None
     if body.stream:
         raise ApiError(ErrorCode.BAD_MESSAGE, "body.stream: streaming is not available in a batch")
     return body

@@ -56,6 +56,7 @@ CREATE TABLE IF NOT EXISTS batches (
     {_COUNT_COLUMNS_SQL}
 );
 CREATE INDEX IF NOT EXISTS batches_owner ON batches(owner, created_at);
+CREATE INDEX IF NOT EXISTS files_owner ON files(owner, created_at);
 -- The runner's work list: finished batches, however many, are never read for it.
 CREATE INDEX IF NOT EXISTS batches_unfinished ON batches(created_at)
     WHERE status NOT IN {_FINISHED};
@@ -159,6 +160,21 @@ class BatchStore:
             row = db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE file_id = ? AND"
                              " owner = ? AND deleted_at IS NULL", (file_id, owner)).fetchone()
         return FileRecord(*row) if row else None
+
+    def list_files(self, owner: str, limit: int, after: str | None = None,
+                   purpose: str | None = None, newest_first: bool = True) -> list[FileRecord]:
+        """The owner's files (of `purpose`, when given), newest or oldest first, starting
+        after the file `after` in that order."""
+        op, order = ("<", "DESC") if newest_first else (">", "ASC")
+        with self.db.locked() as db:
+            rows = db.execute(
+                f"SELECT {_FILE_COLUMNS} FROM files WHERE owner = :owner AND deleted_at IS NULL"
+                " AND (:purpose IS NULL OR purpose = :purpose) AND (:after IS NULL OR"
+                f" (created_at, file_id) {op} (SELECT created_at, file_id FROM files"
+                "  WHERE file_id = :after AND owner = :owner))"
+                f" ORDER BY created_at {order}, file_id {order} LIMIT :limit",
+                {"owner": owner, "purpose": purpose, "after": after, "limit": limit}).fetchall()
+        return [FileRecord(*row) for row in rows]
 
     def delete_file(self, owner: str, file_id: str) -> str | None:
         """Mark one of `owner`'s files deleted (the caller then removes it from disk; a crash

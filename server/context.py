@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -39,6 +40,7 @@ class AppContext:
     # Per API key: held while an upload is checked against the key's stored bytes and kept.
     upload_locks: defaultdict[str, asyncio.Lock] = dataclasses.field(
         default_factory=lambda: defaultdict(asyncio.Lock))
+    started_at: int = dataclasses.field(default_factory=lambda: int(time.time()))
     num_connections: int = 0  # open websocket connections
     is_ready: bool = False  # the engine accepts requests
     engine_died: bool = False  # the engine failed for good: the server shuts down

@@ -99,15 +99,17 @@ class ApiError(Exception):
 
 
 def bad_message(errors: Sequence[Mapping[str, Any]], prefix: str = "", skip_loc: int = 0,
-                default_loc: str = "body") -> ApiError:
+                default_loc: str = "body", parent: str = "") -> ApiError:
     """A `bad_message` error naming a failed field of a pydantic validation (`errors()` of a
     ValidationError), e.g. "messages.0.role: Input should be 'user' or ...": the first of the
     deepest, which for a union (`str | list[str]`) is the member the input's shape matched.
-    The names pydantic gives union members ("constrained-str") are left out of the path."""
+    The names pydantic gives union members ("constrained-str") are left out of the path,
+    which starts with `parent` where the model validated sits inside another object."""
     deepest = max(len(e["loc"]) for e in errors)
     first = next(e for e in errors if len(e["loc"]) == deepest)
-    where = ".".join(str(p) for p in first["loc"][skip_loc:] if isinstance(p, int)
-                     or _FIELD_NAME.fullmatch(str(p))) or default_loc
+    path = ".".join(str(p) for p in first["loc"][skip_loc:] if isinstance(p, int)
+                    or _FIELD_NAME.fullmatch(str(p)))
+    where = ".".join(part for part in (parent, path) if part) or default_loc
     message = str(first["msg"]).removeprefix("Value error, ")  # a validator's own words
     return ApiError(ErrorCode.BAD_MESSAGE, f"{prefix}{where}: {message}")
 

@@ -51,6 +51,6 @@ async def read_model(request: Request, model: type[M]) -> M:
 def error_response(err: ApiError) -> JSONResponse:
     """OpenAI's error shape, with Antiphon's stable code."""
     return JSONResponse(
-        {"error": {"code": err.code.value, "message": err.message,
+        {"error": {"code": err.code.value, "message": err.message, "param": None,
                    "type": "invalid_request_error" if err.http_status < 500 else "server_error"}},
         status_code=err.http_status)

@@ -18,6 +18,7 @@ from antiphon.server.completions import (
     ChatCompletionRequest,
     completion_object,
     prepare_completion,
+    require_served_model,
     session_xarg,
 )
 from antiphon.server.context import AppContext
@@ -33,9 +34,20 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the 
 async def list_models(request: Request) -> dict[str, Any]:
     ctx: AppContext = request.app.state.ctx
     authorize(request)
-    return {"object": "list", "data": [{
-        "id": ctx.engine.model_name, "object": "model", "created": 0, "owned_by": "antiphon",
-        "max_model_len": ctx.engine.max_model_len}]}
+    return {"object": "list", "data": [_model_object(ctx)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    ctx: AppContext = request.app.state.ctx
+    authorize(request)
+    require_served_model(ctx.chat, model_id)
+    return _model_object(ctx)
+
+
+def _model_object(ctx: AppContext) -> dict[str, Any]:
+    return {"id": ctx.engine.model_name, "object": "model", "created": ctx.started_at,
+            "owned_by": "antiphon", "max_model_len": ctx.engine.max_model_len}
 
 
 @router.post("/v1/chat/completions", response_model=None)

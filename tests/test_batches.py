@@ -124,6 +124,30 @@ def test_round_trip_with_the_openai_client(tmp_path: Path) -> None:
         assert "antiphon_batch_queue_items 0.0" in metrics
 
 
+def test_files_are_listed_as_the_openai_client_pages_them(tmp_path: Path) -> None:
+    with batch_server(tmp_path, token_delay_s=0.001) as live:
+        client = live.client()
+        inputs = [client.files.create(file=(f"in{i}.jsonl", jsonl(1)), purpose="batch").id
+                  for i in range(5)]
+        batch_id = submit(client, jsonl(2))
+        batch = client.batches.retrieve(wait_finished(live.url, batch_id)["id"])
+        every = [f.id for f in client.files.list()]  # the SDK follows has_more and after
+        assert every[0] == batch.output_file_id and every[-5:] == inputs[::-1]
+        assert len(every) == 7  # five inputs, the batch's input and its output
+        assert [f.id for f in client.files.list(purpose="batch_output")] == [batch.output_file_id]
+        pages = client.files.list(limit=2, order="asc")
+        assert [f.id for f in pages.data] == inputs[:2] and pages.has_more
+        assert [f.id for f in pages.iter_pages().__next__().data] == inputs[:2]
+        assert [f.id for f in client.files.list(limit=2, order="asc", after=inputs[1]).data] == (
+            inputs[2:4])
+        client.files.delete(inputs[0])
+        assert inputs[0] not in [f.id for f in client.files.list()]
+        # the model, by name, as the SDK retrieves it
+        assert client.models.retrieve("scripted").id == "scripted"
+        with pytest.raises(openai.NotFoundError, match="model 'gpt-4' is not served here"):
+            client.models.retrieve("gpt-4")
+
+
 def test_malformed_lines_fail_individually(tmp_path: Path) -> None:
     lines = [request_line("ok-1", "fine"), "{not json", json.dumps({"method": "POST"}),
              request_line("ok-1", "again"), request_line("url", "x").replace(
@@ -169,7 +193,8 @@ def test_owner_isolation(tmp_path: Path) -> None:
                                                   endpoint="/v1/chat/completions")):
             with pytest.raises(openai.NotFoundError):
                 call()
-        assert list(other.batches.list()) == []
+        assert list(other.batches.list()) == [] and list(other.files.list()) == []
+        assert file_id in [f.id for f in live.client(alice).files.list()]
         with pytest.raises(openai.AuthenticationError):
             live.client("wrong-key-000").batches.retrieve(batch_id)
         batch = wait_finished(live.url, batch_id, headers={"Authorization": f"Bearer {alice}"})
