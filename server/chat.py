@@ -96,6 +96,12 @@ class ChatService:
         self._none_live = asyncio.Event()
         self._none_live.set()
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names requests may give the served model: its own, then `--model-aliases`."""
+        return (self.engine.model_name,
+                *(a for a in self.config.model_aliases if a != self.engine.model_name))
+
     def check_open(self) -> None:
         """Raise `shutting_down` once a shutdown has begun."""
         if self.is_draining:

@@ -138,8 +138,9 @@ def _same(value: Any, neutral: Any) -> bool:
 
 
 def require_served_model(chat: ChatService, model: str) -> None:
-    """Raises `model_not_found` unless `model` is the model this server serves."""
-    if model != chat.engine.model_name:
+    """Raises `model_not_found` unless `model` names the model this server serves (its name
+    or an alias)."""
+    if model not in chat.model_names:
         raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} is not served here; "
                        f"this server serves {chat.engine.model_name!r}")
 

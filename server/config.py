@@ -34,6 +34,10 @@ class ServerConfig:
         "Host name besides localhost and loopback addresses that a server without API keys "
         "answers to (repeat for several); others are refused, against DNS rebinding",
         default=())
+    model_aliases: tuple[str, ...] = doc(
+        "Another name requests may give the served model (repeat the option for several), such "
+        "as the model an app was written for (gpt-4o-mini): /v1/models lists it, and replies "
+        "name the model as the request named it", default=())
     max_frame_bytes: int = doc("Largest websocket message or REST body, in bytes",
                                default=256 * 1024)
     max_content_chars: int = doc("Longest user message, in characters", default=32_000)
@@ -120,6 +124,8 @@ class ServerConfig:
             )
         if any(len(k) < 8 for k in self.api_keys):
             raise ValueError("API keys must be at least 8 characters long")
+        if any(not alias.strip() or len(alias) > 256 for alias in self.model_aliases):
+            raise ValueError("model aliases must be 1 to 256 characters, not blank")
         for name in ("max_frame_bytes", "max_content_chars", "max_messages", "default_max_tokens",
                      "max_tokens_limit", "max_stop_sequences", "max_inflight_per_connection",
                      "max_connections", "max_connections_per_key", "max_inflight_per_key",

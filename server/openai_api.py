@@ -34,7 +34,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the 
 async def list_models(request: Request) -> dict[str, Any]:
     ctx: AppContext = request.app.state.ctx
     authorize(request)
-    return {"object": "list", "data": [_model_object(ctx)]}
+    return {"object": "list", "data": [_model_object(ctx, name) for name in ctx.chat.model_names]}
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -42,11 +42,11 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     ctx: AppContext = request.app.state.ctx
     authorize(request)
     require_served_model(ctx.chat, model_id)
-    return _model_object(ctx)
+    return _model_object(ctx, model_id)
 
 
-def _model_object(ctx: AppContext) -> dict[str, Any]:
-    return {"id": ctx.engine.model_name, "object": "model", "created": ctx.started_at,
+def _model_object(ctx: AppContext, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": ctx.started_at,
             "owned_by": "antiphon", "max_model_len": ctx.engine.max_model_len}
 
 

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from antiphon.server.completions import require_served_model
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.http import authorize, read_model
@@ -84,8 +85,8 @@ async def delete_session(session_id: str, request: Request) -> Response:
 async def advisory(request: Request) -> dict[str, Any]:
     ctx, owner = _ctx(request), authorize(request)
     body = await read_model(request, Advisory)
-    if body.model_id is not None and body.model_id != ctx.engine.model_name:
-        raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"model {body.model_id!r} is not served here")
+    if body.model_id is not None:
+        require_served_model(ctx.chat, body.model_id)
     lead = ctx.config.server.max_advisory_lead_s
     if body.expected_arrival is not None and body.expected_arrival > lead:
         raise ApiError(ErrorCode.BAD_MESSAGE, f"expected_arrival is {body.expected_arrival} s "

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import Scripted
+from antiphon.engine_ext.scripted import ScriptedEngine
+from tests.conftest import Scripted, scripted_config
+from tests.liveserver import live_server
 
 
 def client(s: Scripted) -> openai.OpenAI:
@@ -18,6 +21,24 @@ def client(s: Scripted) -> openai.OpenAI:
 def test_models_lists_the_served_model(scripted: Scripted) -> None:
     models = client(scripted).models.list()
     assert [m.id for m in models.data] == ["scripted"]
+
+
+def test_an_alias_names_the_served_model(tmp_path: Path) -> None:
+    """An app written for another model works unchanged: it may use its model's name."""
+    config = scripted_config(tmp_path, model_aliases=("gpt-4o-mini", "scripted"))
+    with live_server(config, ScriptedEngine()) as url:
+        app = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in app.models.list().data] == ["scripted", "gpt-4o-mini"]
+        assert app.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
+        out = app.chat.completions.create(model="gpt-4o-mini", max_tokens=10,
+                                          messages=[{"role": "user", "content": "ping"}])
+        assert out.model == "gpt-4o-mini" and out.choices[0].message.content == "You said: ping"
+        with pytest.raises(openai.NotFoundError, match="'gpt-4' is not served here"):
+            app.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "a"}])
+        session = httpx.post(url + "/v1/sessions", json={}).json()["session_id"]
+        advised = httpx.post(url + "/v1/advisory", json={"session_id": session,
+                                                         "model_id": "gpt-4o-mini"})
+        assert advised.status_code == 202, advised.text
 
 
 def test_the_schema_is_served_and_no_page_that_needs_a_cdn(scripted: Scripted) -> None:
