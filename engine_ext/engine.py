@@ -307,7 +307,7 @@ class VllmEngine(Engine):
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
 
         try:
@@ -326,6 +326,8 @@ class VllmEngine(Engine):
                 ignore_eos=params.ignore_eos,
                 output_kind=RequestOutputKind.DELTA,
                 extra_args=_extra_args(params),
+                structured_outputs=(None if params.json_schema is None else
+                                    StructuredOutputsParams(json=params.json_schema)),
             )
         except (VLLMClientError, ValueError) as exc:  # vLLM's own checks of the parameters
             raise EngineRequestError(str(exc)) from exc

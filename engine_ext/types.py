@@ -50,6 +50,7 @@ class GenerationParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1: none
     min_tokens: int = 0  # output tokens before EOS or a stop sequence may end it
+    json_schema: str | None = None  # JSON text of a schema the reply must match (structured output)
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)

@@ -3,6 +3,7 @@ the `chat.completion` response object. Shared by `/v1/chat/completions` and the 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import secrets
@@ -40,6 +41,35 @@ class OpenAIMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+    """Replies always match the schema (decoding is constrained), strict or not."""
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+    def schema_text(self) -> str | None:
+        """The schema replies must match, as JSON text (None for plain text)."""
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.json_schema is not None:
+            return json.dumps(self.json_schema.json_schema)
+        return None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -50,7 +80,7 @@ UNSUPPORTED_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
+    "audio": (None,), "modalities": (None, ["text"]),
     "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
     "web_search_options": (None,), "echo": (None, False), "best_of": (None, 1),
 }
@@ -95,6 +125,7 @@ class ChatCompletionRequest(BaseModel):
     """vLLM's extension: generate exactly max_tokens (benchmarks)."""
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     vllm_xargs: dict[str, Any] | None = None
     """Antiphon reads `request_class` ("rt" or "be"), `ttft_slo_s`, `tpot_slo_s` and
     `session_id` here."""
@@ -129,6 +160,8 @@ class ChatCompletionRequest(BaseModel):
         if self.top_k is not None:
             given["top_k"] = max(self.top_k, 0)  # -1 and 0 both mean every token
         given["stop"] = self.stop_sequences
+        if self.response_format is not None:
+            given["json_schema"] = self.response_format.schema_text()
         return {name: value for name, value in given.items() if value is not None}
 
 

@@ -71,7 +71,11 @@ def test_json_no_part_of_the_server_could_use_is_refused(scripted: Scripted, raw
     ({"logprobs": True}, 400, "bad_message", "body: logprobs is not supported"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "bad_message",
      "tools is not supported"),
-    ({"response_format": {"type": "json_object"}}, 400, "bad_message", "response_format"),
+    ({"response_format": {"type": "xml"}}, 400, "bad_message", "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, 400, "bad_message",
+     "json_schema is required with type json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "bad_message", "response_format.json_schema.schema: Field required"),
     ({"presence_penalty": 2.5}, 400, "bad_message", "presence_penalty"),
     ({"repetition_penalty": 0}, 400, "bad_message", "repetition_penalty"),
     ({"top_k": -2}, 400, "bad_message", "top_k"),
@@ -103,7 +107,14 @@ def test_sampling_parameters_reach_the_engine(scripted: Scripted) -> None:
               "min_tokens": 3, "seed": 7, "stop": "x", "max_completion_tokens": 20}
     assert post(scripted, json.dumps(chat_body(**fields))).status_code == 200
     assert post(scripted, json.dumps(chat_body(top_k=-1))).status_code == 200
-    chosen, defaults = scripted.engine.params
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for response_format in ({"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
+                                                                     "strict": True}},
+                            {"type": "json_object"}, {"type": "text"}):
+        body = chat_body(response_format=response_format)
+        assert post(scripted, json.dumps(body)).status_code == 200
+    chosen, defaults, *formats = scripted.engine.params
+    assert [p.json_schema for p in formats] == [json.dumps(schema), '{"type": "object"}', None]
     assert (chosen.temperature, chosen.top_p, chosen.top_k, chosen.min_p, chosen.presence_penalty,
             chosen.frequency_penalty, chosen.repetition_penalty, chosen.min_tokens, chosen.seed,
             chosen.stop, chosen.max_tokens) == (0.7, 0.9, 40, 0.05, 0.5, -0.5, 1.2, 3, 7, ("x",), 20)

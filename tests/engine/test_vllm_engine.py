@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import aclosing
 
 import pytest
@@ -67,6 +68,36 @@ async def test_prompt_over_the_context_is_refused(engine: VllmEngine) -> None:
     with pytest.raises(EngineRequestError):
         async for _ in engine.generate("too-long", [1] * 3000, GenerationParams(max_tokens=4)):
             pass
+
+
+async def test_a_json_schema_constrains_the_reply_beside_free_replies(
+        engine: VllmEngine) -> None:
+    """Structured output under Antiphon's scheduler: a request waiting for its grammar and
+    requests beside it all finish; the constrained replies parse and match the schema."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "sure"],
+              "properties": {"city": {"enum": ["Paris", "Lyon", "Nice"]},
+                             "sure": {"type": "boolean"}}}
+    prompt = engine.render_chat(QUESTION)
+
+    async def run(request_id: str, json_schema: str | None) -> str:
+        text, reason = "", None
+        async for delta in engine.generate(request_id, prompt, GenerationParams(
+                max_tokens=40, json_schema=json_schema)):
+            text += delta.text
+            reason = delta.finish_reason
+        return text if reason == "stop" else f"{text} (cut short: {reason})"
+
+    replies = await asyncio.gather(*(run(f"json-{i}", json.dumps(schema) if i % 2 else None)
+                                     for i in range(4)))
+    for constrained in replies[1::2]:
+        reply = json.loads(constrained)
+        assert set(reply) == {"city", "sure"} and reply["city"] in ("Paris", "Lyon", "Nice")
+        assert isinstance(reply["sure"], bool)
+    assert all(replies[0::2])
+    any_object = await run("json-object", '{"type": "object"}')  # may outgrow max_tokens
+    assert any_object.lstrip().startswith("{"), any_object
+    with pytest.raises(EngineRequestError, match="Grammar error"):
+        await run("json-bad", json.dumps({"type": "nonsense"}))
 
 
 async def test_parameters_vllm_refuses_are_the_callers_error(engine: VllmEngine) -> None:
