@@ -327,34 +327,36 @@ class AsyncAntiphon:
     async def chat(self, session_id: str, content: str, *, max_tokens: int | None = None,
                    temperature: float | None = None,
                    on_token: Callable[[str], Any] | None = None,
-                   request_id: str | None = None) -> ChatReply:
+                   request_id: str | None = None, **sampling: Any) -> ChatReply:
         """Send one user message to a session and return the whole reply; `on_token` sees
         each streamed piece. The session keeps the exchange for the next turn. `request_id`
         (default: a fresh one) is what `cancel` takes; cancelling this call cancels the turn
-        on the server too."""
+        on the server too. `sampling` takes the turn's other sampling fields, as a chat
+        completion's (`top_p`, `stop`, `seed`, `response_format`, ...: `protocol.Sampling`)."""
         return await self._turn({"type": "message", "session_id": session_id,
-                                 "content": content}, request_id, max_tokens, temperature,
-                                on_token)
+                                 "content": content}, request_id, on_token,
+                                max_tokens=max_tokens, temperature=temperature, **sampling)
 
     async def regenerate(self, session_id: str, *, max_tokens: int | None = None,
                          temperature: float | None = None,
                          on_token: Callable[[str], Any] | None = None,
-                         request_id: str | None = None) -> ChatReply:
+                         request_id: str | None = None, **sampling: Any) -> ChatReply:
         """Answer the session's last user message again: the new reply replaces the last one
         once it is complete (one stopped before its first token leaves the old one), and a
         message left without a reply (the server went down while answering it) gets one."""
         return await self._turn({"type": "regenerate", "session_id": session_id}, request_id,
-                                max_tokens, temperature, on_token)
+                                on_token, max_tokens=max_tokens, temperature=temperature,
+                                **sampling)
 
     async def _turn(self, payload: dict[str, Any], request_id: str | None,
-                    max_tokens: int | None, temperature: float | None,
-                    on_token: Callable[[str], Any] | None) -> ChatReply:
+                    on_token: Callable[[str], Any] | None, **fields: Any) -> ChatReply:
+        """Run one turn: `payload` with the `fields` set (not None) and a request id."""
         request_id = request_id or "sdk_" + secrets.token_hex(8)
+        payload = {**payload, **{k: v for k, v in fields.items() if v is not None}}
         async with self._inflight:
-            return await self._chat(payload, request_id, max_tokens, temperature, on_token)
+            return await self._chat(payload, request_id, on_token)
 
     async def _chat(self, payload: dict[str, Any], request_id: str,
-                    max_tokens: int | None, temperature: float | None,
                     on_token: Callable[[str], Any] | None) -> ChatReply:
         if request_id in self._turns:
             raise InvalidRequestError("duplicate_request",
@@ -363,10 +365,6 @@ class AsyncAntiphon:
         self._turns[request_id] = turn
         session_id = payload["session_id"]
         payload = {**payload, "request_id": request_id}
-        if max_tokens is not None:
-            payload["max_tokens"] = max_tokens
-        if temperature is not None:
-            payload["temperature"] = temperature
         try:
             sent_at = time.perf_counter()
             await self._send(payload)

@@ -102,6 +102,12 @@ class ChatService:
         return (self.engine.model_name,
                 *(a for a in self.config.model_aliases if a != self.engine.model_name))
 
+    def check_stop(self, stop: Sequence[str]) -> None:
+        """Raises `too_large` past `--max-stop-sequences` stop sequences."""
+        if len(stop) > self.config.max_stop_sequences:
+            raise ApiError(ErrorCode.TOO_LARGE, f"{len(stop)} stop sequences; the limit is "
+                           f"{self.config.max_stop_sequences}")
+
     def check_open(self) -> None:
         """Raise `shutting_down` once a shutdown has begun."""
         if self.is_draining:
@@ -164,6 +170,7 @@ class ChatService:
         of the conversation so far, where it has one); raises `ApiError` and changes nothing
         on bad input."""
         self.check_max_tokens(max_tokens)
+        self.check_stop(sampling.get("stop", ()))
         prompt = self.engine.continue_chat(turns, context)
         room = self.engine.max_model_len - len(prompt)
         if room < 1:

@@ -3,7 +3,6 @@ the `chat.completion` response object. Shared by `/v1/chat/completions` and the 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import secrets
@@ -15,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from antiphon.engine_ext.types import ChatTurn, RequestClass
 from antiphon.server.chat import ChatService, Generation
 from antiphon.server.errors import ApiError, ErrorCode
-from antiphon.server.protocol import ID_PATTERN, StrictBool, StrictFloat, StrictInt
+from antiphon.server.protocol import ID_PATTERN, Sampling, StrictBool, StrictInt
 
 
 class TextPart(BaseModel):
@@ -41,35 +40,6 @@ class OpenAIMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class JsonSchemaFormat(BaseModel):
-    name: Annotated[str, Field(min_length=1, max_length=64)]
-    description: str | None = None
-    json_schema: dict[str, Any] = Field(alias="schema")
-    strict: StrictBool | None = None
-    """Replies always match the schema (decoding is constrained), strict or not."""
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is required with type json_schema, and only with it")
-        return self
-
-    def schema_text(self) -> str | None:
-        """The schema replies must match, as JSON text (None for plain text)."""
-        if self.type == "json_object":
-            return '{"type": "object"}'
-        if self.json_schema is not None:
-            return json.dumps(self.json_schema.json_schema)
-        return None
-
-
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -90,42 +60,23 @@ IGNORED_PARAMETERS = frozenset({
     "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
     "prompt_cache_retention",
 })
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what the engine's samplers take
-StopText = Annotated[str, Field(min_length=1)]
-Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 
 
-class ChatCompletionRequest(BaseModel):
-    """OpenAI's chat-completion request, with vLLM's sampling extensions (`top_k`, `min_p`,
-    `repetition_penalty`, `min_tokens`, `ignore_eos`). A parameter the server does not know is
-    refused, as OpenAI refuses one; `null` means the default, as in OpenAI's API."""
+class ChatCompletionRequest(Sampling):
+    """OpenAI's chat-completion request, with vLLM's sampling extensions (`Sampling`, and
+    `ignore_eos`). A parameter the server does not know is refused, as OpenAI refuses one;
+    `null` means the default, as in OpenAI's API."""
 
     model_config = ConfigDict(extra="allow")  # checked by `_refuse_unsupported`
     model: str
     messages: Annotated[list[OpenAIMessage], Field(min_length=1)]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
-    """None: the server's `--default-temperature`."""
-    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
-    """vLLM's: sample from the k likeliest tokens; 0 or -1 (and None) for all."""
-    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
-    presence_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[Finite, Field(gt=0.0)] | None = None
-    """vLLM's: above 1 discourages tokens already in the prompt or output."""
-    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
-    """vLLM's: output tokens generated before EOS or a stop sequence may end the reply."""
     n: Literal[1] | None = None
-    stop: StopText | list[StopText] | None = None
-    """At most the server's `max_stop_sequences`, each non-empty."""
-    seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     ignore_eos: StrictBool | None = None
     """vLLM's extension: generate exactly max_tokens (benchmarks)."""
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    response_format: ResponseFormat | None = None
     vllm_xargs: dict[str, Any] | None = None
     """Antiphon reads `request_class` ("rt" or "be"), `ttft_slo_s`, `tpot_slo_s` and
     `session_id` here."""
@@ -144,25 +95,14 @@ class ChatCompletionRequest(BaseModel):
         return data
 
     @property
-    def stop_sequences(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-
-    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
     def sampling(self) -> dict[str, Any]:
-        """The sampling parameters the request sets, as `GenerationParams` fields (the rest
-        keep their defaults)."""
-        given = {name: getattr(self, name) for name in (
-            "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-            "min_tokens", "seed", "ignore_eos")}
-        if self.top_k is not None:
-            given["top_k"] = max(self.top_k, 0)  # -1 and 0 both mean every token
-        given["stop"] = self.stop_sequences
-        if self.response_format is not None:
-            given["json_schema"] = self.response_format.schema_text()
-        return {name: value for name, value in given.items() if value is not None}
+        given = super().sampling()
+        if self.ignore_eos is not None:
+            given["ignore_eos"] = self.ignore_eos
+        return given
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -189,9 +129,7 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     chat.check_max_tokens(body.requested_max_tokens)
     _request_class(body.vllm_xargs or {})
     _slo_overrides(chat, body.vllm_xargs or {})
-    if len(body.stop_sequences) > limits.max_stop_sequences:
-        raise ApiError(ErrorCode.TOO_LARGE, f"{len(body.stop_sequences)} stop sequences; the "
-                       f"limit is {limits.max_stop_sequences}")
+    chat.check_stop(body.stop_sequences)
     turns = []
     for m in body.messages:
         text = m.text()

@@ -7,10 +7,13 @@ Client to server::
     {"type": "session.rename", "session_id": str, "title": str}
     {"type": "session.delete", "session_id": str}
     {"type": "message", "session_id": str, "content": str, "request_id": str?,
-     "max_tokens": int?, "temperature": float?}
+     "max_tokens": int?, <sampling>}
     {"type": "regenerate", "session_id": str, "request_id": str?, "max_tokens": int?,
-     "temperature": float?}  # answer the last user message again (see `Regenerate`)
-    (an unset temperature is the server's --default-temperature, else the model's)
+     <sampling>}  # answer the last user message again (see `Regenerate`)
+    <sampling>: as a chat completion's (`Sampling`): "temperature", "top_p", "top_k",
+    "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+    "stop", "seed", "response_format"; each optional (an unset temperature is the server's
+    --default-temperature, else the model's)
     {"type": "typing", "session_id": str}
     {"type": "cancel", "request_id": str}
 
@@ -37,7 +40,14 @@ import re
 import sys
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
 
@@ -48,6 +58,77 @@ ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 StrictInt = Annotated[int, Field(strict=True)]
 StrictFloat = Annotated[float, Field(strict=True)]
 StrictBool = Annotated[bool, Field(strict=True)]
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what the engine's samplers take
+StopText = Annotated[str, Field(min_length=1)]
+Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+
+
+class JsonSchemaFormat(BaseModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+    """Replies always match the schema (decoding is constrained), strict or not."""
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+    def schema_text(self) -> str | None:
+        """The schema replies must match, as JSON text (None for plain text)."""
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.json_schema is not None:
+            return json.dumps(self.json_schema.json_schema)
+        return None
+
+
+class Sampling(BaseModel):
+    """How a reply is sampled, in OpenAI's terms with vLLM's extensions: what a chat
+    completion and a websocket turn both take. Unset (None) is the server's default, then the
+    model's (`ChatService.prepare`)."""
+
+    temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    """vLLM's: sample from the k likeliest tokens; 0 or -1 for all."""
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[Finite, Field(gt=0.0)] | None = None
+    """vLLM's: above 1 discourages tokens already in the prompt or output."""
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    """vLLM's: output tokens generated before EOS or a stop sequence may end the reply."""
+    stop: StopText | list[StopText] | None = None
+    """At most the server's `max_stop_sequences`, each non-empty."""
+    seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    response_format: ResponseFormat | None = None
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling parameters set, but the temperature, as `GenerationParams` fields (the
+        rest keep their defaults)."""
+        given = {name: getattr(self, name) for name in (
+            "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "min_tokens", "seed")}
+        if self.top_k is not None:
+            given["top_k"] = max(self.top_k, 0)  # -1 and 0 both mean every token
+        given["stop"] = self.stop_sequences
+        if self.response_format is not None:
+            given["json_schema"] = self.response_format.schema_text()
+        return {name: value for name, value in given.items() if value is not None}
 
 
 class _Msg(BaseModel):
@@ -79,14 +160,13 @@ class SessionDelete(_Msg):
     """Deletes the session and its messages; replies of it still streaming are cancelled."""
 
 
-class TurnRequest(_Msg):
-    """What every request for a reply carries."""
+class TurnRequest(_Msg, Sampling):
+    """What every request for a reply carries: its session, ids, and how it is sampled."""
 
     session_id: Annotated[str, Field(pattern=ID_PATTERN)]
     request_id: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
     """Client-chosen id for correlating replies; the server assigns one when absent."""
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
 
 
 class ChatMessage(TurnRequest):

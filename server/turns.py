@@ -321,7 +321,8 @@ class SessionTurns:
         `context_length_exceeded` when the new message alone leaves no room."""
         def prepare(window: list[ChatTurn], ctx: ChatContext | None) -> Generation:
             return self.chat.prepare(request_id, window, msg.max_tokens, msg.temperature,
-                                     session_id=msg.session_id, context=ctx, owner=owner)
+                                     session_id=msg.session_id, context=ctx, owner=owner,
+                                     **msg.sampling())
 
         max_model_len, frac = self.chat.engine.max_model_len, self.chat.config.context_refill_frac
         # At most half what a cut leaves free: the conversation then grows by the other half

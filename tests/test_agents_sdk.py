@@ -252,3 +252,18 @@ def test_sdk_imports_without_vllm_or_torch() -> None:
     code = ("import sys; sys.modules['vllm'] = None; sys.modules['torch'] = None\n"
             "import antiphon.agents, antiphon.agents.workflows\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def test_a_turn_takes_sampling_and_a_response_format(scripted: Scripted) -> None:
+    json_object = {"type": "json_object"}
+    async with AsyncAntiphon(scripted.url) as client:
+        sid = (await client.create_session()).session_id
+        await client.chat(sid, "q", temperature=0.3, top_p=0.8, seed=1,
+                          response_format=json_object)
+        await client.regenerate(sid, stop=["."], top_k=None)  # None: not sent
+        with pytest.raises(InvalidRequestError, match="top_p"):
+            await client.chat(sid, "q", top_p=7.0)
+    first, second = scripted.engine.params
+    assert (first.temperature, first.top_p, first.seed, first.json_schema) == (
+        0.3, 0.8, 1, '{"type": "object"}')
+    assert second.stop == (".",) and second.top_k == 0

@@ -207,6 +207,31 @@ def test_session_titles_are_cleaned_alike_on_create_and_rename(scripted: Scripte
     assert renamed.json()["title"] == "c d"
 
 
+async def test_a_websocket_turn_takes_the_sampling_of_a_chat_completion(
+        scripted: Scripted) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="hi", temperature=0.5,
+                   top_k=5, repetition_penalty=1.1, stop=["x"], seed=3,
+                   response_format={"type": "json_schema",
+                                    "json_schema": {"name": "a", "schema": schema}})
+        await recv_until(ws, "done")
+        await send(ws, type="regenerate", session_id=sid, min_tokens=2,
+                   response_format={"type": "json_object"})
+        await recv_until(ws, "done")
+        for bad, words in (({"top_p": 0}, "top_p"), ({"stop": ["s"] * 17}, "stop sequences"),
+                           ({"response_format": {"type": "yaml"}}, "response_format.type"),
+                           ({"ignore_eos": True}, "ignore_eos")):  # a benchmark's, REST only
+            await send(ws, type="message", session_id=sid, content="again", **bad)
+            error = (await recv_until(ws, "error"))[-1]
+            assert words in error["message"], error
+    message, regenerated = scripted.engine.params
+    assert (message.temperature, message.top_k, message.repetition_penalty, message.stop,
+            message.seed, message.json_schema) == (0.5, 5, 1.1, ("x",), 3, json.dumps(schema))
+    assert (regenerated.min_tokens, regenerated.json_schema) == (2, '{"type": "object"}')
+
+
 async def test_a_session_is_named_after_its_first_message_as_printed(
         scripted: Scripted) -> None:
     async with connect(scripted.ws_url) as ws:
