@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.protocol import State
 
 from antiphon.config import AppConfig
 from antiphon.engine_ext.engine import Engine
@@ -174,4 +176,15 @@ class DrainingServer(uvicorn.Server):
             if left:
                 logger.warning("%d replies still streaming after %.0f s are cut short", left,
                                timeout_s)
+        self._mark_closing_websockets()  # no await from here to uvicorn's loop over them
         await super().shutdown(sockets)
+
+    def _mark_closing_websockets(self) -> None:
+        """uvicorn's shutdown sends a close (1012) on every websocket, and its websockets
+        implementation raises InvalidState, failing the whole shutdown, on one whose client has
+        begun the closing handshake (websockets answered that close already). Such connections
+        are marked closed-by-us, so uvicorn just closes their transport."""
+        for connection in list(self.server_state.connections):
+            if (isinstance(connection, WebSocketsSansIOProtocol)
+                    and connection.conn.state in (State.CLOSING, State.CLOSED)):
+                connection.close_sent = True

@@ -163,6 +163,7 @@ class ServerConfig:
         return {"host": self.host, "port": self.port, "timeout_keep_alive": self.keep_alive_s,
                 # After the drain (`app.DrainingServer`), what still streams is cut soon.
                 "timeout_graceful_shutdown": 5.0,
+                "ws": "websockets-sansio",  # `app.DrainingServer` knows its shutdown
                 "ws_max_size": 4 * self.max_frame_bytes,
                 # Token frames are tiny: compressing each costs more CPU than it saves.
                 "ws_per_message_deflate": False}

@@ -29,7 +29,15 @@ def running_server(config: AppConfig, engine: Engine,
     app = create_app(config, engine)
     options = {**config.server.uvicorn_options(), "host": "127.0.0.1", "port": port}
     server = DrainingServer(app, log_level=log_level, **options)  # as `antiphon serve` runs
-    thread = threading.Thread(target=server.run, daemon=True)
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run()
+        except BaseException as exc:  # re-raised in the test's thread once it is joined
+            failures.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
     while not server.started:
@@ -41,3 +49,5 @@ def running_server(config: AppConfig, engine: Engine,
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+        if failures:
+            raise RuntimeError("the server failed") from failures[0]

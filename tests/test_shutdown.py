@@ -46,6 +46,24 @@ async def test_a_shutdown_lets_live_replies_finish_and_refuses_new_turns(
     assert rows == [(sid, "user", None), (sid, "assistant", "stop")]  # "hello?" was not taken
 
 
+async def test_clients_that_close_as_the_drain_ends_fail_nothing(tmp_path: Path) -> None:
+    """A client that closes once its reply is done, as the server shuts down: uvicorn's
+    websocket shutdown sent a close on the connection it was closing (InvalidState), and
+    `antiphon serve` exited 1 with tracebacks (`running_server` re-raises a failed server)."""
+    config = scripted_config(tmp_path, drain_timeout_s=30)
+    with running_server(config, ScriptedEngine(token_delay_s=0.05)) as (url, server):
+        ws_url = url.replace("http://", "ws://") + "/v1/ws"
+        async with connect(ws_url) as ws, connect(ws_url):  # and an idle one
+            sid = (await open_session(ws))["session"]["session_id"]
+            await send(ws, type="message", session_id=sid, content=LONG)
+            await recv_until(ws, "token")
+            server.should_exit = True
+            done = (await recv_until(ws, "done"))[-1]
+        # both closed at once, as the drain ends
+        await asyncio.sleep(1)
+    assert done["finish_reason"] == "stop"
+
+
 async def test_replies_longer_than_the_drain_are_cut_short_and_kept(tmp_path: Path) -> None:
     config = scripted_config(tmp_path, drain_timeout_s=0.3)
     with running_server(config, ScriptedEngine(token_delay_s=0.05)) as (url, server):
