@@ -1,4 +1,4 @@
-"""The `antiphon` command line: serve, model, batch, bench, profile."""
+"""The `antiphon` command line: serve, model, backup, batch, bench, profile."""
 
 from __future__ import annotations
 

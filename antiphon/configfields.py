@@ -12,6 +12,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import PurePath
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -45,7 +46,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
         default = f.default if f.default is not dataclasses.MISSING else None
         default = defaults.get(f.name, default)
         # argparse formats help with %: a literal one ("3% of") must be doubled
-        help_text = f"{f.metadata['help']} (default: {default!r})".replace("%", "%%")
+        shown = str(default) if isinstance(default, PurePath) else repr(default)
+        help_text = f"{f.metadata['help']} (default: {shown})".replace("%", "%%")
         dest = prefix.replace("-", "_") + f.name
         given = defaults.get(f.name)  # None: unset, the dataclass decides
         if base is bool:

@@ -10,7 +10,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from antiphon.private import private_dir
+from antiphon.private import private_dir, private_file
 
 
 class DataDirInUseError(RuntimeError):
@@ -35,7 +35,7 @@ def lock_data_dir(data_dir: Path) -> int:
     descriptor. Raises DataDirInUseError naming the holder's pid when another process holds
     it."""
     private_dir(data_dir, tighten=False)
-    path = data_dir / ".lock"
+    path = private_file(data_dir / ".lock")  # 0600, as every file of the folder
     fd = try_lock(path)
     if fd is None:
         holder = path.read_text(errors="replace").strip()[:32] or "unknown"

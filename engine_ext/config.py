@@ -40,7 +40,7 @@ class EngineConfig:
         "on GPUs and on CPUs with bfloat16 instructions, float32 on other CPUs)",
         default="auto")
     enforce_eager: bool = doc(
-        "Skip graph compilation (start-up about 20 s instead of 70 s; slower steps)",
+        "Skip graph compilation (start-up about 30 s instead of 70 s on 2 cores; slower steps)",
         default=False)
     enable_prefix_caching: bool = doc("vLLM prefix caching of KV pages", default=True)
     seed: int = doc("Random seed of the engine", default=0)

@@ -18,6 +18,16 @@ def test_a_second_holder_is_refused_until_the_first_lets_go(tmp_path: Path) -> N
         lock_data_dir(tmp_path / "data")
     os.close(fd)
     os.close(lock_data_dir(tmp_path / "data"))
+    old_umask = os.umask(0o022)
+    try:
+        (tmp_path / "old").mkdir(mode=0o700)
+        (tmp_path / "old" / ".lock").write_text("1")  # 0644, from before
+        os.close(lock_data_dir(tmp_path / "old"))
+        os.close(lock_data_dir(tmp_path / "new"))
+    finally:
+        os.umask(old_umask)
+    for folder in ("data", "old", "new"):  # it names the holder's pid: the user's alone
+        assert (tmp_path / folder / ".lock").stat().st_mode & 0o777 == 0o600
 
 
 def test_serve_refuses_a_data_folder_another_server_holds(tmp_path: Path) -> None:
