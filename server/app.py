@@ -9,6 +9,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -158,6 +159,13 @@ class DrainingServer(uvicorn.Server):
 
     def _request_exit(self) -> None:
         self.should_exit = True  # as SIGTERM does
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal to the whole process group (Ctrl-C in a terminal, systemd's default
+        # KillMode) reaches vLLM's engine processes too, which stop at once: what they fail
+        # from now on was stopped on purpose (`ChatService.stop_requested`).
+        self.ctx.chat.stop_requested = True
+        super().handle_exit(sig, frame)
 
     @property
     def exit_status(self) -> int:

@@ -217,14 +217,17 @@ class BatchRunner:
                     f"stopped after {item.num_attempts} attempts that did not finish")
             else:
                 result = await self._answer(item, batch.owner)
+                if result is None and self.chat.stop_requested:
+                    # The engine stopped with the server (one signal to both): not the
+                    # item's doing, so the start does not count.
+                    await asyncio.shield(self._uncount_attempt(batch_id, item.line_index))
             if result is not None and await self._commit(batch_id, item.line_index, result):
                 outcome = "completed" if result.state == ItemState.SUCCEEDED else "failed"
                 self.metrics.batch_items.labels(outcome).inc()
         except asyncio.CancelledError:
             # Stopped on purpose (shutdown or cancel), not cut short by a failure: the start
             # does not count towards MAX_ITEM_ATTEMPTS. A crash leaves it counted.
-            await asyncio.shield(asyncio.to_thread(
-                self.store.record_attempts, batch_id, [item.line_index], -1))
+            await asyncio.shield(self._uncount_attempt(batch_id, item.line_index))
             raise
         except Exception:
             logger.exception("batch %s line %d failed; it will run again", batch_id,
@@ -233,6 +236,9 @@ class BatchRunner:
         finally:
             self._inflight.pop((batch_id, item.line_index), None)
             self.notify()
+
+    async def _uncount_attempt(self, batch_id: str, line_index: int) -> None:
+        await asyncio.to_thread(self.store.record_attempts, batch_id, [line_index], -1)
 
     async def _commit(self, batch_id: str, line_index: int, result: ItemResult) -> bool:
         """Commit in a thread. A cancel waits for the commit to land, so once `_abort` returns

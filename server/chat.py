@@ -92,6 +92,9 @@ class ChatService:
         self.config = config
         self.rt_slo_s = rt_slo_s
         self.is_draining = False  # shutting down: live replies finish, new turns are refused
+        # The server was told to stop (a signal): engine failures from now on may be the
+        # engine's processes stopping with it (the same signal), not the requests' doing.
+        self.stop_requested = False
         self._num_live = 0  # replies streaming to clients (batch items are not waited for)
         self._none_live = asyncio.Event()
         self._none_live.set()

@@ -400,6 +400,17 @@ def test_kill_9_mid_batch_resumes_without_losing_or_repeating_items(tmp_path: Pa
     assert os.path.getsize(tmp_path / "files" / (batch["output_file_id"] + ".jsonl")) > 0
 
 
+def submit_until_a_fifth_is_done(url: str, n: int) -> str:
+    """Submit a batch of `n` items; return its id once a fifth of them is done."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    batch_id = submit(client, jsonl(n))
+    deadline = time.monotonic() + 30
+    while not is_mid_batch(url, batch_id, n // 5):
+        assert time.monotonic() < deadline, "the batch did not start"
+        time.sleep(0.005)
+    return batch_id
+
+
 def test_a_dead_engine_stops_the_server_and_its_batch_resumes_after_the_restart(
         tmp_path: Path) -> None:
     """An engine that dies for good (vLLM's process killed for memory, say) shuts the server
@@ -409,12 +420,7 @@ def test_a_dead_engine_stops_the_server_and_its_batch_resumes_after_the_restart(
     n = 40
     engine = ScriptedEngine(token_delay_s=0.02)
     with running_server(scripted_config(tmp_path), engine) as (url, server):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        batch_id = submit(client, jsonl(n))
-        deadline = time.monotonic() + 30
-        while not is_mid_batch(url, batch_id, n // 5):
-            assert time.monotonic() < deadline, "the batch did not start"
-            time.sleep(0.005)
+        batch_id = submit_until_a_fifth_is_done(url, n)
         engine.die()
         deadline = time.monotonic() + 10
         while not server.should_exit:
@@ -432,6 +438,25 @@ def test_a_dead_engine_stops_the_server_and_its_batch_resumes_after_the_restart(
         out = lines_of(live.client(), batch["output_file_id"])
     assert batch["request_counts"] == {"total": n, "completed": n, "failed": 0}
     assert sorted(r["custom_id"] for r in out) == sorted(f"item-{i}" for i in range(n))
+
+
+def test_items_the_engine_fails_as_it_stops_with_the_server_are_not_held_against_them(
+        tmp_path: Path) -> None:
+    """Ctrl-C in a terminal, or systemd's default KillMode, signals vLLM's engine processes
+    with the server, and they stop at once: the items they were running failed. Those starts
+    counted towards the three an item gets, so three such restarts failed a batch's items."""
+    n = 40
+    engine = ScriptedEngine(token_delay_s=0.02)
+    with running_server(scripted_config(tmp_path), engine) as (url, server):
+        batch_id = submit_until_a_fifth_is_done(url, n)
+        server.handle_exit(signal.SIGINT, None)  # the server's share of the signal
+        engine.die()  # the engine's
+    store = BatchStore(tmp_path / "batches.sqlite3")
+    try:
+        pending = store.pending_items(batch_id, n)
+    finally:
+        store.close()
+    assert pending and all(item.num_attempts == 0 for item in pending), pending
 
 
 class PoisonedEngine(ScriptedEngine):
