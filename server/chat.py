@@ -26,7 +26,7 @@ from antiphon.engine_ext.engine import (
 from antiphon.engine_ext.types import ChatContext, ChatTurn, Delta, GenerationParams, RequestClass
 from antiphon.server.auth import ANONYMOUS_OWNER
 from antiphon.server.config import ServerConfig
-from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.errors import ApiError, ErrorCode, over_limit
 from antiphon.server.metrics import FinishedRequest, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,8 @@ class ChatService:
     def check_stop(self, stop: Sequence[str]) -> None:
         """Raises `too_large` past `--max-stop-sequences` stop sequences."""
         if len(stop) > self.config.max_stop_sequences:
-            raise ApiError(ErrorCode.TOO_LARGE, f"{len(stop)} stop sequences; the limit is "
-                           f"{self.config.max_stop_sequences}")
+            raise over_limit(f"{len(stop)} stop sequences; the limit is "
+                             f"{self.config.max_stop_sequences}")
 
     def check_open(self) -> None:
         """Raise `shutting_down` once a shutdown has begun."""
@@ -140,8 +140,8 @@ class ChatService:
 
     def check_content(self, content: str, may_be_empty: bool = False) -> None:
         if len(content) > self.config.max_content_chars:
-            raise ApiError(ErrorCode.TOO_LARGE, f"message has {len(content)} characters; the "
-                           f"limit is {self.config.max_content_chars}")
+            raise over_limit(f"message has {len(content)} characters; the limit is "
+                             f"{self.config.max_content_chars}")
         if not may_be_empty and not content.strip():
             raise ApiError(ErrorCode.BAD_MESSAGE, "message content is empty")
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from antiphon.engine_ext.types import ChatTurn, RequestClass
 from antiphon.server.chat import ChatService, Generation
-from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.errors import ApiError, ErrorCode, over_limit
 from antiphon.server.protocol import ID_PATTERN, Sampling, StrictBool, StrictInt
 
 
@@ -124,8 +124,7 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     require_served_model(chat, body.model)
     limits = chat.config
     if len(body.messages) > limits.max_messages:
-        raise ApiError(ErrorCode.TOO_LARGE, f"{len(body.messages)} messages; the limit is "
-                       f"{limits.max_messages}")
+        raise over_limit(f"{len(body.messages)} messages; the limit is {limits.max_messages}")
     chat.check_max_tokens(body.requested_max_tokens)
     _request_class(body.vllm_xargs or {})
     _slo_overrides(chat, body.vllm_xargs or {})

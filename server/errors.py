@@ -88,14 +88,24 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 class ApiError(Exception):
     """An error the client caused or must know about; carries a stable code."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, http_status: int | None = None) -> None:
+        """`http_status` overrides the code's (`HTTP_STATUS`) where one code covers cases
+        HTTP tells apart."""
         super().__init__(message)
         self.code = code
         self.message = message
+        self._http_status = http_status
 
     @property
     def http_status(self) -> int:
-        return HTTP_STATUS[self.code]
+        return self._http_status or HTTP_STATUS[self.code]
+
+
+def over_limit(message: str) -> ApiError:
+    """A field of a request past one of the server's limits (too many messages or stop
+    sequences, a message too long): `too_large`, but a 400 as OpenAI answers it, not the 413
+    of a body too large."""
+    return ApiError(ErrorCode.TOO_LARGE, message, http_status=400)
 
 
 def bad_message(errors: Sequence[Mapping[str, Any]], prefix: str = "", skip_loc: int = 0,

@@ -78,7 +78,9 @@ def test_length_finish_reason(scripted: Scripted) -> None:
 @pytest.mark.parametrize(("kwargs", "status", "code"), [
     ({"model": "gpt-9"}, 404, "model_not_found"),
     ({"max_tokens": 1000}, 400, "max_tokens_too_large"),
-    ({"messages": [{"role": "user", "content": "x" * 1001}]}, 413, "too_large"),
+    # a field past a limit: a 400 (BadRequestError) as OpenAI's; a body too large is a 413
+    ({"messages": [{"role": "user", "content": "x" * 1001}]}, 400, "too_large"),
+    ({"messages": [{"role": "user", "content": "x"}] * 257}, 400, "too_large"),  # 256 at most
     ({"messages": []}, 400, "bad_message"),
     ({"extra_body": {"vllm_xargs": {"request_class": "urgent"}}}, 400, "bad_message"),
 ])
