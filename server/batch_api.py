@@ -107,11 +107,7 @@ async def list_files(request: Request, limit: Annotated[int, Query(ge=1, le=10_0
     ctx, owner = _ctx(request), authorize(request)
     files = await asyncio.to_thread(ctx.batch_store.list_files, owner, limit + 1, after, purpose,
                                     order == "desc")
-    page = files[:limit]
-    return {"object": "list", "data": [f.to_json() for f in page],
-            "first_id": page[0].file_id if page else None,
-            "last_id": page[-1].file_id if page else None,
-            "has_more": len(files) > limit}
+    return _list_page([(f.file_id, f.to_json()) for f in files], limit)
 
 
 @router.get("/v1/files/{file_id}")
@@ -170,11 +166,16 @@ async def list_batches(request: Request, limit: Annotated[int, Query(ge=1, le=10
     """The caller's batches, newest first, a page at a time (`after` = last id seen)."""
     ctx, owner = _ctx(request), authorize(request)
     batches = await asyncio.to_thread(ctx.batch_store.list_batches, owner, limit + 1, after)
-    page = batches[:limit]
-    return {"object": "list", "data": [b.to_json() for b in page],
-            "first_id": page[0].batch_id if page else None,
-            "last_id": page[-1].batch_id if page else None,
-            "has_more": len(batches) > limit}
+    return _list_page([(b.batch_id, b.to_json()) for b in batches], limit)
+
+
+def _list_page(rows: list[tuple[str, dict[str, Any]]], limit: int) -> dict[str, Any]:
+    """OpenAI's list page of `rows` (id, object), read with one more than `limit` to tell
+    whether more follow."""
+    page = rows[:limit]
+    return {"object": "list", "data": [obj for _, obj in page],
+            "first_id": page[0][0] if page else None, "last_id": page[-1][0] if page else None,
+            "has_more": len(rows) > limit}
 
 
 @router.get("/v1/batches/{batch_id}")

@@ -162,7 +162,6 @@ class ChatService:
         request_id: str,
         turns: Sequence[ChatTurn],
         max_tokens: int | None,
-        temperature: float | None,
         request_class: RequestClass = RequestClass.RT,
         session_id: str | None = None,
         context: ChatContext | None = None,
@@ -171,7 +170,8 @@ class ChatService:
     ) -> Generation:
         """Validate and render a request of `owner`'s (extending `context`, the exact tokens
         of the conversation so far, where it has one); raises `ApiError` and changes nothing
-        on bad input."""
+        on bad input. `sampling`: the `GenerationParams` fields the request sets; the
+        temperature it leaves unset is the server's default, else the model's, else 1."""
         self.check_max_tokens(max_tokens)
         self.check_stop(sampling.get("stop", ()))
         prompt = self.engine.continue_chat(turns, context)
@@ -191,8 +191,6 @@ class ChatService:
         defaults = {"temperature": 1.0, **self.engine.sampling_defaults}
         if self.config.default_temperature is not None:
             defaults["temperature"] = self.config.default_temperature
-        if temperature is not None:
-            sampling["temperature"] = temperature
         params = GenerationParams(
             max_tokens=limit,
             request_class=request_class,

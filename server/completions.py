@@ -157,8 +157,8 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest, owner: st
     if request_class is None:
         request_class = _request_class(body.vllm_xargs or {})
     return chat.prepare(
-        secrets.token_hex(12), turns, body.requested_max_tokens, body.temperature,
-        request_class, session_id, owner=owner,
+        secrets.token_hex(12), turns, body.requested_max_tokens, request_class, session_id,
+        owner=owner,
         **body.sampling(), **_slo_overrides(chat, body.vllm_xargs or {}))
 
 

@@ -118,10 +118,10 @@ class Sampling(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def sampling(self) -> dict[str, Any]:
-        """The sampling parameters set, but the temperature, as `GenerationParams` fields (the
-        rest keep their defaults)."""
+        """The sampling parameters set, as `GenerationParams` fields (the rest keep their
+        defaults)."""
         given = {name: getattr(self, name) for name in (
-            "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
             "min_tokens", "seed")}
         if self.top_k is not None:
             given["top_k"] = max(self.top_k, 0)  # -1 and 0 both mean every token

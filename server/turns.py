@@ -320,7 +320,7 @@ class SessionTurns:
         rest within `context_refill_frac` of the model's context. Raises
         `context_length_exceeded` when the new message alone leaves no room."""
         def prepare(window: list[ChatTurn], ctx: ChatContext | None) -> Generation:
-            return self.chat.prepare(request_id, window, msg.max_tokens, msg.temperature,
+            return self.chat.prepare(request_id, window, msg.max_tokens,
                                      session_id=msg.session_id, context=ctx, owner=owner,
                                      **msg.sampling())
 
