@@ -240,6 +240,8 @@ _TIERING_COUNTERS = (
     ("restores", "antiphon_kv_restores_total", "Checkpointed requests admitted again"),
     ("pages_restored", "antiphon_kv_pages_restored_total",
      "KV pages checkpointed requests loaded back from the tiers"),
+    ("copy_steps_failed", "antiphon_kv_copy_steps_failed_total",
+     "Engine steps whose KV page copies failed in the worker (their saves were dropped)"),
     ("prefetch_load_s_sum", "antiphon_kv_prefetch_load_seconds_total",
      "Advisory to prefetched KV in host memory, summed over used advisories"),
     ("prefetch_lead_s_sum", "antiphon_kv_prefetch_lead_seconds_total",

@@ -1,7 +1,11 @@
 """The connector's worker-side copier moves KV pages between vLLM's per-layer tensors and
 host slots byte for byte: pages saved from some blocks and loaded into others (the next turn's,
 after the originals were overwritten) come back bit-identical, in bfloat16 as in float32, for
-every layer, whole chunks and chunks split across steps alike."""
+every layer, whole chunks and chunks split across steps alike.
+
+Every test runs both movers: page by page (CPU serving) and batched through a staging buffer
+(GPU serving; here on CPU tensors, and on CUDA tensors where a GPU is present, which is the
+side stream, the page-locked arena and the per-layer events)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from antiphon.tiering.connector_worker import KvPageCopier
 from antiphon.tiering.host_arena import HostArena
 
 LAYERS = ["model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn"]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+MOVERS = [("pagewise", "cpu"), *(("batched", device) for device in DEVICES)]
 NUM_BLOCKS, PAGES_PER_CHUNK = 12, 2
 PAGE_SHAPE = (2, 16, 3, 8)  # K and V, tokens, heads, head size: one page of one layer
 
@@ -28,10 +34,67 @@ def arena() -> Iterator[HostArena]:
         yield created
 
 
-def kv_tensors(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+@pytest.fixture(params=MOVERS, ids=[f"{mode}-{device}" for mode, device in MOVERS])
+def mover(request: pytest.FixtureRequest) -> tuple[str, str]:
+    return request.param  # type: ignore[no-any-return]
+
+
+def kv_tensors(dtype: torch.dtype, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {name: torch.randn((NUM_BLOCKS, *PAGE_SHAPE), generator=gen).to(dtype)
+    return {name: torch.randn((NUM_BLOCKS, *PAGE_SHAPE), generator=gen).to(dtype).to(device)
             for name in LAYERS}
+
+
+_OPEN: list[KvPageCopier] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_copiers() -> Iterator[None]:
+    """Close every copier a test made, as the connector closes its own at shutdown: on CUDA
+    that unregisters the page-locked arena, whose address a later mapping may reuse."""
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def new_copier(mode: str = "auto", staging_pages: int = 256) -> KvPageCopier:
+    copier = KvPageCopier(LAYERS, copy_mode=mode, staging_pages=staging_pages)
+    _OPEN.append(copier)
+    return copier
+
+
+def make_copier(mover: tuple[str, str], dtype: torch.dtype = torch.float32, seed: int = 0,
+                staging_pages: int = 256) -> tuple[KvPageCopier, dict[str, torch.Tensor]]:
+    mode, device = mover
+    kv = kv_tensors(dtype, seed, device)
+    copier = new_copier(mode, staging_pages)
+    copier.register(kv)
+    assert copier.mover == mode
+    return copier, kv
+
+
+def save_step(copier: KvPageCopier, meta: TieringMetadata) -> None:
+    """A step that saves: every layer after its attention, then the end of the step."""
+    for name in LAYERS:
+        copier.save_layer(meta, name)
+    copier.finish_step(meta)
+    settle(copier)
+
+
+def load_step(copier: KvPageCopier, meta: TieringMetadata) -> None:
+    """A step that loads, with the calls in vLLM's order."""
+    copier.checkpoint(meta)
+    copier.load_early(meta)
+    for name in LAYERS:
+        copier.load_layer(meta, name)
+    copier.finish_step(meta)
+    settle(copier)
+
+
+def settle(copier: KvPageCopier) -> None:
+    """Wait for queued device copies (a no-op on CPU, where every copy is synchronous)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def step(arena: HostArena, number: int, **copies: list[PageCopy]) -> TieringMetadata:
@@ -40,13 +103,11 @@ def step(arena: HostArena, number: int, **copies: list[PageCopy]) -> TieringMeta
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_saved_pages_load_back_bit_identical_into_other_blocks(
-        arena: HostArena, dtype: torch.dtype) -> None:
+        arena: HostArena, dtype: torch.dtype, mover: tuple[str, str]) -> None:
     # bfloat16 pages are half the bytes: a slot sized for 2 float32 pages holds 4
     pages_per_slot = 2 * PAGES_PER_CHUNK if dtype is torch.bfloat16 else PAGES_PER_CHUNK
-    kv = kv_tensors(dtype, seed=1)
+    copier, kv = make_copier(mover, dtype, seed=1)
     original = {name: t.clone() for name, t in kv.items()}
-    copier = KvPageCopier(LAYERS)
-    copier.register(kv)
     blocks = tuple(range(1, 1 + pages_per_slot))
     # a slot per layer for the chunk; the chunk's pages saved by layer, as attention writes them
     save = PageCopy(blocks, slots=(3, 7, 11))
@@ -54,45 +115,51 @@ def test_saved_pages_load_back_bit_identical_into_other_blocks(
     for name in LAYERS:
         copier.save_layer(meta, name)
     copier.finish_step(meta)
+    settle(copier)
     # the blocks are reused and overwritten before the next turn loads the chunk elsewhere
     for t in kv.values():
         t[list(blocks)] = 0
     targets = tuple(range(NUM_BLOCKS - pages_per_slot, NUM_BLOCKS))
     meta = step(arena, 2, loads=[PageCopy(targets, slots=(3, 7, 11))])
+    copier.load_early(meta)
     for name in LAYERS:
         copier.load_layer(meta, name)
+    settle(copier)
     for name in LAYERS:
         assert torch.equal(kv[name][list(targets)].view(torch.uint8),
                            original[name][list(blocks)].view(torch.uint8))
     assert copier.take_worker_meta() is not None
 
 
-def test_partial_pages_and_checkpoints_round_trip(arena: HostArena) -> None:
+def test_partial_pages_and_checkpoints_round_trip(arena: HostArena,
+                                                  mover: tuple[str, str]) -> None:
     """A chunk saved a page at a time (first_page), a checkpoint taken before the forward pass,
     and an early load of a partly matched page: each restores exactly the bytes it copied."""
-    kv = kv_tensors(torch.float32, seed=2)
+    copier, kv = make_copier(mover, seed=2)
     original = {name: t.clone() for name, t in kv.items()}
-    copier = KvPageCopier(LAYERS)
-    copier.register(kv)
     first = step(arena, 1, saves=[PageCopy((4,), slots=(0, 1, 2), first_page=0)])
     second = step(arena, 2, checkpoints=[PageCopy((5,), slots=(0, 1, 2), first_page=1)])
     for name in LAYERS:
         copier.save_layer(first, name)
-    copier.load_early(second)  # saves the checkpoint, then loads nothing
+    copier.finish_step(first)
+    copier.checkpoint(second)  # handle_preemptions: before the forward pass
+    copier.load_early(second)  # loads nothing, and does not take the checkpoint again
+    settle(copier)
     for t in kv.values():
         t[4:6] = 0
     back = step(arena, 3, early_loads=[PageCopy((8, 9), slots=(0, 1, 2))])
+    copier.checkpoint(back)
     copier.load_early(back)
+    settle(copier)
     for name in LAYERS:
         assert torch.equal(kv[name][8:10], original[name][4:6])
 
 
-def test_a_copy_outside_its_slot_fails_the_step(arena: HostArena) -> None:
+def test_a_copy_outside_its_slot_fails_the_step(arena: HostArena,
+                                                mover: tuple[str, str]) -> None:
     """Pages are checked to lie inside their slot (a slot holds PAGES_PER_CHUNK float32 pages):
     a copy reaching past it fails the step instead of writing into the next slot."""
-    kv = kv_tensors(torch.float32, seed=3)
-    copier = KvPageCopier(LAYERS)
-    copier.register(kv)
+    copier, _ = make_copier(mover, seed=3)
     bad = step(arena, 1, saves=[PageCopy((1, 2), slots=(0, 1, 2), first_page=1)])
     with pytest.raises(ValueError, match="reaches page 2 of a slot that holds 2"):
         copier.save_layer(bad, LAYERS[0])
@@ -101,14 +168,13 @@ def test_a_copy_outside_its_slot_fails_the_step(arena: HostArena) -> None:
     assert meta is not None and meta.failed_steps == {1}
 
 
-def test_layers_without_a_slot_are_not_copied(arena: HostArena) -> None:
+def test_layers_without_a_slot_are_not_copied(arena: HostArena,
+                                              mover: tuple[str, str]) -> None:
     """A chunk whose middle layer a tier already holds is saved with NO_SLOT for that layer:
     only the other layers are copied, and no slot (the last one in particular, which a slot
     number of -1 would index) is written for it; a load leaves that layer's block alone."""
-    kv = kv_tensors(torch.float32, seed=4)
+    copier, kv = make_copier(mover, seed=4)
     original = {name: t.clone() for name, t in kv.items()}
-    copier = KvPageCopier(LAYERS)
-    copier.register(kv)
     last = arena.num_slots - 1
     sentinel = bytes([7]) * arena.slot_bytes
     arena.write(last, sentinel)
@@ -116,14 +182,92 @@ def test_layers_without_a_slot_are_not_copied(arena: HostArena) -> None:
     for name in LAYERS:
         copier.save_layer(meta, name)
     copier.finish_step(meta)
+    settle(copier)
     assert arena.read(last) == sentinel
     assert arena.read(5) == bytes(arena.slot_bytes)  # no layer's pages went anywhere else
     for t in kv.values():
         t[8:10] = 0
     load = step(arena, 2, loads=[PageCopy((8, 9), slots=(4, NO_SLOT, 6))])
+    copier.load_early(load)
     for name in LAYERS:
         copier.load_layer(load, name)
+    settle(copier)
     assert torch.equal(kv[LAYERS[0]][8:10], original[LAYERS[0]][2:4])
     assert torch.equal(kv[LAYERS[2]][8:10], original[LAYERS[2]][2:4])
     assert not kv[LAYERS[1]][8:10].any()
     assert copier.take_worker_meta().failed_steps == set()  # type: ignore[union-attr]
+
+
+def test_copies_larger_than_the_staging_buffer_go_through_it_in_turns(
+        arena: HostArena, mover: tuple[str, str]) -> None:
+    """Two chunks, one split over steps, with a staging buffer of 3 pages (5 pages per layer
+    to move): the batches cut runs of slot pages anywhere and still land every byte."""
+    copier, kv = make_copier(mover, seed=5, staging_pages=3)
+    original = {name: t.clone() for name, t in kv.items()}
+    saves = [PageCopy((1, 2), slots=(0, 1, 2)), PageCopy((5, 3), slots=(3, 4, 5)),
+             PageCopy((7,), slots=(6, 7, 8), first_page=1)]
+    save_step(copier, step(arena, 1, saves=saves))
+    for t in kv.values():
+        t.zero_()
+    loads = [PageCopy((10, 11), slots=(0, 1, 2)), PageCopy((0, 4), slots=(3, 4, 5)),
+             PageCopy((9,), slots=(6, 7, 8), first_page=1)]
+    load_step(copier, step(arena, 2, loads=loads))
+    for name in LAYERS:
+        assert torch.equal(kv[name][[10, 11, 0, 4, 9]], original[name][[1, 2, 5, 3, 7]])
+    done = copier.take_worker_meta()
+    assert done is not None and done.done_steps == {1, 2} and not done.failed_steps
+
+
+def test_a_checkpoint_after_the_forward_pass_began_fails_its_step(
+        arena: HostArena, mover: tuple[str, str]) -> None:
+    """A checkpoint copies a preempted request's pages before this step's forward pass writes
+    another request's KV over them. Called once a layer of the step has run, it copies
+    nothing and fails the step (the scheduler side then drops the checkpoint's keys and the
+    request recomputes) instead of storing the new owner's KV under the old one's keys."""
+    copier, _ = make_copier(mover, seed=6)
+    meta = step(arena, 1, checkpoints=[PageCopy((2, 3), slots=(0, 1, 2))],
+                saves=[PageCopy((4, 5), slots=(3, 4, 5))])
+    copier.save_layer(meta, LAYERS[0])
+    copier.load_early(meta)  # vLLM calls it after the forward when nothing loads stored KV
+    settle(copier)
+    assert arena.read(0) == bytes(arena.slot_bytes)
+    done = copier.take_worker_meta()
+    assert done is not None and done.failed_steps == {1}
+
+
+@pytest.mark.parametrize("layout", ["heads-inside", "blocks-outermost"])
+def test_pages_of_other_kv_layouts_round_trip(arena: HostArena, mover: tuple[str, str],
+                                              layout: str) -> None:
+    """vLLM's KV cache layout decides the strides of a layer's tensor: a block's interior may
+    be permuted (tokens outside heads, as FlashAttention's default LBNHC gives on a GPU) or
+    layers interleaved per block (BLNHC: each layer's pages strided by all layers' bytes).
+    Each page is still one run of bytes, and is copied as such."""
+    mode, device = mover
+    blocks, heads, tokens, width = NUM_BLOCKS, 3, 16, 16
+    gen = torch.Generator().manual_seed(7)
+    if layout == "heads-inside":  # stored [B, N, H, C], seen as [B, H, N, C]
+        kv = {name: torch.randn((blocks, tokens, heads, width), generator=gen).to(device)
+              .permute(0, 2, 1, 3) for name in LAYERS}
+    else:  # stored [B, L, H, N, C], a layer seen as [B, H, N, C]
+        whole = torch.randn((blocks, len(LAYERS), heads, tokens, width), generator=gen)
+        whole = whole.to(device)
+        kv = {name: whole[:, i] for i, name in enumerate(LAYERS)}
+        assert not kv[LAYERS[0]].is_contiguous()
+    original = {name: t.clone() for name, t in kv.items()}
+    copier = new_copier(mode)
+    copier.register(kv)
+    save_step(copier, step(arena, 1, saves=[PageCopy((1, 2), slots=(0, 1, 2))]))
+    for t in kv.values():
+        t.zero_()
+    load_step(copier, step(arena, 2, loads=[PageCopy((6, 9), slots=(0, 1, 2))]))
+    for name in LAYERS:
+        assert torch.equal(kv[name][[6, 9]], original[name][[1, 2]])
+        assert not kv[name][[0, 1, 2, 3]].any()  # nothing written outside the loaded pages
+
+
+def test_a_layout_that_splits_pages_is_refused() -> None:
+    """Heads outside the blocks (LHBNC) splits each page into one run per head: refused at
+    registration with the layout to use, not copied wrong."""
+    kv = {name: torch.zeros((3, NUM_BLOCKS, 16, 8)).permute(1, 0, 2, 3) for name in LAYERS}
+    with pytest.raises(ValueError, match=r"not one contiguous run.*VLLM_KV_CACHE_LAYOUT"):
+        new_copier().register(kv)

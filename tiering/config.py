@@ -10,6 +10,7 @@ from antiphon.configfields import doc
 MiB = 1 << 20
 GiB = 1 << 30
 SSD_WRITE_THROUGH = ("sessions", "rt", "all")  # `ssd_write_through`: narrowest first
+KV_COPY_MODES = ("auto", "pagewise", "batched")  # `kv_copy_mode`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,15 @@ class TieringConfig:
         "fsync every SSD chunk file (survives power loss; slower)", default=False)
     promote_on_hit: bool = doc(
         "Copy a chunk read from a slower tier into a faster one", default=True)
+    kv_copy_mode: str = doc(
+        "How vLLM's worker copies KV pages to and from the host tier: auto (page by page "
+        "for KV in CPU memory; for KV on a GPU, batched through a device staging buffer on a "
+        "side CUDA stream from a page-locked arena, a step's loads queued lower layers first "
+        "under the forward pass), pagewise or batched", default="auto")
+    kv_copy_staging_pages: int = doc(
+        "Device staging buffer of batched KV copies, in pages of one layer (device memory: "
+        "this times one layer's page bytes); larger copies go through it in turns",
+        default=256)
 
     def __post_init__(self) -> None:
         if self.ssd_dir is not None:
@@ -105,6 +115,12 @@ class TieringConfig:
                 not self.host_shm_name or "/" in self.host_shm_name):
             raise ValueError(f"host_shm_name must be a non-empty name without '/', "
                              f"got {self.host_shm_name!r}")
+        if self.kv_copy_mode not in KV_COPY_MODES:
+            raise ValueError(f"kv_copy_mode must be one of {', '.join(KV_COPY_MODES)}, "
+                             f"got {self.kv_copy_mode!r}")
+        if self.kv_copy_staging_pages < 1:
+            raise ValueError(f"kv_copy_staging_pages must be at least 1, got "
+                             f"{self.kv_copy_staging_pages}")
         if self.ssd_write_through not in SSD_WRITE_THROUGH:
             raise ValueError(f"ssd_write_through must be one of {', '.join(SSD_WRITE_THROUGH)}, "
                              f"got {self.ssd_write_through!r}")

@@ -110,7 +110,8 @@ class AntiphonKVConnector(KVConnectorBase_V1):
                                                            self._planner.store.tiers],
                      self._planner.arena_name)
         else:
-            self._copier = KvPageCopier(self._layer_names)
+            self._copier = KvPageCopier(self._layer_names, copy_mode=config.kv_copy_mode,
+                                        staging_pages=config.kv_copy_staging_pages)
 
     # -- scheduler side ----------------------------------------------------------------------
 
@@ -186,9 +187,23 @@ class AntiphonKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.copier.register(kv_caches)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Loads and saves run between layers (`wait_for_layer_load`, `save_kv_layer`): a
+        # full CUDA graph would replay the layers without them.
+        return True
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Before the forward pass, always: vLLM starts `start_load_kv` after the forward in
+        # steps where no request loads stored KV, and a preempted request's pages may be
+        # written over by this step's forward.
+        assert isinstance(kv_connector_metadata, TieringMetadata)
+        self.copier.checkpoint(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        # Whole matched pages load layer by layer in `wait_for_layer_load`, just before each
-        # layer's attention; a partly matched page must land before any layer writes into it.
+        # Whole matched pages load layer by layer (`wait_for_layer_load`, just before each
+        # layer's attention); a partly matched page must land before any layer writes into
+        # it. vLLM calls this before the forward pass whenever a request loads stored KV.
         self.copier.load_early(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:

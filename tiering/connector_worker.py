@@ -1,19 +1,41 @@
 """The connector's worker side: copies KV pages between vLLM's tensors and host-arena slots.
 
-It runs in vLLM's worker process, beside the model. Loads happen layer by layer under the
-forward pass (`load_layer` from `wait_for_layer_load`, just before that layer's attention reads
-its KV); saves happen layer by layer right after a layer's attention wrote its KV
-(`save_layer` from `save_kv_layer`). Slots are plain shared memory: the arena is attached by
-name on first use (the scheduler side creates it after the worker has started).
+It runs in vLLM's worker process, beside the model. Per step, in the order vLLM calls it:
+
+- `checkpoint` (from `handle_preemptions`, before the forward pass): lazy checkpoints of the
+  requests preempted this step, whose pages this very forward pass may overwrite;
+- `load_early` (from `start_load_kv`): partly matched last pages, copied whole before any layer
+  writes the step's new tokens into them;
+- `load_layer` (from `wait_for_layer_load`, just before a layer's attention reads its KV) and
+  `save_layer` (from `save_kv_layer`, right after a layer's attention wrote it);
+- `finish_step` (from `wait_for_save`): finished requests' last pages; the step is reported
+  done (`take_worker_meta`) once all its copies have landed.
+
+Slots are plain shared memory: the arena is attached by name on first use (the scheduler side
+creates it after the worker has started). How the bytes move depends on where vLLM's KV lives:
+
+- **CPU tensors** (`PagewiseMover`): one `copy_` per page, synchronous. PyTorch's CPU gather of
+  byte rows runs far below `memcpy` speed, so batching loses here (docs/benchmarks.md).
+- **CUDA tensors** (`BatchedMover`): the arena is page-locked (`cudaHostRegister`) so copies are
+  DMA; each layer's pages go through a device staging buffer, one host transfer per run of
+  consecutive slot pages and one `index_copy_` / `index_select` per layer, on a side stream.
+  All of a step's loads are queued at its start, lower layers first, and a layer's attention
+  waits only for that layer's event, so loading overlaps the layers computed before it; saves
+  wait for the layer's attention on the GPU, not on the host. A page-by-page copy from pageable
+  memory (the CPU way) is one synchronous transfer per page and layer on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
+from antiphon.tiering import cudart
+from antiphon.tiering.config import KV_COPY_MODES
 from antiphon.tiering.connector_meta import (
     NO_SLOT,
     PageCopy,
@@ -24,18 +46,292 @@ from antiphon.tiering.host_arena import HostArena
 
 log = logging.getLogger(__name__)
 
+DEFAULT_STAGING_PAGES = 256  # device staging rows of the batched mover (pages of one layer)
+# Asynchronous loads are queued this many layers ahead of the layer being computed: the copy
+# stream always has work, and the host thread queues a layer's copies between launching the
+# layers' kernels rather than all of them before the first (which delayed the forward pass by
+# the whole queueing time).
+LOAD_AHEAD_LAYERS = 2
+
+# One layer's copies: (first arena row, device blocks that take the consecutive rows from it).
+Runs = list[tuple[int, Sequence[int]]]
+
+
+def page_rows(name: str, cache: torch.Tensor) -> torch.Tensor:
+    """A layer's KV tensor as `[num_blocks, page_bytes]` bytes: row b is block b's page.
+
+    The first dimension must be the block. vLLM lays the rest out by its KV cache layout: a
+    block's bytes are one contiguous run in every layout whose block dimension sits outside the
+    heads, tokens and channels (a strided view when layers are interleaved per block), which is
+    all this needs; the bytes are copied as they lie, so the same layout reads them back.
+    """
+    if cache.dim() < 2 or cache.shape[0] < 1:
+        raise ValueError(f"KV tensor of {name} has shape {tuple(cache.shape)}; tiering needs "
+                         f"the block as its first dimension")
+    if not _dense(cache[0]):
+        raise ValueError(f"a KV page of {name} is not one contiguous run of bytes (shape "
+                         f"{tuple(cache.shape)}, strides {cache.stride()}); tiering copies whole "
+                         f"pages: use a layer- or block-outermost VLLM_KV_CACHE_LAYOUT")
+    elem = cache.element_size()
+    page_bytes = cache[0].numel() * elem
+    if cache.shape[0] > 1 and cache.stride(0) * elem < page_bytes:
+        raise ValueError(f"KV pages of {name} overlap (block stride {cache.stride(0)})")
+    rows = torch.empty(0, dtype=torch.uint8, device=cache.device)
+    rows.set_(cache.untyped_storage(), cache.storage_offset() * elem,
+              (cache.shape[0], page_bytes), (cache.stride(0) * elem, 1))
+    return rows
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True if `t`'s elements fill one contiguous run of memory, in any dimension order."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class PagewiseMover:
+    """One synchronous `copy_` per page: the fastest way between two CPU memories."""
+
+    name = "pagewise"
+
+    def attach(self, slots: torch.Tensor) -> None:
+        pass
+
+    def detach(self) -> None:
+        pass
+
+    def begin_step(self) -> None:
+        pass
+
+    def load(self, pages: torch.Tensor, slots: torch.Tensor, runs: Runs) -> None:
+        for row, blocks in runs:
+            for i, block in enumerate(blocks):
+                pages[block].copy_(slots[row + i])
+
+    def save(self, pages: torch.Tensor, slots: torch.Tensor, runs: Runs) -> None:
+        for row, blocks in runs:
+            for i, block in enumerate(blocks):
+                slots[row + i].copy_(pages[block])
+
+    def layer_loaded(self, layer: int) -> None:
+        pass
+
+    def before_forward(self) -> None:
+        pass
+
+    def end_step(self) -> Any:
+        return None
+
+    def done(self, handle: Any) -> bool:
+        return True
+
+    def wait(self, handle: Any) -> None:
+        pass
+
+
+class BatchedMover:
+    """Per layer: one host transfer per run of consecutive slot pages into a staging buffer on
+    the KV's device, then one indexed copy into (or out of) the KV pages.
+
+    On CUDA every copy is queued on a side stream from a page-locked arena, through the CUDA
+    runtime's `cudaMemcpyAsync` where it is found (`antiphon.tiering.cudart`: a few
+    microseconds of host time per transfer, against about 15 through PyTorch); `layer_loaded`
+    records an event after a layer's loads, which the compute stream alone waits for
+    (`wait_layer`), a save waits for the compute stream's work so far (the layer's attention),
+    and `end_step` returns an event polled before the step is reported done. On a CPU device
+    the same calls run synchronously (the tests check the bytes this way; serving on CPU uses
+    `PagewiseMover`).
+    """
+
+    name = "batched"
+
+    def __init__(self, device: torch.device, page_bytes: int,
+                 staging_pages: int = DEFAULT_STAGING_PAGES, *,
+                 raw_copies: bool = True) -> None:
+        if staging_pages < 1:
+            raise ValueError(f"staging_pages must be at least 1, got {staging_pages}")
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.page_bytes = page_bytes
+        self._staging = torch.empty((staging_pages, page_bytes), dtype=torch.uint8,
+                                    device=device)
+        self._stream: Any = torch.cuda.Stream(device) if self.cuda else None
+        self._runtime = cudart.runtime() if self.cuda else None
+        if self.cuda and self._runtime is None:
+            log.warning("CUDA runtime library not found in this process: KV copies go "
+                        "through PyTorch from pageable memory (synchronous)")
+        self._raw = raw_copies and self._runtime is not None
+        self._layer_events: dict[int, Any] = {}
+        self._registered: int | None = None  # data pointer of the page-locked arena
+
+    def attach(self, slots: torch.Tensor) -> None:
+        """Page-lock the arena, so host transfers are asynchronous DMA."""
+        if self._runtime is None or slots.numel() == 0:
+            return
+        ptr, size = slots.data_ptr(), slots.numel()
+        err = self._runtime.host_register(ptr, size)
+        if err == cudart.HOST_MEMORY_ALREADY_REGISTERED:
+            # an arena this process mapped at the same address before, not unregistered:
+            # that registration pins the old mapping's pages, so it must go
+            self._runtime.host_unregister(ptr)
+            err = self._runtime.host_register(ptr, size)
+        if err:
+            log.warning("could not page-lock the host KV arena (%d bytes, CUDA error %d): "
+                        "KV copies go through PyTorch, synchronously", size, err)
+            self._raw = False
+            return
+        self._registered = ptr
+
+    def detach(self) -> None:
+        if self._registered is not None and self._runtime is not None:
+            torch.cuda.synchronize(self.device)
+            self._runtime.host_unregister(self._registered)
+            self._registered = None
+
+    def begin_step(self) -> None:
+        """Order this step's copies against the GPU work queued before them: the compute
+        stream waits for the last step's saves (their pages may be reallocated and written
+        now), and the copy stream waits for the last step's forward pass (a page freed by a
+        request it finished may be loaded into now)."""
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self._stream)
+            self._stream.wait_stream(compute)
+            self._layer_events.clear()
+
+    def _context(self) -> Any:
+        return torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext()
+
+    def _index(self, blocks: Sequence[int]) -> torch.Tensor:
+        index = torch.tensor(blocks, dtype=torch.long, pin_memory=self.cuda)
+        return index.to(self.device, non_blocking=True)
+
+    def _batches(self, runs: Runs) -> list[tuple[list[tuple[int, int, int]], list[int]]]:
+        """Split runs into batches that fit the staging buffer: per batch, (arena row, staging
+        row, pages) pieces and the device blocks of its staging rows in order."""
+        cap = self._staging.shape[0]
+        batches: list[tuple[list[tuple[int, int, int]], list[int]]] = []
+        pieces: list[tuple[int, int, int]] = []
+        blocks: list[int] = []
+        for row, run in runs:
+            done = 0
+            while done < len(run):
+                if len(blocks) == cap:
+                    batches.append((pieces, blocks))
+                    pieces, blocks = [], []
+                take = min(len(run) - done, cap - len(blocks))
+                pieces.append((row + done, len(blocks), take))
+                blocks.extend(run[done:done + take])
+                done += take
+        if blocks:
+            batches.append((pieces, blocks))
+        return batches
+
+    def _transfer(self, slots: torch.Tensor, pieces: list[tuple[int, int, int]],
+                  to_device: bool) -> None:
+        """Move each piece between arena rows and staging rows (on the copy stream)."""
+        if self._raw:
+            assert self._runtime is not None
+            stream = self._stream.cuda_stream
+            size = self.page_bytes
+            staging, arena = self._staging.data_ptr(), slots.data_ptr()
+            for row, at, count in pieces:
+                host, dev = arena + row * size, staging + at * size
+                if to_device:
+                    self._runtime.memcpy_async(dev, host, count * size, cudart.HOST_TO_DEVICE,
+                                               stream)
+                else:
+                    self._runtime.memcpy_async(host, dev, count * size, cudart.DEVICE_TO_HOST,
+                                               stream)
+            return
+        for row, at, count in pieces:
+            if to_device:
+                self._staging[at:at + count].copy_(slots[row:row + count], non_blocking=True)
+            else:
+                slots[row:row + count].copy_(self._staging[at:at + count], non_blocking=True)
+
+    def load(self, pages: torch.Tensor, slots: torch.Tensor, runs: Runs) -> None:
+        with self._context():
+            for pieces, blocks in self._batches(runs):
+                self._transfer(slots, pieces, to_device=True)
+                pages.index_copy_(0, self._index(blocks), self._staging[:len(blocks)])
+
+    def save(self, pages: torch.Tensor, slots: torch.Tensor, runs: Runs) -> None:
+        if self.cuda:  # after the attention that wrote these pages
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._context():
+            for pieces, blocks in self._batches(runs):
+                torch.index_select(pages, 0, self._index(blocks),
+                                   out=self._staging[:len(blocks)])
+                self._transfer(slots, pieces, to_device=False)
+
+    def layer_loaded(self, layer: int) -> None:
+        """Record that `layer`'s loads are queued (call after queueing them)."""
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            self._layer_events[layer] = event
+
+    def wait_layer(self, layer: int) -> None:
+        """The compute stream waits for `layer`'s loads (nothing to wait for on a CPU)."""
+        event = self._layer_events.pop(layer, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def before_forward(self) -> None:
+        """The compute stream waits for every copy queued so far (checkpoints, early loads)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def end_step(self) -> Any:
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def done(self, handle: Any) -> bool:
+        return handle is None or bool(handle.query())
+
+    def wait(self, handle: Any) -> None:
+        if handle is not None:
+            handle.synchronize()
+
+
+Mover = PagewiseMover | BatchedMover
+
 
 class KvPageCopier:
-    """Page copies for one worker; `layer_names` fixes the layer order the keys use."""
+    """Page copies for one worker; `layer_names` fixes the layer order the keys use.
 
-    def __init__(self, layer_names: Sequence[str]) -> None:
+    `copy_mode`: `auto` (page by page for CPU KV, batched on a side stream for CUDA KV),
+    `pagewise` or `batched`; `staging_pages` bounds the batched mover's device buffer.
+    `raw_copies=False` makes the batched mover's host transfers through PyTorch.
+    """
+
+    def __init__(self, layer_names: Sequence[str], *, copy_mode: str = "auto",
+                 staging_pages: int = DEFAULT_STAGING_PAGES, raw_copies: bool = True) -> None:
+        if copy_mode not in KV_COPY_MODES:
+            raise ValueError(f"copy_mode must be one of {KV_COPY_MODES}, got {copy_mode!r}")
         self._layer_index = {name: index for index, name in enumerate(layer_names)}
         self._layer_names = list(layer_names)
-        self._pages: list[torch.Tensor] = []  # per layer: [num_blocks, page_bytes] uint8 view
+        self._copy_mode = copy_mode
+        self._staging_pages = staging_pages
+        self._raw_copies = raw_copies  # False: PyTorch's copies (the benchmark compares)
+        self._pages: list[torch.Tensor] = []  # per layer: [num_blocks, page_bytes] uint8 rows
+        self._mover: Mover = PagewiseMover()
         self._arena: HostArena | None = None
         # The arena as [num_slots * pages_per_slot, page_bytes] uint8 (see `_arena_pages`).
         self._slots: torch.Tensor | None = None
         self._pages_per_slot = 0
+        self._forward_step: int | None = None  # the step whose forward pass has begun
+        self._begun_step: int | None = None
+        self._checkpointed_step: int | None = None
+        self._queued = (-1, 0)  # (step, layers whose loads are queued)
+        self._pending: list[tuple[int, Any, set[str]]] = []  # (step, end event, requests sent)
         self._done_steps: set[int] = set()
         self._failed_steps: set[int] = set()
         self._finished_sending: set[str] = set()
@@ -44,53 +340,97 @@ class KvPageCopier:
     def page_bytes(self) -> int:
         return int(self._pages[0].shape[1])
 
+    @property
+    def mover(self) -> str:
+        return self._mover.name
+
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Take vLLM's per-layer KV tensors: the first dimension must be the page (block)."""
         missing = [name for name in self._layer_names if name not in kv_caches]
         if missing:
             raise ValueError(f"KV tensors missing for layers {missing[:3]}")
-        pages = []
-        for name in self._layer_names:
-            cache = kv_caches[name]
-            if not cache.is_contiguous():
-                raise ValueError(f"KV tensor of {name} is not contiguous; tiering needs whole "
-                                 f"pages as contiguous bytes")
-            pages.append(cache.view(torch.uint8).view(cache.shape[0], -1))
-        self._pages = pages
+        self._pages = [page_rows(name, kv_caches[name]) for name in self._layer_names]
+        device = self._pages[0].device
+        batched = (self._copy_mode == "batched"
+                   or (self._copy_mode == "auto" and device.type == "cuda"))
+        self._mover = (BatchedMover(device, self.page_bytes, self._staging_pages,
+                                    raw_copies=self._raw_copies) if batched
+                       else PagewiseMover())
+        log.info("KV page copies %s on %s", self._mover.name, device)
+
+    def checkpoint(self, meta: TieringMetadata) -> None:
+        """Before the forward pass: copy out the pages of requests preempted this step (this
+        step's forward may write another request's KV over them)."""
+        self._begin(meta)
+        if not meta.checkpoints or self._checkpointed_step == meta.step:
+            return
+        self._checkpointed_step = meta.step
+        if self._forward_step == meta.step:
+            # Too late: the pages may hold the new owner's KV already. Failing the step
+            # drops the checkpoint's keys, so the request recomputes instead of restoring them.
+            self._failed_steps.add(meta.step)
+            log.error("step %d: checkpoint copies arrived after the forward pass began; "
+                      "dropped (the preempted requests recompute)", meta.step)
+            return
+        for layer in range(len(self._layer_names)):
+            self._save(meta, meta.checkpoints, layer)
+        self._mover.before_forward()
 
     def load_early(self, meta: TieringMetadata) -> None:
-        """Before the forward pass: save preempted requests' checkpoints, then copy partly
-        matched pages in (which may land on pages a checkpoint just copied out), every layer."""
-        for layer in range(len(self._layer_names)):
-            if meta.checkpoints:
-                self._save(meta, meta.checkpoints, layer)
-            self._load(meta, meta.early_loads, layer)
+        """Before the forward pass: copy partly matched pages in, every layer (they may land
+        on pages a checkpoint just copied out); queue the layer-by-layer loads where the
+        copies are asynchronous."""
+        self.checkpoint(meta)  # where vLLM did not call `handle_preemptions`
+        if meta.early_loads:
+            for layer in range(len(self._layer_names)):
+                self._load(meta, meta.early_loads, layer)
+            self._mover.before_forward()
+        if self._async and self._forward_step != meta.step:
+            self._queue_loads(meta, LOAD_AHEAD_LAYERS)
 
     def load_layer(self, meta: TieringMetadata, layer_name: str) -> None:
-        """Copy this step's loads of `layer_name` from slots into device pages."""
-        self._load(meta, meta.loads, self._layer_index[layer_name])
+        """Just before `layer_name`'s attention: its loads are in place when this returns
+        (synchronous copies), or the compute stream waits for them (queued ahead)."""
+        self._forward_step = meta.step
+        layer = self._layer_index[layer_name]
+        if not self._async:
+            self._load(meta, meta.loads, layer)
+            return
+        self._queue_loads(meta, layer + 1 + LOAD_AHEAD_LAYERS)
+        assert isinstance(self._mover, BatchedMover)
+        self._mover.wait_layer(layer)
 
     def save_layer(self, meta: TieringMetadata, layer_name: str) -> None:
         """Copy this step's saves of `layer_name` from device pages into slots."""
+        self._forward_step = meta.step
         if not meta.saves:
             return
+        self._begin(meta)
         self._save(meta, meta.saves, self._layer_index[layer_name])
 
     def finish_step(self, meta: TieringMetadata) -> None:
         """End of the step: copy finished requests' last pages (vLLM holds their blocks until
-        we report them sent) and record the step as done."""
-        for request_id, copies in meta.final_saves.items():
+        we report them sent); the step is done once its copies have landed."""
+        self._begin(meta)
+        for copies in meta.final_saves.values():
             for layer in range(len(self._layer_names)):
                 self._save(meta, copies, layer)
-            self._finished_sending.add(request_id)
-        if meta.has_work and meta.step not in self._failed_steps:
-            self._done_steps.add(meta.step)
+        if not meta.has_work or meta.step in self._failed_steps:
+            self._finished_sending.update(meta.final_saves)
+            return
+        handle = self._mover.end_step()
+        if meta.final_saves:  # vLLM holds their pages until they are reported: don't delay
+            self._mover.wait(handle)
+        self._pending.append((meta.step, handle, set(meta.final_saves)))
+        self._collect()
 
     def take_finished_sending(self) -> set[str]:
+        self._collect()
         finished, self._finished_sending = self._finished_sending, set()
         return finished
 
     def take_worker_meta(self) -> TieringWorkerMetadata | None:
+        self._collect()
         if not (self._done_steps or self._failed_steps):
             return None
         meta = TieringWorkerMetadata(self._done_steps, self._failed_steps)
@@ -98,48 +438,85 @@ class KvPageCopier:
         return meta
 
     def close(self) -> None:
+        if self._pending:
+            self._mover.wait(self._pending[-1][1])
+            self._collect()
+        self._mover.detach()
         self._slots = None
         if self._arena is not None:
             self._arena.close()
             self._arena = None
 
+    @property
+    def _async(self) -> bool:
+        return isinstance(self._mover, BatchedMover) and self._mover.cuda
+
+    def _queue_loads(self, meta: TieringMetadata, layers: int) -> None:
+        """Queue the step's loads of its first `layers` layers, those not queued yet, lower
+        layers first, each followed by its event (the copy stream runs them in order while
+        the forward pass goes on)."""
+        if not meta.loads:
+            return
+        step, queued = self._queued
+        if step != meta.step:
+            self._begin(meta)
+            queued = 0
+        assert isinstance(self._mover, BatchedMover)
+        for layer in range(queued, min(layers, len(self._layer_names))):
+            self._load(meta, meta.loads, layer)
+            self._mover.layer_loaded(layer)
+            queued = layer + 1
+        self._queued = (meta.step, queued)
+
+    def _begin(self, meta: TieringMetadata) -> None:
+        if self._begun_step != meta.step:
+            self._begun_step = meta.step
+            self._mover.begin_step()
+
+    def _collect(self) -> None:
+        """Steps whose copies have landed, in order, become done."""
+        while self._pending and self._mover.done(self._pending[0][1]):
+            step, _, sent = self._pending.pop(0)
+            self._done_steps.add(step)
+            self._finished_sending |= sent
+
     def _load(self, meta: TieringMetadata, copies: Sequence[PageCopy], layer: int) -> None:
         try:
-            for copy in copies:
-                for block, source in self._page_views(meta, copy, layer):
-                    self._pages[layer][block].copy_(source)
+            runs = self._runs(meta, copies, layer)
+            if runs:
+                self._mover.load(self._pages[layer], self._arena_pages(meta.arena_name), runs)
         except Exception:
             self._failed_steps.add(meta.step)
             raise
 
     def _save(self, meta: TieringMetadata, copies: Sequence[PageCopy], layer: int) -> None:
         try:
-            for copy in copies:
-                for block, target in self._page_views(meta, copy, layer):
-                    target.copy_(self._pages[layer][block])
+            runs = self._runs(meta, copies, layer)
+            if runs:
+                self._mover.save(self._pages[layer], self._arena_pages(meta.arena_name), runs)
         except Exception:
             self._failed_steps.add(meta.step)
             raise
 
-    def _page_views(self, meta: TieringMetadata, copy: PageCopy,
-                    layer: int) -> list[tuple[int, torch.Tensor]]:
-        """(device block, arena page) for each page of `copy` at `layer`; none when the layer
-        has no slot (`NO_SLOT`: a tier holds it already). One tensor copy per page: with
-        128-token CPU pages, one indexed gather and scatter per layer was no faster
-        (docs/benchmarks.md, eleventh session)."""
-        slot = copy.slots[layer]
-        if slot == NO_SLOT:
-            return []
-        pages = self._arena_pages(meta.arena_name)
-        per_slot = self._pages_per_slot
-        if copy.first_page < 0 or copy.first_page + len(copy.blocks) > per_slot:
-            raise ValueError(f"a page copy reaches page {copy.first_page + len(copy.blocks) - 1}"
-                             f" of a slot that holds {per_slot}")
-        assert self._arena is not None  # attached by _arena_pages
-        if not 0 <= slot < self._arena.num_slots:
-            raise ValueError(f"a page copy names slot {slot}")
-        first = slot * per_slot + copy.first_page
-        return [(block, pages[first + i]) for i, block in enumerate(copy.blocks)]
+    def _runs(self, meta: TieringMetadata, copies: Sequence[PageCopy], layer: int) -> Runs:
+        """(first arena row, device blocks) per copy at `layer`; none for a layer without a
+        slot (`NO_SLOT`: a tier holds it already). Checked to stay inside the slot."""
+        runs: Runs = []
+        for copy in copies:
+            slot = copy.slots[layer]
+            if slot == NO_SLOT:
+                continue
+            self._arena_pages(meta.arena_name)
+            per_slot = self._pages_per_slot
+            if copy.first_page < 0 or copy.first_page + len(copy.blocks) > per_slot:
+                raise ValueError(f"a page copy reaches page "
+                                 f"{copy.first_page + len(copy.blocks) - 1} of a slot that "
+                                 f"holds {per_slot}")
+            assert self._arena is not None  # attached by _arena_pages
+            if not 0 <= slot < self._arena.num_slots:
+                raise ValueError(f"a page copy names slot {slot}")
+            runs.append((slot * per_slot + copy.first_page, copy.blocks))
+        return runs
 
     def _arena_pages(self, arena_name: str) -> torch.Tensor:
         """The arena as `[num_slots * pages_per_slot, page_bytes]`: slot s, page p is row
@@ -155,6 +532,7 @@ class KvPageCopier:
             self._pages_per_slot = arena.slot_bytes // self.page_bytes
             self._slots = torch.frombuffer(arena.slots_view(), dtype=torch.uint8).view(
                 arena.num_slots * self._pages_per_slot, self.page_bytes)
-            log.info("attached host KV arena %s: %d slots of %d bytes", arena_name,
-                     arena.num_slots, arena.slot_bytes)
+            self._mover.attach(self._slots)
+            log.info("attached host KV arena %s: %d slots of %d bytes (%s copies)", arena_name,
+                     arena.num_slots, arena.slot_bytes, self._mover.name)
         return self._slots

@@ -150,6 +150,7 @@ class TieringCounters:
     checkpoint_short_tokens: int = 0  # preempted tokens the full host arena could not take
     restores: int = 0  # checkpointed requests admitted again
     pages_restored: int = 0  # pages those loaded back from the tiers
+    copy_steps_failed: int = 0  # steps whose page copies the worker failed (saves dropped)
 
 
 class TierPlanner:
@@ -382,6 +383,7 @@ class TierPlanner:
                 in_flight = self._in_flight.pop(step, None)
                 if in_flight is None:
                     continue
+                self.counters.copy_steps_failed += step in failed_steps
                 for key in in_flight.pins:
                     self.host.unpin(key)
                 for key, durable in in_flight.commits:

@@ -112,3 +112,35 @@ async def test_follow_up_turns_find_their_context_in_vllms_prefix_cache(
     # vLLM caches whole pages (128 tokens): each follow-up's first page came from the device.
     assert min(cached) >= 128 and from_device >= 128 * len(cached), (cached, from_device)
     assert await biblock_engine.check_integrity() == []
+
+
+async def test_checkpoints_are_taken_before_fresh_rt_turns_overwrite_the_pages(
+        biblock_engine: VllmEngine) -> None:
+    """RT turns that no tier holds any of: vLLM starts a step's connector loads after the
+    forward pass when no request in it loads stored KV (`has_sync_kv_loads`), so a checkpoint
+    taken there copied the RT turn's KV, already written over the BE request's tail, instead of
+    the BE request's own (restored BE output then went wrong). Checkpoints are taken in
+    `handle_preemptions`, before the forward pass, whatever the step loads."""
+    fresh = [f"Question {i} about rivers, lakes and canals: {DOC} Explain it."
+             for i in range(3)]
+    alone_be = [await run(biblock_engine, f"ref2-be-{i}", p, 80, RequestClass.BE)
+                for i, p in enumerate(BE_PROMPTS)]
+    assert await biblock_engine.reset_prefix_cache()
+    tier0 = await biblock_engine.tiering_stats()
+    started = [asyncio.Event(), asyncio.Event()]
+    be = [asyncio.create_task(run(biblock_engine, f"be2-{i}", p, 80, RequestClass.BE,
+                                  started[i]))
+          for i, p in enumerate(BE_PROMPTS)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    rt = [await run(biblock_engine, f"rt2-{i}", p, 24, RequestClass.RT)
+          for i, p in enumerate(fresh)]
+    disturbed_be = await asyncio.gather(*be)
+    tier1 = await biblock_engine.tiering_stats()
+    assert tier1["checkpoints"] > tier0["checkpoints"]
+    # a checkpoint the worker got after the forward pass began fails its step's copies
+    assert tier1["copy_steps_failed"] == tier0["copy_steps_failed"]
+    assert disturbed_be == alone_be
+    assert await biblock_engine.reset_prefix_cache()
+    assert rt == [await run(biblock_engine, f"ref2-rt-{i}", p, 24, RequestClass.RT)
+                  for i, p in enumerate(fresh)]
+    assert await biblock_engine.check_integrity() == []
