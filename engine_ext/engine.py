@@ -275,7 +275,8 @@ class VllmEngine(Engine):
     def _tier_model_id(self) -> str:
         """What separates stored KV: anything that changes its bytes, the weights (the folder,
         and `weights_fingerprint`, read once: a model changed while serving is not seen until
-        the next start, as vLLM's loaded weights are not) and the dtype."""
+        the next start, as vLLM's loaded weights are not) and the dtype; the connector adds
+        vLLM's KV layout, block size and KV dtype (`tiering.connector.kv_model_id`)."""
         from antiphon.model import weights_fingerprint
 
         return f"{self.model_dir.resolve()}|{self.dtype}|{weights_fingerprint(self.model_dir)}"
@@ -397,13 +398,9 @@ class VllmEngine(Engine):
                      cache_salt: str | None = None) -> int | None:
         if self._llm is None or self.tiering is None:
             return None
-        from antiphon.tiering.keys import chain_hashes
-
-        salt = cache_salt.encode() if cache_salt else b""  # as the connector salts requests
-        hashes = await asyncio.to_thread(chain_hashes, chains, self.tiering.chunk_tokens,
-                                         self._tier_model_id, salt=salt)
         core = self._llm.engine_core
-        if not await core.call_utility_async("antiphon_forget", session_id, sorted(hashes)):
+        if not await core.call_utility_async("antiphon_forget", session_id,
+                                             [list(chain) for chain in chains], cache_salt):
             return None
         deadline = time.monotonic() + FORGET_TIMEOUT_S
         while (erased := await core.call_utility_async("antiphon_forgotten", session_id)) is None:

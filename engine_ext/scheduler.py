@@ -39,6 +39,7 @@ from antiphon.engine_ext.schedstats import SchedulerStats
 from antiphon.engine_ext.steptrace import StepTrace
 from antiphon.engine_ext.types import RequestClass
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
+from antiphon.tiering.keys import chain_hashes
 
 # Under vLLM's logger tree, so the message shows in the EngineCore process's log.
 logger = init_logger("vllm.antiphon.scheduler")
@@ -460,14 +461,18 @@ def _engine_core_advise(self: EngineCore, session_id: str, token_ids: list[int],
     return int(planner.advise(session_id, token_ids, expected_arrival_s, salt=salt))
 
 
-def _engine_core_forget(self: EngineCore, session_id: str, prefix_hashes: list[bytes]) -> bool:
-    """EngineCore utility method: start erasing a deleted session's KV from the tiers (in a
-    thread: steps go on); `antiphon_forgotten` says when it is done. False when KV tiering
-    is off."""
+def _engine_core_forget(self: EngineCore, session_id: str, chains: list[list[int]],
+                        cache_salt: str | None) -> bool:
+    """EngineCore utility method: start erasing a deleted session's KV from the tiers, every
+    chunk of the token sequences it ran (`chains`, hashed here, with the connector's own KV
+    identity), in a thread: steps go on; `antiphon_forgotten` says when it is done. False when
+    KV tiering is off."""
     planner = _tier_planner(self)
     if planner is None:
         return False
-    planner.forget(session_id, prefix_hashes)
+    salt = cache_salt.encode() if cache_salt else b""  # as the connector salts requests
+    planner.forget(session_id, chain_hashes(chains, planner.chunk_tokens, planner.model_id,
+                                            salt=salt))
     return True
 
 

@@ -46,3 +46,21 @@ def test_the_engines_kv_identity_holds_dtype_and_weights(tmp_path: Path) -> None
     assert identity != VllmEngine(EngineConfig(dtype="bfloat16"), model)._tier_model_id
     (model / "model.safetensors").write_bytes(b"fine-tuned weights, longer")
     assert identity != VllmEngine(EngineConfig(dtype="float32"), model)._tier_model_id
+
+
+def test_the_kv_identity_follows_vllms_kv_layout_block_size_and_kv_dtype() -> None:
+    """The connector adds how vLLM lays KV out, once the engine has resolved it: a chunk's
+    bytes under LBHNC pages of 128 tokens (CPU) are another order than under 16-token ones
+    (GPU) or LBNHC, at the same size, and must not be found under the same key."""
+    from types import SimpleNamespace
+
+    from antiphon.tiering.connector import kv_model_id
+
+    def identity(layout: str, block: int, kv_dtype: str) -> str:
+        cache = SimpleNamespace(kv_cache_layout=layout, block_size=block, cache_dtype=kv_dtype)
+        return kv_model_id("/models/m|bfloat16|f1", SimpleNamespace(cache_config=cache))  # type: ignore[arg-type]
+
+    base = identity("LBHNC", 128, "auto")
+    assert base.startswith("/models/m|bfloat16|f1|") and base == identity("LBHNC", 128, "auto")
+    assert len({base, identity("LBNHC", 128, "auto"), identity("LBHNC", 16, "auto"),
+                identity("LBHNC", 128, "fp8")}) == 4

@@ -59,6 +59,16 @@ def kv_transfer_config(config: TieringConfig, model_id: str) -> dict[str, Any]:
             "kv_connector_extra_config": connector_extra_config(config, model_id)}
 
 
+def kv_model_id(model_id: str, vllm_config: VllmConfig) -> str:
+    """The identity stored KV is keyed by: the served model's (`model_id`: weights and dtype),
+    and how vLLM lays the KV bytes out, known once the engine has resolved it: the KV cache
+    layout, the page's tokens (vLLM's block size) and the KV dtype. KV stored under another
+    layout has the same size and other bytes (a CPU engine's 128-token pages against a GPU's
+    16-token ones; `VLLM_KV_CACHE_LAYOUT` changed), so it must not be found."""
+    cache = vllm_config.cache_config
+    return f"{model_id}|{cache.kv_cache_layout}|{cache.block_size}|{cache.cache_dtype}"
+
+
 def _extra_args(request: Request) -> dict[str, Any]:
     """What the engine put in the request's `sampling_params.extra_args`."""
     extra = request.sampling_params.extra_args if request.sampling_params else None
@@ -102,7 +112,7 @@ class AntiphonKVConnector(KVConnectorBase_V1):
         self._copier: KvPageCopier | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._planner = TierPlanner(
-                config, model_id=str(extra["antiphon_model_id"]),
+                config, model_id=kv_model_id(str(extra["antiphon_model_id"]), vllm_config),
                 num_layers=len(self._layer_names),
                 page_bytes=group.kv_cache_spec.page_size_bytes,
                 block_ids_of=self._block_ids_of)
