@@ -196,6 +196,23 @@ def measure(rig: Rig, mode: str, compute: Callable[[str], None]) -> dict[str, An
     }
 
 
+def link_gb_per_s(rig: Rig) -> dict[str, float]:
+    """The link's own speed: one contiguous copy of a step's bytes from page-locked host
+    memory to the device and back (what the movers' many transfers are measured against)."""
+    nbytes = rig.args.pages * rig.args.layers * rig.args.page_bytes
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=rig.device.type == "cuda")
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=rig.device)
+    def down() -> None:
+        dev.copy_(host, non_blocking=True)
+
+    def up() -> None:
+        host.copy_(dev, non_blocking=True)
+
+    to_device, to_host = timed(rig.args.repeats, down, rig.device), timed(rig.args.repeats, up,
+                                                                          rig.device)
+    return {"to_device": nbytes / to_device / 1e9, "to_host": nbytes / to_host / 1e9}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -224,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(rig.device) if rig.device.type == "cuda" else "cpu"
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"device_name": name}
     results: dict[str, Any] = {}
+    link = link_gb_per_s(rig)
     try:
         for mode in args.movers.split(","):
             results[mode] = measure(rig, mode, compute)
@@ -231,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         rig.arena.close()  # the owner's close unlinks it
     mib = args.pages * args.layers * args.page_bytes / 2**20
     print(f"{name}: {args.pages} pages x {args.layers} layers x {args.page_bytes} B = "
-          f"{mib:.0f} MiB per step; forward stand-in {args.layer_compute_ms} ms per layer")
+          f"{mib:.0f} MiB per step; forward stand-in {args.layer_compute_ms} ms per layer; "
+          f"one contiguous pinned copy: {link['to_device']:.1f} GB/s to the device, "
+          f"{link['to_host']:.1f} back")
     columns = ("bytes_exact", "layer_reads_exact", "load_ms", "load_gb_per_s", "save_ms", "save_gb_per_s",
                "forward_ms", "loads_add_ms", "saves_add_ms")
     print(f"{'mover':<14}" + "".join(f"{c:>18}" for c in columns))
@@ -241,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:<14}{cells}")
     if args.out:
         args.out.write_text(json.dumps({"benchmark": "page_copies", "config": config,
-                                        "systems": results}, indent=2))
+                                        "link_gb_per_s": link, "systems": results}, indent=2))
     return 0 if all(row["bytes_exact"] and row["layer_reads_exact"]
                     for row in results.values()) else 1
 
