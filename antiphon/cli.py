@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -41,7 +42,9 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         lock_data_dir(config.sessions.data_dir)  # held until the process ends
-        app = create_app(config, VllmEngine(config.engine, model_dir, config.tiering))
+        engine = VllmEngine(config.engine, model_dir, config.tiering,
+                            drain_timeout_s=config.server.drain_timeout_s)
+        app = create_app(config, engine)
     except DataDirInUseError as exc:
         print(f"antiphon serve: {exc}", file=sys.stderr)
         return 2
@@ -55,7 +58,14 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     server = DrainingServer(app, log_level=args.log_level.lower(),
                             **config.server.uvicorn_options())
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # uvicorn raises the signal it stopped on again once it has shut down; Python turns
+        # SIGINT into this exception: end as SIGINT ends a process (status 130), without the
+        # traceback of an interrupted program.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGINT)
     if server.exit_status:
         print("antiphon serve: the engine died; exiting with status 1 so that a supervisor "
               "restarts the server", file=sys.stderr)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import functools
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
@@ -221,9 +223,15 @@ class VllmEngine(Engine):
     """vLLM `AsyncLLM` in process, with Antiphon's scheduler."""
 
     def __init__(self, config: EngineConfig, model_dir: Path,
-                 tiering: TieringConfig | None = None) -> None:
-        """`tiering` (when its `kv_tiering` is on) installs Antiphon's KV connector."""
+                 tiering: TieringConfig | None = None, *, drain_timeout_s: float = 0.0) -> None:
+        """`tiering` (when its `kv_tiering` is on) installs Antiphon's KV connector.
+
+        `drain_timeout_s`: when a signal reaches vLLM's engine process itself (one sent to the
+        server's whole process group: Ctrl-C in a terminal, systemd's default KillMode), it
+        finishes its running requests for up to this long before it stops, as the server
+        drains them (vLLM's `shutdown_timeout`); 0: it aborts them at once."""
         self.config = config
+        self.drain_timeout_s = drain_timeout_s
         self.tiering = tiering if tiering is not None and tiering.kv_tiering else None
         self.model_dir = model_dir
         self.dtype = resolve_dtype(config.dtype)
@@ -256,9 +264,14 @@ class VllmEngine(Engine):
             additional_config=c.scheduler_settings.to_additional_config(),
             disable_log_stats=True,
             kv_transfer_config=self._kv_transfer_config(),
+            shutdown_timeout=math.ceil(self.drain_timeout_s),
+            worker_extension_cls="antiphon.engine_ext.worker_ext.AntiphonWorkerExtension",
         )
         started = time.monotonic()
         self._llm = AsyncLLM.from_engine_args(args)
+        if self._llm.vllm_config.parallel_config.distributed_executor_backend == "mp":
+            # workers in processes of their own: they stop with the engine, not on a signal
+            await self._llm.collective_rpc("antiphon_hold_group_signals")
         logger.info("vLLM engine for %s up in %.1f s", self.model_name, time.monotonic() - started)
         await prepare_cost_model(self)
 
@@ -477,5 +490,12 @@ class VllmEngine(Engine):
 
     async def shutdown(self) -> None:
         if self._llm is not None:
+            # Abort what the server no longer waits for (replies cut at the drain's end, batch
+            # items stopped): the engine process would otherwise run them on, as it drains
+            # after a signal, until vLLM's process manager kills it.
+            unfinished = list(self._llm.output_processor.request_states)
+            if unfinished:
+                with contextlib.suppress(Exception):  # a dead engine has nothing to abort
+                    await self._llm.abort(unfinished)
             self._llm.shutdown()
             self._llm = None

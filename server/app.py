@@ -137,6 +137,11 @@ async def watch_engine(ctx: AppContext) -> None:
     their attempts)."""
     while not ctx.engine.is_dead:
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+    if ctx.chat.stop_requested:
+        # The engine process got the signal too (one sent to the whole process group): it
+        # finished its requests and stopped, as the server is doing; not a failure.
+        logger.info("the engine stopped on the shutdown signal")
+        return
     ctx.engine_died = True
     ctx.is_ready = False
     logger.error("The engine failed for good (the cause is logged above): shutting down so "
@@ -176,6 +181,7 @@ class DrainingServer(uvicorn.Server):
         if not self.force_exit:  # a second Ctrl-C skips the wait
             ctx = self.ctx
             ctx.is_ready = False
+            ctx.dashboard.stopped = True
             await ctx.batches.stop()  # its items run again after the restart
             timeout_s = ctx.config.server.drain_timeout_s
             logger.info("shutting down: waiting up to %.0f s for the replies streaming now",

@@ -38,10 +38,12 @@ class Dashboard:
         self.points: deque[dict[str, Any]] = deque(maxlen=history)
         self._last: dict[str, float] | None = None
         self._last_at = time.monotonic()
+        self.stopped = False  # the server is shutting down: no more samples
 
     async def run(self) -> None:
-        """Sample forever (the app cancels this task on shutdown)."""
-        while True:
+        """Sample until `stopped` (the app cancels this task at the end of a shutdown; during
+        its drain, vLLM's engine refuses the calls a sample makes, once a signal reached it)."""
+        while not self.stopped:
             try:
                 await self.sample()
             except Exception:  # a failed sample leaves a gap in the charts, nothing worse

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Annotated, Any
 
@@ -14,6 +15,8 @@ from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.http import authorize, read_model
 from antiphon.server.protocol import ID_PATTERN
+
+logger = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -132,9 +135,13 @@ async def metrics(request: Request) -> Response:
     ctx = _ctx(request)
     if not ctx.config.server.public_metrics:
         authorize(request)
-    body = (ctx.metrics.render() + scheduler_metrics_text(await ctx.engine.scheduler_stats())
-            + tiering_metrics_text(await ctx.engine.tiering_stats()))
-    return Response(body, media_type="text/plain; version=0.0.4")
+    try:
+        engine = (scheduler_metrics_text(await ctx.engine.scheduler_stats())
+                  + tiering_metrics_text(await ctx.engine.tiering_stats()))
+    except Exception as exc:  # vLLM's engine refuses them while it drains on a signal
+        logger.warning("the engine's metrics are left out: %s", exc)
+        engine = b""
+    return Response(ctx.metrics.render() + engine, media_type="text/plain; version=0.0.4")
 
 
 def scheduler_metrics_text(stats: dict[str, Any]) -> bytes:

@@ -131,6 +131,20 @@ def test_sessions_advisory_health_and_metrics(scripted: Scripted) -> None:
     assert 'antiphon_rt_slo_requests_total{met="true",target="tpot"} 1.0' in metrics
 
 
+def test_metrics_without_the_engines_share_when_it_refuses_them(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's engine answers no utility calls while it drains on a signal that reached it (one
+    to the server's whole process group): /metrics failed with a 500 then; it now serves the
+    server's own metrics and leaves the engine's out."""
+    async def refused() -> dict[str, object]:
+        raise RuntimeError("[shutdown] EngineCore: rejecting utility call")
+
+    monkeypatch.setattr(scripted.engine, "scheduler_stats", refused)
+    r = httpx.get(scripted.url + "/metrics")
+    assert r.status_code == 200
+    assert "antiphon_requests_total" in r.text and "antiphon_scheduler" not in r.text
+
+
 def test_chat_completions_in_a_session_keep_its_context_for_advisories(
         scripted: Scripted) -> None:
     base, engine = scripted.url, scripted.engine

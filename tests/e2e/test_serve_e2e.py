@@ -104,3 +104,28 @@ async def test_kill_9_loses_no_accepted_message(server: ServerProcess) -> None:
     assert messages[-1]["content"] == "Now write a very long essay about Paris."
     log = Path(server.log_path).read_text()
     assert "Application startup complete" in log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT])
+async def test_ctrl_c_to_the_process_group_lets_the_streaming_reply_finish(
+        server: ServerProcess, sig: int) -> None:
+    """Ctrl-C in a terminal signals the server's whole process group, vLLM's engine and worker
+    processes with it. They stopped at once, and the reply being drained ended with
+    engine_error. Now the engine drains its requests too (vLLM's shutdown_timeout), its worker
+    runs on until the engine stops it, and the reply runs to its end; the server then ends as
+    SIGINT ends a process, without a traceback. (Last in this module: it stops the server.)"""
+    async with connect(server.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, max_tokens=48,
+                   content="Write a long story about a lighthouse keeper.")
+        await recv_until(ws, "token")
+        stopping = asyncio.create_task(asyncio.to_thread(server.stop, sig))
+        tokens = 1
+        while (frame := json.loads(await ws.recv()))["type"] not in ("done", "error"):
+            tokens += frame["type"] == "token"
+    await stopping
+    assert frame["type"] == "done", frame
+    assert tokens > 1 and frame["usage"]["completion_tokens"] >= tokens - 1
+    assert server.proc is not None and server.proc.returncode == -sig
+    log = server.log()
+    assert "Traceback" not in log and "engine_error" not in log

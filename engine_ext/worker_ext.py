@@ -1,0 +1,22 @@
+"""Methods Antiphon adds to vLLM's worker class (vLLM's `worker_extension_cls`), called in every
+worker with `collective_rpc`."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+class AntiphonWorkerExtension:
+    def antiphon_hold_group_signals(self) -> int:
+        """Run on through SIGINT and SIGTERM; returns this worker's process id.
+
+        For workers in processes of their own (vLLM's multiprocessing executor, which the CPU
+        backend always uses). A signal to the server's whole process group (Ctrl-C in a
+        terminal, systemd's default KillMode) reaches them too; each left at once, and the
+        engine process failed the replies the server was draining. vLLM's engine process drains
+        on such a signal (`shutdown_timeout`) and stops its workers itself when it is done, by
+        closing the pipe each watches (or by dying); a worker has no other reason to stop."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return os.getpid()
