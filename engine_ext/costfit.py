@@ -200,9 +200,11 @@ def _version(*distributions: str) -> str:
 
 
 def fit_path(cache_dir: Path, model: str, machine: Machine) -> Path:
-    """`<cache_dir>/costmodels/<model folder name>-<hash of model and machine>.json`"""
+    """`<cache_dir>/costmodels/<model folder name>-<hash of model and machine>.json` (`model`:
+    the folder, then `|` and anything else that tells its weights apart)."""
     key = hashlib.sha256(json.dumps([model, machine], sort_keys=True).encode()).hexdigest()
-    return cache_dir / "costmodels" / f"{Path(model).name or 'model'}-{key[:16]}.json"
+    name = Path(model.partition("|")[0]).name or "model"
+    return cache_dir / "costmodels" / f"{name}-{key[:16]}.json"
 
 
 def save_fit(fit: CostFit, path: Path) -> None:

@@ -447,12 +447,16 @@ class VllmEngine(Engine):
         return list(await self._llm.engine_core.call_utility_async("antiphon_check_integrity"))
 
     def cost_model_key(self) -> tuple[str, Machine]:
-        """(model, machine) a cost-model fit is stored under: the resolved model folder, and
+        """(model, machine) a cost-model fit is stored under: the resolved model folder and its
+        weights (`weights_fingerprint`: new weights in the folder are profiled again), and
         this machine and engine build (`costfit.machine_fingerprint`)."""
         from vllm.platforms import current_platform
 
+        from antiphon.model import weights_fingerprint
+
         device = "cpu" if current_platform.is_cpu() else current_platform.get_device_name()
-        return str(self.model_dir.resolve()), machine_fingerprint(
+        model = f"{self.model_dir.resolve()}|{weights_fingerprint(self.model_dir)}"
+        return model, machine_fingerprint(
             self.dtype, self.config.enforce_eager, device, self.config.cpu_reserved_cores,
             self.config.cpu_omp_spin_count)
 

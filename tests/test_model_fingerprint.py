@@ -64,3 +64,19 @@ def test_the_kv_identity_follows_vllms_kv_layout_block_size_and_kv_dtype() -> No
     assert base.startswith("/models/m|bfloat16|f1|") and base == identity("LBHNC", 128, "auto")
     assert len({base, identity("LBNHC", 128, "auto"), identity("LBHNC", 16, "auto"),
                 identity("LBHNC", 128, "fp8")}) == 4
+
+
+def test_the_cost_model_fit_is_stored_per_weights(tmp_path: Path) -> None:
+    """The step-cost fit was stored under the model's folder alone: weights replaced in the
+    folder kept the old fit (another model's step times). New weights now get a fit of their
+    own (profiled on the next start); the file keeps the folder's name."""
+    from antiphon.engine_ext.costfit import fit_path
+
+    model = make_model(tmp_path / "m")
+    first = VllmEngine(EngineConfig(), model).cost_model_key()
+    assert first == VllmEngine(EngineConfig(), model).cost_model_key()
+    (model / "model.safetensors").write_bytes(b"fine-tuned weights, longer")
+    second = VllmEngine(EngineConfig(), model).cost_model_key()
+    assert second[0] != first[0] and second[1] == first[1]
+    assert fit_path(tmp_path, *first) != fit_path(tmp_path, *second)
+    assert fit_path(tmp_path, *second).name.startswith("m-")
