@@ -38,6 +38,7 @@ from antiphon.engine_ext.types import (
     EngineHealth,
     GenerationParams,
     RequestClass,
+    TokenLogprob,
 )
 from antiphon.tiering.config import TieringConfig
 
@@ -219,6 +220,28 @@ def model_sampling_defaults(model_dir: Path) -> Mapping[str, float]:
                              if isinstance(config.get(name), (int, float))})
 
 
+def _token_logprobs(completion: Any, top: int | None,
+                    finished: bool) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-token logprobs (token id -> Logprob, the sampled token's among them) as
+    `TokenLogprob`s: the sampled token's, and the `top` most likely, by rank. The end-of-turn
+    token that stopped the reply is left out, as it is from the reply's text (and from
+    OpenAI's logprobs)."""
+    if top is None or not completion.logprobs:
+        return ()
+    token_ids, logprobs = list(completion.token_ids), list(completion.logprobs)
+    if (finished and completion.finish_reason == "stop"
+            and not isinstance(completion.stop_reason, str) and token_ids):
+        token_ids, logprobs = token_ids[:-1], logprobs[:-1]  # EOS or a stop token
+    out = []
+    for token_id, candidates in zip(token_ids, logprobs, strict=True):
+        sampled = candidates[token_id]
+        ranked = sorted((c for c in candidates.values() if c.rank is not None and c.rank <= top),
+                        key=lambda c: c.rank)
+        out.append(TokenLogprob(sampled.decoded_token or "", float(sampled.logprob),
+                                tuple((c.decoded_token or "", float(c.logprob)) for c in ranked)))
+    return tuple(out)
+
+
 class VllmEngine(Engine):
     """vLLM `AsyncLLM` in process, with Antiphon's scheduler."""
 
@@ -342,6 +365,7 @@ class VllmEngine(Engine):
                 extra_args=_extra_args(params),
                 structured_outputs=(None if params.json_schema is None else
                                     StructuredOutputsParams(json=params.json_schema)),
+                logprobs=params.logprobs,
             )
         except (VLLMClientError, ValueError) as exc:  # vLLM's own checks of the parameters
             raise EngineRequestError(str(exc)) from exc
@@ -366,6 +390,7 @@ class VllmEngine(Engine):
                         num_prompt_tokens=len(out.prompt_token_ids or ()),
                         num_cached_tokens=out.num_cached_tokens or 0,
                         token_ids=tuple(completion.token_ids),
+                        logprobs=_token_logprobs(completion, params.logprobs, out.finished),
                     )
         except VllmDeadError as exc:
             raise EngineDeadError(str(exc)) from exc

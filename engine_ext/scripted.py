@@ -15,12 +15,27 @@ from antiphon.engine_ext.engine import (
     EngineRequestError,
     EngineRequestFailedError,
 )
-from antiphon.engine_ext.types import ChatTurn, Delta, EngineHealth, GenerationParams
+from antiphon.engine_ext.types import (
+    ChatTurn,
+    Delta,
+    EngineHealth,
+    GenerationParams,
+    TokenLogprob,
+)
 
 
 def echo_reply(turns: Sequence[ChatTurn]) -> str:
     last_user = next((t.content for t in reversed(turns) if t.role == "user"), "")
     return f"You said: {last_user}"
+
+
+def _logprobs(text: str, top: int | None) -> tuple[TokenLogprob, ...]:
+    """The scripted reply is certain: each word has log probability 0, and the runners-up
+    (when asked for) ever less likely ones."""
+    if top is None:
+        return ()
+    return (TokenLogprob(text, 0.0, tuple((text if k == 0 else f"{text}~{k}", -float(4 * k))
+                                          for k in range(top))),)
 
 
 class ScriptedEngine(Engine):
@@ -116,6 +131,7 @@ class ScriptedEngine(Engine):
                     finished=is_last,
                     finish_reason=reason,
                     num_prompt_tokens=len(prompt_token_ids),
+                    logprobs=_logprobs(text, params.logprobs),
                 )
         finally:
             self.active_request_ids.discard(request_id)

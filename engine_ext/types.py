@@ -51,6 +51,7 @@ class GenerationParams:
     repetition_penalty: float = 1.0  # 1: none
     min_tokens: int = 0  # output tokens before EOS or a stop sequence may end it
     json_schema: str | None = None  # JSON text of a schema the reply must match (structured output)
+    logprobs: int | None = None  # each output token's log probability, with this many top ones
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
@@ -59,6 +60,16 @@ class GenerationParams:
     request_class: RequestClass = RequestClass.RT
     session_id: str | None = None  # lets the engine keep a session's KV across turns
     cache_salt: str | None = None  # KV is shared only among requests of one salt (a tenant)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's text and log probability, and the most likely tokens at its place
+    (most likely first), as the request asked for (`GenerationParams.logprobs`)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +83,7 @@ class Delta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     token_ids: tuple[int, ...] = ()  # the new tokens themselves
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,14 @@ from antiphon.engine_ext.engine import (
     EngineRequestError,
     EngineRequestFailedError,
 )
-from antiphon.engine_ext.types import ChatContext, ChatTurn, Delta, GenerationParams, RequestClass
+from antiphon.engine_ext.types import (
+    ChatContext,
+    ChatTurn,
+    Delta,
+    GenerationParams,
+    RequestClass,
+    TokenLogprob,
+)
 from antiphon.server.auth import ANONYMOUS_OWNER
 from antiphon.server.config import ServerConfig
 from antiphon.server.errors import ApiError, ErrorCode, over_limit
@@ -51,6 +58,7 @@ class Generation:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: str | None = None
+    token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # if asked
     context_start: int = 0  # a session turn: the session's first message its prompt renders
     replaces_reply: bool = False  # a session turn: its reply replaces the session's last one
 
@@ -77,6 +85,20 @@ class Generation:
                 "total_tokens": n_prompt + self.num_output_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
                 "cached_prompt_tokens": self.num_cached_tokens}
+
+    def logprobs(self, start: int = 0) -> dict[str, Any] | None:
+        """OpenAI's `logprobs` of a choice, for the output tokens from `start` on; None when
+        the request did not ask for them."""
+        if self.params.logprobs is None:
+            return None
+
+        def entry(token: str, logprob: float) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {"content": [entry(t.token, t.logprob)
+                            | {"top_logprobs": [entry(*top) for top in t.top]}
+                            for t in self.token_logprobs[start:]],
+                "refusal": None}
 
     def timings(self) -> dict[str, float | None]:
         end = self.last_token_at or time.perf_counter()
@@ -247,6 +269,7 @@ class ChatService:
         if delta.text:
             gen.pieces.append(delta.text)
         gen.output_token_ids.extend(delta.token_ids)
+        gen.token_logprobs.extend(delta.logprobs)
 
     def _record(self, gen: Generation, api: str, outcome: str) -> None:
         m, cls = self.metrics, gen.params.request_class.value

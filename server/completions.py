@@ -44,10 +44,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and vLLM's default `max_logprobs`
+
 # OpenAI parameters this server does not implement, each with the values that ask for nothing
 # it would ignore: any other value is refused rather than silently dropped.
 UNSUPPORTED_PARAMETERS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "audio": (None,), "modalities": (None, ["text"]),
@@ -75,6 +77,8 @@ class ChatCompletionRequest(Sampling):
     n: Literal[1] | None = None
     ignore_eos: StrictBool | None = None
     """vLLM's extension: generate exactly max_tokens (benchmarks)."""
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     vllm_xargs: dict[str, Any] | None = None
@@ -94,6 +98,12 @@ class ChatCompletionRequest(Sampling):
                 raise ValueError(f"unrecognized request argument: {', '.join(unknown)}")
         return data
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -102,6 +112,8 @@ class ChatCompletionRequest(Sampling):
         given = super().sampling()
         if self.ignore_eos is not None:
             given["ignore_eos"] = self.ignore_eos
+        if self.logprobs:
+            given["logprobs"] = self.top_logprobs or 0
         return given
 
 
@@ -199,6 +211,6 @@ def completion_object(gen: Generation, model: str) -> dict[str, Any]:
         "id": "chatcmpl-" + gen.request_id, "object": "chat.completion",
         "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
-                     "finish_reason": gen.finish_reason}],
+                     "logprobs": gen.logprobs(), "finish_reason": gen.finish_reason}],
         "usage": gen.usage(),
     }

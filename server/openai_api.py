@@ -128,10 +128,17 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
                include_usage: bool, slot: Slot) -> AsyncIterator[str]:
     created = int(time.time())
 
+    sent_logprobs = 0  # output tokens whose logprobs went out
+
     def chunk(delta: dict[str, Any], finish_reason: str | None = None,
               usage: dict[str, int] | None = None) -> str:
+        nonlocal sent_logprobs
+        fresh = len(gen.token_logprobs) > sent_logprobs  # tokens since the last chunk
         choices = [] if usage else [
-            {"index": 0, "delta": delta, "finish_reason": finish_reason}]
+            {"index": 0, "delta": delta,
+             "logprobs": gen.logprobs(sent_logprobs) if fresh else None,
+             "finish_reason": finish_reason}]
+        sent_logprobs = len(gen.token_logprobs)
         payload: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk",
                                    "created": created, "model": model, "choices": choices}
         if usage:

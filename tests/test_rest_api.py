@@ -145,6 +145,41 @@ def test_metrics_without_the_engines_share_when_it_refuses_them(
     assert "antiphon_requests_total" in r.text and "antiphon_scheduler" not in r.text
 
 
+def test_logprobs_in_completions_and_streams(scripted: Scripted) -> None:
+    """OpenAI's logprobs and top_logprobs: per output token, its text, log probability and
+    UTF-8 bytes, and its most likely alternatives, in a completion and spread over a stream's
+    chunks; refused past 20 alternatives or without logprobs (the scripted engine is certain
+    of each word: log probability 0)."""
+    c = client(scripted)
+    messages = [{"role": "user", "content": "a b"}]
+    out = c.chat.completions.create(model="scripted", messages=messages,  # type: ignore[arg-type]
+                                    logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+    assert [t.logprob for t in content] == [0.0] * len(content)
+    assert content[1].bytes == list(content[1].token.encode())
+    assert [len(t.top_logprobs) for t in content] == [2] * len(content)
+    assert content[0].top_logprobs[1].logprob < content[0].top_logprobs[0].logprob
+    plain = c.chat.completions.create(model="scripted", messages=messages)  # type: ignore[arg-type]
+    assert plain.choices[0].logprobs is None
+
+    stream = c.chat.completions.create(model="scripted", messages=messages,  # type: ignore[arg-type]
+                                       logprobs=True, stream=True)
+    text, tokens = "", []
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            logprobs = chunk.choices[0].logprobs
+            tokens += [t.token for t in (logprobs.content or [])] if logprobs else []
+    assert "".join(tokens) == text and text
+
+    for bad in ({"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2},
+                {"logprobs": "yes"}):
+        r = httpx.post(scripted.url + "/v1/chat/completions",
+                       json={"model": "scripted", "messages": messages, **bad})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_message", bad
+
+
 def test_chat_completions_in_a_session_keep_its_context_for_advisories(
         scripted: Scripted) -> None:
     base, engine = scripted.url, scripted.engine

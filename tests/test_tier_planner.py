@@ -429,6 +429,9 @@ def checkpoint_left_on_ssd(planner: TierPlanner) -> TokenView:
     _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10], background=True)
     fake_worker_saves(planner, meta.checkpoints)
     planner.step_done({meta.step}, set())
+    # The checkpoint's write-down to SSD done: a host copy still being written down is not
+    # evicted (the turn's saves were refused instead, one run in six or so).
+    planner.store.flush()
     run_turn(planner, "other", list(range(500, 509)), [1, 2, 3])
     return TokenView("be", tokens, background=True)
 

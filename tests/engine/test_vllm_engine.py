@@ -40,6 +40,27 @@ async def test_greedy_answer_is_paris_and_deterministic(engine: VllmEngine) -> N
     assert first == second
 
 
+async def test_logprobs_of_a_greedy_reply(engine: VllmEngine) -> None:
+    """Each output token's log probability and its 3 most likely alternatives (OpenAI's
+    logprobs / top_logprobs): greedy, the chosen token is as likely as the most likely one,
+    and the tokens' texts are the reply's (the end-of-turn token left out, as from the text)."""
+    text, logprobs = "", []
+    async for delta in engine.generate("lp-1", engine.render_chat(QUESTION),
+                                       GenerationParams(max_tokens=8, logprobs=3)):
+        text += delta.text
+        assert len(delta.logprobs) == len(delta.token_ids) - (delta.finish_reason == "stop")
+        logprobs += delta.logprobs
+    assert "Paris" in text and logprobs
+    assert "".join(t.token for t in logprobs) == text
+    for t in logprobs:
+        assert len(t.top) == 3 and t.logprob <= 0
+        assert t.logprob == t.top[0][1]  # the most likely (ties in bfloat16 are common)
+        assert [lp for _, lp in t.top] == sorted((lp for _, lp in t.top), reverse=True)
+    async for delta in engine.generate("lp-2", engine.render_chat(QUESTION),
+                                       GenerationParams(max_tokens=4)):
+        assert delta.logprobs == ()  # not asked for
+
+
 async def test_follow_up_uses_the_conversation(engine: VllmEngine) -> None:
     answer, _ = await generate_text(engine, "ctx-1", QUESTION)
     turns = [*QUESTION, ChatTurn("assistant", answer),
