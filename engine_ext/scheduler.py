@@ -39,7 +39,7 @@ from antiphon.engine_ext.schedstats import SchedulerStats
 from antiphon.engine_ext.steptrace import StepTrace
 from antiphon.engine_ext.types import RequestClass
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
-from antiphon.tiering.keys import chain_hashes
+from antiphon.tiering.keys import chain_hashes, salt_bytes
 
 # Under vLLM's logger tree, so the message shows in the EngineCore process's log.
 logger = init_logger("vllm.antiphon.scheduler")
@@ -457,8 +457,8 @@ def _engine_core_advise(self: EngineCore, session_id: str, token_ids: list[int],
     planner = _tier_planner(self)
     if planner is None:
         return -1
-    salt = cache_salt.encode() if cache_salt else b""  # as the connector salts requests
-    return int(planner.advise(session_id, token_ids, expected_arrival_s, salt=salt))
+    return int(planner.advise(session_id, token_ids, expected_arrival_s,
+                              salt=salt_bytes(cache_salt)))
 
 
 def _engine_core_forget(self: EngineCore, session_id: str, chains: list[list[int]],
@@ -470,9 +470,8 @@ def _engine_core_forget(self: EngineCore, session_id: str, chains: list[list[int
     planner = _tier_planner(self)
     if planner is None:
         return False
-    salt = cache_salt.encode() if cache_salt else b""  # as the connector salts requests
     planner.forget(session_id, chain_hashes(chains, planner.chunk_tokens, planner.model_id,
-                                            salt=salt))
+                                            salt=salt_bytes(cache_salt)))
     return True
 
 

@@ -27,6 +27,7 @@ from antiphon.engine_ext.types import RequestClass
 from antiphon.tiering.config import TieringConfig
 from antiphon.tiering.connector_meta import TieringMetadata, TieringWorkerMetadata
 from antiphon.tiering.connector_worker import KvPageCopier
+from antiphon.tiering.keys import salt_bytes
 from antiphon.tiering.planner import TierPlanner, TokenView
 
 if TYPE_CHECKING:
@@ -82,8 +83,7 @@ def session_of(request: Request) -> str | None:
 
 
 def _token_view(request: Request) -> TokenView:
-    cache_salt = getattr(request, "cache_salt", None)
-    salt = cache_salt.encode() if cache_salt else b""
+    salt = salt_bytes(getattr(request, "cache_salt", None))
     background = RequestClass.of_extra_args(_extra_args(request)) is RequestClass.BE
     return TokenView(request.request_id, request.all_token_ids, session_of(request), salt,
                      background=background)

@@ -19,8 +19,9 @@ creates it after the worker has started). How the bytes move depends on where vL
 - **CUDA tensors** (`BatchedMover`): the arena is page-locked (`cudaHostRegister`) so copies are
   DMA; each layer's pages go through a device staging buffer, one host transfer per run of
   consecutive slot pages and one `index_copy_` / `index_select` per layer, on a side stream.
-  All of a step's loads are queued at its start, lower layers first, and a layer's attention
-  waits only for that layer's event, so loading overlaps the layers computed before it; saves
+  A step's loads are queued lower layers first, a couple of layers ahead of the one being
+  computed, and a layer's attention waits only for that layer's event, so loading overlaps
+  the layers computed before it; saves
   wait for the layer's attention on the GPU, not on the host. A page-by-page copy from pageable
   memory (the CPU way) is one synchronous transfer per page and layer on a GPU.
 """
@@ -481,19 +482,19 @@ class KvPageCopier:
             self._finished_sending |= sent
 
     def _load(self, meta: TieringMetadata, copies: Sequence[PageCopy], layer: int) -> None:
-        try:
-            runs = self._runs(meta, copies, layer)
-            if runs:
-                self._mover.load(self._pages[layer], self._arena_pages(meta.arena_name), runs)
-        except Exception:
-            self._failed_steps.add(meta.step)
-            raise
+        self._copy(meta, copies, layer, to_device=True)
 
     def _save(self, meta: TieringMetadata, copies: Sequence[PageCopy], layer: int) -> None:
+        self._copy(meta, copies, layer, to_device=False)
+
+    def _copy(self, meta: TieringMetadata, copies: Sequence[PageCopy], layer: int,
+              to_device: bool) -> None:
+        """Slots to device pages (`to_device`) or back, at `layer`; a failure fails the step."""
         try:
             runs = self._runs(meta, copies, layer)
             if runs:
-                self._mover.save(self._pages[layer], self._arena_pages(meta.arena_name), runs)
+                move = self._mover.load if to_device else self._mover.save
+                move(self._pages[layer], self._arena_pages(meta.arena_name), runs)
         except Exception:
             self._failed_steps.add(meta.step)
             raise
@@ -502,12 +503,12 @@ class KvPageCopier:
         """(first arena row, device blocks) per copy at `layer`; none for a layer without a
         slot (`NO_SLOT`: a tier holds it already). Checked to stay inside the slot."""
         runs: Runs = []
-        for copy in copies:
+        live = [copy for copy in copies if copy.slots[layer] != NO_SLOT]
+        if live:
+            self._arena_pages(meta.arena_name)  # attaches the arena (sets the geometry)
+        per_slot = self._pages_per_slot
+        for copy in live:
             slot = copy.slots[layer]
-            if slot == NO_SLOT:
-                continue
-            self._arena_pages(meta.arena_name)
-            per_slot = self._pages_per_slot
             if copy.first_page < 0 or copy.first_page + len(copy.blocks) > per_slot:
                 raise ValueError(f"a page copy reaches page "
                                  f"{copy.first_page + len(copy.blocks) - 1} of a slot that "

@@ -70,6 +70,11 @@ class ChunkKey:
         return ChunkKey(self.model_id, self.prefix_hash, self.chunk_index, layer)
 
 
+def salt_bytes(cache_salt: str | None) -> bytes:
+    """vLLM's `cache_salt` of a request (a tenant's) as the bytes its keys are salted with."""
+    return cache_salt.encode() if cache_salt else b""
+
+
 def prefix_seed(model_id: str, salt: bytes = b"") -> bytes:
     """The hash chain's starting value for `model_id`: different models never share a key."""
     model = model_id.encode()
