@@ -39,7 +39,7 @@ from antiphon.engine_ext.schedstats import SchedulerStats
 from antiphon.engine_ext.steptrace import StepTrace
 from antiphon.engine_ext.types import RequestClass
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
-from antiphon.tiering.keys import chain_hashes, salt_bytes
+from antiphon.tiering.keys import salt_bytes
 
 # Under vLLM's logger tree, so the message shows in the EngineCore process's log.
 logger = init_logger("vllm.antiphon.scheduler")
@@ -464,14 +464,13 @@ def _engine_core_advise(self: EngineCore, session_id: str, token_ids: list[int],
 def _engine_core_forget(self: EngineCore, session_id: str, chains: list[list[int]],
                         cache_salt: str | None) -> bool:
     """EngineCore utility method: start erasing a deleted session's KV from the tiers, every
-    chunk of the token sequences it ran (`chains`, hashed here, with the connector's own KV
+    chunk of the token sequences it ran (`chains`, hashed with the connector's own KV
     identity), in a thread: steps go on; `antiphon_forgotten` says when it is done. False when
     KV tiering is off."""
     planner = _tier_planner(self)
     if planner is None:
         return False
-    planner.forget(session_id, chain_hashes(chains, planner.chunk_tokens, planner.model_id,
-                                            salt=salt_bytes(cache_salt)))
+    planner.forget(session_id, chains, salt=salt_bytes(cache_salt))
     return True
 
 

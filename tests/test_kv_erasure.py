@@ -53,7 +53,7 @@ def test_a_deleted_sessions_kv_is_erased_from_every_tier_bytes_and_all(tmp_path:
         ssd_slots = [ssd.slot_of(k) for k in mine]  # type: ignore[attr-defined]
         planner.advise("s1", chain, expected_arrival_s=None)
 
-        erased, kept = planner.forget("s1", chain_hashes([chain], CHUNK, "test-model")).result(10)
+        erased, kept = planner.forget("s1", [chain]).result(10)
 
         assert (erased, kept) == (2 * 3 * LAYERS, 0)
         assert session_keys(planner, 0, chain) == [] == session_keys(planner, 1, chain)
@@ -88,7 +88,7 @@ def test_a_copy_a_running_turn_loads_from_stays(tmp_path: Path) -> None:
         planner.add_request(follow_up)
         assert planner.num_new_matched_tokens(follow_up, 0) == 10
         planner.plan_load("r2", [1, 2, 3], 10, 13)  # its host copies are pinned now
-        erased, kept = planner.forget("s1", chain_hashes([chain], CHUNK, "test-model")).result(10)
+        erased, kept = planner.forget("s1", [chain]).result(10)
         assert (erased, kept) == (3 * LAYERS, 3 * LAYERS)  # the SSD copies went, not those
         assert len(session_keys(planner, 0, chain)) == 3 * LAYERS
         planner.store.check_integrity()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from antiphon.tiering import slot_file as slot_file_module
 from antiphon.tiering.keys import ChunkKey, prefix_hashes
 from antiphon.tiering.slot_file import (
     FILE_HEADER_BYTES,
@@ -285,6 +286,38 @@ def test_records_of_another_model_are_not_served_and_their_slots_are_reused(
         stored = every_model.keys()
         assert sorted(k.chunk_index for k in stored) == [0, 1]
         assert every_model.scan_report.num_other_model == 0
+
+
+@pytest.mark.parametrize("punch", [True, False], ids=["hole punched", "zeros written"])
+def test_records_that_can_never_be_served_are_erased_bytes_and_all(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, punch: bool) -> None:
+    if not punch:  # a file system without hole punching gets zeros written instead
+        monkeypatch.setattr(slot_file_module, "_punch_hole", lambda *_: False)
+    with open_tier(tmp_path, model_id="m-old-weights") as tier:
+        for index in range(3):
+            tier.put(ChunkKey("m-old-weights", HASHES[index], index, 0), payload(index, 0))
+    with open_tier(tmp_path, model_id="m") as tier:
+        tier.put(key(0, 0), payload(0, 0))  # slot 0, reused: written after the erasure
+        tier.flush()
+    slot_file = SlotFile(tmp_path, SLOT)  # a superseded copy of key(0, 0) in slot 4
+    slot_file.write(4, key(0, 0), memoryview(payload(0, 0)), sequence=1)
+    slot_file.close()
+
+    with open_tier(tmp_path, model_id="m") as tier:
+        tier.flush()
+        assert tier.scan_report.num_superseded == 1
+        assert tier.get(key(0, 0)) == payload(0, 0)
+        with open(tier.path, "rb") as f:
+            for slot in (1, 2, 4):  # the old model's two left, and the older copy
+                f.seek(tier._file.offset(slot))
+                held = f.read(STRIDE)  # (the file may end inside the last slot)
+                assert held and held == bytes(len(held)), slot
+        tier.check_integrity()
+
+
+def test_runs_of_neighbouring_slots() -> None:
+    assert list(slot_file_module._runs([0, 1, 2, 5, 7, 8])) == [(0, 3), (5, 1), (7, 2)]
+    assert list(slot_file_module._runs([])) == []
 
 
 def test_files_of_the_old_format_are_removed(tmp_path: Path) -> None:

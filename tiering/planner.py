@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -39,6 +39,7 @@ from antiphon.tiering.connector_meta import NO_SLOT, PageCopy, TieringMetadata
 from antiphon.tiering.host_tier import HostTier
 from antiphon.tiering.keys import (
     ChunkKey,
+    chain_hashes,
     continue_prefix_hashes,
     prefix_hashes,
     prefix_seed,
@@ -521,25 +522,28 @@ class TierPlanner:
 
     # -- deleted sessions ---------------------------------------------------------------------
 
-    def forget(self, session: str, prefix_hashes: Collection[bytes]
+    def forget(self, session: str, chains: Iterable[Sequence[int]], *, salt: bytes = b""
                ) -> Future[tuple[int, int]]:
         """`session` was deleted: drop its advisory, and erase from every tier each
-        chunk-layer stored under one of `prefix_hashes` (`keys.chain_hashes` of the token
-        sequences it ran), bytes and all, in a thread of its own (the engine's steps go on).
-        A copy pinned by a running turn, or held for a checkpointed request, stays: that turn
-        shares the prefix. The future resolves to (chunk-layers erased, kept) once every
-        erasure is on disk; `forgotten(session)` reads it."""
-        wanted = set(prefix_hashes)
+        chunk-layer its token sequences (`chains`, under cache salt `salt`) can be stored
+        under (`keys.chain_hashes`), bytes and all. The hashing and the erasure run in a
+        thread of their own: the engine's steps go on. A copy pinned by a running turn, or
+        held for a checkpointed request, stays: that turn shares the prefix. The future
+        resolves to (chunk-layers erased, kept) once every erasure is on disk;
+        `forgotten(session)` reads it."""
+        chains = list(chains)
         done: Future[tuple[int, int]] = Future()
         with self._lock:
             self._release_advisory(session)
             self.store.clear_hint(session)
-            wanted -= {key.prefix_hash for cp in self._checkpoints.values() for key in cp.chunks}
+            checkpointed = {key.prefix_hash for cp in self._checkpoints.values()
+                            for key in cp.chunks}
             self._forgetting[session] = done
 
         def erase() -> None:
             try:
-                done.set_result(self._erase(wanted))
+                wanted = chain_hashes(chains, self.chunk_tokens, self.model_id, salt=salt)
+                done.set_result(self._erase(wanted - checkpointed))
             except BaseException as exc:
                 done.set_exception(exc)
         threading.Thread(target=erase, name="antiphon-forget", daemon=True).start()

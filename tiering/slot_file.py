@@ -27,9 +27,13 @@ follow-up turn and on cores the model's threads share with the writer (docs/benc
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import struct
+import sys
 import zlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -180,6 +184,20 @@ class SlotFile:
             if self.fsync:
                 os.fdatasync(self._fd)
 
+    def erase(self, slots: Iterable[int]) -> None:
+        """Erase many `slots` at once, as `clear` does one: each run of neighbouring slots
+        the file reaches is deallocated (`fallocate` punching a hole: reads find zeros, and
+        the disk no longer holds the bytes), or zeroed where the file system cannot punch."""
+        for start, count in _runs(sorted(set(slots))):
+            count = min(count, self.num_slots_on_disk - start)
+            if count <= 0:
+                continue
+            if not _punch_hole(self._fd, self.offset(start), count * self.stride):
+                for slot in range(start, start + count):
+                    self.clear(slot)
+        if self.fsync:
+            os.fdatasync(self._fd)
+
     def read_header(self, slot: int, *, verify_payload: bool = False) -> Record | None:
         """The record in `slot` (None: empty); its payload is read and checked only with
         `verify_payload`. Raises CorruptChunk."""
@@ -253,6 +271,43 @@ class SlotFile:
         crc = zlib.crc32(fixed[:-4])
         header = fixed[:-4] + struct.pack("<I", crc)
         return header + bytes(FILE_HEADER_BYTES - len(header))
+
+
+def _runs(slots: list[int]) -> Iterator[tuple[int, int]]:
+    """(first slot, count) of each run of consecutive numbers in sorted `slots`."""
+    start = previous = -2
+    for slot in slots:
+        if slot != previous + 1:
+            if previous >= 0:
+                yield start, previous - start + 1
+            start = slot
+        previous = slot
+    if previous >= 0:
+        yield start, previous - start + 1
+
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc: ctypes.CDLL | None = None
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Deallocate `length` bytes of `fd` at `offset` (the file keeps its size; those bytes
+    read as zeros). False where the platform or file system cannot."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return False
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        _libc.fallocate.restype = ctypes.c_int
+    mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    if _libc.fallocate(fd, mode, offset, length) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EOPNOTSUPP, errno.ENOSYS):
+        return False
+    raise OSError(error, f"fallocate(PUNCH_HOLE): {os.strerror(error)}")
 
 
 def stored_slot_bytes(directory: Path) -> int | None:

@@ -79,8 +79,8 @@ class SsdTier(IndexedTier[SsdSlot]):
         everything) instead of only the headers; `writer_nice` is the writer thread's CPU
         priority (`WriteBehind`); `min_free_disk_bytes` is the disk space the tier leaves free
         (it evicts rather than grow into it). With `model_id`, records stored under another
-        model id (other weights or dtype: `ChunkKey.model_id`) are left out of the index and
-        their slots reused, as they can never be served; None keeps every model's records.
+        model id (other weights or dtype: `ChunkKey.model_id`) can never be served: they are
+        erased in the background and their slots reused. None keeps every model's records.
         """
         if min_free_disk_bytes < 0:
             raise ValueError(f"min_free_disk_bytes must be >= 0, got {min_free_disk_bytes}")
@@ -245,6 +245,17 @@ class SsdTier(IndexedTier[SsdSlot]):
             return True
         self._submit(clear)
 
+    def _erase_stale(self, slots: list[int]) -> bool:
+        """Writer thread: erase the slots `_rebuild` found holding records it cannot serve.
+        It runs before any write queued after the scan, so a slot reused meanwhile is
+        written after it."""
+        try:
+            self._file.erase(slots)
+        except OSError as e:
+            log.warning("%s: cannot erase %d stale slots (%s)", self.name, len(slots), e)
+            return False
+        return True
+
     def _read_verified(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> memoryview | None:
         try:
             return self._file.read(entry.location.slot, key)
@@ -318,13 +329,16 @@ class SsdTier(IndexedTier[SsdSlot]):
     def _rebuild(self, num_slots: int, verify_payload: bool,
                  model_id: str | None) -> ScanReport:
         """Index the records in the slot file; clear what cannot be used, and free the slots
-        of other models' records without writing (they are overwritten as slots are reused)."""
+        of records that can never be served (another model's, and older copies of a key),
+        erasing them in the writer's first job: a deleted session's KV must not outlive its
+        deletion in a slot the index forgot."""
         report = ScanReport(was_reset=self._file.was_reset,
                             num_legacy_removed=_remove_legacy_files(self.directory))
         if report.was_reset:
             log.warning("%s: %s had another format or slot size; emptied it", self.name,
                         self._file.path)
         newest: dict[ChunkKey, tuple[int, int]] = {}  # key -> (sequence, slot)
+        stale: list[int] = []  # slots of records that cannot be served: erased, not just reused
         for slot in range(self._file.num_slots_on_disk):
             try:
                 record = self._file.read_header(slot, verify_payload=verify_payload)
@@ -342,18 +356,23 @@ class SsdTier(IndexedTier[SsdSlot]):
             self._next_sequence = max(self._next_sequence, record.sequence + 1)
             if model_id is not None and record.key.model_id != model_id:
                 report.num_other_model += 1
+                stale.append(slot)
                 continue
             previous = newest.get(record.key)
             if previous is not None:
                 report.num_superseded += 1
                 if previous[0] > record.sequence:
+                    stale.append(slot)
                     continue
+                stale.append(previous[1])
             newest[record.key] = (record.sequence, slot)
         if report.num_other_model:
             log.warning("%s: %d chunk-layers of KV stored for another model, its weights or "
-                        "dtype changed since, are not used; their slots are reused",
+                        "dtype changed since, can never be used: erasing them",
                         self.name, report.num_other_model)
         self._file.truncate(num_slots)
+        if stale:  # the first job of the writer: any write into these slots comes after it
+            self._submit(lambda: self._erase_stale(stale))
         self.stats.corrupt_dropped += report.num_corrupt_removed
         used = [slot for _, slot in newest.values()]
         self._slots = SlotAllocator(num_slots, used=used)
