@@ -108,6 +108,7 @@ class Engine(abc.ABC):
         """The text of token ids, special tokens included."""
 
     special_token_ids: frozenset[int] = frozenset()  # left off the end of a reply's context
+    vocab_size: int | None = None  # token ids run from 0 to vocab_size - 1 (None: unknown)
     # The model's own sampling defaults (generation_config.json, as vLLM reads them):
     # `GenerationParams` fields a request that does not set them gets.
     sampling_defaults: Mapping[str, float] = MappingProxyType({})
@@ -292,6 +293,7 @@ class VllmEngine(Engine):
         )
         started = time.monotonic()
         self._llm = AsyncLLM.from_engine_args(args)
+        self.vocab_size = self._llm.model_config.get_vocab_size()
         if self._llm.vllm_config.parallel_config.distributed_executor_backend == "mp":
             # workers in processes of their own: they stop with the engine, not on a signal
             await self._llm.collective_rpc("antiphon_hold_group_signals")
@@ -366,6 +368,7 @@ class VllmEngine(Engine):
                 structured_outputs=(None if params.json_schema is None else
                                     StructuredOutputsParams(json=params.json_schema)),
                 logprobs=params.logprobs,
+                logit_bias=dict(params.logit_bias) or None,
             )
         except (VLLMClientError, ValueError) as exc:  # vLLM's own checks of the parameters
             raise EngineRequestError(str(exc)) from exc

@@ -50,6 +50,7 @@ class ScriptedEngine(Engine):
         self.token_delay_s = token_delay_s
         self.max_model_len = max_model_len
         self.model_name = model_name
+        self.vocab_size = 0x110000  # its tokens are characters
         self.active_request_ids: set[str] = set()
         self.finished_request_ids: list[str] = []
         self.advisories: list[tuple[str, list[int], float | None]] = []

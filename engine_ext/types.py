@@ -52,6 +52,7 @@ class GenerationParams:
     min_tokens: int = 0  # output tokens before EOS or a stop sequence may end it
     json_schema: str | None = None  # JSON text of a schema the reply must match (structured output)
     logprobs: int | None = None  # each output token's log probability, with this many top ones
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)

@@ -133,6 +133,18 @@ class ChatService:
             raise over_limit(f"{len(stop)} stop sequences; the limit is "
                              f"{self.config.max_stop_sequences}")
 
+    def check_logit_bias(self, logit_bias: Sequence[tuple[int, float]]) -> None:
+        """Raises `too_large` past `--max-logit-bias-tokens` tokens, and `bad_message` for a
+        token id outside the model's vocabulary."""
+        if len(logit_bias) > self.config.max_logit_bias_tokens:
+            raise over_limit(f"logit_bias names {len(logit_bias)} tokens; the limit is "
+                             f"{self.config.max_logit_bias_tokens}")
+        vocab = self.engine.vocab_size
+        outside = [token for token, _ in logit_bias if vocab is not None and token >= vocab]
+        if outside:
+            raise ApiError(ErrorCode.BAD_MESSAGE, f"logit_bias names token ids outside the "
+                           f"model's vocabulary of {vocab}: {outside[:5]}")
+
     def check_open(self) -> None:
         """Raise `shutting_down` once a shutdown has begun."""
         if self.is_draining:
@@ -196,6 +208,7 @@ class ChatService:
         temperature it leaves unset is the server's default, else the model's, else 1."""
         self.check_max_tokens(max_tokens)
         self.check_stop(sampling.get("stop", ()))
+        self.check_logit_bias(sampling.get("logit_bias", ()))
         prompt = self.engine.continue_chat(turns, context)
         room = self.engine.max_model_len - len(prompt)
         if room < 1:

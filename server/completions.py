@@ -49,7 +49,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and vLLM's default `max_logprobs`
 # OpenAI parameters this server does not implement, each with the values that ask for nothing
 # it would ignore: any other value is refused rather than silently dropped.
 UNSUPPORTED_PARAMETERS: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "audio": (None,), "modalities": (None, ["text"]),

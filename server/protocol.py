@@ -46,6 +46,7 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -112,6 +113,18 @@ class Sampling(BaseModel):
     """At most the server's `max_stop_sequences`, each non-empty."""
     seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     response_format: ResponseFormat | None = None
+    logit_bias: dict[str, Annotated[Finite, Field(ge=-100.0, le=100.0)]] | None = None
+    """OpenAI's: added to the logits of the tokens named (by id, as text) before sampling;
+    -100 bans a token, 100 all but forces it. At most the server's `max_logit_bias_tokens`."""
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or ():
+            if not re.fullmatch(r"0|[1-9][0-9]{0,9}", key):
+                raise ValueError(f"keys must be token ids (decimal integers as text, as in "
+                                 f'{{"50256": -100}}), not {key[:20]!r}')
+        return bias
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -128,6 +141,8 @@ class Sampling(BaseModel):
         given["stop"] = self.stop_sequences
         if self.response_format is not None:
             given["json_schema"] = self.response_format.schema_text()
+        if self.logit_bias:
+            given["logit_bias"] = tuple(sorted((int(t), b) for t, b in self.logit_bias.items()))
         return {name: value for name, value in given.items() if value is not None}
 
 

@@ -180,6 +180,17 @@ def test_logprobs_in_completions_and_streams(scripted: Scripted) -> None:
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_message", bad
 
 
+def test_logit_bias_reaches_the_engine_as_token_ids(scripted: Scripted) -> None:
+    """OpenAI's logit_bias (token ids as text, biases -100 to 100) goes to the engine as
+    (token id, bias) pairs; a request without it sends none."""
+    messages = [{"role": "user", "content": "a b"}]
+    client(scripted).chat.completions.create(model="scripted", messages=messages,  # type: ignore[arg-type]
+                                             logit_bias={"98": -100, "7": 2.5})
+    assert scripted.engine.params[-1].logit_bias == ((7, 2.5), (98, -100.0))
+    client(scripted).chat.completions.create(model="scripted", messages=messages)  # type: ignore[arg-type]
+    assert scripted.engine.params[-1].logit_bias == ()
+
+
 def test_chat_completions_in_a_session_keep_its_context_for_advisories(
         scripted: Scripted) -> None:
     base, engine = scripted.url, scripted.engine

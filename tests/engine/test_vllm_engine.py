@@ -61,6 +61,27 @@ async def test_logprobs_of_a_greedy_reply(engine: VllmEngine) -> None:
         assert delta.logprobs == ()  # not asked for
 
 
+async def test_logit_bias_bans_and_forces_tokens(engine: VllmEngine) -> None:
+    """OpenAI's logit_bias on vLLM's sampler: -100 on the greedy reply's first token makes
+    the reply start otherwise, and +100 on another token makes it the first."""
+    async def first_tokens(request_id: str, bias: tuple[tuple[int, float], ...]
+                           ) -> tuple[int, ...]:
+        tokens: tuple[int, ...] = ()
+        async for delta in engine.generate(request_id, engine.render_chat(QUESTION),
+                                           GenerationParams(max_tokens=3, logit_bias=bias)):
+            tokens += delta.token_ids
+        return tokens
+
+    greedy = await first_tokens("bias-0", ())
+    assert await first_tokens("bias-1", ()) == greedy  # ("The capital of": greedy)
+    banned = await first_tokens("bias-ban", ((greedy[0], -100.0),))
+    assert banned[0] != greedy[0]
+    london = engine._tokenizer.encode("London", add_special_tokens=False)[0]
+    forced = await first_tokens("bias-force", ((london, 100.0),))
+    assert forced[0] == london != greedy[0]
+    assert engine.vocab_size is not None and london < engine.vocab_size
+
+
 async def test_follow_up_uses_the_conversation(engine: VllmEngine) -> None:
     answer, _ = await generate_text(engine, "ctx-1", QUESTION)
     turns = [*QUESTION, ChatTurn("assistant", answer),
