@@ -275,6 +275,7 @@ class SessionTurns:
                    is_user_cancel: Callable[[], bool]) -> None:
         rid = gen.request_id
         is_committed = False
+        commit: asyncio.Future[None] | None = None  # the reply's save, once begun
         try:
             try:
                 async with aclosing(self.chat.stream(gen, api="ws")) as pieces:
@@ -290,7 +291,10 @@ class SessionTurns:
                 return
             try:
                 if gen.pieces or not gen.replaces_reply:  # a regenerate stopped before its
-                    await self._commit_reply(session_id, gen)  # first token keeps the old
+                    # first token keeps the old. Shielded: a disconnect while it runs must
+                    # not save the reply a second time below.
+                    commit = asyncio.ensure_future(self._commit_reply(session_id, gen))
+                    await asyncio.shield(commit)
             except Exception as exc:  # the store failed (a full disk): say so, do not hang
                 is_committed = True  # a second try in the handler below would fail alike
                 await emit(protocol.error_frame(unexpected_error(
@@ -304,7 +308,13 @@ class SessionTurns:
                 context_start=gen.context_start))
         except BaseException:
             # Disconnected or shut down mid-reply: keep what the user already saw.
-            if not is_committed and gen.pieces:
+            if commit is not None:  # being saved: let the save end
+                try:
+                    await asyncio.shield(commit)
+                except Exception:
+                    logger.exception("session %s: saving the reply to %s failed", session_id,
+                                     rid)
+            elif not is_committed and gen.pieces:
                 gen.finish_reason = gen.finish_reason or "cancelled"
                 await asyncio.shield(self._commit_reply(session_id, gen))
             raise

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+from typing import Any
 
 import pytest
 from websockets.asyncio.client import connect
@@ -11,7 +14,7 @@ from websockets.exceptions import ConnectionClosed
 
 from antiphon.engine_ext.scripted import ScriptedEngine
 from tests.conftest import Scripted, scripted_config
-from tests.liveserver import live_server
+from tests.liveserver import live_server, running_server
 from tests.wsclient import chat, open_session, recv, recv_until, send
 
 
@@ -212,3 +215,32 @@ async def test_rename_and_delete_sessions(scripted: Scripted) -> None:
         assert (await recv(ws))["sessions"] == []
         await send(ws, type="session.delete", session_id=sid)
         assert (await recv(ws))["code"] == "session_not_found"
+
+
+async def test_a_disconnect_while_the_reply_is_saved_saves_it_once(
+        tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A client gone (a page reloaded) just as its reply is being saved: the save runs to its
+    end, once. The disconnect's own save of a partial reply used to run as well, and the
+    session then held the reply twice."""
+    with running_server(scripted_config(tmp_path), ScriptedEngine()) as (url, server):
+        store = server.ctx.turns.store
+        real_append = store.append_message
+        saving = threading.Event()
+
+        def slow_append(session_id: str, role: str, *args: Any, **kwargs: Any) -> Any:
+            if role == "assistant":
+                saving.set()
+                time.sleep(0.5)
+            return real_append(session_id, role, *args, **kwargs)
+
+        monkeypatch.setattr(store, "append_message", slow_append)
+        ws_url = url.replace("http://", "ws://") + "/v1/ws"
+        async with connect(ws_url) as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            await send(ws, type="message", session_id=sid, content="a b", request_id="r")
+            assert await asyncio.to_thread(saving.wait, 10)
+        await asyncio.sleep(1.0)  # the save in flight ends
+        async with connect(ws_url) as ws:
+            history = (await open_session(ws, sid))["messages"]
+    assert [m["role"] for m in history] == ["user", "assistant"]
+    assert history[-1]["content"] == "You said: a b"

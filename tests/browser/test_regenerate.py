@@ -94,6 +94,7 @@ def test_a_reply_that_failed_is_retried_not_sent_twice(chat: Chat, page: Any) ->
     assert button.inner_text() == "Retry"
     button.click()
     page.locator(".msg.assistant .bubble", has_text="v1 to hello").wait_for()
+    page.locator(".msg-actions .regenerate", has_text="Regenerate").wait_for()  # saved: done
     assert bubbles(page) == [("user", "hello"), ("assistant", "v1 to hello")]
     page.reload()
     page.wait_for_selector("body[data-connected=true]")
