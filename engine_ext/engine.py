@@ -104,6 +104,11 @@ class Engine(abc.ABC):
         """Number of tokens of a plain text (no special tokens)."""
 
     @abc.abstractmethod
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt (a text completion's), with the special tokens
+        the tokenizer adds to one (a BOS, for models that have one), as vLLM encodes it."""
+
+    @abc.abstractmethod
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of token ids, special tokens included."""
 
@@ -336,6 +341,9 @@ class VllmEngine(Engine):
 
     def count_tokens(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=True))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=False))

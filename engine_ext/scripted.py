@@ -96,6 +96,11 @@ class ScriptedEngine(Engine):
     def count_tokens(self, text: str) -> int:
         return len(text)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        ids = [ord(c) for c in text]
+        self._replies[tuple(ids)] = self.reply([ChatTurn("user", text)])
+        return ids
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(map(chr, token_ids))
 

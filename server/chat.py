@@ -139,10 +139,14 @@ class ChatService:
         if len(logit_bias) > self.config.max_logit_bias_tokens:
             raise over_limit(f"logit_bias names {len(logit_bias)} tokens; the limit is "
                              f"{self.config.max_logit_bias_tokens}")
+        self.check_in_vocabulary([token for token, _ in logit_bias], "logit_bias")
+
+    def check_in_vocabulary(self, token_ids: Sequence[int], what: str) -> None:
+        """Raises `bad_message` when `what` holds a token id the model does not have."""
         vocab = self.engine.vocab_size
-        outside = [token for token, _ in logit_bias if vocab is not None and token >= vocab]
+        outside = [token for token in token_ids if vocab is not None and token >= vocab]
         if outside:
-            raise ApiError(ErrorCode.BAD_MESSAGE, f"logit_bias names token ids outside the "
+            raise ApiError(ErrorCode.BAD_MESSAGE, f"{what} holds token ids outside the "
                            f"model's vocabulary of {vocab}: {outside[:5]}")
 
     def check_open(self) -> None:
@@ -206,14 +210,31 @@ class ChatService:
         of the conversation so far, where it has one); raises `ApiError` and changes nothing
         on bad input. `sampling`: the `GenerationParams` fields the request sets; the
         temperature it leaves unset is the server's default, else the model's, else 1."""
+        prompt = self.engine.continue_chat(turns, context)
+        return self.prepare_prompt(request_id, prompt, max_tokens, request_class, session_id,
+                                   owner, "the conversation", **sampling)
+
+    def prepare_prompt(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int | None,
+        request_class: RequestClass = RequestClass.RT,
+        session_id: str | None = None,
+        owner: str = ANONYMOUS_OWNER,
+        what: str = "the prompt",
+        **sampling: Any,
+    ) -> Generation:
+        """`prepare`, for a prompt already in tokens (`what` names it in errors)."""
         self.check_max_tokens(max_tokens)
         self.check_stop(sampling.get("stop", ()))
         self.check_logit_bias(sampling.get("logit_bias", ()))
-        prompt = self.engine.continue_chat(turns, context)
+        if not prompt:
+            raise ApiError(ErrorCode.BAD_MESSAGE, f"{what} is empty")
         room = self.engine.max_model_len - len(prompt)
         if room < 1:
             raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                           f"the conversation is {len(prompt)} tokens; the model's context is "
+                           f"{what} is {len(prompt)} tokens; the model's context is "
                            f"{self.engine.max_model_len} tokens")
         if max_tokens is not None and max_tokens > room:
             raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,

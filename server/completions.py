@@ -87,15 +87,7 @@ class ChatCompletionRequest(Sampling):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, neutral in UNSUPPORTED_PARAMETERS.items():
-                if name in data and not any(_same(data[name], v) for v in neutral):
-                    raise ValueError(f"{name} is not supported by this server")
-            unknown = sorted(set(data) - set(cls.model_fields) - set(UNSUPPORTED_PARAMETERS)
-                             - IGNORED_PARAMETERS)
-            if unknown:
-                raise ValueError(f"unrecognized request argument: {', '.join(unknown)}")
-        return data
+        return refuse_unsupported(data, set(cls.model_fields), UNSUPPORTED_PARAMETERS)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -114,6 +106,21 @@ class ChatCompletionRequest(Sampling):
         if self.logprobs:
             given["logprobs"] = self.top_logprobs or 0
         return given
+
+
+def refuse_unsupported(data: Any, known: set[str],
+                       unsupported: dict[str, tuple[Any, ...]]) -> Any:
+    """A request body's check before its fields are read: a parameter of `unsupported` with
+    other than a neutral value, or one neither `known` nor ignored (`IGNORED_PARAMETERS`),
+    is refused (ValueError) rather than silently dropped."""
+    if isinstance(data, dict):
+        for name, neutral in unsupported.items():
+            if name in data and not any(_same(data[name], v) for v in neutral):
+                raise ValueError(f"{name} is not supported by this server")
+        unknown = sorted(set(data) - known - set(unsupported) - IGNORED_PARAMETERS)
+        if unknown:
+            raise ValueError(f"unrecognized request argument: {', '.join(unknown)}")
+    return data
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -137,8 +144,8 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     if len(body.messages) > limits.max_messages:
         raise over_limit(f"{len(body.messages)} messages; the limit is {limits.max_messages}")
     chat.check_max_tokens(body.requested_max_tokens)
-    _request_class(body.vllm_xargs or {})
-    _slo_overrides(chat, body.vllm_xargs or {})
+    request_class_xarg(body.vllm_xargs or {})
+    slo_overrides(chat, body.vllm_xargs or {})
     chat.check_stop(body.stop_sequences)
     turns = []
     for m in body.messages:
@@ -166,14 +173,14 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest, owner: st
     changes nothing on bad input."""
     turns = completion_turns(chat, body)
     if request_class is None:
-        request_class = _request_class(body.vllm_xargs or {})
+        request_class = request_class_xarg(body.vllm_xargs or {})
     return chat.prepare(
         secrets.token_hex(12), turns, body.requested_max_tokens, request_class, session_id,
         owner=owner,
-        **body.sampling(), **_slo_overrides(chat, body.vllm_xargs or {}))
+        **body.sampling(), **slo_overrides(chat, body.vllm_xargs or {}))
 
 
-def _request_class(xargs: dict[str, Any]) -> RequestClass:
+def request_class_xarg(xargs: dict[str, Any]) -> RequestClass:
     """The class `vllm_xargs.request_class` names (RT by default)."""
     try:
         return RequestClass(xargs.get("request_class", "rt"))
@@ -182,7 +189,7 @@ def _request_class(xargs: dict[str, Any]) -> RequestClass:
                        "vllm_xargs.request_class must be 'rt' or 'be'") from None
 
 
-def _slo_overrides(chat: ChatService, xargs: dict[str, Any]) -> dict[str, Any]:
+def slo_overrides(chat: ChatService, xargs: dict[str, Any]) -> dict[str, Any]:
     """Per-request TTFT/TPOT targets from `vllm_xargs` (seconds, finite), no tighter than
     `--min-request-slo-frac` of the deployment's: a tighter target takes step time from every
     other request, so one client could otherwise shrink everyone's batches."""

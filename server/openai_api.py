@@ -1,4 +1,5 @@
-"""OpenAI-compatible `/v1/chat/completions` (streaming SSE and not) and `/v1/models`."""
+"""OpenAI-compatible `/v1/chat/completions` and `/v1/completions` (streaming SSE and not), and
+`/v1/models`."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, unexpected_error
 from antiphon.server.http import authorize, read_model
 from antiphon.server.limits import Slot
+from antiphon.server.text_completions import (
+    TextCompletionRequest,
+    prepare_text_completion,
+    text_choice,
+    text_completion_object,
+)
 
 router = APIRouter()
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the reply
@@ -89,6 +96,31 @@ async def chat_completions(request: Request) -> Response:
     return JSONResponse(completion_object(gen, body.model))
 
 
+@router.post("/v1/completions", response_model=None)
+async def completions(request: Request) -> Response:
+    """A legacy text completion: the prompt as given, without the chat template."""
+    ctx: AppContext = request.app.state.ctx
+    owner = authorize(request)
+    ctx.chat.check_open()
+    body = await read_model(request, TextCompletionRequest)
+    gen = prepare_text_completion(ctx.chat, body, owner)
+    slot = ctx.inflight_per_key.take(owner)
+    release = BackgroundTask(_release, ctx, gen, slot)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(ctx, gen, "cmpl-" + gen.request_id, body.model, include_usage, slot,
+                 is_text=True),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+            background=release)
+    try:
+        if not await _complete_unless_gone(ctx, gen, request):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        await release()
+    return JSONResponse(text_completion_object(gen, body.model))
+
+
 async def _release(ctx: AppContext, gen: Generation, slot: Slot) -> None:
     """The completion is over: its session claim and its slot of the key's limit go back
     (async: a sync task would run off the loop; safe to run twice)."""
@@ -125,7 +157,8 @@ async def _complete_unless_gone(ctx: AppContext, gen: Generation, request: Reque
 
 
 async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
-               include_usage: bool, slot: Slot) -> AsyncIterator[str]:
+               include_usage: bool, slot: Slot, is_text: bool = False) -> AsyncIterator[str]:
+    """The stream of a chat completion's chunks, or with `is_text` a text completion's."""
     created = int(time.time())
 
     sent_logprobs = 0  # output tokens whose logprobs went out
@@ -134,13 +167,19 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
               usage: dict[str, int] | None = None) -> str:
         nonlocal sent_logprobs
         fresh = len(gen.token_logprobs) > sent_logprobs  # tokens since the last chunk
-        choices = [] if usage else [
-            {"index": 0, "delta": delta,
-             "logprobs": gen.logprobs(sent_logprobs) if fresh else None,
-             "finish_reason": finish_reason}]
+        if usage:
+            choices = []
+        elif is_text:
+            choices = [text_choice(gen, delta.get("content", ""), sent_logprobs,
+                                   finish_reason)]
+        else:
+            choices = [{"index": 0, "delta": delta,
+                        "logprobs": gen.logprobs(sent_logprobs) if fresh else None,
+                        "finish_reason": finish_reason}]
         sent_logprobs = len(gen.token_logprobs)
-        payload: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk",
-                                   "created": created, "model": model, "choices": choices}
+        payload: dict[str, Any] = {
+            "id": completion_id, "created": created, "model": model, "choices": choices,
+            "object": "text_completion" if is_text else "chat.completion.chunk"}
         if usage:
             payload["usage"] = usage
         return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
@@ -150,10 +189,11 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
                                                 "message": err.message}}) + "\n\n"
 
     try:
-        yield chunk({"role": "assistant", "content": ""})
+        if not is_text:
+            yield chunk({"role": "assistant", "content": ""})
         async with aclosing(ctx.chat.stream(gen, api="openai")) as pieces:
-            async for text in pieces:
-                yield chunk({"content": text})
+            async for piece in pieces:
+                yield chunk({"content": piece})
         await ctx.turns.record_exchange(gen)
     except ApiError as err:
         ctx.metrics.errors.labels(err.code.value).inc()

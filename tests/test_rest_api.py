@@ -180,6 +180,62 @@ def test_logprobs_in_completions_and_streams(scripted: Scripted) -> None:
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_message", bad
 
 
+def test_text_completions_take_a_plain_prompt(scripted: Scripted) -> None:
+    """`/v1/completions` (what `vllm bench serve` and other tools send): the prompt as given,
+    no chat template, in a response, a stream, and with legacy logprobs (token texts, their
+    log probabilities, the likeliest alternatives with the chosen one, and text offsets)."""
+    c = client(scripted)
+    out = c.completions.create(model="scripted", prompt="a b c")
+    assert out.object == "text_completion" and out.id.startswith("cmpl-")
+    assert out.choices[0].text == "You said: a b c" and out.choices[0].finish_reason == "stop"
+    assert out.usage is not None and out.usage.prompt_tokens == len("a b c")
+    assert scripted.engine.params[-1].request_class.value == "rt"
+
+    by_ids = c.completions.create(model="scripted", prompt=[ord(ch) for ch in "a b c"])
+    assert by_ids.choices[0].text == out.choices[0].text
+
+    pieces, finish, usage = [], None, None
+    for chunk in c.completions.create(model="scripted", prompt="x y", stream=True,
+                                      stream_options={"include_usage": True}):
+        if chunk.choices:
+            assert chunk.object == "text_completion"
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert "".join(pieces) == "You said: x y" and finish == "stop" and len(pieces) > 2
+    assert usage is not None and usage.completion_tokens == 4  # words
+
+    lp = c.completions.create(model="scripted", prompt="a b", logprobs=2).choices[0]
+    assert lp.logprobs is not None and lp.logprobs.tokens is not None
+    assert "".join(lp.logprobs.tokens) == lp.text
+    assert lp.logprobs.tokens == ["You", " said:", " a", " b"]
+    assert lp.logprobs.text_offset == [0, 3, 9, 11]
+    assert lp.logprobs.top_logprobs is not None
+    for token, top in zip(lp.logprobs.tokens, lp.logprobs.top_logprobs, strict=True):
+        assert token in top and len(top) <= 3
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"prompt": ["one", "two"]}, "one prompt per request"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1114112]}, "outside the model's vocabulary"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"echo": True}, "echo is not supported"),
+    ({"suffix": "end"}, "suffix is not supported"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"messages": []}, "unrecognized request argument: messages"),
+    ({"vllm_xargs": {"session_id": "s1"}}, "use /v1/chat/completions"),
+    ({"vllm_xargs": {"request_class": "x"}}, "request_class"),
+])
+def test_text_completions_refuse_what_they_cannot_do(
+        scripted: Scripted, fields: dict[str, object], words: str) -> None:
+    body = {"model": "scripted", "prompt": "hello", **fields}
+    r = httpx.post(scripted.url + "/v1/completions", json=body)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert not scripted.engine.finished_request_ids  # nothing reached the engine
+
+
 def test_logit_bias_reaches_the_engine_as_token_ids(scripted: Scripted) -> None:
     """OpenAI's logit_bias (token ids as text, biases -100 to 100) goes to the engine as
     (token id, bias) pairs; a request without it sends none."""

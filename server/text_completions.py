@@ -1,0 +1,125 @@
+"""OpenAI's legacy text completions (`/v1/completions`): a plain prompt, no chat template.
+
+What `vllm bench serve`, lm-evaluation-harness and other tools built for OpenAI-compatible
+servers send by default. One prompt per request (a text, or its token ids); RT by default, like
+a chat completion, with the same `vllm_xargs` (`request_class`, `ttft_slo_s`, `tpot_slo_s`).
+Sessions are chat conversations, so `vllm_xargs.session_id` is refused here.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from antiphon.server.chat import ChatService, Generation
+from antiphon.server.completions import (
+    MAX_TOP_LOGPROBS,
+    StreamOptions,
+    refuse_unsupported,
+    request_class_xarg,
+    require_served_model,
+    slo_overrides,
+)
+from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.protocol import Sampling, StrictBool, StrictInt
+
+# Legacy parameters this server does not implement, with the values that ask for nothing.
+UNSUPPORTED_PARAMETERS: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+}
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+class TextCompletionRequest(Sampling):
+    """OpenAI's completion request with vLLM's sampling extensions (`Sampling`, `ignore_eos`).
+    Unknown parameters are refused, as in a chat completion."""
+
+    model_config = ConfigDict(extra="allow")  # checked by `_refuse_unsupported`
+    model: str
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
+        list[TokenId], Field(min_length=1)]
+    """A text, a list holding one text, or the prompt's token ids."""
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    n: Literal[1] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    """The chosen token's log probability and this many likeliest alternatives, per token."""
+    ignore_eos: StrictBool | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    vllm_xargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("prompt"), list) and len(
+                data["prompt"]) > 1 and all(isinstance(p, str) for p in data["prompt"]):
+            raise ValueError("prompt: one prompt per request (send several as separate "
+                             "requests, or as a batch)")
+        return refuse_unsupported(data, set(cls.model_fields), UNSUPPORTED_PARAMETERS)
+
+    def sampling(self) -> dict[str, Any]:
+        given = super().sampling()
+        if self.ignore_eos is not None:
+            given["ignore_eos"] = self.ignore_eos
+        if self.logprobs is not None:
+            given["logprobs"] = self.logprobs
+        return given
+
+
+def prepare_text_completion(chat: ChatService, body: TextCompletionRequest,
+                            owner: str) -> Generation:
+    """A generation of `owner`'s for `body`; raises `ApiError` and changes nothing on bad
+    input."""
+    require_served_model(chat, body.model)
+    xargs = body.vllm_xargs or {}
+    if "session_id" in xargs:
+        raise ApiError(ErrorCode.BAD_MESSAGE, "vllm_xargs.session_id: sessions are chat "
+                       "conversations; use /v1/chat/completions")
+    request_class = request_class_xarg(xargs)
+    overrides = slo_overrides(chat, xargs)
+    if isinstance(body.prompt, list) and isinstance(body.prompt[0], int):
+        prompt = [int(token) for token in body.prompt]
+        chat.check_in_vocabulary(prompt, "prompt")
+    else:
+        text = body.prompt if isinstance(body.prompt, str) else str(body.prompt[0])
+        chat.check_content(text)
+        prompt = chat.engine.encode_prompt(text)
+    return chat.prepare_prompt(secrets.token_hex(12), prompt, body.max_tokens, request_class,
+                               owner=owner, **body.sampling(), **overrides)
+
+
+def text_choice(gen: Generation, text: str, start: int = 0,
+                finish_reason: str | None = None) -> dict[str, Any]:
+    """A `text_completion` choice: `text`, with the logprobs of the output tokens from
+    `start` on (None when the request asked for none, or there are none new)."""
+    fresh = gen.params.logprobs is not None and len(gen.token_logprobs) > start
+    return {"index": 0, "text": text,
+            "logprobs": legacy_logprobs(gen, start) if fresh else None,
+            "finish_reason": finish_reason}
+
+
+def legacy_logprobs(gen: Generation, start: int = 0) -> dict[str, Any]:
+    """The legacy completions' `logprobs` of output tokens from `start` on: their texts, log
+    probabilities, likeliest alternatives (with the chosen token, as OpenAI gives it) and
+    offsets in the reply's text."""
+    offset = sum(len(t.token) for t in gen.token_logprobs[:start])
+    offsets = []
+    for t in gen.token_logprobs[start:]:
+        offsets.append(offset)
+        offset += len(t.token)
+    tokens = gen.token_logprobs[start:]
+    return {"tokens": [t.token for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{**dict(t.top), t.token: t.logprob} for t in tokens],
+            "text_offset": offsets}
+
+
+def text_completion_object(gen: Generation, model: str) -> dict[str, Any]:
+    """The non-streaming `text_completion` response of a finished generation."""
+    return {"id": "cmpl-" + gen.request_id, "object": "text_completion",
+            "created": int(time.time()), "model": model,
+            "choices": [text_choice(gen, gen.text, 0, gen.finish_reason)],
+            "usage": gen.usage()}
