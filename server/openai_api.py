@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -17,6 +17,7 @@ from starlette.background import BackgroundTask
 from antiphon.server.chat import Generation
 from antiphon.server.completions import (
     ChatCompletionRequest,
+    StreamOptions,
     completion_object,
     prepare_completion,
     require_served_model,
@@ -79,21 +80,8 @@ async def chat_completions(request: Request) -> Response:
         except ApiError:
             slot.release()
             raise
-    release = BackgroundTask(_release, ctx, gen, slot)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        # The release also runs after the stream: a client gone before its first chunk
-        # leaves the stream never started, so its own `finally` never runs.
-        return StreamingResponse(
-            _sse(ctx, gen, completion_id, body.model, include_usage, slot),
-            media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-            background=release)
-    try:
-        if not await _complete_unless_gone(ctx, gen, request):
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-    finally:
-        await release()
-    return JSONResponse(completion_object(gen, body.model))
+    return await _respond(request, gen, slot, body.stream, body.stream_options, completion_id,
+                          lambda: completion_object(gen, body.model), body.model)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -105,12 +93,26 @@ async def completions(request: Request) -> Response:
     body = await read_model(request, TextCompletionRequest)
     gen = prepare_text_completion(ctx.chat, body, owner)
     slot = ctx.inflight_per_key.take(owner)
+    return await _respond(request, gen, slot, body.stream, body.stream_options,
+                          "cmpl-" + gen.request_id,
+                          lambda: text_completion_object(gen, body.model), body.model,
+                          is_text=True)
+
+
+async def _respond(request: Request, gen: Generation, slot: Slot, stream: bool | None,
+                   stream_options: StreamOptions | None, completion_id: str,
+                   response: Callable[[], dict[str, Any]], model: str,
+                   is_text: bool = False) -> Response:
+    """Run a prepared completion holding `slot`: as a stream of chunks, or to its end and
+    then `response()` (499 if the client left first)."""
+    ctx: AppContext = request.app.state.ctx
     release = BackgroundTask(_release, ctx, gen, slot)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if stream:
+        include_usage = bool(stream_options and stream_options.include_usage)
+        # The release also runs after the stream: a client gone before its first chunk
+        # leaves the stream never started, so its own `finally` never runs.
         return StreamingResponse(
-            _sse(ctx, gen, "cmpl-" + gen.request_id, body.model, include_usage, slot,
-                 is_text=True),
+            _sse(ctx, gen, completion_id, model, include_usage, slot, is_text=is_text),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             background=release)
     try:
@@ -118,7 +120,7 @@ async def completions(request: Request) -> Response:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         await release()
-    return JSONResponse(text_completion_object(gen, body.model))
+    return JSONResponse(response())
 
 
 async def _release(ctx: AppContext, gen: Generation, slot: Slot) -> None:
