@@ -4,6 +4,7 @@ watch it, fetch its results, cancel it. A plain HTTP client of a running server 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -13,6 +14,7 @@ from typing import Any, Protocol, TextIO
 import httpx
 
 from antiphon import env
+from antiphon.server.batch_types import CHAT_ENDPOINT, TEXT_ENDPOINT
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 BAR_WIDTH = 30
@@ -46,10 +48,9 @@ class BatchClient:
             return self._json("POST", "/files", data={"purpose": "batch"},
                               files={"file": (path.name, f, "application/jsonl")})
 
-    def create(self, input_file_id: str) -> dict[str, Any]:
+    def create(self, input_file_id: str, endpoint: str = CHAT_ENDPOINT) -> dict[str, Any]:
         return self._json("POST", "/batches", json={
-            "input_file_id": input_file_id, "endpoint": "/v1/chat/completions",
-            "completion_window": "24h"})
+            "input_file_id": input_file_id, "endpoint": endpoint, "completion_window": "24h"})
 
     def get(self, batch_id: str) -> dict[str, Any]:
         return self._json("GET", f"/batches/{batch_id}")
@@ -151,12 +152,26 @@ def _results_path(input_path: Path) -> Path:
     return input_path.with_name(input_path.stem + ".results.jsonl")
 
 
+def first_url(path: Path) -> str | None:
+    """The `url` of the file's first line that names one (the endpoint of a batch of it)."""
+    with path.open("rb") as f:
+        for line in f:
+            try:
+                url = json.loads(line).get("url") if line.strip() else None
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(url, str):
+                return url
+    return None
+
+
 def _submit(client: BatchClient, args: argparse.Namespace) -> int:
     path = Path(args.file)
     if not path.is_file():
         raise BatchCliError(f"no such file: {path}")
+    endpoint = args.endpoint or first_url(path) or CHAT_ENDPOINT
     uploaded = client.upload(path)
-    batch = client.create(uploaded["id"])
+    batch = client.create(uploaded["id"], endpoint)
     print(f"batch {batch['id']} created from {path} ({uploaded['bytes']} bytes)")
     if not args.wait:
         return 0
@@ -243,6 +258,8 @@ def add_batch_parser(commands: Any) -> None:
     submit = actions.add_parser("submit", parents=[common],
                                 help="upload a JSONL file of requests and start a batch")
     submit.add_argument("file", help="JSONL: one {custom_id, method, url, body} per line")
+    submit.add_argument("--endpoint", choices=(CHAT_ENDPOINT, TEXT_ENDPOINT),
+                        help="what every line asks for (default: the first line's url)")
     submit.add_argument("--wait", action="store_true",
                         help="show progress until it finishes, then download the results "
                              "to FILE's name with .results.jsonl; exits 0 when every item "

@@ -13,8 +13,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from antiphon.server.batch_endpoints import ENDPOINTS
 from antiphon.server.batch_types import (
-    BATCH_ENDPOINT,
     COMPLETION_WINDOWS_S,
     Batch,
     BatchStatus,
@@ -142,9 +142,9 @@ async def delete_file(file_id: str, request: Request) -> dict[str, Any]:
 async def create_batch(request: Request) -> dict[str, Any]:
     ctx, owner = _ctx(request), authorize(request)
     body = await read_model(request, NewBatch)
-    if body.endpoint != BATCH_ENDPOINT:
+    if body.endpoint not in ENDPOINTS:
         raise ApiError(ErrorCode.UNSUPPORTED_URL, f"endpoint {body.endpoint!r} is not "
-                       f"supported; use {BATCH_ENDPOINT!r}")
+                       f"supported; use one of {', '.join(map(repr, ENDPOINTS))}")
     window_s = COMPLETION_WINDOWS_S.get(body.completion_window)
     if window_s is None:
         raise ApiError(ErrorCode.BAD_MESSAGE, "completion_window must be one of "
@@ -155,7 +155,8 @@ async def create_batch(request: Request) -> dict[str, Any]:
                        f"file {input_file.file_id} has purpose {input_file.purpose!r}, not "
                        f"{INPUT_PURPOSE!r}")
     batch = await asyncio.to_thread(ctx.batch_store.create_batch, owner, input_file.file_id,
-                                    body.completion_window, window_s, body.metadata)
+                                    body.completion_window, window_s, body.metadata,
+                                    body.endpoint)
     ctx.batches.notify()
     return batch.to_json()
 

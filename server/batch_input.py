@@ -11,9 +11,9 @@ from typing import IO, Any
 
 from pydantic import ValidationError
 
-from antiphon.server.batch_types import BATCH_ENDPOINT, InputItem
+from antiphon.server.batch_endpoints import ENDPOINTS
+from antiphon.server.batch_types import CHAT_ENDPOINT, InputItem
 from antiphon.server.chat import ChatService
-from antiphon.server.completions import ChatCompletionRequest, completion_turns
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
 from antiphon.server.protocol import parse_json
 
@@ -21,9 +21,10 @@ MAX_CUSTOM_ID_CHARS = 512
 
 
 def read_items(path: Path, chat: ChatService, max_line_bytes: int,
-               max_items: int) -> list[InputItem]:
-    """Every non-blank line of the JSONL file at `path`, validated, in order. Lines longer than
-    `max_line_bytes` and lines after the first `max_items` fail. Raises OSError."""
+               max_items: int, endpoint: str = CHAT_ENDPOINT) -> list[InputItem]:
+    """Every non-blank line of the JSONL file at `path`, validated as a request to `endpoint`,
+    in order. Lines longer than `max_line_bytes` and lines after the first `max_items` fail.
+    Raises OSError."""
     items: list[InputItem] = []
     seen_custom_ids: set[str] = set()
     with path.open("rb") as f:
@@ -41,12 +42,12 @@ def read_items(path: Path, chat: ChatService, max_line_bytes: int,
             except ApiError as err:
                 items.append(_failed(line_index, None, err))
                 continue
-            items.append(_check(line_index, data, chat, seen_custom_ids))
+            items.append(_check(line_index, data, chat, seen_custom_ids, endpoint))
     return items
 
 
 def _check(line_index: int, data: dict[str, Any], chat: ChatService,
-           seen_custom_ids: set[str]) -> InputItem:
+           seen_custom_ids: set[str], endpoint: str) -> InputItem:
     custom_id = data.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return _failed(line_index, None, ApiError(
@@ -59,26 +60,25 @@ def _check(line_index: int, data: dict[str, Any], chat: ChatService,
             ErrorCode.DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} is used by an earlier line"))
     seen_custom_ids.add(custom_id)
     try:
-        body = _check_request(data)
-        completion_turns(chat, body)
+        ENDPOINTS[endpoint].check(chat, _check_request(data, endpoint))
     except ApiError as err:
         return _failed(line_index, custom_id, err)
     return InputItem(line_index, custom_id, json.dumps(data["body"], ensure_ascii=False))
 
 
-def _check_request(data: dict[str, Any]) -> ChatCompletionRequest:
+def _check_request(data: dict[str, Any], endpoint: str) -> Any:
     if data.get("method") != "POST":
         raise ApiError(ErrorCode.BAD_MESSAGE, "method must be \"POST\"")
-    if data.get("url") != BATCH_ENDPOINT:
-        raise ApiError(ErrorCode.UNSUPPORTED_URL,
-                       f"url {data.get('url')!r} is not supported; use {BATCH_ENDPOINT!r}")
+    if data.get("url") != endpoint:
+        raise ApiError(ErrorCode.UNSUPPORTED_URL, f"url {data.get('url')!r} is not the "
+                       f"batch's endpoint; use {endpoint!r}")
     if not isinstance(data.get("body"), dict):
         raise ApiError(ErrorCode.BAD_MESSAGE, "body must be a JSON object: the request")
     try:
-        body = ChatCompletionRequest.model_validate(data["body"])
+        body = ENDPOINTS[endpoint].request.model_validate(data["body"])
     except ValidationError as exc:
         raise bad_message(exc.errors(), parent="body") from None
-    if body.stream:
+    if getattr(body, "stream", None):
         raise ApiError(ErrorCode.BAD_MESSAGE, "body.stream: streaming is not available in a batch")
     return body
 

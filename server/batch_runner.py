@@ -19,8 +19,9 @@ import json
 import logging
 import time
 from contextlib import aclosing
+from typing import Any
 
-from antiphon.engine_ext.types import RequestClass
+from antiphon.server.batch_endpoints import ENDPOINTS
 from antiphon.server.batch_input import read_items
 from antiphon.server.batch_store import BatchStore
 from antiphon.server.batch_types import (
@@ -33,7 +34,6 @@ from antiphon.server.batch_types import (
     new_file_id,
 )
 from antiphon.server.chat import ChatService
-from antiphon.server.completions import ChatCompletionRequest, completion_object, prepare_completion
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.file_store import FileStore
 from antiphon.server.metrics import ServerMetrics
@@ -142,7 +142,7 @@ class BatchRunner:
         try:
             items = await asyncio.to_thread(read_items, path, self.chat,
                                             self.config.max_frame_bytes,
-                                            self.config.max_batch_items)
+                                            self.config.max_batch_items, b.endpoint)
         except OSError as exc:
             await asyncio.to_thread(self.store.fail_batch, b.batch_id, ErrorCode.INVALID_FILE,
                                     f"the input file cannot be read: {exc.strerror}")
@@ -216,7 +216,7 @@ class BatchRunner:
                     None, None, ErrorCode.ENGINE_ERROR.value,
                     f"stopped after {item.num_attempts} attempts that did not finish")
             else:
-                result = await self._answer(item, batch.owner)
+                result = await self._answer(item, batch)
                 if result is None and self.chat.stop_requested:
                     # The engine stopped with the server (one signal to both): not the
                     # item's doing, so the start does not count.
@@ -251,12 +251,13 @@ class BatchRunner:
             await commit
             raise
 
-    async def _answer(self, item: PendingItem, owner: str) -> ItemResult | None:
-        """Run one request of `owner`'s on the engine as BE; None when the engine failed (not the request),
-        so the item stays pending and runs again."""
-        body = ChatCompletionRequest.model_validate_json(item.body)
+    async def _answer(self, item: PendingItem, batch: Batch) -> ItemResult | None:
+        """Run one request of `batch` on the engine as BE; None when the engine failed (not the
+        request), so the item stays pending and runs again."""
+        endpoint = ENDPOINTS[batch.endpoint]
+        body: Any = endpoint.request.model_validate_json(item.body)  # has `model`
         try:
-            gen = prepare_completion(self.chat, body, owner, RequestClass.BE)
+            gen = endpoint.prepare(self.chat, body, batch.owner)
             async with aclosing(self.chat.stream(gen, api="batch")) as pieces:
                 async for _ in pieces:
                     pass
@@ -267,8 +268,8 @@ class BatchRunner:
             logger.warning("batch item %r: %s; it will run again", item.custom_id, err.message)
             self._paused_until = time.monotonic() + RETRY_DELAY_S
             return None
-        return ItemResult(gen.request_id, json.dumps(completion_object(gen, body.model),
-                                                     ensure_ascii=False))
+        return ItemResult(gen.request_id, json.dumps(
+            endpoint.response(gen, body.model), ensure_ascii=False))
 
     async def _abort(self, keys: list[ItemKey]) -> None:
         tasks = [self._inflight[k] for k in keys if k in self._inflight]

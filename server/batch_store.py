@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from antiphon.server.batch_types import (
+    CHAT_ENDPOINT,
     Batch,
     BatchStatus,
     FileRecord,
@@ -52,6 +53,7 @@ CREATE TABLE IF NOT EXISTS batches (
     output_file_id TEXT REFERENCES files(file_id), error_file_id TEXT REFERENCES files(file_id),
     errors TEXT,  -- why the batch failed as a whole, JSON
     created_at REAL NOT NULL, expires_at REAL NOT NULL,
+    endpoint TEXT NOT NULL DEFAULT '{CHAT_ENDPOINT}',  -- every line's url
     {", ".join(f"{s} REAL" for s in _STAMPS)},
     {_COUNT_COLUMNS_SQL}
 );
@@ -78,7 +80,7 @@ CREATE INDEX IF NOT EXISTS items_state ON items(batch_id, state, line_index);
 _BATCH_COLUMNS = ("batch_id, owner, input_file_id, completion_window, metadata, status, "
                   "final_status, output_file_id, error_file_id, errors, created_at, expires_at, "
                   + ", ".join(_STAMPS))
-_SELECT_BATCH = f"SELECT {_BATCH_COLUMNS}, {', '.join(_COUNT_COLUMNS)} FROM batches b"
+_SELECT_BATCH = f"SELECT {_BATCH_COLUMNS}, {', '.join(_COUNT_COLUMNS)}, endpoint FROM batches b"
 _SUCCEEDED, _FAILED = int(ItemState.SUCCEEDED), int(ItemState.FAILED)
 # The counts of each batch from its items, as the triggers keep them.
 _COUNTED = (f"(SELECT COUNT(*) FROM items i WHERE i.batch_id = b.batch_id),"
@@ -118,7 +120,7 @@ def _batch(row: Sequence[Any]) -> Batch:
                  json.loads(metadata) if metadata else None, BatchStatus(status),
                  BatchStatus(final_status) if final_status else None, times, output_file_id,
                  error_file_id, json.loads(errors) if errors else None,
-                 RequestCounts(*row[12 + len(_STAMPS):]))
+                 RequestCounts(*row[12 + len(_STAMPS):-1]), row[-1])
 
 
 class BatchStore:
@@ -131,6 +133,9 @@ class BatchStore:
             if "deleted_at" not in columns:  # a database from before files could be deleted
                 db.execute("ALTER TABLE files ADD COLUMN deleted_at REAL")
             columns = {row[1] for row in db.execute("PRAGMA table_info(batches)")}
+            if "endpoint" not in columns:  # from before text completions: chat's, all of them
+                db.execute(f"ALTER TABLE batches ADD COLUMN endpoint TEXT NOT NULL"
+                           f" DEFAULT '{CHAT_ENDPOINT}'")
             if _COUNT_COLUMNS[0] not in columns:  # from before the counts were kept: count once
                 for column in _COUNT_COLUMNS:
                     db.execute(f"ALTER TABLE batches ADD COLUMN {column} INTEGER NOT NULL"
@@ -200,16 +205,19 @@ class BatchStore:
     # Batches.
 
     def create_batch(self, owner: str, input_file_id: str, completion_window: str,
-                     window_s: float, metadata: dict[str, str] | None) -> Batch:
-        """A new batch in VALIDATING, expiring `window_s` seconds from now."""
+                     window_s: float, metadata: dict[str, str] | None,
+                     endpoint: str = CHAT_ENDPOINT) -> Batch:
+        """A new batch of requests to `endpoint`, in VALIDATING, expiring `window_s` seconds
+        from now."""
         batch_id, now = new_batch_id(), time.time()
         with self.db.locked() as db:
             db.execute(
                 "INSERT INTO batches (batch_id, owner, input_file_id, completion_window,"
-                " metadata, status, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                " metadata, status, created_at, expires_at, endpoint)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (batch_id, owner, input_file_id, completion_window,
                  json.dumps(metadata) if metadata else None, BatchStatus.VALIDATING.value, now,
-                 now + window_s))
+                 now + window_s, endpoint))
         batch = self.get_batch(owner, batch_id)
         assert batch is not None
         return batch

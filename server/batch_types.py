@@ -12,7 +12,8 @@ from typing import Any
 
 from antiphon.server.errors import ErrorCode
 
-BATCH_ENDPOINT = "/v1/chat/completions"
+CHAT_ENDPOINT = "/v1/chat/completions"
+TEXT_ENDPOINT = "/v1/completions"  # (a batch's endpoints: `batch_endpoints.ENDPOINTS`)
 # OpenAI accepts only a 24-hour completion window.
 COMPLETION_WINDOWS_S = {"24h": 24 * 3600.0}
 FILE_ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
@@ -147,6 +148,7 @@ class Batch:
     error_file_id: str | None = None
     errors: list[dict[str, Any]] | None = None  # why a batch failed as a whole
     counts: RequestCounts = RequestCounts()
+    endpoint: str = CHAT_ENDPOINT  # every line's url
 
     def to_json(self) -> dict[str, Any]:
         stamp_names = ("created_at", "expires_at", "in_progress_at", "finalizing_at",
@@ -154,7 +156,7 @@ class Batch:
         stamps = {name: int(self.times[name]) if name in self.times else None
                   for name in stamp_names}
         return {
-            "id": self.batch_id, "object": "batch", "endpoint": BATCH_ENDPOINT,
+            "id": self.batch_id, "object": "batch", "endpoint": self.endpoint,
             "input_file_id": self.input_file_id, "completion_window": self.completion_window,
             "status": self.status.value, "output_file_id": self.output_file_id,
             "error_file_id": self.error_file_id, **stamps,

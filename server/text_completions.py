@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from antiphon.engine_ext.types import RequestClass
 from antiphon.server.chat import ChatService, Generation
 from antiphon.server.completions import (
     MAX_TOP_LOGPROBS,
@@ -60,6 +61,16 @@ class TextCompletionRequest(Sampling):
                              "requests, or as a batch)")
         return refuse_unsupported(data, set(cls.model_fields), UNSUPPORTED_PARAMETERS)
 
+    def prompt_token_ids(self) -> list[int] | None:
+        """The prompt's token ids, where it was given as such (None: a text)."""
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], int):
+            return [int(token) for token in self.prompt]
+        return None
+
+    def prompt_text(self) -> str:
+        """The prompt's text (where it was not given as token ids)."""
+        return self.prompt if isinstance(self.prompt, str) else str(self.prompt[0])
+
     def sampling(self) -> dict[str, Any]:
         given = super().sampling()
         if self.ignore_eos is not None:
@@ -69,26 +80,39 @@ class TextCompletionRequest(Sampling):
         return given
 
 
-def prepare_text_completion(chat: ChatService, body: TextCompletionRequest,
-                            owner: str) -> Generation:
-    """A generation of `owner`'s for `body`; raises `ApiError` and changes nothing on bad
-    input."""
+def check_text_completion(chat: ChatService, body: TextCompletionRequest) -> None:
+    """Every check of `body` that needs no tokenizer (model, `vllm_xargs`, prompt size and
+    token ids, max_tokens, stop sequences, logit_bias); raises `ApiError`."""
     require_served_model(chat, body.model)
     xargs = body.vllm_xargs or {}
     if "session_id" in xargs:
         raise ApiError(ErrorCode.BAD_MESSAGE, "vllm_xargs.session_id: sessions are chat "
                        "conversations; use /v1/chat/completions")
-    request_class = request_class_xarg(xargs)
-    overrides = slo_overrides(chat, xargs)
-    if isinstance(body.prompt, list) and isinstance(body.prompt[0], int):
-        prompt = [int(token) for token in body.prompt]
-        chat.check_in_vocabulary(prompt, "prompt")
+    request_class_xarg(xargs)
+    slo_overrides(chat, xargs)
+    prompt = body.prompt_token_ids()
+    if prompt is None:
+        chat.check_content(body.prompt_text())
     else:
-        text = body.prompt if isinstance(body.prompt, str) else str(body.prompt[0])
-        chat.check_content(text)
-        prompt = chat.engine.encode_prompt(text)
+        chat.check_in_vocabulary(prompt, "prompt")
+    chat.check_max_tokens(body.max_tokens)
+    chat.check_stop(body.stop_sequences)
+    chat.check_logit_bias(body.sampling().get("logit_bias", ()))
+
+
+def prepare_text_completion(chat: ChatService, body: TextCompletionRequest, owner: str,
+                            request_class: RequestClass | None = None) -> Generation:
+    """A generation of `owner`'s for `body`, of `request_class` (else the one `vllm_xargs`
+    names, RT by default); raises `ApiError` and changes nothing on bad input."""
+    check_text_completion(chat, body)
+    xargs = body.vllm_xargs or {}
+    if request_class is None:
+        request_class = request_class_xarg(xargs)
+    prompt = body.prompt_token_ids()
+    if prompt is None:
+        prompt = chat.engine.encode_prompt(body.prompt_text())
     return chat.prepare_prompt(secrets.token_hex(12), prompt, body.max_tokens, request_class,
-                               owner=owner, **body.sampling(), **overrides)
+                               owner=owner, **body.sampling(), **slo_overrides(chat, xargs))
 
 
 def text_choice(gen: Generation, text: str, start: int = 0,

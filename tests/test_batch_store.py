@@ -226,6 +226,27 @@ def test_batch_counts_are_kept_through_every_change_of_an_item(tmp_path: Path) -
         store.check_integrity()
 
 
+def test_a_database_from_before_text_completion_batches_opens_with_chat_batches(
+        tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    store = BatchStore(path)
+    bid = make_batch(store)
+    store.close()
+    old = sqlite3.connect(path)  # as the store was before batches named their endpoint
+    old.execute("ALTER TABLE batches DROP COLUMN endpoint")
+    old.commit()
+    old.close()
+    store = BatchStore(path)
+    try:
+        assert store.get_batch("alice", bid).endpoint == "/v1/chat/completions"  # type: ignore[union-attr]
+        new = store.create_batch("alice", store.get_batch("alice", bid).input_file_id,  # type: ignore[union-attr]
+                                 "24h", 60.0, None, "/v1/completions")
+        assert store.get_batch("alice", new.batch_id).to_json()["endpoint"] == "/v1/completions"  # type: ignore[union-attr]
+        store.check_integrity()
+    finally:
+        store.close()
+
+
 def test_a_database_from_before_kept_counts_is_counted_once_on_open(tmp_path: Path) -> None:
     path = tmp_path / "old.sqlite3"
     store = BatchStore(path)

@@ -124,6 +124,48 @@ def test_round_trip_with_the_openai_client(tmp_path: Path) -> None:
         assert "antiphon_batch_queue_items 0.0" in metrics
 
 
+def test_a_batch_of_text_completions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A batch whose endpoint is /v1/completions: its lines are text completions (plain
+    prompts, run as BE), answered with text_completion bodies; a line naming another url, or
+    a body /v1/completions refuses, fails alone. The CLI takes the endpoint from the file."""
+    def text_line(custom_id: str, url: str = "/v1/completions", **body: Any) -> str:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
+                           "body": {"model": "scripted", "prompt": f"doc {custom_id}",
+                                    **body}}) + "\n"
+
+    data = (text_line("a") + text_line("b", max_tokens=2) + text_line("c", echo=True)
+            + text_line("d", url="/v1/chat/completions")).encode()
+    with batch_server(tmp_path / "data", token_delay_s=0.001) as live:
+        client = live.client()
+        uploaded = client.files.create(file=("in.jsonl", data), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                      completion_window="24h")
+        assert batch.endpoint == "/v1/completions"
+        done = wait_finished(live.url, batch.id)
+        assert done["status"] == "completed" and done["endpoint"] == "/v1/completions"
+        assert done["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+        out = {r["custom_id"]: r for r in lines_of(client, done["output_file_id"])}
+        body = out["a"]["response"]["body"]
+        assert body["object"] == "text_completion"
+        assert body["choices"][0]["text"] == "You said: doc a"
+        assert out["b"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+        errors = {r["custom_id"]: r["error"] for r in lines_of(client, done["error_file_id"])}
+        assert "echo is not supported" in errors["c"]["message"]
+        assert errors["d"]["code"] == "unsupported_url"
+        assert all(p.request_class.value == "be" for p in live.engine.params)
+
+        path = tmp_path / "texts.jsonl"  # the CLI names the endpoint of the file's lines
+        path.write_text(text_line("x") + text_line("y"))
+        assert main(["batch", "submit", str(path), "--wait", "--poll-interval", "0.05",
+                     "--url", live.url]) == 0
+        assert "2/2 completed, 0 failed (completed)" in capsys.readouterr().out
+        assert client.batches.list().data[0].endpoint == "/v1/completions"
+        r = httpx.post(live.url + "/v1/batches", json={
+            "input_file_id": uploaded.id, "endpoint": "/v1/embeddings",
+            "completion_window": "24h"})
+        assert r.status_code == 400 and "'/v1/completions'" in r.json()["error"]["message"]
+
+
 def test_files_are_listed_as_the_openai_client_pages_them(tmp_path: Path) -> None:
     with batch_server(tmp_path, token_delay_s=0.001) as live:
         client = live.client()

@@ -97,6 +97,22 @@ function select(id) {
   renderDetail().catch((err) => showError(err.code || "error", err.message));
 }
 
+/** The endpoint of a batch of `file`: its first line's url (chat completions if none). */
+async function firstUrl(file) {
+  const head = await file.slice(0, 65536).text();
+  for (const line of head.split("\n")) {
+    if (!line.trim()) continue;
+    try {
+      const url = JSON.parse(line).url;
+      if (typeof url === "string") return url;
+    } catch {
+      // a line cut by the slice, or not JSON: the server reports bad lines
+    }
+    break;
+  }
+  return "/v1/chat/completions";
+}
+
 async function upload(ev) {
   ev.preventDefault();
   const file = $("#batch-file").files[0];
@@ -109,12 +125,13 @@ async function upload(ev) {
     const form = new FormData();
     form.append("purpose", "batch");
     form.append("file", file, file.name);
+    const endpoint = await firstUrl(file);
     const uploaded = await api("/v1/files", { method: "POST", form });
     status.textContent = "Starting…";
     const batch = await api("/v1/batches", {
       method: "POST",
       json: {
-        input_file_id: uploaded.id, endpoint: "/v1/chat/completions", completion_window: "24h",
+        input_file_id: uploaded.id, endpoint, completion_window: "24h",
         metadata: { filename: file.name.slice(0, 512) },
       },
     });
