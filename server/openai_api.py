@@ -160,10 +160,13 @@ async def _complete_unless_gone(ctx: AppContext, gen: Generation, request: Reque
 
 async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
                include_usage: bool, slot: Slot, is_text: bool = False) -> AsyncIterator[str]:
-    """The stream of a chat completion's chunks, or with `is_text` a text completion's."""
+    """The stream of a chat completion's chunks, or with `is_text` a text completion's. A
+    chat stream opens with the assistant's role when its first token is there, as vLLM's and
+    OpenAI's do: a client timing its first chunk times the first token."""
     created = int(time.time())
 
     sent_logprobs = 0  # output tokens whose logprobs went out
+    opened = is_text  # the role chunk went out (a text completion has none)
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None,
               usage: dict[str, int] | None = None) -> str:
@@ -190,11 +193,20 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
         return "data: " + json.dumps({"error": {"code": err.code.value,
                                                 "message": err.message}}) + "\n\n"
 
+    def role() -> str:
+        nonlocal opened
+        opened = True
+        return "data: " + json.dumps({
+            "id": completion_id, "created": created, "model": model,
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}]}) + "\n\n"
+
     try:
-        if not is_text:
-            yield chunk({"role": "assistant", "content": ""})
         async with aclosing(ctx.chat.stream(gen, api="openai")) as pieces:
             async for piece in pieces:
+                if not opened:
+                    yield role()
                 yield chunk({"content": piece})
         await ctx.turns.record_exchange(gen)
     except ApiError as err:
@@ -209,6 +221,8 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
         return
     finally:
         await _release(ctx, gen, slot)
+    if not opened:  # a reply without text
+        yield role()
     yield chunk({}, gen.finish_reason)
     if include_usage:
         yield chunk({}, usage=gen.usage())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -234,6 +235,25 @@ def test_text_completions_refuse_what_they_cannot_do(
     r = httpx.post(scripted.url + "/v1/completions", json=body)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     assert not scripted.engine.finished_request_ids  # nothing reached the engine
+
+
+def test_a_chat_stream_opens_with_its_first_token(scripted: Scripted) -> None:
+    """The role chunk goes out with the first token, not before the engine has one (as vLLM's
+    and OpenAI's streams): a client timing its first chunk (vllm bench serve's TTFT) times the
+    first token. Scripted: the first token takes 1 s."""
+    scripted.engine.token_delay_s = 1.0
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "a b"}],
+            "stream": True, "max_tokens": 1}
+    started = time.monotonic()
+    with httpx.stream("POST", scripted.url + "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        waited = time.monotonic() - started
+        rest = [line for line in lines if line.startswith("data:")]
+    assert waited >= 0.9, waited
+    assert json.loads(first[5:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert json.loads(rest[0][5:])["choices"][0]["delta"] == {"content": "You"}
+    assert rest[-1] == "data: [DONE]"
 
 
 def test_logit_bias_reaches_the_engine_as_token_ids(scripted: Scripted) -> None:
