@@ -104,7 +104,7 @@ class Engine(abc.ABC):
         """Number of tokens of a plain text (no special tokens)."""
 
     @abc.abstractmethod
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a plain-text prompt (a text completion's), with the special tokens
         the tokenizer adds to one (a BOS, for models that have one), as vLLM encodes it."""
 
@@ -342,8 +342,8 @@ class VllmEngine(Engine):
     def count_tokens(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def encode_prompt(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=True))
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=False))

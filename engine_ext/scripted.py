@@ -96,7 +96,7 @@ class ScriptedEngine(Engine):
     def count_tokens(self, text: str) -> int:
         return len(text)
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [ord(c) for c in text]
         self._replies[tuple(ids)] = self.reply([ChatTurn("user", text)])
         return ids

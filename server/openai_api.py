@@ -28,10 +28,14 @@ from antiphon.server.errors import ApiError, unexpected_error
 from antiphon.server.http import authorize, read_model
 from antiphon.server.limits import Slot
 from antiphon.server.text_completions import (
+    DetokenizeRequest,
     TextCompletionRequest,
+    TokenizeRequest,
+    detokenize,
     prepare_text_completion,
     text_choice,
     text_completion_object,
+    tokenize,
 )
 
 router = APIRouter()
@@ -97,6 +101,23 @@ async def completions(request: Request) -> Response:
                           "cmpl-" + gen.request_id,
                           lambda: text_completion_object(gen, body.model), body.model,
                           is_text=True)
+
+
+@router.post("/tokenize")
+async def tokenize_route(request: Request) -> dict[str, Any]:
+    """vLLM's `/tokenize`: the token ids the served model gives a prompt or a conversation
+    (`vllm bench serve` checks its own tokenizer against it)."""
+    ctx: AppContext = request.app.state.ctx
+    authorize(request)
+    return tokenize(ctx.chat, await read_model(request, TokenizeRequest))
+
+
+@router.post("/detokenize")
+async def detokenize_route(request: Request) -> dict[str, Any]:
+    """vLLM's `/detokenize`: the text of token ids."""
+    ctx: AppContext = request.app.state.ctx
+    authorize(request)
+    return detokenize(ctx.chat, await read_model(request, DetokenizeRequest))
 
 
 async def _respond(request: Request, gen: Generation, slot: Slot, stream: bool | None,

@@ -12,19 +12,20 @@ import secrets
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from antiphon.engine_ext.types import RequestClass
+from antiphon.engine_ext.types import ChatTurn, RequestClass
 from antiphon.server.chat import ChatService, Generation
 from antiphon.server.completions import (
     MAX_TOP_LOGPROBS,
+    OpenAIMessage,
     StreamOptions,
     refuse_unsupported,
     request_class_xarg,
     require_served_model,
     slo_overrides,
 )
-from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.errors import ApiError, ErrorCode, over_limit
 from antiphon.server.protocol import Sampling, StrictBool, StrictInt
 
 # Legacy parameters this server does not implement, with the values that ask for nothing.
@@ -78,6 +79,68 @@ class TextCompletionRequest(Sampling):
         if self.logprobs is not None:
             given["logprobs"] = self.logprobs
         return given
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a plain prompt, or a conversation rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[OpenAIMessage], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool | None = None
+    """A plain prompt's BOS and the like (default true); not for messages (the template's)."""
+    add_generation_prompt: StrictBool = True
+    """Messages only: end with the assistant's turn opened, as a reply's prompt does."""
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        if self.messages is not None and self.add_special_tokens is not None:
+            raise ValueError("add_special_tokens is for a prompt; messages get the chat "
+                             "template's")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `/detokenize`: the text of token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+def tokenize(chat: ChatService, body: TokenizeRequest) -> dict[str, Any]:
+    """vLLM's `/tokenize` answer; raises `ApiError` (unknown model, input over the limits)."""
+    if body.model is not None:
+        require_served_model(chat, body.model)
+    if body.messages is not None:
+        if len(body.messages) > chat.config.max_messages:
+            raise over_limit(f"{len(body.messages)} messages; the limit is "
+                             f"{chat.config.max_messages}")
+        turns = []
+        for m in body.messages:
+            chat.check_content(m.text(), may_be_empty=True)
+            turns.append(ChatTurn("system" if m.role == "developer" else m.role, m.text()))
+        tokens = chat.engine.render_chat(turns, open_reply=body.add_generation_prompt)
+    else:
+        assert body.prompt is not None
+        chat.check_content(body.prompt, may_be_empty=True)
+        tokens = chat.engine.encode_prompt(body.prompt, body.add_special_tokens is not False)
+    return {"count": len(tokens), "max_model_len": chat.engine.max_model_len,
+            "tokens": tokens}
+
+
+def detokenize(chat: ChatService, body: DetokenizeRequest) -> dict[str, Any]:
+    """vLLM's `/detokenize` answer; raises `ApiError`."""
+    if body.model is not None:
+        require_served_model(chat, body.model)
+    if len(body.tokens) > chat.engine.max_model_len:
+        raise over_limit(f"{len(body.tokens)} tokens; the model's context is "
+                         f"{chat.engine.max_model_len}")
+    chat.check_in_vocabulary(body.tokens, "tokens")
+    return {"prompt": chat.engine.decode(body.tokens)}
 
 
 def check_text_completion(chat: ChatService, body: TextCompletionRequest) -> None:

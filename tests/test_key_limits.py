@@ -129,15 +129,17 @@ def test_metrics_need_a_key_when_keys_are_set(tmp_path: Path) -> None:
 
 
 def test_every_api_route_needs_the_key(tmp_path: Path) -> None:
-    """Every `/v1/` route the app has, whatever its method, answers 401 without a key: a
-    route added later without `authorize` fails here."""
+    """Every `/v1/` route the app has (and vLLM's `/tokenize` and `/detokenize`), whatever its
+    method, answers 401 without a key: a route added later without `authorize` fails here."""
     from antiphon.server.app import create_app
 
     config = scripted_config(tmp_path, api_keys=(A,))
     routes = [(method, route.path) for route in create_app(config, ScriptedEngine()).routes
-              if route.path.startswith("/v1/") and hasattr(route, "methods")
+              if (route.path.startswith("/v1/") or route.path in ("/tokenize", "/detokenize"))
+              and hasattr(route, "methods")
               for method in sorted(route.methods)]
     assert len(routes) >= 15 and ("POST", "/v1/chat/completions") in routes
+    assert ("POST", "/tokenize") in routes and ("POST", "/v1/completions") in routes
     with live_server(config, ScriptedEngine()) as url:
         for method, path in routes:
             concrete = path.replace("{", "x").replace("}", "")  # any id: the key comes first

@@ -216,6 +216,36 @@ def test_text_completions_take_a_plain_prompt(scripted: Scripted) -> None:
         assert token in top and len(top) <= 3
 
 
+def test_tokenize_and_detokenize_as_vllm_serves_them(scripted: Scripted) -> None:
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize,
+    which `vllm bench serve` asks to check its tokenizer; bad input gets a typed 400."""
+    url = scripted.url
+    r = httpx.post(url + "/tokenize", json={"model": "scripted", "prompt": "hi"})
+    assert r.json() == {"count": 2, "max_model_len": 1000, "tokens": [104, 105]}
+    r = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.json()["tokens"] == [ord(c) for c in "<user>hi\n<assistant>"]
+    r = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                            "add_generation_prompt": False})
+    assert r.json()["count"] == len("<user>hi\n")
+    assert httpx.post(url + "/detokenize", json={"tokens": [104, 105]}).json() == {
+        "prompt": "hi"}
+    for path, body, words in [
+            ("/tokenize", {}, "give either prompt or messages"),
+            ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]},
+             "give either prompt or messages"),
+            ("/tokenize", {"messages": [{"role": "user", "content": "a"}],
+                           "add_special_tokens": True}, "add_special_tokens is for a prompt"),
+            ("/tokenize", {"prompt": "a" * 1001}, "the limit is 1000"),
+            ("/tokenize", {"prompt": "a", "extra": 1}, "extra"),
+            ("/detokenize", {"tokens": [1114112]}, "outside the model's vocabulary"),
+            ("/detokenize", {"tokens": ["a"]}, "tokens"),
+    ]:
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+    r = httpx.post(url + "/tokenize", json={"model": "other", "prompt": "a"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
 @pytest.mark.parametrize(("fields", "words"), [
     ({"prompt": ["one", "two"]}, "one prompt per request"),
     ({"prompt": ""}, "empty"),

@@ -77,6 +77,11 @@ def test_openai_client_text_completion(server: ServerProcess) -> None:
     stream = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="The capital of France is",
                                        max_tokens=6, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
+    tokens = httpx.post(server.url + "/tokenize", json={
+        "model": DEFAULT_MODEL_NAME, "prompt": "The capital of France is"}).json()
+    assert tokens["count"] == out.usage.prompt_tokens
+    assert httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json() == {
+        "prompt": "The capital of France is"}
 
 
 def test_engine_runs_the_antiphon_scheduler(server: ServerProcess) -> None:
