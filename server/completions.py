@@ -138,7 +138,8 @@ def require_served_model(chat: ChatService, model: str) -> None:
 
 def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[ChatTurn]:
     """The request's conversation, after every check that needs no tokenizer (model, message
-    count and size, max_tokens, stop sequences, `vllm_xargs`); raises `ApiError`."""
+    count and size, max_tokens, stop sequences, logit_bias, `vllm_xargs`); raises
+    `ApiError`."""
     require_served_model(chat, body.model)
     limits = chat.config
     if len(body.messages) > limits.max_messages:
@@ -147,6 +148,7 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     request_class_xarg(body.vllm_xargs or {})
     slo_overrides(chat, body.vllm_xargs or {})
     chat.check_stop(body.stop_sequences)
+    chat.check_logit_bias(body.sampling().get("logit_bias", ()))
     turns = []
     for m in body.messages:
         text = m.text()

@@ -294,7 +294,13 @@ class SessionTurns:
                     # first token keeps the old. Shielded: a disconnect while it runs must
                     # not save the reply a second time below.
                     commit = asyncio.ensure_future(self._commit_reply(session_id, gen))
-                    await asyncio.shield(commit)
+                    try:
+                        await asyncio.shield(commit)
+                    except asyncio.CancelledError:  # a cancel of a reply already whole: it
+                        if not is_user_cancel():  # is saved, and `done` says so
+                            raise
+                        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                        await asyncio.shield(commit)
             except Exception as exc:  # the store failed (a full disk): say so, do not hang
                 is_committed = True  # a second try in the handler below would fail alike
                 await emit(protocol.error_frame(unexpected_error(

@@ -244,3 +244,30 @@ async def test_a_disconnect_while_the_reply_is_saved_saves_it_once(
             history = (await open_session(ws, sid))["messages"]
     assert [m["role"] for m in history] == ["user", "assistant"]
     assert history[-1]["content"] == "You said: a b"
+
+
+async def test_a_cancel_while_the_reply_is_saved_still_gets_its_done_frame(
+        tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A cancel that arrives once the reply is whole, while it is being saved: the save ends,
+    once, and the client gets the `done` frame (it used to get nothing)."""
+    with running_server(scripted_config(tmp_path), ScriptedEngine()) as (url, server):
+        store = server.ctx.turns.store
+        real_append = store.append_message
+        saving = threading.Event()
+
+        def slow_append(session_id: str, role: str, *args: Any, **kwargs: Any) -> Any:
+            if role == "assistant":
+                saving.set()
+                time.sleep(0.5)
+            return real_append(session_id, role, *args, **kwargs)
+
+        monkeypatch.setattr(store, "append_message", slow_append)
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            await send(ws, type="message", session_id=sid, content="a b", request_id="r")
+            assert await asyncio.to_thread(saving.wait, 10)
+            await send(ws, type="cancel", request_id="r")
+            done = (await recv_until(ws, "done"))[-1]
+            assert done["request_id"] == "r" and done["text"] == "You said: a b"
+            history = (await open_session(ws, sid))["messages"]
+    assert [m["role"] for m in history] == ["user", "assistant"]

@@ -28,7 +28,6 @@ follow-up turn and on cores the model's threads share with the writer (docs/benc
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import struct
 import sys
@@ -186,13 +185,16 @@ class SlotFile:
 
     def erase(self, slots: Iterable[int]) -> None:
         """Erase many `slots` at once, as `clear` does one: each run of neighbouring slots
-        the file reaches is deallocated (`fallocate` punching a hole: reads find zeros, and
-        the disk no longer holds the bytes), or zeroed where the file system cannot punch."""
+        the file reaches is zeroed by the file system (`fallocate`'s ZERO_RANGE: no data
+        written, and the blocks stay the file's, so the tier's disk accounting holds), or by
+        writing zeros where it cannot."""
+        size = os.fstat(self._fd).st_size
         for start, count in _runs(sorted(set(slots))):
             count = min(count, self.num_slots_on_disk - start)
             if count <= 0:
                 continue
-            if not _punch_hole(self._fd, self.offset(start), count * self.stride):
+            offset = self.offset(start)
+            if not _zero_range(self._fd, offset, min(count * self.stride, size - offset)):
                 for slot in range(start, start + count):
                     self.clear(slot)
         if self.fsync:
@@ -287,27 +289,23 @@ def _runs(slots: list[int]) -> Iterator[tuple[int, int]]:
 
 
 _FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
+_FALLOC_FL_ZERO_RANGE = 0x10
 _libc: ctypes.CDLL | None = None
 
 
-def _punch_hole(fd: int, offset: int, length: int) -> bool:
-    """Deallocate `length` bytes of `fd` at `offset` (the file keeps its size; those bytes
-    read as zeros). False where the platform or file system cannot."""
+def _zero_range(fd: int, offset: int, length: int) -> bool:
+    """Zero `length` bytes of `fd` at `offset` in the file system (Linux `fallocate`
+    ZERO_RANGE: the range reads as zeros and keeps its blocks). False where the platform or
+    the file system cannot, whatever the reason: the caller writes zeros instead."""
     global _libc
-    if not sys.platform.startswith("linux"):
-        return False
+    if not sys.platform.startswith("linux") or length <= 0:
+        return length <= 0
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
         _libc.fallocate.restype = ctypes.c_int
-    mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
-    if _libc.fallocate(fd, mode, offset, length) == 0:
-        return True
-    error = ctypes.get_errno()
-    if error in (errno.EOPNOTSUPP, errno.ENOSYS):
-        return False
-    raise OSError(error, f"fallocate(PUNCH_HOLE): {os.strerror(error)}")
+    return bool(_libc.fallocate(fd, _FALLOC_FL_ZERO_RANGE | _FALLOC_FL_KEEP_SIZE, offset,
+                                length) == 0)
 
 
 def stored_slot_bytes(directory: Path) -> int | None:

@@ -367,6 +367,33 @@ def test_batch_upload_runs_and_its_results_download(server: ServerProcess, page:
     page.screenshot(path=str(artifacts / "batches.png"), full_page=True)
 
 
+def test_a_batch_of_text_completions_takes_its_endpoint_from_the_file(
+        server: ServerProcess, page: Any, tmp_path: Path) -> None:
+    """The page names the batch's endpoint from the file's first line, however long (this one,
+    a prompt of token ids, is over 64 KiB, longer than the model's context, and fails alone)."""
+    def line(custom_id: str, prompt: object) -> str:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                           "body": {"model": DEFAULT_MODEL_NAME, "max_tokens": 4,
+                                    "prompt": prompt}})
+
+    first = line("long", [1000] * 13_000)
+    assert len(first) > 65_536
+    jsonl = tmp_path / "texts.jsonl"
+    jsonl.write_text(first + "\n" + line("short", "The capital of France is") + "\n")
+    page.goto(server.url + "/batches")
+    page.locator("#batch-file").set_input_files(str(jsonl))
+    page.locator("#submit-batch").click()
+    page.locator('#batch-rows tr', has_text="texts.jsonl").wait_for()
+    page.locator("#detail[data-status=completed]").wait_for(timeout=180_000)
+    errors = page.locator("#error-rows tr")
+    assert errors.count() == 1 and "context_length_exceeded" in errors.inner_text()
+    with page.expect_download() as info:
+        page.locator("#download-results").click()
+    (result,) = [json.loads(x) for x in Path(info.value.path()).read_text().splitlines()]
+    assert result["custom_id"] == "short"
+    assert result["response"]["body"]["object"] == "text_completion"
+
+
 def _plain_client_ttft(server: ServerProcess) -> tuple[float, float]:
     """TTFT as a plain websocket client sees it: message sent to first token frame. (The sync
     client: Playwright's sync API already runs an event loop in this thread.) Returns it with

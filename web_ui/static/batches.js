@@ -97,20 +97,34 @@ function select(id) {
   renderDetail().catch((err) => showError(err.code || "error", err.message));
 }
 
-/** The endpoint of a batch of `file`: its first line's url (chat completions if none). */
-async function firstUrl(file) {
-  const head = await file.slice(0, 65536).text();
-  for (const line of head.split("\n")) {
-    if (!line.trim()) continue;
-    try {
-      const url = JSON.parse(line).url;
-      if (typeof url === "string") return url;
-    } catch {
-      // a line cut by the slice, or not JSON: the server reports bad lines
-    }
-    break;
+/** A JSONL line's `url`, or null (blank, not JSON, or none). */
+function urlOf(line) {
+  if (!line.trim()) return null;
+  try {
+    const url = JSON.parse(line).url;
+    return typeof url === "string" ? url : null;
+  } catch {
+    return null; // the server reports bad lines
   }
-  return "/v1/chat/completions";
+}
+
+/** The endpoint of a batch of `file`: the url of its first line that names one, read a
+ * piece at a time (lines may be long), as `antiphon batch submit` finds it; chat
+ * completions if none does. */
+async function firstUrl(file) {
+  const decoder = new TextDecoder();
+  const step = 1 << 16;
+  let rest = "";
+  for (let offset = 0; offset < file.size; offset += step) {
+    rest += decoder.decode(await file.slice(offset, offset + step).arrayBuffer(), { stream: true });
+    const lines = rest.split("\n");
+    rest = lines.pop(); // the line the piece cut, if any
+    for (const line of lines) {
+      const url = urlOf(line);
+      if (url) return url;
+    }
+  }
+  return urlOf(rest) || "/v1/chat/completions";
 }
 
 async function upload(ev) {
