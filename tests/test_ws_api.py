@@ -217,23 +217,29 @@ async def test_rename_and_delete_sessions(scripted: Scripted) -> None:
         assert (await recv(ws))["code"] == "session_not_found"
 
 
+def slow_reply_saves(server: Any, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the server's saves of replies take 0.5 s; the event is set as one begins."""
+    store = server.ctx.turns.store
+    real_append = store.append_message
+    saving = threading.Event()
+
+    def slow_append(session_id: str, role: str, *args: Any, **kwargs: Any) -> Any:
+        if role == "assistant":
+            saving.set()
+            time.sleep(0.5)
+        return real_append(session_id, role, *args, **kwargs)
+
+    monkeypatch.setattr(store, "append_message", slow_append)
+    return saving
+
+
 async def test_a_disconnect_while_the_reply_is_saved_saves_it_once(
         tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A client gone (a page reloaded) just as its reply is being saved: the save runs to its
     end, once. The disconnect's own save of a partial reply used to run as well, and the
     session then held the reply twice."""
     with running_server(scripted_config(tmp_path), ScriptedEngine()) as (url, server):
-        store = server.ctx.turns.store
-        real_append = store.append_message
-        saving = threading.Event()
-
-        def slow_append(session_id: str, role: str, *args: Any, **kwargs: Any) -> Any:
-            if role == "assistant":
-                saving.set()
-                time.sleep(0.5)
-            return real_append(session_id, role, *args, **kwargs)
-
-        monkeypatch.setattr(store, "append_message", slow_append)
+        saving = slow_reply_saves(server, monkeypatch)
         ws_url = url.replace("http://", "ws://") + "/v1/ws"
         async with connect(ws_url) as ws:
             sid = (await open_session(ws))["session"]["session_id"]
@@ -251,17 +257,7 @@ async def test_a_cancel_while_the_reply_is_saved_still_gets_its_done_frame(
     """A cancel that arrives once the reply is whole, while it is being saved: the save ends,
     once, and the client gets the `done` frame (it used to get nothing)."""
     with running_server(scripted_config(tmp_path), ScriptedEngine()) as (url, server):
-        store = server.ctx.turns.store
-        real_append = store.append_message
-        saving = threading.Event()
-
-        def slow_append(session_id: str, role: str, *args: Any, **kwargs: Any) -> Any:
-            if role == "assistant":
-                saving.set()
-                time.sleep(0.5)
-            return real_append(session_id, role, *args, **kwargs)
-
-        monkeypatch.setattr(store, "append_message", slow_append)
+        saving = slow_reply_saves(server, monkeypatch)
         async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
             sid = (await open_session(ws))["session"]["session_id"]
             await send(ws, type="message", session_id=sid, content="a b", request_id="r")
