@@ -95,6 +95,10 @@ class ServerConfig:
     max_batch_items: int = doc("Most requests (lines) in one batch input file", default=50_000)
     max_batch_concurrency: int = doc(
         "Most batch (BE) requests running on the engine at once, over all batches", default=8)
+    sse_ping_s: float = doc(
+        "Seconds a streaming completion may send nothing (a request queued for its first "
+        "token, or paused) before it sends an SSE comment, which clients skip, so that proxies "
+        "with idle timeouts keep it open", default=15.0)
     keep_alive_s: float = doc(
         "Seconds an idle HTTP connection stays open for the client's next request. Longer than "
         "clients keep theirs (httpx, and the OpenAI client with it: 5 s), so the client closes "
@@ -137,7 +141,7 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("dashboard_interval_s", "keep_alive_s", "max_advisory_lead_s",
+        for name in ("dashboard_interval_s", "keep_alive_s", "sse_ping_s", "max_advisory_lead_s",
                      "drain_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be positive and finite")

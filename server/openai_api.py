@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -179,6 +180,31 @@ async def _complete_unless_gone(ctx: AppContext, gen: Generation, request: Reque
     return True
 
 
+async def _with_pings(pieces: AsyncIterator[str], every_s: float
+                      ) -> AsyncGenerator[str | None, None]:
+    """`pieces`, with a None each time `every_s` seconds pass without one (the stream sends an
+    SSE comment then). The next piece is awaited in a task of its own, so a wait that times
+    out does not cancel it; the task ends before this does."""
+    next_piece = asyncio.ensure_future(anext(pieces))
+    try:
+        while True:
+            done, _ = await asyncio.wait({next_piece}, timeout=every_s)
+            if not done:
+                yield None
+                continue
+            try:
+                piece = next_piece.result()
+            except StopAsyncIteration:
+                return
+            yield piece
+            next_piece = asyncio.ensure_future(anext(pieces))
+    finally:
+        if not next_piece.done():
+            next_piece.cancel()  # the generation is aborted inside it (a client gone)
+        with contextlib.suppress(BaseException):
+            await next_piece
+
+
 async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
                include_usage: bool, slot: Slot, is_text: bool = False) -> AsyncIterator[str]:
     """The stream of a chat completion's chunks, or with `is_text` a text completion's. A
@@ -224,8 +250,12 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
                          "logprobs": None, "finish_reason": None}]}) + "\n\n"
 
     try:
-        async with aclosing(ctx.chat.stream(gen, api="openai")) as pieces:
-            async for piece in pieces:
+        async with (aclosing(ctx.chat.stream(gen, api="openai")) as pieces,
+                    aclosing(_with_pings(pieces, ctx.chat.config.sse_ping_s)) as paced):
+            async for piece in paced:
+                if piece is None:
+                    yield ": ping\n\n"
+                    continue
                 if not opened:
                     yield role()
                 yield chunk({"content": piece})

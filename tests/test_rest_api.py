@@ -286,6 +286,33 @@ def test_a_chat_stream_opens_with_its_first_token(scripted: Scripted) -> None:
     assert rest[-1] == "data: [DONE]"
 
 
+def test_a_stream_waiting_for_its_tokens_sends_pings(tmp_path: Path) -> None:
+    """While a stream waits (here 1 s a token), it sends SSE comments every --sse-ping-s,
+    which the OpenAI client skips; a client that leaves during the wait aborts the
+    generation."""
+    engine = ScriptedEngine(token_delay_s=1.0)
+    with live_server(scripted_config(tmp_path, sse_ping_s=0.2), engine) as url:
+        body = {"model": "scripted", "messages": [{"role": "user", "content": "a b"}],
+                "stream": True, "max_tokens": 2}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            lines = [line for line in r.iter_lines() if line]
+        first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+        assert first_data >= 3 and set(lines[:first_data]) == {": ping"}
+        assert lines[-1] == "data: [DONE]"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model="scripted", prompt="x y", stream=True,
+                                           max_tokens=2)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == "You said:"
+
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            assert next(line for line in r.iter_lines() if line) == ": ping"
+        for _ in range(100):  # the client left while the stream waited
+            if not engine.active_request_ids:
+                break
+            time.sleep(0.02)
+        assert not engine.active_request_ids
+
+
 def test_logit_bias_reaches_the_engine_as_token_ids(scripted: Scripted) -> None:
     """OpenAI's logit_bias (token ids as text, biases -100 to 100) goes to the engine as
     (token id, bias) pairs; a request without it sends none."""
