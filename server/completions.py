@@ -144,17 +144,24 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     limits = chat.config
     if len(body.messages) > limits.max_messages:
         raise over_limit(f"{len(body.messages)} messages; the limit is {limits.max_messages}")
-    chat.check_max_tokens(body.requested_max_tokens)
-    request_class_xarg(body.vllm_xargs or {})
-    slo_overrides(chat, body.vllm_xargs or {})
-    chat.check_stop(body.stop_sequences)
-    chat.check_logit_bias(body.sampling().get("logit_bias", ()))
+    check_request(chat, body, body.requested_max_tokens, body.vllm_xargs or {})
     turns = []
     for m in body.messages:
         text = m.text()
         chat.check_content(text, may_be_empty=m.role == "assistant")
         turns.append(ChatTurn("system" if m.role == "developer" else m.role, text))
     return turns
+
+
+def check_request(chat: ChatService, body: Sampling, max_tokens: int | None,
+                  xargs: dict[str, Any]) -> None:
+    """The checks a chat and a text completion share, none needing a tokenizer: max_tokens,
+    `vllm_xargs` (class and targets), stop sequences, logit_bias. Raises `ApiError`."""
+    chat.check_max_tokens(max_tokens)
+    request_class_xarg(xargs)
+    slo_overrides(chat, xargs)
+    chat.check_stop(body.stop_sequences)
+    chat.check_logit_bias(body.sampling().get("logit_bias", ()))
 
 
 def session_xarg(body: ChatCompletionRequest) -> str | None:

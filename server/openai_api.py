@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -18,7 +18,6 @@ from starlette.background import BackgroundTask
 from antiphon.server.chat import Generation
 from antiphon.server.completions import (
     ChatCompletionRequest,
-    StreamOptions,
     completion_object,
     prepare_completion,
     require_served_model,
@@ -77,7 +76,6 @@ async def chat_completions(request: Request) -> Response:
     if session_id is not None:
         await ctx.turns.get(owner, session_id)
     gen = prepare_completion(ctx.chat, body, owner, session_id=session_id)
-    completion_id = "chatcmpl-" + gen.request_id
     slot = ctx.inflight_per_key.take(owner)
     if session_id is not None:
         try:
@@ -85,8 +83,7 @@ async def chat_completions(request: Request) -> Response:
         except ApiError:
             slot.release()
             raise
-    return await _respond(request, gen, slot, body.stream, body.stream_options, completion_id,
-                          lambda: completion_object(gen, body.model), body.model)
+    return await _respond(request, gen, slot, body)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -98,10 +95,7 @@ async def completions(request: Request) -> Response:
     body = await read_model(request, TextCompletionRequest)
     gen = prepare_text_completion(ctx.chat, body, owner)
     slot = ctx.inflight_per_key.take(owner)
-    return await _respond(request, gen, slot, body.stream, body.stream_options,
-                          "cmpl-" + gen.request_id,
-                          lambda: text_completion_object(gen, body.model), body.model,
-                          is_text=True)
+    return await _respond(request, gen, slot, body)
 
 
 @router.post("/tokenize")
@@ -121,20 +115,20 @@ async def detokenize_route(request: Request) -> dict[str, Any]:
     return detokenize(ctx.chat, await read_model(request, DetokenizeRequest))
 
 
-async def _respond(request: Request, gen: Generation, slot: Slot, stream: bool | None,
-                   stream_options: StreamOptions | None, completion_id: str,
-                   response: Callable[[], dict[str, Any]], model: str,
-                   is_text: bool = False) -> Response:
-    """Run a prepared completion holding `slot`: as a stream of chunks, or to its end and
-    then `response()` (499 if the client left first)."""
+async def _respond(request: Request, gen: Generation, slot: Slot,
+                   body: ChatCompletionRequest | TextCompletionRequest) -> Response:
+    """Run `body`'s prepared completion holding `slot`: as a stream of chunks, or to its end
+    and then its response object (499 if the client left first)."""
     ctx: AppContext = request.app.state.ctx
+    is_text = isinstance(body, TextCompletionRequest)
+    completion_id = ("cmpl-" if is_text else "chatcmpl-") + gen.request_id
     release = BackgroundTask(_release, ctx, gen, slot)
-    if stream:
-        include_usage = bool(stream_options and stream_options.include_usage)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # The release also runs after the stream: a client gone before its first chunk
         # leaves the stream never started, so its own `finally` never runs.
         return StreamingResponse(
-            _sse(ctx, gen, completion_id, model, include_usage, slot, is_text=is_text),
+            _sse(ctx, gen, completion_id, body.model, include_usage, slot, is_text=is_text),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             background=release)
     try:
@@ -142,7 +136,8 @@ async def _respond(request: Request, gen: Generation, slot: Slot, stream: bool |
             return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         await release()
-    return JSONResponse(response())
+    respond = text_completion_object if is_text else completion_object
+    return JSONResponse(respond(gen, body.model))
 
 
 async def _release(ctx: AppContext, gen: Generation, slot: Slot) -> None:
@@ -215,26 +210,25 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
     sent_logprobs = 0  # output tokens whose logprobs went out
     opened = is_text  # the role chunk went out (a text completion has none)
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None,
-              usage: dict[str, int] | None = None) -> str:
-        nonlocal sent_logprobs
-        fresh = len(gen.token_logprobs) > sent_logprobs  # tokens since the last chunk
-        if usage:
-            choices = []
-        elif is_text:
-            choices = [text_choice(gen, delta.get("content", ""), sent_logprobs,
-                                   finish_reason)]
-        else:
-            choices = [{"index": 0, "delta": delta,
-                        "logprobs": gen.logprobs(sent_logprobs) if fresh else None,
-                        "finish_reason": finish_reason}]
-        sent_logprobs = len(gen.token_logprobs)
+    def frame(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         payload: dict[str, Any] = {
             "id": completion_id, "created": created, "model": model, "choices": choices,
             "object": "text_completion" if is_text else "chat.completion.chunk"}
         if usage:
             payload["usage"] = usage
         return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+        nonlocal sent_logprobs
+        fresh = len(gen.token_logprobs) > sent_logprobs  # tokens since the last chunk
+        if is_text:
+            choice = text_choice(gen, delta.get("content", ""), sent_logprobs, finish_reason)
+        else:
+            choice = {"index": 0, "delta": delta,
+                      "logprobs": gen.logprobs(sent_logprobs) if fresh else None,
+                      "finish_reason": finish_reason}
+        sent_logprobs = len(gen.token_logprobs)
+        return frame([choice])
 
     def error(err: ApiError) -> str:
         return "data: " + json.dumps({"error": {"code": err.code.value,
@@ -243,11 +237,8 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
     def role() -> str:
         nonlocal opened
         opened = True
-        return "data: " + json.dumps({
-            "id": completion_id, "created": created, "model": model,
-            "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}]}) + "\n\n"
+        return frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                       "logprobs": None, "finish_reason": None}])
 
     try:
         async with (aclosing(ctx.chat.stream(gen, api="openai")) as pieces,
@@ -276,5 +267,5 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
         yield role()
     yield chunk({}, gen.finish_reason)
     if include_usage:
-        yield chunk({}, usage=gen.usage())
+        yield frame([], usage=gen.usage())
     yield "data: [DONE]\n\n"

@@ -20,6 +20,7 @@ from antiphon.server.completions import (
     MAX_TOP_LOGPROBS,
     OpenAIMessage,
     StreamOptions,
+    check_request,
     refuse_unsupported,
     request_class_xarg,
     require_served_model,
@@ -151,16 +152,12 @@ def check_text_completion(chat: ChatService, body: TextCompletionRequest) -> Non
     if "session_id" in xargs:
         raise ApiError(ErrorCode.BAD_MESSAGE, "vllm_xargs.session_id: sessions are chat "
                        "conversations; use /v1/chat/completions")
-    request_class_xarg(xargs)
-    slo_overrides(chat, xargs)
+    check_request(chat, body, body.max_tokens, xargs)
     prompt = body.prompt_token_ids()
     if prompt is None:
         chat.check_content(body.prompt_text())
     else:
         chat.check_in_vocabulary(prompt, "prompt")
-    chat.check_max_tokens(body.max_tokens)
-    chat.check_stop(body.stop_sequences)
-    chat.check_logit_bias(body.sampling().get("logit_bias", ()))
 
 
 def prepare_text_completion(chat: ChatService, body: TextCompletionRequest, owner: str,
@@ -192,12 +189,12 @@ def legacy_logprobs(gen: Generation, start: int = 0) -> dict[str, Any]:
     """The legacy completions' `logprobs` of output tokens from `start` on: their texts, log
     probabilities, likeliest alternatives (with the chosen token, as OpenAI gives it) and
     offsets in the reply's text."""
+    tokens = gen.token_logprobs[start:]
     offset = sum(len(t.token) for t in gen.token_logprobs[:start])
     offsets = []
-    for t in gen.token_logprobs[start:]:
+    for t in tokens:
         offsets.append(offset)
         offset += len(t.token)
-    tokens = gen.token_logprobs[start:]
     return {"tokens": [t.token for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [{**dict(t.top), t.token: t.logprob} for t in tokens],

@@ -274,7 +274,6 @@ class SessionTurns:
     async def _run(self, session_id: str, gen: Generation, emit: Emit,
                    is_user_cancel: Callable[[], bool]) -> None:
         rid = gen.request_id
-        is_committed = False
         commit: asyncio.Future[None] | None = None  # the reply's save, once begun
         try:
             try:
@@ -302,25 +301,23 @@ class SessionTurns:
                         asyncio.current_task().uncancel()  # type: ignore[union-attr]
                         await asyncio.shield(commit)
             except Exception as exc:  # the store failed (a full disk): say so, do not hang
-                is_committed = True  # a second try in the handler below would fail alike
                 await emit(protocol.error_frame(unexpected_error(
                     exc, f"session {session_id}: saving the reply to {rid}",
                     "the reply was not saved (regenerate asks for it again)"), rid))
                 return
-            is_committed = True
             await emit(protocol.encode(
                 "done", request_id=rid, session_id=session_id, finish_reason=gen.finish_reason,
                 text=gen.text, usage=gen.usage(), timings=gen.timings(),
                 context_start=gen.context_start))
         except BaseException:
             # Disconnected or shut down mid-reply: keep what the user already saw.
-            if commit is not None:  # being saved: let the save end
+            if commit is not None:  # saved, or being saved: let the save end
                 try:
                     await asyncio.shield(commit)
                 except Exception:
                     logger.exception("session %s: saving the reply to %s failed", session_id,
                                      rid)
-            elif not is_committed and gen.pieces:
+            elif gen.pieces:  # (no save begun: none was due unless the reply has pieces)
                 gen.finish_reason = gen.finish_reason or "cancelled"
                 await asyncio.shield(self._commit_reply(session_id, gen))
             raise

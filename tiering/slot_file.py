@@ -298,8 +298,8 @@ def _zero_range(fd: int, offset: int, length: int) -> bool:
     ZERO_RANGE: the range reads as zeros and keeps its blocks). False where the platform or
     the file system cannot, whatever the reason: the caller writes zeros instead."""
     global _libc
-    if not sys.platform.startswith("linux") or length <= 0:
-        return length <= 0
+    if not sys.platform.startswith("linux"):
+        return False
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
