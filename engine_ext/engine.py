@@ -226,26 +226,40 @@ def model_sampling_defaults(model_dir: Path) -> Mapping[str, float]:
                              if isinstance(config.get(name), (int, float))})
 
 
-def _token_logprobs(completion: Any, top: int | None,
+def _token_logprobs(completion: Any, params: GenerationParams,
                     finished: bool) -> tuple[TokenLogprob, ...]:
     """vLLM's per-token logprobs (token id -> Logprob, the sampled token's among them) as
-    `TokenLogprob`s: the sampled token's, and the `top` most likely, by rank. The end-of-turn
-    token that stopped the reply is left out, as it is from the reply's text (and from
-    OpenAI's logprobs)."""
+    `TokenLogprob`s: the sampled token's, and the `params.logprobs` most likely, by rank.
+    The end-of-turn token that stopped the reply is left out, as it is from the reply's text
+    (and from OpenAI's chat logprobs), unless `params.stop_token_logprob`."""
+    top = params.logprobs
     if top is None or not completion.logprobs:
         return ()
     token_ids, logprobs = list(completion.token_ids), list(completion.logprobs)
-    if (finished and completion.finish_reason == "stop"
+    if (finished and completion.finish_reason == "stop" and not params.stop_token_logprob
             and not isinstance(completion.stop_reason, str) and token_ids):
         token_ids, logprobs = token_ids[:-1], logprobs[:-1]  # EOS or a stop token
-    out = []
-    for token_id, candidates in zip(token_ids, logprobs, strict=True):
-        sampled = candidates[token_id]
-        ranked = sorted((c for c in candidates.values() if c.rank is not None and c.rank <= top),
-                        key=lambda c: c.rank)
-        out.append(TokenLogprob(sampled.decoded_token or "", float(sampled.logprob),
-                                tuple((c.decoded_token or "", float(c.logprob)) for c in ranked)))
-    return tuple(out)
+    return tuple(_ranked(candidates, token_id, top)
+                 for token_id, candidates in zip(token_ids, logprobs, strict=True))
+
+
+def _prompt_logprobs(out: Any, top: int | None) -> tuple[TokenLogprob | None, ...]:
+    """vLLM's prompt logprobs (None, then token id -> Logprob for each later prompt token) as
+    `TokenLogprob`s; () when the request asked for none or they came in an earlier output."""
+    if top is None or not out.prompt_logprobs:
+        return ()
+    return tuple(None if candidates is None else _ranked(candidates, token_id, top)
+                 for token_id, candidates in zip(out.prompt_token_ids, out.prompt_logprobs,
+                                                 strict=True))
+
+
+def _ranked(candidates: Mapping[int, Any], token_id: int, top: int) -> TokenLogprob:
+    """`token_id`'s logprob among vLLM's `candidates`, with the `top` likeliest by rank."""
+    chosen = candidates[token_id]
+    ranked = sorted((c for c in candidates.values() if c.rank is not None and c.rank <= top),
+                    key=lambda c: c.rank)
+    return TokenLogprob(chosen.decoded_token or "", float(chosen.logprob),
+                        tuple((c.decoded_token or "", float(c.logprob)) for c in ranked))
 
 
 class VllmEngine(Engine):
@@ -376,6 +390,7 @@ class VllmEngine(Engine):
                 structured_outputs=(None if params.json_schema is None else
                                     StructuredOutputsParams(json=params.json_schema)),
                 logprobs=params.logprobs,
+                prompt_logprobs=params.prompt_logprobs,
                 logit_bias=dict(params.logit_bias) or None,
             )
         except (VLLMClientError, ValueError) as exc:  # vLLM's own checks of the parameters
@@ -401,7 +416,8 @@ class VllmEngine(Engine):
                         num_prompt_tokens=len(out.prompt_token_ids or ()),
                         num_cached_tokens=out.num_cached_tokens or 0,
                         token_ids=tuple(completion.token_ids),
-                        logprobs=_token_logprobs(completion, params.logprobs, out.finished),
+                        logprobs=_token_logprobs(completion, params, out.finished),
+                        prompt_logprobs=_prompt_logprobs(out, params.prompt_logprobs),
                     )
         except VllmDeadError as exc:
             raise EngineDeadError(str(exc)) from exc

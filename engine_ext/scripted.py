@@ -38,6 +38,14 @@ def _logprobs(text: str, top: int | None) -> tuple[TokenLogprob, ...]:
                                           for k in range(top))),)
 
 
+def _prompt_logprobs(prompt_token_ids: Sequence[int],
+                     top: int | None) -> tuple[TokenLogprob | None, ...]:
+    """As `_logprobs`, for each prompt "token" (character) after the first."""
+    if top is None:
+        return ()
+    return (None, *(_logprobs(chr(c), top)[0] for c in prompt_token_ids[1:]))
+
+
 class ScriptedEngine(Engine):
     def __init__(
         self,
@@ -138,6 +146,8 @@ class ScriptedEngine(Engine):
                     finish_reason=reason,
                     num_prompt_tokens=len(prompt_token_ids),
                     logprobs=_logprobs(text, params.logprobs),
+                    prompt_logprobs=(_prompt_logprobs(prompt_token_ids, params.prompt_logprobs)
+                                     if i == 0 else ()),
                 )
         finally:
             self.active_request_ids.discard(request_id)

@@ -52,6 +52,10 @@ class GenerationParams:
     min_tokens: int = 0  # output tokens before EOS or a stop sequence may end it
     json_schema: str | None = None  # JSON text of a schema the reply must match (structured output)
     logprobs: int | None = None  # each output token's log probability, with this many top ones
+    prompt_logprobs: int | None = None  # each prompt token's, likewise (its KV is recomputed)
+    # The logprob of an end-of-sequence token that ends the reply (its text is not the
+    # reply's): a text completion gives it, as vLLM does and scorers of echoes count on.
+    stop_token_logprob: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     stop: tuple[str, ...] = ()
     seed: int | None = None
@@ -85,6 +89,9 @@ class Delta:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     token_ids: tuple[int, ...] = ()  # the new tokens themselves
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked
+    # One per prompt token, in the first delta, when the request asked; None for the first
+    # token, which nothing precedes.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

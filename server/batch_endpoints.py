@@ -31,8 +31,9 @@ from antiphon.server.text_completions import (
 class BatchEndpoint:
     request: type[BaseModel]  # a line's body
     check: Callable[[ChatService, Any], object]  # raises ApiError
-    prepare: Callable[[ChatService, Any, str], Generation]  # (chat, body, owner), as BE
-    response: Callable[[Generation, str], dict[str, Any]]  # (finished generation, model)
+    # (chat, body, owner) -> its choices' generations, as BE
+    prepare: Callable[[ChatService, Any, str], list[Generation]]
+    response: Callable[[list[Generation], str], dict[str, Any]]  # (finished choices, model)
 
 
 ENDPOINTS: dict[str, BatchEndpoint] = {

@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import time
-from contextlib import aclosing
 from typing import Any
 
 from antiphon.server.batch_endpoints import ENDPOINTS
@@ -34,6 +33,7 @@ from antiphon.server.batch_types import (
     new_file_id,
 )
 from antiphon.server.chat import ChatService
+from antiphon.server.choices import run_choices
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.file_store import FileStore
 from antiphon.server.metrics import ServerMetrics
@@ -257,10 +257,8 @@ class BatchRunner:
         endpoint = ENDPOINTS[batch.endpoint]
         body: Any = endpoint.request.model_validate_json(item.body)  # has `model`
         try:
-            gen = endpoint.prepare(self.chat, body, batch.owner)
-            async with aclosing(self.chat.stream(gen, api="batch")) as pieces:
-                async for _ in pieces:
-                    pass
+            gens = endpoint.prepare(self.chat, body, batch.owner)
+            await run_choices(self.chat, gens, api="batch")
         except ApiError as err:
             if err.http_status < 500:
                 return ItemResult(None, None, err.code.value,
@@ -268,8 +266,8 @@ class BatchRunner:
             logger.warning("batch item %r: %s; it will run again", item.custom_id, err.message)
             self._paused_until = time.monotonic() + RETRY_DELAY_S
             return None
-        return ItemResult(gen.request_id, json.dumps(
-            endpoint.response(gen, body.model), ensure_ascii=False))
+        return ItemResult(gens[0].request_id, json.dumps(
+            endpoint.response(gens, body.model), ensure_ascii=False))
 
     async def _abort(self, keys: list[ItemKey]) -> None:
         tasks = [self._inflight[k] for k in keys if k in self._inflight]

@@ -39,9 +39,19 @@ from antiphon.server.metrics import FinishedRequest, ServerMetrics
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class Echo:
+    """A text completion's `echo`: the prompt's text, given before the reply's, and the text
+    of its first token (the one token no logprob is computed for)."""
+
+    text: str
+    first_token: str
+
+
 @dataclasses.dataclass
 class Generation:
-    """One request: its prompt, then its output and timings as they arrive."""
+    """One request, or one choice of a request with several: its prompt, then its output and
+    timings as they arrive."""
 
     request_id: str  # as the client knows it (a websocket client may choose it)
     prompt_token_ids: list[int]
@@ -59,6 +69,11 @@ class Generation:
     last_token_at: float | None = None
     finish_reason: str | None = None
     token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # if asked
+    # the prompt's, where asked (None for its first token)
+    prompt_logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=list)
+    index: int = 0  # its choice in the request's response
+    prompt_index: int = 0  # which of the request's prompts it completes
+    echo: Echo | None = None  # a text completion that gives its prompt before its reply
     context_start: int = 0  # a session turn: the session's first message its prompt renders
     replaces_reply: bool = False  # a session turn: its reply replaces the session's last one
 
@@ -78,13 +93,22 @@ class Generation:
         return (self.last_token_at - self.first_token_at) / (self.num_output_tokens - 1)
 
     def usage(self) -> dict[str, Any]:
-        """OpenAI's usage object; `cached_prompt_tokens` repeats `prompt_tokens_details`'s
-        `cached_tokens` (where Antiphon's clients read it)."""
-        n_prompt = len(self.prompt_token_ids)
-        return {"prompt_tokens": n_prompt, "completion_tokens": self.num_output_tokens,
-                "total_tokens": n_prompt + self.num_output_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
-                "cached_prompt_tokens": self.num_cached_tokens}
+        """OpenAI's usage object (`total_usage` of this generation alone)."""
+        return total_usage([self])
+
+    def another_choice(self, offset: int) -> Generation:
+        """Another choice of the same prompt, `offset` after this one: as in vLLM, a set seed
+        becomes seed + offset, so the choices differ and each repeats."""
+        params = self.params
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + offset)
+        return Generation(self.request_id, self.prompt_token_ids, params,
+                          index=self.index + offset, prompt_index=self.prompt_index,
+                          echo=self.echo)
+
+    def with_choices(self, n: int) -> list[Generation]:
+        """This generation and `n` - 1 more choices of its prompt."""
+        return [self, *(self.another_choice(offset) for offset in range(1, n))]
 
     def logprobs(self, start: int = 0) -> dict[str, Any] | None:
         """OpenAI's `logprobs` of a choice, for the output tokens from `start` on; None when
@@ -103,6 +127,23 @@ class Generation:
     def timings(self) -> dict[str, float | None]:
         end = self.last_token_at or time.perf_counter()
         return {"ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "total_s": end - self.arrival}
+
+
+def total_usage(gens: Sequence[Generation]) -> dict[str, Any]:
+    """OpenAI's usage object of a request's choices: each prompt counted once (its cached
+    tokens as its best-served choice had them), every choice's output. `cached_prompt_tokens`
+    repeats `prompt_tokens_details`'s `cached_tokens` (where Antiphon's clients read it)."""
+    prompts: dict[int, tuple[int, int]] = {}  # prompt index -> (tokens, cached tokens)
+    for g in gens:
+        cached = max(g.num_cached_tokens, prompts.get(g.prompt_index, (0, 0))[1])
+        prompts[g.prompt_index] = (len(g.prompt_token_ids), cached)
+    n_prompt = sum(n for n, _ in prompts.values())
+    n_cached = sum(c for _, c in prompts.values())
+    n_output = sum(g.num_output_tokens for g in gens)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_output,
+            "total_tokens": n_prompt + n_output,
+            "prompt_tokens_details": {"cached_tokens": n_cached},
+            "cached_prompt_tokens": n_cached}
 
 
 class ChatService:
@@ -140,6 +181,12 @@ class ChatService:
             raise over_limit(f"logit_bias names {len(logit_bias)} tokens; the limit is "
                              f"{self.config.max_logit_bias_tokens}")
         self.check_in_vocabulary([token for token, _ in logit_bias], "logit_bias")
+
+    def check_choices(self, count: int) -> None:
+        """Raises `too_large` past `--max-choices` choices in one request."""
+        if count > self.config.max_choices:
+            raise over_limit(f"{count} choices (n, times the prompts); the limit is "
+                             f"{self.config.max_choices}")
 
     def check_in_vocabulary(self, token_ids: Sequence[int], what: str) -> None:
         """Raises `bad_message` when `what` holds a token id the model does not have."""
@@ -304,6 +351,7 @@ class ChatService:
             gen.pieces.append(delta.text)
         gen.output_token_ids.extend(delta.token_ids)
         gen.token_logprobs.extend(delta.logprobs)
+        gen.prompt_logprobs.extend(delta.prompt_logprobs)
 
     def _record(self, gen: Generation, api: str, outcome: str) -> None:
         m, cls = self.metrics, gen.params.request_class.value

@@ -7,12 +7,13 @@ import math
 import re
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from antiphon.engine_ext.types import ChatTurn, RequestClass
-from antiphon.server.chat import ChatService, Generation
+from antiphon.server.chat import ChatService, Generation, total_usage
 from antiphon.server.errors import ApiError, ErrorCode, over_limit
 from antiphon.server.protocol import ID_PATTERN, Sampling, StrictBool, StrictInt
 
@@ -73,7 +74,8 @@ class ChatCompletionRequest(Sampling):
     messages: Annotated[list[OpenAIMessage], Field(min_length=1)]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    n: Literal[1] | None = None
+    n: Annotated[StrictInt, Field(ge=1)] | None = None
+    """Choices to generate (`--max-choices` at most; 1 in a session turn)."""
     ignore_eos: StrictBool | None = None
     """vLLM's extension: generate exactly max_tokens (benchmarks)."""
     logprobs: StrictBool | None = None
@@ -145,6 +147,10 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     if len(body.messages) > limits.max_messages:
         raise over_limit(f"{len(body.messages)} messages; the limit is {limits.max_messages}")
     check_request(chat, body, body.requested_max_tokens, body.vllm_xargs or {})
+    chat.check_choices(body.n or 1)
+    if (body.n or 1) > 1 and "session_id" in (body.vllm_xargs or {}):
+        raise ApiError(ErrorCode.BAD_MESSAGE, "n must be 1 in a session turn: the session "
+                       "keeps one reply per turn")
     turns = []
     for m in body.messages:
         text = m.text()
@@ -176,17 +182,18 @@ def session_xarg(body: ChatCompletionRequest) -> str | None:
 
 def prepare_completion(chat: ChatService, body: ChatCompletionRequest, owner: str,
                        request_class: RequestClass | None = None,
-                       session_id: str | None = None) -> Generation:
-    """A generation of `owner`'s for `body`, in `session_id` where given; its class is
-    `request_class`, else the one `vllm_xargs` names (RT by default). Raises `ApiError` and
-    changes nothing on bad input."""
+                       session_id: str | None = None) -> list[Generation]:
+    """The generations of `owner`'s for `body`, one per choice, in `session_id` where given;
+    their class is `request_class`, else the one `vllm_xargs` names (RT by default). Raises
+    `ApiError` and changes nothing on bad input."""
     turns = completion_turns(chat, body)
     if request_class is None:
         request_class = request_class_xarg(body.vllm_xargs or {})
-    return chat.prepare(
+    gen = chat.prepare(
         secrets.token_hex(12), turns, body.requested_max_tokens, request_class, session_id,
         owner=owner,
         **body.sampling(), **slo_overrides(chat, body.vllm_xargs or {}))
+    return gen.with_choices(body.n or 1)
 
 
 def request_class_xarg(xargs: dict[str, Any]) -> RequestClass:
@@ -220,12 +227,13 @@ def slo_overrides(chat: ChatService, xargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def completion_object(gen: Generation, model: str) -> dict[str, Any]:
-    """The non-streaming `chat.completion` response of a finished generation."""
+def completion_object(gens: Sequence[Generation], model: str) -> dict[str, Any]:
+    """The non-streaming `chat.completion` response of a request's finished choices."""
     return {
-        "id": "chatcmpl-" + gen.request_id, "object": "chat.completion",
+        "id": "chatcmpl-" + gens[0].request_id, "object": "chat.completion",
         "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
-                     "logprobs": gen.logprobs(), "finish_reason": gen.finish_reason}],
-        "usage": gen.usage(),
+        "choices": [{"index": g.index, "message": {"role": "assistant", "content": g.text},
+                     "logprobs": g.logprobs(), "finish_reason": g.finish_reason}
+                    for g in gens],
+        "usage": total_usage(gens),
     }

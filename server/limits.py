@@ -13,15 +13,16 @@ from antiphon.server.errors import ApiError, ErrorCode
 
 
 class Slot:
-    """One use counted against a key; `release` is safe to call more than once."""
+    """Uses counted against a key; `release` is safe to call more than once."""
 
-    def __init__(self, limit: PerKeyLimit, owner: str) -> None:
+    def __init__(self, limit: PerKeyLimit, owner: str, count: int = 1) -> None:
         self._limit: PerKeyLimit | None = limit
         self._owner = owner
+        self._count = count
 
     def release(self) -> None:
         if self._limit is not None:
-            self._limit.give_back(self._owner)
+            self._limit.give_back(self._owner, self._count)
             self._limit = None
 
 
@@ -35,15 +36,20 @@ class PerKeyLimit:
         self.applies = applies
         self._in_use: collections.Counter[str] = collections.Counter()
 
-    def take(self, owner: str) -> Slot:
-        """A slot for `owner`; raises `too_many_requests` when it holds `limit` already."""
-        if self.applies and self._in_use[owner] >= self.limit:
-            raise ApiError(ErrorCode.TOO_MANY_REQUESTS, f"this API key has {self.limit} "
-                           f"{self.what} already (the limit per key, {self.option})")
-        self._in_use[owner] += 1
-        return Slot(self, owner)
+    def take(self, owner: str, count: int = 1) -> Slot:
+        """`count` uses for `owner` (a completion with several choices takes one for each);
+        raises `too_many_requests` when that would hold more than `limit`."""
+        if self.applies and self._in_use[owner] + count > self.limit:
+            held = self._in_use[owner]
+            raise ApiError(ErrorCode.TOO_MANY_REQUESTS, (
+                f"this API key has {self.limit} {self.what} already (the limit per key, "
+                f"{self.option})") if count == 1 or held >= self.limit else (
+                f"{count} more {self.what} would take this API key past its limit of "
+                f"{self.limit} ({held} now; {self.option})"))
+        self._in_use[owner] += count
+        return Slot(self, owner, count)
 
-    def give_back(self, owner: str) -> None:
-        self._in_use[owner] -= 1
+    def give_back(self, owner: str, count: int = 1) -> None:
+        self._in_use[owner] -= count
         if self._in_use[owner] <= 0:
             del self._in_use[owner]

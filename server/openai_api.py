@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from typing import Any
 
@@ -15,7 +14,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from antiphon.server.chat import Generation
+from antiphon.server.chat import Generation, total_usage
+from antiphon.server.choices import run_choices, stream_choices
 from antiphon.server.completions import (
     ChatCompletionRequest,
     completion_object,
@@ -75,15 +75,15 @@ async def chat_completions(request: Request) -> Response:
     session_id = session_xarg(body)
     if session_id is not None:
         await ctx.turns.get(owner, session_id)
-    gen = prepare_completion(ctx.chat, body, owner, session_id=session_id)
-    slot = ctx.inflight_per_key.take(owner)
+    gens = prepare_completion(ctx.chat, body, owner, session_id=session_id)
+    slot = ctx.inflight_per_key.take(owner, len(gens))
     if session_id is not None:
         try:
-            ctx.turns.claim(session_id, gen.request_id)
+            ctx.turns.claim(session_id, gens[0].request_id)
         except ApiError:
             slot.release()
             raise
-    return await _respond(request, gen, slot, body)
+    return await _respond(request, gens, slot, body)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -93,9 +93,9 @@ async def completions(request: Request) -> Response:
     owner = authorize(request)
     ctx.chat.check_open()
     body = await read_model(request, TextCompletionRequest)
-    gen = prepare_text_completion(ctx.chat, body, owner)
-    slot = ctx.inflight_per_key.take(owner)
-    return await _respond(request, gen, slot, body)
+    gens = prepare_text_completion(ctx.chat, body, owner)
+    slot = ctx.inflight_per_key.take(owner, len(gens))
+    return await _respond(request, gens, slot, body)
 
 
 @router.post("/tokenize")
@@ -115,47 +115,48 @@ async def detokenize_route(request: Request) -> dict[str, Any]:
     return detokenize(ctx.chat, await read_model(request, DetokenizeRequest))
 
 
-async def _respond(request: Request, gen: Generation, slot: Slot,
+async def _respond(request: Request, gens: list[Generation], slot: Slot,
                    body: ChatCompletionRequest | TextCompletionRequest) -> Response:
-    """Run `body`'s prepared completion holding `slot`: as a stream of chunks, or to its end
-    and then its response object (499 if the client left first)."""
+    """Run `body`'s prepared choices holding `slot`: as a stream of chunks, or to their ends
+    and then the response object (499 if the client left first)."""
     ctx: AppContext = request.app.state.ctx
     is_text = isinstance(body, TextCompletionRequest)
-    completion_id = ("cmpl-" if is_text else "chatcmpl-") + gen.request_id
-    release = BackgroundTask(_release, ctx, gen, slot)
+    completion_id = ("cmpl-" if is_text else "chatcmpl-") + gens[0].request_id
+    release = BackgroundTask(_release, ctx, gens[0], slot)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # The release also runs after the stream: a client gone before its first chunk
         # leaves the stream never started, so its own `finally` never runs.
         return StreamingResponse(
-            _sse(ctx, gen, completion_id, body.model, include_usage, slot, is_text=is_text),
+            _sse(ctx, gens, completion_id, body.model, include_usage, slot, is_text=is_text),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             background=release)
     try:
-        if not await _complete_unless_gone(ctx, gen, request):
+        if not await _complete_unless_gone(ctx, gens, request):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         await release()
     respond = text_completion_object if is_text else completion_object
-    return JSONResponse(respond(gen, body.model))
+    return JSONResponse(respond(gens, body.model))
 
 
 async def _release(ctx: AppContext, gen: Generation, slot: Slot) -> None:
-    """The completion is over: its session claim and its slot of the key's limit go back
-    (async: a sync task would run off the loop; safe to run twice)."""
+    """The completion is over: its session claim (`gen`'s, its only choice in a session) and
+    its slots of the key's limit go back (async: a sync task would run off the loop; safe to
+    run twice)."""
     slot.release()
     if gen.params.session_id is not None:
         ctx.turns.release(gen.params.session_id, gen.request_id)
 
 
-async def _complete_unless_gone(ctx: AppContext, gen: Generation, request: Request) -> bool:
-    """Run `gen` to its end and keep the exchange; False, with the generation aborted, if the
-    client disconnected first."""
+async def _complete_unless_gone(ctx: AppContext, gens: list[Generation],
+                                request: Request) -> bool:
+    """Run `gens` to their ends and keep a session's exchange; False, with the generations
+    aborted, if the client disconnected first."""
     async def run() -> None:
-        async with aclosing(ctx.chat.stream(gen, api="openai")) as pieces:
-            async for _ in pieces:
-                pass
-        await ctx.turns.record_exchange(gen)
+        await run_choices(ctx.chat, gens, "openai")
+        for gen in gens:
+            await ctx.turns.record_exchange(gen)
 
     async def disconnected() -> None:  # the body is read: the next message is the disconnect
         while (await request.receive())["type"] != "http.disconnect":
@@ -175,40 +176,17 @@ async def _complete_unless_gone(ctx: AppContext, gen: Generation, request: Reque
     return True
 
 
-async def _with_pings(pieces: AsyncIterator[str], every_s: float
-                      ) -> AsyncGenerator[str | None, None]:
-    """`pieces`, with a None each time `every_s` seconds pass without one (the stream sends an
-    SSE comment then). The next piece is awaited in a task of its own, so a wait that times
-    out does not cancel it; the task ends before this does."""
-    next_piece = asyncio.ensure_future(anext(pieces))
-    try:
-        while True:
-            done, _ = await asyncio.wait({next_piece}, timeout=every_s)
-            if not done:
-                yield None
-                continue
-            try:
-                piece = next_piece.result()
-            except StopAsyncIteration:
-                return
-            yield piece
-            next_piece = asyncio.ensure_future(anext(pieces))
-    finally:
-        if not next_piece.done():
-            next_piece.cancel()  # the generation is aborted inside it (a client gone)
-        with contextlib.suppress(BaseException):
-            await next_piece
-
-
-async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
+async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, model: str,
                include_usage: bool, slot: Slot, is_text: bool = False) -> AsyncIterator[str]:
-    """The stream of a chat completion's chunks, or with `is_text` a text completion's. A
-    chat stream opens with the assistant's role when its first token is there, as vLLM's and
-    OpenAI's do: a client timing its first chunk times the first token."""
+    """The stream of a chat completion's chunks, or with `is_text` a text completion's, each
+    chunk one choice's. A chat choice opens with the assistant's role when its first token is
+    there, as in vLLM's and OpenAI's streams: a client timing its first chunk times the first
+    token. The choices' final chunks come once every choice is finished (and a session's
+    exchange is kept), then the usage where asked. An SSE comment goes out every
+    `--sse-ping-s` with nothing else to send."""
     created = int(time.time())
-
-    sent_logprobs = 0  # output tokens whose logprobs went out
-    opened = is_text  # the role chunk went out (a text completion has none)
+    sent_logprobs = [0] * len(gens)  # output tokens whose logprobs went out, per choice
+    opened = [False] * len(gens)  # the choice's first chunk went out
 
     def frame(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         payload: dict[str, Any] = {
@@ -218,39 +196,39 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
             payload["usage"] = usage
         return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-        nonlocal sent_logprobs
-        fresh = len(gen.token_logprobs) > sent_logprobs  # tokens since the last chunk
+    def chunks(i: int, text: str | None, finish_reason: str | None = None) -> Iterator[str]:
+        """Choice `i`'s next chunk: new text, or (None) its end. A chat choice's first is
+        its role's."""
+        gen, start = gens[i], sent_logprobs[i]
         if is_text:
-            choice = text_choice(gen, delta.get("content", ""), sent_logprobs, finish_reason)
+            choice = text_choice(gen, text or "", start, finish_reason, opens=not opened[i])
         else:
-            choice = {"index": 0, "delta": delta,
-                      "logprobs": gen.logprobs(sent_logprobs) if fresh else None,
+            if not opened[i]:
+                yield frame([{"index": gen.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            choice = {"index": gen.index, "delta": {} if text is None else {"content": text},
+                      "logprobs": (gen.logprobs(start) if len(gen.token_logprobs) > start
+                                   else None),
                       "finish_reason": finish_reason}
-        sent_logprobs = len(gen.token_logprobs)
-        return frame([choice])
+        opened[i] = True
+        sent_logprobs[i] = len(gen.token_logprobs)
+        yield frame([choice])
 
     def error(err: ApiError) -> str:
         return "data: " + json.dumps({"error": {"code": err.code.value,
                                                 "message": err.message}}) + "\n\n"
 
-    def role() -> str:
-        nonlocal opened
-        opened = True
-        return frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                       "logprobs": None, "finish_reason": None}])
-
     try:
-        async with (aclosing(ctx.chat.stream(gen, api="openai")) as pieces,
-                    aclosing(_with_pings(pieces, ctx.chat.config.sse_ping_s)) as paced):
-            async for piece in paced:
-                if piece is None:
+        async with aclosing(stream_choices(ctx.chat, gens, "openai",
+                                           ctx.chat.config.sse_ping_s)) as events:
+            async for event in events:
+                if event is None:
                     yield ": ping\n\n"
-                    continue
-                if not opened:
-                    yield role()
-                yield chunk({"content": piece})
-        await ctx.turns.record_exchange(gen)
+                elif event[1] is not None:
+                    for piece in chunks(*event):
+                        yield piece
+        for gen in gens:
+            await ctx.turns.record_exchange(gen)
     except ApiError as err:
         ctx.metrics.errors.labels(err.code.value).inc()
         yield error(err)
@@ -262,10 +240,10 @@ async def _sse(ctx: AppContext, gen: Generation, completion_id: str, model: str,
         yield error(failure)
         return
     finally:
-        await _release(ctx, gen, slot)
-    if not opened:  # a reply without text
-        yield role()
-    yield chunk({}, gen.finish_reason)
+        await _release(ctx, gens[0], slot)
+    for i, gen in enumerate(gens):
+        for piece in chunks(i, None, gen.finish_reason):
+            yield piece
     if include_usage:
-        yield frame([], usage=gen.usage())
+        yield frame([], usage=total_usage(gens))
     yield "data: [DONE]\n\n"

@@ -1,21 +1,27 @@
 """OpenAI's legacy text completions (`/v1/completions`): a plain prompt, no chat template.
 
 What `vllm bench serve`, lm-evaluation-harness and other tools built for OpenAI-compatible
-servers send by default. One prompt per request (a text, or its token ids); RT by default, like
-a chat completion, with the same `vllm_xargs` (`request_class`, `ttft_slo_s`, `tpot_slo_s`).
-Sessions are chat conversations, so `vllm_xargs.session_id` is refused here.
+servers send by default. A request holds one prompt or several (texts, or token ids), each with
+`n` choices; RT by default, like a chat completion, with the same `vllm_xargs`
+(`request_class`, `ttft_slo_s`, `tpot_slo_s`). Sessions are chat conversations, so
+`vllm_xargs.session_id` is refused here.
+
+`echo` gives each choice its prompt before its reply; with `logprobs` it gives the prompt
+tokens' log probabilities too (what lm-evaluation-harness scores a continuation by). Those are
+computed afresh: such a prompt is not served from cached KV.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from typing import Annotated, Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from antiphon.engine_ext.types import ChatTurn, RequestClass
-from antiphon.server.chat import ChatService, Generation
+from antiphon.server.chat import ChatService, Echo, Generation, total_usage
 from antiphon.server.completions import (
     MAX_TOP_LOGPROBS,
     OpenAIMessage,
@@ -31,9 +37,10 @@ from antiphon.server.protocol import Sampling, StrictBool, StrictInt
 
 # Legacy parameters this server does not implement, with the values that ask for nothing.
 UNSUPPORTED_PARAMETERS: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+    "suffix": (None, ""), "best_of": (None, 1),
 }
 TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class TextCompletionRequest(Sampling):
@@ -42,11 +49,14 @@ class TextCompletionRequest(Sampling):
 
     model_config = ConfigDict(extra="allow")  # checked by `_refuse_unsupported`
     model: str
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
-        list[TokenId], Field(min_length=1)]
-    """A text, a list holding one text, or the prompt's token ids."""
+    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1)]
+    """A text, or the prompt's token ids; or a list of several of either."""
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    n: Literal[1] | None = None
+    n: Annotated[StrictInt, Field(ge=1)] | None = None
+    """Choices per prompt (with the prompts, `--max-choices` at most)."""
+    echo: StrictBool | None = None
+    """Each choice's text (and logprobs) begins with its prompt's."""
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     """The chosen token's log probability and this many likeliest alternatives, per token."""
     ignore_eos: StrictBool | None = None
@@ -57,21 +67,18 @@ class TextCompletionRequest(Sampling):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("prompt"), list) and len(
-                data["prompt"]) > 1 and all(isinstance(p, str) for p in data["prompt"]):
-            raise ValueError("prompt: one prompt per request (send several as separate "
-                             "requests, or as a batch)")
         return refuse_unsupported(data, set(cls.model_fields), UNSUPPORTED_PARAMETERS)
 
-    def prompt_token_ids(self) -> list[int] | None:
-        """The prompt's token ids, where it was given as such (None: a text)."""
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], int):
-            return [int(token) for token in self.prompt]
-        return None
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a text or its token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [cast(str | list[int], prompt)]
+        return cast(list[str | list[int]], list(prompt))
 
-    def prompt_text(self) -> str:
-        """The prompt's text (where it was not given as token ids)."""
-        return self.prompt if isinstance(self.prompt, str) else str(self.prompt[0])
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts()) * (self.n or 1)
 
     def sampling(self) -> dict[str, Any]:
         given = super().sampling()
@@ -79,6 +86,9 @@ class TextCompletionRequest(Sampling):
             given["ignore_eos"] = self.ignore_eos
         if self.logprobs is not None:
             given["logprobs"] = self.logprobs
+            given["stop_token_logprob"] = True
+            if self.echo:
+                given["prompt_logprobs"] = self.logprobs
         return given
 
 
@@ -145,65 +155,99 @@ def detokenize(chat: ChatService, body: DetokenizeRequest) -> dict[str, Any]:
 
 
 def check_text_completion(chat: ChatService, body: TextCompletionRequest) -> None:
-    """Every check of `body` that needs no tokenizer (model, `vllm_xargs`, prompt size and
-    token ids, max_tokens, stop sequences, logit_bias); raises `ApiError`."""
+    """Every check of `body` that needs no tokenizer (model, `vllm_xargs`, choices, prompt
+    sizes and token ids, max_tokens, stop sequences, logit_bias); raises `ApiError`."""
     require_served_model(chat, body.model)
     xargs = body.vllm_xargs or {}
     if "session_id" in xargs:
         raise ApiError(ErrorCode.BAD_MESSAGE, "vllm_xargs.session_id: sessions are chat "
                        "conversations; use /v1/chat/completions")
     check_request(chat, body, body.max_tokens, xargs)
-    prompt = body.prompt_token_ids()
-    if prompt is None:
-        chat.check_content(body.prompt_text())
-    else:
-        chat.check_in_vocabulary(prompt, "prompt")
+    chat.check_choices(body.num_choices)
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            chat.check_content(prompt)
+        else:
+            chat.check_in_vocabulary(prompt, "prompt")
 
 
 def prepare_text_completion(chat: ChatService, body: TextCompletionRequest, owner: str,
-                            request_class: RequestClass | None = None) -> Generation:
-    """A generation of `owner`'s for `body`, of `request_class` (else the one `vllm_xargs`
-    names, RT by default); raises `ApiError` and changes nothing on bad input."""
+                            request_class: RequestClass | None = None) -> list[Generation]:
+    """The generations of `owner`'s for `body`, one per choice (prompt by prompt, `n` each),
+    of `request_class` (else the one `vllm_xargs` names, RT by default); raises `ApiError`
+    and changes nothing on bad input."""
     check_text_completion(chat, body)
     xargs = body.vllm_xargs or {}
     if request_class is None:
         request_class = request_class_xarg(xargs)
-    prompt = body.prompt_token_ids()
-    if prompt is None:
-        prompt = chat.engine.encode_prompt(body.prompt_text())
-    return chat.prepare_prompt(secrets.token_hex(12), prompt, body.max_tokens, request_class,
-                               owner=owner, **body.sampling(), **slo_overrides(chat, xargs))
+    request_id, n, prompts = secrets.token_hex(12), body.n or 1, body.prompts()
+    gens: list[Generation] = []
+    for prompt_index, prompt in enumerate(prompts):
+        tokens = chat.engine.encode_prompt(prompt) if isinstance(prompt, str) else prompt
+        what = "the prompt" if len(prompts) == 1 else f"prompt {prompt_index}"
+        gen = chat.prepare_prompt(request_id, tokens, body.max_tokens, request_class,
+                                  owner=owner, what=what, **body.sampling(),
+                                  **slo_overrides(chat, xargs))
+        gen.index, gen.prompt_index = prompt_index * n, prompt_index
+        if body.echo:
+            text = prompt if isinstance(prompt, str) else chat.engine.decode(prompt)
+            gen.echo = Echo(text, chat.engine.decode(tokens[:1]))
+        gens += gen.with_choices(n)
+    return gens
 
 
 def text_choice(gen: Generation, text: str, start: int = 0,
-                finish_reason: str | None = None) -> dict[str, Any]:
+                finish_reason: str | None = None, *, opens: bool = False) -> dict[str, Any]:
     """A `text_completion` choice: `text`, with the logprobs of the output tokens from
-    `start` on (None when the request asked for none, or there are none new)."""
-    fresh = gen.params.logprobs is not None and len(gen.token_logprobs) > start
-    return {"index": 0, "text": text,
-            "logprobs": legacy_logprobs(gen, start) if fresh else None,
+    `start` on (None when the request asked for none, or there are none new). The choice's
+    first (`opens`) gives its prompt first where the request asked for an echo."""
+    echo = gen.echo if opens else None
+    asked = gen.params.logprobs is not None
+    return {"index": gen.index, "text": text if echo is None else echo.text + text,
+            "logprobs": legacy_logprobs(gen, start, with_prompt=echo is not None) if asked and (
+                echo is not None or len(gen.token_logprobs) > start) else None,
             "finish_reason": finish_reason}
 
 
-def legacy_logprobs(gen: Generation, start: int = 0) -> dict[str, Any]:
-    """The legacy completions' `logprobs` of output tokens from `start` on: their texts, log
-    probabilities, likeliest alternatives (with the chosen token, as OpenAI gives it) and
-    offsets in the reply's text."""
-    tokens = gen.token_logprobs[start:]
-    offset = sum(len(t.token) for t in gen.token_logprobs[:start])
-    offsets = []
-    for t in tokens:
+def legacy_logprobs(gen: Generation, start: int = 0,
+                    with_prompt: bool = False) -> dict[str, Any]:
+    """The legacy completions' `logprobs` of output tokens from `start` on, after the
+    prompt's (`with_prompt`, for an echo): their texts, log probabilities, likeliest
+    alternatives (with the chosen token, as OpenAI gives it) and offsets in the choice's
+    text. The prompt's first token has no logprob (null), as in OpenAI's and vLLM's."""
+    tokens: list[str] = []
+    logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    if with_prompt and gen.echo is not None:
+        tokens.append(gen.echo.first_token)
+        logprobs.append(None)
+        tops.append(None)
+        offsets.append(0)
+        offset = len(gen.echo.first_token)
+        for t in gen.prompt_logprobs[1:]:
+            assert t is not None  # only the first is None
+            tokens.append(t.token)
+            logprobs.append(t.logprob)
+            tops.append({**dict(t.top), t.token: t.logprob})
+            offsets.append(offset)
+            offset += len(t.token)
+    offset = (len(gen.echo.text) if gen.echo is not None else 0) + sum(
+        len(t.token) for t in gen.token_logprobs[:start])
+    for t in gen.token_logprobs[start:]:
+        tokens.append(t.token)
+        logprobs.append(t.logprob)
+        tops.append({**dict(t.top), t.token: t.logprob})
         offsets.append(offset)
         offset += len(t.token)
-    return {"tokens": [t.token for t in tokens],
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{**dict(t.top), t.token: t.logprob} for t in tokens],
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
             "text_offset": offsets}
 
 
-def text_completion_object(gen: Generation, model: str) -> dict[str, Any]:
-    """The non-streaming `text_completion` response of a finished generation."""
-    return {"id": "cmpl-" + gen.request_id, "object": "text_completion",
+def text_completion_object(gens: Sequence[Generation], model: str) -> dict[str, Any]:
+    """The non-streaming `text_completion` response of a request's finished choices."""
+    return {"id": "cmpl-" + gens[0].request_id, "object": "text_completion",
             "created": int(time.time()), "model": model,
-            "choices": [text_choice(gen, gen.text, 0, gen.finish_reason)],
-            "usage": gen.usage()}
+            "choices": [text_choice(g, g.text, 0, g.finish_reason, opens=True) for g in gens],
+            "usage": total_usage(gens)}

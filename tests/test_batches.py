@@ -133,8 +133,8 @@ def test_a_batch_of_text_completions(tmp_path: Path, capsys: pytest.CaptureFixtu
                            "body": {"model": "scripted", "prompt": f"doc {custom_id}",
                                     **body}}) + "\n"
 
-    data = (text_line("a") + text_line("b", max_tokens=2) + text_line("c", echo=True)
-            + text_line("d", url="/v1/chat/completions")).encode()
+    data = (text_line("a") + text_line("b", max_tokens=2) + text_line("c", echo=True, n=2)
+            + text_line("d", url="/v1/chat/completions") + text_line("e", suffix="x")).encode()
     with batch_server(tmp_path / "data", token_delay_s=0.001) as live:
         client = live.client()
         uploaded = client.files.create(file=("in.jsonl", data), purpose="batch")
@@ -143,14 +143,16 @@ def test_a_batch_of_text_completions(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert batch.endpoint == "/v1/completions"
         done = wait_finished(live.url, batch.id)
         assert done["status"] == "completed" and done["endpoint"] == "/v1/completions"
-        assert done["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+        assert done["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
         out = {r["custom_id"]: r for r in lines_of(client, done["output_file_id"])}
         body = out["a"]["response"]["body"]
         assert body["object"] == "text_completion"
         assert body["choices"][0]["text"] == "You said: doc a"
         assert out["b"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+        assert [(c["index"], c["text"]) for c in out["c"]["response"]["body"]["choices"]] == [
+            (i, "doc cYou said: doc c") for i in range(2)]  # echo, n 2
         errors = {r["custom_id"]: r["error"] for r in lines_of(client, done["error_file_id"])}
-        assert "echo is not supported" in errors["c"]["message"]
+        assert "suffix is not supported" in errors["e"]["message"]
         assert errors["d"]["code"] == "unsupported_url"
         assert all(p.request_class.value == "be" for p in live.engine.params)
 

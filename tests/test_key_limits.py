@@ -74,6 +74,26 @@ async def test_one_key_cannot_flood_the_engine(tmp_path: Path) -> None:
             assert (await client.post(**completion(A))).status_code == 200
 
 
+async def test_each_choice_takes_a_slot_of_the_key(tmp_path: Path) -> None:
+    """A completion with n choices generates n replies: it takes n of the key's slots, and
+    one that would go past the limit is refused whole, the slots it did not take left free."""
+    config = scripted_config(tmp_path, api_keys=(A,), max_inflight_per_key=3)
+    with live_server(config, ScriptedEngine(token_delay_s=0.05)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            def several(n: int) -> dict[str, object]:
+                request = completion(A, "one two three " * 5)
+                return {**request, "json": {**request["json"], "n": n}}  # type: ignore[dict-item]
+
+            first = asyncio.create_task(client.post(**several(2)))
+            await asyncio.sleep(0.3)  # generating now: 2 of 3 slots held
+            refused = await client.post(**several(2))
+            assert refused.status_code == 429
+            assert "2 more" in refused.json()["error"]["message"]
+            assert (await client.post(**completion(A))).status_code == 200  # the third slot
+            assert len((await first).json()["choices"]) == 2
+            assert (await client.post(**several(3))).status_code == 200
+
+
 async def test_without_keys_only_the_server_wide_limits_apply(tmp_path: Path) -> None:
     config = scripted_config(tmp_path, max_inflight_per_key=1, max_connections_per_key=1)
     with live_server(config, ScriptedEngine(token_delay_s=0.02)) as url:

@@ -216,6 +216,94 @@ def test_text_completions_take_a_plain_prompt(scripted: Scripted) -> None:
         assert token in top and len(top) <= 3
 
 
+def test_text_completions_with_several_prompts_and_choices(scripted: Scripted) -> None:
+    """Several prompts (texts or token ids) and `n` choices each, as OpenAI and vLLM number
+    them (prompt by prompt); each prompt's tokens counted once in the usage. A stream
+    interleaves the choices' chunks, each choice ending with its finish reason."""
+    c = client(scripted)
+    out = c.completions.create(model="scripted", prompt=["a b", "c"], n=2, seed=7)
+    assert [ch.index for ch in out.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in out.choices] == ["You said: a b"] * 2 + ["You said: c"] * 2
+    assert out.usage is not None and out.usage.prompt_tokens == len("a b") + len("c")
+    assert out.usage.completion_tokens == 4 + 4 + 3 + 3
+    assert [p.seed for p in scripted.engine.params[-4:]] == [7, 8, 7, 8]  # seed + choice
+    by_ids = c.completions.create(model="scripted",  # the same prompts, as token ids
+                                  prompt=[[ord(ch) for ch in "a b"], [ord("c")]])
+    assert [ch.text for ch in by_ids.choices] == ["You said: a b", "You said: c"]
+
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    for chunk in c.completions.create(model="scripted", prompt=["x", "y z"], n=2,
+                                      stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finished[ch.index] = ch.finish_reason
+    assert texts == {0: "You said: x", 1: "You said: x", 2: "You said: y z",
+                     3: "You said: y z"}
+    assert finished == {i: "stop" for i in range(4)}
+
+
+def test_chat_completions_with_several_choices(scripted: Scripted) -> None:
+    """`n` chat choices, in a response and a stream (each choice opening with the assistant's
+    role); n > 1 is refused in a session turn, which keeps one reply."""
+    c = client(scripted)
+    messages = [{"role": "user", "content": "a b"}]
+    out = c.chat.completions.create(model="scripted", messages=messages, n=3)  # type: ignore[arg-type]
+    assert [(ch.index, ch.message.content) for ch in out.choices] == [
+        (i, "You said: a b") for i in range(3)]
+    assert out.usage is not None and out.usage.prompt_tokens == len(
+        "<user>a b\n<assistant>") and out.usage.completion_tokens == 3 * 4
+    roles, texts = {}, {}
+    for chunk in c.chat.completions.create(model="scripted", messages=messages,  # type: ignore[arg-type]
+                                           n=2, stream=True):
+        for ch in chunk.choices:
+            if ch.delta.role:
+                roles[ch.index] = ch.delta.role
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert texts == {0: "You said: a b", 1: "You said: a b"}
+    session = httpx.post(scripted.url + "/v1/sessions", json={}).json()["session_id"]
+    r = httpx.post(scripted.url + "/v1/chat/completions", json={
+        "model": "scripted", "messages": messages, "n": 2,
+        "vllm_xargs": {"session_id": session}})
+    assert r.status_code == 400 and "n must be 1 in a session turn" in r.text
+
+
+def test_an_echo_gives_the_prompt_and_its_logprobs_first(scripted: Scripted) -> None:
+    """`echo` (lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs 1,
+    max_tokens 1): each choice's text begins with its prompt, and its logprobs with the
+    prompt tokens' (the first one's null), which the engine is asked to compute; the text
+    offsets point into the choice's text. In a stream the prompt comes with the first chunk."""
+    c = client(scripted)
+    plain = c.completions.create(model="scripted", prompt="hi there", echo=True)
+    assert plain.choices[0].text == "hi thereYou said: hi there"
+    assert plain.choices[0].logprobs is None
+    assert scripted.engine.params[-1].prompt_logprobs is None
+
+    out = c.completions.create(model="scripted", prompt=[[ord(ch) for ch in "ab c"]],
+                               echo=True, logprobs=1, max_tokens=1, temperature=0)
+    choice = out.choices[0]
+    assert scripted.engine.params[-1].prompt_logprobs == 1
+    assert choice.text == "ab cok" and choice.logprobs is not None  # "ok": a prompt of ids
+    lp = choice.logprobs
+    assert lp.tokens == ["a", "b", " ", "c", "ok"]
+    assert lp.token_logprobs == [None, 0.0, 0.0, 0.0, 0.0]
+    assert lp.top_logprobs is not None and lp.top_logprobs[0] is None
+    assert lp.top_logprobs[1] == {"b": 0.0}  # the chosen token, and its one alternative
+    assert lp.text_offset is not None
+    for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+        assert choice.text[offset:offset + len(token)] == token
+
+    text, tokens = "", []
+    for chunk in c.completions.create(model="scripted", prompt="x y", echo=True, logprobs=0,
+                                      stream=True):
+        for ch in chunk.choices:
+            text += ch.text
+            tokens += ch.logprobs.tokens if ch.logprobs and ch.logprobs.tokens else []
+    assert text == "x yYou said: x y" and "".join(tokens) == text
+
+
 def test_tokenize_and_detokenize_as_vllm_serves_them(scripted: Scripted) -> None:
     """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize,
     which `vllm bench serve` asks to check its tokenizer; bad input gets a typed 400."""
@@ -247,13 +335,19 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(scripted: Scripted) -> None
 
 
 @pytest.mark.parametrize(("fields", "words"), [
-    ({"prompt": ["one", "two"]}, "one prompt per request"),
     ({"prompt": ""}, "empty"),
+    ({"prompt": ["fine", ""]}, "empty"),
     ({"prompt": []}, "prompt"),
+    ({"prompt": [[104], []]}, "prompt"),
     ({"prompt": [1114112]}, "outside the model's vocabulary"),
+    ({"prompt": [[104], [1114112]]}, "outside the model's vocabulary"),
     ({"prompt": [-1]}, "prompt"),
-    ({"echo": True}, "echo is not supported"),
+    ({"prompt": ["a", "b", "c", "d", "e"], "n": 4}, "20 choices (n, times the prompts); the "
+     "limit is 16"),
+    ({"n": 0}, "n"),
+    ({"echo": "yes"}, "echo"),
     ({"suffix": "end"}, "suffix is not supported"),
+    ({"best_of": 2}, "best_of is not supported"),
     ({"logprobs": 21}, "logprobs"),
     ({"messages": []}, "unrecognized request argument: messages"),
     ({"vllm_xargs": {"session_id": "s1"}}, "use /v1/chat/completions"),

@@ -59,6 +59,42 @@ async def test_logprobs_of_a_greedy_reply(engine: VllmEngine) -> None:
     async for delta in engine.generate("lp-2", engine.render_chat(QUESTION),
                                        GenerationParams(max_tokens=4)):
         assert delta.logprobs == ()  # not asked for
+    n_tokens, n_logprobs, reason = 0, 0, None  # a text completion's: the EOS token's too
+    async for delta in engine.generate("lp-3", engine.render_chat(QUESTION), GenerationParams(
+            max_tokens=24, logprobs=0, stop_token_logprob=True)):
+        n_tokens, n_logprobs = n_tokens + len(delta.token_ids), n_logprobs + len(delta.logprobs)
+        reason = delta.finish_reason or reason
+    assert reason == "stop" and n_logprobs == n_tokens
+
+
+async def test_prompt_logprobs_score_a_reply_as_its_generation_did(
+        engine: VllmEngine) -> None:
+    """Prompt logprobs (what an echo with logprobs returns, and lm-evaluation-harness scores a
+    continuation by): a greedy reply, scored as part of a prompt, gets the log probabilities
+    its generation gave each token, and each is the likeliest. A prompt the prefix cache
+    holds is computed afresh (vLLM skips reading the cache), so every token has its logprob
+    the second time too; the first token has none."""
+    prompt = engine.render_chat(QUESTION)
+    reply: list[int] = []
+    generated: list[float] = []
+    async for delta in engine.generate("score-0", prompt,
+                                       GenerationParams(max_tokens=6, logprobs=0)):
+        reply += delta.token_ids[:len(delta.logprobs)]  # an EOS has no logprob
+        generated += [t.logprob for t in delta.logprobs]
+    assert len(reply) >= 3
+
+    for attempt in range(2):
+        scored: tuple = ()
+        async for delta in engine.generate(f"score-{attempt + 1}", prompt + reply,
+                                           GenerationParams(max_tokens=1, prompt_logprobs=1)):
+            scored += delta.prompt_logprobs
+        assert len(scored) == len(prompt) + len(reply) and scored[0] is None
+        assert all(t is not None for t in scored[1:])
+        of_reply = scored[len(prompt):]
+        assert "".join(t.token for t in of_reply) == engine.decode(reply)
+        for t, expected in zip(of_reply, generated, strict=True):
+            assert t.logprob == pytest.approx(expected, abs=1e-3)
+            assert t.logprob == t.top[0][1]  # greedy: the likeliest
 
 
 async def test_logit_bias_bans_and_forces_tokens(engine: VllmEngine) -> None:
