@@ -56,6 +56,10 @@ class ServerConfig:
         "Most choices one completion request asks for: n, times the prompts of a text "
         "completion (each choice is a reply generating, counted in --max-inflight-per-key)",
         default=16)
+    max_prompt_logprobs_tokens: int = doc(
+        "Longest prompt a text completion may ask its tokens' logprobs of (echo with "
+        "logprobs): they are computed in one step, over the whole vocabulary, and took 0.5 GB "
+        "of memory per 1000 tokens with the default model", default=4096)
     max_inflight_per_connection: int = doc(
         "Most generations in flight on one websocket connection", default=16)
     max_connections: int = doc("Most open websocket connections", default=512)
@@ -137,7 +141,7 @@ class ServerConfig:
             raise ValueError("model aliases must be 1 to 256 characters, not blank")
         for name in ("max_frame_bytes", "max_content_chars", "max_messages", "default_max_tokens",
                      "max_tokens_limit", "max_stop_sequences", "max_logit_bias_tokens",
-                     "max_choices", "max_inflight_per_connection",
+                     "max_choices", "max_prompt_logprobs_tokens", "max_inflight_per_connection",
                      "max_connections", "max_connections_per_key", "max_inflight_per_key",
                      "max_sessions_listed", "max_sessions_per_key", "max_batch_file_bytes",
                      "max_stored_file_bytes", "max_batch_items",

@@ -185,6 +185,10 @@ def prepare_text_completion(chat: ChatService, body: TextCompletionRequest, owne
     for prompt_index, prompt in enumerate(prompts):
         tokens = chat.engine.encode_prompt(prompt) if isinstance(prompt, str) else prompt
         what = "the prompt" if len(prompts) == 1 else f"prompt {prompt_index}"
+        limit = chat.config.max_prompt_logprobs_tokens
+        if body.echo and body.logprobs is not None and len(tokens) > limit:
+            raise over_limit(f"{what} is {len(tokens)} tokens; the logprobs of at most {limit} "
+                             "prompt tokens can be asked for (--max-prompt-logprobs-tokens)")
         gen = chat.prepare_prompt(request_id, tokens, body.max_tokens, request_class,
                                   owner=owner, what=what, **body.sampling(),
                                   **slo_overrides(chat, xargs))

@@ -270,6 +270,23 @@ def test_chat_completions_with_several_choices(scripted: Scripted) -> None:
     assert r.status_code == 400 and "n must be 1 in a session turn" in r.text
 
 
+def test_a_choice_that_fails_fails_the_request_and_aborts_the_others(
+        scripted: Scripted) -> None:
+    """One choice the engine fails ends the request with its error, in a response and in a
+    stream, and the other choices are aborted, not left generating."""
+    scripted.engine.token_delay_s = 0.05
+    body = {"model": "scripted", "prompt": "one two three four five six", "n": 3}
+    scripted.engine.fail_next_request()
+    r = httpx.post(scripted.url + "/v1/completions", json=body)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
+    scripted.engine.fail_next_request()
+    with httpx.stream("POST", scripted.url + "/v1/completions",
+                      json={**body, "stream": True}) as stream:
+        frames = [line for line in stream.iter_lines() if line.startswith("data:")]
+    assert "engine_error" in frames[-1] and "[DONE]" not in frames[-1]
+    assert not scripted.engine.active_request_ids
+
+
 def test_an_echo_gives_the_prompt_and_its_logprobs_first(scripted: Scripted) -> None:
     """`echo` (lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs 1,
     max_tokens 1): each choice's text begins with its prompt, and its logprobs with the
@@ -302,6 +319,20 @@ def test_an_echo_gives_the_prompt_and_its_logprobs_first(scripted: Scripted) -> 
             text += ch.text
             tokens += ch.logprobs.tokens if ch.logprobs and ch.logprobs.tokens else []
     assert text == "x yYou said: x y" and "".join(tokens) == text
+
+
+def test_prompt_logprobs_are_limited_in_length(tmp_path: Path) -> None:
+    """The logprobs of a prompt longer than --max-prompt-logprobs-tokens are refused (they
+    are computed at once, over the vocabulary); its echo alone, or its reply's logprobs, are
+    not."""
+    with live_server(scripted_config(tmp_path, max_prompt_logprobs_tokens=4),
+                     ScriptedEngine()) as url:
+        body = {"model": "scripted", "prompt": ["abcd", "abcde"], "max_tokens": 1}
+        r = httpx.post(url + "/v1/completions", json={**body, "echo": True, "logprobs": 0})
+        assert r.status_code == 400 and "prompt 1 is 5 tokens" in r.text, r.text
+        for fine in ({"echo": True}, {"logprobs": 0}):
+            assert httpx.post(url + "/v1/completions",
+                              json={**body, **fine}).status_code == 200, fine
 
 
 def test_tokenize_and_detokenize_as_vllm_serves_them(scripted: Scripted) -> None:
