@@ -130,12 +130,15 @@ class Generation:
 
 
 def total_usage(gens: Sequence[Generation]) -> dict[str, Any]:
-    """OpenAI's usage object of a request's choices: each prompt counted once (its cached
-    tokens as its best-served choice had them), every choice's output. `cached_prompt_tokens`
-    repeats `prompt_tokens_details`'s `cached_tokens` (where Antiphon's clients read it)."""
+    """OpenAI's usage object of a request's choices: each prompt counted once, every
+    choice's output. A prompt's cached tokens are those its least-served choice found cached:
+    the KV it had before this request (its other choices find what the first computed).
+    `cached_prompt_tokens` repeats `prompt_tokens_details`'s `cached_tokens` (where
+    Antiphon's clients read it)."""
     prompts: dict[int, tuple[int, int]] = {}  # prompt index -> (tokens, cached tokens)
     for g in gens:
-        cached = max(g.num_cached_tokens, prompts.get(g.prompt_index, (0, 0))[1])
+        cached = min(g.num_cached_tokens,
+                     prompts.get(g.prompt_index, (0, g.num_cached_tokens))[1])
         prompts[g.prompt_index] = (len(g.prompt_token_ids), cached)
     n_prompt = sum(n for n, _ in prompts.values())
     n_cached = sum(c for _, c in prompts.values())
