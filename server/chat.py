@@ -42,10 +42,12 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Echo:
     """A text completion's `echo`: the prompt's text, given before the reply's, and the text
-    of its first token (the one token no logprob is computed for)."""
+    of its first token (the one token no logprob is computed for). `only`: the prompt alone
+    (`max_tokens` 0): the one token generated to compute it is not given, nor counted."""
 
     text: str
     first_token: str
+    only: bool = False
 
 
 @dataclasses.dataclass
@@ -142,7 +144,7 @@ def total_usage(gens: Sequence[Generation]) -> dict[str, Any]:
         prompts[g.prompt_index] = (len(g.prompt_token_ids), cached)
     n_prompt = sum(n for n, _ in prompts.values())
     n_cached = sum(c for _, c in prompts.values())
-    n_output = sum(g.num_output_tokens for g in gens)
+    n_output = sum(g.num_output_tokens for g in gens if not (g.echo and g.echo.only))
     return {"prompt_tokens": n_prompt, "completion_tokens": n_output,
             "total_tokens": n_prompt + n_output,
             "prompt_tokens_details": {"cached_tokens": n_cached},

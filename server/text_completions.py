@@ -52,7 +52,8 @@ class TextCompletionRequest(Sampling):
     prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
     """A text, or the prompt's token ids; or a list of several of either."""
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    """0 with `echo`: the prompt alone (and its logprobs), no reply."""
     n: Annotated[StrictInt, Field(ge=1)] | None = None
     """Choices per prompt (with the prompts, `--max-choices` at most)."""
     echo: StrictBool | None = None
@@ -68,6 +69,13 @@ class TextCompletionRequest(Sampling):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         return refuse_unsupported(data, set(cls.model_fields), UNSUPPORTED_PARAMETERS)
+
+    @model_validator(mode="after")
+    def _no_tokens_only_for_an_echo(self) -> TextCompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 asks for no reply: only with echo (the prompt "
+                             "alone)")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, each a text or its token ids."""
@@ -181,6 +189,8 @@ def prepare_text_completion(chat: ChatService, body: TextCompletionRequest, owne
     if request_class is None:
         request_class = request_class_xarg(xargs)
     request_id, n, prompts = secrets.token_hex(12), body.n or 1, body.prompts()
+    # An echo alone (max_tokens 0) generates one token, as vLLM's does, which it does not give.
+    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
     gens: list[Generation] = []
     for prompt_index, prompt in enumerate(prompts):
         tokens = chat.engine.encode_prompt(prompt) if isinstance(prompt, str) else prompt
@@ -189,13 +199,12 @@ def prepare_text_completion(chat: ChatService, body: TextCompletionRequest, owne
         if body.echo and body.logprobs is not None and len(tokens) > limit:
             raise over_limit(f"{what} is {len(tokens)} tokens; the logprobs of at most {limit} "
                              "prompt tokens can be asked for (--max-prompt-logprobs-tokens)")
-        gen = chat.prepare_prompt(request_id, tokens, body.max_tokens, request_class,
-                                  owner=owner, what=what, **body.sampling(),
-                                  **slo_overrides(chat, xargs))
+        gen = chat.prepare_prompt(request_id, tokens, max_tokens, request_class, owner=owner,
+                                  what=what, **body.sampling(), **slo_overrides(chat, xargs))
         gen.index, gen.prompt_index = prompt_index * n, prompt_index
         if body.echo:
             text = prompt if isinstance(prompt, str) else chat.engine.decode(prompt)
-            gen.echo = Echo(text, chat.engine.decode(tokens[:1]))
+            gen.echo = Echo(text, chat.engine.decode(tokens[:1]), only=body.max_tokens == 0)
         gens += gen.with_choices(n)
     return gens
 
@@ -206,6 +215,8 @@ def text_choice(gen: Generation, text: str, start: int = 0,
     `start` on (None when the request asked for none, or there are none new). The choice's
     first (`opens`) gives its prompt first where the request asked for an echo."""
     echo = gen.echo if opens else None
+    if gen.echo is not None and gen.echo.only:
+        text, start = "", len(gen.token_logprobs)  # the prompt alone
     asked = gen.params.logprobs is not None
     return {"index": gen.index, "text": text if echo is None else echo.text + text,
             "logprobs": legacy_logprobs(gen, start, with_prompt=echo is not None) if asked and (

@@ -312,6 +312,16 @@ def test_an_echo_gives_the_prompt_and_its_logprobs_first(scripted: Scripted) -> 
     for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
         assert choice.text[offset:offset + len(token)] == token
 
+    alone_out = c.completions.create(model="scripted", prompt="ab", echo=True, logprobs=0,
+                                     max_tokens=0)  # the prompt alone, no reply
+    alone = alone_out.choices[0]
+    assert alone_out.usage is not None and alone_out.usage.completion_tokens == 0
+    assert alone.text == "ab" and alone.logprobs is not None
+    assert alone.logprobs.tokens == ["a", "b"] and alone.logprobs.token_logprobs == [None, 0.0]
+    r = httpx.post(scripted.url + "/v1/completions",
+                   json={"model": "scripted", "prompt": "ab", "max_tokens": 0})
+    assert r.status_code == 400 and "only with echo" in r.text
+
     text, tokens = "", []
     for chunk in c.completions.create(model="scripted", prompt="x y", echo=True, logprobs=0,
                                       stream=True):
@@ -319,6 +329,10 @@ def test_an_echo_gives_the_prompt_and_its_logprobs_first(scripted: Scripted) -> 
             text += ch.text
             tokens += ch.logprobs.tokens if ch.logprobs and ch.logprobs.tokens else []
     assert text == "x yYou said: x y" and "".join(tokens) == text
+    text = "".join(ch.text for chunk in c.completions.create(
+        model="scripted", prompt="x y", echo=True, max_tokens=0, stream=True,
+        stream_options={"include_usage": True}) for ch in chunk.choices)
+    assert text == "x y"
 
 
 def test_prompt_logprobs_are_limited_in_length(tmp_path: Path) -> None:
