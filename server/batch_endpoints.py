@@ -8,8 +8,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel
-
 from antiphon.engine_ext.types import RequestClass
 from antiphon.server.batch_types import CHAT_ENDPOINT, TEXT_ENDPOINT
 from antiphon.server.chat import ChatService, Generation
@@ -29,7 +27,7 @@ from antiphon.server.text_completions import (
 
 @dataclasses.dataclass(frozen=True)
 class BatchEndpoint:
-    request: type[BaseModel]  # a line's body
+    request: type[ChatCompletionRequest] | type[TextCompletionRequest]  # a line's body
     check: Callable[[ChatService, Any], object]  # raises ApiError
     # (chat, body, owner) -> its choices' generations, as BE
     prepare: Callable[[ChatService, Any, str], list[Generation]]

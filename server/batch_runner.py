@@ -61,6 +61,7 @@ class BatchRunner:
         self.metrics = metrics
         self.config = chat.config
         self._inflight: dict[ItemKey, asyncio.Task[None]] = {}
+        self._num_choices: dict[ItemKey, int] = {}  # of each item running: engine requests
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._paused_until = 0.0  # time.monotonic() before which no new item starts
@@ -171,7 +172,7 @@ class BatchRunner:
         it), runs alone: the items running finish first, and none starts beside it. A request
         that crashes the engine then takes no other item's attempts with it: run beside the
         same neighbours after each restart, it made them fail too."""
-        num_free = self.config.max_batch_concurrency - len(self._inflight)
+        num_free = self.config.max_batch_concurrency - sum(self._num_choices.values())
         if (num_free <= 0 or not batches or time.monotonic() < self._paused_until
                 or self._alone in self._inflight):
             return
@@ -186,17 +187,24 @@ class BatchRunner:
             queues.append([(b, it) for it in pending if (b.batch_id, it.line_index)
                            not in self._inflight])
         chosen: list[tuple[Batch, PendingItem]] = []
-        while len(chosen) < num_free and any(queues):
+        num_choices: dict[ItemKey, int] = {}  # of each item looked at
+        num_taken = 0  # engine requests of the items chosen
+        while any(queues):
             queue = min((q for q in queues if q), key=lambda q: (
                 running_of[q[0][0].owner], running_in[q[0][0].batch_id]))  # stable: oldest
             b, item = queue[0]
+            key = (b.batch_id, item.line_index)
+            num_choices[key] = _num_choices(b, item, self.config.max_batch_concurrency)
             if 0 < item.num_attempts < MAX_ITEM_ATTEMPTS:  # a suspect
                 if not chosen and not self._inflight:
                     chosen.append(queue.pop(0))
-                    self._alone = (b.batch_id, item.line_index)
+                    self._alone = key
                 break  # or it waits for the pipeline to drain, and so does what is after it
+            if num_choices[key] > num_free - num_taken:
+                break  # it waits for its choices' room, and so does what is after it
             queue.pop(0)
             chosen.append((b, item))
+            num_taken += num_choices[key]
             running_of[b.owner] += 1
             running_in[b.batch_id] += 1
         for b in batches:
@@ -206,6 +214,7 @@ class BatchRunner:
                                         [it.line_index for it in mine])
             for it in mine:
                 key = (b.batch_id, it.line_index)
+                self._num_choices[key] = num_choices[key]
                 self._inflight[key] = asyncio.create_task(self._run_item(b, it))
 
     async def _run_item(self, batch: Batch, item: PendingItem) -> None:
@@ -235,6 +244,7 @@ class BatchRunner:
             self._paused_until = time.monotonic() + RETRY_DELAY_S
         finally:
             self._inflight.pop((batch_id, item.line_index), None)
+            self._num_choices.pop((batch_id, item.line_index), None)
             self.notify()
 
     async def _uncount_attempt(self, batch_id: str, line_index: int) -> None:
@@ -294,3 +304,14 @@ class BatchRunner:
             writer.commit()
         return FileRecord(file_id, b.owner, "batch_output", f"{b.batch_id}_{kind}.jsonl",
                           writer.num_bytes, time.time())
+
+
+def _num_choices(batch: Batch, item: PendingItem, most: int) -> int:
+    """The engine requests `item` runs (its choices: `n`, times a text completion's prompts),
+    at most `most`: an item asking for more than --max-batch-concurrency runs once nothing
+    else does. 1 for a body that does not parse (it fails alone when it runs)."""
+    try:
+        body = ENDPOINTS[batch.endpoint].request.model_validate_json(item.body)
+    except ValueError:
+        return 1
+    return min(most, body.num_choices)

@@ -35,6 +35,7 @@ from antiphon.server.auth import ANONYMOUS_OWNER
 from antiphon.server.config import ServerConfig
 from antiphon.server.errors import ApiError, ErrorCode, over_limit
 from antiphon.server.metrics import FinishedRequest, ServerMetrics
+from antiphon.server.protocol import SEED_RANGE
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +103,10 @@ class Generation:
         """Another choice of the same prompt, `offset` after this one: as in vLLM, a set seed
         becomes seed + offset, so the choices differ and each repeats."""
         params = self.params
-        if params.seed is not None:
-            params = dataclasses.replace(params, seed=params.seed + offset)
+        if params.seed is not None:  # wrapped around within the engine's range
+            low, high = SEED_RANGE
+            params = dataclasses.replace(
+                params, seed=low + (params.seed - low + offset) % (high - low + 1))
         return Generation(self.request_id, self.prompt_token_ids, params,
                           index=self.index + offset, prompt_index=self.prompt_index,
                           echo=self.echo)

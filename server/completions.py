@@ -98,6 +98,10 @@ class ChatCompletionRequest(Sampling):
         return self
 
     @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
@@ -147,8 +151,8 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     if len(body.messages) > limits.max_messages:
         raise over_limit(f"{len(body.messages)} messages; the limit is {limits.max_messages}")
     check_request(chat, body, body.requested_max_tokens, body.vllm_xargs or {})
-    chat.check_choices(body.n or 1)
-    if (body.n or 1) > 1 and "session_id" in (body.vllm_xargs or {}):
+    chat.check_choices(body.num_choices)
+    if body.num_choices > 1 and "session_id" in (body.vllm_xargs or {}):
         raise ApiError(ErrorCode.BAD_MESSAGE, "n must be 1 in a session turn: the session "
                        "keeps one reply per turn")
     turns = []
@@ -193,7 +197,7 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest, owner: st
         secrets.token_hex(12), turns, body.requested_max_tokens, request_class, session_id,
         owner=owner,
         **body.sampling(), **slo_overrides(chat, body.vllm_xargs or {}))
-    return gen.with_choices(body.n or 1)
+    return gen.with_choices(body.num_choices)
 
 
 def request_class_xarg(xargs: dict[str, Any]) -> RequestClass:

@@ -58,8 +58,9 @@ class ServerConfig:
         default=16)
     max_prompt_logprobs_tokens: int = doc(
         "Longest prompt a text completion may ask its tokens' logprobs of (echo with "
-        "logprobs): they are computed in one step, over the whole vocabulary, and took 0.5 GB "
-        "of memory per 1000 tokens with the default model", default=4096)
+        "logprobs), times its choices (n), each of which computes them: they are computed in "
+        "one step, over the whole vocabulary, and took 0.5 GB of memory per 1000 tokens with "
+        "the default model", default=4096)
     max_inflight_per_connection: int = doc(
         "Most generations in flight on one websocket connection", default=16)
     max_connections: int = doc("Most open websocket connections", default=512)
@@ -102,7 +103,9 @@ class ServerConfig:
         default=8 * 1024 ** 3)
     max_batch_items: int = doc("Most requests (lines) in one batch input file", default=50_000)
     max_batch_concurrency: int = doc(
-        "Most batch (BE) requests running on the engine at once, over all batches", default=8)
+        "Most batch (BE) requests running on the engine at once, over all batches: a line "
+        "asking for several choices runs one per choice (one asking for more runs alone)",
+        default=8)
     sse_ping_s: float = doc(
         "Seconds a streaming completion may send nothing (a request queued for its first "
         "token, or paused) before it sends an SSE comment, which clients skip, so that proxies "

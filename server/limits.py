@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 
-from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.errors import ApiError, ErrorCode, over_limit
 
 
 class Slot:
@@ -39,6 +39,9 @@ class PerKeyLimit:
     def take(self, owner: str, count: int = 1) -> Slot:
         """`count` uses for `owner` (a completion with several choices takes one for each);
         raises `too_many_requests` when that would hold more than `limit`."""
+        if self.applies and count > self.limit:  # would never fit: not worth a retry
+            raise over_limit(f"{count} {self.what} in one request; this API key may have "
+                             f"{self.limit} at once ({self.option})")
         if self.applies and self._in_use[owner] + count > self.limit:
             held = self._in_use[owner]
             raise ApiError(ErrorCode.TOO_MANY_REQUESTS, (

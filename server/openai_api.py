@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -181,12 +181,13 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
     """The stream of a chat completion's chunks, or with `is_text` a text completion's, each
     chunk one choice's. A chat choice opens with the assistant's role when its first token is
     there, as in vLLM's and OpenAI's streams: a client timing its first chunk times the first
-    token. The choices' final chunks come once every choice is finished (and a session's
-    exchange is kept), then the usage where asked. An SSE comment goes out every
+    token. A choice's final chunk comes when it is finished (a session turn's once its
+    exchange is kept), the usage last where asked. An SSE comment goes out every
     `--sse-ping-s` with nothing else to send."""
     created = int(time.time())
     sent_logprobs = [0] * len(gens)  # output tokens whose logprobs went out, per choice
     opened = [False] * len(gens)  # the choice's first chunk went out
+    ended = [False] * len(gens)  # its last chunk went out
 
     def frame(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         payload: dict[str, Any] = {
@@ -196,23 +197,24 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
             payload["usage"] = usage
         return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
 
-    def chunks(i: int, text: str | None, finish_reason: str | None = None) -> Iterator[str]:
+    def chunks(i: int, text: str | None, finish_reason: str | None = None) -> list[str]:
         """Choice `i`'s next chunk: new text, or (None) its end. A chat choice's first is
-        its role's."""
-        gen, start = gens[i], sent_logprobs[i]
+        its role's. Built at once, from the output as it is now."""
+        gen, start, frames = gens[i], sent_logprobs[i], []
         if is_text:
             choice = text_choice(gen, text or "", start, finish_reason, opens=not opened[i])
         else:
             if not opened[i]:
-                yield frame([{"index": gen.index, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
+                frames.append(frame([{"index": gen.index,
+                                      "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]))
             choice = {"index": gen.index, "delta": {} if text is None else {"content": text},
                       "logprobs": (gen.logprobs(start) if len(gen.token_logprobs) > start
                                    else None),
                       "finish_reason": finish_reason}
         opened[i] = True
         sent_logprobs[i] = len(gen.token_logprobs)
-        yield frame([choice])
+        return [*frames, frame([choice])]
 
     def error(err: ApiError) -> str:
         return "data: " + json.dumps({"error": {"code": err.code.value,
@@ -224,9 +226,15 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
             async for event in events:
                 if event is None:
                     yield ": ping\n\n"
-                elif event[1] is not None:
-                    for piece in chunks(*event):
-                        yield piece
+                    continue
+                i, piece = event
+                if piece is not None:
+                    for frame_ in chunks(i, piece):
+                        yield frame_
+                elif gens[i].params.session_id is None:  # finished (a session's: once kept)
+                    for frame_ in chunks(i, None, gens[i].finish_reason):
+                        yield frame_
+                    ended[i] = True
         for gen in gens:
             await ctx.turns.record_exchange(gen)
     except ApiError as err:
@@ -242,8 +250,9 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
     finally:
         await _release(ctx, gens[0], slot)
     for i, gen in enumerate(gens):
-        for piece in chunks(i, None, gen.finish_reason):
-            yield piece
+        if not ended[i]:
+            for frame_ in chunks(i, None, gen.finish_reason):
+                yield frame_
     if include_usage:
         yield frame([], usage=total_usage(gens))
     yield "data: [DONE]\n\n"

@@ -196,9 +196,11 @@ def prepare_text_completion(chat: ChatService, body: TextCompletionRequest, owne
         tokens = chat.engine.encode_prompt(prompt) if isinstance(prompt, str) else prompt
         what = "the prompt" if len(prompts) == 1 else f"prompt {prompt_index}"
         limit = chat.config.max_prompt_logprobs_tokens
-        if body.echo and body.logprobs is not None and len(tokens) > limit:
-            raise over_limit(f"{what} is {len(tokens)} tokens; the logprobs of at most {limit} "
-                             "prompt tokens can be asked for (--max-prompt-logprobs-tokens)")
+        if body.echo and body.logprobs is not None and len(tokens) * n > limit:
+            each = f" for each of {n} choices" if n > 1 else ""
+            raise over_limit(f"{what} is {len(tokens)} tokens, its logprobs computed{each}; "
+                             f"the logprobs of at most {limit} prompt tokens can be asked for "
+                             "(--max-prompt-logprobs-tokens)")
         gen = chat.prepare_prompt(request_id, tokens, max_tokens, request_class, owner=owner,
                                   what=what, **body.sampling(), **slo_overrides(chat, xargs))
         gen.index, gen.prompt_index = prompt_index * n, prompt_index

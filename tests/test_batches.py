@@ -168,6 +168,32 @@ def test_a_batch_of_text_completions(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert r.status_code == 400 and "'/v1/completions'" in r.json()["error"]["message"]
 
 
+def test_each_choice_of_a_line_counts_against_the_batch_concurrency(tmp_path: Path) -> None:
+    """--max-batch-concurrency bounds the engine requests batches run, and a line asking for
+    several choices runs one per choice: lines of 2 choices run one at a time under a limit
+    of 3 (not 3 lines, 6 requests), and a line of 4 runs once nothing else does. Every line
+    completes."""
+    def line(i: int, n: int) -> str:
+        return json.dumps({"custom_id": f"x{i}", "method": "POST", "url": "/v1/completions",
+                           "body": {"model": "scripted", "prompt": f"doc {i} " * 10, "n": n,
+                                    "max_tokens": 12}}) + "\n"
+
+    data = "".join(line(i, 4 if i == 4 else 2) for i in range(5)).encode()
+    with batch_server(tmp_path / "data", token_delay_s=0.02, max_batch_concurrency=3) as live:
+        client = live.client()
+        uploaded = client.files.create(file=("in.jsonl", data), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                      completion_window="24h")
+        seen = []  # engine requests running, while lines of 2 run, then while the line of 4
+        while client.batches.retrieve(batch.id).status not in ("completed", "failed"):
+            seen.append(len(live.engine.active_request_ids))
+            time.sleep(0.005)
+        done = wait_finished(live.url, batch.id)
+    assert done["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+    first_of_4 = seen.index(4)
+    assert max(seen[:first_of_4]) == 2 and max(seen[first_of_4:]) == 4, seen
+
+
 def test_files_are_listed_as_the_openai_client_pages_them(tmp_path: Path) -> None:
     with batch_server(tmp_path, token_delay_s=0.001) as live:
         client = live.client()

@@ -92,6 +92,9 @@ async def test_each_choice_takes_a_slot_of_the_key(tmp_path: Path) -> None:
             assert (await client.post(**completion(A))).status_code == 200  # the third slot
             assert len((await first).json()["choices"]) == 2
             assert (await client.post(**several(3))).status_code == 200
+            too_many = await client.post(**several(4))  # could never run: no retry helps
+            assert too_many.status_code == 400, too_many.text
+            assert too_many.json()["error"]["code"] == "too_large"
 
 
 async def test_without_keys_only_the_server_wide_limits_apply(tmp_path: Path) -> None:

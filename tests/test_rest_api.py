@@ -11,6 +11,8 @@ import openai
 import pytest
 
 from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.engine_ext.types import GenerationParams
+from antiphon.server.chat import Generation, total_usage
 from tests.conftest import Scripted, scripted_config
 from tests.liveserver import live_server
 
@@ -243,6 +245,32 @@ def test_text_completions_with_several_prompts_and_choices(scripted: Scripted) -
                      3: "You said: y z"}
     assert finished == {i: "stop" for i in range(4)}
 
+    scripted.engine.token_delay_s = 0.02  # a short reply's end comes before a long one's
+    order = [(ch.index, ch.finish_reason) for chunk in c.completions.create(
+        model="scripted", prompt=["short", "a long reply " * 4], stream=True)
+        for ch in chunk.choices]
+    last_text_of_1 = max(k for k, (i, reason) in enumerate(order) if i == 1 and not reason)
+    assert order.index((0, "stop")) < last_text_of_1
+
+    c.completions.create(model="scripted", prompt="s", n=3, seed=2**64 - 1)
+    assert [p.seed for p in scripted.engine.params[-3:]] == [  # wrapped in the engine's range
+        2**64 - 1, -2**63, -2**63 + 1]
+
+
+def test_usage_counts_each_prompt_once_and_what_was_cached_before() -> None:
+    """A prompt's tokens are counted once however many choices it has, and its cached tokens
+    are what its least-served choice found: the others find what the first computed."""
+    first = Generation("r", [1, 2, 3, 4], GenerationParams(max_tokens=4))
+    first.num_output_tokens, first.num_cached_tokens = 3, 0
+    second = first.another_choice(1)
+    second.num_output_tokens, second.num_cached_tokens = 4, 4  # found the first's KV
+    other = Generation("r", [5, 6], GenerationParams(max_tokens=4), index=2, prompt_index=1)
+    other.num_output_tokens, other.num_cached_tokens = 1, 2
+    usage = total_usage([first, second, other])
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        4 + 2, 3 + 4 + 1, 6 + 8)
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0 + 2}
+
 
 def test_chat_completions_with_several_choices(scripted: Scripted) -> None:
     """`n` chat choices, in a response and a stream (each choice opening with the assistant's
@@ -389,6 +417,8 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(scripted: Scripted) -> None
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": ["a", "b", "c", "d", "e"], "n": 4}, "20 choices (n, times the prompts); the "
      "limit is 16"),
+    ({"prompt": "hello " * 100, "n": 16, "echo": True, "logprobs": 0},
+     "its logprobs computed for each of 16 choices"),
     ({"n": 0}, "n"),
     ({"echo": "yes"}, "echo"),
     ({"suffix": "end"}, "suffix is not supported"),
