@@ -28,7 +28,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = AppConfig(
             engine=dataclass_from_args(EngineConfig, args, model=env.model()),
-            server=dataclass_from_args(ServerConfig, args, api_keys=env.api_keys() or None),
+            server=dataclass_from_args(
+                ServerConfig, args, api_keys=env.api_keys() or None,
+                best_effort_api_keys=env.best_effort_api_keys() or None),
             sessions=dataclass_from_args(SessionConfig, args, data_dir=env.data_dir()),
         )
         config = dataclasses.replace(config, tiering=dataclass_from_args(

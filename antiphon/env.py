@@ -28,7 +28,16 @@ def data_dir() -> Path | None:
 
 def api_keys() -> tuple[str, ...]:
     """ANTIPHON_API_KEYS: comma-separated API keys accepted by the server."""
-    value = os.environ.get("ANTIPHON_API_KEYS", "")
+    return _keys("ANTIPHON_API_KEYS")
+
+
+def best_effort_api_keys() -> tuple[str, ...]:
+    """ANTIPHON_BEST_EFFORT_API_KEYS: comma-separated API keys whose requests run as BE."""
+    return _keys("ANTIPHON_BEST_EFFORT_API_KEYS")
+
+
+def _keys(name: str) -> tuple[str, ...]:
+    value = os.environ.get(name, "")
     return tuple(k.strip() for k in value.split(",") if k.strip())
 
 

@@ -31,7 +31,7 @@ from antiphon.engine_ext.types import (
     RequestClass,
     TokenLogprob,
 )
-from antiphon.server.auth import ANONYMOUS_OWNER
+from antiphon.server.auth import ANONYMOUS_OWNER, Authenticator
 from antiphon.server.config import ServerConfig
 from antiphon.server.errors import ApiError, ErrorCode, over_limit
 from antiphon.server.metrics import FinishedRequest, ServerMetrics
@@ -162,6 +162,8 @@ class ChatService:
         self.metrics = metrics
         self.config = config
         self.rt_slo_s = rt_slo_s
+        self.best_effort_owners = frozenset(
+            Authenticator.fingerprint(k) for k in config.best_effort_api_keys)
         self.is_draining = False  # shutting down: live replies finish, new turns are refused
         # The server was told to stop (a signal): engine failures from now on may be the
         # engine's processes stopping with it (the same signal), not the requests' doing.
@@ -189,6 +191,17 @@ class ChatService:
             raise over_limit(f"logit_bias names {len(logit_bias)} tokens; the limit is "
                              f"{self.config.max_logit_bias_tokens}")
         self.check_in_vocabulary([token for token, _ in logit_bias], "logit_bias")
+
+    def request_class_for(self, owner: str, asked: RequestClass | None) -> RequestClass:
+        """The class of a request of `owner`'s that asked for `asked` (None: nothing): BE
+        for a key of `--best-effort-api-keys`, which may not ask for RT (`bad_message`);
+        else what it asked, RT by default."""
+        if owner not in self.best_effort_owners:
+            return asked or RequestClass.RT
+        if asked is RequestClass.RT:
+            raise ApiError(ErrorCode.BAD_MESSAGE, "this API key's requests run as best-effort "
+                           "work (--best-effort-api-keys): it cannot ask for rt")
+        return RequestClass.BE
 
     def check_choices(self, count: int) -> None:
         """Raises `too_large` past `--max-choices` choices in one request."""
@@ -255,7 +268,7 @@ class ChatService:
         request_id: str,
         turns: Sequence[ChatTurn],
         max_tokens: int | None,
-        request_class: RequestClass = RequestClass.RT,
+        request_class: RequestClass | None = None,
         session_id: str | None = None,
         context: ChatContext | None = None,
         owner: str = ANONYMOUS_OWNER,
@@ -263,7 +276,8 @@ class ChatService:
     ) -> Generation:
         """Validate and render a request of `owner`'s (extending `context`, the exact tokens
         of the conversation so far, where it has one); raises `ApiError` and changes nothing
-        on bad input. `sampling`: the `GenerationParams` fields the request sets; the
+        on bad input. Its class is `request_class`, else the owner's (`request_class_for`).
+        `sampling`: the `GenerationParams` fields the request sets; the
         temperature it leaves unset is the server's default, else the model's, else 1."""
         prompt = self.engine.continue_chat(turns, context)
         return self.prepare_prompt(request_id, prompt, max_tokens, request_class, session_id,
@@ -274,13 +288,14 @@ class ChatService:
         request_id: str,
         prompt: list[int],
         max_tokens: int | None,
-        request_class: RequestClass = RequestClass.RT,
+        request_class: RequestClass | None = None,
         session_id: str | None = None,
         owner: str = ANONYMOUS_OWNER,
         what: str = "the prompt",
         **sampling: Any,
     ) -> Generation:
         """`prepare`, for a prompt already in tokens (`what` names it in errors)."""
+        request_class = self.request_class_for(owner, request_class)
         self.check_max_tokens(max_tokens)
         self.check_stop(sampling.get("stop", ()))
         self.check_logit_bias(sampling.get("logit_bias", ()))

@@ -188,8 +188,8 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest, owner: st
                        request_class: RequestClass | None = None,
                        session_id: str | None = None) -> list[Generation]:
     """The generations of `owner`'s for `body`, one per choice, in `session_id` where given;
-    their class is `request_class`, else the one `vllm_xargs` names (RT by default). Raises
-    `ApiError` and changes nothing on bad input."""
+    their class is `request_class`, else the one `vllm_xargs` names, else the owner's (RT but
+    for a best-effort key). Raises `ApiError` and changes nothing on bad input."""
     turns = completion_turns(chat, body)
     if request_class is None:
         request_class = request_class_xarg(body.vllm_xargs or {})
@@ -200,10 +200,12 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest, owner: st
     return gen.with_choices(body.num_choices)
 
 
-def request_class_xarg(xargs: dict[str, Any]) -> RequestClass:
-    """The class `vllm_xargs.request_class` names (RT by default)."""
+def request_class_xarg(xargs: dict[str, Any]) -> RequestClass | None:
+    """The class `vllm_xargs.request_class` names (None where it names none)."""
+    if "request_class" not in xargs:
+        return None
     try:
-        return RequestClass(xargs.get("request_class", "rt"))
+        return RequestClass(xargs["request_class"])
     except ValueError:
         raise ApiError(ErrorCode.BAD_MESSAGE,
                        "vllm_xargs.request_class must be 'rt' or 'be'") from None

@@ -26,6 +26,11 @@ class ServerConfig:
     api_keys: tuple[str, ...] = doc(
         "Accepted API key (repeat the option for several; also ANTIPHON_API_KEYS). "
         "Optional on loopback, required on any other address", default=())
+    best_effort_api_keys: tuple[str, ...] = doc(
+        "Accepted API key whose every request runs as best-effort (BE) work, behind chat "
+        "turns (repeat for several): for clients that cannot ask for it themselves "
+        "(vllm_xargs.request_class), such as an evaluation harness or a crawler; such a key's "
+        "request that asks for rt is refused. Also ANTIPHON_BEST_EFFORT_API_KEYS", default=())
     allowed_origins: tuple[str, ...] = doc(
         "Web origin (scheme://host:port) besides the server's own whose pages may use a server "
         "without API keys through the user's browser (repeat for several); other sites' pages "
@@ -130,15 +135,20 @@ class ServerConfig:
         "Finished requests kept between two dashboard samples for their latency quantiles",
         default=10_000)
 
+    @property
+    def accepted_api_keys(self) -> tuple[str, ...]:
+        """Every key the server accepts: `api_keys`, then `best_effort_api_keys`."""
+        return self.api_keys + self.best_effort_api_keys
+
     def __post_init__(self) -> None:
         if not (0 < self.port < 65536):
             raise ValueError(f"port must be 1..65535, got {self.port}")
-        if not self.api_keys and not is_loopback(self.host):
+        if not self.accepted_api_keys and not is_loopback(self.host):
             raise ValueError(
                 f"binding to {self.host} needs at least one API key (--api-keys or "
                 "ANTIPHON_API_KEYS); without keys the server only binds to loopback"
             )
-        if any(len(k) < 8 for k in self.api_keys):
+        if any(len(k) < 8 for k in self.accepted_api_keys):
             raise ValueError("API keys must be at least 8 characters long")
         if any(not alias.strip() or len(alias) > 256 for alias in self.model_aliases):
             raise ValueError("model aliases must be 1 to 256 characters, not blank")

@@ -56,7 +56,7 @@ class AppContext:
         data_dir = config.sessions.data_dir
         batch_store = BatchStore(data_dir / "batches.sqlite3", config.sessions.sqlite_synchronous)
         files = FileStore(data_dir / "files")
-        auth = Authenticator(config.server.api_keys)
+        auth = Authenticator(config.server.accepted_api_keys)
         server = config.server
         return cls(config, engine, store, metrics, auth,
                    chat, SessionTurns(store, chat, metrics), batch_store, files,

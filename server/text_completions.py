@@ -182,8 +182,8 @@ def check_text_completion(chat: ChatService, body: TextCompletionRequest) -> Non
 def prepare_text_completion(chat: ChatService, body: TextCompletionRequest, owner: str,
                             request_class: RequestClass | None = None) -> list[Generation]:
     """The generations of `owner`'s for `body`, one per choice (prompt by prompt, `n` each),
-    of `request_class` (else the one `vllm_xargs` names, RT by default); raises `ApiError`
-    and changes nothing on bad input."""
+    of `request_class` (else the one `vllm_xargs` names, else the owner's: RT but for a
+    best-effort key); raises `ApiError` and changes nothing on bad input."""
     check_text_completion(chat, body)
     xargs = body.vllm_xargs or {}
     if request_class is None:

@@ -24,12 +24,14 @@ def test_non_loopback_needs_api_key() -> None:
     with pytest.raises(ValueError, match="API key"):
         ServerConfig(host="0.0.0.0")
     assert ServerConfig(host="0.0.0.0", api_keys=("k" * 16,)).api_keys
+    assert ServerConfig(host="0.0.0.0", best_effort_api_keys=("k" * 16,)).accepted_api_keys
     assert ServerConfig(host="::1").host == "::1"
 
 
 @pytest.mark.parametrize("kwargs", [{"port": 0}, {"max_frame_bytes": 0},
                                     {"default_max_tokens": 10, "max_tokens_limit": 5},
                                     {"api_keys": ("short",)}, {"max_batch_concurrency": 0},
+                                    {"best_effort_api_keys": ("short",)},
                                     {"max_batch_file_bytes": 0}])
 def test_server_config_rejects_bad_limits(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):

@@ -97,6 +97,37 @@ async def test_each_choice_takes_a_slot_of_the_key(tmp_path: Path) -> None:
             assert too_many.json()["error"]["code"] == "too_large"
 
 
+async def test_a_best_effort_keys_requests_all_run_as_be(tmp_path: Path) -> None:
+    """A key of --best-effort-api-keys (an evaluation harness that cannot set vllm_xargs)
+    gets every request run as BE: chat and text completions and websocket turns; asking for
+    rt is refused. Another key's requests stay RT; BE is still asked for by name."""
+    evals = "eval-harness-key"
+    config = scripted_config(tmp_path, api_keys=(A,), best_effort_api_keys=(evals,))
+    engine = ScriptedEngine()
+    with live_server(config, engine) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            assert (await client.post(**completion(evals))).status_code == 200
+            text = {"url": "/v1/completions", "headers": {"Authorization": f"Bearer {evals}"},
+                    "json": {"model": "scripted", "prompt": "hi", "max_tokens": 2}}
+            assert (await client.post(**text)).status_code == 200
+            as_be = completion(evals)
+            as_be["json"] = {**as_be["json"], "vllm_xargs": {"request_class": "be"}}  # type: ignore[dict-item]
+            assert (await client.post(**as_be)).status_code == 200
+            assert [p.request_class.value for p in engine.params] == ["be"] * 3
+            as_rt = completion(evals)
+            as_rt["json"] = {**as_rt["json"], "vllm_xargs": {"request_class": "rt"}}  # type: ignore[dict-item]
+            refused = await client.post(**as_rt)
+            assert refused.status_code == 400 and "--best-effort-api-keys" in refused.text
+            async with connect(url.replace("http://", "ws://") + f"/v1/ws?api_key={evals}") as ws:
+                sid = (await open_session(ws))["session"]["session_id"]
+                await send(ws, type="message", session_id=sid, content="hello")
+                await recv_until(ws, "done")
+            assert engine.params[-1].request_class.value == "be"
+            assert (await client.post(**completion(A))).status_code == 200
+            assert engine.params[-1].request_class.value == "rt"
+            assert (await client.post(**completion("not-a-key"))).status_code == 401
+
+
 async def test_without_keys_only_the_server_wide_limits_apply(tmp_path: Path) -> None:
     config = scripted_config(tmp_path, max_inflight_per_key=1, max_connections_per_key=1)
     with live_server(config, ScriptedEngine(token_delay_s=0.02)) as url:
