@@ -140,13 +140,13 @@ def total_usage(gens: Sequence[Generation]) -> dict[str, Any]:
     the KV it had before this request (its other choices find what the first computed).
     `cached_prompt_tokens` repeats `prompt_tokens_details`'s `cached_tokens` (where
     Antiphon's clients read it)."""
-    prompts: dict[int, tuple[int, int]] = {}  # prompt index -> (tokens, cached tokens)
+    tokens: dict[int, int] = {}  # of each prompt (by its index)
+    cached: dict[int, int] = {}
     for g in gens:
-        cached = min(g.num_cached_tokens,
-                     prompts.get(g.prompt_index, (0, g.num_cached_tokens))[1])
-        prompts[g.prompt_index] = (len(g.prompt_token_ids), cached)
-    n_prompt = sum(n for n, _ in prompts.values())
-    n_cached = sum(c for _, c in prompts.values())
+        tokens[g.prompt_index] = len(g.prompt_token_ids)
+        cached[g.prompt_index] = min(g.num_cached_tokens,
+                                     cached.get(g.prompt_index, g.num_cached_tokens))
+    n_prompt, n_cached = sum(tokens.values()), sum(cached.values())
     n_output = sum(g.num_output_tokens for g in gens if not (g.echo and g.echo.only))
     return {"prompt_tokens": n_prompt, "completion_tokens": n_output,
             "total_tokens": n_prompt + n_output,

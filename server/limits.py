@@ -42,13 +42,11 @@ class PerKeyLimit:
         if self.applies and count > self.limit:  # would never fit: not worth a retry
             raise over_limit(f"{count} {self.what} in one request; this API key may have "
                              f"{self.limit} at once ({self.option})")
-        if self.applies and self._in_use[owner] + count > self.limit:
-            held = self._in_use[owner]
-            raise ApiError(ErrorCode.TOO_MANY_REQUESTS, (
-                f"this API key has {self.limit} {self.what} already (the limit per key, "
-                f"{self.option})") if count == 1 or held >= self.limit else (
-                f"{count} more {self.what} would take this API key past its limit of "
-                f"{self.limit} ({held} now; {self.option})"))
+        held = self._in_use[owner]
+        if self.applies and held + count > self.limit:
+            more = f"; {count} more would pass it" if count > 1 else ""
+            raise ApiError(ErrorCode.TOO_MANY_REQUESTS, f"this API key has {held} {self.what} "
+                           f"(the limit per key is {self.limit}, {self.option}){more}")
         self._in_use[owner] += count
         return Slot(self, owner, count)
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from antiphon.engine_ext.types import ChatTurn, RequestClass
+from antiphon.engine_ext.types import ChatTurn, RequestClass, TokenLogprob
 from antiphon.server.chat import ChatService, Echo, Generation, total_usage
 from antiphon.server.completions import (
     MAX_TOP_LOGPROBS,
@@ -232,34 +232,23 @@ def legacy_logprobs(gen: Generation, start: int = 0,
     prompt's (`with_prompt`, for an echo): their texts, log probabilities, likeliest
     alternatives (with the chosen token, as OpenAI gives it) and offsets in the choice's
     text. The prompt's first token has no logprob (null), as in OpenAI's and vLLM's."""
-    tokens: list[str] = []
-    logprobs: list[float | None] = []
-    tops: list[dict[str, float] | None] = []
-    offsets: list[int] = []
-    offset = 0
-    if with_prompt and gen.echo is not None:
-        tokens.append(gen.echo.first_token)
-        logprobs.append(None)
-        tops.append(None)
-        offsets.append(0)
-        offset = len(gen.echo.first_token)
-        for t in gen.prompt_logprobs[1:]:
-            assert t is not None  # only the first is None
-            tokens.append(t.token)
-            logprobs.append(t.logprob)
-            tops.append({**dict(t.top), t.token: t.logprob})
-            offsets.append(offset)
+    # (token, logprob, alternatives, offset) of each token listed
+    entries: list[tuple[str, float | None, dict[str, float] | None, int]] = []
+
+    def add(tokens: Sequence[TokenLogprob | None], offset: int) -> None:
+        for t in tokens:
+            assert t is not None  # only a prompt's first token has none, listed apart
+            entries.append((t.token, t.logprob, {**dict(t.top), t.token: t.logprob}, offset))
             offset += len(t.token)
-    offset = (len(gen.echo.text) if gen.echo is not None else 0) + sum(
-        len(t.token) for t in gen.token_logprobs[:start])
-    for t in gen.token_logprobs[start:]:
-        tokens.append(t.token)
-        logprobs.append(t.logprob)
-        tops.append({**dict(t.top), t.token: t.logprob})
-        offsets.append(offset)
-        offset += len(t.token)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
-            "text_offset": offsets}
+
+    echo = gen.echo
+    if with_prompt and echo is not None:
+        entries.append((echo.first_token, None, None, 0))
+        add(gen.prompt_logprobs[1:], len(echo.first_token))
+    add(gen.token_logprobs[start:], (len(echo.text) if echo is not None else 0)
+        + sum(len(t.token) for t in gen.token_logprobs[:start]))
+    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
 
 
 def text_completion_object(gens: Sequence[Generation], model: str) -> dict[str, Any]:
