@@ -31,6 +31,7 @@ from antiphon.engine_ext.config import (
 from antiphon.engine_ext.costfit import Machine, machine_fingerprint
 from antiphon.engine_ext.policies import policy_class
 from antiphon.engine_ext.profiler import EngineLimits, prepare_cost_model
+from antiphon.engine_ext.tool_calls import hermes_turns, tool_message
 from antiphon.engine_ext.types import (
     ChatContext,
     ChatTurn,
@@ -39,6 +40,7 @@ from antiphon.engine_ext.types import (
     GenerationParams,
     RequestClass,
     TokenLogprob,
+    ToolSpec,
 )
 from antiphon.tiering.config import TieringConfig
 
@@ -95,9 +97,12 @@ class Engine(abc.ABC):
         """Load the model and start serving; returns when the engine accepts requests."""
 
     @abc.abstractmethod
-    def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True) -> list[int]:
+    def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True,
+                    tools: Sequence[ToolSpec] = ()) -> list[int]:
         """Prompt token ids for a conversation, ending with the assistant's turn opened (or,
-        without `open_reply`, with the last turn closed: the context a next turn extends)."""
+        without `open_reply`, with the last turn closed: the context a next turn extends),
+        with `tools` offered to the model (in its template's own way where it has one, else
+        in the Hermes format: `tool_calls.hermes_turns`)."""
 
     @abc.abstractmethod
     def count_tokens(self, text: str) -> int:
@@ -119,17 +124,18 @@ class Engine(abc.ABC):
     sampling_defaults: Mapping[str, float] = MappingProxyType({})
 
     def continue_chat(self, turns: Sequence[ChatTurn], context: ChatContext | None, *,
-                      open_reply: bool = True) -> list[int]:
+                      open_reply: bool = True, tools: Sequence[ToolSpec] = ()) -> list[int]:
         """`render_chat(turns)`, but extending `context` (the exact tokens up to the reply
         `turns[context.num_messages - 1]`) where that gives the same text, so the previous
         turn's KV is reused token for token; the rendered prompt otherwise."""
-        rendered = self.render_chat(turns, open_reply=open_reply)
+        rendered = self.render_chat(turns, open_reply=open_reply, tools=tools)
         end = 0 if context is None else context.num_messages
         if context is None or not 0 < end <= len(turns) or turns[end - 1].role != "assistant":
             return rendered
-        before = self.render_chat(turns[:end - 1])  # the reply's prompt, as text renders it
+        # the reply's prompt, as text renders it
+        before = self.render_chat(turns[:end - 1], tools=tools)
         emptied = self.render_chat([*turns[:end - 1], ChatTurn("assistant", ""), *turns[end:]],
-                                   open_reply=open_reply)
+                                   open_reply=open_reply, tools=tools)
         if emptied[:len(before)] != before:
             return rendered  # the template does not render the history as a prefix
         extended = [*context.token_ids, *emptied[len(before):]]
@@ -338,12 +344,26 @@ class VllmEngine(Engine):
 
         return f"{self.model_dir.resolve()}|{self.dtype}|{weights_fingerprint(self.model_dir)}"
 
-    def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True) -> list[int]:
-        conversation = [{"role": t.role, "content": t.content} for t in turns]
+    def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True,
+                    tools: Sequence[ToolSpec] = ()) -> list[int]:
+        extra: dict[str, Any] = {}
+        if self._template_knows_tools:
+            if tools:
+                extra["tools"] = [t.to_json() for t in tools]
+        else:
+            turns = hermes_turns(turns, tools)
         text = self._tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=open_reply, tokenize=False
-        )
+            [tool_message(t) for t in turns], add_generation_prompt=open_reply, tokenize=False,
+            **extra)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    @functools.cached_property
+    def _template_knows_tools(self) -> bool:
+        """The chat template renders `tools` and calls itself (it names them), so the model
+        sees them as it was trained to; else Antiphon writes them in the Hermes format."""
+        template = self._tokenizer.chat_template
+        texts = template.values() if isinstance(template, dict) else [template or ""]
+        return any("tools" in text and "tool_calls" in text for text in texts)
 
     def load_tokenizer(self) -> None:
         """The model's tokenizer, for rendering and counting (`start` loads it too)."""

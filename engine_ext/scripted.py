@@ -15,12 +15,14 @@ from antiphon.engine_ext.engine import (
     EngineRequestError,
     EngineRequestFailedError,
 )
+from antiphon.engine_ext.tool_calls import hermes_turns
 from antiphon.engine_ext.types import (
     ChatTurn,
     Delta,
     EngineHealth,
     GenerationParams,
     TokenLogprob,
+    ToolSpec,
 )
 
 
@@ -65,6 +67,7 @@ class ScriptedEngine(Engine):
         self.forgotten: list[tuple[str, list[list[int]], str | None]] = []  # `forget` calls
         self.cache_salts: list[str | None] = []  # of each request, then each advisory
         self.params: list[GenerationParams] = []  # of each request, in order
+        self.prompts: list[list[int]] = []  # of each request, in order
         self._replies: dict[tuple[int, ...], str] = {}
         self._is_running = False
         self._is_dead = False
@@ -91,9 +94,11 @@ class ScriptedEngine(Engine):
     async def start(self) -> None:
         self._is_running = True
 
-    def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True) -> list[int]:
+    def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True,
+                    tools: Sequence[ToolSpec] = ()) -> list[int]:
         if not turns:  # as Hugging Face chat templates do
             raise ValueError("Cannot apply chat template to an empty conversation.")
+        turns = hermes_turns(turns, tools)  # its template knows no tools
         text = "".join(f"<{t.role}>{t.content}\n" for t in turns)
         if not open_reply:
             return [ord(c) for c in text]
@@ -125,6 +130,7 @@ class ScriptedEngine(Engine):
             raise EngineRequestError("prompt is longer than the model context")
         self.cache_salts.append(params.cache_salt)
         self.params.append(params)
+        self.prompts.append(list(prompt_token_ids))
         reply = self._replies.get(tuple(prompt_token_ids), "ok")
         words = reply.split(" ")
         self.active_request_ids.add(request_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,11 +22,48 @@ class RequestClass(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call: OpenAI's `tools[].function`."""
+
+    name: str
+    description: str | None = None
+    parameters_json: str | None = None  # JSON text of its arguments' schema (None: none given)
+
+    def to_json(self) -> dict[str, Any]:
+        """As OpenAI's `tools[]` entry (what chat templates that know tools take)."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        if self.parameters_json is not None:
+            function["parameters"] = json.loads(self.parameters_json)
+        return {"type": "function", "function": function}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """A call of a tool by the assistant."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI gives it (the model's, so not always valid)
+
+    def arguments_value(self) -> Any:
+        """The arguments as a value where they are JSON text of an object, else the text."""
+        try:
+            value = json.loads(self.arguments)
+        except ValueError:
+            return self.arguments
+        return value if isinstance(value, dict) else self.arguments
+
+
+@dataclasses.dataclass(frozen=True)
 class ChatTurn:
     """One message of a conversation as the chat template sees it."""
 
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
 
 @dataclasses.dataclass(frozen=True)

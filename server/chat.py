@@ -30,12 +30,14 @@ from antiphon.engine_ext.types import (
     GenerationParams,
     RequestClass,
     TokenLogprob,
+    ToolSpec,
 )
 from antiphon.server.auth import ANONYMOUS_OWNER, Authenticator
 from antiphon.server.config import ServerConfig
 from antiphon.server.errors import ApiError, ErrorCode, over_limit
 from antiphon.server.metrics import FinishedRequest, ServerMetrics
 from antiphon.server.protocol import SEED_RANGE
+from antiphon.server.tools import ToolUse
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class Generation:
     echo: Echo | None = None  # a text completion that gives its prompt before its reply
     context_start: int = 0  # a session turn: the session's first message its prompt renders
     replaces_reply: bool = False  # a session turn: its reply replaces the session's last one
+    tool_use: ToolUse | None = None  # a chat completion with tools: how its reply holds calls
 
     @property
     def text(self) -> str:
@@ -109,7 +112,7 @@ class Generation:
                 params, seed=low + (params.seed - low + offset) % (high - low + 1))
         return Generation(self.request_id, self.prompt_token_ids, params,
                           index=self.index + offset, prompt_index=self.prompt_index,
-                          echo=self.echo)
+                          echo=self.echo, tool_use=self.tool_use)
 
     def with_choices(self, n: int) -> list[Generation]:
         """This generation and `n` - 1 more choices of its prompt."""
@@ -209,6 +212,11 @@ class ChatService:
             raise over_limit(f"{count} choices (n, times the prompts); the limit is "
                              f"{self.config.max_choices}")
 
+    def check_tools(self, count: int) -> None:
+        """Raises `too_large` past `--max-tools` tools in one request."""
+        if count > self.config.max_tools:
+            raise over_limit(f"{count} tools; the limit is {self.config.max_tools}")
+
     def check_in_vocabulary(self, token_ids: Sequence[int], what: str) -> None:
         """Raises `bad_message` when `what` holds a token id the model does not have."""
         vocab = self.engine.vocab_size
@@ -272,14 +280,16 @@ class ChatService:
         session_id: str | None = None,
         context: ChatContext | None = None,
         owner: str = ANONYMOUS_OWNER,
+        tools: Sequence[ToolSpec] = (),
         **sampling: Any,
     ) -> Generation:
         """Validate and render a request of `owner`'s (extending `context`, the exact tokens
-        of the conversation so far, where it has one); raises `ApiError` and changes nothing
-        on bad input. Its class is `request_class`, else the owner's (`request_class_for`).
-        `sampling`: the `GenerationParams` fields the request sets; the
-        temperature it leaves unset is the server's default, else the model's, else 1."""
-        prompt = self.engine.continue_chat(turns, context)
+        of the conversation so far, where it has one; offering the model `tools`); raises
+        `ApiError` and changes nothing on bad input. Its class is `request_class`, else the
+        owner's (`request_class_for`). `sampling`: the `GenerationParams` fields the request
+        sets; the temperature it leaves unset is the server's default, else the model's,
+        else 1."""
+        prompt = self.engine.continue_chat(turns, context, tools=tools)
         return self.prepare_prompt(request_id, prompt, max_tokens, request_class, session_id,
                                    owner, "the conversation", **sampling)
 

@@ -12,10 +12,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from antiphon.engine_ext.types import ChatTurn, RequestClass
+from antiphon.engine_ext.types import ChatTurn, RequestClass, ToolCall, ToolSpec
 from antiphon.server.chat import ChatService, Generation, total_usage
 from antiphon.server.errors import ApiError, ErrorCode, over_limit
 from antiphon.server.protocol import ID_PATTERN, Sampling, StrictBool, StrictInt
+from antiphon.server.tools import (
+    MessageToolCall,
+    NamedToolChoice,
+    ToolChoice,
+    ToolDefinition,
+    ToolUse,
+    arguments_schema,
+    calls_schema,
+    reply_message,
+)
 
 
 class TextPart(BaseModel):
@@ -25,15 +35,30 @@ class TextPart(BaseModel):
 
 class OpenAIMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    """Required, and not blank, except in an assistant message (clients send "" or null)."""
+    """Required, and not blank, except in an assistant message (clients send "" or null) and
+    a tool's result (which may be empty)."""
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant's calls of tools."""
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """A tool's result: the call it answers (one of an earlier assistant message's)."""
 
     @model_validator(mode="after")
-    def _content_unless_assistant(self) -> OpenAIMessage:
+    def _fields_of_its_role(self) -> OpenAIMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has it")
         return self
+
+    def turn(self) -> ChatTurn:
+        calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments)
+                      for c in self.tool_calls or ())
+        return ChatTurn("system" if self.role == "developer" else self.role, self.text(),
+                        calls, self.tool_call_id)
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -50,8 +75,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and vLLM's default `max_logprobs`
 # OpenAI parameters this server does not implement, each with the values that ask for nothing
 # it would ignore: any other value is refused rather than silently dropped.
 UNSUPPORTED_PARAMETERS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "functions": (None, []), "function_call": (None, "none", "auto"),  # use tools
     "audio": (None,), "modalities": (None, ["text"]),
     "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
     "web_search_options": (None,), "echo": (None, False), "best_of": (None, 1),
@@ -82,6 +106,13 @@ class ChatCompletionRequest(Sampling):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
+    tools: list[ToolDefinition] | None = None
+    """Functions the model may call (`--max-tools` at most, names unique): see
+    `server/tools.py`."""
+    tool_choice: ToolChoice | None = None
+    """"auto" with tools (the default), "none", "required", or a function named."""
+    parallel_tool_calls: StrictBool | None = None
+    """False: one call at most (default true)."""
     vllm_xargs: dict[str, Any] | None = None
     """Antiphon reads `request_class` ("rt" or "be"), `ttft_slo_s`, `tpot_slo_s` and
     `session_id` here."""
@@ -96,6 +127,50 @@ class ChatCompletionRequest(Sampling):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
+
+    @model_validator(mode="after")
+    def _tools_consistent(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have different names")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice other than none or auto needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one "
+                             "of the tools")
+        if (self.tool_use() is not None and self.response_format is not None
+                and self.response_format.type != "text"):
+            raise ValueError("response_format and tools cannot be used together (set "
+                             'tool_choice to "none", or leave one out)')
+        return self
+
+    def tool_use(self) -> ToolUse | None:
+        """How the reply holds tool calls; None where it holds none (no tools, or
+        tool_choice "none")."""
+        choice = self.tool_choice or "auto"
+        if not self.tools or choice == "none":
+            return None
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            return ToolUse("function", choice.function.name, parallel)
+        return ToolUse("required" if choice == "required" else "auto", None, parallel)
+
+    def tool_specs(self) -> list[ToolSpec]:
+        """The tools the model is shown (none where tool_choice is "none")."""
+        if self.tool_use() is None:
+            return []
+        return [t.spec() for t in self.tools or ()]
+
+    def reply_schema(self) -> str | None:
+        """JSON schema text a constrained tool choice holds the reply to (None: not
+        constrained by tools)."""
+        use, specs = self.tool_use(), self.tool_specs()
+        if use is None or use.mode == "auto":
+            return None
+        if use.mode == "required":
+            return calls_schema(specs, use.parallel)
+        return arguments_schema(next(t for t in specs if t.name == use.function))
 
     @property
     def num_choices(self) -> int:
@@ -155,11 +230,19 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     if body.num_choices > 1 and "session_id" in (body.vllm_xargs or {}):
         raise ApiError(ErrorCode.BAD_MESSAGE, "n must be 1 in a session turn: the session "
                        "keeps one reply per turn")
-    turns = []
+    chat.check_tools(len(body.tools or ()))
+    turns, call_ids = [], set()
     for m in body.messages:
-        text = m.text()
-        chat.check_content(text, may_be_empty=m.role == "assistant")
-        turns.append(ChatTurn("system" if m.role == "developer" else m.role, text))
+        turn = m.turn()
+        chat.check_content(turn.content, may_be_empty=m.role in ("assistant", "tool"))
+        for call in turn.tool_calls:
+            chat.check_content(call.arguments, may_be_empty=True)
+            call_ids.add(call.id)
+        if turn.tool_call_id is not None and turn.tool_call_id not in call_ids:
+            raise ApiError(ErrorCode.BAD_MESSAGE, f"tool message answers "
+                           f"{turn.tool_call_id[:64]!r}, which no earlier assistant message "
+                           "called")
+        turns.append(turn)
     return turns
 
 
@@ -193,10 +276,15 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest, owner: st
     turns = completion_turns(chat, body)
     if request_class is None:
         request_class = request_class_xarg(body.vllm_xargs or {})
+    sampling = body.sampling()
+    schema = body.reply_schema()
+    if schema is not None:
+        sampling["json_schema"] = schema
     gen = chat.prepare(
         secrets.token_hex(12), turns, body.requested_max_tokens, request_class, session_id,
-        owner=owner,
-        **body.sampling(), **slo_overrides(chat, body.vllm_xargs or {}))
+        owner=owner, tools=body.tool_specs(),
+        **sampling, **slo_overrides(chat, body.vllm_xargs or {}))
+    gen.tool_use = body.tool_use()
     return gen.with_choices(body.num_choices)
 
 
@@ -238,8 +326,12 @@ def completion_object(gens: Sequence[Generation], model: str) -> dict[str, Any]:
     return {
         "id": "chatcmpl-" + gens[0].request_id, "object": "chat.completion",
         "created": int(time.time()), "model": model,
-        "choices": [{"index": g.index, "message": {"role": "assistant", "content": g.text},
-                     "logprobs": g.logprobs(), "finish_reason": g.finish_reason}
-                    for g in gens],
+        "choices": [_choice(g) for g in gens],
         "usage": total_usage(gens),
     }
+
+
+def _choice(gen: Generation) -> dict[str, Any]:
+    message, finish_reason = reply_message(gen.text, gen.finish_reason, gen.tool_use)
+    return {"index": gen.index, "message": message, "logprobs": gen.logprobs(),
+            "finish_reason": finish_reason}

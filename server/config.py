@@ -61,6 +61,7 @@ class ServerConfig:
         "Most choices one completion request asks for: n, times the prompts of a text "
         "completion (each choice is a reply generating, counted in --max-inflight-per-key)",
         default=16)
+    max_tools: int = doc("Most tools one chat completion offers the model", default=128)
     max_prompt_logprobs_tokens: int = doc(
         "Longest prompt a text completion may ask its tokens' logprobs of (echo with "
         "logprobs), times its choices (n), each of which computes them: they are computed in "
@@ -154,10 +155,10 @@ class ServerConfig:
             raise ValueError("model aliases must be 1 to 256 characters, not blank")
         for name in ("max_frame_bytes", "max_content_chars", "max_messages", "default_max_tokens",
                      "max_tokens_limit", "max_stop_sequences", "max_logit_bias_tokens",
-                     "max_choices", "max_prompt_logprobs_tokens", "max_inflight_per_connection",
-                     "max_connections", "max_connections_per_key", "max_inflight_per_key",
-                     "max_sessions_listed", "max_sessions_per_key", "max_batch_file_bytes",
-                     "max_stored_file_bytes", "max_batch_items",
+                     "max_choices", "max_tools", "max_prompt_logprobs_tokens",
+                     "max_inflight_per_connection", "max_connections", "max_connections_per_key",
+                     "max_inflight_per_key", "max_sessions_listed", "max_sessions_per_key",
+                     "max_batch_file_bytes", "max_stored_file_bytes", "max_batch_items",
                      "max_batch_concurrency", "dashboard_history", "dashboard_max_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -37,6 +37,7 @@ from antiphon.server.text_completions import (
     text_completion_object,
     tokenize,
 )
+from antiphon.server.tools import ToolStream
 
 router = APIRouter()
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the reply
@@ -185,6 +186,7 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
     exchange is kept), the usage last where asked. An SSE comment goes out every
     `--sse-ping-s` with nothing else to send."""
     created = int(time.time())
+    tool_streams = [None if g.tool_use is None else ToolStream(g.tool_use) for g in gens]
     sent_logprobs = [0] * len(gens)  # output tokens whose logprobs went out, per choice
     opened = [False] * len(gens)  # the choice's first chunk went out
     ended = [False] * len(gens)  # its last chunk went out
@@ -208,10 +210,17 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
                 frames.append(frame([{"index": gen.index,
                                       "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}]))
-            choice = {"index": gen.index, "delta": {} if text is None else {"content": text},
-                      "logprobs": (gen.logprobs(start) if len(gen.token_logprobs) > start
-                                   else None),
-                      "finish_reason": finish_reason}
+            deltas, finish_reason = _deltas(tool_streams[i], text, finish_reason)
+            logprobs = gen.logprobs(start) if len(gen.token_logprobs) > start else None
+            if not deltas and (logprobs is not None or text is None):
+                deltas = [{}]  # text held back: its logprobs, or the end, still go out
+            for k, delta in enumerate(deltas):  # the last delta carries the finish reason
+                frames.append(frame([{
+                    "index": gen.index, "delta": delta, "logprobs": None if k else logprobs,
+                    "finish_reason": finish_reason if k == len(deltas) - 1 else None}]))
+            opened[i] = True
+            sent_logprobs[i] = len(gen.token_logprobs)
+            return frames
         opened[i] = True
         sent_logprobs[i] = len(gen.token_logprobs)
         return [*frames, frame([choice])]
@@ -256,3 +265,14 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
     if include_usage:
         yield frame([], usage=total_usage(gens))
     yield "data: [DONE]\n\n"
+
+
+def _deltas(tools: ToolStream | None, text: str | None,
+            finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """A chat choice's next deltas for new text, or for its end (None), and its finish
+    reason; with tools, text may be held back (no delta yet)."""
+    if tools is None:
+        return [{} if text is None else {"content": text}], finish_reason
+    if text is not None:
+        return tools.feed(text), finish_reason
+    return tools.finish(finish_reason)

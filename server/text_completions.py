@@ -20,7 +20,7 @@ from typing import Annotated, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from antiphon.engine_ext.types import ChatTurn, RequestClass, TokenLogprob
+from antiphon.engine_ext.types import RequestClass, TokenLogprob
 from antiphon.server.chat import ChatService, Echo, Generation, total_usage
 from antiphon.server.completions import (
     MAX_TOP_LOGPROBS,
@@ -34,6 +34,7 @@ from antiphon.server.completions import (
 )
 from antiphon.server.errors import ApiError, ErrorCode, over_limit
 from antiphon.server.protocol import Sampling, StrictBool, StrictInt
+from antiphon.server.tools import ToolDefinition
 
 # Legacy parameters this server does not implement, with the values that ask for nothing.
 UNSUPPORTED_PARAMETERS: dict[str, tuple[Any, ...]] = {
@@ -111,11 +112,15 @@ class TokenizeRequest(BaseModel):
     """A plain prompt's BOS and the like (default true); not for messages (the template's)."""
     add_generation_prompt: StrictBool = True
     """Messages only: end with the assistant's turn opened, as a reply's prompt does."""
+    tools: list[ToolDefinition] | None = None
+    """Messages only: the tools offered, rendered as a chat completion renders them."""
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools are for messages")
         if self.messages is not None and self.add_special_tokens is not None:
             raise ValueError("add_special_tokens is for a prompt; messages get the chat "
                              "template's")
@@ -138,11 +143,12 @@ def tokenize(chat: ChatService, body: TokenizeRequest) -> dict[str, Any]:
         if len(body.messages) > chat.config.max_messages:
             raise over_limit(f"{len(body.messages)} messages; the limit is "
                              f"{chat.config.max_messages}")
-        turns = []
-        for m in body.messages:
-            chat.check_content(m.text(), may_be_empty=True)
-            turns.append(ChatTurn("system" if m.role == "developer" else m.role, m.text()))
-        tokens = chat.engine.render_chat(turns, open_reply=body.add_generation_prompt)
+        chat.check_tools(len(body.tools or ()))
+        turns = [m.turn() for m in body.messages]
+        for turn in turns:
+            chat.check_content(turn.content, may_be_empty=True)
+        tokens = chat.engine.render_chat(turns, open_reply=body.add_generation_prompt,
+                                         tools=[t.spec() for t in body.tools or ()])
     else:
         assert body.prompt is not None
         chat.check_content(body.prompt, may_be_empty=True)

@@ -9,7 +9,8 @@ from contextlib import aclosing
 import pytest
 
 from antiphon.engine_ext.engine import EngineRequestError, EngineRequestFailedError, VllmEngine
-from antiphon.engine_ext.types import ChatTurn, GenerationParams
+from antiphon.engine_ext.types import ChatTurn, GenerationParams, ToolSpec
+from antiphon.server.tools import ToolUse, calls_schema
 
 pytestmark = pytest.mark.engine
 
@@ -197,3 +198,27 @@ async def test_a_request_that_fails_on_its_way_in_is_aborted(engine: VllmEngine)
     assert health.is_healthy and health.num_unfinished_requests == 0
     text, _ = await generate_text(engine, "after-failure", QUESTION)
     assert "Paris" in text
+
+
+async def test_a_required_tool_call_names_a_tool_offered_and_matches_its_schema(
+        engine: VllmEngine) -> None:
+    """SmolLM2's template knows no tools: they are written in the Hermes format, and
+    "required" holds the reply to a list of one call of them (structured output)."""
+    weather = ToolSpec("get_weather", "Current weather in a city", json.dumps({
+        "type": "object", "required": ["city", "unit"], "additionalProperties": False,
+        "properties": {"city": {"type": "string", "maxLength": 40},
+                       "unit": {"enum": ["celsius", "fahrenheit"]}}}))
+    tools = [weather, ToolSpec("get_time", "Current time", None)]
+    prompt = engine.render_chat([ChatTurn("user", "What is the weather in Paris?")], tools=tools)
+    assert "<tools>" in engine.decode(prompt) and '"name": "get_weather"' in engine.decode(prompt)
+    text, reason = "", None
+    async for delta in engine.generate("tool-required", prompt, GenerationParams(
+            max_tokens=80, json_schema=calls_schema(tools, parallel=False))):
+        text += delta.text
+        reason = delta.finish_reason
+    content, calls = ToolUse("required", parallel=False).read(text, reason == "stop")
+    assert content is None and len(calls) == 1, text
+    name, arguments = calls[0]
+    assert name in ("get_weather", "get_time")
+    if name == "get_weather":
+        assert set(json.loads(arguments)) == {"city", "unit"}

@@ -1,0 +1,183 @@
+"""Tool calls in a conversation, in the Hermes format: how the tools and the calls are written
+into a prompt for a model whose chat template knows no tools, and how calls are read back out
+of a reply.
+
+The format (NousResearch's Hermes, also Qwen 2.5's and SmolLM2's) puts the tools' signatures
+in the system message and has the model answer a call as::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+one block per call (SmolLM2 writes a JSON list of calls in one block: read too). A tool's
+result goes back as a user message holding `<tool_response>` blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from antiphon.engine_ext.types import ChatTurn, ToolCall, ToolSpec
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+TOOLS_PROMPT = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user "
+    "query. Don't make assumptions about what values to plug into functions. Here are the "
+    "available tools:\n<tools>\n{tools}\n</tools>\nFor each function call, return a json "
+    "object with function name and arguments within <tool_call></tool_call> XML tags as "
+    'follows:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n'
+    "</tool_call>"
+)
+
+
+def hermes_turns(turns: Sequence[ChatTurn], tools: Sequence[ToolSpec]) -> list[ChatTurn]:
+    """`turns` as plain (role, content) turns in the Hermes format, for a template that knows
+    no tools: the tools' signatures added to the system message (one made when there is
+    none), each assistant's calls written as `<tool_call>` blocks after its text, and each run
+    of tool results one user message of `<tool_response>` blocks."""
+    out: list[ChatTurn] = []
+    results: list[str] = []
+
+    def flush_results() -> None:
+        if results:
+            out.append(ChatTurn("user", "\n".join(results)))
+            results.clear()
+
+    for turn in turns:
+        if turn.role == "tool":
+            results.append(f"<tool_response>\n{turn.content}\n</tool_response>")
+            continue
+        flush_results()
+        if turn.tool_calls:
+            blocks = [f"{CALL_OPEN}\n{call_json(c)}\n{CALL_CLOSE}" for c in turn.tool_calls]
+            out.append(ChatTurn(turn.role, "\n".join([turn.content, *blocks] if turn.content
+                                                     else blocks)))
+        else:
+            out.append(ChatTurn(turn.role, turn.content))
+    flush_results()
+    if tools:
+        listing = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.to_json()) for t in tools))
+        if out and out[0].role == "system":
+            out[0] = ChatTurn("system", f"{out[0].content}\n\n{listing}")
+        else:
+            out.insert(0, ChatTurn("system", listing))
+    return out
+
+
+def call_json(call: ToolCall) -> str:
+    """A call as the model writes it: the arguments as an object where they are JSON text of
+    one, else as the text given."""
+    return json.dumps({"name": call.name, "arguments": call.arguments_value()},
+                      ensure_ascii=False)
+
+
+@dataclasses.dataclass
+class HermesReader:
+    """Reads a reply as it streams: the text outside `<tool_call>` blocks, and the calls of
+    the blocks. A block that does not hold a call (not JSON, no name) stays text, and so does
+    one the reply leaves open. Text that may be the start of a block is held back until it is
+    known not to be, and so is whitespace, which is dropped before a call (the events are the
+    same however the reply is cut into pieces)."""
+
+    _buffer: str = ""
+    _inside: bool = False
+    _gap: str = ""  # the whitespace before the open block (text again if the block is)
+
+    def feed(self, piece: str) -> Iterator[str | list[tuple[str, str]]]:
+        """The reply's next piece in; out, in order: text (str) and each block's calls (a list
+        of (name, arguments as JSON text))."""
+        self._buffer += piece
+        while True:
+            if self._inside:
+                end = self._buffer.find(CALL_CLOSE)
+                if end < 0:
+                    return
+                end += len(CALL_CLOSE)
+                block, self._buffer = self._buffer[:end], self._buffer[end:]
+                self._inside = False
+                calls = parse_calls(block[len(CALL_OPEN):-len(CALL_CLOSE)])
+                yield self._gap + block if calls is None else calls
+                continue
+            start = self._buffer.find(CALL_OPEN)
+            if start >= 0:
+                yield from self._text(self._buffer[:start])
+                self._gap = self._buffer[len(self._buffer[:start].rstrip()):start]
+                self._buffer, self._inside = self._buffer[start:], True
+                continue
+            settled = self._buffer[:len(self._buffer) - _open_prefix_length(self._buffer)]
+            head = settled.rstrip()
+            yield from self._text(head)
+            self._buffer = self._buffer[len(head):]
+            return
+
+    def finish(self) -> Iterator[str]:
+        """The reply ended: what is held back, as text (nothing if only whitespace)."""
+        rest = (self._gap if self._inside else "") + self._buffer
+        self._buffer, self._inside, self._gap = "", False, ""
+        if rest.strip():
+            yield rest
+
+    def _text(self, text: str) -> Iterator[str]:
+        """`text` (up to its trailing whitespace) as an event, where there is any."""
+        head = text.rstrip()
+        if head:
+            yield head
+
+
+def read_reply(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """A whole reply's text (None where there is none but whitespace) and calls."""
+    reader = HermesReader()
+    texts: list[str] = []
+    calls: list[tuple[str, str]] = []
+    for event in [*reader.feed(text), *reader.finish()]:
+        if isinstance(event, str):
+            texts.append(event)
+        else:
+            calls.extend(event)
+    content = "".join(texts).strip()
+    return content or None, calls
+
+
+def parse_calls(body: str) -> list[tuple[str, str]] | None:
+    """The calls in one block's JSON (an object, or a list of them), each as (name, arguments
+    as JSON text); None where it holds none."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str) and item["name"]):
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        calls.append((item["name"], arguments if isinstance(arguments, str)
+                      else json.dumps(arguments, ensure_ascii=False)))
+    return calls or None
+
+
+def _open_prefix_length(text: str) -> int:
+    """Length of the longest end of `text` that begins `<tool_call>`."""
+    for n in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
+        if CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def tool_message(turn: ChatTurn) -> dict[str, Any]:
+    """A turn as a chat template that knows tools takes it (Hugging Face's convention:
+    arguments as an object where they are JSON text of one)."""
+    message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+    if turn.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments_value()}}
+            for c in turn.tool_calls]
+    if turn.tool_call_id is not None:
+        message["tool_call_id"] = turn.tool_call_id
+    return message

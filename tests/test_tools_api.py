@@ -1,0 +1,152 @@
+"""Tool calling through `/v1/chat/completions` with the openai client, over a live server and a
+scripted engine that calls a tool when it is offered one and answers from the tool's result."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from antiphon.engine_ext.types import ChatTurn
+from tests.conftest import Scripted
+from tests.test_rest_api import client
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def agent_reply(turns: Sequence[ChatTurn]) -> str:
+    """Calls get_weather when offered it, and answers from a tool's result once it has one."""
+    last = turns[-1].content
+    if last.startswith("<tool_response>"):
+        return "It is " + last.split("\n")[1] + " in Paris."
+    if "get_weather" in turns[0].content:
+        return ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                "\n</tool_call>")
+    return "I cannot look that up."
+
+
+@pytest.fixture
+def agent(scripted: Scripted) -> Scripted:
+    scripted.engine.reply = agent_reply
+    return scripted
+
+
+def test_a_tool_is_called_and_its_result_answered(agent: Scripted) -> None:
+    app = client(agent)
+    out = app.chat.completions.create(model="scripted", messages=ASK, tools=[WEATHER])
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    prompt = "".join(map(chr, _last_prompt(agent)))
+    assert "<tools>" in prompt and '"name": "get_weather"' in prompt
+
+    messages: list[Any] = [*ASK, choice.message.model_dump(exclude_none=True),
+                           {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
+    answer = app.chat.completions.create(model="scripted", messages=messages, tools=[WEATHER])
+    assert answer.choices[0].message.content == "It is 18 C in Paris."
+    assert answer.choices[0].finish_reason == "stop" and not answer.choices[0].message.tool_calls
+    prompt = "".join(map(chr, _last_prompt(agent)))
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+            in prompt and "<tool_response>\n18 C\n</tool_response>" in prompt)
+
+
+def test_a_streamed_call_arrives_whole_with_its_index(agent: Scripted) -> None:
+    chunks = list(client(agent).chat.completions.create(
+        model="scripted", messages=ASK, tools=[WEATHER], stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Checking."
+    (entry,) = [e for d in deltas for e in d.tool_calls or ()]
+    assert entry.index == 0 and entry.id and entry.function is not None
+    assert (entry.function.name, entry.function.arguments) == (
+        "get_weather", '{"city": "Paris"}')
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_a_named_or_required_call_constrains_the_reply(agent: Scripted) -> None:
+    app = client(agent)
+    agent.engine.reply = lambda turns: '{"city": "Oslo"}'
+    named = app.chat.completions.create(
+        model="scripted", messages=ASK, tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert json.loads(agent.engine.params[-1].json_schema or "") == \
+        WEATHER["function"]["parameters"]
+    (call,) = named.choices[0].message.tool_calls or []
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Oslo"}')
+    assert named.choices[0].finish_reason == "stop" and named.choices[0].message.content is None
+
+    agent.engine.reply = lambda turns: '[{"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    required = app.chat.completions.create(model="scripted", messages=ASK, tools=[WEATHER],
+                                           tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(agent.engine.params[-1].json_schema or "")
+    assert schema["type"] == "array" and schema["maxItems"] == 1
+    (call,) = required.choices[0].message.tool_calls or []
+    assert json.loads(call.function.arguments) == {"city": "Rome"}
+    assert required.choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_hides_the_tools(agent: Scripted) -> None:
+    out = client(agent).chat.completions.create(model="scripted", messages=ASK,
+                                                tools=[WEATHER], tool_choice="none")
+    assert out.choices[0].message.content == "I cannot look that up."
+    assert agent.engine.params[-1].json_schema is None
+
+
+def _last_prompt(s: Scripted) -> list[int]:
+    return s.engine.prompts[-1]
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"tools": [WEATHER, WEATHER]}, "tools must have different names"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ({"tool_choice": "required"}, "tool_choice other than none or auto needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice names 'x', which is not one of the tools"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}},
+     "response_format and tools cannot be used together"),
+    ({"messages": [*ASK, {"role": "tool", "tool_call_id": "c9", "content": "x"}]},
+     "tool message answers 'c9', which no earlier assistant message called"),
+    ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "needs tool_call_id"),
+    ({"messages": [{"role": "user", "content": "a", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "only an assistant message has tool_calls"),
+    ({"functions": [WEATHER["function"]]}, "functions is not supported"),
+])
+def test_bad_tool_requests_are_refused(agent: Scripted, fields: dict[str, Any],
+                                       words: str) -> None:
+    body = {"model": "scripted", "messages": ASK, **fields}
+    response = httpx.post(agent.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 400 and words in response.json()["error"]["message"], \
+        response.text
+    assert not agent.engine.params  # nothing reached the engine
+
+
+def test_tools_are_limited_in_number(tmp_path: Any) -> None:
+    from antiphon.engine_ext.scripted import ScriptedEngine
+    from tests.conftest import scripted_config
+    from tests.liveserver import live_server
+
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(3)]
+    with live_server(scripted_config(tmp_path, max_tools=2), ScriptedEngine()) as url:
+        app = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="3 tools; the limit is 2"):
+            app.chat.completions.create(model="scripted", messages=ASK, tools=tools)  # type: ignore[arg-type]
+        app.chat.completions.create(model="scripted", messages=ASK, tools=tools[:2])  # type: ignore[arg-type]
+
+
+def test_tokenize_renders_the_tools_as_a_completion_does(agent: Scripted) -> None:
+    client(agent).chat.completions.create(model="scripted", messages=ASK, tools=[WEATHER])
+    tokens = httpx.post(agent.url + "/tokenize", json={"messages": ASK, "tools": [WEATHER]})
+    assert tokens.json()["tokens"] == _last_prompt(agent)
+    refused = httpx.post(agent.url + "/tokenize", json={"prompt": "a", "tools": [WEATHER]})
+    assert refused.status_code == 400 and "tools are for messages" in refused.text
