@@ -102,7 +102,8 @@ class Engine(abc.ABC):
         """Prompt token ids for a conversation, ending with the assistant's turn opened (or,
         without `open_reply`, with the last turn closed: the context a next turn extends),
         with `tools` offered to the model (in its template's own way where it has one, else
-        in the Hermes format: `tool_calls.hermes_turns`)."""
+        in the Hermes format: `tool_calls.hermes_turns`). Raises `EngineRequestError` where
+        the template refuses the conversation."""
 
     @abc.abstractmethod
     def count_tokens(self, text: str) -> int:
@@ -352,9 +353,15 @@ class VllmEngine(Engine):
                 extra["tools"] = [t.to_json() for t in tools]
         else:
             turns = hermes_turns(turns, tools)
-        text = self._tokenizer.apply_chat_template(
-            [tool_message(t) for t in turns], add_generation_prompt=open_reply, tokenize=False,
-            **extra)
+        from jinja2 import TemplateError
+
+        try:
+            text = self._tokenizer.apply_chat_template(
+                [tool_message(t) for t in turns], add_generation_prompt=open_reply,
+                tokenize=False, **extra)
+        except TemplateError as exc:  # the template's own checks (roles, tool call ids, ...)
+            raise EngineRequestError(f"the model's chat template refused the "
+                                     f"conversation: {exc}") from exc
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     @functools.cached_property

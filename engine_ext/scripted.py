@@ -67,7 +67,7 @@ class ScriptedEngine(Engine):
         self.forgotten: list[tuple[str, list[list[int]], str | None]] = []  # `forget` calls
         self.cache_salts: list[str | None] = []  # of each request, then each advisory
         self.params: list[GenerationParams] = []  # of each request, in order
-        self.prompts: list[list[int]] = []  # of each request, in order
+        self.request_prompts: list[list[int]] = []  # of each request, in order (token ids)
         self._replies: dict[tuple[int, ...], str] = {}
         self._is_running = False
         self._is_dead = False
@@ -130,7 +130,7 @@ class ScriptedEngine(Engine):
             raise EngineRequestError("prompt is longer than the model context")
         self.cache_salts.append(params.cache_salt)
         self.params.append(params)
-        self.prompts.append(list(prompt_token_ids))
+        self.request_prompts.append(list(prompt_token_ids))
         reply = self._replies.get(tuple(prompt_token_ids), "ok")
         words = reply.split(" ")
         self.active_request_ids.add(request_id)

@@ -16,8 +16,10 @@ result goes back as a user message holding `<tool_response>` blocks.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-from collections.abc import Iterator, Sequence
+import string
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 from antiphon.engine_ext.types import ChatTurn, ToolCall, ToolSpec
@@ -79,14 +81,15 @@ def call_json(call: ToolCall) -> str:
 @dataclasses.dataclass
 class HermesReader:
     """Reads a reply as it streams: the text outside `<tool_call>` blocks, and the calls of
-    the blocks. A block that does not hold a call (not JSON, no name) stays text, and so does
-    one the reply leaves open. Text that may be the start of a block is held back until it is
-    known not to be, and so is whitespace, which is dropped before a call (the events are the
-    same however the reply is cut into pieces)."""
+    the blocks. A block that does not hold a call stays text, and so does one the reply leaves
+    open. Whitespace next to a call is dropped; other text is kept as it is. Text that may be
+    the start of a block, and whitespace, are held back until it is known what they are: the
+    events are the same however the reply is cut into pieces."""
 
     _buffer: str = ""
-    _inside: bool = False
+    _inside: bool = False  # the buffer starts with an open block
     _gap: str = ""  # the whitespace before the open block (text again if the block is)
+    _after_call: bool = False  # the last event was a call: whitespace next is dropped
 
     def feed(self, piece: str) -> Iterator[str | list[tuple[str, str]]]:
         """The reply's next piece in; out, in order: text (str) and each block's calls (a list
@@ -99,38 +102,43 @@ class HermesReader:
                     return
                 end += len(CALL_CLOSE)
                 block, self._buffer = self._buffer[:end], self._buffer[end:]
-                self._inside = False
                 calls = parse_calls(block[len(CALL_OPEN):-len(CALL_CLOSE)])
-                yield self._gap + block if calls is None else calls
+                if calls is None:
+                    yield from self._text(self._gap + block)
+                else:
+                    self._after_call = True
+                    yield calls
+                self._inside, self._gap = False, ""
                 continue
             start = self._buffer.find(CALL_OPEN)
             if start >= 0:
-                yield from self._text(self._buffer[:start])
-                self._gap = self._buffer[len(self._buffer[:start].rstrip()):start]
+                head = self._buffer[:start].rstrip()
+                yield from self._text(head)
+                self._gap = self._buffer[len(head):start]
                 self._buffer, self._inside = self._buffer[start:], True
                 continue
-            settled = self._buffer[:len(self._buffer) - _open_prefix_length(self._buffer)]
-            head = settled.rstrip()
+            head = self._buffer[:len(self._buffer) - _open_prefix_length(self._buffer)].rstrip()
             yield from self._text(head)
             self._buffer = self._buffer[len(head):]
             return
 
     def finish(self) -> Iterator[str]:
-        """The reply ended: what is held back, as text (nothing if only whitespace)."""
+        """The reply ended: what is held back, as text."""
         rest = (self._gap if self._inside else "") + self._buffer
         self._buffer, self._inside, self._gap = "", False, ""
-        if rest.strip():
-            yield rest
+        yield from self._text(rest)
 
     def _text(self, text: str) -> Iterator[str]:
-        """`text` (up to its trailing whitespace) as an event, where there is any."""
-        head = text.rstrip()
-        if head:
-            yield head
+        if self._after_call:
+            text = text.lstrip()
+        if text:
+            self._after_call = False
+            yield text
 
 
 def read_reply(text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """A whole reply's text (None where there is none but whitespace) and calls."""
+    """A whole reply's text and calls; the text is None where the reply holds calls and
+    nothing else."""
     reader = HermesReader()
     texts: list[str] = []
     calls: list[tuple[str, str]] = []
@@ -139,25 +147,35 @@ def read_reply(text: str) -> tuple[str | None, list[tuple[str, str]]]:
             texts.append(event)
         else:
             calls.extend(event)
-    content = "".join(texts).strip()
-    return content or None, calls
+    content = "".join(texts)
+    return (content or None) if calls else content, calls
 
 
-def parse_calls(body: str) -> list[tuple[str, str]] | None:
-    """The calls in one block's JSON (an object, or a list of them), each as (name, arguments
-    as JSON text); None where it holds none."""
+def parse_calls(body: str, names: Collection[str] | None = None) -> list[tuple[str, str]] | None:
+    """The calls in `body`, JSON of a call or a list of them, each as (name, arguments as JSON
+    text of an object); None where it is not (and where a name is not one of `names`, when
+    given). A call is `{"name": ..., "arguments": {...}}`; "parameters" (Llama 3.1's word) is
+    read as "arguments", and arguments may be JSON text of an object (as OpenAI gives them)."""
     try:
         value = json.loads(body)
     except ValueError:
         return None
-    items = value if isinstance(value, list) else [value]
     calls = []
-    for item in items:
-        if not (isinstance(item, dict) and isinstance(item.get("name"), str) and item["name"]):
+    for item in value if isinstance(value, list) else [value]:
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str) and item["name"]
+                and (names is None or item["name"] in names)):
             return None
-        arguments = item.get("arguments", item.get("parameters", {}))
-        calls.append((item["name"], arguments if isinstance(arguments, str)
-                      else json.dumps(arguments, ensure_ascii=False)))
+        arguments = item.get("arguments", item.get("parameters"))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            return None
+        calls.append((item["name"], json.dumps(arguments, ensure_ascii=False)))
     return calls or None
 
 
@@ -171,13 +189,23 @@ def _open_prefix_length(text: str) -> int:
 
 def tool_message(turn: ChatTurn) -> dict[str, Any]:
     """A turn as a chat template that knows tools takes it (Hugging Face's convention:
-    arguments as an object where they are JSON text of one)."""
+    arguments as an object where they are JSON text of one). Call ids become 9 letters and
+    digits, the same for a call and its result: some templates (Mistral's) refuse others,
+    and the rest only pair them."""
     message: dict[str, Any] = {"role": turn.role, "content": turn.content}
     if turn.tool_calls:
         message["tool_calls"] = [
-            {"id": c.id, "type": "function",
+            {"id": template_call_id(c.id), "type": "function",
              "function": {"name": c.name, "arguments": c.arguments_value()}}
             for c in turn.tool_calls]
     if turn.tool_call_id is not None:
-        message["tool_call_id"] = turn.tool_call_id
+        message["tool_call_id"] = template_call_id(turn.tool_call_id)
     return message
+
+
+def template_call_id(call_id: str) -> str:
+    """A call id as 9 letters and digits, derived from it (so a prompt renders the same each
+    time, and its KV is reused)."""
+    number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8])
+    alphabet = string.ascii_letters + string.digits
+    return "".join(alphabet[(number // 62**i) % 62] for i in range(9))

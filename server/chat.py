@@ -289,9 +289,17 @@ class ChatService:
         owner's (`request_class_for`). `sampling`: the `GenerationParams` fields the request
         sets; the temperature it leaves unset is the server's default, else the model's,
         else 1."""
-        prompt = self.engine.continue_chat(turns, context, tools=tools)
+        prompt = self.render(turns, context, tools=tools)
         return self.prepare_prompt(request_id, prompt, max_tokens, request_class, session_id,
                                    owner, "the conversation", **sampling)
+
+    def render(self, turns: Sequence[ChatTurn], context: ChatContext | None = None, *,
+               open_reply: bool = True, tools: Sequence[ToolSpec] = ()) -> list[int]:
+        """`Engine.continue_chat`; a conversation the chat template refuses is `bad_message`."""
+        try:
+            return self.engine.continue_chat(turns, context, open_reply=open_reply, tools=tools)
+        except EngineRequestError as exc:
+            raise ApiError(ErrorCode.BAD_MESSAGE, str(exc)) from exc
 
     def prepare_prompt(
         self,

@@ -22,9 +22,8 @@ from antiphon.server.tools import (
     ToolChoice,
     ToolDefinition,
     ToolUse,
-    arguments_schema,
-    calls_schema,
     reply_message,
+    reply_schema,
 )
 
 
@@ -139,10 +138,6 @@ class ChatCompletionRequest(Sampling):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one "
                              "of the tools")
-        if (self.tool_use() is not None and self.response_format is not None
-                and self.response_format.type != "text"):
-            raise ValueError("response_format and tools cannot be used together (set "
-                             'tool_choice to "none", or leave one out)')
         return self
 
     def tool_use(self) -> ToolUse | None:
@@ -151,10 +146,16 @@ class ChatCompletionRequest(Sampling):
         choice = self.tool_choice or "auto"
         if not self.tools or choice == "none":
             return None
+        names = tuple(t.function.name for t in self.tools)
         parallel = self.parallel_tool_calls is not False
         if isinstance(choice, NamedToolChoice):
-            return ToolUse("function", choice.function.name, parallel)
-        return ToolUse("required" if choice == "required" else "auto", None, parallel)
+            return ToolUse("function", names, choice.function.name, parallel)
+        if choice == "required":
+            return ToolUse("required", names, None, parallel)
+        return ToolUse("auto", names, None, parallel, structured=self._content_schema() is not None)
+
+    def _content_schema(self) -> str | None:
+        return None if self.response_format is None else self.response_format.schema_text()
 
     def tool_specs(self) -> list[ToolSpec]:
         """The tools the model is shown (none where tool_choice is "none")."""
@@ -162,15 +163,19 @@ class ChatCompletionRequest(Sampling):
             return []
         return [t.spec() for t in self.tools or ()]
 
-    def reply_schema(self) -> str | None:
-        """JSON schema text a constrained tool choice holds the reply to (None: not
-        constrained by tools)."""
-        use, specs = self.tool_use(), self.tool_specs()
-        if use is None or use.mode == "auto":
-            return None
-        if use.mode == "required":
-            return calls_schema(specs, use.parallel)
-        return arguments_schema(next(t for t in specs if t.name == use.function))
+    def sampling(self) -> dict[str, Any]:
+        given = super().sampling()
+        if self.ignore_eos is not None:
+            given["ignore_eos"] = self.ignore_eos
+        if self.logprobs:
+            given["logprobs"] = self.top_logprobs or 0
+        use = self.tool_use()
+        if use is not None:  # the tools' schema over the response_format's
+            given.pop("json_schema", None)
+            schema = reply_schema(use, self.tool_specs(), self._content_schema())
+            if schema is not None:
+                given["json_schema"] = schema
+        return given
 
     @property
     def num_choices(self) -> int:
@@ -180,13 +185,6 @@ class ChatCompletionRequest(Sampling):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def sampling(self) -> dict[str, Any]:
-        given = super().sampling()
-        if self.ignore_eos is not None:
-            given["ignore_eos"] = self.ignore_eos
-        if self.logprobs:
-            given["logprobs"] = self.top_logprobs or 0
-        return given
 
 
 def refuse_unsupported(data: Any, known: set[str],
@@ -276,14 +274,10 @@ def prepare_completion(chat: ChatService, body: ChatCompletionRequest, owner: st
     turns = completion_turns(chat, body)
     if request_class is None:
         request_class = request_class_xarg(body.vllm_xargs or {})
-    sampling = body.sampling()
-    schema = body.reply_schema()
-    if schema is not None:
-        sampling["json_schema"] = schema
     gen = chat.prepare(
         secrets.token_hex(12), turns, body.requested_max_tokens, request_class, session_id,
         owner=owner, tools=body.tool_specs(),
-        **sampling, **slo_overrides(chat, body.vllm_xargs or {}))
+        **body.sampling(), **slo_overrides(chat, body.vllm_xargs or {}))
     gen.tool_use = body.tool_use()
     return gen.with_choices(body.num_choices)
 

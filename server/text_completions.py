@@ -147,8 +147,8 @@ def tokenize(chat: ChatService, body: TokenizeRequest) -> dict[str, Any]:
         turns = [m.turn() for m in body.messages]
         for turn in turns:
             chat.check_content(turn.content, may_be_empty=True)
-        tokens = chat.engine.render_chat(turns, open_reply=body.add_generation_prompt,
-                                         tools=[t.spec() for t in body.tools or ()])
+        tokens = chat.render(turns, open_reply=body.add_generation_prompt,
+                             tools=[t.spec() for t in body.tools or ()])
     else:
         assert body.prompt is not None
         chat.check_content(body.prompt, may_be_empty=True)

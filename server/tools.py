@@ -4,7 +4,9 @@ into `message.tool_calls`, whole or streamed.
 
 `tool_choice`:
 - "auto" (the default with tools): the model decides; calls are read from its reply in the
-  Hermes format (`engine_ext.tool_calls`), text outside them is the message's content.
+  Hermes format (`engine_ext.tool_calls`), text outside them is the message's content, or
+  from a reply that is all JSON of calls of the tools (Llama 3.1's and Mistral's way). With a
+  `response_format`, the reply is constrained to a JSON list of calls or to that format.
 - "required": the reply is constrained (structured output) to a JSON list of one or more calls
   of the tools given, each matching its function's parameter schema.
 - a named function: the reply is constrained to that function's arguments; it streams as
@@ -20,9 +22,9 @@ import secrets
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from antiphon.engine_ext.tool_calls import HermesReader, read_reply
+from antiphon.engine_ext.tool_calls import HermesReader, parse_calls, read_reply
 from antiphon.engine_ext.types import ToolSpec
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's
@@ -34,6 +36,13 @@ class FunctionDefinition(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     """A JSON schema of the arguments (an object); none: the function takes no arguments."""
+
+    @field_validator("parameters")
+    @classmethod
+    def _of_an_object(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None and schema.get("type", "object") != "object":
+            raise ValueError("parameters must be the JSON schema of an object (its arguments)")
+        return schema
     strict: bool | None = None
     """Calls always match the schema where the reply is constrained ("required" or a named
     function), strict or not; with "auto" the model's calls are not checked."""
@@ -82,31 +91,40 @@ class ToolUse:
     """How a choice's reply holds tool calls (None on a `Generation`: plain text)."""
 
     mode: Literal["auto", "required", "function"]
+    names: tuple[str, ...]  # the tools offered
     function: str | None = None  # the function named (mode "function")
     parallel: bool = True  # more than one call allowed
+    structured: bool = False  # "auto" with a response_format: calls as a JSON list, or content
 
     @property
     def finish_with_calls(self) -> str:
         """The finish reason of a reply that stopped on its own with calls."""
         return "stop" if self.mode == "function" else "tool_calls"
 
-    def read(self, text: str, finished: bool) -> tuple[str | None, list[tuple[str, str]]]:
-        """A whole reply's content and calls (name, arguments as JSON text); a constrained
-        reply cut short (`finished` false) is content."""
-        if self.mode == "auto":
+    def holds_whole(self, start: str) -> bool:
+        """A reply that starts (its first character not whitespace) with `start` is read
+        whole: it may be calls, known only at its end."""
+        if self.mode == "required" or self.structured:
+            return start == "["
+        return start in ("[", "{")
+
+    def read(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
+        """A whole reply's content and calls (name, arguments as JSON text). A named
+        function's reply is its call's arguments, as generated (cut short too). In
+        "required", and "auto" with a response_format, calls are a JSON list (a reply cut
+        short is content). In "auto", calls are `<tool_call>` blocks, or (as Llama 3.1 and
+        Mistral models write them) the whole reply as JSON of calls of the tools."""
+        if self.mode == "function":
+            return None, [(self.function or "", text)]
+        calls: list[tuple[str, str]] | None = None
+        if self.holds_whole(text.lstrip()[:1]):
+            calls = parse_calls(text, self.names)
+        if calls is None:
+            if self.mode == "required" or self.structured:
+                return text, []
             content, calls = read_reply(text)
             return content, calls if self.parallel else calls[:1]
-        if not finished:
-            return text, []
-        if self.mode == "function":
-            assert self.function is not None
-            return None, [(self.function, text.strip())]
-        try:  # the constraint makes a list of calls; a reply that is not one stays text
-            calls = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
-                     for c in json.loads(text)]
-        except (ValueError, TypeError, KeyError):
-            return text, []
-        return (None, calls) if calls else (text, [])
+        return None, calls if self.parallel else calls[:1]
 
 
 def reply_message(text: str, finish_reason: str | None,
@@ -114,7 +132,7 @@ def reply_message(text: str, finish_reason: str | None,
     """A choice's `message` and finish reason, its calls in `tool_calls`."""
     if use is None:
         return {"role": "assistant", "content": text}, finish_reason
-    content, calls = use.read(text, finish_reason == "stop")
+    content, calls = use.read(text)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [call_object(name, arguments) for name, arguments in calls]
@@ -129,35 +147,48 @@ def call_object(name: str, arguments: str) -> dict[str, Any]:
 
 
 class ToolStream:
-    """One streamed choice's deltas: its text pieces in, `delta` objects out, calls as
-    `tool_calls` entries (auto: each whole when its block closes; a named function: its
-    arguments fragment by fragment; required: all at the end)."""
+    """One streamed choice's deltas: its text pieces in, `delta` objects out, the same
+    content and calls as `ToolUse.read` gives the whole reply. Calls come as `tool_calls`
+    entries: a `<tool_call>` block's when it closes, a named function's arguments fragment
+    by fragment, and those of a reply read whole (`ToolUse.holds_whole`) at its end."""
 
     def __init__(self, use: ToolUse) -> None:
         self.use = use
         self.num_calls = 0
         self._reader = HermesReader()
-        self._held: list[str] = []  # a "required" reply, read at its end
+        self._held: list[str] = []  # the reply so far, while it may be read whole
+        self._whole: bool | None = None  # read whole (None: not known yet)
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
         if self.use.mode == "function":
             if self.num_calls == 0:
-                self.num_calls = 1
-                first = call_object(self.use.function or "", piece)
-                return [{"tool_calls": [{"index": 0, **first}]}]
+                return [self._delta([(self.use.function or "", piece)])]
             return [{"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}]
-        if self.use.mode == "required":
+        if self._whole is None:
+            self._held.append(piece)
+            start = "".join(self._held).lstrip()[:1]
+            if not start:
+                return []
+            self._whole = self.use.holds_whole(start)
+            if self._whole:
+                return []
+            piece = "".join(self._held)
+        if self._whole:
             self._held.append(piece)
             return []
+        if self.use.structured:
+            return [{"content": piece}]
         return [d for d in map(self._delta, self._reader.feed(piece)) if d]
 
     def finish(self, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """The deltas held back, and the choice's finish reason."""
-        if self.use.mode == "required":
-            content, calls = self.use.read("".join(self._held), finish_reason == "stop")
-            deltas = [self._delta(calls) if calls else {"content": content}]
+        if self.use.mode == "function":
+            deltas = [] if self.num_calls else [self._delta([(self.use.function or "", "")])]
+        elif self._whole is False:
+            deltas = [self._delta(e) for e in self._reader.finish()]
         else:
-            deltas = [self._delta(event) for event in self._reader.finish()]
+            content, calls = self.use.read("".join(self._held))
+            deltas = [{"content": content} if content else {}, self._delta(calls)]
         if self.num_calls and finish_reason == "stop":
             finish_reason = self.use.finish_with_calls
         return [d for d in deltas if d], finish_reason
@@ -174,25 +205,44 @@ class ToolStream:
         return {"tool_calls": entries} if entries else {}
 
 
-def calls_schema(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """The JSON schema of a "required" reply: a list of calls, each of one of `tools`."""
-    items = {"anyOf": [{
-        "type": "object",
-        "properties": {"name": {"const": t.name}, "arguments": _arguments_schema(t)},
-        "required": ["name", "arguments"]} for t in tools]}
-    schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
-    return json.dumps(schema)
+def reply_schema(use: ToolUse, tools: Sequence[ToolSpec],
+                 content_schema: str | None) -> str | None:
+    """The JSON schema (text) a reply is held to: a named function's arguments; a list of
+    calls of `tools` ("required"); either that or `content_schema` (the response_format's,
+    in "auto"); None where "auto" replies are free."""
+    if use.mode == "function":
+        return json.dumps(next(_arguments(t) for t in tools if t.name == use.function))
+    if use.mode == "auto" and content_schema is None:
+        return None
+    # Each schema goes under $defs, its references rebased there: references that reach
+    # through a list (anyOf's) are beyond xgrammar.
+    defs = {f"tool_{i}": _rebased(_arguments(t), f"#/$defs/tool_{i}")
+            for i, t in enumerate(tools)}
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [{
+        "type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+        "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/tool_{i}"}},
+    } for i, t in enumerate(tools)]}}
+    if not use.parallel:
+        calls["maxItems"] = 1
+    if use.mode == "required":
+        return json.dumps({**calls, "$defs": defs})
+    assert content_schema is not None
+    defs["content"] = _rebased(json.loads(content_schema), "#/$defs/content")
+    return json.dumps({"anyOf": [calls, {"$ref": "#/$defs/content"}], "$defs": defs})
 
 
-def arguments_schema(tool: ToolSpec) -> str:
-    """The JSON schema of a named function's reply: its arguments."""
-    return json.dumps(_arguments_schema(tool))
-
-
-def _arguments_schema(tool: ToolSpec) -> dict[str, Any]:
+def _arguments(tool: ToolSpec) -> dict[str, Any]:
     if tool.parameters_json is None:
         return {"type": "object", "properties": {}}
     schema: dict[str, Any] = json.loads(tool.parameters_json)
+    return schema
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with its references to its own root ("#...") made relative to `base`."""
+    if isinstance(schema, dict):
+        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else _rebased(v, base) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
     return schema

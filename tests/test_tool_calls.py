@@ -7,9 +7,14 @@ import json
 
 import pytest
 
-from antiphon.engine_ext.tool_calls import HermesReader, hermes_turns, read_reply
+from antiphon.engine_ext.tool_calls import (
+    HermesReader,
+    hermes_turns,
+    read_reply,
+    template_call_id,
+)
 from antiphon.engine_ext.types import ChatTurn, ToolCall, ToolSpec
-from antiphon.server.tools import ToolStream, ToolUse, calls_schema, reply_message
+from antiphon.server.tools import ToolStream, ToolUse, reply_message, reply_schema
 
 WEATHER = ToolSpec("get_weather", "The weather in a city",
                    json.dumps({"type": "object", "properties": {"city": {"type": "string"}},
@@ -41,14 +46,22 @@ def test_tools_go_into_the_system_message_and_calls_and_results_into_the_turns()
 
 @pytest.mark.parametrize(("text", "content", "calls"), [
     ("Sunny.", "Sunny.", []),
+    ("\n\nSunny.\n", "\n\nSunny.\n", []),  # text without calls is kept as it is
+    ("", "", []),
     (CALL, None, [("get_weather", '{"city": "Paris"}')]),
-    ("Let me look.\n" + CALL + "\n" + CALL.replace("Paris", "Rome"), "Let me look.",
+    ("Let me look.\n" + CALL + "\n" + CALL.replace("Paris", "Rome") + "\n\nDone.", "Let me look.Done.",
      [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')]),
     # SmolLM2 writes its calls as a list in one block
     ('<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]'
      "</tool_call>", None, [("a", "{}"), ("b", '{"x": 1}')]),
+    # arguments as JSON text of an object, or none, or as Llama 3.1's "parameters"
+    ('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>', None, [("a", '{"x": 1}')]),
+    ('<tool_call>{"name": "a", "parameters": null}</tool_call>', None, [("a", "{}")]),
+    # not a call: it stays text
     ("<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after", []),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "a", "arguments": "Paris"}</tool_call>',
+     '<tool_call>{"name": "a", "arguments": "Paris"}</tool_call>', []),
     ('cut short <tool_call>{"name": "a"', 'cut short <tool_call>{"name": "a"', []),
     ("a < b <tool", "a < b <tool", []),
 ])
@@ -60,79 +73,121 @@ def test_calls_are_read_from_a_reply_whole_and_streamed(
         pieces = [text[i:i + size] for i in range(0, len(text), size)]
         for event in [e for p in pieces for e in reader.feed(p)] + list(reader.finish()):
             (texts.append if isinstance(event, str) else streamed.extend)(event)
-        assert ("".join(texts).strip() or None, streamed) == (content, calls)
-        assert not any("<tool_call" in t and "</tool_call>" not in t and content is None
-                       for t in texts)
+        assert ("".join(texts) or (None if streamed else ""), streamed) == (content, calls)
 
 
-def test_a_reply_message_holds_the_calls_and_says_so_in_its_finish_reason() -> None:
-    auto = ToolUse("auto")
-    message, finish = reply_message(CALL, "stop", auto)
-    assert message["content"] is None and finish == "tool_calls"
+AUTO = ToolUse("auto", ("get_weather", "now"))
+
+
+@pytest.mark.parametrize(("use", "text", "content", "calls"), [
+    (AUTO, "Sunny.", "Sunny.", []),
+    (AUTO, CALL, None, [("get_weather", '{"city": "Paris"}')]),
+    # Llama 3.1 answers a call as JSON alone; Mistral as a list (its [TOOL_CALLS] is special)
+    (AUTO, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', None,
+     [("get_weather", '{"city": "Oslo"}')]),
+    (AUTO, ' [{"name": "now", "arguments": {}}]', None, [("now", "{}")]),
+    (AUTO, '{"name": "other", "arguments": {}}', '{"name": "other", "arguments": {}}', []),
+    (AUTO, '{"answer": 4}', '{"answer": 4}', []),
+    (ToolUse("auto", ("get_weather",), parallel=False), CALL + CALL, None,
+     [("get_weather", '{"city": "Paris"}')]),
+    # a named function: the reply is its arguments, as generated (cut short too)
+    (ToolUse("function", ("get_weather",), "get_weather"), ' {"city": "Os', None,
+     [("get_weather", ' {"city": "Os')]),
+    (ToolUse("function", ("get_weather",), "get_weather"), "", None, [("get_weather", "")]),
+    # required: a list of calls; cut short, or not calls of the tools, it is text
+    (ToolUse("required", ("get_weather",)), '[{"name": "get_weather", "arguments": {}}]', None,
+     [("get_weather", "{}")]),
+    (ToolUse("required", ("get_weather",)), '[{"name": "get_w', '[{"name": "get_w', []),
+    (ToolUse("required", ("get_weather",)), "{}", "{}", []),
+    # auto with a response_format: a list of calls, or the content
+    (ToolUse("auto", ("now",), structured=True), '[{"name": "now", "arguments": {}}]', None,
+     [("now", "{}")]),
+    (ToolUse("auto", ("now",), structured=True), '{"name": "now", "arguments": {}}',
+     '{"name": "now", "arguments": {}}', []),
+])
+def test_each_tool_choice_reads_its_replies_the_same_whole_and_streamed(
+        use: ToolUse, text: str, content: str | None, calls: list[tuple[str, str]]) -> None:
+    assert use.read(text) == (content, calls)
+    message, finish = reply_message(text, "stop", use)
+    assert message["content"] == content
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in message.get("tool_calls", [])] == calls
+    assert finish == ("tool_calls" if calls and use.mode != "function" else "stop")
+    for size in (1, 4):
+        stream = ToolStream(use)
+        deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i:i + size])]
+        rest, streamed_finish = stream.finish("stop")
+        deltas += rest
+        assert streamed_finish == finish
+        streamed_text = "".join(d.get("content", "") for d in deltas)
+        assert (streamed_text or None if calls else streamed_text) == content
+        entries = [e for d in deltas for e in d.get("tool_calls", [])]
+        assert [e["index"] for e in entries if "id" in e] == list(range(len(calls)))
+        arguments: dict[int, str] = {}
+        for e in entries:
+            arguments[e["index"]] = arguments.get(e["index"], "") + e["function"]["arguments"]
+        assert [(entries[[x["index"] for x in entries].index(i)]["function"]["name"], a)
+                for i, a in arguments.items()] == calls
+
+
+def test_a_reply_message_holds_calls_with_ids() -> None:
+    message, finish = reply_message("Checking. " + CALL, "stop", AUTO)
+    assert message["content"] == "Checking." and finish == "tool_calls"
     (call,) = message["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
-    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    assert reply_message("Sunny.", "stop", auto) == (
-        {"role": "assistant", "content": "Sunny."}, "stop")
-    assert reply_message(CALL, "stop", None)[0] == {"role": "assistant", "content": CALL}
-    # one call at most where parallel calls are off
-    two = CALL + CALL.replace("Paris", "Rome")
-    assert len(reply_message(two, "stop", ToolUse("auto", parallel=False))[0]["tool_calls"]) == 1
-    # a named function: the reply is its arguments; finish "stop", as OpenAI's
-    named = ToolUse("function", "get_weather")
-    message, finish = reply_message(' {"city": "Oslo"}', "stop", named)
-    assert finish == "stop" and message["tool_calls"][0]["function"] == {
-        "name": "get_weather", "arguments": '{"city": "Oslo"}'}
-    # required: a list of calls; cut short, or not a list of calls, it is text
-    required = ToolUse("required")
-    message, finish = reply_message('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
-                                    "stop", required)
-    assert finish == "tool_calls" and message["tool_calls"][0]["function"]["name"] == "get_weather"
-    assert reply_message('[{"name": "get_w', "length", required) == (
-        {"role": "assistant", "content": '[{"name": "get_w'}, "length")
-    assert reply_message("{}", "stop", required)[0] == {"role": "assistant", "content": "{}"}
+    assert reply_message(CALL, "stop", None) == ({"role": "assistant", "content": CALL}, "stop")
+    assert reply_message(CALL, "length", AUTO)[1] == "length"
 
 
-def test_a_stream_gives_each_call_when_it_is_whole_and_named_arguments_as_they_come() -> None:
-    stream = ToolStream(ToolUse("auto"))
-    deltas = [d for piece in ["Let me ", "look.", " <tool", "_call>\n{", '"name": "get_weather", ',
-                              '"arguments": {}}\n</tool_call>'] for d in stream.feed(piece)]
-    rest, finish = stream.finish("stop")
-    assert [d.get("content") for d in deltas[:2]] == ["Let me", " look."]
-    (entry,) = deltas[2]["tool_calls"]
-    assert entry["index"] == 0 and entry["function"] == {"name": "get_weather",
-                                                         "arguments": "{}"}
-    assert rest == [] and finish == "tool_calls"
-
-    named = ToolStream(ToolUse("function", "get_weather"))
-    first, second = named.feed('{"city"'), named.feed(': "Oslo"}')
-    assert first[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city"'}
-    assert second == [{"tool_calls": [{"index": 0, "function": {"arguments": ': "Oslo"}'}}]}]
-    assert named.finish("stop") == ([], "stop")
-
-    required = ToolStream(ToolUse("required"))
-    assert required.feed('[{"name": "get_weather", ') == []
-    assert required.feed('"arguments": {"city": "Oslo"}}]') == []
-    (delta,), finish = required.finish("stop")
-    assert delta["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
-    assert finish == "tool_calls"
-
-
-def test_required_calls_are_held_to_a_list_of_the_tools() -> None:
+def test_constrained_replies_are_held_to_the_tools_schemas() -> None:
+    """Each tool's schema sits under $defs with its references rebased there, as xgrammar
+    (vLLM's first structured-output back end) resolves no reference through a list."""
+    xgrammar = pytest.importorskip("xgrammar")
+    nested = ToolSpec("q", None, json.dumps({
+        "type": "object", "required": ["home"],
+        "properties": {"home": {"$ref": "#/$defs/Addr"}},
+        "$defs": {"Addr": {"type": "object", "required": ["street"],
+                           "properties": {"street": {"type": "string"}}}}}))
     other = ToolSpec("now")
-    schema = json.loads(calls_schema([WEATHER, other], parallel=False))
-    assert schema["type"] == "array" and (schema["minItems"], schema["maxItems"]) == (1, 1)
-    weather, now = schema["items"]["anyOf"]
-    assert weather["properties"]["name"] == {"const": "get_weather"}
-    assert weather["properties"]["arguments"]["required"] == ["city"]
-    assert now["properties"]["arguments"] == {"type": "object", "properties": {}}
-    assert "maxItems" not in json.loads(calls_schema([WEATHER], parallel=True))
+    tools = [WEATHER, nested, other]
+    names = tuple(t.name for t in tools)
+    stop = 95  # after the 95 printable characters
+    info = xgrammar.TokenizerInfo([chr(i) for i in range(32, 127)] + ["</s>"],
+                                  stop_token_ids=[stop])
+    compiler = xgrammar.GrammarCompiler(info)
+
+    def accepts(schema: str, text: str) -> bool:
+        """The whole of `text` matches (the reply may end after it)."""
+        matcher = xgrammar.GrammarMatcher(compiler.compile_json_schema(schema))
+        return bool(matcher.accept_string(text) and matcher.accept_token(stop))
+
+    one = reply_schema(ToolUse("required", names, parallel=False), tools, None)
+    assert one is not None and json.loads(one)["maxItems"] == 1
+    assert accepts(one, '[{"name": "q", "arguments": {"home": {"street": "a"}}}]')
+    assert not accepts(one, '[{"name": "q", "arguments": {"home": {"street": 1}}}]')
+    assert not accepts(one, '[{"name": "now", "arguments": {}}, {"name": "now", "arguments": {}}]')
+    assert not accepts(one, '[{"name": "get_time", "arguments": {}}]')
+    content = json.dumps({"type": "object", "required": ["answer"],
+                          "properties": {"answer": {"type": "integer"}}})
+    either = reply_schema(ToolUse("auto", names, structured=True), tools, content)
+    assert either is not None and accepts(either, '{"answer": 4}')
+    assert accepts(either, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+    assert not accepts(either, '{"answer": "four"}')
+    named = reply_schema(ToolUse("function", names, "q"), tools, None)
+    assert named is not None and accepts(named, '{"home": {"street": "a"}}')
+    assert reply_schema(AUTO, tools, None) is None
+
+
+def test_call_ids_are_given_to_templates_as_nine_letters_and_digits() -> None:
+    ids = {template_call_id(f"call_{i}") for i in range(1000)}
+    assert len(ids) == 1000 and all(len(i) == 9 and i.isalnum() for i in ids)
+    assert template_call_id("call_1") == template_call_id("call_1")
 
 
 NATIVE_TEMPLATE = (  # a template that knows tools, as Qwen 2.5's and Llama 3.1's do
     "{% if tools %}<|im_start|>system\nTOOLS{% for t in tools %} {{ t.function.name }}"
     "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{{ m.content or '' }}{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} "
+    "{{ m.content or '' }}{% for c in m.tool_calls or [] %}CALL {{ c.id }} {{ c.function.name }} "
     "{{ c.function.arguments | tojson }}{% endfor %}{% if m.tool_call_id %}ANSWERS "
     "{{ m.tool_call_id }}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -142,7 +197,7 @@ def test_the_models_template_renders_tools_where_it_knows_them() -> None:
     """SmolLM2's template knows no tools, so they are written in the Hermes format; a template
     that knows them gets them, and the calls (arguments as an object), as it expects."""
     from antiphon.engine_ext.config import EngineConfig
-    from antiphon.engine_ext.engine import VllmEngine
+    from antiphon.engine_ext.engine import EngineRequestError, VllmEngine
     from tests.conftest import default_model_or_skip
 
     turns = [ChatTurn("user", "Weather in Paris?"),
@@ -157,8 +212,17 @@ def test_the_models_template_renders_tools_where_it_knows_them() -> None:
     native = VllmEngine(EngineConfig(), default_model_or_skip())
     native.load_tokenizer()
     native._tokenizer.chat_template = NATIVE_TEMPLATE
+    call_id = template_call_id("c1")
     assert native.decode(native.render_chat(turns, tools=[WEATHER])) == (
         "<|im_start|>system\nTOOLS get_weather<|im_end|>\n"
         "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
-        '<|im_start|>assistant\nCALL get_weather {"city": "Paris"}<|im_end|>\n'
-        "<|im_start|>tool\n18 CANSWERS c1<|im_end|>\n<|im_start|>assistant\n")
+        f'<|im_start|>assistant\nCALL {call_id} get_weather {{"city": "Paris"}}<|im_end|>\n'
+        f"<|im_start|>tool\n18 CANSWERS {call_id}<|im_end|>\n<|im_start|>assistant\n")
+    # a template's own refusal is the request's fault
+    strict = VllmEngine(EngineConfig(), default_model_or_skip())
+    strict.load_tokenizer()
+    strict._tokenizer.chat_template = (
+        "{% if tools %}{{ raise_exception('one tool call at a time') }}{% endif %}"
+        + NATIVE_TEMPLATE)
+    with pytest.raises(EngineRequestError, match="refused the conversation: one tool call"):
+        strict.render_chat(turns, tools=[WEATHER])

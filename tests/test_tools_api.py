@@ -94,6 +94,43 @@ def test_a_named_or_required_call_constrains_the_reply(agent: Scripted) -> None:
     assert required.choices[0].finish_reason == "tool_calls"
 
 
+def test_a_response_format_beside_tools_holds_the_reply_to_either(agent: Scripted) -> None:
+    """What the OpenAI Agents SDK sends for an agent with an output type and tools."""
+    app = client(agent)
+    answer = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+        "type": "object", "properties": {"answer": {"type": "string"}}}}}
+    agent.engine.reply = lambda turns: '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+    called = app.chat.completions.create(model="scripted", messages=ASK, tools=[WEATHER],
+                                         response_format=answer)  # type: ignore[arg-type]
+    schema = json.loads(agent.engine.params[-1].json_schema or "")
+    assert schema["anyOf"][1] == {"$ref": "#/$defs/content"}
+    assert schema["$defs"]["content"]["properties"] == {"answer": {"type": "string"}}
+    assert called.choices[0].message.tool_calls and called.choices[0].finish_reason == "tool_calls"
+    agent.engine.reply = lambda turns: '{"answer": "sunny"}'
+    chunks = list(app.chat.completions.create(model="scripted", messages=ASK, tools=[WEATHER],
+                                              response_format=answer, stream=True))  # type: ignore[arg-type]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == '{"answer": "sunny"}'
+    assert not any(d.tool_calls for d in deltas)
+
+
+def test_a_named_call_cut_short_is_the_same_streamed_or_not(agent: Scripted) -> None:
+    agent.engine.reply = lambda turns: '{"city": "Oslo", "unit": "celsius"}'
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    app = client(agent)
+    whole = app.chat.completions.create(model="scripted", messages=ASK, tools=[WEATHER],
+                                        tool_choice=named, max_tokens=2)  # type: ignore[arg-type]
+    (call,) = whole.choices[0].message.tool_calls or []
+    assert call.function.arguments == '{"city": "Oslo",'
+    assert whole.choices[0].finish_reason == "length"
+    chunks = list(app.chat.completions.create(model="scripted", messages=ASK, tools=[WEATHER],
+                                              tool_choice=named, max_tokens=2, stream=True))  # type: ignore[arg-type]
+    pieces = [e.function.arguments for c in chunks if c.choices
+              for e in c.choices[0].delta.tool_calls or () if e.function]
+    assert "".join(p or "" for p in pieces) == '{"city": "Oslo",'
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
 def test_tool_choice_none_hides_the_tools(agent: Scripted) -> None:
     out = client(agent).chat.completions.create(model="scripted", messages=ASK,
                                                 tools=[WEATHER], tool_choice="none")
@@ -102,7 +139,7 @@ def test_tool_choice_none_hides_the_tools(agent: Scripted) -> None:
 
 
 def _last_prompt(s: Scripted) -> list[int]:
-    return s.engine.prompts[-1]
+    return s.engine.request_prompts[-1]
 
 
 @pytest.mark.parametrize(("fields", "words"), [
@@ -112,8 +149,8 @@ def _last_prompt(s: Scripted) -> list[int]:
     ({"tool_choice": "required"}, "tool_choice other than none or auto needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice names 'x', which is not one of the tools"),
-    ({"tools": [WEATHER], "response_format": {"type": "json_object"}},
-     "response_format and tools cannot be used together"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}]}, "parameters must be the JSON schema of an object"),
     ({"messages": [*ASK, {"role": "tool", "tool_call_id": "c9", "content": "x"}]},
      "tool message answers 'c9', which no earlier assistant message called"),
     ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "needs tool_call_id"),

@@ -10,7 +10,7 @@ import pytest
 
 from antiphon.engine_ext.engine import EngineRequestError, EngineRequestFailedError, VllmEngine
 from antiphon.engine_ext.types import ChatTurn, GenerationParams, ToolSpec
-from antiphon.server.tools import ToolUse, calls_schema
+from antiphon.server.tools import ToolUse, reply_schema
 
 pytestmark = pytest.mark.engine
 
@@ -209,14 +209,16 @@ async def test_a_required_tool_call_names_a_tool_offered_and_matches_its_schema(
         "properties": {"city": {"type": "string", "maxLength": 40},
                        "unit": {"enum": ["celsius", "fahrenheit"]}}}))
     tools = [weather, ToolSpec("get_time", "Current time", None)]
+    use = ToolUse("required", ("get_weather", "get_time"), parallel=False)
     prompt = engine.render_chat([ChatTurn("user", "What is the weather in Paris?")], tools=tools)
     assert "<tools>" in engine.decode(prompt) and '"name": "get_weather"' in engine.decode(prompt)
     text, reason = "", None
     async for delta in engine.generate("tool-required", prompt, GenerationParams(
-            max_tokens=80, json_schema=calls_schema(tools, parallel=False))):
+            max_tokens=80, json_schema=reply_schema(use, tools, None))):
         text += delta.text
         reason = delta.finish_reason
-    content, calls = ToolUse("required", parallel=False).read(text, reason == "stop")
+    assert reason == "stop"
+    content, calls = use.read(text)
     assert content is None and len(calls) == 1, text
     name, arguments = calls[0]
     assert name in ("get_weather", "get_time")
