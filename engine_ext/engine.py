@@ -359,7 +359,10 @@ class VllmEngine(Engine):
             text = self._tokenizer.apply_chat_template(
                 [tool_message(t) for t in turns], add_generation_prompt=open_reply,
                 tokenize=False, **extra)
-        except TemplateError as exc:  # the template's own checks (roles, tool call ids, ...)
+        # the template's own checks (roles, tool call ids, ...), and its filters given what
+        # they cannot take (`items` of arguments that are not an object)
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError,
+                IndexError) as exc:
             raise EngineRequestError(f"the model's chat template refused the "
                                      f"conversation: {exc}") from exc
         return list(self._tokenizer.encode(text, add_special_tokens=False))

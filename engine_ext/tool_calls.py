@@ -86,6 +86,7 @@ class HermesReader:
     the start of a block, and whitespace, are held back until it is known what they are: the
     events are the same however the reply is cut into pieces."""
 
+    names: Collection[str] | None = None  # the tools offered: a block calling another is text
     _buffer: str = ""
     _inside: bool = False  # the buffer starts with an open block
     _gap: str = ""  # the whitespace before the open block (text again if the block is)
@@ -102,7 +103,7 @@ class HermesReader:
                     return
                 end += len(CALL_CLOSE)
                 block, self._buffer = self._buffer[:end], self._buffer[end:]
-                calls = parse_calls(block[len(CALL_OPEN):-len(CALL_CLOSE)])
+                calls = parse_calls(block[len(CALL_OPEN):-len(CALL_CLOSE)], self.names)
                 if calls is None:
                     yield from self._text(self._gap + block)
                 else:
@@ -136,10 +137,11 @@ class HermesReader:
             yield text
 
 
-def read_reply(text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """A whole reply's text and calls; the text is None where the reply holds calls and
-    nothing else."""
-    reader = HermesReader()
+def read_reply(text: str, names: Collection[str] | None = None,
+               ) -> tuple[str | None, list[tuple[str, str]]]:
+    """A whole reply's text and calls (of `names` only, where given); the text is None where
+    the reply holds calls and nothing else."""
+    reader = HermesReader(names=names)
     texts: list[str] = []
     calls: list[tuple[str, str]] = []
     for event in [*reader.feed(text), *reader.finish()]:

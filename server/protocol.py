@@ -41,6 +41,7 @@ import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -64,10 +65,28 @@ StopText = Annotated[str, Field(min_length=1)]
 Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 
 
+MAX_SCHEMA_DEPTH = 100  # JSON levels of a schema the server walks (tools' rebuild them)
+
+
+def check_schema_depth(schema: Any) -> Any:
+    """`schema`, unless it nests deeper than `MAX_SCHEMA_DEPTH` JSON levels (ValueError).
+    Measured without recursion."""
+    level: list[Any] = [schema]
+    for _ in range(MAX_SCHEMA_DEPTH + 1):
+        level = [v for node in level if isinstance(node, (dict, list))
+                 for v in (node.values() if isinstance(node, dict) else node)]
+        if not level:
+            return schema
+    raise ValueError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+
+
+SchemaObject = Annotated[dict[str, Any], AfterValidator(check_schema_depth)]
+
+
 class JsonSchemaFormat(BaseModel):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
-    json_schema: dict[str, Any] = Field(alias="schema")
+    json_schema: SchemaObject = Field(alias="schema")
     strict: StrictBool | None = None
     """Replies always match the schema (decoding is constrained), strict or not."""
 

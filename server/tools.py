@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from antiphon.engine_ext.tool_calls import HermesReader, parse_calls, read_reply
 from antiphon.engine_ext.types import ToolSpec
+from antiphon.server.protocol import SchemaObject
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's
 
@@ -34,7 +35,7 @@ class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: SchemaObject | None = None
     """A JSON schema of the arguments (an object); none: the function takes no arguments."""
 
     @field_validator("parameters")
@@ -122,7 +123,7 @@ class ToolUse:
         if calls is None:
             if self.mode == "required" or self.structured:
                 return text, []
-            content, calls = read_reply(text)
+            content, calls = read_reply(text, self.names)
             return content, calls if self.parallel else calls[:1]
         return None, calls if self.parallel else calls[:1]
 
@@ -155,7 +156,7 @@ class ToolStream:
     def __init__(self, use: ToolUse) -> None:
         self.use = use
         self.num_calls = 0
-        self._reader = HermesReader()
+        self._reader = HermesReader(names=use.names)
         self._held: list[str] = []  # the reply so far, while it may be read whole
         self._whole: bool | None = None  # read whole (None: not known yet)
 
@@ -176,7 +177,7 @@ class ToolStream:
         if self._whole:
             self._held.append(piece)
             return []
-        if self.use.structured:
+        if self.use.structured or self.use.mode == "required":  # no <tool_call> blocks
             return [{"content": piece}]
         return [d for d in map(self._delta, self._reader.feed(piece)) if d]
 
@@ -232,17 +233,41 @@ def reply_schema(use: ToolUse, tools: Sequence[ToolSpec],
 
 
 def _arguments(tool: ToolSpec) -> dict[str, Any]:
-    if tool.parameters_json is None:
-        return {"type": "object", "properties": {}}
-    schema: dict[str, Any] = json.loads(tool.parameters_json)
-    return schema
+    """A tool's arguments' schema: an object's, whether or not its parameters say so."""
+    schema: dict[str, Any] = ({"properties": {}} if tool.parameters_json is None
+                              else json.loads(tool.parameters_json))
+    return {"type": "object", **schema}
+
+
+_VALUES = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
+# schemas by name (the names are not keywords: a property may be called "enum")
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                            "dependentSchemas"})
+_OPEN_OBJECT = frozenset({"properties", "additionalProperties", "patternProperties",
+                          "unevaluatedProperties"})
 
 
 def _rebased(schema: Any, base: str) -> Any:
-    """`schema` with its references to its own root ("#...") made relative to `base`."""
-    if isinstance(schema, dict):
-        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
-                else _rebased(v, base) for k, v in schema.items()}
+    """`schema`, to be reached from `base` through a `$ref`: its references to its own root
+    ("#...") made relative to `base`, and its objects that name no properties open to any
+    (xgrammar, strict by default, lets such an object be `{}` alone when it is reached
+    through a `$ref`, where it lets any object be inline)."""
     if isinstance(schema, list):
         return [_rebased(v, base) for v in schema]
-    return schema
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _VALUES:
+            out[key] = value
+        elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rebased(v, base) for name, v in value.items()}
+        else:
+            out[key] = _rebased(value, base)
+    kinds = out.get("type")
+    is_object = kinds == "object" or (isinstance(kinds, list) and "object" in kinds)
+    if is_object and not _OPEN_OBJECT & out.keys():
+        out["additionalProperties"] = True
+    return out

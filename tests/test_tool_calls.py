@@ -90,6 +90,9 @@ AUTO = ToolUse("auto", ("get_weather", "now"))
     (AUTO, '{"answer": 4}', '{"answer": 4}', []),
     (ToolUse("auto", ("get_weather",), parallel=False), CALL + CALL, None,
      [("get_weather", '{"city": "Paris"}')]),
+    # a block calling a tool not offered is text (OpenAI never returns such a call)
+    (AUTO, '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "rm", "arguments": {}}</tool_call>', []),
     # a named function: the reply is its arguments, as generated (cut short too)
     (ToolUse("function", ("get_weather",), "get_weather"), ' {"city": "Os', None,
      [("get_weather", ' {"city": "Os')]),
@@ -99,6 +102,7 @@ AUTO = ToolUse("auto", ("get_weather", "now"))
      [("get_weather", "{}")]),
     (ToolUse("required", ("get_weather",)), '[{"name": "get_w', '[{"name": "get_w', []),
     (ToolUse("required", ("get_weather",)), "{}", "{}", []),
+    (ToolUse("required", ("get_weather",)), CALL, CALL, []),  # not what it is held to
     # auto with a response_format: a list of calls, or the content
     (ToolUse("auto", ("now",), structured=True), '[{"name": "now", "arguments": {}}]', None,
      [("now", "{}")]),
@@ -176,6 +180,25 @@ def test_constrained_replies_are_held_to_the_tools_schemas() -> None:
     named = reply_schema(ToolUse("function", names, "q"), tools, None)
     assert named is not None and accepts(named, '{"home": {"street": "a"}}')
     assert reply_schema(AUTO, tools, None) is None
+    # objects that name no properties take any, reached through $defs as inline (xgrammar
+    # would hold them to {}): free-form arguments, a free-form field, json_object's content
+    free = ToolSpec("run", None, json.dumps({"properties": {"o": {"type": "object"}}}))
+    bare = ToolSpec("go", None, "{}")
+    both = reply_schema(ToolUse("required", ("run", "go")), [free, bare], None)
+    assert both is not None
+    assert accepts(both, '[{"name": "run", "arguments": {"o": {"x": 1}}}, '
+                         '{"name": "go", "arguments": {"y": [2]}}]')
+    assert not accepts(both, '[{"name": "go", "arguments": "x"}]')  # still an object
+    anything = reply_schema(ToolUse("auto", ("go",), structured=True), [bare],
+                            '{"type": "object"}')
+    assert anything is not None and accepts(anything, '{"answer": 4}')
+    # a property may be called like a keyword; its schema's references are rebased too
+    keyword = ToolSpec("k", None, json.dumps({
+        "properties": {"enum": {"$ref": "#/$defs/E"}}, "required": ["enum"],
+        "$defs": {"E": {"enum": ["a", "b"]}}}))
+    keyed = reply_schema(ToolUse("required", ("k",)), [keyword], None)
+    assert keyed is not None and accepts(keyed, '[{"name": "k", "arguments": {"enum": "a"}}]')
+    assert not accepts(keyed, '[{"name": "k", "arguments": {"enum": "c"}}]')
 
 
 def test_call_ids_are_given_to_templates_as_nine_letters_and_digits() -> None:
@@ -226,3 +249,9 @@ def test_the_models_template_renders_tools_where_it_knows_them() -> None:
         + NATIVE_TEMPLATE)
     with pytest.raises(EngineRequestError, match="refused the conversation: one tool call"):
         strict.render_chat(turns, tools=[WEATHER])
+    # a filter given what it cannot take (arguments that are not an object, to `items`)
+    strict._tokenizer.chat_template = NATIVE_TEMPLATE.replace(
+        "c.function.arguments | tojson", "c.function.arguments | items | list")
+    cut_short = [turns[0], ChatTurn("assistant", "", (ToolCall("c1", "get_weather", '{"ci'),))]
+    with pytest.raises(EngineRequestError, match="refused the conversation"):
+        strict.render_chat(cut_short, tools=[WEATHER])

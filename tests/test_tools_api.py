@@ -168,6 +168,26 @@ def test_bad_tool_requests_are_refused(agent: Scripted, fields: dict[str, Any],
     assert not agent.engine.params  # nothing reached the engine
 
 
+def test_a_tool_schema_nested_too_deeply_is_refused(tmp_path: Any) -> None:
+    from antiphon.engine_ext.scripted import ScriptedEngine
+    from tests.conftest import scripted_config
+    from tests.liveserver import live_server
+
+    deep: dict[str, Any] = {"type": "object"}
+    for _ in range(400):  # within the body's limits, deeper than a recursive walk goes
+        deep = {"type": "object", "properties": {"a": deep}}
+    tool = {"type": "function", "function": {"name": "deep", "parameters": deep}}
+    engine = ScriptedEngine()
+    with live_server(scripted_config(tmp_path), engine) as url:
+        for fields in ({"tools": [tool]}, {"response_format": {
+                "type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}}):
+            response = httpx.post(url + "/v1/chat/completions", json={
+                "model": "scripted", "messages": ASK, **fields})
+            assert response.status_code == 400, response.text
+            assert "the schema nests deeper than 100 levels" in response.text
+    assert not engine.params
+
+
 def test_tools_are_limited_in_number(tmp_path: Any) -> None:
     from antiphon.engine_ext.scripted import ScriptedEngine
     from tests.conftest import scripted_config
