@@ -9,7 +9,8 @@ Chat turns stream over one shared websocket (several turns may be in flight on i
 is opened on first use and reopened by the next call after it drops (up to `connect_attempts`
 tries with backoff); a turn whose connection drops mid-reply raises `ConnectionLostError` with
 the text received so far, which is also what the server keeps as the session's reply, so the
-session stays consistent. Sessions, advisories and Batch API jobs go over REST.
+session stays consistent. Sessions, advisories, Batch API jobs and OpenAI-style completions
+(`complete`: the whole conversation each call, tools too) go over REST.
 """
 
 from __future__ import annotations
@@ -198,6 +199,26 @@ class AsyncAntiphon:
         held: int | None = (await self._json("POST", "/v1/advisory", json=body))[
             "context_tokens_held"]
         return held
+
+    async def complete(self, messages: list[dict[str, Any]], *, session_id: str | None = None,
+                       tools: list[dict[str, Any]] | None = None,
+                       tool_choice: str | dict[str, Any] | None = None,
+                       model: str | None = None, **params: Any) -> dict[str, Any]:
+        """A chat completion over REST (`/v1/chat/completions`): the whole conversation as
+        OpenAI messages, as a turn of `session_id` where given (the server keeps its exact
+        context for advisories), with `tools` (OpenAI's, the calls in the reply's
+        `message.tool_calls`) and any other OpenAI parameter (`max_tokens`, `temperature`,
+        `response_format`, ...). Returns the `chat.completion` object. `model`: the served
+        model unless given."""
+        body: dict[str, Any] = {"model": model or (await self.models())[0],
+                                "messages": messages, **params}
+        if tools is not None:
+            body["tools"] = tools
+        if tool_choice is not None:
+            body["tool_choice"] = tool_choice
+        if session_id is not None:
+            body["vllm_xargs"] = {**body.get("vllm_xargs", {}), "session_id": session_id}
+        return await self._json("POST", "/v1/chat/completions", json=body)
 
     async def stats(self) -> dict[str, Any]:
         """The engine's scheduler and KV-tier counters (`/v1/engine/stats`)."""

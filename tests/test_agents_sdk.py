@@ -276,3 +276,30 @@ async def test_a_turn_takes_sampling_and_a_response_format(scripted: Scripted) -
     assert (first.temperature, first.top_p, first.seed, first.json_schema) == (
         0.3, 0.8, 1, '{"type": "object"}')
     assert second.stop == (".",) and second.top_k == 0
+
+
+async def test_complete_calls_tools_in_a_session_over_rest(scripted: Scripted) -> None:
+    """An agent's tool round trip through the SDK: the call, the tool's result, the answer,
+    all as turns of one session (whose context the server keeps for advisories)."""
+    from tests.test_tools_api import ASK, WEATHER, agent_reply
+
+    scripted.engine.reply = agent_reply
+    async with AsyncAntiphon(scripted.url) as client:
+        session = await client.create_session("tools")
+        out = await client.complete(ASK, session_id=session.session_id, tools=[WEATHER],
+                                    max_tokens=50)
+        message = out["choices"][0]["message"]
+        (call,) = message["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert scripted.engine.params[-1].session_id == session.session_id
+        result = {"role": "tool", "tool_call_id": call["id"], "content": "18 C"}
+        answer = await client.complete([*ASK, message, result], session_id=session.session_id,
+                                       tools=[WEATHER], tool_choice="auto")
+        assert answer["choices"][0]["message"]["content"] == "It is 18 C in Paris."
+        await client.advise(session.session_id)  # brings the exchange's exact context
+        advised, context, _ = scripted.engine.advisories[-1]
+        assert advised == session.session_id
+        assert scripted.engine.decode(context).endswith("It is 18 C in Paris.")
+        with pytest.raises(InvalidRequestError, match="tool_choice names 'x'"):
+            await client.complete(ASK, tools=[WEATHER],
+                                  tool_choice={"type": "function", "function": {"name": "x"}})
