@@ -200,11 +200,14 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
         return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
 
     def chunks(i: int, text: str | None, finish_reason: str | None = None) -> list[str]:
-        """Choice `i`'s next chunk: new text, or (None) its end. A chat choice's first is
-        its role's. Built at once, from the output as it is now."""
+        """Choice `i`'s next chunks: for new text, or (None) its end. A chat choice's first
+        is its role's; with tools, text may be held back, or give several deltas (the first
+        carries the new tokens' logprobs, the last the finish reason). Built at once, from
+        the output as it is now."""
         gen, start, frames = gens[i], sent_logprobs[i], []
         if is_text:
-            choice = text_choice(gen, text or "", start, finish_reason, opens=not opened[i])
+            frames.append(frame([text_choice(gen, text or "", start, finish_reason,
+                                             opens=not opened[i])]))
         else:
             if not opened[i]:
                 frames.append(frame([{"index": gen.index,
@@ -214,16 +217,13 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
             logprobs = gen.logprobs(start) if len(gen.token_logprobs) > start else None
             if not deltas and (logprobs is not None or text is None):
                 deltas = [{}]  # text held back: its logprobs, or the end, still go out
-            for k, delta in enumerate(deltas):  # the last delta carries the finish reason
-                frames.append(frame([{
-                    "index": gen.index, "delta": delta, "logprobs": None if k else logprobs,
-                    "finish_reason": finish_reason if k == len(deltas) - 1 else None}]))
-            opened[i] = True
-            sent_logprobs[i] = len(gen.token_logprobs)
-            return frames
+            frames += [frame([{"index": gen.index, "delta": delta,
+                               "logprobs": None if k else logprobs,
+                               "finish_reason": finish_reason if k == len(deltas) - 1 else None}])
+                       for k, delta in enumerate(deltas)]
         opened[i] = True
         sent_logprobs[i] = len(gen.token_logprobs)
-        return [*frames, frame([choice])]
+        return frames
 
     def error(err: ApiError) -> str:
         return "data: " + json.dumps({"error": {"code": err.code.value,
@@ -270,7 +270,7 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
 def _deltas(tools: ToolStream | None, text: str | None,
             finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
     """A chat choice's next deltas for new text, or for its end (None), and its finish
-    reason; with tools, text may be held back (no delta yet)."""
+    reason."""
     if tools is None:
         return [{} if text is None else {"content": text}], finish_reason
     if text is not None:
