@@ -104,6 +104,7 @@ class AsyncAntiphon:
         self._turns: dict[str, _Turn] = {}
         self._inflight = asyncio.Semaphore(max_inflight)
         self._is_closed = False
+        self._model: str | None = None  # the served model's name, once asked (`complete`)
         self.num_reconnects = 0
 
     async def __aenter__(self) -> AsyncAntiphon:
@@ -204,21 +205,36 @@ class AsyncAntiphon:
                        tools: list[dict[str, Any]] | None = None,
                        tool_choice: str | dict[str, Any] | None = None,
                        model: str | None = None, **params: Any) -> dict[str, Any]:
-        """A chat completion over REST (`/v1/chat/completions`): the whole conversation as
-        OpenAI messages, as a turn of `session_id` where given (the server keeps its exact
-        context for advisories), with `tools` (OpenAI's, the calls in the reply's
-        `message.tool_calls`) and any other OpenAI parameter (`max_tokens`, `temperature`,
-        `response_format`, ...). Returns the `chat.completion` object. `model`: the served
-        model unless given."""
-        body: dict[str, Any] = {"model": model or (await self.models())[0],
-                                "messages": messages, **params}
+        """A chat completion over REST (`/v1/chat/completions`), not streamed: the whole
+        conversation as OpenAI messages, with `tools` (OpenAI's; the calls come in the
+        reply's `message.tool_calls`) and any other OpenAI parameter (`max_tokens`,
+        `temperature`, `response_format`, ...). Returns the `chat.completion` object.
+
+        With `session_id`, the call runs as a turn of that session: the server keeps the
+        exchange's tokens as the session's context, which `advise` brings forward before
+        the next call. It stores none of the messages: the caller keeps the conversation
+        (`chat` turns of the same session do not see these, nor these them). `model`: the
+        served model unless given."""
+        if params.get("stream"):
+            raise InvalidRequestError("bad_message", "complete() does not stream; use chat() "
+                                      "for a streamed turn")
+        if model is None:
+            if self._model is None:
+                self._model = (await self.models())[0]
+            model = self._model
+        body: dict[str, Any] = {"model": model, "messages": messages, **params}
         if tools is not None:
             body["tools"] = tools
         if tool_choice is not None:
             body["tool_choice"] = tool_choice
         if session_id is not None:
-            body["vllm_xargs"] = {**body.get("vllm_xargs", {}), "session_id": session_id}
-        return await self._json("POST", "/v1/chat/completions", json=body)
+            body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "session_id": session_id}
+        try:
+            content = json.dumps(body, allow_nan=False)
+        except ValueError as exc:  # NaN or Infinity: JSON has neither, the server refuses
+            raise InvalidRequestError("bad_message", str(exc)) from None
+        return await self._json("POST", "/v1/chat/completions", content=content,
+                                headers={"content-type": "application/json"})
 
     async def stats(self) -> dict[str, Any]:
         """The engine's scheduler and KV-tier counters (`/v1/engine/stats`)."""

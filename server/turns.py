@@ -216,6 +216,10 @@ class SessionTurns:
         if session_id is None or not gen.output_token_ids:
             return
         tokens = self.chat.engine.context_tokens(gen.prompt_token_ids, gen.output_token_ids)
+        if gen.tool_use is not None and gen.tool_use.read(gen.text)[1]:
+            # The next request writes the calls back its own way (`tool_calls`, rendered
+            # again), never as the tokens generated: its prompt extends this one's alone.
+            tokens = tuple(gen.prompt_token_ids)
         await asyncio.to_thread(self.store.set_context, session_id, tokens)
 
     async def accept(self, owner: str, msg: protocol.TurnRequest, request_id: str) -> Generation:

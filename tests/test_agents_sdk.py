@@ -292,6 +292,11 @@ async def test_complete_calls_tools_in_a_session_over_rest(scripted: Scripted) -
         (call,) = message["tool_calls"]
         assert call["function"]["name"] == "get_weather"
         assert scripted.engine.params[-1].session_id == session.session_id
+        await client.advise(session.session_id)
+        # a reply of calls is written back as `tool_calls`, never as generated: the
+        # session's context is the prompt it extends
+        context = scripted.engine.advisories[-1][1]
+        assert context == scripted.engine.request_prompts[-1]
         result = {"role": "tool", "tool_call_id": call["id"], "content": "18 C"}
         answer = await client.complete([*ASK, message, result], session_id=session.session_id,
                                        tools=[WEATHER], tool_choice="auto")
@@ -303,3 +308,9 @@ async def test_complete_calls_tools_in_a_session_over_rest(scripted: Scripted) -
         with pytest.raises(InvalidRequestError, match="tool_choice names 'x'"):
             await client.complete(ASK, tools=[WEATHER],
                                   tool_choice={"type": "function", "function": {"name": "x"}})
+        with pytest.raises(InvalidRequestError, match="does not stream"):
+            await client.complete(ASK, stream=True)
+        with pytest.raises(InvalidRequestError, match="Out of range float"):
+            await client.complete(ASK, temperature=float("nan"))
+        plain = await client.complete(ASK, session_id=session.session_id, vllm_xargs=None)
+        assert plain["choices"][0]["message"]["content"] == "I cannot look that up."
