@@ -229,11 +229,7 @@ class AsyncAntiphon:
             body["tool_choice"] = tool_choice
         if session_id is not None:
             body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "session_id": session_id}
-        try:
-            content = json.dumps(body, allow_nan=False)
-        except ValueError as exc:  # NaN or Infinity: JSON has neither, the server refuses
-            raise InvalidRequestError("bad_message", str(exc)) from None
-        return await self._json("POST", "/v1/chat/completions", content=content,
+        return await self._json("POST", "/v1/chat/completions", content=_encode(body),
                                 headers={"content-type": "application/json"})
 
     async def stats(self) -> dict[str, Any]:
@@ -340,10 +336,7 @@ class AsyncAntiphon:
                 turn.queue.put_nowait(closed)
 
     async def _send(self, payload: dict[str, Any]) -> None:
-        try:
-            frame = json.dumps(payload, allow_nan=False)
-        except ValueError as exc:  # NaN or Infinity: JSON has neither, the server refuses
-            raise InvalidRequestError("bad_message", str(exc)) from None
+        frame = _encode(payload)
         ws = await self._socket()
         try:
             await ws.send(frame)
@@ -461,3 +454,12 @@ def _raise_if_unauthorized(exc: ConnectionClosed) -> None:
     """Raise AuthenticationError if the server closed the socket for the API key."""
     if exc.rcvd is not None and exc.rcvd.code == CLOSE_UNAUTHORIZED:
         raise error_for("unauthorized", exc.rcvd.reason or "missing or wrong API key")
+
+
+def _encode(payload: dict[str, Any]) -> str:
+    """`payload` as JSON; NaN and Infinity, which JSON has not (the server refuses them), are
+    `InvalidRequestError`s here."""
+    try:
+        return json.dumps(payload, allow_nan=False)
+    except ValueError as exc:
+        raise InvalidRequestError("bad_message", str(exc)) from None

@@ -60,7 +60,7 @@ def hermes_turns(turns: Sequence[ChatTurn], tools: Sequence[ToolSpec]) -> list[C
             out.append(ChatTurn(turn.role, "\n".join([turn.content, *blocks] if turn.content
                                                      else blocks)))
         else:
-            out.append(ChatTurn(turn.role, turn.content))
+            out.append(turn)
     flush_results()
     if tools:
         listing = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.to_json()) for t in tools))

@@ -152,10 +152,8 @@ class ChatCompletionRequest(Sampling):
             return ToolUse("function", names, choice.function.name, parallel)
         if choice == "required":
             return ToolUse("required", names, None, parallel)
-        return ToolUse("auto", names, None, parallel, structured=self._content_schema() is not None)
-
-    def _content_schema(self) -> str | None:
-        return None if self.response_format is None else self.response_format.schema_text()
+        structured = self.response_format is not None and self.response_format.type != "text"
+        return ToolUse("auto", names, None, parallel, structured)
 
     def tool_specs(self) -> list[ToolSpec]:
         """The tools the model is shown (none where tool_choice is "none")."""
@@ -170,9 +168,8 @@ class ChatCompletionRequest(Sampling):
         if self.logprobs:
             given["logprobs"] = self.top_logprobs or 0
         use = self.tool_use()
-        if use is not None:  # the tools' schema over the response_format's
-            given.pop("json_schema", None)
-            schema = reply_schema(use, self.tool_specs(), self._content_schema())
+        if use is not None:  # the tools' schema, over (or around) the response_format's
+            schema = reply_schema(use, self.tool_specs(), given.pop("json_schema", None))
             if schema is not None:
                 given["json_schema"] = schema
         return given

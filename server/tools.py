@@ -117,15 +117,15 @@ class ToolUse:
         Mistral models write them) the whole reply as JSON of calls of the tools."""
         if self.mode == "function":
             return None, [(self.function or "", text)]
-        calls: list[tuple[str, str]] | None = None
-        if self.holds_whole(text.lstrip()[:1]):
-            calls = parse_calls(text, self.names)
-        if calls is None:
-            if self.mode == "required" or self.structured:
-                return text, []
+        whole = parse_calls(text, self.names) if self.holds_whole(text.lstrip()[:1]) else None
+        content: str | None
+        if whole is not None:
+            content, calls = None, whole
+        elif self.mode == "required" or self.structured:
+            return text, []
+        else:
             content, calls = read_reply(text, self.names)
-            return content, calls if self.parallel else calls[:1]
-        return None, calls if self.parallel else calls[:1]
+        return content, calls if self.parallel else calls[:1]
 
 
 def reply_message(text: str, finish_reason: str | None,
