@@ -57,7 +57,7 @@ MODELS: dict[str, dict[str, Any]] = {
 def build_model(name: str, device: torch.device) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**MODELS[name], torch_dtype="bfloat16")
+    config = LlamaConfig(**MODELS[name])
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bfloat16, not converted from float32
     try:
@@ -162,7 +162,11 @@ def host_to_device_time(pinned: torch.Tensor, nbytes: int, device: torch.device,
                         repeats: int) -> float:
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     src = pinned.view(-1)[:nbytes]
-    return timed(repeats, lambda: dev.copy_(src, non_blocking=True), device)
+
+    def copy() -> None:
+        dev.copy_(src, non_blocking=True)
+
+    return timed(repeats, copy, device)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
