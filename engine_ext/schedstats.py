@@ -16,6 +16,7 @@ def _per_class() -> dict[str, int]:
 class SchedulerStats:
     num_steps: int = 0
     plan_fallbacks: int = 0  # steps run by vLLM's own logic because the plan stalled
+    seat_preemptions: int = 0  # BE requests sitting a step out that gave their seat to RT
     policy_s: float = 0.0  # total time in the policy's plan (seconds)
     schedule_s: float = 0.0  # total time in schedule(), plan included (seconds)
     step_s: float = 0.0  # total time from a step's schedule to its output (seconds)

@@ -19,6 +19,7 @@ measured step latency trains the cost model the policies predict with.
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from collections.abc import Iterator
@@ -68,9 +69,12 @@ class AntiphonScheduler(Scheduler):
         self._lost_tokens: dict[str, int] = {}  # preempted, computed tokens not yet redone
         self._token_limits: dict[str, int] = {}  # the step's plan: most new tokens per request
         self._first_token_s: dict[str, float] = {}  # RT: when its first token was produced
-        self._step_shape: StepShape | None = None
+        # Steps scheduled and not yet updated, oldest first, each (shape, when scheduled):
+        # one at a time when scheduling is synchronous; with async scheduling vLLM schedules
+        # the next step before it updates from the last, and updates them in order.
+        self._steps_in_flight: collections.deque[tuple[StepShape, float]] = collections.deque()
+        self._last_step_done = 0.0  # when the last step's output was taken
         self._last_step_had_prefill = False  # of the last step scheduled
-        self._step_started = 0.0
         self._trace = StepTrace(self.settings.step_trace) if self.settings.step_trace else None
         # Measured steps, [*shape fields, latency in seconds], while a profile records them.
         self._recorded_steps: list[list[float]] | None = None
@@ -118,9 +122,13 @@ class AntiphonScheduler(Scheduler):
             sat_out = self._apply(plan)
             self._token_limits = plan.token_limits
         planned = time.perf_counter()
+        # Requests sitting out keep their seats: vLLM admits only into the others.
+        max_active = self.max_num_active_reqs
+        self.max_num_active_reqs = min(max_active, self.max_num_running_reqs - len(sat_out[0]))
         try:
             output = super().schedule(throttle_prefills)
         finally:
+            self.max_num_active_reqs = max_active
             self._token_limits = {}
             self.running.extend(sat_out[0])
             for request in sat_out[1]:
@@ -128,40 +136,34 @@ class AntiphonScheduler(Scheduler):
         self._count_recomputed(output)
         self._stalled = not output.total_num_scheduled_tokens and bool(self.running)
         if output.total_num_scheduled_tokens:
-            self._step_shape = self._shape_of(output)
-            self._last_step_had_prefill = self._step_shape.num_prefill_tokens > 0
-            self._step_started = time.perf_counter()
-            self.stats.record_step(planned - started, self._step_started - started,
+            shape = self._shape_of(output)
+            self._last_step_had_prefill = shape.num_prefill_tokens > 0
+            scheduled = time.perf_counter()
+            if not isinstance(self, AsyncScheduler):
+                self._steps_in_flight.clear()  # one step at a time (none left by a failure)
+            self._steps_in_flight.append((shape, scheduled))
+            self.stats.record_step(planned - started, scheduled - started,
                                    self.kv_cache_manager.block_pool.get_usage())
             if self._trace is not None:
-                self._trace_step(output, planned - started, preemptions, fallback)
+                self._trace_step(output, shape, planned - started, preemptions, fallback)
         return output
 
-    def _trace_step(self, output: SchedulerOutput, plan_s: float,
+    def _trace_step(self, output: SchedulerOutput, shape: StepShape, plan_s: float,
                     preemptions_before: dict[str, int], fallback: bool) -> None:
-        assert self._trace is not None and self._step_shape is not None
+        assert self._trace is not None
         scheduled = ((request_class_of(request), num_new, is_prefill)
                      for request, num_new, is_prefill in self._scheduled(output))
         self._trace.scheduled(
-            time.time(), plan_s, self.cost_model.predict_s(self._step_shape), scheduled,
+            time.time(), plan_s, self.cost_model.predict_s(shape), scheduled,
             map(request_class_of, self.waiting), map(request_class_of, self.running),
             self.kv_cache_manager.block_pool.get_num_free_blocks(),
             {c: n - preemptions_before[c] for c, n in self.stats.num_preemptions.items()
-             if n > preemptions_before[c]}, fallback, self._step_shape)
+             if n > preemptions_before[c]}, fallback, shape)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
-        if self._step_shape is not None:
-            latency = time.perf_counter() - self._step_started
-            self.cost_model.observe(self._step_shape, latency)
-            self.stats.record_step_latency(latency)
-            if self._trace is not None:
-                self._trace.finished(latency)
-            self.stats.cost_model_mape = self.cost_model.mape
-            self.stats.cost_model_calibration = self.cost_model.calibration
-            if self._recorded_steps is not None:
-                self._recorded_steps.append([*self._step_shape.to_list(), latency])
-            self._step_shape = None
+        if scheduler_output.total_num_scheduled_tokens and self._steps_in_flight:
+            self._observe_step(*self._steps_in_flight.popleft())
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         self._note_first_tokens(scheduler_output)
         if self.pages is not None and not self.running and not self.waiting \
@@ -169,12 +171,30 @@ class AntiphonScheduler(Scheduler):
             self._check_when_idle()
         return outputs
 
+    def _observe_step(self, shape: StepShape, scheduled_s: float) -> None:
+        """Train the cost model on a finished step: its time runs from when it was scheduled,
+        or from when the step before it finished where that was later (with async scheduling
+        a step is scheduled while the one before it still runs)."""
+        done = time.perf_counter()
+        latency = done - max(scheduled_s, self._last_step_done)
+        self._last_step_done = done
+        self.cost_model.observe(shape, latency)
+        self.stats.record_step_latency(latency)
+        if self._trace is not None:
+            self._trace.finished(latency)
+        self.stats.cost_model_mape = self.cost_model.mape
+        self.stats.cost_model_calibration = self.cost_model.calibration
+        if self._recorded_steps is not None:
+            self._recorded_steps.append([*shape.to_list(), latency])
+
     def _note_first_tokens(self, output: SchedulerOutput) -> None:
         now = time.time()  # the clock of Request.arrival_time
         for rid in output.num_scheduled_tokens:
             request = self.requests.get(rid)
+            # A finished request whose pages the KV connector still holds stays in
+            # `requests` until they are freed: it is past needing its first token's time.
             if request is not None and request.num_output_tokens and \
-                    rid not in self._first_token_s:
+                    not request.is_finished() and rid not in self._first_token_s:
                 self._first_token_s[rid] = now
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
@@ -331,11 +351,43 @@ class AntiphonScheduler(Scheduler):
             sat_out = ([r for r in running if r.request_id not in rank],
                        [r for r in waiting if r.request_id not in rank])
             waiting = [r for r in waiting if r.request_id in rank]
+            waiting = self._seat_rt(waiting, sat_out, now)
         else:
             self.running, sat_out = running, ([], [])
         for request in waiting:
             self.waiting.add_request(request)
         return sat_out
+
+    def _seat_rt(self, admitted: list[Request],
+                 sat_out: tuple[list[Request], list[Request]], now: float) -> list[Request]:
+        """The plan's waiting requests that get a seat this step, in order.
+
+        Running requests that sit a step out keep their seats (vLLM's `max_num_seqs`), so the
+        plan's waiting requests get only the seats left, in the plan's order. An RT request
+        beyond them takes the seat of a BE request sitting out, which is preempted (RT takes
+        from BE, never the reverse; checkpointed with bidirectional blocks). The others sit
+        the step out too: vLLM seats in queue order, so one left queued would take the seat
+        an RT request behind it was given."""
+        sitting_out, waiting_out = sat_out
+        free = self.max_num_running_reqs - len(self.running) - len(sitting_out)
+        seated = []
+        for request in admitted:
+            if free <= 0 and request_class_of(request) is RequestClass.RT:
+                be = [r for r in sitting_out if request_class_of(r) is not RequestClass.RT]
+                if be:
+                    victim = min(be, key=lambda r: r.num_computed_tokens)  # least to keep
+                    sitting_out.remove(victim)
+                    self.stats.seat_preemptions += 1
+                    self._preempt_request(victim, now)
+                    self.waiting.remove_request(victim)  # vLLM queued it: it sits out
+                    waiting_out.append(victim)
+                    free += 1
+            if free > 0:
+                free -= 1
+                seated.append(request)
+            else:
+                waiting_out.append(request)
+        return seated
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int,
                                    num_new_tokens: int) -> int:

@@ -1,4 +1,6 @@
-"""A plan's per-request chunks, as vLLM's own scheduler applies them, without a model run."""
+"""A policy's plans as vLLM's own scheduler applies them, without a model run: per-request
+chunks, seats kept by requests that sit a step out, and the cost model fed each step's own
+shape when vLLM schedules a step ahead (async scheduling)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from antiphon.engine_ext.policies.base import Policy
-from antiphon.engine_ext.scheduler import AntiphonScheduler
+from antiphon.engine_ext.scheduler import AntiphonAsyncScheduler, AntiphonScheduler
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 from antiphon.model import resolve_model
 
@@ -35,13 +38,14 @@ class ScriptedPlans(Policy):
         return self.plans.pop(0)
 
 
-def scheduler(plans: list[StepPlan]) -> AntiphonScheduler:
+def scheduler(plans: list[StepPlan], max_num_seqs: int = 16,
+              cls: type[AntiphonScheduler] = AntiphonScheduler) -> AntiphonScheduler:
     """vLLM's scheduler as the engine builds it (100 pages of 16 tokens, 2,048 tokens a step),
     with `plans` for its policy; no engine, no model weights loaded."""
     model = ModelConfig(model=str(resolve_model(None)), dtype="float32", max_model_len=2048)
     config = VllmConfig(
         model_config=model, device_config=DeviceConfig("cpu"),
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048,
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
                                          max_model_len=2048, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=False),
@@ -50,16 +54,28 @@ def scheduler(plans: list[StepPlan]) -> AntiphonScheduler:
     pages = KVCacheConfig(num_blocks=100, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=PAGE, num_kv_heads=1,
                                                       head_size=8, dtype=torch.float32))])
-    sched = AntiphonScheduler(vllm_config=config, kv_cache_config=pages,
+    sched = cls(vllm_config=config, kv_cache_config=pages,
                               structured_output_manager=StructuredOutputManager(config),
                               block_size=PAGE)
     sched.step_policy = ScriptedPlans(plans)
     return sched
 
 
-def request(rid: str, num_prompt_tokens: int) -> Request:
+def request(rid: str, num_prompt_tokens: int, request_class: str = "rt") -> Request:
     return Request(rid, list(range(1, num_prompt_tokens + 1)),
-                   SamplingParams(max_tokens=8), None)
+                   SamplingParams(max_tokens=8, extra_args={"antiphon_class": request_class}),
+                   None)
+
+
+def finish_step(sched: AntiphonScheduler, output: SchedulerOutput) -> None:
+    """The model's output for `output`: one token for each request at the end of its
+    prompt."""
+    ids = list(output.num_scheduled_tokens)
+    sampled = [[7] if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens
+               else [] for rid in ids]
+    sched.update_from_output(output, ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+        sampled_token_ids=sampled))
 
 
 def scheduled(output: SchedulerOutput) -> dict[str, int]:
@@ -79,3 +95,62 @@ def test_each_request_gets_its_planned_chunk_wherever_it_stands_in_the_order() -
     sched.add_request(request("c", 30))
     # running "a" is capped; "b" sits the step out; waiting "c" gets all it wants
     assert scheduled(sched.schedule()) == {"a": 5, "c": 30}
+
+
+def test_requests_sitting_out_keep_their_seats_and_rt_takes_one_from_be() -> None:
+    # Two seats, both BE requests decoding. The plan seats one of them and an RT arrival:
+    # the other sits the step out, still holding its seat and pages. vLLM counted only the
+    # requests in its queue, so it seated the RT turn beside both (3 running of 2), and its
+    # next step of its own asserted and took the engine core down.
+    sched = scheduler([StepPlan(order=["b1", "b2"], is_restrictive=True)] * 2 + [
+        StepPlan(order=["r", "b1"], is_restrictive=True),
+        StepPlan(order=["b1", "b2"], is_restrictive=True),
+    ], max_num_seqs=2)
+    sched.add_request(request("b1", 20, "be"))
+    sched.add_request(request("b2", 20, "be"))
+    for _ in range(2):
+        finish_step(sched, sched.schedule())
+    sched.add_request(request("r", 20))
+    output = sched.schedule()
+    assert scheduled(output) == {"r": 20, "b1": 1}
+    assert len(sched.running) == 2  # b2 gave its seat to the RT turn (preempted)
+    assert sched.stats.seat_preemptions == 1
+    assert sched.requests["b2"].num_preemptions == 1
+    finish_step(sched, output)
+    # a BE request the plan admits gets no seat held by another
+    sched.step_policy = ScriptedPlans([StepPlan(order=["b2", "b1"], is_restrictive=True)])
+    assert "b2" not in scheduled(sched.schedule())
+    assert len(sched.running) == 2
+
+
+def test_each_step_trains_the_cost_model_with_its_own_shape_when_scheduled_ahead() -> None:
+    # Async scheduling: vLLM schedules step 2 before it takes step 1's output. Each step's
+    # measured time must go with its own shape (a 40-token prefill, then decodes).
+    sched = scheduler([StepPlan(order=["p"])] * 3, cls=AntiphonAsyncScheduler)
+    sched.take_recorded_steps(record=True)
+    sched.add_request(request("p", 40))
+    first = sched.schedule()
+    second = sched.schedule()
+    finish_step(sched, first)
+    third = sched.schedule()
+    finish_step(sched, second)
+    finish_step(sched, third)
+    steps = sched.take_recorded_steps(record=False)
+    assert [row[0] for row in steps] == [1, 0, 0]  # prefilling requests: step 1 only
+    assert [row[1] for row in steps] == [40, 0, 0]  # prefill tokens
+
+
+def test_a_finished_request_whose_pages_the_connector_holds_leaves_no_first_token_time() -> None:
+    # The KV connector holds a finished request's pages while it saves its last chunk, so
+    # the request stays known to the scheduler; its first token's time was set again after
+    # it was dropped, and never dropped after that (one entry per such request, for ever).
+    sched = scheduler([StepPlan(order=["a", "b"])] * 12)
+    sched._connector_finished = lambda request: (True, None)  # type: ignore[method-assign]
+    sched.add_request(request("a", 20))
+    sched.add_request(request("b", 20, "be"))
+    for _ in range(12):  # a prefill and 7 decodes each
+        output = sched.schedule()
+        if output.total_num_scheduled_tokens:
+            finish_step(sched, output)
+    assert all(r.is_finished() for r in sched.requests.values())
+    assert sched._first_token_s == {}
