@@ -82,6 +82,7 @@ class Generation:
     context_start: int = 0  # a session turn: the session's first message its prompt renders
     replaces_reply: bool = False  # a session turn: its reply replaces the session's last one
     tool_use: ToolUse | None = None  # a chat completion with tools: how its reply holds calls
+    session_claim: str | None = None  # a session turn: its hold on the session (`claim`)
 
     @property
     def text(self) -> str:

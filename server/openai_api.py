@@ -80,7 +80,7 @@ async def chat_completions(request: Request) -> Response:
     slot = ctx.inflight_per_key.take(owner, len(gens))
     if session_id is not None:
         try:
-            ctx.turns.claim(session_id, gens[0].request_id)
+            gens[0].session_claim = ctx.turns.claim(session_id)
         except ApiError:
             slot.release()
             raise
@@ -147,7 +147,7 @@ async def _release(ctx: AppContext, gen: Generation, slot: Slot) -> None:
     run twice)."""
     slot.release()
     if gen.params.session_id is not None:
-        ctx.turns.release(gen.params.session_id, gen.request_id)
+        ctx.turns.release(gen.params.session_id, gen.session_claim)
 
 
 async def _complete_unless_gone(ctx: AppContext, gens: list[Generation],

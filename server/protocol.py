@@ -191,7 +191,8 @@ class SessionRename(_Msg):
 class SessionDelete(_Msg):
     type: Literal["session.delete"]
     session_id: Annotated[str, Field(pattern=ID_PATTERN)]
-    """Deletes the session and its messages; replies of it still streaming are cancelled."""
+    """Deletes the session and its messages (and erases its KV); refused with `session_busy`
+    while a reply of it is streaming."""
 
 
 class TurnRequest(_Msg, Sampling):

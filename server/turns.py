@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 import re
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -60,12 +61,28 @@ def parse_cursor(cursor: str) -> tuple[float, str]:
     return value, session_id
 
 
+async def _emit_final(emit: Emit, frame: str, is_user_cancel: Callable[[], bool]) -> None:
+    """Send a turn's last frame (`done`, or its error). A user's cancel that lands while it
+    waits to be sent (a slow reader, another turn's frames ahead of it) lets it go out: the
+    client that cancelled waits for it. Shielded, so the frame is sent once."""
+    sending = asyncio.ensure_future(emit(frame))
+    try:
+        await asyncio.shield(sending)
+    except asyncio.CancelledError:
+        if not is_user_cancel():
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        await asyncio.shield(sending)
+
+
 class SessionTurns:
     def __init__(self, store: SessionStore, chat: ChatService, metrics: ServerMetrics) -> None:
         self.store = store
         self.chat = chat
         self.metrics = metrics
-        self._busy: dict[str, str] = {}  # session id -> the request answering in it
+        # session id -> the hold of the turn (or deletion) using it: a token of the server's,
+        # never a client's request id, so that no other request can let go of it
+        self._busy: dict[str, str] = {}
         self._last_typing_s: dict[str, float] = {}  # session id -> its last typing advisory
         self._eraser: asyncio.Task[None] | None = None  # erasing deleted sessions' KV
         self._erase_wanted = False  # a session was deleted since the eraser read the queue
@@ -115,9 +132,14 @@ class SessionTurns:
         if session_id in self._busy:
             raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is answering a "
                            "message; stop the reply before deleting the session")
-        if not await asyncio.to_thread(self.store.delete_session, owner, session_id,
-                                       await asyncio.to_thread(self._last_prompt, session_id)):
-            raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
+        hold = self.claim(session_id)  # no turn starts while the deletion runs
+        try:
+            last_prompt = await asyncio.to_thread(self._last_prompt, session_id)
+            if not await asyncio.to_thread(self.store.delete_session, owner, session_id,
+                                           last_prompt):
+                raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
+        finally:
+            self.release(session_id, hold)
         self.erase_deleted_kv()
 
     def erase_deleted_kv(self) -> None:
@@ -196,17 +218,19 @@ class SessionTurns:
         self._last_typing_s[session_id] = now
         return False
 
-    def claim(self, session_id: str, request_id: str) -> None:
-        """Mark `session_id` as answering `request_id`; raises `session_busy` if it already
-        answers another. One turn per session keeps the conversation in a single order."""
+    def claim(self, session_id: str) -> str:
+        """Mark `session_id` busy; returns the hold that `release` takes. Raises
+        `session_busy` if it is busy already: one turn per session keeps the conversation in
+        a single order."""
         if session_id in self._busy:
             raise ApiError(ErrorCode.SESSION_BUSY,
                            f"session {session_id} is already answering a message")
-        self._busy[session_id] = request_id
+        hold = self._busy[session_id] = "hold_" + secrets.token_urlsafe(12)
+        return hold
 
-    def release(self, session_id: str, request_id: str) -> None:
-        """Clear `claim`'s mark, if `request_id` still holds it (safe to call twice)."""
-        if self._busy.get(session_id) == request_id:
+    def release(self, session_id: str, hold: str | None) -> None:
+        """Clear `claim`'s mark, if `hold` still holds it (safe to call twice)."""
+        if hold is not None and self._busy.get(session_id) == hold:
             del self._busy[session_id]
 
     async def record_exchange(self, gen: Generation) -> None:
@@ -232,7 +256,7 @@ class SessionTurns:
         if isinstance(msg, protocol.ChatMessage):
             self.chat.check_content(msg.content)
         await self.get(owner, msg.session_id)
-        self.claim(msg.session_id, request_id)
+        hold = self.claim(msg.session_id)
         try:
             history, context, start = await asyncio.to_thread(self._history, msg.session_id)
             turns = [ChatTurn(m.role, m.content) for m in history]
@@ -248,6 +272,7 @@ class SessionTurns:
             gen, cut = self._prepare_in_window(owner, msg, request_id, turns, context)
             gen.context_start = start + cut
             gen.replaces_reply = replaces_reply
+            gen.session_claim = hold
             if cut:
                 logger.info("session %s outgrew the model's context: the model sees it from "
                             "message %d on", msg.session_id, start + cut)
@@ -261,7 +286,7 @@ class SessionTurns:
                 if title:
                     await asyncio.to_thread(self.store.title_if_untitled, msg.session_id, title)
         except BaseException:
-            self.release(msg.session_id, request_id)
+            self.release(msg.session_id, hold)
             raise
         return gen
 
@@ -290,7 +315,7 @@ class SessionTurns:
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
             except ApiError as err:
-                await emit(protocol.error_frame(err, rid))
+                await _emit_final(emit, protocol.error_frame(err, rid), is_user_cancel)
                 return
             try:
                 if gen.pieces or not gen.replaces_reply:  # a regenerate stopped before its
@@ -305,14 +330,15 @@ class SessionTurns:
                         asyncio.current_task().uncancel()  # type: ignore[union-attr]
                         await asyncio.shield(commit)
             except Exception as exc:  # the store failed (a full disk): say so, do not hang
-                await emit(protocol.error_frame(unexpected_error(
+                await _emit_final(emit, protocol.error_frame(unexpected_error(
                     exc, f"session {session_id}: saving the reply to {rid}",
-                    "the reply was not saved (regenerate asks for it again)"), rid))
+                    "the reply was not saved (regenerate asks for it again)"), rid),
+                    is_user_cancel)
                 return
-            await emit(protocol.encode(
+            await _emit_final(emit, protocol.encode(
                 "done", request_id=rid, session_id=session_id, finish_reason=gen.finish_reason,
                 text=gen.text, usage=gen.usage(), timings=gen.timings(),
-                context_start=gen.context_start))
+                context_start=gen.context_start), is_user_cancel)
         except BaseException:
             # Disconnected or shut down mid-reply: keep what the user already saw.
             if commit is not None:  # saved, or being saved: let the save end
@@ -326,7 +352,7 @@ class SessionTurns:
                 await asyncio.shield(self._commit_reply(session_id, gen))
             raise
         finally:
-            self.release(session_id, rid)
+            self.release(session_id, gen.session_claim)
 
     def _prepare_in_window(self, owner: str, msg: protocol.TurnRequest, request_id: str,
                            turns: list[ChatTurn], context: ChatContext | None,

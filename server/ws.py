@@ -14,6 +14,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 
 from antiphon.server import protocol
 from antiphon.server.auth import key_from_headers
+from antiphon.server.chat import Generation
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode, unexpected_error
 from antiphon.server.limits import Slot
@@ -119,28 +120,34 @@ class Connection:
         slot = self.ctx.inflight_per_key.take(self.owner)
         try:
             gen = await self.ctx.turns.accept(self.owner, msg, request_id)
+        except BaseException:  # refused: nothing is held
+            slot.release()
+            raise
+        try:
             await self.send(protocol.encode("accepted", request_id=request_id,
                                             session_id=msg.session_id,
                                             prompt_tokens=len(gen.prompt_token_ids)))
-        except BaseException:  # refused, or the client left before it heard "accepted"
+        except BaseException:  # the client left before it heard "accepted"
             slot.release()
-            self.ctx.turns.release(msg.session_id, request_id)
+            self.ctx.turns.release(msg.session_id, gen.session_claim)
             raise
         task = asyncio.create_task(self.ctx.turns.run(
             msg.session_id, gen, self.send,
             is_user_cancel=lambda: request_id in self._cancelled_request_ids))
         self._turns[request_id] = task
-        task.add_done_callback(lambda _t: self._finish_turn(msg.session_id, request_id, slot))
+        task.add_done_callback(lambda _t: self._finish_turn(msg.session_id, request_id, gen,
+                                                            slot))
         # Let the turn start before the next frame is read: a task cancelled before its first
         # step never runs its body, so a `cancel` right behind the message would end it with
         # no `done` frame and nothing committed.
         await asyncio.sleep(0)
 
-    def _finish_turn(self, session_id: str, request_id: str, slot: Slot) -> None:
+    def _finish_turn(self, session_id: str, request_id: str, gen: Generation,
+                     slot: Slot) -> None:
         slot.release()
         self._turns.pop(request_id, None)
         self._cancelled_request_ids.discard(request_id)
-        self.ctx.turns.release(session_id, request_id)  # whatever way the turn ended
+        self.ctx.turns.release(session_id, gen.session_claim)  # whatever way the turn ended
 
     async def _cancel_all(self) -> None:
         tasks = list(self._turns.values())

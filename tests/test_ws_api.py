@@ -267,3 +267,87 @@ async def test_a_cancel_while_the_reply_is_saved_still_gets_its_done_frame(
             assert done["request_id"] == "r" and done["text"] == "You said: a b"
             history = (await open_session(ws, sid))["messages"]
     assert [m["role"] for m in history] == ["user", "assistant"]
+
+
+async def test_another_clients_refused_turn_with_the_same_id_keeps_the_session_busy(
+        scripted: Scripted) -> None:
+    """A turn refused on another connection, under the streaming turn's own request id, used
+    to let go of that turn's hold on the session: a second turn then ran beside it (the
+    stored conversation out of order) and a delete removed the session under it."""
+    scripted.engine.token_delay_s = 0.05
+    async with connect(scripted.ws_url) as a, connect(scripted.ws_url) as b:
+        sid = (await open_session(a))["session"]["session_id"]
+        await send(a, type="message", session_id=sid, content="w " * 30, request_id="r1")
+        await recv_until(a, "token")
+        await send(b, type="message", session_id=sid, content="x" * 5000, request_id="r1")
+        assert (await recv(b))["code"] == "too_large"
+        await send(b, type="message", session_id=sid, content="second", request_id="r1")
+        assert (await recv(b))["code"] == "session_busy"
+        await send(b, type="message", session_id=sid, content="third", request_id="r2")
+        assert (await recv(b))["code"] == "session_busy"
+        await send(b, type="session.delete", session_id=sid)
+        assert (await recv(b))["code"] == "session_busy"
+        assert (await recv_until(a, "done"))[-1]["finish_reason"] == "stop"
+        history = (await open_session(b, sid))["messages"]
+    assert [m["role"] for m in history] == ["user", "assistant"]
+
+
+async def test_a_turn_sent_while_its_session_is_being_deleted_is_refused(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delete renders the conversation's last prompt (for the KV erasure) before it deletes:
+    a turn that arrived meanwhile was accepted, then lost its session (an internal error after
+    `accepted`, and its KV left out of the erasure). It is refused now."""
+    from antiphon.server.turns import SessionTurns
+
+    last_prompt = SessionTurns._last_prompt
+
+    def slow(self: SessionTurns, session_id: str) -> list[int] | None:
+        time.sleep(0.5)  # a long conversation rendered by a real tokenizer
+        return last_prompt(self, session_id)
+
+    monkeypatch.setattr(SessionTurns, "_last_prompt", slow)
+    async with connect(scripted.ws_url) as a, connect(scripted.ws_url) as b:
+        sid = (await open_session(a))["session"]["session_id"]
+        await send(b, type="session.delete", session_id=sid)
+        await asyncio.sleep(0.1)
+        await send(a, type="message", session_id=sid, content="hello", request_id="r1")
+        refused = await recv(a)
+        assert (refused["type"], refused["code"]) == ("error", "session_busy")
+        assert (await recv(b))["type"] == "session.deleted"
+
+
+async def test_a_cancel_while_the_done_frame_waits_to_be_sent_lets_it_go_out(
+        tmp_path: Any) -> None:
+    """The `done` frame waits for the connection (another turn's frame ahead of it, a slow
+    reader); a cancel that lands then used to end the turn without it, and the client that
+    cancelled waited for ever."""
+    from antiphon.config import AppConfig
+    from antiphon.server import protocol
+    from antiphon.server.config import ServerConfig
+    from antiphon.server.context import AppContext
+    from antiphon.sessions.config import SessionConfig
+
+    ctx = AppContext.build(AppConfig(server=ServerConfig(),
+                                     sessions=SessionConfig(data_dir=tmp_path)), ScriptedEngine())
+    session, _ = await ctx.turns.open("o", None)
+    msg = protocol.decode_client_message(json.dumps(
+        {"type": "message", "session_id": session.session_id, "content": "hi there"}))
+    gen = await ctx.turns.accept("o", msg, "r1")
+    held, cancelled = asyncio.Event(), False
+    sent: list[str] = []
+
+    async def emit(frame: str) -> None:
+        kind = json.loads(frame)["type"]
+        if kind == "done" and not held.is_set():
+            held.set()
+            await asyncio.sleep(0.5)  # the socket drains slowly
+        sent.append(kind)
+
+    task = asyncio.create_task(ctx.turns.run(session.session_id, gen, emit, lambda: cancelled))
+    await asyncio.wait_for(held.wait(), 10)
+    cancelled = True
+    task.cancel()
+    await asyncio.wait_for(task, 10)
+    assert sent.count("done") == 1
+    assert [m.role for m in ctx.store.messages(session.session_id)] == ["user", "assistant"]
+    ctx.store.close()
