@@ -268,6 +268,9 @@ def test_build_from_config(tmp_path: Path) -> None:
         assert store.write_through(GRID[0][1])  # the host tier is the slowest one now
     with pytest.raises(ValueError, match="both tiers are off"):
         build_tiered_store(TieringConfig(host_tier_bytes=0), slot_bytes=64)
+    # a host tier too small for one chunk-layer would silently recompute every turn
+    with pytest.raises(ValueError, match="holds no chunk-layer"):
+        build_tiered_store(TieringConfig(host_tier_bytes=63, ssd_tier_bytes=0), slot_bytes=64)
 
 
 def test_an_unusable_ssd_folder_leaves_the_host_tier_serving(tmp_path: Path,

@@ -595,3 +595,41 @@ def test_counters_start_again_from_zero_and_the_tiers_keep_their_kv(planner: Tie
     assert all(v == 0 for tier in after["tiers"].values() for k, v in tier.items()
                if k not in ("used_bytes", "capacity_bytes"))
     assert after["tiers"]["host"]["used_bytes"] == before["tiers"]["host"]["used_bytes"]
+
+
+def test_positions_whose_tokens_are_not_known_yet_wait_to_be_saved(planner: TierPlanner) -> None:
+    # Async scheduling (vLLM's default on a GPU): a decode step is scheduled before the token
+    # sampled in the step ahead of it is added, so the computed positions run one past the
+    # known tokens. Reaching a chunk's end that way used to crash the engine core (its key
+    # hashes tokens not known yet); the chunk is saved once they are.
+    tokens = list(range(100, 107))  # 7 known: the 8th, ending chunk 1, not sampled yet
+    view = TokenView("r", tokens, "s1")
+    planner.add_request(view)
+    planner.num_new_matched_tokens(view, 0)
+    planner.test_blocks["r"] = [1, 2]  # type: ignore[attr-defined]
+    planner.plan_load("r", [1, 2], 0, 7)
+    first = planner.build_metadata([("r", 7)])
+    assert [c.blocks for c in first.saves] == [(1,)]
+    ahead = planner.build_metadata([("r", 8)])
+    assert ahead.saves == []
+    tokens.append(107)  # the step's output arrives
+    after = planner.build_metadata([("r", 9)])
+    assert [c.blocks for c in after.saves] == [(2,)]
+    # a preemption or an end in that state holds only the known tokens
+    tokens.extend([108])
+    assert planner.checkpoint("r", 11, [1, 2, 3]) == 9
+
+
+def test_a_finished_request_saves_only_the_tail_it_knows(planner: TierPlanner) -> None:
+    tokens = list(range(100, 110))  # 10 known
+    view = TokenView("r", tokens, "s1")
+    planner.add_request(view)
+    planner.num_new_matched_tokens(view, 0)
+    planner.test_blocks["r"] = [1, 2, 3]  # type: ignore[attr-defined]
+    planner.plan_load("r", [1, 2, 3], 0, 10)
+    meta = planner.build_metadata([("r", 10)])
+    fake_worker_saves(planner, meta.saves)
+    planner.step_done({meta.step}, set())
+    assert planner.request_finished("r", 12, [1, 2, 3])  # 2 positions past the known tokens
+    final = planner.build_metadata([])
+    assert [c.blocks for c in final.final_saves["r"]] == [(3,)]

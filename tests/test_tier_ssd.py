@@ -427,3 +427,20 @@ def test_concurrent_reads_never_see_another_keys_bytes(tmp_path: Path) -> None:
         assert tier.stats.corrupt_dropped == 0
         assert tier.stats.hits > 0 and tier.stats.evictions > 0
         tier.check_integrity()
+
+
+def test_a_failed_read_is_a_miss_that_keeps_the_record(
+        ssd: SsdTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An I/O error is not damage: the record stays, and reads again once the disk does.
+    assert ssd.put(key(0, 0), payload(0, 0))
+    ssd.flush()
+
+    def failing(slot: int, expected: ChunkKey) -> memoryview:
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ssd._file, "read", failing)
+        assert ssd.get(key(0, 0)) is None
+    assert ssd.contains(key(0, 0))
+    assert ssd.get(key(0, 0)) == payload(0, 0)
+    ssd.check_integrity()

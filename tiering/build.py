@@ -21,8 +21,8 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int,
 
     `slot_bytes` is one chunk-layer's KV size in bytes: the per-layer page size times
     `config.pages_per_chunk`. The host arena is created here, named `config.host_shm_name`
-    (default `antiphon-kv-<pid>`); this process owns it and unlinks it on `close`. The tier
-    above orders evictions per `config.eviction_policy`; the lowest one, which holds the only
+    (default `antiphon-kv-<pid>-<random>`); this process owns it and unlinks it on `close`.
+    The tier above orders evictions per `config.eviction_policy`; the lowest one, which holds the only
     copy of what it stores, by `SessionLruPolicy` (see `eviction`). `model_id` is the KV's
     model: the SSD tier does not load what another model stored (None loads everything).
     """
@@ -31,6 +31,10 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int,
     if not (config.is_host_tier_enabled or config.is_ssd_tier_enabled):
         raise ValueError("both tiers are off: set host_tier_bytes > 0, or ssd_dir and "
                          "ssd_tier_bytes > 0")
+    if config.is_host_tier_enabled and config.host_tier_bytes < slot_bytes:
+        # every copy goes through the host arena: without a slot, every turn recomputes
+        raise ValueError(f"the host tier ({config.host_tier_bytes} bytes) holds no chunk-layer "
+                         f"of this model ({slot_bytes} bytes): raise --host-tier-bytes")
     ssd_dir = config.ssd_dir if config.is_ssd_tier_enabled else None
 
     def policy(is_lowest: bool) -> EvictionPolicy:

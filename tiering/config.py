@@ -49,7 +49,7 @@ class TieringConfig:
         "KiB for the default model). The engine's scheduler thread is such a producer: at 64, "
         "a 600-token prompt's 120 chunk-layers made it wait for the writer", default=256)
     host_shm_name: str | None = doc(
-        "Name of the host tier's shared-memory segment; unset: antiphon-kv-<pid>",
+        "Name of the host tier's shared-memory segment; unset: antiphon-kv-<pid>-<random>",
         default=None)
     ssd_writer_nice: int = doc(
         "CPU priority of the SSD tier's writer thread (Linux nice, 0 to 19): at 19 the "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import secrets
 import struct
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -234,18 +235,20 @@ ARENA_PREFIX = "antiphon-kv-"
 
 
 def default_arena_name() -> str:
-    """A name unique to this process: `antiphon-kv-<pid>`."""
-    return f"{ARENA_PREFIX}{os.getpid()}"
+    """A name unique to this process and start: `antiphon-kv-<pid>-<random>`. The random
+    part keeps a restart that gets the same pid (a container, whose pids start alike, over a
+    /dev/shm kept across restarts) clear of the arena a killed server left under it."""
+    return f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def remove_orphaned_arenas(shm_dir: Path = Path("/dev/shm")) -> list[str]:
-    """Unlink default-named arenas (`antiphon-kv-<pid>`) whose process is gone: a server
+    """Unlink default-named arenas (`antiphon-kv-<pid>[-<random>]`) whose process is gone: a server
     killed without closing its tiers leaves its arena in shared memory, which is RAM, until
     someone removes it. Returns the names removed. An arena named by `--host-shm-name`, or
     whose pid is alive (in this pid namespace), is left alone."""
     removed = []
     for path in shm_dir.glob(f"{ARENA_PREFIX}*"):
-        pid = path.name.removeprefix(ARENA_PREFIX)
+        pid = path.name.removeprefix(ARENA_PREFIX).split("-")[0]
         if not pid.isdigit() or _is_alive(int(pid)):
             continue
         if HostArena.unlink_stale(path.name):

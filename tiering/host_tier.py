@@ -86,6 +86,11 @@ class HostTier(IndexedTier[HostSlot]):
             if slot is None:
                 return False
             self._index.release(self.slot_bytes)
+            if key in self._index:  # stored meanwhile (a key names its bytes): keep that copy
+                self._slots.free(slot)
+                if pin:
+                    self._index.pin(key)
+                return True
             self._index.insert(key, HostSlot(slot, num_bytes), self.slot_bytes, pin=pin)
             self.stats.bytes_in += num_bytes
             return True
@@ -101,6 +106,9 @@ class HostTier(IndexedTier[HostSlot]):
     def is_reserved(self, key: ChunkKey) -> bool:
         with self._lock:
             return key in self._reserved
+
+    def _is_reserved(self, key: ChunkKey) -> bool:
+        return key in self._reserved
 
     def remove(self, key: ChunkKey) -> bool:
         """Delete `key` now (not while pinned); its slot's bytes are zeroed (the tier keeps

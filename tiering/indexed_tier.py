@@ -168,6 +168,9 @@ class IndexedTier(Tier, Generic[Location]):
                 else:
                     self._index.touch(key)
                 return entry, False
+            if self._is_reserved(key):  # its bytes are on their way: refused, not stored twice
+                self.stats.refused += 1
+                return None, False
             nbytes = self._charge(key, len(data))
             if not self._make_room(nbytes):
                 self.stats.refused += 1
@@ -176,6 +179,11 @@ class IndexedTier(Tier, Generic[Location]):
             self.stats.bytes_in += len(data)
             entry = self._index.get(key)
             return entry, True
+
+    def _is_reserved(self, key: ChunkKey) -> bool:
+        """`key` has a slot reserved for a copy in flight (tiers that reserve; under the
+        lock)."""
+        return False
 
     def _make_room(self, nbytes: int) -> bool:
         """Evict until `nbytes` are free; False, evicting nothing, when pins forbid it."""

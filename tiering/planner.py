@@ -75,6 +75,14 @@ class _Match:
         return [key for keys in self.layers[first_chunk:] for key in keys]
 
 
+def _known(st: _Request, num_computed: int) -> int:
+    """The computed tokens whose ids the scheduler knows. With async scheduling vLLM counts
+    a step's positions computed before the tokens sampled in the step ahead of it are added
+    to the request (`num_output_placeholders`): their KV is stored once their ids are known
+    (keys are hashes of token ids), or recomputed after a checkpoint."""
+    return min(num_computed, len(st.view.token_ids))
+
+
 # Fetches from SSD one turn waits for before it takes what the host holds and recomputes the
 # rest (a fetch can lose its host room to others after it starts).
 MAX_FETCH_ATTEMPTS = 3
@@ -404,6 +412,7 @@ class TierPlanner:
                 return False
             self._unpin(st)
             self._drop_prefetch(st)
+            num_computed = _known(st, num_computed)
             full = num_computed // self.chunk_tokens
             if num_computed == full * self.chunk_tokens or st.saved_chunks != full:
                 return False  # nothing partial, or the full chunks were not all saved
@@ -429,6 +438,7 @@ class TierPlanner:
                 return 0
             self._unpin(st)
             self._drop_prefetch(st)
+            num_computed = _known(st, num_computed)
             full = num_computed // self.chunk_tokens
             hashes = self._hashes(st, full)
             ppc = self.pages_per_chunk
@@ -691,7 +701,7 @@ class TierPlanner:
 
     def _plan_saves(self, st: _Request, num_done: int, meta: TieringMetadata,
                     in_flight: _InFlight) -> None:
-        full = num_done // self.chunk_tokens
+        full = _known(st, num_done) // self.chunk_tokens
         if full <= st.saved_chunks:
             return
         hashes = self._hashes(st, full)

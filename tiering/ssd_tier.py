@@ -257,9 +257,15 @@ class SsdTier(IndexedTier[SsdSlot]):
         return True
 
     def _read_verified(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> memoryview | None:
+        """The record's verified payload; None, and the record dropped, when it is damaged.
+        A read that fails (an I/O error) is a miss that keeps the record: it may read next
+        time, and a damaged one is found then by its checksum."""
         try:
             return self._file.read(entry.location.slot, key)
-        except (CorruptChunk, OSError) as e:
+        except OSError as e:
+            log.warning("%s: reading slot %d failed: %s", self.name, entry.location.slot, e)
+            return None
+        except CorruptChunk as e:
             with self._lock:
                 if self._index.get(key) is not entry:  # evicted under our feet: a plain miss
                     return None
