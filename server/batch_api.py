@@ -154,9 +154,21 @@ async def create_batch(request: Request) -> dict[str, Any]:
         raise ApiError(ErrorCode.INVALID_FILE,
                        f"file {input_file.file_id} has purpose {input_file.purpose!r}, not "
                        f"{INPUT_PURPOSE!r}")
+    limits = ctx.config.server
+    # A batch's results are files of the key's too: no room, no batch.
+    stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
+    if stored >= limits.max_stored_file_bytes:
+        raise ApiError(ErrorCode.TOO_LARGE, (
+            f"this API key stores {stored} bytes of files and may store "
+            f"{limits.max_stored_file_bytes} (--max-stored-file-bytes), results included: "
+            "delete some first (DELETE /v1/files/ID)"))
     batch = await asyncio.to_thread(ctx.batch_store.create_batch, owner, input_file.file_id,
                                     body.completion_window, window_s, body.metadata,
-                                    body.endpoint)
+                                    body.endpoint, limits.max_unfinished_batches)
+    if batch is None:
+        raise ApiError(ErrorCode.TOO_MANY_REQUESTS, (
+            f"this API key has {limits.max_unfinished_batches} batches not finished "
+            "(--max-unfinished-batches): wait for one to finish, or cancel one"))
     ctx.batches.notify()
     return batch.to_json()
 

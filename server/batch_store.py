@@ -206,11 +206,17 @@ class BatchStore:
 
     def create_batch(self, owner: str, input_file_id: str, completion_window: str,
                      window_s: float, metadata: dict[str, str] | None,
-                     endpoint: str = CHAT_ENDPOINT) -> Batch:
+                     endpoint: str = CHAT_ENDPOINT,
+                     max_unfinished: int | None = None) -> Batch | None:
         """A new batch of requests to `endpoint`, in VALIDATING, expiring `window_s` seconds
-        from now."""
+        from now; None, nothing created, when `owner` has `max_unfinished` batches not
+        finished already (counted in the same transaction)."""
         batch_id, now = new_batch_id(), time.time()
         with self.db.locked() as db:
+            if max_unfinished is not None and db.execute(
+                    f"SELECT COUNT(*) FROM batches WHERE owner = ? AND status NOT IN {_FINISHED}",
+                    (owner,)).fetchone()[0] >= max_unfinished:
+                return None
             db.execute(
                 "INSERT INTO batches (batch_id, owner, input_file_id, completion_window,"
                 " metadata, status, created_at, expires_at, endpoint)"

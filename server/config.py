@@ -108,6 +108,10 @@ class ServerConfig:
         "keys together without keys; an upload past it is refused until files are deleted",
         default=8 * 1024 ** 3)
     max_batch_items: int = doc("Most requests (lines) in one batch input file", default=50_000)
+    max_unfinished_batches: int = doc(
+        "Most batches one API key has not finished (validating, in progress, finalizing), all "
+        "keys together without keys; creating one past it is refused until some finish",
+        default=16)
     max_batch_concurrency: int = doc(
         "Most batch (BE) requests running on the engine at once, over all batches: a line "
         "asking for several choices runs one per choice (one asking for more runs alone)",
@@ -159,6 +163,7 @@ class ServerConfig:
                      "max_inflight_per_connection", "max_connections", "max_connections_per_key",
                      "max_inflight_per_key", "max_sessions_listed", "max_sessions_per_key",
                      "max_batch_file_bytes", "max_stored_file_bytes", "max_batch_items",
+                     "max_unfinished_batches",
                      "max_batch_concurrency", "dashboard_history", "dashboard_max_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:

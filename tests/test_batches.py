@@ -629,3 +629,33 @@ def test_files_can_be_deleted_once_no_running_batch_reads_them(tmp_path: Path) -
             client.files.delete(input_id)
         assert list((tmp_path / "files").iterdir()) == []
         assert client.batches.retrieve(batch_id).status == "completed"
+
+
+def test_batches_too_are_limited_per_key(tmp_path: Path) -> None:
+    """A key's batches write results, which count against its stored bytes: with no room
+    left, no batch is created (before, any number could be created from one input file, each
+    writing its results past the limit); and a key has at most --max-unfinished-batches
+    batches not finished."""
+    one = jsonl(3)
+    with batch_server(tmp_path, token_delay_s=0.05, max_stored_file_bytes=len(one),
+                      max_unfinished_batches=2) as live:
+        client = live.client()
+        file_id = client.files.create(file=("a.jsonl", one), purpose="batch").id
+        with pytest.raises(openai.APIStatusError) as full:
+            client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+        assert full.value.status_code == 413 and "results included" in full.value.message
+    with batch_server(tmp_path / "two", token_delay_s=0.2, max_unfinished_batches=2) as live:
+        client = live.client()
+        file_id = client.files.create(file=("a.jsonl", jsonl(4)), purpose="batch").id
+        batches = [client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id for _ in range(2)]
+        with pytest.raises(openai.RateLimitError) as busy:
+            client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+        assert "--max-unfinished-batches" in busy.value.message
+        client.batches.cancel(batches[0])
+        wait_finished(live.url, batches[0])
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                              completion_window="24h")  # room again
+        assert len(client.batches.list().data) == 3
