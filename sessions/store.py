@@ -70,6 +70,8 @@ CREATE TABLE IF NOT EXISTS kv_erasures (
 );
 """
 
+ADVISORIES_KEPT = 32  # per session, the most recent (`record_advisory`)
+
 # Before a session's stored context is replaced: keep it as a chain unless the new context
 # (`:ids`, token ids as `_ids` packs them; null when there is none) extends it.
 _KEEP_DIVERGED_CHAIN = (
@@ -330,10 +332,16 @@ class SessionStore:
             db.execute("DELETE FROM contexts WHERE session_id = ?", (session_id,))
 
     def record_advisory(self, session_id: str, source: str, received_at: float) -> None:
-        with self._db.locked() as db:
+        """Keep an advisory the session received; a session keeps its last
+        `ADVISORIES_KEPT` (a client may send them as often as it likes)."""
+        with self._db.transaction() as db:
             db.execute(
                 "INSERT INTO advisories VALUES (?, ?, ?)", (session_id, source, received_at)
             )
+            db.execute(
+                "DELETE FROM advisories WHERE session_id = :s AND rowid NOT IN (SELECT rowid"
+                " FROM advisories WHERE session_id = :s ORDER BY received_at DESC, rowid DESC"
+                " LIMIT :n)", {"s": session_id, "n": ADVISORIES_KEPT})
 
     def advisories(self, session_id: str) -> list[tuple[str, float]]:
         """(source, received_at) of each advisory the session received, oldest first."""

@@ -103,3 +103,17 @@ def test_serve_refuses_a_damaged_database(tmp_path: Path,
     assert main(["serve", "--data-dir", str(tmp_path), "--port", "18999"]) == 2
     err = capsys.readouterr().err
     assert "sessions.sqlite3 is damaged" in err and "move it aside" in err
+
+
+def test_a_session_keeps_only_its_latest_advisories(tmp_path: Path) -> None:
+    # A client may send advisories as often as it likes (REST ones are not deduplicated):
+    # each was a row for ever.
+    from antiphon.sessions.store import ADVISORIES_KEPT
+
+    store = SessionStore(tmp_path / "s.sqlite3")
+    a = store.create_session("o", "a")
+    for i in range(ADVISORIES_KEPT + 10):
+        store.record_advisory(a.session_id, "rest", float(i))
+    kept = store.advisories(a.session_id)
+    assert [t for _, t in kept] == [float(i) for i in range(10, ADVISORIES_KEPT + 10)]
+    store.check_integrity()
