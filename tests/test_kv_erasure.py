@@ -39,6 +39,42 @@ def session_keys(planner: TierPlanner, tier: int, tokens: list[int]) -> list[obj
     return [k for k in stored if k.prefix_hash in wanted]
 
 
+
+def test_kv_still_being_saved_when_its_session_is_deleted_is_not_kept(tmp_path: Path) -> None:
+    # The session's last turn has just run: its chunks are copied into host slots this step
+    # and its tail the next. The erasure scans the tiers, which hold none of it yet; the
+    # copies were then published and written through to SSD, outliving the deletion.
+    from tests.test_tier_planner import fake_worker_saves
+
+    planner = make_planner(tmp_path / "ssd")
+    chain = [*TURN1, 110]
+    try:
+        view = TokenView("r1", chain, "s1")
+        planner.add_request(view)
+        planner.num_new_matched_tokens(view, 0)
+        planner.test_blocks["r1"] = [7, 8, 9]  # type: ignore[attr-defined]
+        planner.plan_load("r1", [7, 8, 9], 0, len(chain))
+        meta = planner.build_metadata([("r1", 10)])  # saves chunks 0 and 1
+        assert planner.request_finished("r1", 10, [7, 8, 9])  # the tail goes next step
+        assert planner.forget("s1", [chain]).result(10) == (0, 0)
+        fake_worker_saves(planner, meta.saves)
+        planner.step_done({meta.step}, set())
+        final = planner.build_metadata([])
+        fake_worker_saves(planner, final.final_saves["r1"])
+        planner.step_done({final.step}, set())
+        planner.store.flush()
+        assert session_keys(planner, 0, chain) == [] == session_keys(planner, 1, chain)
+        host = planner.store.tiers[0]
+        for copy in [*meta.saves, *final.final_saves["r1"]]:
+            for slot in copy.slots:  # what the copies wrote is zeroed
+                assert host.arena.read(slot) == bytes(host.slot_bytes)  # type: ignore[attr-defined]
+        planner.store.check_integrity()
+        # later turns of the same tokens (another session) are saved again
+        run_turn(planner, "r2", chain, [4, 5, 6], session="s2")
+        assert len(session_keys(planner, 0, chain)) == 3 * LAYERS
+    finally:
+        planner.close()
+
 def test_a_deleted_sessions_kv_is_erased_from_every_tier_bytes_and_all(tmp_path: Path) -> None:
     planner = make_planner(tmp_path / "ssd")
     chain = [*TURN1, 110]

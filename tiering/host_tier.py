@@ -95,11 +95,14 @@ class HostTier(IndexedTier[HostSlot]):
             self.stats.bytes_in += num_bytes
             return True
 
-    def abort(self, key: ChunkKey) -> None:
-        """Give back a reserved slot unused (no-op when `key` is not reserved)."""
+    def abort(self, key: ChunkKey, *, erase: bool = False) -> None:
+        """Give back a reserved slot unused (no-op when `key` is not reserved); `erase`
+        zeroes what a copy may have written into it (a deleted session's KV)."""
         with self._lock:
             slot = self._reserved.pop(key, None)
             if slot is not None:
+                if erase:
+                    self.arena.write(slot, bytes(self.slot_bytes))
                 self._index.release(self.slot_bytes)
                 self._slots.free(slot)
 

@@ -197,6 +197,9 @@ class TierPlanner:
         self._pending_checkpoints: list[PageCopy] = []
         self._checkpoints: dict[str, Checkpoint] = {}  # the preemption table
         self._forgetting: dict[str, Future[tuple[int, int]]] = {}  # deleted sessions' erasures
+        # Chunks being forgotten: saves of them still in flight are not published (a deleted
+        # session's last turn may have copies on their way); cleared once none are.
+        self._forgotten_chunks: set[bytes] = set()
         self._retiring: list[PrefetchHandle] = []
         self.counters = TieringCounters()
 
@@ -396,10 +399,14 @@ class TierPlanner:
                 for key in in_flight.pins:
                     self.host.unpin(key)
                 for key, durable in in_flight.commits:
-                    if step in failed_steps:
+                    if key.prefix_hash in self._forgotten_chunks:
+                        self.host.abort(key, erase=True)
+                    elif step in failed_steps:
                         self.host.abort(key)
                     elif self.host.commit(key) and durable:
                         self.store.write_through(key)
+            if not (self._in_flight or self._final_keys):
+                self._forgotten_chunks.clear()
 
     def request_finished(self, request_id: str, num_computed: int,
                          block_ids: Sequence[int]) -> bool:
@@ -552,8 +559,12 @@ class TierPlanner:
 
         def erase() -> None:
             try:
-                wanted = chain_hashes(chains, self.chunk_tokens, self.model_id, salt=salt)
-                done.set_result(self._erase(wanted - checkpointed))
+                wanted = chain_hashes(chains, self.chunk_tokens, self.model_id,
+                                      salt=salt) - checkpointed
+                with self._lock:  # copies still in flight are dropped, not published
+                    if self._in_flight or self._final_keys:
+                        self._forgotten_chunks |= wanted
+                done.set_result(self._erase(wanted))
             except BaseException as exc:
                 done.set_exception(exc)
         threading.Thread(target=erase, name="antiphon-forget", daemon=True).start()
