@@ -130,7 +130,8 @@ class AntiphonScheduler(Scheduler):
         finally:
             self.max_num_active_reqs = max_active
             self._token_limits = {}
-            self.running.extend(sat_out[0])
+            if sat_out[0]:
+                self._rejoin(sat_out[0])
             for request in sat_out[1]:
                 self.waiting.add_request(request)
         self._count_recomputed(output)
@@ -147,6 +148,14 @@ class AntiphonScheduler(Scheduler):
             if self._trace is not None:
                 self._trace_step(output, shape, planned - started, preemptions, fallback)
         return output
+
+    def _rejoin(self, sat_out: list[Request]) -> None:
+        """Running requests that sat the step out rejoin the queue, RT ahead of BE (each
+        class in its order): vLLM's own preemption, in a step the plan left to it, takes
+        from the tail, which must never be an RT turn while BE work runs."""
+        merged = self.running + sat_out
+        self.running = [r for r in merged if request_class_of(r) is RequestClass.RT] + [
+            r for r in merged if request_class_of(r) is not RequestClass.RT]
 
     def _trace_step(self, output: SchedulerOutput, shape: StepShape, plan_s: float,
                     preemptions_before: dict[str, int], fallback: bool) -> None:

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from antiphon.tiering.keys import ChunkKey
 from antiphon.tiering.tier import Tier
@@ -63,6 +63,7 @@ class PrefetchHandle:
         self._failed: list[ChunkKey] = []
         self._pinned: list[tuple[int, ChunkKey]] = []  # (tier index, key) pins held
         self._num_settled = 0
+        self._next = 0  # the next key `run` copies
         self._cancelled = False
         self.created_at = time.monotonic()
         self.finished_at: float | None = None if self.keys else self.created_at  # all settled
@@ -121,9 +122,15 @@ class PrefetchHandle:
         for tier_index, key in pinned:
             self._tiers[tier_index].unpin(key)
 
-    def run(self) -> None:
-        """Copy every key up, in layer order (the prefetch thread calls this)."""
-        for key in self.keys:
+    def run(self, should_yield: Callable[[], bool] | None = None) -> bool:
+        """Copy the keys up, in layer order (the prefetch thread calls this); True once every
+        key is settled. Between keys, `should_yield()` true stops it early (False): a later
+        `run` goes on from the next key."""
+        while self._next < len(self.keys):
+            if should_yield is not None and should_yield():
+                return False
+            key = self.keys[self._next]
+            self._next += 1
             with self._cond:
                 cancelled = self._cancelled
             try:
@@ -144,6 +151,7 @@ class PrefetchHandle:
                 if self._num_settled == len(self.keys):
                     self.finished_at = time.monotonic()
                 self._cond.notify_all()
+        return True
 
     def _bring_up(self, key: ChunkKey) -> int | None:
         """Index of the tier (<= upto_tier) now holding `key`, pinned if asked; None if failed."""

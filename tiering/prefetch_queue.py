@@ -1,7 +1,8 @@
 """One background thread that runs prefetches in order of need, not of arrival.
 
-A turn waiting in the engine goes first; advisories follow in order of their expected arrival
-(Symphony: the session expected soonest gets the bandwidth first). Each prefetch copies its keys
+A turn waiting in the engine goes first, also ahead of an advisory's prefetch already running
+(which stops between keys and goes on after it); advisories follow in order of their expected
+arrival (Symphony: the session expected soonest gets the bandwidth first). Each prefetch copies its keys
 lowest layer first (`PrefetchHandle`).
 """
 
@@ -59,5 +60,17 @@ class PrefetchQueue:
                 self._cond.wait_for(lambda: self._heap or self._closed)
                 if self._closed:
                     return
-                _, _, handle = heapq.heappop(self._heap)
-            handle.run()
+                due, seq, handle = heapq.heappop(self._heap)
+            # A turn's fetch does not wait for an advisory's (a long context's thousands of
+            # chunk-layers): the advisory stops between keys and goes on after it.
+            if not handle.run(None if due == URGENT else self._urgent_waiting):
+                with self._cond:
+                    if not self._closed:
+                        heapq.heappush(self._heap, (due, seq, handle))
+                        continue
+                handle.cancel()  # closed meanwhile: settle its keys as failed
+                handle.run()
+
+    def _urgent_waiting(self) -> bool:
+        with self._cond:
+            return bool(self._heap) and self._heap[0][0] == URGENT

@@ -154,3 +154,14 @@ def test_a_finished_request_whose_pages_the_connector_holds_leaves_no_first_toke
             finish_step(sched, output)
     assert all(r.is_finished() for r in sched.requests.values())
     assert sched._first_token_s == {}
+
+
+def test_an_rt_turn_sitting_a_step_out_rejoins_ahead_of_be_work() -> None:
+    # It rejoined at the tail, where vLLM's own preemption (in a step the plan leaves to it)
+    # takes from: an RT turn preempted for BE work.
+    sched = scheduler([StepPlan(order=["b", "r"]), StepPlan(order=["b"], is_restrictive=True)])
+    sched.add_request(request("b", 20, "be"))
+    sched.add_request(request("r", 20))
+    finish_step(sched, sched.schedule())
+    assert scheduled(sched.schedule()) == {"b": 1}
+    assert [r.request_id for r in sched.running] == ["r", "b"]
