@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from antiphon.server.batch_endpoints import ENDPOINTS
@@ -117,10 +119,24 @@ async def get_file(file_id: str, request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(file_id: str, request: Request) -> FileResponse:
+async def file_content(file_id: str, request: Request) -> StreamingResponse:
+    """The file's bytes. Opened before the response starts: a delete that comes while it
+    streams removes the name, and the open file still reads to its end."""
     ctx, owner = _ctx(request), authorize(request)
     await _file(ctx, owner, file_id)
-    return FileResponse(ctx.files.path(file_id), media_type="application/jsonl")
+    try:
+        f = await asyncio.to_thread(open, ctx.files.path(file_id), "rb")
+    except FileNotFoundError:  # deleted since: as if it never was
+        raise ApiError(ErrorCode.FILE_NOT_FOUND, f"no file {file_id}") from None
+    size = os.fstat(f.fileno()).st_size
+
+    def blocks() -> Iterator[bytes]:  # read in a worker thread (StreamingResponse's way)
+        with f:
+            while block := f.read(1 << 16):
+                yield block
+
+    return StreamingResponse(blocks(), media_type="application/jsonl",
+                             headers={"content-length": str(size)})
 
 
 @router.delete("/v1/files/{file_id}")

@@ -361,8 +361,11 @@ class ChatService:
                             yield delta.text
                 outcome = "ok"
             except (asyncio.CancelledError, GeneratorExit):
-                outcome = "cancelled"
-                gen.finish_reason = "cancelled"
+                if gen.finish_reason is None:  # (a reply already whole stays as it ended)
+                    outcome = "cancelled"
+                    gen.finish_reason = "cancelled"
+                else:
+                    outcome = "ok"
                 raise
             except EngineRequestError as exc:
                 raise ApiError(ErrorCode.BAD_MESSAGE, str(exc)) from exc

@@ -659,3 +659,18 @@ def test_batches_too_are_limited_per_key(tmp_path: Path) -> None:
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
                               completion_window="24h")  # room again
         assert len(client.batches.list().data) == 3
+
+
+def test_a_file_gone_from_disk_is_not_found(tmp_path: Path) -> None:
+    """Its content asked for as it is deleted: a 404, not a 500 (the response opens the file
+    before it starts; one deleted while it streams still reads to its end)."""
+    with batch_server(tmp_path) as live:
+        uploaded = httpx.post(live.url + "/v1/files", data={"purpose": "batch"},
+                              files={"file": ("a.jsonl", jsonl(1))}).json()
+        got = httpx.get(f"{live.url}/v1/files/{uploaded['id']}/content")
+        assert (got.status_code, got.content) == (200, jsonl(1))
+        assert got.headers["content-length"] == str(len(jsonl(1)))
+        next((tmp_path / "files").glob(uploaded["id"] + "*")).unlink()  # deleted meanwhile
+        got = httpx.get(f"{live.url}/v1/files/{uploaded['id']}/content")
+        assert (got.status_code, got.json()["error"]["code"]) == (404, "file_not_found")
+        assert httpx.delete(f"{live.url}/v1/files/{uploaded['id']}").status_code == 200

@@ -351,3 +351,28 @@ async def test_a_cancel_while_the_done_frame_waits_to_be_sent_lets_it_go_out(
     assert sent.count("done") == 1
     assert [m.role for m in ctx.store.messages(session.session_id)] == ["user", "assistant"]
     ctx.store.close()
+
+
+async def test_a_reply_whole_when_its_stream_is_closed_keeps_its_finish_reason(
+        tmp_path: Any) -> None:
+    """A client gone as the last piece of a finished reply is delivered: the reply ended
+    ("stop") and is kept so, not as "cancelled"."""
+    from antiphon.config import AppConfig
+    from antiphon.server import protocol
+    from antiphon.server.config import ServerConfig
+    from antiphon.server.context import AppContext
+    from antiphon.sessions.config import SessionConfig
+
+    ctx = AppContext.build(AppConfig(server=ServerConfig(),
+                                     sessions=SessionConfig(data_dir=tmp_path)), ScriptedEngine())
+    session, _ = await ctx.turns.open("o", None)
+    msg = protocol.decode_client_message(json.dumps(
+        {"type": "message", "session_id": session.session_id, "content": "hi there"}))
+    gen = await ctx.turns.accept("o", msg, "r1")
+    pieces = ctx.chat.stream(gen, api="ws")
+    async for _ in pieces:
+        if gen.finish_reason is not None:
+            break  # the last piece: the client goes before the stream's end
+    await pieces.aclose()
+    assert gen.finish_reason == "stop"
+    ctx.store.close()
