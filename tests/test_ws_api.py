@@ -316,11 +316,9 @@ async def test_a_turn_sent_while_its_session_is_being_deleted_is_refused(
         assert (await recv(b))["type"] == "session.deleted"
 
 
-async def test_a_cancel_while_the_done_frame_waits_to_be_sent_lets_it_go_out(
-        tmp_path: Any) -> None:
-    """The `done` frame waits for the connection (another turn's frame ahead of it, a slow
-    reader); a cancel that lands then used to end the turn without it, and the client that
-    cancelled waited for ever."""
+async def accepted_turn(data_dir: Any) -> tuple[Any, Any, Any]:
+    """The server's parts over a scripted engine, without a server, and a turn accepted in a
+    new session: (context, session, generation)."""
     from antiphon.config import AppConfig
     from antiphon.server import protocol
     from antiphon.server.config import ServerConfig
@@ -328,11 +326,19 @@ async def test_a_cancel_while_the_done_frame_waits_to_be_sent_lets_it_go_out(
     from antiphon.sessions.config import SessionConfig
 
     ctx = AppContext.build(AppConfig(server=ServerConfig(),
-                                     sessions=SessionConfig(data_dir=tmp_path)), ScriptedEngine())
+                                     sessions=SessionConfig(data_dir=data_dir)), ScriptedEngine())
     session, _ = await ctx.turns.open("o", None)
     msg = protocol.decode_client_message(json.dumps(
         {"type": "message", "session_id": session.session_id, "content": "hi there"}))
-    gen = await ctx.turns.accept("o", msg, "r1")
+    return ctx, session, await ctx.turns.accept("o", msg, "r1")
+
+
+async def test_a_cancel_while_the_done_frame_waits_to_be_sent_lets_it_go_out(
+        tmp_path: Any) -> None:
+    """The `done` frame waits for the connection (another turn's frame ahead of it, a slow
+    reader); a cancel that lands then used to end the turn without it, and the client that
+    cancelled waited for ever."""
+    ctx, session, gen = await accepted_turn(tmp_path)
     held, cancelled = asyncio.Event(), False
     sent: list[str] = []
 
@@ -357,18 +363,7 @@ async def test_a_reply_whole_when_its_stream_is_closed_keeps_its_finish_reason(
         tmp_path: Any) -> None:
     """A client gone as the last piece of a finished reply is delivered: the reply ended
     ("stop") and is kept so, not as "cancelled"."""
-    from antiphon.config import AppConfig
-    from antiphon.server import protocol
-    from antiphon.server.config import ServerConfig
-    from antiphon.server.context import AppContext
-    from antiphon.sessions.config import SessionConfig
-
-    ctx = AppContext.build(AppConfig(server=ServerConfig(),
-                                     sessions=SessionConfig(data_dir=tmp_path)), ScriptedEngine())
-    session, _ = await ctx.turns.open("o", None)
-    msg = protocol.decode_client_message(json.dumps(
-        {"type": "message", "session_id": session.session_id, "content": "hi there"}))
-    gen = await ctx.turns.accept("o", msg, "r1")
+    ctx, session, gen = await accepted_turn(tmp_path)
     pieces = ctx.chat.stream(gen, api="ws")
     async for _ in pieces:
         if gen.finish_reason is not None:
