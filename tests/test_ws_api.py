@@ -363,7 +363,7 @@ async def test_a_reply_whole_when_its_stream_is_closed_keeps_its_finish_reason(
         tmp_path: Any) -> None:
     """A client gone as the last piece of a finished reply is delivered: the reply ended
     ("stop") and is kept so, not as "cancelled"."""
-    ctx, session, gen = await accepted_turn(tmp_path)
+    ctx, _, gen = await accepted_turn(tmp_path)
     pieces = ctx.chat.stream(gen, api="ws")
     async for _ in pieces:
         if gen.finish_reason is not None:
