@@ -229,7 +229,9 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     turns, call_ids = [], set()
     for m in body.messages:
         turn = m.turn()
-        chat.check_content(turn.content, may_be_empty=m.role in ("assistant", "tool"))
+        # Empty messages are allowed, as OpenAI and vLLM allow them (clients send an empty
+        # system prompt when none is set); a websocket turn's message may not be empty.
+        chat.check_content(turn.content, may_be_empty=True)
         for call in turn.tool_calls:
             chat.check_content(call.arguments, may_be_empty=True)
             call_ids.add(call.id)

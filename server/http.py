@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -48,9 +48,12 @@ async def read_model(request: Request, model: type[M]) -> M:
         raise bad_message(exc.errors()) from None
 
 
-def error_response(err: ApiError) -> JSONResponse:
+def error_body(err: ApiError) -> dict[str, Any]:
     """OpenAI's error shape, with Antiphon's stable code."""
-    return JSONResponse(
-        {"error": {"code": err.code.value, "message": err.message, "param": None,
-                   "type": "invalid_request_error" if err.http_status < 500 else "server_error"}},
-        status_code=err.http_status)
+    return {"error": {"code": err.code.value, "message": err.message, "param": None,
+                      "type": "invalid_request_error" if err.http_status < 500
+                      else "server_error"}}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(err), status_code=err.http_status)

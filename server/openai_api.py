@@ -25,7 +25,7 @@ from antiphon.server.completions import (
 )
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, unexpected_error
-from antiphon.server.http import authorize, read_model
+from antiphon.server.http import authorize, error_body, read_model
 from antiphon.server.limits import Slot
 from antiphon.server.text_completions import (
     DetokenizeRequest,
@@ -126,12 +126,20 @@ async def _respond(request: Request, gens: list[Generation], slot: Slot,
     release = BackgroundTask(_release, ctx, gens[0], slot)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = _sse(ctx, gens, completion_id, body.model, include_usage, slot,
+                      is_text=is_text)
+        # Its first event before the response starts: a request the engine refuses (a
+        # schema its grammar backend cannot take) is a 400, as unstreamed, not a 200 with an
+        # error event. It comes with the first token, or the first ping.
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            first = None
         # The release also runs after the stream: a client gone before its first chunk
-        # leaves the stream never started, so its own `finally` never runs.
+        # leaves the stream never resumed, so its own `finally` never runs.
         return StreamingResponse(
-            _sse(ctx, gens, completion_id, body.model, include_usage, slot, is_text=is_text),
-            media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-            background=release)
+            _resumed(first, stream), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"}, background=release)
     try:
         if not await _complete_unless_gone(ctx, gens, request):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -175,6 +183,15 @@ async def _complete_unless_gone(ctx: AppContext, gens: list[Generation],
         return False
     work.result()  # raises the generation's ApiError
     return True
+
+
+async def _resumed(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`first`, then the rest of the stream it came from."""
+    async with aclosing(rest):  # type: ignore[type-var]
+        if first is not None:
+            yield first
+        async for item in rest:
+            yield item
 
 
 async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, model: str,
@@ -226,13 +243,15 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
         return frames
 
     def error(err: ApiError) -> str:
-        return "data: " + json.dumps({"error": {"code": err.code.value,
-                                                "message": err.message}}) + "\n\n"
+        return "data: " + json.dumps(error_body(err)) + "\n\ndata: [DONE]\n\n"
+
+    started = False  # an event went out: an error from now on is one in the stream
 
     try:
         async with aclosing(stream_choices(ctx.chat, gens, "openai",
                                            ctx.chat.config.sse_ping_s)) as events:
             async for event in events:
+                started = True
                 if event is None:
                     yield ": ping\n\n"
                     continue
@@ -247,6 +266,8 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
         for gen in gens:
             await ctx.turns.record_exchange(gen)
     except ApiError as err:
+        if not started:
+            raise  # before the response: its status says it (`_respond`)
         ctx.metrics.errors.labels(err.code.value).inc()
         yield error(err)
         return

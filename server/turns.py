@@ -291,19 +291,28 @@ class SessionTurns:
         return gen
 
     async def run(self, session_id: str, gen: Generation, emit: Emit,
-                  is_user_cancel: Callable[[], bool]) -> None:
+                  is_user_cancel: Callable[[], bool],
+                  finished: Callable[[], None] | None = None) -> None:
         """Stream an accepted turn to `emit`, then commit the reply and emit `done`.
 
         A cancel (the task is cancelled and `is_user_cancel()` is true) commits the partial
         reply and emits `done` with finish_reason "cancelled"; a disconnect commits it too.
+        The session is free again, and `finished` called, before the last frame goes out: a
+        client that sends its next turn the moment it reads `done` finds the session free.
         """
         with self.chat.live():  # a shutdown waits for the `done` frame, not only the tokens
-            await self._run(session_id, gen, emit, is_user_cancel)
+            await self._run(session_id, gen, emit, is_user_cancel, finished)
 
     async def _run(self, session_id: str, gen: Generation, emit: Emit,
-                   is_user_cancel: Callable[[], bool]) -> None:
+                   is_user_cancel: Callable[[], bool],
+                   finished: Callable[[], None] | None) -> None:
         rid = gen.request_id
         commit: asyncio.Future[None] | None = None  # the reply's save, once begun
+
+        def settle() -> None:  # the turn's work is over (safe to call twice)
+            self.release(session_id, gen.session_claim)
+            if finished is not None:
+                finished()
         try:
             try:
                 async with aclosing(self.chat.stream(gen, api="ws")) as pieces:
@@ -315,6 +324,7 @@ class SessionTurns:
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
             except ApiError as err:
+                settle()
                 await _emit_final(emit, protocol.error_frame(err, rid), is_user_cancel)
                 return
             try:
@@ -330,11 +340,13 @@ class SessionTurns:
                         asyncio.current_task().uncancel()  # type: ignore[union-attr]
                         await asyncio.shield(commit)
             except Exception as exc:  # the store failed (a full disk): say so, do not hang
+                settle()
                 await _emit_final(emit, protocol.error_frame(unexpected_error(
                     exc, f"session {session_id}: saving the reply to {rid}",
                     "the reply was not saved (regenerate asks for it again)"), rid),
                     is_user_cancel)
                 return
+            settle()
             await _emit_final(emit, protocol.encode(
                 "done", request_id=rid, session_id=session_id, finish_reason=gen.finish_reason,
                 text=gen.text, usage=gen.usage(), timings=gen.timings(),
@@ -352,7 +364,7 @@ class SessionTurns:
                 await asyncio.shield(self._commit_reply(session_id, gen))
             raise
         finally:
-            self.release(session_id, gen.session_claim)
+            settle()
 
     def _prepare_in_window(self, owner: str, msg: protocol.TurnRequest, request_id: str,
                            turns: list[ChatTurn], context: ChatContext | None,

@@ -133,7 +133,8 @@ class Connection:
             raise
         task = asyncio.create_task(self.ctx.turns.run(
             msg.session_id, gen, self.send,
-            is_user_cancel=lambda: request_id in self._cancelled_request_ids))
+            is_user_cancel=lambda: request_id in self._cancelled_request_ids,
+            finished=slot.release))
         self._turns[request_id] = task
         task.add_done_callback(lambda _t: self._finish_turn(msg.session_id, request_id, gen,
                                                             slot))

@@ -307,11 +307,9 @@ def test_a_choice_that_fails_fails_the_request_and_aborts_the_others(
     scripted.engine.fail_next_request()
     r = httpx.post(scripted.url + "/v1/completions", json=body)
     assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
-    scripted.engine.fail_next_request()
-    with httpx.stream("POST", scripted.url + "/v1/completions",
-                      json={**body, "stream": True}) as stream:
-        frames = [line for line in stream.iter_lines() if line.startswith("data:")]
-    assert "engine_error" in frames[-1] and "[DONE]" not in frames[-1]
+    scripted.engine.fail_next_request()  # before any event: the stream's status says it
+    r = httpx.post(scripted.url + "/v1/completions", json={**body, "stream": True})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
     assert not scripted.engine.active_request_ids
 
 
@@ -556,3 +554,58 @@ def test_dashboard_samples_requests_as_they_finish(scripted: Scripted) -> None:
     assert busy and all(p["rt_ttft_p50_s"] > 0 and p["rt_slo_attainment"] == 1.0 for p in busy)
     assert sum(p["rt_tokens_per_s"] for p in points) > 0
     assert httpx.get(base + "/v1/dashboard", params={"since": "x"}).status_code == 400
+
+
+class RefusingEngine(ScriptedEngine):
+    """Refuses a request with a reply schema when it is submitted, as vLLM refuses a schema
+    its grammar backend cannot compile (`VllmEngine.generate` raises EngineRequestError)."""
+
+    async def generate(self, request_id, prompt_token_ids, params):  # type: ignore[no-untyped-def,override]
+        from antiphon.engine_ext.engine import EngineRequestError
+
+        if params.json_schema is not None:
+            raise EngineRequestError("the grammar backend does not support this schema")
+        async for delta in super().generate(request_id, prompt_token_ids, params):
+            yield delta
+
+
+def test_a_streamed_request_the_engine_refuses_is_a_400_as_unstreamed(tmp_path: Path) -> None:
+    """It was a 200 with an error event (no [DONE]): the openai client's create() returned,
+    and iterating raised a bare APIError instead of BadRequestError."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}}
+    messages = [{"role": "user", "content": "hi"}]
+    with live_server(scripted_config(tmp_path), RefusingEngine()) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model="scripted", messages=messages,  # type: ignore[call-overload]
+                                               response_format=schema, stream=stream)
+            assert refused.value.code == "bad_message"
+            assert "does not support" in refused.value.message
+        # the refused requests gave their slots back: others run
+        reply = client.chat.completions.create(model="scripted", messages=messages,
+                                               stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event_then_done(tmp_path: Path) -> None:
+    engine = ScriptedEngine(token_delay_s=0.1)
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "a b c d e f g"}],
+            "stream": True}
+    with live_server(scripted_config(tmp_path), engine) as url, \
+            httpx.stream("POST", url + "/v1/chat/completions", json=body) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # under way
+        engine.die()
+        frames = [line for line in lines if line.startswith("data:")]
+    error = json.loads(frames[-2].removeprefix("data: "))["error"]
+    assert (error["code"], error["type"]) == ("engine_error", "server_error")
+    assert frames[-1] == "data: [DONE]"
+
+
+def test_empty_messages_are_taken_as_openai_takes_them(scripted: Scripted) -> None:
+    # Chat UIs send an empty system prompt when none is set: every such request was a 400.
+    reply = client(scripted).chat.completions.create(model="scripted", messages=[
+        {"role": "system", "content": ""}, {"role": "user", "content": "hi"}])
+    assert reply.choices[0].finish_reason == "stop"
