@@ -42,6 +42,7 @@ from antiphon.agents.errors import (
 
 FINAL_BATCH_STATUSES = frozenset({"completed", "failed", "cancelled", "expired"})
 CLOSE_UNAUTHORIZED = 4401  # the server's close code for a missing or wrong API key
+CLOSE_TRY_AGAIN = 1013  # and for a connection over its limits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +84,15 @@ class _Turn:
 class AsyncAntiphon:
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, *,
                  timeout_s: float = 120.0, connect_attempts: int = 5,
-                 max_frame_bytes: int = 1 << 22, max_inflight: int = 16) -> None:
+                 max_frame_bytes: int = 1 << 22, max_inflight: int = 16,
+                 max_send_bytes: int = 1 << 20) -> None:
         """`timeout_s` bounds every REST call and the wait for each streamed token;
         `connect_attempts` bounds the tries to (re)open the websocket; `max_inflight` turns
         at most are in flight on it (the server's --max-inflight-per-connection, 16 by
-        default), and more wait here for their turn."""
+        default), and more wait here for their turn. A message over `max_send_bytes` is
+        refused here (`InvalidRequestError` too_large): the server closes the connection on
+        one over four times its --max-frame-bytes (256 KiB by default), failing every turn
+        on it. Callbacks (`on_token`) run on the client's event loop."""
         if connect_attempts < 1 or max_inflight < 1:
             raise ValueError("connect_attempts and max_inflight must be at least 1")
         self.base_url = base_url.rstrip("/")
@@ -95,6 +100,7 @@ class AsyncAntiphon:
         self.timeout_s = timeout_s
         self.connect_attempts = connect_attempts
         self.max_frame_bytes = max_frame_bytes
+        self.max_send_bytes = max_send_bytes
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers,
                                        timeout=timeout_s)
@@ -306,6 +312,9 @@ class AsyncAntiphon:
                 except (OSError, TimeoutError, InvalidStatus, WebSocketException) as exc:
                     last = exc
                     continue
+                if self._is_closed:  # `close` ran while this connected
+                    await ws.close()
+                    raise ConnectionLostError("the client is closed")
                 self._ws = ws
                 self._reader = asyncio.create_task(self._read(ws))
                 self.num_reconnects += was_connected
@@ -322,11 +331,12 @@ class AsyncAntiphon:
                 turn = self._turns.get(frame.get("request_id") or "")
                 if turn is not None:
                     turn.queue.put_nowait(frame)
-                elif frame.get("type") == "error" and frame.get("code") == "unauthorized":
-                    closed.update(code="unauthorized", message=str(frame.get("message")))
+                elif frame.get("type") == "error" and frame.get("code") in CONNECTION_ERRORS:
+                    # the server refuses the connection (a wrong key, a connection limit)
+                    closed.update(code=frame["code"], message=str(frame.get("message")))
         except ConnectionClosed as exc:
             try:
-                _raise_if_unauthorized(exc)
+                _raise_if_refused(exc)
             except AntiphonError as err:
                 closed.update(code=err.code, message=err.message)
             else:
@@ -337,17 +347,20 @@ class AsyncAntiphon:
 
     async def _send(self, payload: dict[str, Any]) -> None:
         frame = _encode(payload)
+        if len(frame) > self.max_send_bytes // 4 and len(frame.encode()) > self.max_send_bytes:
+            raise InvalidRequestError("too_large", f"the message is over {self.max_send_bytes} "
+                                      "bytes (max_send_bytes)")
         ws = await self._socket()
         try:
             await ws.send(frame)
         except ConnectionClosed as exc:
-            _raise_if_unauthorized(exc)
+            _raise_if_refused(exc)
             # The socket died between use and send: one fresh socket, then give up.
             ws = await self._socket()
             try:
                 await ws.send(frame)
             except ConnectionClosed as exc:
-                _raise_if_unauthorized(exc)
+                _raise_if_refused(exc)
                 raise ConnectionLostError(f"cannot send to {self.ws_url}: {exc}") from exc
 
     async def typing(self, session_id: str) -> None:
@@ -395,9 +408,11 @@ class AsyncAntiphon:
         self._turns[request_id] = turn
         session_id = payload["session_id"]
         payload = {**payload, "request_id": request_id}
+        sent = ended = accepted = False  # the message went out; the turn ended; the server took it
         try:
             sent_at = time.perf_counter()
             await self._send(payload)
+            sent = True
             first_token_at: float | None = None
             prompt_tokens = 0
             while True:
@@ -407,11 +422,12 @@ class AsyncAntiphon:
                     async with asyncio.timeout(self.timeout_s):
                         frame = await turn.queue.get()
                 except TimeoutError:
-                    await self._cancel_quietly(request_id)
                     raise RequestTimeoutError(f"no reply frame for {self.timeout_s} s "
                                               f"(request {request_id})") from None
                 kind = frame["type"]
+                ended = kind in ("done", "error", "_closed")
                 if kind == "accepted":
+                    accepted = True
                     prompt_tokens = frame["prompt_tokens"]
                 elif kind == "token":
                     if first_token_at is None:
@@ -433,9 +449,13 @@ class AsyncAntiphon:
                 elif kind == "_closed":
                     if "code" in frame:
                         raise error_for(frame["code"], frame["message"])
-                    raise ConnectionLostError(frame["message"], "".join(turn.text), request_id)
-        except asyncio.CancelledError:  # stop the turn on the server too (harmless if done)
-            await asyncio.shield(self._cancel_quietly(request_id))
+                    raise ConnectionLostError(frame["message"], "".join(turn.text), request_id,
+                                              accepted=accepted)
+        except BaseException as exc:
+            # Cancelled, timed out, or `on_token` raised: stop the turn on the server too, or
+            # it runs on, keeps a reply nobody read and holds the session (harmless if done).
+            if not ended and (sent or isinstance(exc, asyncio.CancelledError)):
+                await asyncio.shield(self._cancel_quietly(request_id))
             raise
         finally:
             self._turns.pop(request_id, None)
@@ -450,10 +470,18 @@ class AsyncAntiphon:
         await self._send({"type": "cancel", "request_id": request_id})
 
 
-def _raise_if_unauthorized(exc: ConnectionClosed) -> None:
-    """Raise AuthenticationError if the server closed the socket for the API key."""
+# Error frames without a request id that refuse the connection itself.
+CONNECTION_ERRORS = frozenset({"unauthorized", "too_many_requests", "shutting_down"})
+
+
+def _raise_if_refused(exc: ConnectionClosed) -> None:
+    """Raise the typed error if the server closed the socket to refuse it: AuthenticationError
+    for the API key, BusyError at a connection limit."""
     if exc.rcvd is not None and exc.rcvd.code == CLOSE_UNAUTHORIZED:
         raise error_for("unauthorized", exc.rcvd.reason or "missing or wrong API key")
+    if exc.rcvd is not None and exc.rcvd.code == CLOSE_TRY_AGAIN:
+        raise error_for("too_many_requests", exc.rcvd.reason or "the server is at its "
+                        "connection limit: try again later")
 
 
 def _encode(payload: dict[str, Any]) -> str:

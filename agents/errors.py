@@ -40,13 +40,17 @@ class ServerError(AntiphonError):
 class ConnectionLostError(AntiphonError):
     """The connection dropped, or could not be opened, before the reply was complete.
 
-    `partial` holds the text received so far; the server keeps that much as the session's reply,
-    so the session stays consistent and the next call reconnects."""
+    `accepted` says whether the server had taken the message: if so it keeps it, with
+    `partial` (the text received so far) as its reply where there is some, and
+    `regenerate(session_id)` asks for a whole reply; if not, the session has nothing of it
+    and the message can be sent again. The next call reconnects."""
 
-    def __init__(self, message: str, partial: str = "", request_id: str | None = None) -> None:
+    def __init__(self, message: str, partial: str = "", request_id: str | None = None, *,
+                 accepted: bool = False) -> None:
         super().__init__("connection_lost", message)
         self.partial = partial
         self.request_id = request_id
+        self.accepted = accepted
 
 
 class RequestTimeoutError(AntiphonError):

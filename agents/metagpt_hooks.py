@@ -178,6 +178,8 @@ class MetaGPTAdvisor:
 
         def hooked_publish(message: Any, *args: Any, **kwargs: Any) -> Any:
             result = publish(message, *args, **kwargs)
+            if not self.hooks.send_advisories:  # measuring only (`run.py --no-hints`)
+                return result
             for role in self.graph.recipients(message.cause_by, message.send_to):
                 # Due now. Renewed for roles advised at the call's start: that advisory was due
                 # at the call's first token and may expire before a long call ends. Noted at

@@ -17,6 +17,8 @@ from typing import Any
 from antiphon.agents.client import AsyncAntiphon
 from antiphon.agents.errors import ConnectionLostError
 
+CANCEL_WAIT_S = 5.0  # an interrupted call's wait for its cancel to reach the server
+
 
 class Antiphon:
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
@@ -37,10 +39,30 @@ class Antiphon:
         return AsyncAntiphon(base_url, api_key, **options)  # created on the client's loop
 
     def _run(self, coro: Any) -> Any:
+        """Run `coro` on the client's loop and wait for it. Interrupted (Ctrl-C), it cancels
+        the call there, and waits a moment for it to stop its turn on the server."""
         if self._loop.is_closed():
             coro.close()
             raise ConnectionLostError("the client is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a blocking Antiphon call from a callback (on_token runs on "
+                               "the client's own thread, which the call would wait for): "
+                               "use the callback to record what to do, and do it after")
+
+        async def start() -> asyncio.Task[Any]:
+            return asyncio.ensure_future(coro)
+
+        task = asyncio.run_coroutine_threadsafe(start(), self._loop).result()
+        finished = threading.Event()
+        self._loop.call_soon_threadsafe(task.add_done_callback, lambda _t: finished.set())
+        try:
+            finished.wait()
+        except BaseException:
+            self._loop.call_soon_threadsafe(task.cancel)
+            finished.wait(timeout=CANCEL_WAIT_S)
+            raise
+        return task.result()
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.aio, name)

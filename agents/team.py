@@ -136,9 +136,10 @@ class CallGraphHooks:
                 await self.advise(nxt, arrival)
 
     async def advise(self, role: Caller, expected_arrival: float | None) -> None:
-        """Advise `role`'s session; a failure is logged and counted, never raised."""
+        """Advise `role`'s session (not with `send_advisories=False`); a failure is logged
+        and counted, never raised."""
         session_id = role.session_id
-        if session_id is None:
+        if session_id is None or not self.send_advisories:
             return
         sent_at = self.note_advisory(session_id)
         try:

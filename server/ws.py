@@ -174,7 +174,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         slot = ctx.connections_per_key.take(owner)
     except ApiError as err:
         await ws.send_text(protocol.error_frame(err))
-        await ws.close(code=CLOSE_TRY_AGAIN)
+        await ws.close(code=CLOSE_TRY_AGAIN, reason=err.message)
         return
     ctx.num_connections += 1
     ctx.metrics.connections.inc()

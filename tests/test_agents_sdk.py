@@ -314,3 +314,68 @@ async def test_complete_calls_tools_in_a_session_over_rest(scripted: Scripted) -
             await client.complete(ASK, temperature=float("nan"))
         plain = await client.complete(ASK, session_id=session.session_id, vllm_xargs=None)
         assert plain["choices"][0]["message"]["content"] == "I cannot look that up."
+
+
+async def test_a_turn_whose_on_token_raises_is_stopped_on_the_server(scripted: Scripted) -> None:
+    # Raising in on_token is how a caller stops a reply early: the turn ran on, the server
+    # kept a whole reply nobody read, and the next turn found the session busy.
+    scripted.engine.token_delay_s = 0.05
+
+    def stop(_piece: str) -> None:
+        raise KeyboardInterrupt
+
+    async with AsyncAntiphon(scripted.url) as client:
+        sid = (await client.create_session()).session_id
+        with pytest.raises(KeyboardInterrupt):
+            await client.chat(sid, " ".join(["w"] * 60), on_token=stop)
+        for _ in range(100):
+            if not scripted.engine.active_request_ids:
+                break
+            await asyncio.sleep(0.02)
+        assert not scripted.engine.active_request_ids
+        _, messages = await client.get_session(sid)
+        assert messages[-1]["finish_reason"] == "cancelled"
+
+
+async def test_connection_refusals_and_losses_say_what_the_server_has(tmp_path: Path) -> None:
+    """A connection limit is a BusyError, as documented (it was a ConnectionLostError); a
+    message too large for the server is refused here, before it closes the connection on
+    every turn; a lost connection says whether the server had taken the message."""
+    engine = ScriptedEngine(token_delay_s=0.05)
+    with live_server(scripted_config(tmp_path, max_connections=1), engine) as url:
+        async with AsyncAntiphon(url, timeout_s=5) as a, AsyncAntiphon(url, timeout_s=5) as b:
+            sid = (await a.create_session()).session_id
+            await a.chat(sid, "hold the one connection")
+            with pytest.raises(BusyError):
+                await b.chat((await b.create_session()).session_id, "hi")
+            with pytest.raises(InvalidRequestError) as too_large:
+                await a.chat(sid, "x" * (2 << 20))
+            assert too_large.value.code == "too_large"
+            assert (await a.chat(sid, "still here")).text == "You said: still here"
+            turn = asyncio.create_task(a.chat(sid, " ".join(["w"] * 40)))
+            while not engine.active_request_ids:
+                await asyncio.sleep(0.01)
+            assert a._ws is not None
+            await a._ws.close()  # the connection drops mid-reply
+            with pytest.raises(ConnectionLostError) as lost:
+                await turn
+            assert lost.value.accepted
+
+
+def test_the_blocking_client_from_its_own_callback_is_refused(scripted: Scripted) -> None:
+    # on_token runs on the client's thread: a blocking call from it waited for that thread
+    # for ever, and so did every later call.
+    with Antiphon(scripted.url, timeout_s=5) as client:
+        sid = client.create_session().session_id
+        seen: list[BaseException] = []
+
+        def on_token(_piece: str) -> None:
+            if not seen:
+                try:
+                    client.list_sessions()
+                except RuntimeError as exc:
+                    seen.append(exc)
+
+        assert client.chat(sid, "a b c", on_token=on_token).finish_reason == "stop"
+        assert seen and "callback" in str(seen[0])
+        assert client.create_session().session_id

@@ -161,3 +161,22 @@ async def test_a_call_right_after_a_publish_waits_for_its_advisory(scripted: Scr
     assert advisor.calls[-1].advisory_lead_s is not None
     with pytest.raises(ValueError, match="advisory_wait_s"):
         MetaGPTAdvisor(client, advisory_wait_s=-1)
+
+
+async def test_measuring_only_sends_no_advisory_on_publish(scripted: Scripted) -> None:
+    # `run.py --no-hints` (hooks with send_advisories=False) still advised the roles a
+    # publish woke: its baseline had advisories in it.
+    from antiphon.agents.team import CallGraphHooks
+
+    url = scripted.url
+    architect = role(url, "architect", UserRequirement)
+    engineer = role(url, "engineer", WriteDesign)
+    env = Environment([architect, engineer])
+    async with AsyncAntiphon(url) as client:
+        advisor = MetaGPTAdvisor(client, CallGraphHooks(client, send_advisories=False))
+        await advisor.attach(env)
+        await call(architect, WriteDesign, "design it")
+        env.publish_message(Message("done", action_name(WriteDesign)))
+        await advisor.drain()
+        assert advisories_counted(url, "rest") == 0
+        assert advisor.hooks.num_advisories == 0
