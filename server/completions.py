@@ -66,7 +66,16 @@ class OpenAIMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")  # an option not taken is refused, not dropped
+    include_usage: StrictBool = False
+    continuous_usage_stats: Literal[False] = False
+    """vLLM's usage in every chunk: not implemented (true is refused)."""
+
+
+def check_stream_options(stream: bool | None, options: StreamOptions | None) -> None:
+    """As OpenAI and vLLM: `stream_options` only with `stream`."""
+    if options is not None and not stream:
+        raise ValueError("stream_options is only allowed with stream set to true")
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and vLLM's default `max_logprobs`
@@ -125,6 +134,7 @@ class ChatCompletionRequest(Sampling):
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        check_stream_options(self.stream, self.stream_options)
         return self
 
     @model_validator(mode="after")

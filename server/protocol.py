@@ -86,7 +86,8 @@ SchemaObject = Annotated[dict[str, Any], AfterValidator(check_schema_depth)]
 class JsonSchemaFormat(BaseModel):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
-    json_schema: SchemaObject = Field(alias="schema")
+    json_schema: SchemaObject | None = Field(None, alias="schema")
+    """None (as OpenAI allows): any JSON object."""
     strict: StrictBool | None = None
     """Replies always match the schema (decoding is constrained), strict or not."""
 
@@ -105,7 +106,8 @@ class ResponseFormat(BaseModel):
 
     def schema_text(self) -> str | None:
         """The schema replies must match, as JSON text (None for plain text)."""
-        if self.type == "json_object":
+        if self.type == "json_object" or (
+                self.json_schema is not None and self.json_schema.json_schema is None):
             return '{"type": "object"}'
         if self.json_schema is not None:
             return json.dumps(self.json_schema.json_schema)

@@ -27,6 +27,7 @@ from antiphon.server.completions import (
     OpenAIMessage,
     StreamOptions,
     check_request,
+    check_stream_options,
     refuse_unsupported,
     request_class_xarg,
     require_served_model,
@@ -76,6 +77,7 @@ class TextCompletionRequest(Sampling):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 asks for no reply: only with echo (the prompt "
                              "alone)")
+        check_stream_options(self.stream, self.stream_options)
         return self
 
     def prompts(self) -> list[str | list[int]]:

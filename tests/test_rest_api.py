@@ -609,3 +609,23 @@ def test_empty_messages_are_taken_as_openai_takes_them(scripted: Scripted) -> No
     reply = client(scripted).chat.completions.create(model="scripted", messages=[
         {"role": "system", "content": ""}, {"role": "user", "content": "hi"}])
     assert reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(("extra", "refused"), [
+    ({"stream_options": {"include_usage": True}}, "only allowed with stream"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage"),
+    ({"stream": True, "stream_options": {"include_usge": True}}, "include_usge"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}}, None),
+])
+def test_stream_options_and_a_schemaless_json_schema_as_openai_takes_them(
+        scripted: Scripted, extra: dict[str, object], refused: str | None) -> None:
+    """Stream options are checked like every field (an unknown one was dropped silently, and
+    they were taken without a stream); a json_schema format without a schema is any JSON
+    object, as OpenAI has it (it was a 400)."""
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], **extra}
+    r = httpx.post(scripted.url + "/v1/chat/completions", json=body)
+    if refused is None:
+        assert r.status_code == 200, r.text
+        assert scripted.engine.params[-1].json_schema == '{"type": "object"}'
+    else:
+        assert r.status_code == 400 and refused in r.json()["error"]["message"], r.text
