@@ -247,17 +247,25 @@ class AsyncAntiphon:
     async def upload_batch_file(self, lines: str | os.PathLike[str] | bytes,
                                 filename: str = "batch.jsonl") -> dict[str, Any]:
         """Upload a JSONL of Batch API requests (a path, or the file's bytes); returns the
-        file."""
+        file. A path that cannot be read is an `InvalidRequestError`."""
         if not isinstance(lines, bytes):
             path = Path(lines)
-            filename, lines = path.name, path.read_bytes()
+            try:
+                filename, lines = path.name, path.read_bytes()
+            except (OSError, ValueError) as exc:  # JSONL text given as a path, say
+                raise InvalidRequestError("invalid_file", f"cannot read the batch file "
+                                          f"{str(path)[:80]!r}: {exc} (pass the file's bytes "
+                                          "to upload them)") from exc
         return await self._json("POST", "/v1/files", data={"purpose": "batch"},
                                 files={"file": (filename, lines, "application/jsonl")})
 
     async def create_batch(self, input_file_id: str,
-                           metadata: dict[str, str] | None = None) -> dict[str, Any]:
+                           metadata: dict[str, str] | None = None, *,
+                           endpoint: str = "/v1/chat/completions") -> dict[str, Any]:
+        """A batch of the file's requests to `endpoint` (`/v1/chat/completions` or
+        `/v1/completions`, the url of every line)."""
         return await self._json("POST", "/v1/batches", json={
-            "input_file_id": input_file_id, "endpoint": "/v1/chat/completions",
+            "input_file_id": input_file_id, "endpoint": endpoint,
             "completion_window": "24h", "metadata": metadata})
 
     async def get_batch(self, batch_id: str) -> dict[str, Any]:

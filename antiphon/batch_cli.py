@@ -175,14 +175,20 @@ def _submit(client: BatchClient, args: argparse.Namespace) -> int:
     print(f"batch {batch['id']} created from {path} ({uploaded['bytes']} bytes)")
     if not args.wait:
         return 0
-    try:
-        batch = watch(client, batch["id"], args.poll_interval, sys.stdout,
-                      args.max_unreachable_s)
-    except KeyboardInterrupt:
-        print(f"\nstopped watching; the batch keeps running: antiphon batch status {batch['id']}")
+    watched = _watch(client, batch["id"], args)
+    if watched is None:
         return 130
-    _fetch(client, batch, _results_path(path))
-    return finished_status(batch)
+    _fetch(client, watched, _results_path(path))
+    return finished_status(watched)
+
+
+def _watch(client: BatchClient, batch_id: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The batch once finished, its progress shown; None if the user stopped watching."""
+    try:
+        return watch(client, batch_id, args.poll_interval, sys.stdout, args.max_unreachable_s)
+    except KeyboardInterrupt:
+        print(f"\nstopped watching; the batch keeps running: antiphon batch status {batch_id}")
+        return None
 
 
 def finished_status(batch: dict[str, Any]) -> int:
@@ -207,8 +213,10 @@ def _fetch(client: BatchClient, batch: dict[str, Any], out: Path) -> None:
 
 def _status(client: BatchClient, args: argparse.Namespace) -> int:
     if args.wait:
-        batch = watch(client, args.batch_id, args.poll_interval, sys.stdout,
-                      args.max_unreachable_s)
+        watched = _watch(client, args.batch_id, args)
+        if watched is None:
+            return 130
+        batch = watched
     else:
         batch = client.get(args.batch_id)
     print(f"{batch['id']}: {progress_line(batch)}")

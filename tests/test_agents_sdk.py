@@ -4,6 +4,7 @@ the last user message, 10 ms a token)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -225,6 +226,13 @@ async def test_a_closed_client_says_so_and_paths_upload_as_files(scripted: Scrip
     async with AsyncAntiphon(scripted.url) as client:
         uploaded = await client.upload_batch_file(str(path))
         assert (uploaded["filename"], uploaded["bytes"]) == ("in.jsonl", path.stat().st_size)
+        with pytest.raises(InvalidRequestError, match="pass the file's bytes"):
+            await client.upload_batch_file('{"custom_id": "a"}\n')  # text, not a path
+        line = {"custom_id": "t", "method": "POST", "url": "/v1/completions",
+                "body": {"model": "scripted", "prompt": "hi", "max_tokens": 3}}
+        texts = await client.upload_batch_file((json.dumps(line) + "\n").encode())
+        batch = await client.create_batch(texts["id"], endpoint="/v1/completions")
+        assert batch["endpoint"] == "/v1/completions"
     with pytest.raises(ConnectionLostError, match="closed"):
         await client.chat("s_x", "hi")
     with pytest.raises(ConnectionLostError, match="closed"):
