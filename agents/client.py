@@ -43,6 +43,12 @@ from antiphon.agents.errors import (
 FINAL_BATCH_STATUSES = frozenset({"completed", "failed", "cancelled", "expired"})
 CLOSE_UNAUTHORIZED = 4401  # the server's close code for a missing or wrong API key
 CLOSE_TRY_AGAIN = 1013  # and for a connection over its limits
+# Close code -> (error code, message where the close gives no reason).
+REFUSALS = {CLOSE_UNAUTHORIZED: ("unauthorized", "missing or wrong API key"),
+            CLOSE_TRY_AGAIN: ("too_many_requests",
+                              "the server is at its connection limit: try again later")}
+# Error frames without a request id that refuse the connection itself.
+CONNECTION_ERRORS = frozenset({"unauthorized", "too_many_requests", "shutting_down"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,18 +484,12 @@ class AsyncAntiphon:
         await self._send({"type": "cancel", "request_id": request_id})
 
 
-# Error frames without a request id that refuse the connection itself.
-CONNECTION_ERRORS = frozenset({"unauthorized", "too_many_requests", "shutting_down"})
-
-
 def _raise_if_refused(exc: ConnectionClosed) -> None:
     """Raise the typed error if the server closed the socket to refuse it: AuthenticationError
     for the API key, BusyError at a connection limit."""
-    if exc.rcvd is not None and exc.rcvd.code == CLOSE_UNAUTHORIZED:
-        raise error_for("unauthorized", exc.rcvd.reason or "missing or wrong API key")
-    if exc.rcvd is not None and exc.rcvd.code == CLOSE_TRY_AGAIN:
-        raise error_for("too_many_requests", exc.rcvd.reason or "the server is at its "
-                        "connection limit: try again later")
+    if exc.rcvd is not None and exc.rcvd.code in REFUSALS:
+        code, default = REFUSALS[exc.rcvd.code]
+        raise error_for(code, exc.rcvd.reason or default)
 
 
 def _encode(payload: dict[str, Any]) -> str:

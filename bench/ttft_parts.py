@@ -183,9 +183,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for context in contexts:
             row = prefill_times(model, context, args.new_tokens, args.repeats, device)
             nbytes = context * layers * token_layer
-            row["ssd_read"], row["disk_read"] = ssd_read_time(Path(scratch) / f"ssd-{context}", context,
-                                            args.chunk_tokens, layers, token_layer, pinned,
-                                            args.repeats)
+            row["ssd_read"], row["disk_read"] = ssd_read_time(
+                Path(scratch) / f"ssd-{context}", context, args.chunk_tokens, layers,
+                token_layer, pinned, args.repeats)
             row["host_to_device"] = host_to_device_time(pinned, nbytes, device, args.repeats)
             ms = {f"{k}_ms": 1000 * v for k, v in row.items()}
             host = ms["host_to_device_ms"] + ms["with_context_ms"]

@@ -153,9 +153,8 @@ class AntiphonScheduler(Scheduler):
         """Running requests that sat the step out rejoin the queue, RT ahead of BE (each
         class in its order): vLLM's own preemption, in a step the plan left to it, takes
         from the tail, which must never be an RT turn while BE work runs."""
-        merged = self.running + sat_out
-        self.running = [r for r in merged if request_class_of(r) is RequestClass.RT] + [
-            r for r in merged if request_class_of(r) is not RequestClass.RT]
+        self.running = sorted(self.running + sat_out,  # stable: each class keeps its order
+                              key=lambda r: request_class_of(r) is not RequestClass.RT)
 
     def _trace_step(self, output: SchedulerOutput, shape: StepShape, plan_s: float,
                     preemptions_before: dict[str, int], fallback: bool) -> None:

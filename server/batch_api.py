@@ -61,6 +61,13 @@ async def _batch(ctx: AppContext, owner: str, batch_id: str) -> Batch:
     return batch
 
 
+def _files_full(stored: int, most: int) -> ApiError:
+    return ApiError(ErrorCode.TOO_LARGE, (
+        f"this API key stores {stored} bytes of files and may store {most} "
+        "(--max-stored-file-bytes), results included: delete some first "
+        "(DELETE /v1/files/ID)"))
+
+
 @router.post("/v1/files")
 async def upload_file(request: Request) -> dict[str, Any]:
     """Multipart upload (`file`, `purpose=batch`), streamed to disk under a new id. The key's
@@ -68,24 +75,18 @@ async def upload_file(request: Request) -> dict[str, Any]:
     is kept, so uploads in flight together cannot pass `--max-stored-file-bytes`."""
     ctx, owner = _ctx(request), authorize(request)
     limits = ctx.config.server
-
-    def full(stored: int) -> ApiError:
-        return ApiError(ErrorCode.TOO_LARGE, (
-            f"this API key stores {stored} bytes of files and may store "
-            f"{limits.max_stored_file_bytes} (--max-stored-file-bytes): delete some first "
-            "(DELETE /v1/files/ID)"))
-
+    most = limits.max_stored_file_bytes
     stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
-    room = limits.max_stored_file_bytes - stored
+    room = most - stored
     if room <= 0:
-        raise full(stored)
+        raise _files_full(stored, most)
     file_id = new_file_id()
     with ctx.files.create(file_id, min(limits.max_batch_file_bytes, room)) as writer:
         try:
             upload = await receive_upload(request, writer, limits.max_batch_items)
         except ApiError as err:
             if err.code is ErrorCode.TOO_LARGE and room < limits.max_batch_file_bytes:
-                raise full(stored) from err
+                raise _files_full(stored, most) from err
             raise
         if upload.fields.get("purpose") != INPUT_PURPOSE:
             raise ApiError(ErrorCode.BAD_MESSAGE, f"purpose must be {INPUT_PURPOSE!r}")
@@ -93,8 +94,8 @@ async def upload_file(request: Request) -> dict[str, Any]:
                             time.time())
         async with ctx.upload_locks[owner]:
             stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
-            if stored + upload.num_bytes > limits.max_stored_file_bytes:
-                raise full(stored)  # another upload of this key was kept meanwhile
+            if stored + upload.num_bytes > most:  # another upload of the key kept meanwhile
+                raise _files_full(stored, most)
             await asyncio.to_thread(writer.commit)
             await asyncio.to_thread(ctx.batch_store.add_file, record)
     return record.to_json()
@@ -174,10 +175,7 @@ async def create_batch(request: Request) -> dict[str, Any]:
     # A batch's results are files of the key's too: no room, no batch.
     stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
     if stored >= limits.max_stored_file_bytes:
-        raise ApiError(ErrorCode.TOO_LARGE, (
-            f"this API key stores {stored} bytes of files and may store "
-            f"{limits.max_stored_file_bytes} (--max-stored-file-bytes), results included: "
-            "delete some first (DELETE /v1/files/ID)"))
+        raise _files_full(stored, limits.max_stored_file_bytes)
     batch = await asyncio.to_thread(ctx.batch_store.create_batch, owner, input_file.file_id,
                                     body.completion_window, window_s, body.metadata,
                                     body.endpoint, limits.max_unfinished_batches)

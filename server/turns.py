@@ -61,18 +61,24 @@ def parse_cursor(cursor: str) -> tuple[float, str]:
     return value, session_id
 
 
-async def _emit_final(emit: Emit, frame: str, is_user_cancel: Callable[[], bool]) -> None:
-    """Send a turn's last frame (`done`, or its error). A user's cancel that lands while it
-    waits to be sent (a slow reader, another turn's frames ahead of it) lets it go out: the
-    client that cancelled waits for it. Shielded, so the frame is sent once."""
-    sending = asyncio.ensure_future(emit(frame))
+async def _through_user_cancel(work: asyncio.Future[None],
+                               is_user_cancel: Callable[[], bool]) -> None:
+    """Wait for `work`, which a user's cancel landing meanwhile does not stop (nor this wait):
+    the turn's last steps (its save, its last frame) run once, and the client that cancelled
+    gets its `done`. Any other cancel (a disconnect, a shutdown) stops the wait, not `work`."""
     try:
-        await asyncio.shield(sending)
+        await asyncio.shield(work)
     except asyncio.CancelledError:
         if not is_user_cancel():
             raise
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
-        await asyncio.shield(sending)
+        await asyncio.shield(work)
+
+
+async def _emit_final(emit: Emit, frame: str, is_user_cancel: Callable[[], bool]) -> None:
+    """Send a turn's last frame (`done`, or its error), through a user's cancel that lands
+    while it waits to be sent (a slow reader, another turn's frames ahead of it)."""
+    await _through_user_cancel(asyncio.ensure_future(emit(frame)), is_user_cancel)
 
 
 class SessionTurns:
@@ -331,14 +337,9 @@ class SessionTurns:
                 if gen.pieces or not gen.replaces_reply:  # a regenerate stopped before its
                     # first token keeps the old. Shielded: a disconnect while it runs must
                     # not save the reply a second time below.
+                    # A cancel of a reply already whole: it is saved, and `done` says so.
                     commit = asyncio.ensure_future(self._commit_reply(session_id, gen))
-                    try:
-                        await asyncio.shield(commit)
-                    except asyncio.CancelledError:  # a cancel of a reply already whole: it
-                        if not is_user_cancel():  # is saved, and `done` says so
-                            raise
-                        asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                        await asyncio.shield(commit)
+                    await _through_user_cancel(commit, is_user_cancel)
             except Exception as exc:  # the store failed (a full disk): say so, do not hang
                 settle()
                 await _emit_final(emit, protocol.error_frame(unexpected_error(

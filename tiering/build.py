@@ -22,8 +22,8 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int,
     `slot_bytes` is one chunk-layer's KV size in bytes: the per-layer page size times
     `config.pages_per_chunk`. The host arena is created here, named `config.host_shm_name`
     (default `antiphon-kv-<pid>-<random>`); this process owns it and unlinks it on `close`.
-    The tier above orders evictions per `config.eviction_policy`; the lowest one, which holds the only
-    copy of what it stores, by `SessionLruPolicy` (see `eviction`). `model_id` is the KV's
+    The tier above orders evictions per `config.eviction_policy`; the lowest one, which holds
+    the only copy of what it stores, by `SessionLruPolicy` (see `eviction`). `model_id` is the KV's
     model: the SSD tier does not load what another model stored (None loads everything).
     """
     if slot_bytes < 1:

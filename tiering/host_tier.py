@@ -108,7 +108,7 @@ class HostTier(IndexedTier[HostSlot]):
 
     def is_reserved(self, key: ChunkKey) -> bool:
         with self._lock:
-            return key in self._reserved
+            return self._is_reserved(key)
 
     def _is_reserved(self, key: ChunkKey) -> bool:
         return key in self._reserved

@@ -2,8 +2,8 @@
 
 A turn waiting in the engine goes first, also ahead of an advisory's prefetch already running
 (which stops between keys and goes on after it); advisories follow in order of their expected
-arrival (Symphony: the session expected soonest gets the bandwidth first). Each prefetch copies its keys
-lowest layer first (`PrefetchHandle`).
+arrival (Symphony: the session expected soonest gets the bandwidth first). Each prefetch
+copies its keys lowest layer first (`PrefetchHandle`).
 """
 
 from __future__ import annotations
