@@ -180,10 +180,13 @@ class Engine(abc.ABC):
         return None
 
     async def forget(self, session_id: str, chains: Sequence[Sequence[int]],
-                     cache_salt: str | None = None) -> int | None:
+                     cache_salt: str | None = None,
+                     keep: Sequence[Sequence[int]] | None = None) -> int | None:
         """`session_id` was deleted: erase from the KV tiers every chunk of the token
-        sequences it ran (`chains`, with `cache_salt`), and drop its advisory. Returns the
-        chunk-layers erased, None when the engine keeps no tiers."""
+        sequences it ran (`chains`, with `cache_salt`), and drop its advisory. With `keep`,
+        the session lives on and `chains` are old ones: every chunk of them but those of
+        `keep` (its advisory stays). Returns the chunk-layers erased, None when the engine
+        keeps no tiers."""
         return None
 
     async def tiering_stats(self) -> dict[str, Any]:
@@ -490,12 +493,14 @@ class VllmEngine(Engine):
         return None if held < 0 else int(held)
 
     async def forget(self, session_id: str, chains: Sequence[Sequence[int]],
-                     cache_salt: str | None = None) -> int | None:
+                     cache_salt: str | None = None,
+                     keep: Sequence[Sequence[int]] | None = None) -> int | None:
         if self._llm is None or self.tiering is None:
             return None
         core = self._llm.engine_core
-        if not await core.call_utility_async("antiphon_forget", session_id,
-                                             [list(chain) for chain in chains], cache_salt):
+        if not await core.call_utility_async(
+                "antiphon_forget", session_id, [list(chain) for chain in chains], cache_salt,
+                None if keep is None else [list(chain) for chain in keep]):
             return None
         deadline = time.monotonic() + FORGET_TIMEOUT_S
         while (erased := await core.call_utility_async("antiphon_forgotten", session_id)) is None:

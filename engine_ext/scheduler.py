@@ -522,15 +522,15 @@ def _engine_core_advise(self: EngineCore, session_id: str, token_ids: list[int],
 
 
 def _engine_core_forget(self: EngineCore, session_id: str, chains: list[list[int]],
-                        cache_salt: str | None) -> bool:
+                        cache_salt: str | None, keep: list[list[int]] | None = None) -> bool:
     """EngineCore utility method: start erasing a deleted session's KV from the tiers, every
     chunk of the token sequences it ran (`chains`, hashed with the connector's own KV
-    identity), in a thread: steps go on; `antiphon_forgotten` says when it is done. False when
-    KV tiering is off."""
+    identity; with `keep`, a live session's old chains less what it still runs), in a thread:
+    steps go on; `antiphon_forgotten` says when it is done. False when KV tiering is off."""
     planner = _tier_planner(self)
     if planner is None:
         return False
-    planner.forget(session_id, chains, salt=salt_bytes(cache_salt))
+    planner.forget(session_id, chains, salt=salt_bytes(cache_salt), keep=keep)
     return True
 
 

@@ -65,6 +65,7 @@ class ScriptedEngine(Engine):
         self.finished_request_ids: list[str] = []
         self.advisories: list[tuple[str, list[int], float | None]] = []
         self.forgotten: list[tuple[str, list[list[int]], str | None]] = []  # `forget` calls
+        self.kept: list[list[list[int]] | None] = []  # their `keep`
         self.cache_salts: list[str | None] = []  # of each request, then each advisory
         self.params: list[GenerationParams] = []  # of each request, in order
         self.request_prompts: list[list[int]] = []  # of each request, in order (token ids)
@@ -175,8 +176,10 @@ class ScriptedEngine(Engine):
         self._is_running = False
 
     async def forget(self, session_id: str, chains: Sequence[Sequence[int]],
-                     cache_salt: str | None = None) -> int | None:
-        """Recorded in `forgotten`; no KV tiers here, so None."""
+                     cache_salt: str | None = None,
+                     keep: Sequence[Sequence[int]] | None = None) -> int | None:
+        """Recorded in `forgotten` (and `keep` in `kept`); no KV tiers here, so None."""
         self._check_alive()
         self.forgotten.append((session_id, [list(c) for c in chains], cache_salt))
+        self.kept.append(None if keep is None else [list(c) for c in keep])
         return None

@@ -47,7 +47,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
         await engine.start()
         segments.remember(before)
         await ctx.batches.start()
-        ctx.turns.erase_deleted_kv()  # of sessions deleted before a restart, if any are left
+        ctx.turns.start_erasing()
         sampler = asyncio.create_task(ctx.dashboard.run())
         watchdog = asyncio.create_task(watch_engine(ctx))
         ctx.is_ready = True

@@ -49,7 +49,8 @@ class AppContext:
 
     @classmethod
     def build(cls, config: AppConfig, engine: Engine) -> AppContext:
-        store = SessionStore(config.sessions.db_path, config.sessions.sqlite_synchronous)
+        store = SessionStore(config.sessions.db_path, config.sessions.sqlite_synchronous,
+                             config.sessions.kv_chains_kept)
         metrics = ServerMetrics(config.server.dashboard_max_requests)
         targets_s = (config.engine.rt_ttft_slo_s, config.engine.rt_tpot_slo_s)
         chat = ChatService(engine, metrics, config.server, targets_s)

@@ -148,14 +148,25 @@ class SessionTurns:
             self.release(session_id, hold)
         self.erase_deleted_kv()
 
+    def start_erasing(self) -> None:
+        """Erase what the store has queued (from before a restart, if any is left), and from
+        now on what it queues as sessions run (their chains past `kv_chains_kept`)."""
+        loop = asyncio.get_running_loop()
+
+        def queued() -> None:  # in the thread that wrote
+            loop.call_soon_threadsafe(self.erase_deleted_kv)
+        self.store.on_erasure_queued = queued
+        self.erase_deleted_kv()
+
     def erase_deleted_kv(self) -> None:
-        """Have the engine erase the KV of deleted sessions from its tiers, in the
-        background (those the store has queued: from now, or from before a restart)."""
+        """Have the engine erase the KV the store has queued from its tiers, in the
+        background: that of deleted sessions, and live sessions' oldest chains."""
         self._erase_wanted = True  # a running eraser reads the queue again before it ends
         if self._eraser is None or self._eraser.done():
             self._eraser = asyncio.create_task(self._erase_deleted_kv())
 
     async def stop_erasing(self) -> None:
+        self.store.on_erasure_queued = None
         if self._eraser is not None:
             self._eraser.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -166,13 +177,16 @@ class SessionTurns:
             self._erase_wanted = False
             for erasure_id, session_id, owner, chains in await asyncio.to_thread(
                     self.store.pending_erasures):
+                # A live session's old chains spare what it still runs (None: deleted).
+                keep = await asyncio.to_thread(self.store.kept_chains, session_id)
                 try:
-                    erased = await self.chat.engine.forget(session_id, chains,
-                                                           self.chat.cache_salt(owner))
+                    erased = await self.chat.engine.forget(
+                        session_id, chains, self.chat.cache_salt(owner), keep=keep)
                 except Exception:  # the engine is down: the next start erases it
                     logger.exception("session %s: its KV could not be erased yet", session_id)
                     return
-                logger.info("session %s deleted: %d chunk-layers of its KV erased", session_id,
+                logger.info("session %s %s: %d chunk-layers of its KV erased", session_id,
+                            "deleted" if keep is None else "ran on past its kept chains",
                             erased or 0)
                 await asyncio.to_thread(self.store.finish_erasure, erasure_id)
 

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from antiphon.configfields import doc
+from antiphon.sessions.store import KV_CHAINS_KEPT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,11 +16,17 @@ class SessionConfig:
     sqlite_synchronous: str = doc(
         "SQLite synchronous mode: FULL survives power loss, NORMAL only process crashes",
         default="FULL")
+    kv_chains_kept: int = doc(
+        "Per session, the token chains its conversation no longer extends (regenerated replies,"
+        " a moved context window) whose KV the tiers may keep; older ones are erased",
+        default=KV_CHAINS_KEPT)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
         if self.sqlite_synchronous not in ("FULL", "NORMAL"):
             raise ValueError("sqlite_synchronous must be FULL or NORMAL")
+        if self.kv_chains_kept < 1:
+            raise ValueError("kv_chains_kept must be at least 1")
 
     @property
     def db_path(self) -> Path:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import array
 import dataclasses
 import secrets
+import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from antiphon.sqlite import SqliteDb
@@ -60,8 +61,8 @@ CREATE TABLE IF NOT EXISTS kv_chains (
     token_ids  BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS kv_chains_session ON kv_chains(session_id);
--- Deleted sessions whose KV the engine has yet to erase from its tiers (kept across a
--- restart; a row goes once the engine has erased it).
+-- Deleted sessions whose KV the engine has yet to erase from its tiers, and live sessions'
+-- chains past the most kept (kept across a restart; a row goes once the engine has erased it).
 CREATE TABLE IF NOT EXISTS kv_erasures (
     erasure_id INTEGER PRIMARY KEY,
     session_id TEXT NOT NULL,
@@ -71,6 +72,10 @@ CREATE TABLE IF NOT EXISTS kv_erasures (
 """
 
 ADVISORIES_KEPT = 32  # per session, the most recent (`record_advisory`)
+# Per session, the most recent token chains its stored context no longer extends (a reply
+# regenerated over and over leaves one each; `SessionConfig.kv_chains_kept`): older ones are
+# queued for erasure from the KV tiers, less what the session still runs (`kept_chains`).
+KV_CHAINS_KEPT = 16
 
 # Before a session's stored context is replaced: keep it as a chain unless the new context
 # (`:ids`, token ids as `_ids` packs them; null when there is none) extends it.
@@ -148,8 +153,15 @@ def new_session_id() -> str:
 class SessionStore:
     """Thread-safe; one connection guarded by a lock (SQLite serialises writers anyway)."""
 
-    def __init__(self, path: Path, synchronous: str = "FULL") -> None:
+    def __init__(self, path: Path, synchronous: str = "FULL",
+                 kv_chains_kept: int = KV_CHAINS_KEPT) -> None:
+        if kv_chains_kept < 1:
+            raise ValueError(f"kv_chains_kept must be at least 1, not {kv_chains_kept}")
         self.path = path
+        self.kv_chains_kept = kv_chains_kept
+        # Called (in the writing thread) once a write queued an erasure of a live session's
+        # old chains; the server has its eraser run then.
+        self.on_erasure_queued: Callable[[], None] | None = None
         self._db = SqliteDb(path, _SCHEMA, synchronous)
 
     def close(self) -> None:
@@ -234,7 +246,8 @@ class SessionStore:
 
     def pending_erasures(self) -> list[tuple[int, str, str, list[tuple[int, ...]]]]:
         """(erasure id, session id, owner, token chains) of each deleted session whose KV the
-        engine has not yet erased, oldest first."""
+        engine has not yet erased, and of each live session's chains past `kv_chains_kept`,
+        oldest first."""
         with self._db.locked() as db:
             rows = db.execute("SELECT erasure_id, session_id, owner, chains FROM kv_erasures"
                               " ORDER BY erasure_id").fetchall()
@@ -270,6 +283,7 @@ class SessionStore:
         `replaces_reply`: the session's last message, if a reply, is deleted in the same
         transaction (a regenerated reply)."""
         now = time.time()
+        pruned = False
         with self._db.transaction() as db:
             if replaces_reply:
                 db.execute(
@@ -285,11 +299,12 @@ class SessionStore:
                        (now, session_id))
             if context_ids is not None:
                 ids = _ids(context_ids)
-                db.execute(_KEEP_DIVERGED_CHAIN, {"session": session_id, "ids": ids})
+                pruned = self._keep_diverged_chain(db, session_id, ids)
                 db.execute(
                     "INSERT OR REPLACE INTO contexts SELECT ?, COUNT(*), ? FROM messages"
                     " WHERE session_id = ?",
                     (session_id, ids, session_id))
+        self._erasure_queued(pruned)
         return Message(role, content, num_tokens, now, finish_reason)
 
     def set_context(self, session_id: str, token_ids: Sequence[int]) -> None:
@@ -298,12 +313,47 @@ class SessionStore:
         itself (the OpenAI API), which advisories bring forward. Bumps updated_at."""
         ids = _ids(token_ids)
         with self._db.transaction() as db:
-            db.execute(_KEEP_DIVERGED_CHAIN, {"session": session_id, "ids": ids})
+            pruned = self._keep_diverged_chain(db, session_id, ids)
             db.execute("INSERT OR REPLACE INTO contexts SELECT session_id, 0, ? FROM sessions"
                        " WHERE session_id = ?",  # nothing once the session is deleted
                        (ids, session_id))
             db.execute("UPDATE sessions SET updated_at = ? WHERE session_id = ?",
                        (time.time(), session_id))
+        self._erasure_queued(pruned)
+
+    def _keep_diverged_chain(self, db: sqlite3.Connection, session_id: str,
+                             ids: bytes | None) -> bool:
+        """Before the session's stored context is replaced by `ids` (None: dropped), keep it
+        as a chain unless `ids` extends it; past `kv_chains_kept` chains, queue the oldest
+        for erasure. True when one was queued."""
+        db.execute(_KEEP_DIVERGED_CHAIN, {"session": session_id, "ids": ids})
+        old = db.execute("SELECT rowid, token_ids FROM kv_chains WHERE session_id = ?"
+                         " ORDER BY rowid DESC LIMIT -1 OFFSET ?",
+                         (session_id, self.kv_chains_kept)).fetchall()
+        if not old:
+            return False
+        db.execute("INSERT INTO kv_erasures (session_id, owner, chains) SELECT session_id,"
+                   " owner, ? FROM sessions WHERE session_id = ?",
+                   (_pack_chains([row[1] for row in old]), session_id))
+        db.executemany("DELETE FROM kv_chains WHERE rowid = ?", [(row[0],) for row in old])
+        return True
+
+    def _erasure_queued(self, queued: bool) -> None:
+        if queued and self.on_erasure_queued is not None:
+            self.on_erasure_queued()
+
+    def kept_chains(self, session_id: str) -> list[tuple[int, ...]] | None:
+        """The token chains whose KV the session may still use (its stored context and its
+        kept chains), or None once it is deleted: what an erasure of its older chains spares
+        (`pending_erasures`)."""
+        with self._db.locked() as db:
+            if db.execute("SELECT 1 FROM sessions WHERE session_id = ?",
+                          (session_id,)).fetchone() is None:
+                return None
+            rows = db.execute("SELECT token_ids FROM contexts WHERE session_id = ? UNION ALL"
+                              " SELECT token_ids FROM kv_chains WHERE session_id = ?",
+                              (session_id, session_id)).fetchall()
+        return [_unpack_ids(row[0]) for row in rows]
 
     def context(self, session_id: str) -> tuple[int, tuple[int, ...]] | None:
         """(messages covered, token ids) of the session's last stored context, or None."""
@@ -328,8 +378,9 @@ class SessionStore:
         with self._db.transaction() as db:
             db.execute("INSERT OR REPLACE INTO windows SELECT session_id, ? FROM sessions"
                        " WHERE session_id = ?", (first_message, session_id))
-            db.execute(_KEEP_DIVERGED_CHAIN, {"session": session_id, "ids": None})
+            pruned = self._keep_diverged_chain(db, session_id, None)
             db.execute("DELETE FROM contexts WHERE session_id = ?", (session_id,))
+        self._erasure_queued(pruned)
 
     def record_advisory(self, session_id: str, source: str, received_at: float) -> None:
         """Keep an advisory the session received; a session keeps its last

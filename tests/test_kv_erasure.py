@@ -114,6 +114,29 @@ def test_a_deleted_sessions_kv_is_erased_from_every_tier_bytes_and_all(tmp_path:
         again.close()
 
 
+def test_a_live_sessions_old_chain_is_erased_but_what_it_still_runs_is_not(
+        tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd")
+    current = [*TURN1, 110]  # 2 full chunks and a 3-token tail
+    old = [*TURN1[:8], 120, 121, 122]  # an earlier reply: the same 2 chunks, another tail
+    try:
+        run_turn(planner, "r1", old, [7, 8, 9], session="s1")
+        run_turn(planner, "r2", current, [4, 5, 6], session="s1")
+        planner.store.flush()
+        planner.advise("s1", current, expected_arrival_s=None)
+
+        erased, kept = planner.forget("s1", [old], keep=[current]).result(10)
+
+        assert (erased, kept) == (2 * LAYERS, 0)  # the old tail, on host and SSD
+        assert len(session_keys(planner, 0, current)) == 3 * LAYERS
+        assert len(session_keys(planner, 1, current)) == 3 * LAYERS
+        assert len(session_keys(planner, 0, old)) == 2 * LAYERS  # the shared chunks
+        assert planner.stats()["advisories_live"] == 1  # the session goes on
+        planner.store.check_integrity()
+    finally:
+        planner.close()
+
+
 def test_a_copy_a_running_turn_loads_from_stays(tmp_path: Path) -> None:
     planner = make_planner(tmp_path / "ssd")
     chain = [*TURN1, 110]
@@ -171,11 +194,75 @@ def test_the_store_keeps_every_chain_a_session_ran_and_queues_their_erasure(
     store.close()
 
 
+def test_a_session_keeps_its_newest_chains_and_queues_the_older_for_erasure(
+        tmp_path: Path) -> None:
+    path = tmp_path / "sessions.sqlite3"
+    store = SessionStore(path, kv_chains_kept=2)
+    queued: list[int] = []
+    store.on_erasure_queued = lambda: queued.append(1)
+    sid = store.create_session("k1").session_id  # type: ignore[union-attr]
+    store.append_message(sid, "user", "a", 1)
+    for reply in range(5):  # a reply regenerated four times, each different
+        store.append_message(sid, "assistant", str(reply), 1, context_ids=[1, 2, 10 + reply],
+                             replaces_reply=reply > 0)
+    assert store.kv_chains(sid) == [(1, 2, 12), (1, 2, 13)]
+    assert queued == [1, 1]
+    assert [(e[1], e[2], e[3]) for e in store.pending_erasures()] == [
+        (sid, "k1", [(1, 2, 10)]), (sid, "k1", [(1, 2, 11)])]
+    assert sorted(store.kept_chains(sid) or []) == [(1, 2, 12), (1, 2, 13), (1, 2, 14)]
+    store.set_context(sid, [1, 2, 15])  # the REST path prunes the same way
+    assert store.kv_chains(sid) == [(1, 2, 13), (1, 2, 14)] and len(queued) == 3
+    store.move_window(sid, 1)  # and so does a moved window
+    assert store.kv_chains(sid) == [(1, 2, 14), (1, 2, 15)] and len(queued) == 4
+    assert store.delete_session("k1", sid)
+    assert store.kept_chains(sid) is None  # the deletion's erasure spares nothing
+    erasures = store.pending_erasures()
+    assert sorted(erasures[-1][3]) == [(1, 2, 14), (1, 2, 15)]
+    assert {chain for e in erasures for chain in e[3]} == {(1, 2, 10 + i) for i in range(6)}
+    store.close()
+    with pytest.raises(ValueError, match="kv_chains_kept"):
+        SessionStore(path, kv_chains_kept=0)
+
+
+async def test_the_server_erases_a_live_sessions_old_chains_sparing_what_it_runs(
+        tmp_path: Path) -> None:
+    import dataclasses
+
+    import httpx
+
+    config = scripted_config(tmp_path)
+    config = dataclasses.replace(
+        config, sessions=dataclasses.replace(config.sessions, kv_chains_kept=1))
+    engine = ScriptedEngine()
+    with live_server(config, engine) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            for text in ("first", "second", "third"):  # each conversation a new one
+                reply = await client.post("/v1/chat/completions", json={
+                    "model": engine.model_name, "max_tokens": 8,
+                    "messages": [{"role": "user", "content": text}],
+                    "vllm_xargs": {"session_id": sid}})
+                assert reply.status_code == 200, reply.text
+        for _ in range(100):
+            if engine.forgotten:
+                break
+            await asyncio.sleep(0.02)
+    ((session_id, chains, _),) = engine.forgotten
+    (keep,) = engine.kept
+    assert session_id == sid
+    assert "first" in "".join(map(chr, chains[0]))
+    kept = ["".join(map(chr, chain)) for chain in keep or []]
+    assert len(kept) == 2  # the context and the one chain kept
+    assert any("third" in k for k in kept) and any("second" in k for k in kept)
+    assert not any("first" in k for k in kept)
+
+
 class FailingForget(ScriptedEngine):
     """An engine whose tiers cannot be reached (its `forget` fails)."""
 
-    async def forget(self, session_id: str, chains: object, cache_salt: str | None = None
-                     ) -> int | None:
+    async def forget(self, session_id: str, chains: object, cache_salt: str | None = None,
+                     keep: object = None) -> int | None:
         raise RuntimeError("the engine is not answering")
 
 

@@ -539,28 +539,36 @@ class TierPlanner:
 
     # -- deleted sessions ---------------------------------------------------------------------
 
-    def forget(self, session: str, chains: Iterable[Sequence[int]], *, salt: bytes = b""
-               ) -> Future[tuple[int, int]]:
+    def forget(self, session: str, chains: Iterable[Sequence[int]], *, salt: bytes = b"",
+               keep: Iterable[Sequence[int]] | None = None) -> Future[tuple[int, int]]:
         """`session` was deleted: drop its advisory, and erase from every tier each
         chunk-layer its token sequences (`chains`, under cache salt `salt`) can be stored
-        under (`keys.chain_hashes`), bytes and all. The hashing and the erasure run in a
+        under (`keys.chain_hashes`), bytes and all. With `keep`, the session lives on and
+        `chains` are old ones it dropped: its advisory stays, and so does each chunk-layer
+        `keep` (what it still runs) can be stored under. The hashing and the erasure run in a
         thread of their own: the engine's steps go on. A copy pinned by a running turn, or
         held for a checkpointed request, stays: that turn shares the prefix. The future
         resolves to (chunk-layers erased, kept) once every erasure is on disk;
         `forgotten(session)` reads it."""
         chains = list(chains)
+        kept_chains = None if keep is None else list(keep)
         done: Future[tuple[int, int]] = Future()
         with self._lock:
-            self._release_advisory(session)
-            self.store.clear_hint(session)
+            if kept_chains is None:
+                self._release_advisory(session)
+                self.store.clear_hint(session)
             checkpointed = {key.prefix_hash for cp in self._checkpoints.values()
                             for key in cp.chunks}
             self._forgetting[session] = done
 
         def erase() -> None:
             try:
+                spared = checkpointed
+                if kept_chains:
+                    spared = spared | chain_hashes(kept_chains, self.chunk_tokens,
+                                                   self.model_id, salt=salt)
                 wanted = chain_hashes(chains, self.chunk_tokens, self.model_id,
-                                      salt=salt) - checkpointed
+                                      salt=salt) - spared
                 with self._lock:  # copies still in flight are dropped, not published
                     if self._in_flight or self._final_keys:
                         self._forgotten_chunks |= wanted

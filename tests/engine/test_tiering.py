@@ -211,6 +211,8 @@ async def test_a_deleted_sessions_kv_leaves_host_and_ssd(tmp_path: Path) -> None
         first_prompt = eng.render_chat([ChatTurn("user", QUESTIONS[0])])
         # An advisory of the session pins its KV in the host tier; the delete releases it.
         assert (await eng.advise("gone", first_prompt, None) or 0) > 0
+        # The session living on, its first turn's chain is one its last extends: none goes.
+        assert await eng.forget("gone", chains[:1], keep=chains[-1:]) == 0
         before = await eng.tiering_stats()
 
         erased = await eng.forget("gone", chains)
