@@ -68,6 +68,7 @@ class AntiphonScheduler(Scheduler):
         self.page_tokens = self.cache_config.block_size
         self._lost_tokens: dict[str, int] = {}  # preempted, computed tokens not yet redone
         self._token_limits: dict[str, int] = {}  # the step's plan: most new tokens per request
+        self._queue_order: dict[str, int] = {}  # the waiting queue's order before the plan's
         self._first_token_s: dict[str, float] = {}  # RT: when its first token was produced
         # Steps scheduled and not yet updated, oldest first, each (shape, when scheduled):
         # one at a time when scheduling is synchronous; with async scheduling vLLM schedules
@@ -132,8 +133,8 @@ class AntiphonScheduler(Scheduler):
             self._token_limits = {}
             if sat_out[0]:
                 self._rejoin(sat_out[0])
-            for request in sat_out[1]:
-                self.waiting.add_request(request)
+            if sat_out[1]:
+                self._requeue(sat_out[1])
         self._count_recomputed(output)
         self._stalled = not output.total_num_scheduled_tokens and bool(self.running)
         if output.total_num_scheduled_tokens:
@@ -155,6 +156,18 @@ class AntiphonScheduler(Scheduler):
         from the tail, which must never be an RT turn while BE work runs."""
         self.running = sorted(self.running + sat_out,  # stable: each class keeps its order
                               key=lambda r: request_class_of(r) is not RequestClass.RT)
+
+    def _requeue(self, sat_out: list[Request]) -> None:
+        """Waiting requests that sat the step out rejoin the waiting queue, and the queue
+        takes back its order from before the plan's (requests vLLM queued in the step, such
+        as those it preempted, ahead), RT ahead of BE: appended, they fell behind requests
+        that arrived after them, and a step the plan leaves to vLLM seats in queue order."""
+        queued = [*self.waiting, *sat_out]
+        self.waiting.remove_requests(list(self.waiting))
+        order = self._queue_order
+        for request in sorted(queued, key=lambda r: (
+                request_class_of(r) is not RequestClass.RT, order.get(r.request_id, -1))):
+            self.waiting.add_request(request)
 
     def _trace_step(self, output: SchedulerOutput, shape: StepShape, plan_s: float,
                     preemptions_before: dict[str, int], fallback: bool) -> None:
@@ -352,6 +365,8 @@ class AntiphonScheduler(Scheduler):
         rank = plan.rank()
         last = len(rank)
         running = sorted(self.running, key=lambda r: rank.get(r.request_id, last))
+        if plan.is_restrictive:
+            self._queue_order = {r.request_id: i for i, r in enumerate(self.waiting)}
         waiting = sorted(self.waiting, key=lambda r: rank.get(r.request_id, last))
         self.waiting.remove_requests(list(self.waiting))
         if plan.is_restrictive:

@@ -165,3 +165,15 @@ def test_an_rt_turn_sitting_a_step_out_rejoins_ahead_of_be_work() -> None:
     finish_step(sched, sched.schedule())
     assert scheduled(sched.schedule()) == {"b": 1}
     assert [r.request_id for r in sched.running] == ["r", "b"]
+
+
+def test_waiting_requests_that_sit_a_step_out_keep_their_place_in_the_queue() -> None:
+    # They were appended after the step, behind requests that arrived after them; a step
+    # the plan leaves to vLLM (a stalled one) seats in queue order. 100 pages of 16 tokens:
+    # "b3" takes 63 of them, so "b2", admitted after it, stays queued for want of pages.
+    sched = scheduler([StepPlan(order=["b3", "b2"], is_restrictive=True)])
+    for rid in ("b1", "b2", "b3"):
+        sched.add_request(request(rid, 1000, "be"))
+    sched.add_request(request("r", 1000))  # an RT turn the plan leaves out
+    assert scheduled(sched.schedule()) == {"b3": 1000}
+    assert [r.request_id for r in sched.waiting] == ["r", "b1", "b2"]
