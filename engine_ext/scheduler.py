@@ -424,7 +424,11 @@ class AntiphonScheduler(Scheduler):
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens,
                                                             num_new_tokens)
         limit = self._token_limits.get(request.request_id)
-        return num_new_tokens if limit is None else min(num_new_tokens, limit)
+        if limit is None or request.num_tokens - num_computed_tokens <= 1:
+            # A decode: its tokens past the one are drafts, or the padding vLLM gives a
+            # decode it seats to a uniform speculative size, which it asserts is kept.
+            return num_new_tokens
+        return min(num_new_tokens, limit)
 
     def _count_recomputed(self, output: SchedulerOutput) -> None:
         """Charge each scheduled position below a preempted request's old progress as

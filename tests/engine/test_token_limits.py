@@ -177,3 +177,14 @@ def test_waiting_requests_that_sit_a_step_out_keep_their_place_in_the_queue() ->
     sched.add_request(request("r", 1000))  # an RT turn the plan leaves out
     assert scheduled(sched.schedule()) == {"b3": 1000}
     assert [r.request_id for r in sched.waiting] == ["r", "b1", "b2"]
+
+
+def test_a_plans_chunk_never_cuts_a_decode_below_the_rows_vllm_gave_it() -> None:
+    # With speculative decoding vLLM pads a decode it seats from the waiting queue to
+    # 1 + num_spec rows and asserts they are kept; a chunk limit cut them (a policy's limits
+    # are prefill chunks: a decode's rows past the one are drafts or that padding).
+    sched = scheduler([])
+    prompt = request("a", 40)
+    sched._token_limits = {"a": 1}
+    assert sched._reserve_prefill_lookahead(prompt, 39, 3) == 3  # one left: a decode
+    assert sched._reserve_prefill_lookahead(prompt, 20, 20) == 1  # a prefill chunk is cut
