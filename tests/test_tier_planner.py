@@ -110,11 +110,14 @@ def test_a_follow_up_loads_its_whole_prior_context(planner: TierPlanner) -> None
     assert [c.blocks for c in meta.early_loads] == [(3,)]
     for copy in [*meta.loads, *meta.early_loads]:
         assert NO_SLOT not in copy.slots
-    # Loaded slots stay pinned until the worker reports the step.
+    # Loaded slots stay pinned until the worker reports the step, and until it has, the
+    # engine steps on even with nothing to run (the connector's `has_pending_push_work`).
     keys = list(planner.host.keys())  # a tier, not a dict: keys() is its snapshot
     loaded = next(k for k in keys if planner.host.slot_of(k) == meta.loads[0].slots[0])
     assert not planner.host.remove(loaded)
+    assert planner.has_steps_in_flight()
     planner.step_done({meta.step}, set())
+    assert not planner.has_steps_in_flight()
     assert planner.host.remove(loaded)
     stats = planner.stats()
     assert stats["tokens_from_host"] == 10

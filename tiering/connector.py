@@ -177,6 +177,12 @@ class AntiphonKVConnector(KVConnectorBase_V1):
         if isinstance(meta, TieringWorkerMetadata):
             self.planner.step_done(meta.done_steps, meta.failed_steps)
 
+    def has_pending_push_work(self) -> bool:
+        # The worker reports a step's copies done in a later step's output (asynchronous on
+        # CUDA): an engine gone idle must step on, empty steps, until it has, or the last
+        # step's load pins and saves would wait for the next request.
+        return self.planner.has_steps_in_flight()
+
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.planner.request_finished(request.request_id, request.num_computed_tokens,

@@ -408,6 +408,12 @@ class TierPlanner:
             if not (self._in_flight or self._final_keys):
                 self._forgotten_chunks.clear()
 
+    def has_steps_in_flight(self) -> bool:
+        """Steps whose copies the worker has yet to report done (their load pins and saves
+        settle only once it does: the engine must step on, idle or not)."""
+        with self._lock:
+            return bool(self._in_flight)
+
     def request_finished(self, request_id: str, num_computed: int,
                          block_ids: Sequence[int]) -> bool:
         """The request is done; True if its last partial chunk is being saved (vLLM must keep
