@@ -133,6 +133,9 @@ class ScriptedEngine(Engine):
         self.params.append(params)
         self.request_prompts.append(list(prompt_token_ids))
         reply = self._replies.get(tuple(prompt_token_ids), "ok")
+        stops = [at for at in (reply.find(stop) for stop in params.stop if stop) if at >= 0]
+        if stops:  # as vLLM: the reply ends before its first stop string, which it leaves out
+            reply = reply[:min(stops)]
         words = reply.split(" ")
         self.active_request_ids.add(request_id)
         try:

@@ -21,6 +21,19 @@ def client(s: Scripted) -> openai.OpenAI:
     return openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
 
 
+def test_a_stop_string_ends_the_reply_before_it(scripted: Scripted) -> None:
+    app = client(scripted)
+    out = app.chat.completions.create(model="scripted", max_tokens=10, stop=["pong", "ping"],
+                                      messages=[{"role": "user", "content": "ping pong"}])
+    assert out.choices[0].message.content == "You said: "
+    assert out.choices[0].finish_reason == "stop"
+    chunks = list(app.chat.completions.create(
+        model="scripted", max_tokens=10, stop="pong", stream=True,
+        messages=[{"role": "user", "content": "ping pong"}]))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        "You said: ping ")
+
+
 def test_models_lists_the_served_model(scripted: Scripted) -> None:
     models = client(scripted).models.list()
     assert [m.id for m in models.data] == ["scripted"]
