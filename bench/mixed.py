@@ -50,30 +50,43 @@ NOISE_NEIGHBOURS = 5
 
 
 async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival: RtArrival,
-                     start: float) -> dict[str, float]:
-    """One streamed RT turn at its trace time; TTFT and TPOT measured at the client."""
+                     start: float) -> dict[str, Any]:
+    """One streamed RT turn at its trace time; TTFT and TPOT measured at the client, TPOT
+    over the tokens the server counted (a chunk may carry several). A turn that fails (an
+    error status or event, a lost connection) or ends short of its `output_tokens` is
+    `failed`: it misses both targets, and its latency is spread over the tokens it got."""
     await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))
     sent = time.perf_counter()
     first = last = None
-    n = 0
+    received, finish, error = 0, None, None
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "stream_options": {"include_usage": True},
             "max_tokens": arrival.output_tokens, "temperature": 0, "ignore_eos": True}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                n += 1
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = str(chunk["error"].get("message", chunk["error"]))
+                for choice in chunk.get("choices") or ():
+                    if choice["delta"].get("content"):
+                        last = time.perf_counter()
+                        first = first or last
+                    finish = choice.get("finish_reason") or finish
+                if chunk.get("usage"):
+                    received = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        error = repr(exc)
     end = time.perf_counter()
-    ttft = (first or end) - sent
-    tpot = ((last or end) - (first or end)) / max(1, n - 1)
-    return {"at_s": arrival.at_s, "ttft_s": ttft, "tpot_s": tpot, "latency_s": end - sent,
-            "output_tokens": arrival.output_tokens}
+    failed = error is not None or finish != "length" or received < arrival.output_tokens
+    return {"at_s": arrival.at_s, "ttft_s": (first or end) - sent,
+            "tpot_s": ((last or end) - (first or end)) / max(1, received - 1),
+            "latency_s": end - sent, "output_tokens": received, "failed": failed,
+            **({"error": error} if error else {})}
 
 
 def be_batch_file(path: Path, model: str, num_items: int, max_tokens: tuple[int, int],
@@ -113,7 +126,8 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
             "input_file_id": file_id, "endpoint": "/v1/chat/completions",
             "completion_window": "24h"})).json()
         await asyncio.sleep(args.be_warmup_s)
-        m0, s0 = (await client.get("/metrics")).text, (await client.get("/v1/engine/stats")).json()
+        s0 = (await client.get("/v1/engine/stats")).json()
+        m0, m0_at = await metrics_snapshot(client)
         start, start_wall = time.perf_counter(), time.time()
         turns = [asyncio.create_task(rt_request(client, model, prompts[i % len(prompts)], a,
                                                 start)) for i, a in enumerate(arrivals)]
@@ -124,32 +138,39 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         await asyncio.sleep(max(0.0, start + measurement_window_s(args, arrivals)
                                 - time.perf_counter()))
         window, end_wall = time.perf_counter() - start, time.time()
-        m1, s1 = (await client.get("/metrics")).text, (await client.get("/v1/engine/stats")).json()
+        m1, m1_at = await metrics_snapshot(client)
+        s1 = (await client.get("/v1/engine/stats")).json()
         unfinished = sum(1 for turn in turns if not turn.done())
         results = await asyncio.gather(*turns)
         await client.post(f"/v1/batches/{batch['id']}/cancel")
-    ttft_ok = [r["ttft_s"] <= args.ttft_slo for r in results]
-    tpot_ok = [r["tpot_s"] <= args.tpot_slo for r in results]
+    ttft_ok = [not r["failed"] and r["ttft_s"] <= args.ttft_slo for r in results]
+    tpot_ok = [not r["failed"] and r["tpot_s"] <= args.tpot_slo for r in results]
     ttfts = sorted(r["ttft_s"] for r in results)
     tokens = "antiphon_generation_tokens_total"
     steps = s1["step_s"] - s0["step_s"]
+    errors = s1["cost_model_errors"] - s0["cost_model_errors"]
     return {
         "rt_ttft_slo_attainment": sum(ttft_ok) / len(results),
         "rt_tpot_slo_attainment": sum(tpot_ok) / len(results),
         "rt_normalized_latency_s": statistics.mean(
-            r["latency_s"] / r["output_tokens"] for r in results),
+            r["latency_s"] / max(1, r["output_tokens"]) for r in results),
         "rt_ttft_p50_s": statistics.median(ttfts),
         "rt_ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "rt_failed": sum(r["failed"] for r in results),
+        # BE tokens between the two counter snapshots, over the time between them
         "be_tokens_per_s": (counter(m1, tokens, 'request_class="be"')
-                            - counter(m0, tokens, 'request_class="be"')) / window,
+                            - counter(m0, tokens, 'request_class="be"')) / (m1_at - m0_at),
         "be_recomputed_tokens": s1["recomputed_tokens"]["be"] - s0["recomputed_tokens"]["be"],
         "rt_recomputed_tokens": s1["recomputed_tokens"]["rt"] - s0["recomputed_tokens"]["rt"],
         "rt_preemptions": s1["num_preemptions"]["rt"] - s0["num_preemptions"]["rt"],
         "be_preemptions": s1["num_preemptions"]["be"] - s0["num_preemptions"]["be"],
-        "sched_overhead_frac": (s1["schedule_s"] - s0["schedule_s"]) / steps if steps else 0.0,
-        "cost_model_mape": s1.get("cost_model_mape") or 0.0,
-        "kv_utilization": (s1["kv_usage_sum"] - s0["kv_usage_sum"]) / max(
-            1, s1["num_steps"] - s0["num_steps"]),
+        # None (not a flattering 0) where the window ran no step
+        "sched_overhead_frac": (s1["schedule_s"] - s0["schedule_s"]) / steps if steps else None,
+        # over every step of the window, not the engine's rolling figure at its end
+        "cost_model_mape": ((s1["cost_model_error_sum"] - s0["cost_model_error_sum"]) / errors
+                            if errors else None),
+        # time-weighted: steps of different lengths count by their length
+        "kv_utilization": (s1["kv_usage_s"] - s0["kv_usage_s"]) / steps if steps else None,
         "pages_checkpointed": _tier_delta(s0, s1, "pages_checkpointed"),
         "pages_restored": _tier_delta(s0, s1, "pages_restored"),
         # tokens preempted work lost to a full host tier (recomputed), chunks never saved
@@ -161,6 +182,13 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         "window_wall": (start_wall, end_wall),
         "timeline": results,
     }
+
+
+async def metrics_snapshot(client: httpx.AsyncClient) -> tuple[str, float]:
+    """The server's /metrics, and when it was taken (the middle of the call)."""
+    asked = time.perf_counter()
+    text = (await client.get("/metrics")).text
+    return text, (asked + time.perf_counter()) / 2
 
 
 def measurement_window_s(args: argparse.Namespace, arrivals: list[RtArrival]) -> float:
@@ -223,9 +251,11 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     if not results:
         print("every run failed")
         return 1
-    print_table({p: {k: float(v) for k, v in s.items() if k != "runs"}
+    if baseline not in results:
+        print(f"no run of {baseline} finished: no ratios to it")
+    print_table({p: {k: None if v is None else float(v) for k, v in s.items() if k != "runs"}
                  for p, s in results.items()},
-                baseline=baseline if baseline in results else next(iter(results)))
+                baseline=baseline if baseline in results else None)
     drift = host_drift(runs)
     if drift > HOST_DRIFT_WARNING:
         print(f"warning: the host's speed differed by {drift:.0%} between runs "
@@ -343,8 +373,12 @@ def plain_decode_steps(trace: Path, start: float, end: float) -> list[tuple[int,
 
 
 def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The mean of every metric over a system's repeated runs, and the runs themselves."""
-    mean = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
+    """The mean of every metric over a system's repeated runs (over those that measured
+    it; None where none did), and the runs themselves."""
+    mean = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        mean[key] = statistics.mean(values) if values else None
     return {**mean, "runs": runs} if len(runs) > 1 else mean
 
 

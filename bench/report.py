@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +19,27 @@ def write_json(path: str | Path, record: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
-def print_table(systems: dict[str, dict[str, float]], baseline: str) -> None:
-    """One row per metric, one column per system, and each system's ratio to `baseline`."""
+def print_table(systems: Mapping[str, Mapping[str, float | None]],
+                baseline: str | None) -> None:
+    """One row per metric, one column per system, and each system's ratio to `baseline`
+    (no ratios without one). A metric no run measured shows as n/a."""
     names = list(systems)
-    others = [n for n in names if n != baseline]
+    others = [n for n in names if n != baseline] if baseline is not None else []
     header = ["metric", *names, *(f"{n}/{baseline}" for n in others)]
     rows = []
-    for metric in systems[baseline]:
-        base = systems[baseline][metric]
-        cells = [metric, *(fmt(systems[n][metric]) for n in names)]
-        cells += [f"{systems[n][metric] / base:.3f}" if base else "-" for n in others]
+    for metric in systems[baseline if baseline is not None else names[0]]:
+        base = systems[baseline][metric] if baseline is not None else None
+        cells = [metric, *(fmt(systems[n].get(metric)) for n in names)]
+        for n in others:
+            value = systems[n].get(metric)
+            cells.append(f"{value / base:.3f}" if base and value is not None else "-")
         rows.append(cells)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, ["-" * w for w in widths], *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
 
 
-def fmt(value: float) -> str:
+def fmt(value: float | None) -> str:
+    if value is None:
+        return "n/a"
     return f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"

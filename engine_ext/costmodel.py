@@ -99,10 +99,12 @@ class CostModel:
         copies = self.copy_s(shape) if shape.page_copies else self.mean_copy_s
         return self.form.predict_s(self.coefficients, shape) + copies
 
-    def observe(self, shape: StepShape, latency_s: float) -> None:
-        """Record a measured step (seconds); refits every `refit_every` observations."""
+    def observe(self, shape: StepShape, latency_s: float) -> float | None:
+        """Record a measured step (seconds); refits every `refit_every` observations.
+        Returns the prediction's relative error on it (None for a step of no time)."""
         form_s = self.form.predict_s(self.coefficients, shape)
         predicted = form_s + self.copy_s(shape)
+        error = None
         if latency_s > 0:
             if len(self._errors) == self._errors.maxlen:
                 self._error_sum -= self._errors[0]
@@ -118,6 +120,7 @@ class CostModel:
         self._since_refit += 1
         if self._since_refit >= self._refit_every:
             self.refit()
+        return error
 
     def _add_ratio(self, ratio: float) -> None:
         if len(self._ratios) == self.CALIBRATION_WINDOW:

@@ -29,6 +29,10 @@ class SchedulerStats:
     cost_model_profiled_mape: float | None = None  # held-out error of the profiled fit in use
     kv_usage: float = 0.0  # KV pool use (fraction of pages) at the last scheduled step
     kv_usage_sum: float = 0.0  # KV pool use (fraction of pages) summed over scheduled steps
+    kv_usage_s: float = 0.0  # KV pool use times each step's time: over a window's step_s, the
+    # time-weighted use (steps of different lengths count by their length)
+    cost_model_error_sum: float = 0.0  # each step's |predicted - measured| / measured, summed
+    cost_model_errors: int = 0  # steps in that sum: a window's MAPE is their deltas' ratio
     integrity_problems: int = 0  # bidirectional-block invariants found broken (should stay 0)
 
     def record_step(self, policy_s: float, schedule_s: float, kv_usage: float) -> None:
@@ -39,8 +43,15 @@ class SchedulerStats:
         self.schedule_s += schedule_s
         self.max_schedule_s = max(self.max_schedule_s, schedule_s)
 
-    def record_step_latency(self, step_s: float) -> None:
+    def record_step_latency(self, step_s: float, kv_usage: float,
+                            cost_model_error: float | None) -> None:
+        """A finished step: its time, the KV pool use it was scheduled with, and the cost
+        model's relative error on it (None: not measurable)."""
         self.step_s += step_s
+        self.kv_usage_s += kv_usage * step_s
+        if cost_model_error is not None:
+            self.cost_model_error_sum += cost_model_error
+            self.cost_model_errors += 1
 
     def reset(self) -> SchedulerStats:
         """New counters, with this one's cost-model state (form, errors, calibration)."""

@@ -73,7 +73,9 @@ class AntiphonScheduler(Scheduler):
         # Steps scheduled and not yet updated, oldest first, each (shape, when scheduled):
         # one at a time when scheduling is synchronous; with async scheduling vLLM schedules
         # the next step before it updates from the last, and updates them in order.
-        self._steps_in_flight: collections.deque[tuple[StepShape, float]] = collections.deque()
+        # Steps scheduled, not yet finished: (shape, when scheduled, KV pool use then).
+        self._steps_in_flight: collections.deque[tuple[StepShape, float, float]] = (
+            collections.deque())
         self._last_step_done = 0.0  # when the last step's output was taken
         self._last_step_had_prefill = False  # of the last step scheduled
         self._trace = StepTrace(self.settings.step_trace) if self.settings.step_trace else None
@@ -143,9 +145,9 @@ class AntiphonScheduler(Scheduler):
             scheduled = time.perf_counter()
             if not isinstance(self, AsyncScheduler):
                 self._steps_in_flight.clear()  # one step at a time (none left by a failure)
-            self._steps_in_flight.append((shape, scheduled))
-            self.stats.record_step(planned - started, scheduled - started,
-                                   self.kv_cache_manager.block_pool.get_usage())
+            usage = self.kv_cache_manager.block_pool.get_usage()
+            self._steps_in_flight.append((shape, scheduled, usage))
+            self.stats.record_step(planned - started, scheduled - started, usage)
             if self._trace is not None:
                 self._trace_step(output, shape, planned - started, preemptions, fallback)
         return output
@@ -192,15 +194,15 @@ class AntiphonScheduler(Scheduler):
             self._check_when_idle()
         return outputs
 
-    def _observe_step(self, shape: StepShape, scheduled_s: float) -> None:
+    def _observe_step(self, shape: StepShape, scheduled_s: float, kv_usage: float) -> None:
         """Train the cost model on a finished step: its time runs from when it was scheduled,
         or from when the step before it finished where that was later (with async scheduling
         a step is scheduled while the one before it still runs)."""
         done = time.perf_counter()
         latency = done - max(scheduled_s, self._last_step_done)
         self._last_step_done = done
-        self.cost_model.observe(shape, latency)
-        self.stats.record_step_latency(latency)
+        error = self.cost_model.observe(shape, latency)
+        self.stats.record_step_latency(latency, kv_usage, error)
         if self._trace is not None:
             self._trace.finished(latency)
         self.stats.cost_model_mape = self.cost_model.mape

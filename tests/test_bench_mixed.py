@@ -17,6 +17,7 @@ from antiphon.bench.mixed import (
     measurement_window_s,
     plain_decode_steps,
     positive_int,
+    rt_request,
     summarise_runs,
 )
 from antiphon.bench.workload import RtArrival
@@ -33,6 +34,77 @@ def test_repeated_runs_are_averaged_and_kept() -> None:
     assert summary["be_tokens_per_s"] == 9.0
     assert summary["rt_ttft_slo_attainment"] == 0.875
     assert summary["runs"] == runs
+
+
+def test_a_metric_no_run_measured_is_none_not_zero() -> None:
+    runs = [{"cost_model_mape": None, "be_tokens_per_s": 8.0},
+            {"cost_model_mape": 0.04, "be_tokens_per_s": 10.0}]
+    assert summarise_runs(runs)["cost_model_mape"] == 0.04  # of the run that measured it
+    assert summarise_runs(runs[:1])["cost_model_mape"] is None
+
+
+def test_the_table_shows_no_ratio_without_its_baseline(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    from antiphon.bench.report import print_table
+
+    print_table({"echo": {"be_tokens_per_s": 8.0, "cost_model_mape": None}}, baseline=None)
+    out = capsys.readouterr().out
+    assert "n/a" in out and "/" not in out.splitlines()[0]
+    print_table({"fcfs": {"be_tokens_per_s": 10.0, "cost_model_mape": 0.05},
+                 "echo": {"be_tokens_per_s": 8.0, "cost_model_mape": None}}, baseline="fcfs")
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2].split()[-1] == "0.800" and rows[3].split()[-1] == "-"
+
+
+def _sse(*events: object) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + (
+        b"data: [DONE]\n\n")
+
+
+def _delta(text: str, finish: str | None = None) -> dict[str, object]:
+    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+
+
+@pytest.mark.parametrize(("events", "failed", "tokens"), [
+    # whole: three chunks carry four tokens (a chunk may carry several)
+    ([_delta("a"), _delta("b c"), _delta("d", "length"),
+      {"choices": [], "usage": {"completion_tokens": 4}}], False, 4),
+    # an error event after the first token: it must not pass as a quick turn
+    ([_delta("a"), {"error": {"message": "the engine failed"}}], True, 0),
+    # finished early (cancelled, or a stop): fewer tokens than the trace asked for
+    ([_delta("a", "abort"), {"choices": [], "usage": {"completion_tokens": 1}}], True, 1),
+])
+async def test_a_turn_that_fails_or_ends_short_misses_its_targets(
+        events: list[object], failed: bool, tokens: int) -> None:
+    import httpx
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        sent = json.loads(request.content)
+        assert sent["stream_options"] == {"include_usage": True}
+        return httpx.Response(200, content=_sse(*events))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(reply),
+                                 base_url="http://bench") as client:
+        result = await rt_request(client, "m", "hi", RtArrival(0.0, 10, 4), 0.0)
+    assert result["failed"] is failed and result["output_tokens"] == tokens
+    if not failed:
+        assert result["tpot_s"] >= 0 and "error" not in result
+
+
+async def test_a_refused_or_lost_turn_is_failed_not_raised() -> None:
+    import httpx
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": {"message": "busy"}})
+
+    def drop(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadError("connection lost", request=request)
+
+    for handler in (refuse, drop):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler),
+                                     base_url="http://bench") as client:
+            result = await rt_request(client, "m", "hi", RtArrival(0.0, 10, 4), 0.0)
+        assert result["failed"] and result["error"]
 
 
 def test_repeats_must_be_positive() -> None:

@@ -386,3 +386,26 @@ def test_scheduler_counters_reset_keeps_the_cost_models_state() -> None:
     assert (fresh.num_steps, fresh.step_s, fresh.num_preemptions["be"]) == (0, 0.0, 0)
     assert (fresh.cost_model_mape, fresh.cost_model_calibration, fresh.cost_model_form,
             fresh.cost_model_profiled_mape) == (0.04, 1.1, "echo", 0.03)
+
+
+def test_every_step_counts_in_the_error_and_kv_use_a_window_reports() -> None:
+    # The rolling MAPE read at a window's end covered its last 512 steps only (a benchmark's
+    # quiet tail); a window's error is the ratio of these counters' growth over it.
+    from antiphon.engine_ext.schedstats import SchedulerStats
+
+    stats = SchedulerStats()
+    stats.record_step_latency(0.1, 0.5, 0.02)
+    stats.record_step_latency(0.3, 1.0, None)  # a step of no measurable error
+    stats.record_step_latency(0.2, 0.0, 0.10)
+    assert stats.step_s == pytest.approx(0.6)
+    assert stats.kv_usage_s / stats.step_s == pytest.approx(0.35 / 0.6)  # time-weighted
+    assert stats.cost_model_error_sum / stats.cost_model_errors == pytest.approx(0.06)
+    assert stats.reset().cost_model_errors == 0
+
+
+def test_observe_returns_its_error() -> None:
+    model = CostModel()
+    shape = StepShape(num_decode_requests=4, num_decode_tokens=4, decode_context_tokens=400)
+    predicted = model.predict_s(shape)
+    assert model.observe(shape, predicted * 2) == pytest.approx(0.5)
+    assert model.observe(shape, 0.0) is None
