@@ -34,7 +34,7 @@ from antiphon.server.batch_types import (
 )
 from antiphon.server.chat import ChatService
 from antiphon.server.choices import run_choices
-from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.errors import ApiError, ErrorCode, is_storage_full
 from antiphon.server.file_store import FileStore
 from antiphon.server.metrics import ServerMetrics
 
@@ -48,6 +48,8 @@ MAX_ITEM_ATTEMPTS = 3
 POLL_INTERVAL_S = 1.0
 # Seconds to hold new items back after the engine failed one.
 RETRY_DELAY_S = 1.0
+# Most seconds between tries to commit an answer while the disk is full.
+COMMIT_RETRY_MAX_S = 30.0
 
 ItemKey = tuple[str, int]  # (batch_id, line_index)
 
@@ -125,12 +127,12 @@ class BatchRunner:
         elif b.status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
             await self._abort([k for k in self._inflight if k[0] == b.batch_id])
             await self._finalize(b)
+        elif b.counts.num_pending == 0:  # answered in full: complete, even past its window
+            await asyncio.to_thread(self.store.begin_finalize, b.batch_id)
+            self.notify()
         elif time.time() >= b.times["expires_at"]:
             num_expired = await asyncio.to_thread(self.store.expire_batch, b.batch_id)
             self.metrics.batch_items.labels("failed").inc(num_expired)
-            self.notify()
-        elif b.counts.num_pending == 0:
-            await asyncio.to_thread(self.store.begin_finalize, b.batch_id)
             self.notify()
         else:
             return True
@@ -210,12 +212,24 @@ class BatchRunner:
         for b in batches:
             mine = [it for batch, it in chosen if batch is b]
             if mine:
-                await asyncio.to_thread(self.store.record_attempts, b.batch_id,
-                                        [it.line_index for it in mine])
+                await self._record_starts(b.batch_id, [it.line_index for it in mine])
             for it in mine:
                 key = (b.batch_id, it.line_index)
                 self._num_choices[key] = num_choices[key]
                 self._inflight[key] = asyncio.create_task(self._run_item(b, it))
+
+    async def _record_starts(self, batch_id: str, lines: list[int]) -> None:
+        """Count a start of each item (`MAX_ITEM_ATTEMPTS`) before it runs. A stop landing
+        while the count commits takes it back once it has: those items never ran."""
+        record = asyncio.ensure_future(asyncio.to_thread(self.store.record_attempts,
+                                                         batch_id, lines))
+        try:
+            await asyncio.shield(record)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await record
+                await asyncio.to_thread(self.store.record_attempts, batch_id, lines, -1)
+            raise
 
     async def _run_item(self, batch: Batch, item: PendingItem) -> None:
         batch_id = batch.batch_id
@@ -252,14 +266,28 @@ class BatchRunner:
 
     async def _commit(self, batch_id: str, line_index: int, result: ItemResult) -> bool:
         """Commit in a thread. A cancel waits for the commit to land, so once `_abort` returns
-        no late commit can slip in behind result files being written."""
-        commit = asyncio.ensure_future(asyncio.to_thread(
-            self.store.commit_item, batch_id, line_index, result))
-        try:
-            return await asyncio.shield(commit)
-        except asyncio.CancelledError:
-            await commit
-            raise
+        no late commit can slip in behind result files being written. A full disk is not the
+        item's fault: its answer is kept and the commit tried again, ever less often (up to
+        every `COMMIT_RETRY_MAX_S`), until there is room or the item is stopped; re-running
+        it would spend its attempts (`MAX_ITEM_ATTEMPTS`) on answers it already has."""
+        delay_s = RETRY_DELAY_S
+        while True:
+            commit = asyncio.ensure_future(asyncio.to_thread(
+                self.store.commit_item, batch_id, line_index, result))
+            try:
+                return await asyncio.shield(commit)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await commit
+                raise
+            except Exception as exc:
+                if not is_storage_full(exc):
+                    raise
+                logger.warning("batch %s line %d: the disk is full; its answer is kept and "
+                               "committed once there is room", batch_id, line_index)
+                self._paused_until = time.monotonic() + delay_s  # nor does any other start
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, COMMIT_RETRY_MAX_S)
 
     async def _answer(self, item: PendingItem, batch: Batch) -> ItemResult | None:
         """Run one request of `batch` on the engine as BE; None when the engine failed (not the

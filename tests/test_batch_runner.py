@@ -134,6 +134,7 @@ async def test_stopping_the_server_does_not_use_up_an_items_attempts(tmp_path: P
         while len(engine.active_request_ids) < 2:
             await asyncio.sleep(0.01)
         await runner.stop()
+    await asyncio.sleep(0.5)  # a count still in its thread lands
     assert [it.num_attempts for it in store.pending_items(batch_id, 10)] == [0, 0]
     batch = await run_until_finished(store, runner, batch_id)
     assert (batch.counts.completed, batch.counts.failed) == (2, 0)
@@ -223,3 +224,66 @@ async def test_another_keys_batch_does_not_wait_for_a_big_one(tmp_path: Path) ->
         await runner.stop()
         store.close()
     assert remaining.num_pending > 20, remaining
+
+
+async def test_a_full_disk_at_commit_keeps_the_answer_and_spends_no_attempt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each failed commit counted as a failed start: once space came back, items the engine
+    # had answered every time failed as "stopped after N attempts".
+    from tests.test_storage_full import sqlite_full_error
+
+    monkeypatch.setattr(batch_runner, "RETRY_DELAY_S", 0.02)
+    store, files, engine, runner = direct_runner(tmp_path)
+    await engine.start()
+    batch_id = add_input(store, files, 2)
+    real, calls = store.commit_item, []
+
+    def commit_item(*args: Any) -> bool:
+        calls.append(args[1])
+        if len(calls) <= 8:  # the disk is full for a while, then space is freed
+            raise sqlite_full_error()
+        return real(*args)
+
+    store.commit_item = commit_item  # type: ignore[method-assign]
+    batch = await run_until_finished(store, runner, batch_id)
+    assert batch.status == BatchStatus.COMPLETED
+    assert (batch.counts.completed, batch.counts.failed) == (2, 0)
+    assert len(engine.finished_request_ids) == 2  # each answered once, kept until committed
+
+
+async def test_a_batch_answered_in_full_completes_even_past_its_window(tmp_path: Path) -> None:
+    # The process died after the last answer committed and came back after the window:
+    # the batch ended "expired", though every item had its answer.
+    store, files, _, runner = direct_runner(tmp_path)
+    batch_id = add_input(store, files, 3, window_s=0.0)
+    store.start_batch(batch_id, [InputItem(i, f"item-{i}", "{}") for i in range(3)])
+    for i in range(3):
+        store.commit_item(batch_id, i, ItemResult(f"r{i}", json.dumps({"n": i})))
+    batch = await run_until_finished(store, runner, batch_id)
+    assert batch.status == BatchStatus.COMPLETED
+    assert (batch.counts.completed, batch.counts.failed) == (3, 0)
+
+
+async def test_a_stop_while_starts_are_counted_takes_them_back(tmp_path: Path) -> None:
+    # The count committed in its thread after the stop: items that never ran came back as
+    # suspects, and a few such stops failed them.
+    import threading
+
+    store, files, engine, runner = direct_runner(tmp_path, token_delay_s=0.05)
+    await engine.start()
+    batch_id = add_input(store, files, 2)
+    real, entered = store.record_attempts, threading.Event()
+
+    def record_attempts(batch_id: str, lines: Any, delta: int = 1) -> None:
+        if delta == 1:
+            entered.set()
+            time.sleep(0.3)  # a slow disk (synchronous FULL fsyncs)
+        real(batch_id, lines, delta)
+
+    store.record_attempts = record_attempts  # type: ignore[method-assign]
+    await runner.start()
+    while not entered.is_set():
+        await asyncio.sleep(0.01)
+    await runner.stop()
+    await asyncio.sleep(0.5)  # a count still in its thread lands
+    assert [it.num_attempts for it in store.pending_items(batch_id, 10)] == [0, 0]
