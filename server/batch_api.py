@@ -97,7 +97,11 @@ async def upload_file(request: Request) -> dict[str, Any]:
             if stored + upload.num_bytes > most:  # another upload of the key kept meanwhile
                 raise _files_full(stored, most)
             await asyncio.to_thread(writer.commit)
-            await asyncio.to_thread(ctx.batch_store.add_file, record)
+            try:
+                await asyncio.to_thread(ctx.batch_store.add_file, record)
+            except Exception:  # not registered (its transaction did not commit): not kept
+                ctx.files.path(file_id).unlink(missing_ok=True)
+                raise
     return record.to_json()
 
 

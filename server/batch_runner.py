@@ -314,10 +314,21 @@ class BatchRunner:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _finalize(self, b: Batch) -> None:
-        """Write the result files from committed results and finish the batch."""
-        output = await asyncio.to_thread(self._write_results, b, ItemState.SUCCEEDED, "output")
-        error = await asyncio.to_thread(self._write_results, b, ItemState.FAILED, "error")
-        await asyncio.to_thread(self.store.finish_batch, b, output, error)
+        """Write the result files from committed results and finish the batch. Files of a
+        try that failed go (the next step writes them anew under fresh ids): each retry
+        against a full disk left a whole copy of the results behind until a restart."""
+        written: list[FileRecord] = []
+        try:
+            output = await asyncio.to_thread(self._write_results, b, ItemState.SUCCEEDED,
+                                             "output")
+            written += [output] if output else []
+            error = await asyncio.to_thread(self._write_results, b, ItemState.FAILED, "error")
+            written += [error] if error else []
+            await asyncio.to_thread(self.store.finish_batch, b, output, error)
+        except Exception:  # not registered: finish_batch's transaction did not commit
+            for record in written:
+                self.files.path(record.file_id).unlink(missing_ok=True)
+            raise
         logger.info("batch %s %s", b.batch_id, b.final_status)
 
     def _write_results(self, b: Batch, state: ItemState, kind: str) -> FileRecord | None:

@@ -287,3 +287,23 @@ async def test_a_stop_while_starts_are_counted_takes_them_back(tmp_path: Path) -
     await runner.stop()
     await asyncio.sleep(0.5)  # a count still in its thread lands
     assert [it.num_attempts for it in store.pending_items(batch_id, 10)] == [0, 0]
+
+
+async def test_a_failed_finalize_leaves_no_copy_of_the_results_behind(tmp_path: Path) -> None:
+    from tests.test_storage_full import sqlite_full_error
+
+    store, files, engine, runner = direct_runner(tmp_path)
+    await engine.start()
+    batch_id = add_input(store, files, 3)
+    real, calls = store.finish_batch, []
+
+    def finish_batch(*args: Any) -> None:
+        calls.append(1)
+        if len(calls) <= 3:  # the disk is full for three tries
+            raise sqlite_full_error()
+        real(*args)
+
+    store.finish_batch = finish_batch  # type: ignore[method-assign]
+    batch = await run_until_finished(store, runner, batch_id)
+    assert batch.status == BatchStatus.COMPLETED and len(calls) == 4
+    assert sorted(p.stem for p in files.directory.iterdir()) == sorted(store.file_sizes())

@@ -6,6 +6,7 @@ every write that needs a new page fail with SQLITE_FULL, as a full disk does."""
 from __future__ import annotations
 
 import errno
+import json
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -127,3 +128,23 @@ def test_rest_answers_507_on_a_full_disk(tmp_path: Path) -> None:
         fill_up(srv, full=False)
         assert httpx.post(url + "/v1/sessions", json={"title": "after"}).status_code == 201
         assert len(httpx.get(url + "/v1/sessions").json()["sessions"]) == len(listed) + 1
+
+
+def test_an_upload_the_full_disk_cannot_register_leaves_no_file(tmp_path: Path) -> None:
+    # Its bytes were kept on disk, unregistered, until a restart swept them.
+    with server(tmp_path) as (url, srv, _engine):
+        ctx = srv.config.app.state.ctx  # type: ignore[attr-defined]
+        with ctx.batch_store.db.locked() as db:
+            pages = db.execute("PRAGMA page_count").fetchone()[0]
+            db.execute(f"PRAGMA max_page_count = {pages}")
+        line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"model": "scripted", "messages": [
+                               {"role": "user", "content": "x" * 3000}]}}) + "\n"
+        for _ in range(200):  # until a row needs a page the database cannot add
+            r = httpx.post(url + "/v1/files", data={"purpose": "batch"},
+                           files={"file": ("in.jsonl", line.encode())})
+            if r.status_code != 200:
+                break
+        assert r.status_code == 507, r.text
+        assert sorted(p.stem for p in ctx.files.directory.iterdir()) == sorted(
+            ctx.batch_store.file_sizes())
