@@ -4,6 +4,7 @@ watch it, fetch its results, cancel it. A plain HTTP client of a running server 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -59,21 +60,31 @@ class BatchClient:
         return self._json("POST", f"/batches/{batch_id}/cancel")
 
     def download(self, batch: dict[str, Any], out: Path) -> int:
-        """Write the batch's output lines, then its error lines, to `out`; returns lines."""
+        """Write the batch's output lines, then its error lines, to `out`; returns lines.
+        They land in `out` only once both are whole: a download that fails leaves `out` as
+        it was (an earlier, whole download stays) and no half file."""
         num_lines = 0
-        with out.open("wb") as f:
-            for file_id in (batch["output_file_id"], batch["error_file_id"]):
-                if file_id is None:
-                    continue
-                try:
-                    with self.http.stream("GET", f"/files/{file_id}/content") as r:
-                        _check(r)
-                        for chunk in r.iter_bytes():
-                            f.write(chunk)
-                            num_lines += chunk.count(b"\n")
-                except httpx.TransportError as exc:
-                    raise ServerUnreachableError(f"cannot reach the server: {exc}") from None
+        part = out.with_name(out.name + ".part")
+        try:
+            with part.open("wb") as f:
+                for file_id in (batch["output_file_id"], batch["error_file_id"]):
+                    if file_id is None:
+                        continue
+                    try:
+                        with self.http.stream("GET", f"/files/{file_id}/content") as r:
+                            _check(r)
+                            for chunk in r.iter_bytes():
+                                f.write(chunk)
+                                num_lines += chunk.count(b"\n")
+                    except httpx.TransportError as exc:
+                        raise ServerUnreachableError(f"cannot reach the server: {exc}") from None
+            part.replace(out)
+        finally:
+            part.unlink(missing_ok=True)
         return num_lines
+
+    def delete_file(self, file_id: str) -> None:
+        self._json("DELETE", f"/files/{file_id}")
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         try:
@@ -171,7 +182,13 @@ def _submit(client: BatchClient, args: argparse.Namespace) -> int:
         raise BatchCliError(f"no such file: {path}")
     endpoint = args.endpoint or first_url(path) or CHAT_ENDPOINT
     uploaded = client.upload(path)
-    batch = client.create(uploaded["id"], endpoint)
+    try:
+        batch = client.create(uploaded["id"], endpoint)
+    except BatchCliError:
+        # Kept, the upload would count against the key's stored bytes with no batch to use it.
+        with contextlib.suppress(BatchCliError):
+            client.delete_file(uploaded["id"])
+        raise
     print(f"batch {batch['id']} created from {path} ({uploaded['bytes']} bytes)")
     if not args.wait:
         return 0

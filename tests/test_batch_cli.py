@@ -56,3 +56,45 @@ def test_a_refusal_is_not_retried() -> None:
     client = Replies([BatchCliError("HTTP 404: batch_not_found: no batch batch_1")])
     with pytest.raises(BatchCliError, match="batch_not_found"):
         watch(client, "batch_1", 0.0, io.StringIO())
+
+
+def _client(handler: Any) -> Any:
+    import httpx
+
+    from antiphon.batch_cli import BatchClient
+
+    client = BatchClient("http://server", None)
+    client.http = httpx.Client(base_url="http://server/v1", transport=httpx.MockTransport(handler))
+    return client
+
+
+def test_a_failed_download_keeps_the_results_already_there(tmp_path: Any) -> None:
+    import httpx
+
+    out = tmp_path / "b.results.jsonl"
+    out.write_text('{"custom_id": "a"}\n')  # an earlier, whole download
+
+    def gone(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, json={"error": {"code": "file_not_found", "message": "x"}})
+
+    with pytest.raises(BatchCliError):
+        _client(gone).download({"output_file_id": "file-" + "0" * 24, "error_file_id": None},
+                               out)
+    assert out.read_text() == '{"custom_id": "a"}\n'
+    assert list(tmp_path.iterdir()) == [out]
+
+
+def test_an_error_file_that_fails_leaves_no_half_results(tmp_path: Any) -> None:
+    import httpx
+
+    out = tmp_path / "b.results.jsonl"
+
+    def output_only(request: httpx.Request) -> httpx.Response:
+        if "file-0" in request.url.path:
+            return httpx.Response(200, content=b'{"custom_id": "a"}\n')
+        return httpx.Response(404, json={"error": {"code": "file_not_found", "message": "x"}})
+
+    with pytest.raises(BatchCliError):
+        _client(output_only).download({"output_file_id": "file-0" + "0" * 23,
+                                       "error_file_id": "file-1" + "0" * 23}, out)
+    assert list(tmp_path.iterdir()) == []

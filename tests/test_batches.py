@@ -674,3 +674,17 @@ def test_a_file_gone_from_disk_is_not_found(tmp_path: Path) -> None:
         got = httpx.get(f"{live.url}/v1/files/{uploaded['id']}/content")
         assert (got.status_code, got.json()["error"]["code"]) == (404, "file_not_found")
         assert httpx.delete(f"{live.url}/v1/files/{uploaded['id']}").status_code == 200
+
+
+def test_a_refused_submit_keeps_no_upload(tmp_path: Path) -> None:
+    # Its upload stayed stored, counted against the key's --max-stored-file-bytes: each
+    # retry of a refused submit took more of it.
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(jsonl(5))
+    with batch_server(tmp_path / "data", token_delay_s=0.2, max_unfinished_batches=1) as live:
+        submit(live.client(), jsonl(5))  # the key's one unfinished batch
+        for _ in range(3):
+            assert main(["batch", "submit", str(path), "--url", live.url]) == 1
+        assert len(httpx.get(live.url + "/v1/files").json()["data"]) == 1
+        for b in httpx.get(live.url + "/v1/batches").json()["data"]:
+            httpx.post(f"{live.url}/v1/batches/{b['id']}/cancel")
