@@ -300,7 +300,8 @@ class BatchRunner:
         except ApiError as err:
             if err.http_status < 500:
                 return ItemResult(None, None, err.code.value,
-                                  f"line {item.line_index + 1}: {err.message}")
+                                  f"line {item.line_index + 1}: {err.message}",
+                                  status_code=err.http_status)
             logger.warning("batch item %r: %s; it will run again", item.custom_id, err.message)
             self._paused_until = time.monotonic() + RETRY_DELAY_S
             return None

@@ -71,6 +71,7 @@ CREATE TABLE IF NOT EXISTS items (
     request_id TEXT, response TEXT, error_code TEXT, error_message TEXT,  -- the result
     num_attempts INTEGER NOT NULL DEFAULT 0,  -- times started
     num_commits  INTEGER NOT NULL DEFAULT 0,  -- times a result was committed: 0 or 1
+    status_code  INTEGER,  -- the HTTP status of a request the endpoint refused
     PRIMARY KEY (batch_id, line_index)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS items_custom_id ON items(batch_id, custom_id)
@@ -142,6 +143,9 @@ class BatchStore:
                                f" DEFAULT 0")
                 db.execute(f"UPDATE batches AS b SET ({', '.join(_COUNT_COLUMNS)}) ="
                            f" ({_COUNTED})")
+            columns = {row[1] for row in db.execute("PRAGMA table_info(items)")}
+            if "status_code" not in columns:  # from before refusals kept their status
+                db.execute("ALTER TABLE items ADD COLUMN status_code INTEGER")
             for trigger in _COUNT_TRIGGERS:
                 db.execute(trigger)
 
@@ -351,10 +355,11 @@ class BatchStore:
         with self.db.locked() as db:
             cur = db.execute(
                 "UPDATE items SET state = ?, request_id = ?, response = ?, error_code = ?,"
-                " error_message = ?, num_commits = num_commits + 1"
+                " error_message = ?, status_code = ?, num_commits = num_commits + 1"
                 " WHERE batch_id = ? AND line_index = ? AND state = ?",
                 (result.state, result.request_id, result.response, result.error_code,
-                 result.error_message, batch_id, line_index, ItemState.PENDING))
+                 result.error_message, result.status_code, batch_id, line_index,
+                 ItemState.PENDING))
         return cur.rowcount == 1
 
     def results(self, batch_id: str, state: ItemState,
@@ -366,7 +371,7 @@ class BatchStore:
             with self.db.locked() as db:
                 rows = db.execute(
                     "SELECT line_index, custom_id, request_id, response, error_code,"
-                    " error_message FROM items WHERE batch_id = ? AND state = ?"
+                    " error_message, status_code FROM items WHERE batch_id = ? AND state = ?"
                     " AND line_index > ? ORDER BY line_index LIMIT ?",
                     (batch_id, state, last, page_size)).fetchall()
             for line_index, custom_id, *result in rows:

@@ -104,6 +104,9 @@ class ItemResult:
     response: str | None  # chat.completion object, JSON, when the item succeeded
     error_code: str | None = None
     error_message: str | None = None
+    # The HTTP status the endpoint refused the request with (a 4xx); None for a failure
+    # that is no HTTP answer (a line that failed its check, an expired batch, attempts spent)
+    status_code: int | None = None
 
     @property
     def state(self) -> ItemState:
@@ -117,7 +120,13 @@ class ItemResult:
             record["response"] = {"status_code": 200, "request_id": self.request_id,
                                   "body": json.loads(self.response)}
             record["error"] = None
-        else:
+        elif self.status_code is not None:  # as OpenAI: the endpoint's own answer
+            record["response"] = {"status_code": self.status_code, "request_id": item_id,
+                                  "body": {"error": {"message": self.error_message,
+                                                     "type": "invalid_request_error",
+                                                     "param": None, "code": self.error_code}}}
+            record["error"] = None
+        else:  # `error` is for failures with no HTTP answer
             record["response"] = None
             record["error"] = {"code": self.error_code, "message": self.error_message}
         return json.dumps(record, ensure_ascii=False) + "\n"

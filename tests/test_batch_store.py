@@ -272,3 +272,27 @@ def test_a_database_from_before_kept_counts_is_counted_once_on_open(tmp_path: Pa
         store.check_integrity()
     finally:
         store.close()
+
+
+def test_a_database_from_before_refusals_kept_their_status_opens(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    store = BatchStore(path)
+    bid = make_batch(store)
+    store.start_batch(bid, items(2))
+    store.commit_item(bid, 0, ItemResult(None, None, "context_length_exceeded", "long"))
+    store.close()
+    old = sqlite3.connect(path)  # as the store was before it kept a refusal's status
+    old.execute("ALTER TABLE items DROP COLUMN status_code")
+    old.commit()
+    old.close()
+    store = BatchStore(path)
+    try:
+        refused = ItemResult(None, None, "bad_message", "no", status_code=400)
+        assert store.commit_item(bid, 1, refused)
+        (_, _, before), (_, _, after) = store.results(bid, ItemState.FAILED)
+        assert before.status_code is None and after == refused
+        assert json.loads(after.to_line(bid, 1, "c"))["response"]["status_code"] == 400
+        assert json.loads(before.to_line(bid, 0, "b"))["error"]["code"] == (
+            "context_length_exceeded")
+    finally:
+        store.close()

@@ -235,13 +235,18 @@ def test_malformed_lines_fail_individually(tmp_path: Path) -> None:
                 batch.request_counts.failed) == (9, 2, 7)
         assert [r["custom_id"] for r in lines_of(client, batch.output_file_id)] == [
             "ok-1", "ok-2"]
-        errors = lines_of(client, batch.error_file_id)
+        *errors, refused = lines_of(client, batch.error_file_id)
         assert all(r["response"] is None and r["id"].startswith("batch_req_") for r in errors)
         assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [
             (None, "bad_json"), (None, "missing_custom_id"), ("ok-1", "duplicate_custom_id"),
-            ("url", "unsupported_url"), ("body", "bad_message"), ("big", "max_tokens_too_large"),
-            ("context", "context_length_exceeded")]
+            ("url", "unsupported_url"), ("body", "bad_message"), ("big", "max_tokens_too_large")]
         assert errors[0]["error"]["message"].startswith("line 2: ")
+        # A request the endpoint refused when it ran is its HTTP answer, as OpenAI writes it
+        # (`error` is for failures with none).
+        assert refused["custom_id"] == "context" and refused["error"] is None
+        assert refused["response"]["status_code"] == 400
+        assert refused["response"]["body"]["error"]["code"] == "context_length_exceeded"
+        assert refused["response"]["body"]["error"]["type"] == "invalid_request_error"
         listed = httpx.get(f"{live.url}/v1/batches/{batch_id}/errors", params={"limit": 2})
         assert listed.json()["has_more"] is True
         assert [(e["line"], e["custom_id"], e["code"]) for e in listed.json()["data"]] == [
