@@ -40,10 +40,6 @@ from antiphon.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-# An item started this many times without an answer (each start was cut short by a crash, a
-# restart or an engine failure) fails instead of running again, so no request can keep a batch
-# (or a server) in a crash loop.
-MAX_ITEM_ATTEMPTS = 3
 # Seconds between looks at the store when nothing happens (how late expiry can be noticed).
 POLL_INTERVAL_S = 1.0
 # Seconds to hold new items back after the engine failed one.
@@ -197,7 +193,7 @@ class BatchRunner:
             b, item = queue[0]
             key = (b.batch_id, item.line_index)
             num_choices[key] = _num_choices(b, item, self.config.max_batch_concurrency)
-            if 0 < item.num_attempts < MAX_ITEM_ATTEMPTS:  # a suspect
+            if 0 < item.num_attempts < self.config.max_batch_item_attempts:  # a suspect
                 if not chosen and not self._inflight:
                     chosen.append(queue.pop(0))
                     self._alone = key
@@ -219,7 +215,7 @@ class BatchRunner:
                 self._inflight[key] = asyncio.create_task(self._run_item(b, it))
 
     async def _record_starts(self, batch_id: str, lines: list[int]) -> None:
-        """Count a start of each item (`MAX_ITEM_ATTEMPTS`) before it runs. A stop landing
+        """Count a start of each item (`--max-batch-item-attempts`) before it runs. A stop landing
         while the count commits takes it back once it has: those items never ran."""
         record = asyncio.ensure_future(asyncio.to_thread(self.store.record_attempts,
                                                          batch_id, lines))
@@ -234,7 +230,7 @@ class BatchRunner:
     async def _run_item(self, batch: Batch, item: PendingItem) -> None:
         batch_id = batch.batch_id
         try:
-            if item.num_attempts >= MAX_ITEM_ATTEMPTS:
+            if item.num_attempts >= self.config.max_batch_item_attempts:
                 result: ItemResult | None = ItemResult(
                     None, None, ErrorCode.ENGINE_ERROR.value,
                     f"stopped after {item.num_attempts} attempts that did not finish")
@@ -249,7 +245,7 @@ class BatchRunner:
                 self.metrics.batch_items.labels(outcome).inc()
         except asyncio.CancelledError:
             # Stopped on purpose (shutdown or cancel), not cut short by a failure: the start
-            # does not count towards MAX_ITEM_ATTEMPTS. A crash leaves it counted.
+            # does not count towards --max-batch-item-attempts. A crash leaves it counted.
             await asyncio.shield(self._uncount_attempt(batch_id, item.line_index))
             raise
         except Exception:
@@ -269,7 +265,7 @@ class BatchRunner:
         no late commit can slip in behind result files being written. A full disk is not the
         item's fault: its answer is kept and the commit tried again, ever less often (up to
         every `COMMIT_RETRY_MAX_S`), until there is room or the item is stopped; re-running
-        it would spend its attempts (`MAX_ITEM_ATTEMPTS`) on answers it already has."""
+        it would spend its attempts (`--max-batch-item-attempts`) on answers it already has."""
         delay_s = RETRY_DELAY_S
         while True:
             commit = asyncio.ensure_future(asyncio.to_thread(

@@ -116,6 +116,11 @@ class ServerConfig:
         "Most batch (BE) requests running on the engine at once, over all batches: a line "
         "asking for several choices runs one per choice (one asking for more runs alone)",
         default=8)
+    max_batch_item_attempts: int = doc(
+        "Times a batch item may start without an answer (each cut short by a crash, a restart "
+        "or an engine failure) before it fails instead of running again, so that no request "
+        "keeps a batch or a server in a crash loop; a clean shutdown does not count",
+        default=3)
     sse_ping_s: float = doc(
         "Seconds a streaming completion may send nothing (a request queued for its first "
         "token, or paused) before it sends an SSE comment, which clients skip, so that proxies "
@@ -163,7 +168,7 @@ class ServerConfig:
                      "max_inflight_per_connection", "max_connections", "max_connections_per_key",
                      "max_inflight_per_key", "max_sessions_listed", "max_sessions_per_key",
                      "max_batch_file_bytes", "max_stored_file_bytes", "max_batch_items",
-                     "max_unfinished_batches",
+                     "max_unfinished_batches", "max_batch_item_attempts",
                      "max_batch_concurrency", "dashboard_history", "dashboard_max_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:

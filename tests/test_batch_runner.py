@@ -125,11 +125,11 @@ async def test_a_batch_whose_check_fails_fails_alone_and_the_others_run(
 
 async def test_stopping_the_server_does_not_use_up_an_items_attempts(tmp_path: Path) -> None:
     """Items cut off by a clean shutdown run again as often as the server restarts; only a
-    start that ends in a crash counts towards MAX_ITEM_ATTEMPTS."""
+    start that ends in a crash counts towards --max-batch-item-attempts."""
     store, files, engine, runner = direct_runner(tmp_path, token_delay_s=0.05)
     await engine.start()
     batch_id = add_input(store, files, 2)
-    for _ in range(batch_runner.MAX_ITEM_ATTEMPTS + 1):
+    for _ in range(runner.config.max_batch_item_attempts + 1):
         await runner.start()
         while len(engine.active_request_ids) < 2:
             await asyncio.sleep(0.01)

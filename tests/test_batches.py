@@ -23,9 +23,9 @@ import pytest
 from antiphon.bench.serverproc import ServerProcess
 from antiphon.cli import main
 from antiphon.engine_ext.scripted import ScriptedEngine
-from antiphon.server import batch_runner
 from antiphon.server.batch_store import BatchStore
 from antiphon.server.batch_types import BatchStatus
+from antiphon.server.config import ServerConfig
 from antiphon.server.file_store import FileStore
 from tests.conftest import scripted_config
 from tests.liveserver import live_server, running_server
@@ -554,7 +554,7 @@ def test_a_request_that_kills_the_engine_fails_alone(tmp_path: Path) -> None:
     n = 12
     lines = [request_line(f"item-{i}", "poison" if i == 2 else f"doc {i}") for i in range(n)]
     batch_id, batch = None, {}
-    for _restart in range(batch_runner.MAX_ITEM_ATTEMPTS + 2):
+    for _restart in range(ServerConfig().max_batch_item_attempts + 2):
         engine = PoisonedEngine(token_delay_s=0.02)
         with running_server(scripted_config(tmp_path), engine) as (url, server):
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
