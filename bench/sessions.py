@@ -266,6 +266,8 @@ async def measure_systems(systems: Sequence[System], server: ServerProcess, swee
             if tiering is not None:  # how often running RT turns lost their pages to others
                 preemptions = stats.get("num_preemptions") or {}
                 tiering["rt_preemptions"] = preemptions.get("rt", 0)
+                tiering["rt_recomputed_tokens"] = (stats.get("recomputed_tokens") or {}).get(
+                    "rt", 0)
             return tiering
 
         async with chat_of(systems[0])(4) as warm_up:  # first-request costs stay out
@@ -340,6 +342,13 @@ def main(args: argparse.Namespace) -> int:
               "kv_pool_bytes": pool_bytes, "pages_per_user": round(sweep.pages_per_user, 2),
               "pool_fill": [round(u * sweep.pages_per_user / (sweep.kv_pages - 1), 2)
                             for u in sweep.users]}
+    # The Antiphon systems share one server, whose tiers are that many times the sizes above
+    # (`server_command`): what each system found room in, with the others' KV beside its own.
+    sharing = sum(not SYSTEMS[n].is_stock_vllm for n in args.systems.split(","))
+    if sharing:
+        config |= {"antiphon_systems_sharing_server": sharing,
+                   "server_host_tier_bytes": sharing * args.host_tier_bytes,
+                   "server_ssd_tier_bytes": sharing * args.ssd_tier_bytes}
     print("config: " + json.dumps(config), flush=True)
     out = Path(args.out)
     names = args.systems.split(",")

@@ -20,7 +20,7 @@ COUNTERS = ("prompt_tokens", "tokens_from_device", "tokens_from_host", "tokens_f
             "computed_prompt_tokens", "advisories_received", "advisories_used",
             "advisories_expired", "advisories_late", "advisories_reclaimed", "turns_held",
             "turns_fetched_in_step", "ssd_fetches_cut", "fetch_retries", "saves_refused",
-            "rt_preemptions")
+            "rt_preemptions", "rt_recomputed_tokens")
 POINT_METRICS = ("recomputed_context_frac", "followup_ttft_p50_s", "followup_ttft_p99_s",
                  "fresh_ttft_p50_s", "followup_over_fresh_p50", "tpot_p50_s", "host_hit_frac",
                  "ssd_hit_frac", "missed_advisories", "missed_over_advised_p50")
@@ -85,8 +85,13 @@ def summarise_point(records: Sequence[dict[str, Any]],
     advised_p50, missed_p50 = percentile(advised, 0.5), percentile(missed, 0.5)
     any_advised = any(r.get("advised") for r in followups)
 
+    # A turn's cached tokens are counted when it is first admitted: what it recomputed after
+    # a preemption took its pages is the scheduler's count (Antiphon's servers report it;
+    # it also holds the turns' own new tokens, so it can only overstate the share).
+    recomputed = sum(r["recomputed_context_tokens"] for r in followups)
+    recomputed += tiering.get("rt_recomputed_tokens", 0) if tiering else 0
     return {
-        "recomputed_context_frac": share(sum(r["recomputed_context_tokens"] for r in followups)),
+        "recomputed_context_frac": share(recomputed),
         "followup_ttft_p50_s": percentile([r["ttft_s"] for r in followups], 0.5),
         "followup_ttft_p99_s": percentile([r["ttft_s"] for r in followups], 0.99),
         "fresh_ttft_p50_s": percentile([r["fresh_ttft_s"] for r in probed], 0.5),

@@ -114,6 +114,10 @@ def test_point_summary_shares_are_of_the_follow_ups_prior_context() -> None:
     assert probed["fresh_ttft_p50_s"] == 1.0 and probed["followup_over_fresh_p50"] == 3.0
     untiered = summarise_point(records, None)
     assert untiered["host_hit_frac"] is None and untiered["ssd_hit_frac"] is None
+    # Context recomputed after a preemption, which a turn's cached tokens (counted when it
+    # was first admitted) do not show, counts too.
+    preempted = summarise_point(records, {**tiering, "rt_recomputed_tokens": 20})  # type: ignore[dict-item]
+    assert preempted["recomputed_context_frac"] == pytest.approx(99 / 159)
     assert probed["missed_advisories"] is None  # no follow-up had an advisory to miss
     assert probed["missed_over_advised_p50"] is None
 
