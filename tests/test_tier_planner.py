@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -373,6 +374,33 @@ def preempt_after(planner: TierPlanner, request_id: str, tokens: list[int], bloc
     held = planner.checkpoint(request_id, computed[-1], blocks)
     meta = planner.build_metadata([])
     return held, meta
+
+
+def test_a_checkpointed_tail_is_kept_until_it_is_on_ssd(tmp_path: Path) -> None:
+    # Published unpinned and then written through, the tail could be evicted in between by
+    # the prefetch thread filling the arena: its only copy was gone, the SSD tier had room.
+    from antiphon.tiering.keys import ChunkKey
+
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=8 * PAGE_BYTES * LAYERS)
+    try:
+        _, meta = preempt_after(planner, "be", [*TURN1, 110], [7, 8, 9], [10],
+                                background=True)
+        fake_worker_saves(planner, meta.checkpoints)
+        commit = planner.host.commit
+
+        def commit_then_fill(key: ChunkKey, *args: Any, **kwargs: Any) -> bool:
+            done = commit(key, *args, **kwargs)
+            for i in range(16):  # a turn's chunks come up from SSD meanwhile, pinned
+                planner.host.put(ChunkKey("test-model", bytes([i]) * 32, 0, 0),
+                                 b"x" * PAGE_BYTES, pin=True)
+            return done
+
+        planner.host.commit = commit_then_fill  # type: ignore[method-assign]
+        planner.step_done({meta.step}, set())
+        planner.store.flush()
+        assert planner.check_integrity() == []
+    finally:
+        planner.close()
 
 
 def test_a_preempted_request_checkpoints_only_what_no_tier_holds(planner: TierPlanner) -> None:

@@ -403,8 +403,17 @@ class TierPlanner:
                         self.host.abort(key, erase=True)
                     elif step in failed_steps:
                         self.host.abort(key)
-                    elif self.host.commit(key) and durable:
-                        self.store.write_through(key)
+                    elif durable:
+                        # Pinned until it is on SSD: published unpinned, a put from the
+                        # prefetch thread could evict it first, and a checkpoint's only copy
+                        # of a BE tail was gone though the SSD tier had room.
+                        if self.host.commit(key, pin=True):
+                            try:
+                                self.store.write_through(key)
+                            finally:
+                                self.host.unpin(key)
+                    else:
+                        self.host.commit(key)
             if not (self._in_flight or self._final_keys):
                 self._forgotten_chunks.clear()
 
