@@ -137,6 +137,34 @@ def test_a_live_sessions_old_chain_is_erased_but_what_it_still_runs_is_not(
         planner.close()
 
 
+def test_a_request_checkpointed_while_an_erasure_waits_keeps_its_chunks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The erasure spared the checkpoints of when it was asked for; one taken before its
+    # thread ran, sharing chunks with the erased chains (one owner's system prompt), lost
+    # them, and its request recomputed them.
+    import threading
+
+    from tests.test_tier_planner import fake_worker_saves, preempt_after
+
+    planner = make_planner(tmp_path / "ssd")
+    held_back: list[threading.Thread] = []
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(threading.Thread, "start", lambda thread: held_back.append(thread))
+            done = planner.forget("old-session", [TURN1[:8]])  # shares 2 chunks with TURN1
+        _, meta = preempt_after(planner, "be", [*TURN1, 110], [7, 8, 9], [10],
+                                background=True)
+        fake_worker_saves(planner, meta.checkpoints)
+        planner.step_done({meta.step}, set())
+        assert planner.check_integrity() == []
+        held_back[0].run()  # the erasure runs now
+        planner.store.flush()
+        assert done.result(10)[0] == 0
+        assert planner.check_integrity() == []
+    finally:
+        planner.close()
+
+
 def test_a_copy_a_running_turn_loads_from_stays(tmp_path: Path) -> None:
     planner = make_planner(tmp_path / "ssd")
     chain = [*TURN1, 110]

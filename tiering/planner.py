@@ -200,6 +200,7 @@ class TierPlanner:
         # Chunks being forgotten: saves of them still in flight are not published (a deleted
         # session's last turn may have copies on their way); cleared once none are.
         self._forgotten_chunks: set[bytes] = set()
+        self._erasing: list[set[bytes]] = []  # the prefix hashes of each erasure running
         self._retiring: list[PrefetchHandle] = []
         self.counters = TieringCounters()
 
@@ -498,6 +499,10 @@ class TierPlanner:
             c.pages_handed_over += -(-held // self.page_tokens) - copied
             c.checkpoint_short_tokens += num_computed - held
             self._checkpoints[request_id] = Checkpoint(num_computed, held, tuple(restore))
+            kept = {key.prefix_hash for key in restore}  # out of any erasure running
+            self._forgotten_chunks -= kept
+            for wanted in self._erasing:
+                wanted -= kept
             if not self._durable(st):  # down to the SSD tier, so a full host tier keeps it
                 self._write_down(restore)
             # The tiers keep the checkpoint until the restore: its chunks are evicted after
@@ -572,24 +577,30 @@ class TierPlanner:
             if kept_chains is None:
                 self._release_advisory(session)
                 self.store.clear_hint(session)
-            checkpointed = {key.prefix_hash for cp in self._checkpoints.values()
-                            for key in cp.chunks}
             self._forgetting[session] = done
 
         def erase() -> None:
+            wanted: set[bytes] = set()
             try:
-                spared = checkpointed
+                wanted = chain_hashes(chains, self.chunk_tokens, self.model_id, salt=salt)
                 if kept_chains:
-                    spared = spared | chain_hashes(kept_chains, self.chunk_tokens,
-                                                   self.model_id, salt=salt)
-                wanted = chain_hashes(chains, self.chunk_tokens, self.model_id,
-                                      salt=salt) - spared
-                with self._lock:  # copies still in flight are dropped, not published
-                    if self._in_flight or self._final_keys:
+                    wanted -= chain_hashes(kept_chains, self.chunk_tokens, self.model_id,
+                                           salt=salt)
+                with self._lock:
+                    # Chunks a checkpointed request will restore stay, now and until the
+                    # erasure is done (`checkpoint` takes its own out of every erasure).
+                    wanted -= {key.prefix_hash for cp in self._checkpoints.values()
+                               for key in cp.chunks}
+                    self._erasing.append(wanted)
+                    if self._in_flight or self._final_keys:  # dropped, not published
                         self._forgotten_chunks |= wanted
                 done.set_result(self._erase(wanted))
             except BaseException as exc:
                 done.set_exception(exc)
+            finally:
+                with self._lock:
+                    if any(w is wanted for w in self._erasing):
+                        self._erasing.remove(wanted)
         threading.Thread(target=erase, name="antiphon-forget", daemon=True).start()
         return done
 
@@ -613,15 +624,22 @@ class TierPlanner:
         return done.result()
 
     def _erase(self, wanted: set[bytes]) -> tuple[int, int]:
+        """Remove each chunk-layer in `wanted` from every tier. `wanted` shrinks meanwhile (a
+        request checkpointed now keeps its chunks): each is looked at again under the lock."""
         erased = kept = 0
         for tier in self.store.tiers:  # a scan of each index beats probing every layer of
             stored = tier.keys()  # up to 127 partial lengths per chunk (a snapshot: removes
             for key in stored:  # go on under it)
-                if key.prefix_hash in wanted:
-                    if tier.remove(key):
-                        erased += 1
-                    else:
-                        kept += 1
+                if key.prefix_hash not in wanted:
+                    continue
+                with self._lock:
+                    if key.prefix_hash not in wanted:
+                        continue
+                    removed = tier.remove(key)
+                if removed:
+                    erased += 1
+                else:
+                    kept += 1
         for tier in self.store.tiers:
             tier.barrier().result()  # its queued erasures, on disk
         with self._lock:
