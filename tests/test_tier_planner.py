@@ -403,6 +403,19 @@ def test_a_checkpointed_tail_is_kept_until_it_is_on_ssd(tmp_path: Path) -> None:
         planner.close()
 
 
+def test_a_request_waits_for_its_checkpoint_to_land_before_it_is_restored(
+        planner: TierPlanner) -> None:
+    # With async scheduling the step after the preempting one is scheduled before that one's
+    # copies are done: admitted then, the request matched no tail and recomputed it.
+    tokens = [*TURN1, 110]
+    _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10])  # scheduled, not done
+    view = TokenView("be", tokens)
+    assert planner.num_new_matched_tokens(view, 0) is None  # not yet: it waits a step
+    fake_worker_saves(planner, meta.checkpoints)
+    planner.step_done({meta.step}, set())
+    assert planner.num_new_matched_tokens(view, 0) == 10  # all of it, the tail included
+
+
 def test_a_preempted_request_checkpoints_only_what_no_tier_holds(planner: TierPlanner) -> None:
     tokens = [*TURN1, 110]
     held, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10])

@@ -230,6 +230,13 @@ class TierPlanner:
                 advisory.handle = None
             if st.prefetch is not None and not st.prefetch.is_done:
                 return None
+            checkpoint = self._checkpoints.get(view.request_id)
+            if checkpoint is not None and any(self.host.is_reserved(key)
+                                              for key in reversed(checkpoint.chunks)):
+                # Its newest pages are still on their way to the host tier (with async
+                # scheduling the preempting step is still running): matched now, it would
+                # recompute them. It waits a step.
+                return None
             if st.match is not None and st.admitted == (len(view.token_ids), num_computed):
                 # Asked again because vLLM had no pages for the turn last step: its pins still
                 # hold the match, so the answer stands (matching and pinning a 32k-token
