@@ -25,6 +25,9 @@ class TurnResult:
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose KV the server did not compute for this turn
     text: str  # the reply, which the simulated user reads before typing the next message
+    # Of the cached tokens, those Antiphon's KV tiers loaded: (host arena, SSD); None where
+    # the server does not say (stock vLLM)
+    tier_tokens: tuple[int, int] | None = None
 
 
 class ChatClient(Protocol):
@@ -130,8 +133,10 @@ class WsChat:
                 first = first or last
         usage = frame["usage"]
         ttft, tpot = _timed(sent, first, last, time.perf_counter(), usage["completion_tokens"])
+        tiers = usage.get("tier_prompt_tokens")
         return TurnResult(ttft, tpot, usage["prompt_tokens"], usage["completion_tokens"],
-                          usage["cached_prompt_tokens"], frame["text"])
+                          usage["cached_prompt_tokens"], frame["text"],
+                          None if tiers is None else (tiers["host"], tiers["ssd"]))
 
     async def typing(self) -> None:
         await self._send(type="typing", session_id=self.session_id)

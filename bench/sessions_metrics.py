@@ -52,6 +52,8 @@ def turn_records(users: int, user: int, results: Sequence[TurnResult],
                         "cached_tokens": r.cached_tokens, "prior_context_tokens": prior,
                         "recomputed_context_tokens": recomputed_context_tokens(
                             prior, r.cached_tokens), "fresh_ttft_s": None,
+                        "host_tokens": r.tier_tokens[0] if r.tier_tokens else None,
+                        "ssd_tokens": r.tier_tokens[1] if r.tier_tokens else None,
                         "advised": bool(advised[turn]) if advised else False})
     return records
 
@@ -76,6 +78,16 @@ def summarise_point(records: Sequence[dict[str, Any]],
     def share(tokens: int | None) -> float | None:
         return tokens / prior if tokens is not None and prior else None
 
+    def tier_share(tier: str) -> float | None:
+        """The share of the follow-ups' prior context the `tier` loaded: each follow-up's
+        own (its first admission, as its output reports it) where the server says; else the
+        server's counter over the window, which also counts first turns and reloads after a
+        preemption (an upper bound)."""
+        own = [r[f"{tier}_tokens"] for r in followups if r.get(f"{tier}_tokens") is not None]
+        if own:
+            return share(sum(own))
+        return share(tiering[f"tokens_from_{tier}"] if tiering else None)
+
     # Follow-ups that went without the advisory their system sends (advisory_miss10), against
     # those that had it, in the same run: what a missed advisory costs, free of the few
     # percent one engine start differs from the next. Each turn counts as its TTFT over its
@@ -99,8 +111,8 @@ def summarise_point(records: Sequence[dict[str, Any]],
                                               0.5),
         "tpot_p50_s": percentile([r["tpot_s"] for r in records if r["completion_tokens"] > 1],
                                  0.5),
-        "host_hit_frac": share(tiering["tokens_from_host"] if tiering else None),
-        "ssd_hit_frac": share(tiering["tokens_from_ssd"] if tiering else None),
+        "host_hit_frac": tier_share("host"),
+        "ssd_hit_frac": tier_share("ssd"),
         "missed_advisories": sum(not r.get("advised") for r in followups)
         if any_advised else None,
         "missed_over_advised_p50": missed_p50 / advised_p50

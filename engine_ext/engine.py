@@ -33,6 +33,7 @@ from antiphon.engine_ext.policies import policy_class
 from antiphon.engine_ext.profiler import EngineLimits, prepare_cost_model
 from antiphon.engine_ext.tool_calls import hermes_turns, tool_message
 from antiphon.engine_ext.types import (
+    TIER_TOKENS_KEY,
     ChatContext,
     ChatTurn,
     Delta,
@@ -196,6 +197,14 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Stop the engine and its processes; idempotent."""
+
+
+def _tier_tokens(out: Any) -> tuple[int, int] | None:
+    """(host, SSD) prompt tokens the KV tiers served a finished request (its connector's
+    `kv_transfer_params`); None without tiers."""
+    params = getattr(out, "kv_transfer_params", None) or {}
+    loads = params.get(TIER_TOKENS_KEY)
+    return None if loads is None else (int(loads[0]), int(loads[1]))
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -448,6 +457,7 @@ class VllmEngine(Engine):
                         finish_reason=completion.finish_reason,
                         num_prompt_tokens=len(out.prompt_token_ids or ()),
                         num_cached_tokens=out.num_cached_tokens or 0,
+                        tier_tokens=_tier_tokens(out) if out.finished else None,
                         token_ids=tuple(completion.token_ids),
                         logprobs=_token_logprobs(completion, params, out.finished),
                         prompt_logprobs=_prompt_logprobs(out, params.prompt_logprobs),

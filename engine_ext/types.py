@@ -115,6 +115,11 @@ class TokenLogprob:
     top: tuple[tuple[str, float], ...] = ()
 
 
+# The key under which the KV connector hands a finished request's (host, SSD) prompt tokens
+# to its last output (vLLM's `kv_transfer_params`).
+TIER_TOKENS_KEY = "antiphon_prompt_tokens_from_tiers"
+
+
 @dataclasses.dataclass(frozen=True)
 class Delta:
     """New output of one request since the previous delta."""
@@ -125,6 +130,9 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Of those, loaded from the KV tiers' host arena and from SSD (through it), in the last
+    # delta; None where the engine keeps no tiers
+    tier_tokens: tuple[int, int] | None = None
     token_ids: tuple[int, ...] = ()  # the new tokens themselves
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked
     # One per prompt token, in the first delta, when the request asked; None for the first

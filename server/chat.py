@@ -70,6 +70,7 @@ class Generation:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    tier_tokens: tuple[int, int] | None = None  # (host, SSD) of the cached ones; None: no tiers
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: str | None = None
@@ -143,19 +144,28 @@ def total_usage(gens: Sequence[Generation]) -> dict[str, Any]:
     choice's output. A prompt's cached tokens are those its least-served choice found cached:
     the KV it had before this request (its other choices find what the first computed).
     `cached_prompt_tokens` repeats `prompt_tokens_details`'s `cached_tokens` (where
-    Antiphon's clients read it)."""
+    Antiphon's clients read it); `tier_prompt_tokens`, an engine with KV tiers only, says how
+    many of them its tiers loaded: from the host arena, and from SSD (through it); the rest
+    were in the device's prefix cache."""
     tokens: dict[int, int] = {}  # of each prompt (by its index)
-    cached: dict[int, int] = {}
+    cached: dict[int, Generation] = {}  # its least-served choice
     for g in gens:
         tokens[g.prompt_index] = len(g.prompt_token_ids)
-        cached[g.prompt_index] = min(g.num_cached_tokens,
-                                     cached.get(g.prompt_index, g.num_cached_tokens))
-    n_prompt, n_cached = sum(tokens.values()), sum(cached.values())
+        least = cached.get(g.prompt_index)
+        if least is None or g.num_cached_tokens < least.num_cached_tokens:
+            cached[g.prompt_index] = g
+    n_prompt = sum(tokens.values())
+    n_cached = sum(g.num_cached_tokens for g in cached.values())
     n_output = sum(g.num_output_tokens for g in gens if not (g.echo and g.echo.only))
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_output,
-            "total_tokens": n_prompt + n_output,
-            "prompt_tokens_details": {"cached_tokens": n_cached},
-            "cached_prompt_tokens": n_cached}
+    usage: dict[str, Any] = {
+        "prompt_tokens": n_prompt, "completion_tokens": n_output,
+        "total_tokens": n_prompt + n_output, "prompt_tokens_details": {"cached_tokens": n_cached},
+        "cached_prompt_tokens": n_cached}
+    loads = [g.tier_tokens for g in cached.values() if g.tier_tokens is not None]
+    if loads:
+        usage["tier_prompt_tokens"] = {"host": sum(h for h, _ in loads),
+                                       "ssd": sum(s for _, s in loads)}
+    return usage
 
 
 class ChatService:
@@ -392,6 +402,8 @@ class ChatService:
         gen.num_cached_tokens = max(gen.num_cached_tokens, delta.num_cached_tokens)
         if delta.finished:
             gen.finish_reason = delta.finish_reason
+        if delta.tier_tokens is not None:
+            gen.tier_tokens = delta.tier_tokens
         if delta.text:
             gen.pieces.append(delta.text)
         gen.output_token_ids.extend(delta.token_ids)

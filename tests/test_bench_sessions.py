@@ -118,6 +118,16 @@ def test_point_summary_shares_are_of_the_follow_ups_prior_context() -> None:
     # was first admitted) do not show, counts too.
     preempted = summarise_point(records, {**tiering, "rt_recomputed_tokens": 20})  # type: ignore[dict-item]
     assert preempted["recomputed_context_frac"] == pytest.approx(99 / 159)
+    # Where each turn says what the tiers loaded for it, the hit fractions are the
+    # follow-ups' own, not the server's counter (which counts every admission).
+    for record, loads in zip(records, [(5, 0), (40, 10), (1, 0), (30, 0)], strict=False):
+        record["host_tokens"], record["ssd_tokens"] = loads
+    own = summarise_point(records, tiering)  # type: ignore[arg-type]
+    followups = [r for r in records if r["turn"] > 0]
+    assert own["host_hit_frac"] == pytest.approx(
+        sum(r["host_tokens"] for r in followups) / 159)
+    assert own["ssd_hit_frac"] == pytest.approx(
+        sum(r["ssd_tokens"] for r in followups) / 159)
     assert probed["missed_advisories"] is None  # no follow-up had an advisory to miss
     assert probed["missed_over_advised_p50"] is None
 

@@ -283,6 +283,10 @@ def test_usage_counts_each_prompt_once_and_what_was_cached_before() -> None:
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
         4 + 2, 3 + 4 + 1, 6 + 8)
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0 + 2}
+    assert "tier_prompt_tokens" not in usage  # an engine without KV tiers says nothing
+    first.tier_tokens, second.tier_tokens, other.tier_tokens = (0, 0), (3, 1), (2, 0)
+    assert total_usage([first, second, other])["tier_prompt_tokens"] == {  # least-served's
+        "host": 0 + 2, "ssd": 0}
 
 
 def test_chat_completions_with_several_choices(scripted: Scripted) -> None:

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from antiphon.engine_ext.types import RequestClass
+from antiphon.engine_ext.types import TIER_TOKENS_KEY, RequestClass
 from antiphon.tiering.config import TieringConfig
 from antiphon.tiering.connector_meta import TieringMetadata, TieringWorkerMetadata
 from antiphon.tiering.connector_worker import KvPageCopier
@@ -185,8 +185,12 @@ class AntiphonKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.planner.request_finished(request.request_id, request.num_computed_tokens,
-                                             block_ids), None
+        # Where its prompt's stored KV came from rides out with the request's last output
+        # (vLLM's `kv_transfer_params`): per turn, what the tiers served (`TIER_TOKENS_KEY`).
+        loads = self.planner.served_from(request.request_id)
+        delay = self.planner.request_finished(request.request_id,
+                                              request.num_computed_tokens, block_ids)
+        return delay, (None if loads is None else {TIER_TOKENS_KEY: list(loads)})
 
     # -- worker side -------------------------------------------------------------------------
 

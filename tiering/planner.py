@@ -102,6 +102,8 @@ class _Request:
     stored_tokens: tuple[int, int] | None = None  # `stored_prefix_tokens`: (of tokens, found)
     # (tokens, device hit) of the last admission that pinned `match` (stands while it is set)
     admitted: tuple[int, int] | None = None
+    # (host, SSD) prompt tokens its first admission loaded from the tiers (`served_from`)
+    first_loads: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -430,6 +432,13 @@ class TierPlanner:
         settle only once it does: the engine must step on, idle or not)."""
         with self._lock:
             return bool(self._in_flight)
+
+    def served_from(self, request_id: str) -> tuple[int, int] | None:
+        """(host, SSD) prompt tokens the request's first admission loaded from the tiers
+        (those from SSD came up through the host arena); None for a request not admitted."""
+        with self._lock:
+            st = self._requests.get(request_id)
+            return None if st is None else st.first_loads
 
     def request_finished(self, request_id: str, num_computed: int,
                          block_ids: Sequence[int]) -> bool:
@@ -876,6 +885,8 @@ class TierPlanner:
                                 - max(start, chunk_start))
         c.tokens_from_ssd += from_ssd
         c.tokens_from_host += num_external - from_ssd
+        if st.first_loads is None:  # a preempted request's reloads are not its prompt's
+            st.first_loads = (num_external - from_ssd, from_ssd)
         c.computed_prompt_tokens += max(0, num_prompt_tokens - st.local_tokens - num_external)
         st.ssd_chunks, st.fetch_attempts = set(), 0
 

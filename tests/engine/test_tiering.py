@@ -30,9 +30,10 @@ QUESTIONS = [f"Read this log and tell me what it is about.\n\n{STORY}",
 
 
 async def converse(engine: VllmEngine, tag: str, *, reset_device: bool
-                   ) -> tuple[list[str], list[tuple[int, int]]]:
-    """Greedy replies to QUESTIONS as one conversation, and (prompt, cached) tokens per turn.
-    With `reset_device`, vLLM's own page cache is emptied before every turn."""
+                   ) -> tuple[list[str], list[tuple[int, int, tuple[int, int] | None]]]:
+    """Greedy replies to QUESTIONS as one conversation, and (prompt, cached, (host, SSD) of
+    those) tokens per turn. With `reset_device`, vLLM's own page cache is emptied before
+    every turn."""
     turns: list[ChatTurn] = []
     replies, usage = [], []
     for index, question in enumerate(QUESTIONS):
@@ -40,13 +41,14 @@ async def converse(engine: VllmEngine, tag: str, *, reset_device: bool
             assert await engine.reset_prefix_cache()
         turns.append(ChatTurn("user", question))
         params = GenerationParams(max_tokens=40, temperature=0.0, session_id=tag)
-        text, prompt, cached = "", 0, 0
+        text, prompt, cached, tiers = "", 0, 0, None
         async for delta in engine.generate(f"{tag}-{index}", engine.render_chat(turns), params):
             text += delta.text
             prompt, cached = delta.num_prompt_tokens, max(cached, delta.num_cached_tokens)
+            tiers = delta.tier_tokens or tiers
         turns.append(ChatTurn("assistant", text))
         replies.append(text)
-        usage.append((prompt, cached))
+        usage.append((prompt, cached, tiers))
     return replies, usage
 
 
@@ -66,7 +68,7 @@ class FirstRun:
 
     ssd_dir: Path
     replies: list[str]
-    usage: list[tuple[int, int]]
+    usage: list[tuple[int, int, tuple[int, int] | None]]
     stats: dict[str, Any]
     by_salt: dict[str | None, tuple[int, int | None]] = dataclasses.field(default_factory=dict)
 
@@ -104,7 +106,8 @@ async def found_by_salt(engine: VllmEngine, salt: str | None) -> tuple[int, int 
 
 
 async def rerun(first: FirstRun, tmp_path: Path, tag: str
-                ) -> tuple[list[str], list[tuple[int, int]], dict[str, Any]]:
+                ) -> tuple[list[str], list[tuple[int, int, tuple[int, int] | None]],
+                           dict[str, Any]]:
     """The conversation again on a new engine over a copy of the first run's SSD tier."""
     ssd_dir = tmp_path / "ssd"
     shutil.copytree(first.ssd_dir, ssd_dir, ignore=shutil.ignore_patterns("*.lock"))
@@ -121,9 +124,12 @@ def test_host_tier_turns_match_recompute(reference: list[str], first_run: FirstR
     stats = first_run.stats
     # Every follow-up found its whole prior context (the previous prompt and reply) in the host
     # tier, though vLLM's own page cache was emptied before each turn.
-    for (_, cached), (previous_prompt, _) in zip(first_run.usage[1:], first_run.usage,
-                                                 strict=False):
+    for (_, cached, tiers), (previous_prompt, _, _) in zip(first_run.usage[1:],
+                                                           first_run.usage, strict=False):
         assert cached >= previous_prompt, (first_run.usage, stats)
+        # each turn's output says where: all of it from the host arena
+        assert tiers == (cached, 0), first_run.usage
+    assert first_run.usage[0][2] == (0, 0)  # the first turn found nothing stored
     assert stats["tokens_from_host"] > 0 and stats["tokens_from_ssd"] == 0, stats
     assert stats["tiers"]["ssd"]["bytes_in"] > 0, stats
 
@@ -144,6 +150,7 @@ async def test_ssd_tier_after_restart_matches_recompute(reference: list[str],
     assert replies == reference
     assert usage[0][1] > 0, usage  # even the first turn was stored before the restart
     assert stats["tokens_from_ssd"] > 0, stats
+    assert usage[0][2] is not None and usage[0][2][1] > 0, usage  # from SSD, it says
 
 
 async def test_corrupt_ssd_chunk_falls_back_to_recompute(reference: list[str],
