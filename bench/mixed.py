@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import sys
 import time
@@ -58,7 +59,7 @@ async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival
     await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))
     sent = time.perf_counter()
     first = last = None
-    received, finish, error = 0, None, None
+    received, chunks, finish, error = 0, 0, None, None
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
             "stream_options": {"include_usage": True},
             "max_tokens": arrival.output_tokens, "temperature": 0, "ignore_eos": True}
@@ -76,6 +77,7 @@ async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival
                     if choice["delta"].get("content"):
                         last = time.perf_counter()
                         first = first or last
+                        chunks += 1
                     finish = choice.get("finish_reason") or finish
                 if chunk.get("usage"):
                     received = chunk["usage"]["completion_tokens"]
@@ -83,6 +85,8 @@ async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival
         error = repr(exc)
     end = time.perf_counter()
     failed = error is not None or finish != "length" or received < arrival.output_tokens
+    # A stream cut short sends no usage: it got at least a token a content chunk
+    received = received or chunks
     return {"at_s": arrival.at_s, "ttft_s": (first or end) - sent,
             "tpot_s": ((last or end) - (first or end)) / max(1, received - 1),
             "latency_s": end - sent, "output_tokens": received, "failed": failed,
@@ -145,7 +149,8 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         await client.post(f"/v1/batches/{batch['id']}/cancel")
     ttft_ok = [not r["failed"] and r["ttft_s"] <= args.ttft_slo for r in results]
     tpot_ok = [not r["failed"] and r["tpot_s"] <= args.tpot_slo for r in results]
-    ttfts = sorted(r["ttft_s"] for r in results)
+    # TTFT percentiles of the turns served: a failed turn's "TTFT" is its time to the error
+    ttfts = sorted(r["ttft_s"] for r in results if not r["failed"]) or [math.nan]
     tokens = "antiphon_generation_tokens_total"
     steps = s1["step_s"] - s0["step_s"]
     errors = s1["cost_model_errors"] - s0["cost_model_errors"]

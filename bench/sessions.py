@@ -225,7 +225,7 @@ async def measure_point(chat: ChatFactory, read_counters: CounterReader, system:
                for r in turn_records(users, user, results, advised[user])]
     for r in records:
         r["fresh_ttft_s"] = fresh.get((r["user"], r["turn"]))
-    metrics = summarise_point(records, tiering)
+    metrics = summarise_point(records, tiering, system.is_stock_vllm)
     print(f"[{system.name}] {users} users: " + " ".join(
         f"{k}={v:.3f}" for k, v in metrics.items() if v is not None), flush=True)
     if tiering and not system.is_stock_vllm:

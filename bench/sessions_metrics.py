@@ -21,9 +21,10 @@ COUNTERS = ("prompt_tokens", "tokens_from_device", "tokens_from_host", "tokens_f
             "advisories_expired", "advisories_late", "advisories_reclaimed", "turns_held",
             "turns_fetched_in_step", "ssd_fetches_cut", "fetch_retries", "saves_refused",
             "rt_preemptions", "rt_recomputed_tokens")
-POINT_METRICS = ("recomputed_context_frac", "followup_ttft_p50_s", "followup_ttft_p99_s",
-                 "fresh_ttft_p50_s", "followup_over_fresh_p50", "tpot_p50_s", "host_hit_frac",
-                 "ssd_hit_frac", "missed_advisories", "missed_over_advised_p50")
+POINT_METRICS = ("recomputed_context_frac", "preemption_recomputed_frac", "followup_ttft_p50_s",
+                 "followup_ttft_p99_s", "fresh_ttft_p50_s", "followup_over_fresh_p50",
+                 "tpot_p50_s", "host_hit_frac", "ssd_hit_frac", "missed_advisories",
+                 "missed_over_advised_p50")
 
 
 def prior_context_tokens(prev_prompt: int, prev_completion: int, prompt: int) -> int:
@@ -66,8 +67,8 @@ def counter_deltas(before: dict[str, Any] | None,
     return {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in COUNTERS}
 
 
-def summarise_point(records: Sequence[dict[str, Any]],
-                    tiering: dict[str, int] | None) -> dict[str, float | None]:
+def summarise_point(records: Sequence[dict[str, Any]], tiering: dict[str, int] | None,
+                    is_stock: bool = False) -> dict[str, float | None]:
     """One sweep point's metrics. Tier hit fractions are of the follow-ups' prior context, so
     that device, host, SSD and recomputed shares add up to about one. Fresh TTFTs are of the
     follow-ups the prober sent again alone (`fresh_ttft_s`), under the same load."""
@@ -97,13 +98,14 @@ def summarise_point(records: Sequence[dict[str, Any]],
     advised_p50, missed_p50 = percentile(advised, 0.5), percentile(missed, 0.5)
     any_advised = any(r.get("advised") for r in followups)
 
-    # A turn's cached tokens are counted when it is first admitted: what it recomputed after
-    # a preemption took its pages is the scheduler's count (Antiphon's servers report it;
-    # it also holds the turns' own new tokens, so it can only overstate the share).
-    recomputed = sum(r["recomputed_context_tokens"] for r in followups)
-    recomputed += tiering.get("rt_recomputed_tokens", 0) if tiering else 0
+    # A turn's cached tokens are counted when it is first admitted: what turns recomputed
+    # after a preemption took their pages is the scheduler's count, apart (Antiphon's servers
+    # report it, stock vLLM does not; it also holds decode positions and first turns, so
+    # over the follow-ups' prior context it can only overstate).
+    preempted = tiering.get("rt_recomputed_tokens") if tiering and not is_stock else None
     return {
-        "recomputed_context_frac": share(recomputed),
+        "recomputed_context_frac": share(sum(r["recomputed_context_tokens"] for r in followups)),
+        "preemption_recomputed_frac": share(preempted),
         "followup_ttft_p50_s": percentile([r["ttft_s"] for r in followups], 0.5),
         "followup_ttft_p99_s": percentile([r["ttft_s"] for r in followups], 0.99),
         "fresh_ttft_p50_s": percentile([r["fresh_ttft_s"] for r in probed], 0.5),

@@ -80,8 +80,10 @@ def pooled_ratio(mine: Sequence[float], theirs: Sequence[float], seed: int = 0
 
 
 def point_rows(system: dict[str, Any]) -> dict[str, float]:
-    """One row per metric and user count; NaN where a system reports nothing (no tiers)."""
-    return {f"u{users}_{k}": _num(system[k][i])
+    """One row per metric and user count; NaN where a system reports nothing (no tiers, or
+    a record from before the metric was kept)."""
+    none = [None] * len(system["users"])
+    return {f"u{users}_{k}": _num(system.get(k, none)[i])
             for i, users in enumerate(system["users"]) for k in POINT_METRICS}
 
 

@@ -69,8 +69,9 @@ def _delta(text: str, finish: str | None = None) -> dict[str, object]:
     # whole: three chunks carry four tokens (a chunk may carry several)
     ([_delta("a"), _delta("b c"), _delta("d", "length"),
       {"choices": [], "usage": {"completion_tokens": 4}}], False, 4),
-    # an error event after the first token: it must not pass as a quick turn
-    ([_delta("a"), {"error": {"message": "the engine failed"}}], True, 0),
+    # an error event after the first token: it must not pass as a quick turn, and its
+    # latency is spread over the token it got (no usage came: counted by content chunks)
+    ([_delta("a"), {"error": {"message": "the engine failed"}}], True, 1),
     # finished early (cancelled, or a stop): fewer tokens than the trace asked for
     ([_delta("a", "abort"), {"choices": [], "usage": {"completion_tokens": 1}}], True, 1),
 ])

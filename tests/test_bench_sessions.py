@@ -114,10 +114,13 @@ def test_point_summary_shares_are_of_the_follow_ups_prior_context() -> None:
     assert probed["fresh_ttft_p50_s"] == 1.0 and probed["followup_over_fresh_p50"] == 3.0
     untiered = summarise_point(records, None)
     assert untiered["host_hit_frac"] is None and untiered["ssd_hit_frac"] is None
-    # Context recomputed after a preemption, which a turn's cached tokens (counted when it
-    # was first admitted) do not show, counts too.
+    # What turns recomputed after a preemption, which their cached tokens (counted at first
+    # admission) do not show, is a figure of its own: stock vLLM does not report it.
     preempted = summarise_point(records, {**tiering, "rt_recomputed_tokens": 20})  # type: ignore[dict-item]
-    assert preempted["recomputed_context_frac"] == pytest.approx(99 / 159)
+    assert preempted["recomputed_context_frac"] == pytest.approx(79 / 159)
+    assert preempted["preemption_recomputed_frac"] == pytest.approx(20 / 159)
+    stock = summarise_point(records, {**tiering, "rt_recomputed_tokens": 0}, is_stock=True)  # type: ignore[dict-item]
+    assert stock["preemption_recomputed_frac"] is None
     # Where each turn says what the tiers loaded for it, the hit fractions are the
     # follow-ups' own, not the server's counter (which counts every admission).
     for record, loads in zip(records, [(5, 0), (40, 10), (1, 0), (30, 0)], strict=False):

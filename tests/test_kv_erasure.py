@@ -165,6 +165,80 @@ def test_a_request_checkpointed_while_an_erasure_waits_keeps_its_chunks(
         planner.close()
 
 
+def test_an_erasure_waiting_for_the_ssd_writer_does_not_hold_the_planner(
+        tmp_path: Path) -> None:
+    # Each SSD removal queues its slot's clearing behind the writer, which blocks while the
+    # queue is full; done under the planner's lock, the engine's steps waited for the writer.
+    import threading
+    import time
+
+    from antiphon.tiering.keys import ChunkKey
+
+    planner = make_planner(tmp_path / "ssd", writer_queue_depth=2)
+    ssd = planner.store.tiers[-1]
+    chain = list(range(CHUNK * 8))
+    try:
+        for prefix_hash in prefix_hashes(chain, CHUNK, "test-model"):
+            for layer in range(LAYERS):
+                ssd.put(ChunkKey("test-model", prefix_hash, 0, layer), b"x" * 64)
+        ssd.flush()
+        writer_busy, release = threading.Event(), threading.Event()
+        real_clear = ssd._file.clear  # type: ignore[attr-defined]
+
+        def slow_clear(slot: int) -> None:  # a busy (niced, fsyncing) writer
+            writer_busy.set()
+            release.wait(10)
+            real_clear(slot)
+
+        ssd._file.clear = slow_clear  # type: ignore[attr-defined]
+        done = planner.forget("s1", [chain])
+        assert writer_busy.wait(5)
+        time.sleep(0.2)  # the erasure fills the writer's queue meanwhile
+        answered = threading.Event()
+        threading.Thread(target=lambda: (planner.stats(), answered.set()), daemon=True).start()
+        try:
+            assert answered.wait(1.0), "a scheduler call waited for the SSD writer"
+        finally:
+            release.set()
+            done.result(10)
+        assert session_keys(planner, 1, chain) == []
+    finally:
+        planner.close()
+
+
+def test_two_equal_erasures_each_keep_their_own_guard(tmp_path: Path) -> None:
+    # An erasure of the same chains issued again (after the server gave up waiting) that
+    # ended first took the slow one's guard out, and a checkpoint taken then was erased.
+    import threading
+
+    from tests.test_tier_planner import fake_worker_saves, preempt_after
+
+    planner = make_planner(tmp_path / "ssd")
+    real_erase, first_in, go_on = planner._erase, threading.Event(), threading.Event()
+
+    def erase(wanted: set[bytes]) -> tuple[int, int]:
+        if not first_in.is_set():
+            first_in.set()
+            go_on.wait(10)  # the first erasure is slow (a busy SSD writer)
+        return real_erase(wanted)
+
+    planner._erase = erase  # type: ignore[method-assign]
+    try:
+        slow = planner.forget("old-session", [TURN1[:8]])
+        assert first_in.wait(5)
+        planner.forget("old-session", [TURN1[:8]]).result(10)  # issued again, done first
+        _, meta = preempt_after(planner, "be", [*TURN1, 110], [7, 8, 9], [10], background=True)
+        fake_worker_saves(planner, meta.checkpoints)
+        planner.step_done({meta.step}, set())
+        go_on.set()
+        slow.result(10)
+        planner.store.flush()
+        assert planner.check_integrity() == []
+    finally:
+        go_on.set()
+        planner.close()
+
+
 def test_a_copy_a_running_turn_loads_from_stays(tmp_path: Path) -> None:
     planner = make_planner(tmp_path / "ssd")
     chain = [*TURN1, 110]

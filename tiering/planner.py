@@ -614,9 +614,8 @@ class TierPlanner:
             except BaseException as exc:
                 done.set_exception(exc)
             finally:
-                with self._lock:
-                    if any(w is wanted for w in self._erasing):
-                        self._erasing.remove(wanted)
+                with self._lock:  # this erasure's own set: another may equal it
+                    self._erasing = [w for w in self._erasing if w is not wanted]
         threading.Thread(target=erase, name="antiphon-forget", daemon=True).start()
         return done
 
@@ -645,17 +644,27 @@ class TierPlanner:
         erased = kept = 0
         for tier in self.store.tiers:  # a scan of each index beats probing every layer of
             stored = tier.keys()  # up to 127 partial lengths per chunk (a snapshot: removes
-            for key in stored:  # go on under it)
+            # go on under it). The SSD tier's clears are queued after the lock is let go: a
+            # full writer queue blocks, and the engine's steps wait for the lock.
+            remove_later = getattr(tier, "remove_later", None)
+            clears: list[int] = []
+            for key in stored:
                 if key.prefix_hash not in wanted:
                     continue
                 with self._lock:
                     if key.prefix_hash not in wanted:
                         continue
-                    removed = tier.remove(key)
+                    if remove_later is None:
+                        removed = tier.remove(key)
+                    else:
+                        removed, slot = remove_later(key)
+                        clears += [] if slot is None else [slot]
                 if removed:
                     erased += 1
                 else:
                     kept += 1
+            if clears:
+                tier.clear_slots(clears)  # type: ignore[attr-defined]
         for tier in self.store.tiers:
             tier.barrier().result()  # its queued erasures, on disk
         with self._lock:

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 import shutil
+from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -163,13 +164,25 @@ class SsdTier(IndexedTier[SsdSlot]):
 
     def remove(self, key: ChunkKey) -> bool:
         """Delete `key` now; its slot is cleared on disk, so a restart does not find it."""
+        removed, slot = self.remove_later(key)
+        if slot is not None:
+            self.clear_slots([slot])
+        return removed
+
+    def remove_later(self, key: ChunkKey) -> tuple[bool, int | None]:
+        """Delete `key` from the index now; (whether it was, the slot to clear on disk with
+        `clear_slots`). For a caller holding a lock of its own: queuing a clear blocks while
+        the writer's queue is full."""
         with self._lock:
             entry = self._index.get(key)
             slot = None if entry is None else entry.location.slot
             removed = super().remove(key)
-        if removed and slot is not None:
+        return removed, slot if removed else None
+
+    def clear_slots(self, slots: Iterable[int]) -> None:
+        """Queue the clearing of removed slots on disk (each only if still free then)."""
+        for slot in slots:
             self._clear_behind(slot)
-        return removed
 
     def barrier(self) -> Future[bool]:
         if self._writer is None:
