@@ -344,14 +344,14 @@ def main(args: argparse.Namespace) -> int:
                             for u in sweep.users]}
     # The Antiphon systems share one server, whose tiers are that many times the sizes above
     # (`server_command`): what each system found room in, with the others' KV beside its own.
-    sharing = sum(not SYSTEMS[n].is_stock_vllm for n in args.systems.split(","))
+    names = args.systems.split(",")
+    sharing = sum(not SYSTEMS[n].is_stock_vllm for n in names)
     if sharing:
         config |= {"antiphon_systems_sharing_server": sharing,
                    "server_host_tier_bytes": sharing * args.host_tier_bytes,
                    "server_ssd_tier_bytes": sharing * args.ssd_tier_bytes}
     print("config: " + json.dumps(config), flush=True)
     out = Path(args.out)
-    names = args.systems.split(",")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     groups = [[SYSTEMS[n] for n in names if SYSTEMS[n].is_stock_vllm],
               [SYSTEMS[n] for n in names if not SYSTEMS[n].is_stock_vllm]]

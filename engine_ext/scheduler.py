@@ -70,10 +70,10 @@ class AntiphonScheduler(Scheduler):
         self._token_limits: dict[str, int] = {}  # the step's plan: most new tokens per request
         self._queue_order: dict[str, int] = {}  # the waiting queue's order before the plan's
         self._first_token_s: dict[str, float] = {}  # RT: when its first token was produced
-        # Steps scheduled and not yet updated, oldest first, each (shape, when scheduled):
-        # one at a time when scheduling is synchronous; with async scheduling vLLM schedules
-        # the next step before it updates from the last, and updates them in order.
-        # Steps scheduled, not yet finished: (shape, when scheduled, KV pool use then).
+        # Steps scheduled and not yet updated, oldest first, each (shape, when scheduled, KV
+        # pool use then): one at a time when scheduling is synchronous; with async scheduling
+        # vLLM schedules the next step before it updates from the last, and updates them in
+        # order.
         self._steps_in_flight: collections.deque[tuple[StepShape, float, float]] = (
             collections.deque())
         self._last_step_done = 0.0  # when the last step's output was taken

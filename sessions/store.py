@@ -86,6 +86,11 @@ _KEEP_DIVERGED_CHAIN = (
     " AND NOT EXISTS (SELECT 1 FROM kv_chains k WHERE k.session_id = c.session_id"
     " AND k.token_ids = c.token_ids)")  # a greedy reply regenerated again: the same chain
 
+# Every token sequence of a session's whose KV the tiers may hold: its stored context and its
+# kept chains (parameters: the session id, twice).
+_SESSION_CHAINS = ("SELECT token_ids FROM contexts WHERE session_id = ? UNION ALL"
+                   " SELECT token_ids FROM kv_chains WHERE session_id = ?")
+
 
 @dataclasses.dataclass(frozen=True)
 class Session:
@@ -232,10 +237,7 @@ class SessionStore:
             if db.execute("SELECT 1 FROM sessions WHERE session_id = ? AND owner = ?",
                           (session_id, owner)).fetchone() is None:
                 return False
-            chains = [row[0] for row in db.execute(
-                "SELECT token_ids FROM contexts WHERE session_id = ? UNION ALL"
-                " SELECT token_ids FROM kv_chains WHERE session_id = ?",
-                (session_id, session_id))]
+            chains = [row[0] for row in db.execute(_SESSION_CHAINS, (session_id, session_id))]
             if last_prompt:
                 chains.append(_ids(last_prompt))
             if chains:
@@ -350,9 +352,7 @@ class SessionStore:
             if db.execute("SELECT 1 FROM sessions WHERE session_id = ?",
                           (session_id,)).fetchone() is None:
                 return None
-            rows = db.execute("SELECT token_ids FROM contexts WHERE session_id = ? UNION ALL"
-                              " SELECT token_ids FROM kv_chains WHERE session_id = ?",
-                              (session_id, session_id)).fetchall()
+            rows = db.execute(_SESSION_CHAINS, (session_id, session_id)).fetchall()
         return [_unpack_ids(row[0]) for row in rows]
 
     def context(self, session_id: str) -> tuple[int, tuple[int, ...]] | None:

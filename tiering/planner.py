@@ -644,9 +644,8 @@ class TierPlanner:
         erased = kept = 0
         for tier in self.store.tiers:  # a scan of each index beats probing every layer of
             stored = tier.keys()  # up to 127 partial lengths per chunk (a snapshot: removes
-            # go on under it). The SSD tier's clears are queued after the lock is let go: a
-            # full writer queue blocks, and the engine's steps wait for the lock.
-            remove_later = getattr(tier, "remove_later", None)
+            # go on under it). Clears on disk are queued after the lock is let go: a full
+            # writer queue blocks, and the engine's steps wait for the lock.
             clears: list[int] = []
             for key in stored:
                 if key.prefix_hash not in wanted:
@@ -654,17 +653,13 @@ class TierPlanner:
                 with self._lock:
                     if key.prefix_hash not in wanted:
                         continue
-                    if remove_later is None:
-                        removed = tier.remove(key)
-                    else:
-                        removed, slot = remove_later(key)
-                        clears += [] if slot is None else [slot]
+                    removed, slot = tier.remove_later(key)
+                clears += [] if slot is None else [slot]
                 if removed:
                     erased += 1
                 else:
                     kept += 1
-            if clears:
-                tier.clear_slots(clears)  # type: ignore[attr-defined]
+            tier.clear_slots(clears)
         for tier in self.store.tiers:
             tier.barrier().result()  # its queued erasures, on disk
         with self._lock:

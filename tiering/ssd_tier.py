@@ -170,9 +170,8 @@ class SsdTier(IndexedTier[SsdSlot]):
         return removed
 
     def remove_later(self, key: ChunkKey) -> tuple[bool, int | None]:
-        """Delete `key` from the index now; (whether it was, the slot to clear on disk with
-        `clear_slots`). For a caller holding a lock of its own: queuing a clear blocks while
-        the writer's queue is full."""
+        """Delete `key` from the index now; its slot is cleared on disk by `clear_slots`
+        (queuing a clear blocks while the writer's queue is full)."""
         with self._lock:
             entry = self._index.get(key)
             slot = None if entry is None else entry.location.slot

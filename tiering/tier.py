@@ -96,6 +96,15 @@ class Tier(abc.ABC):
     def remove(self, key: ChunkKey) -> bool:
         """Delete `key` now; False when absent or pinned (a pinned entry may be in use)."""
 
+    def remove_later(self, key: ChunkKey) -> tuple[bool, int | None]:
+        """`remove`, for a caller holding a lock of its own: (whether it was removed, a slot
+        whose clearing is left to `clear_slots`, which may block; None: nothing left)."""
+        return self.remove(key), None
+
+    def clear_slots(self, slots: Iterable[int]) -> None:
+        """Finish the clearing `remove_later` left (none in a tier that clears at once)."""
+        del slots  # nothing to clear
+
     @abc.abstractmethod
     def evict(self, num_bytes: int) -> int:
         """Evict unpinned entries in policy order until `num_bytes` bytes are free.
