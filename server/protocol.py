@@ -30,6 +30,9 @@ Server to client::
      "usage": {...}, "timings": {"ttft_s": float, "tpot_s": float | null, "total_s": float},
      "context_start": int}  # the first message the model still sees (0: all of them)
     {"type": "error", "code": str, "message": str, "request_id": str | null}
+    # a turn's error after its `accepted`: its user message stays (regenerate answers it),
+    # except with code "bad_message": the engine refused the request, and the message is
+    # taken back as if it had never been sent
 """
 
 from __future__ import annotations

@@ -301,10 +301,12 @@ class SessionTurns:
                 return gen
             await asyncio.to_thread(self.store.append_message, msg.session_id, "user",
                                     msg.content, self.chat.engine.count_tokens(msg.content))
+            gen.committed_message = msg.content
             if not history:
                 title = title_text(msg.content)[:60]
-                if title:
-                    await asyncio.to_thread(self.store.title_if_untitled, msg.session_id, title)
+                named = bool(title) and await asyncio.to_thread(
+                    self.store.title_if_untitled, msg.session_id, title)
+                gen.committed_title = title if named else None
         except BaseException:
             self.release(msg.session_id, hold)
             raise
@@ -328,8 +330,11 @@ class SessionTurns:
                    finished: Callable[[], None] | None) -> None:
         rid = gen.request_id
         commit: asyncio.Future[None] | None = None  # the reply's save, once begun
+        settled = False
 
         def settle() -> None:  # the turn's work is over (safe to call twice)
+            nonlocal settled
+            settled = True
             self.release(session_id, gen.session_claim)
             if finished is not None:
                 finished()
@@ -343,7 +348,12 @@ class SessionTurns:
                 if not is_user_cancel():
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            except ApiError as err:
+            except Exception as exc:  # the engine refused or failed the turn
+                err = exc if isinstance(exc, ApiError) else unexpected_error(
+                    exc, f"session {session_id}: answering {rid}",
+                    "the message was kept (regenerate asks for its reply again)")
+                if await self._withdraw_refused(session_id, gen, err):
+                    err = ApiError(err.code, f"{err.message} (the message was not kept)")
                 settle()
                 await _emit_final(emit, protocol.error_frame(err, rid), is_user_cancel)
                 return
@@ -374,12 +384,29 @@ class SessionTurns:
                 except Exception:
                     logger.exception("session %s: saving the reply to %s failed", session_id,
                                      rid)
-            elif gen.pieces:  # (no save begun: none was due unless the reply has pieces)
+            elif gen.pieces and not settled:  # (no save begun: none was due unless the reply
+                # has pieces; once settled, the session may hold a later turn's messages)
                 gen.finish_reason = gen.finish_reason or "cancelled"
                 await asyncio.shield(self._commit_reply(session_id, gen))
             raise
         finally:
             settle()
+
+    async def _withdraw_refused(self, session_id: str, gen: Generation, err: ApiError) -> bool:
+        """A turn the engine refused before its first token (`bad_message`: its request is
+        invalid, say a schema the grammar backend cannot compile) takes back the user message
+        it committed, so that bad input changes nothing; True when it did. A turn the engine
+        failed keeps its message, for a regenerate to answer."""
+        if (err.code != ErrorCode.BAD_MESSAGE or gen.pieces or gen.output_token_ids
+                or gen.committed_message is None):
+            return False
+        try:
+            return await asyncio.to_thread(self.store.withdraw_message, session_id,
+                                           gen.committed_message, gen.committed_title)
+        except Exception:  # the store failed: the message stays, as for a failed turn
+            logger.exception("session %s: withdrawing the message of refused turn %s failed",
+                             session_id, gen.request_id)
+            return False
 
     def _prepare_in_window(self, owner: str, msg: protocol.TurnRequest, request_id: str,
                            turns: list[ChatTurn], context: ChatContext | None,

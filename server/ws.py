@@ -8,6 +8,8 @@ cancels its turns, which aborts their generations and frees their KV pages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import secrets
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -18,6 +20,8 @@ from antiphon.server.chat import Generation
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode, unexpected_error
 from antiphon.server.limits import Slot
+
+logger = logging.getLogger(__name__)
 
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_TRY_AGAIN = 1013
@@ -38,6 +42,7 @@ class Connection:
         self._send_lock = asyncio.Lock()
         self._turns: dict[str, asyncio.Task[None]] = {}
         self._cancelled_request_ids: set[str] = set()
+        self._advising: dict[str, asyncio.Task[None]] = {}  # session -> its typing advisory
 
     async def send(self, frame: str) -> None:
         async with self._send_lock:
@@ -70,15 +75,17 @@ class Connection:
             if isinstance(msg, protocol.TurnRequest):
                 request_id = msg.request_id
             await self._dispatch(msg)
-        except ApiError as err:
-            self.ctx.metrics.errors.labels(err.code.value).inc()
+        except Exception as exc:
             if msg is None:  # the frame did not decode: name the request its text carries
                 request_id = protocol.find_request_id(data)
-            await self.send(protocol.error_frame(err, request_id))
-        except Exception as exc:
-            failure = unexpected_error(exc, f"websocket {msg.type if msg else 'frame'}")
-            self.ctx.metrics.errors.labels(failure.code.value).inc()
-            await self.send(protocol.error_frame(failure, request_id))
+            await self._send_error(exc, request_id, msg.type if msg else "frame")
+
+    async def _send_error(self, exc: Exception, request_id: str | None, what: str) -> None:
+        """Tell the client what went wrong with a frame (`what`): an `ApiError` as it is,
+        anything else as an internal error (logged)."""
+        err = exc if isinstance(exc, ApiError) else unexpected_error(exc, f"websocket {what}")
+        self.ctx.metrics.errors.labels(err.code.value).inc()
+        await self.send(protocol.error_frame(err, request_id))
 
     async def _dispatch(self, msg: protocol.ClientMessage) -> None:
         turns = self.ctx.turns
@@ -98,7 +105,7 @@ class Connection:
             await turns.delete(self.owner, msg.session_id)
             await self.send(protocol.encode("session.deleted", session_id=msg.session_id))
         elif isinstance(msg, protocol.Typing):
-            await turns.record_advisory(self.owner, msg.session_id, "typing")
+            self._advise(msg.session_id)
         elif isinstance(msg, protocol.Cancel):
             task = self._turns.get(msg.request_id)
             if task is None:
@@ -108,6 +115,28 @@ class Connection:
             task.cancel()
         else:
             await self._start_turn(msg)
+
+    def _advise(self, session_id: str) -> None:
+        """Record a typing advisory in a task of its own: the engine answers it between two
+        steps, which can take seconds, and the frames behind it (a `cancel`) must not wait.
+        One per session at a time (a typing frame meanwhile says nothing new: dropped), and at
+        most `max_inflight_per_connection` in all."""
+        if session_id in self._advising:
+            return
+        limit = self.ctx.config.server.max_inflight_per_connection
+        if len(self._advising) >= limit:
+            raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many typing advisories in flight "
+                           f"on this connection (limit {limit})")
+        task = asyncio.create_task(self._record_typing(session_id))
+        self._advising[session_id] = task
+        task.add_done_callback(lambda _t: self._advising.pop(session_id, None))
+
+    async def _record_typing(self, session_id: str) -> None:
+        try:
+            await self.ctx.turns.record_advisory(self.owner, session_id, "typing")
+        except Exception as exc:
+            with contextlib.suppress(Exception):  # the client may have left meanwhile
+                await self._send_error(exc, None, "typing")
 
     async def _start_turn(self, msg: protocol.TurnRequest) -> None:
         self.ctx.chat.check_open()
@@ -136,26 +165,30 @@ class Connection:
             is_user_cancel=lambda: request_id in self._cancelled_request_ids,
             finished=slot.release))
         self._turns[request_id] = task
-        task.add_done_callback(lambda _t: self._finish_turn(msg.session_id, request_id, gen,
-                                                            slot))
+        task.add_done_callback(lambda t: self._finish_turn(t, msg.session_id, request_id, gen,
+                                                           slot))
         # Let the turn start before the next frame is read: a task cancelled before its first
         # step never runs its body, so a `cancel` right behind the message would end it with
         # no `done` frame and nothing committed.
         await asyncio.sleep(0)
 
-    def _finish_turn(self, session_id: str, request_id: str, gen: Generation,
-                     slot: Slot) -> None:
+    def _finish_turn(self, task: asyncio.Task[None], session_id: str, request_id: str,
+                     gen: Generation, slot: Slot) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.error("session %s: turn %s ended with an error", session_id, request_id,
+                         exc_info=exc)
         slot.release()
         self._turns.pop(request_id, None)
         self._cancelled_request_ids.discard(request_id)
         self.ctx.turns.release(session_id, gen.session_claim)  # whatever way the turn ended
 
     async def _cancel_all(self) -> None:
+        """Cancel the connection's turns; its typing advisories run to their end (short, and
+        the turn they announce may come over the client's next connection)."""
         tasks = list(self._turns.values())
         for task in tasks:
             task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *self._advising.values(), return_exceptions=True)
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:

@@ -212,11 +212,29 @@ class SessionStore:
             ).fetchall()
         return [Session(*r) for r in rows]
 
-    def title_if_untitled(self, session_id: str, title: str, untitled: str = "New chat") -> None:
-        """Name a session after its first message unless it was named already."""
+    def title_if_untitled(self, session_id: str, title: str, untitled: str = "New chat") -> bool:
+        """Name a session after its first message unless it was named already (True: named)."""
         with self._db.locked() as db:
-            db.execute("UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?",
+            cur = db.execute("UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?",
                              (title, session_id, untitled))
+        return cur.rowcount == 1
+
+    def withdraw_message(self, session_id: str, content: str, title: str | None = None,
+                         untitled: str = "New chat") -> bool:
+        """Delete the session's last message if it is a user message of `content` (one the
+        engine refused after it was committed), and, with `title`, give the session back its
+        untitled name if that message named it and nothing renamed it since. One
+        transaction; True when the message was deleted."""
+        with self._db.transaction() as db:
+            cur = db.execute(
+                "DELETE FROM messages WHERE session_id = ? AND role = 'user' AND content = ?"
+                " AND seq = (SELECT MAX(seq) FROM messages WHERE session_id = ?)",
+                (session_id, content, session_id))
+            if cur.rowcount and title is not None:
+                db.execute("UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?"
+                           " AND NOT EXISTS (SELECT 1 FROM messages WHERE session_id = ?)",
+                           (untitled, session_id, title, session_id))
+        return cur.rowcount == 1
 
     def rename_session(self, owner: str, session_id: str, title: str) -> bool:
         """Set the title; `updated_at` (the last turn, which orders listings) stays."""

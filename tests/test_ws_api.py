@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -153,8 +154,11 @@ async def test_typing_records_an_advisory(scripted: Scripted) -> None:
         await send(ws, type="typing", session_id="s_unknown")
         assert (await recv(ws))["code"] == "session_not_found"
     import httpx
-    metrics = httpx.get(scripted.url + "/metrics").text
-    assert 'antiphon_advisories_total{source="typing"} 1.0' in metrics
+    wanted = 'antiphon_advisories_total{source="typing"} 1.0'
+    deadline = time.monotonic() + 10  # advisories run beside the frames, and outlive a close
+    while wanted not in httpx.get(scripted.url + "/metrics").text:
+        assert time.monotonic() < deadline, "the typing advisory was not recorded"
+        await asyncio.sleep(0.05)
 
 
 async def test_api_keys_and_session_ownership(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -371,3 +375,143 @@ async def test_a_reply_whole_when_its_stream_is_closed_keeps_its_finish_reason(
     await pieces.aclose()
     assert gen.finish_reason == "stop"
     ctx.store.close()
+
+
+SCHEMA_FORMAT = {"type": "json_schema",
+                 "json_schema": {"name": "x", "schema": {"type": "string"}}}
+
+
+async def test_a_message_the_engine_refuses_after_accepted_is_taken_back(tmp_path: Path) -> None:
+    """vLLM validates a request when it is submitted, after `accepted` went out (a schema its
+    grammar backend cannot compile): the message and the title it gave were kept, and every
+    retry added one more user message."""
+    from tests.test_rest_api import RefusingEngine
+
+    with live_server(scripted_config(tmp_path), RefusingEngine()) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            for i in range(2):
+                await send(ws, type="message", session_id=sid, content=f"give json {i}",
+                           request_id=f"r{i}", response_format=SCHEMA_FORMAT)
+                frames = [await recv(ws), await recv(ws)]
+                assert [f["type"] for f in frames] == ["accepted", "error"]
+                assert frames[1]["code"] == "bad_message"
+                assert "not kept" in frames[1]["message"]
+            opened = await open_session(ws, sid)
+            assert opened["messages"] == [] and opened["session"]["title"] == "New chat"
+            r = await chat(ws, sid, "plain words")  # the session goes on as if never asked
+            assert r["done"]["finish_reason"] == "stop"
+            opened = await open_session(ws, sid)
+            assert [m["role"] for m in opened["messages"]] == ["user", "assistant"]
+            assert opened["session"]["title"] == "plain words"
+
+
+class FailsAfterTwoTokens(ScriptedEngine):
+    """The engine client fails mid-reply with an error the server does not map."""
+
+    error: type[Exception] = RuntimeError
+
+    async def generate(self, request_id, prompt_token_ids, params):  # type: ignore[no-untyped-def,override]
+        async for n, delta in _numbered(super().generate(request_id, prompt_token_ids, params)):
+            yield delta
+            if n == 1:
+                raise self.error("unexpected failure in the engine client")
+
+
+async def _numbered(items):  # type: ignore[no-untyped-def]
+    n = 0
+    async for item in items:
+        yield n, item
+        n += 1
+
+
+async def test_an_unexpected_engine_failure_ends_the_turn_with_an_error_frame(
+        tmp_path: Path) -> None:
+    """A failure other than the engine's own errors ended the turn with no frame: the client
+    waited for `done` for ever."""
+    with live_server(scripted_config(tmp_path), FailsAfterTwoTokens()) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            await send(ws, type="message", session_id=sid, content="a b c d e f", request_id="r")
+            frames = await recv_until(ws, "error")
+            assert frames[0]["type"] == "accepted" and frames[-1]["code"] == "internal_error"
+            assert frames[-1]["request_id"] == "r"
+            opened = await open_session(ws, sid)  # the message stays, for a regenerate
+            assert [m["role"] for m in opened["messages"]] == ["user"]
+
+
+async def test_a_failed_turn_does_not_save_its_partial_reply_once_the_session_moved_on(
+        tmp_path: Path) -> None:
+    """The engine fails a turn mid-reply; the session is free again while its error frame
+    waits for a slow socket, another tab sends a message, then the first client leaves: its
+    partial reply was saved then, behind the other tab's message."""
+    from antiphon.config import AppConfig
+    from antiphon.engine_ext.engine import EngineRequestFailedError
+    from antiphon.server import protocol
+    from antiphon.server.config import ServerConfig
+    from antiphon.server.context import AppContext
+    from antiphon.sessions.config import SessionConfig
+
+    engine = FailsAfterTwoTokens()
+    engine.error = EngineRequestFailedError
+    ctx = AppContext.build(AppConfig(server=ServerConfig(),
+                                     sessions=SessionConfig(data_dir=tmp_path)), engine)
+
+    def message(sid: str, content: str) -> protocol.ChatMessage:
+        msg = protocol.decode_client_message(json.dumps(
+            {"type": "message", "session_id": sid, "content": content}))
+        assert isinstance(msg, protocol.ChatMessage)
+        return msg
+
+    try:
+        session, _ = await ctx.turns.open("o", None)
+        sid = session.session_id
+        gen = await ctx.turns.accept("o", message(sid, "one two three four"), "r1")
+        error_waiting = asyncio.Event()
+
+        async def emit(frame: str) -> None:
+            if json.loads(frame)["type"] == "error":
+                error_waiting.set()
+                await asyncio.sleep(10)  # the socket is slow to drain
+
+        task = asyncio.create_task(ctx.turns.run(sid, gen, emit, lambda: False))
+        await asyncio.wait_for(error_waiting.wait(), 10)
+        second = await ctx.turns.accept("o", message(sid, "second"), "r2")
+        task.cancel()  # the first client leaves while its error frame waits
+        await asyncio.gather(task, return_exceptions=True)
+        rows = [(m.role, m.content) for m in ctx.store.messages(sid)]
+        ctx.turns.release(sid, second.session_claim)
+        assert rows == [("user", "one two three four"), ("user", "second")]
+    finally:
+        ctx.store.close()
+
+
+async def test_a_slow_typing_advisory_does_not_hold_up_a_cancel_behind_it(
+        scripted: Scripted) -> None:
+    """The engine answers an advisory between two steps, which can take seconds: answered
+    inline, a typing frame held up the `cancel` behind it, and the reply streamed on."""
+    engine = scripted.engine
+    engine.token_delay_s = 0.05
+    advise = engine.advise
+    advised = asyncio.Event()
+
+    async def slow_advise(*args: Any, **kwargs: Any) -> int | None:
+        await asyncio.sleep(3.0)
+        held = await advise(*args, **kwargs)
+        advised.set()
+        return held
+
+    engine.advise = slow_advise  # type: ignore[method-assign]
+    async with connect(scripted.ws_url) as ws:
+        a = (await open_session(ws))["session"]["session_id"]
+        b = (await open_session(ws))["session"]["session_id"]
+        await chat(ws, b, "earlier")  # b has a conversation to bring forward
+        await send(ws, type="message", session_id=a, content="w " * 300, request_id="long")
+        await recv_until(ws, "token")
+        await send(ws, type="typing", session_id=b)
+        started = time.perf_counter()
+        await send(ws, type="cancel", request_id="long")
+        frames = await recv_until(ws, "done")
+        assert time.perf_counter() - started < 1.5
+        assert frames[-1]["finish_reason"] == "cancelled"
+        await asyncio.wait_for(advised.wait(), 10)  # the advisory still ran

@@ -390,6 +390,8 @@ const handlers = {
     if (!silent) showError(msg.code, msg.message);
     if (msg.request_id && state.pending.has(msg.request_id)) {
       const entry = state.pending.get(msg.request_id);
+      // The engine refused an accepted message (bad_message): the server took it back.
+      if (msg.code === "bad_message") entry.root.dataset.accepted = "false";
       // A message refused goes back to the composer, to fix and send again; one accepted is
       // kept by the server, and "Retry" asks for its reply again.
       if (entry.content && entry.root.dataset.accepted !== "true" && composer.isBlank()) {
