@@ -43,7 +43,9 @@ from antiphon.engine_ext.types import (
     TokenLogprob,
     ToolSpec,
 )
+from antiphon.tiering.build import unopened_ssd_file
 from antiphon.tiering.config import TieringConfig
+from antiphon.tiering.manager import unopened_file_error
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +189,8 @@ class Engine(abc.ABC):
         sequences it ran (`chains`, with `cache_salt`), and drop its advisory. With `keep`,
         the session lives on and `chains` are old ones: every chunk of them but those of
         `keep` (its advisory stays). Returns the chunk-layers erased, None when the engine
-        keeps no tiers."""
+        keeps no tiers. Raises (`ErasureIncomplete`, or what the engine raised) when the KV
+        may not all be off the disk: the caller keeps the erasure, to run it again."""
         return None
 
     async def tiering_stats(self) -> dict[str, Any]:
@@ -295,6 +298,7 @@ class VllmEngine(Engine):
         self.config = config
         self.drain_timeout_s = drain_timeout_s
         self.tiering = tiering if tiering is not None and tiering.kv_tiering else None
+        self._tiering_off = tiering if self.tiering is None else None  # (its SSD file: `forget`)
         self.model_dir = model_dir
         self.dtype = resolve_dtype(config.dtype)
         self.model_name = config.served_model_name or model_dir.name
@@ -505,6 +509,8 @@ class VllmEngine(Engine):
     async def forget(self, session_id: str, chains: Sequence[Sequence[int]],
                      cache_salt: str | None = None,
                      keep: Sequence[Sequence[int]] | None = None) -> int | None:
+        if self._tiering_off is not None and (path := unopened_ssd_file(self._tiering_off)):
+            raise unopened_file_error(path)  # KV tiering is off, and its SSD file left over
         if self._llm is None or self.tiering is None:
             return None
         core = self._llm.engine_core

@@ -182,8 +182,11 @@ class SessionTurns:
                 try:
                     erased = await self.chat.engine.forget(
                         session_id, chains, self.chat.cache_salt(owner), keep=keep)
-                except Exception:  # the engine is down: the next start erases it
-                    logger.exception("session %s: its KV could not be erased yet", session_id)
+                except Exception as exc:  # the engine is down, or the KV may not all be off
+                    # the disk: the erasure stays queued; the next one, or the next start,
+                    # runs it again
+                    logger.warning("session %s: its KV could not be erased yet (kept queued): "
+                                   "%s", session_id, exc)
                     return
                 logger.info("session %s %s: %d chunk-layers of its KV erased", session_id,
                             "deleted" if keep is None else "ran on past its kept chains",

@@ -13,6 +13,7 @@ from websockets.asyncio.client import connect
 from antiphon.engine_ext.scripted import ScriptedEngine
 from antiphon.sessions.store import SessionStore
 from antiphon.tiering.keys import chain_hashes, prefix_hashes, tail_hashes
+from antiphon.tiering.manager import ErasureIncomplete
 from antiphon.tiering.planner import TierPlanner, TokenView
 from tests.conftest import scripted_config
 from tests.liveserver import live_server
@@ -110,6 +111,68 @@ def test_a_deleted_sessions_kv_is_erased_from_every_tier_bytes_and_all(tmp_path:
     try:
         assert again.advise("s1", chain, expected_arrival_s=None) == 0
         assert again.advise("s2", OTHER, expected_arrival_s=None) == 10
+    finally:
+        again.close()
+
+
+def test_an_erasure_is_not_done_while_an_unopened_slot_file_may_hold_the_kv(
+        tmp_path: Path) -> None:
+    """A start without the SSD tier (turned off, or its directory unusable) erased in the host
+    tier alone and reported the erasure done; the next start with the SSD tier served the
+    deleted session's KV from the slot file it had never opened."""
+    chain = [*TURN1, 110]
+    first = make_planner(tmp_path / "ssd")
+    try:
+        run_turn(first, "r1", chain, [7, 8, 9], session="s1")
+        first.store.flush()
+    finally:
+        first.close()
+    off = make_planner(tmp_path / "ssd", ssd_tier_bytes=0)
+    try:
+        with pytest.raises(ErasureIncomplete, match="not open"):
+            off.forget("s1", [chain]).result(10)
+    finally:
+        off.close()
+    again = make_planner(tmp_path / "ssd")  # the erasure, kept queued, runs again
+    try:
+        assert again.forget("s1", [chain]).result(10) == (3 * LAYERS, 0)
+        assert again.advise("s1", chain, expected_arrival_s=None) == 0
+    finally:
+        again.close()
+
+
+def test_an_erasure_whose_clear_on_disk_fails_is_not_done_until_a_retry_clears_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed clear was logged and the erasure reported done: a restart found the record
+    and served the deleted session's KV again."""
+    chain = [*TURN1, 110]
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        run_turn(planner, "r1", chain, [7, 8, 9], session="s1")
+        planner.store.flush()
+        ssd = planner.store.tiers[1]
+        clear = ssd._file.clear  # type: ignore[attr-defined]
+        failing = [True]
+
+        def clear_or_fail(slot: int) -> None:
+            if failing[0]:
+                raise OSError(5, "Input/output error")
+            clear(slot)
+
+        monkeypatch.setattr(ssd._file, "clear", clear_or_fail)  # type: ignore[attr-defined]
+        with pytest.raises(ErasureIncomplete, match="clear on disk failed"):
+            planner.forget("s1", [chain]).result(10)
+        assert ssd.uncleared_slots == 3 * LAYERS
+        failing[0] = False
+        # The erasure runs again (the next one, or the next start): the index no longer has
+        # the keys, and the tier clears the slots it failed to clear.
+        assert planner.forget("s1", [chain]).result(10) == (0, 0)
+        assert ssd.uncleared_slots == 0
+    finally:
+        planner.close()
+    again = make_planner(tmp_path / "ssd")
+    try:
+        assert again.advise("s1", chain, expected_arrival_s=None) == 0
     finally:
         again.close()
 
@@ -422,3 +485,23 @@ async def test_the_erasure_names_the_owners_kv(tmp_path: Path, owner_key: str | 
     assert any(r.endswith("<user>a second message\n<assistant>You said: a second message")
                for r in rendered)
     assert any(r.endswith("You said: a second message\n<assistant>") for r in rendered)
+
+
+async def test_an_engine_without_kv_tiering_keeps_erasures_while_a_slot_file_is_left(
+        tmp_path: Path) -> None:
+    """With KV tiering off, `forget` reported nothing to erase and the server finished the
+    erasure; a later start with tiering served the deleted session's KV from the SSD file."""
+    from antiphon.engine_ext.config import EngineConfig
+    from antiphon.engine_ext.engine import VllmEngine
+    from antiphon.tiering.config import TieringConfig
+    from antiphon.tiering.slot_file import FILE_NAME
+    from tests.test_model_fingerprint import make_model
+
+    model = make_model(tmp_path / "m")
+    off = TieringConfig(kv_tiering=False, ssd_dir=tmp_path / "kv")
+    engine = VllmEngine(EngineConfig(), model, off)
+    assert await engine.forget("s1", [[1, 2, 3]]) is None  # no file: nothing to erase
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / FILE_NAME).write_bytes(b"")
+    with pytest.raises(ErasureIncomplete, match="not open"):
+        await engine.forget("s1", [[1, 2, 3]])

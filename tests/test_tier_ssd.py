@@ -187,6 +187,34 @@ def test_a_freed_slot_reused_before_its_clear_keeps_the_new_record(tmp_path: Pat
         tier.check_integrity()
 
 
+def test_a_reused_slot_whose_new_write_fails_is_cleared_of_the_removed_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clear of a removed key is skipped when its slot is taken again (the new record is
+    to replace it); when that write failed, the removed record stayed, and a restart served
+    it."""
+    with open_tier(tmp_path, num_slots=1) as tier:
+        tier.put(key(0, 0), payload(0, 0))
+        tier.flush()
+        gate = threading.Event()
+        tier._submit(lambda: gate.wait(10))  # hold the writer
+        removed, slot = tier.remove_later(key(0, 0))
+        assert removed and slot == 0
+        tier.clear_slots([slot])
+        written = tier.put_async(key(0, 1), payload(0, 1))  # slot 0 again: clear skipped
+
+        def no_space(*args: object, **kwargs: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(tier._file, "write", no_space)
+        gate.set()
+        assert written.result(5) is False
+        tier.flush()
+        monkeypatch.undo()
+        assert tier._file.read_header(0) is None and tier.uncleared_slots == 0
+    with open_tier(tmp_path, num_slots=1) as again:
+        assert again.keys() == []
+
+
 @pytest.mark.parametrize(("where", "offset"), [("payload", RECORD_HEADER_BYTES + 50),
                                                 ("header", 20), ("key", 60)])
 def test_damaged_record_is_a_miss_and_cleared(ssd: SsdTier, where: str, offset: int) -> None:

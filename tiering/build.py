@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from antiphon.tiering.config import TieringConfig
 from antiphon.tiering.eviction import EvictionPolicy, SessionLruPolicy, get_eviction_policy
 from antiphon.tiering.host_arena import default_arena_name, remove_orphaned_arenas
 from antiphon.tiering.host_tier import HostTier
 from antiphon.tiering.manager import TieredStore
+from antiphon.tiering.slot_file import FILE_NAME as SLOT_FILE_NAME
 from antiphon.tiering.ssd_tier import SsdTier
 from antiphon.tiering.tier import Tier
 
@@ -70,4 +72,16 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int,
             raise
     if ssd is not None:
         tiers.append(ssd)
-    return TieredStore(tiers, promote_on_hit=config.promote_on_hit)
+    store = TieredStore(tiers, promote_on_hit=config.promote_on_hit)
+    if ssd is None:
+        store.unopened_ssd_file = unopened_ssd_file(config)
+    return store
+
+
+def unopened_ssd_file(config: TieringConfig) -> Path | None:
+    """The SSD tier's slot file in `config.ssd_dir`, where an earlier start left one (the
+    caller has no SSD tier open on it)."""
+    if config.ssd_dir is None:
+        return None
+    path = config.ssd_dir / SLOT_FILE_NAME
+    return path if path.is_file() else None

@@ -13,12 +13,24 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import TracebackType
 
 from antiphon.tiering.keys import ChunkKey
 from antiphon.tiering.prefetch import PrefetchHandle
 from antiphon.tiering.stats import TierStats
 from antiphon.tiering.tier import BytesLike, Tier
+
+
+class ErasureIncomplete(RuntimeError):
+    """An erasure's removals may not all be off the disk: run it again later."""
+
+
+def unopened_file_error(path: Path) -> ErasureIncomplete:
+    return ErasureIncomplete(
+        f"the SSD tier's slot file {path}, left by an earlier start, is not open (the SSD tier "
+        "is off or its directory unusable): erasures wait for a start that opens it (delete "
+        "the file if the SSD tier stays off)")
 
 
 class TieredStore:
@@ -33,8 +45,21 @@ class TieredStore:
             raise ValueError(f"tier names must be unique, got {names}")
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.promote_on_hit = promote_on_hit
+        # A slot file of KV left by an earlier start, in the SSD tier's directory, that no
+        # tier has open (the tier is off, or its directory unusable): erasures cannot reach it
+        self.unopened_ssd_file: Path | None = None
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
         self._write_down = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-write-down")
+
+    def check_erasures_durable(self) -> None:
+        """Raise `ErasureIncomplete` where removals may not have reached the disk: a slot file
+        of an earlier start that no tier has open, or removed slots whose clear failed (each
+        tier's `clear_slots` tries those again). The caller keeps its erasure to run again."""
+        if self.unopened_ssd_file is not None:
+            raise unopened_file_error(self.unopened_ssd_file)
+        uncleared = {tier.name: n for tier in self.tiers if (n := tier.uncleared_slots)}
+        if uncleared:
+            raise ErasureIncomplete(f"removed slots whose clear on disk failed: {uncleared}")
 
     def put(self, key: ChunkKey, data: BytesLike) -> bool:
         """Store `data` in the fastest tier that accepts it and in the slowest tier.

@@ -664,6 +664,7 @@ class TierPlanner:
             tier.barrier().result()  # its queued erasures, on disk
         with self._lock:
             self.counters.chunk_layers_forgotten += erased
+        self.store.check_erasures_durable()
         return erased, kept
 
     def stats(self) -> dict[str, Any]:

@@ -88,6 +88,9 @@ class SsdTier(IndexedTier[SsdSlot]):
         self.directory = private_dir(Path(directory))
         self._lock_fd: int | None = _lock_directory(self.directory)
         self._writer: WriteBehind | None = None
+        # Free slots whose old record a clear failed to erase on disk: a restart would serve
+        # it again. Each later `clear_slots` tries again; a record written there ends it.
+        self._uncleared: set[int] = set()
         try:
             self._file = SlotFile(self.directory, slot_bytes, fsync=fsync)
         except BaseException:
@@ -179,9 +182,17 @@ class SsdTier(IndexedTier[SsdSlot]):
         return removed, slot if removed else None
 
     def clear_slots(self, slots: Iterable[int]) -> None:
-        """Queue the clearing of removed slots on disk (each only if still free then)."""
-        for slot in slots:
+        """Queue the clearing of removed slots on disk (each only if still free then), and
+        again of those whose clear failed before."""
+        with self._lock:
+            retry = {slot for slot in self._uncleared if not self._slots.is_allocated(slot)}
+        for slot in sorted(retry.union(slots)):
             self._clear_behind(slot)
+
+    @property
+    def uncleared_slots(self) -> int:
+        with self._lock:
+            return len(self._uncleared)
 
     def barrier(self) -> Future[bool]:
         if self._writer is None:
@@ -235,8 +246,12 @@ class SsdTier(IndexedTier[SsdSlot]):
                 if self._index.get(key) is entry:
                     self._index.remove(key)
                     self._free(key, entry)
+            # The slot may still hold the record an erasure skipped clearing because this
+            # write was to replace it. A write queued into the slot meanwhile runs after this.
+            self._clear_now(location.slot)
             return False
         with self._lock:
+            self._uncleared.discard(location.slot)  # the new record replaced the old
             if self._index.get(key) is entry:
                 location.pending = None
                 return True
@@ -247,15 +262,23 @@ class SsdTier(IndexedTier[SsdSlot]):
         (a new record for it is queued behind the clear, or was written before it)."""
         def clear() -> bool:
             with self._lock:
-                if self._slots.is_allocated(slot):
-                    return False
-            try:
-                self._file.clear(slot)
-            except OSError as e:
-                log.warning("%s: cannot clear slot %d (%s)", self.name, slot, e)
-                return False
-            return True
+                if self._slots.is_allocated(slot):  # its new record replaces the old, or
+                    return True  # `_write` clears the slot if that write fails
+            return self._clear_now(slot)
         self._submit(clear)
+
+    def _clear_now(self, slot: int) -> bool:
+        """Writer thread: clear `slot`'s header; a failure is kept in `uncleared_slots`."""
+        try:
+            self._file.clear(slot)
+        except OSError as e:
+            log.warning("%s: cannot clear slot %d (%s)", self.name, slot, e)
+            with self._lock:
+                self._uncleared.add(slot)
+            return False
+        with self._lock:
+            self._uncleared.discard(slot)
+        return True
 
     def _erase_stale(self, slots: list[int]) -> bool:
         """Writer thread: erase the slots `_rebuild` found holding records it cannot serve.
@@ -265,6 +288,8 @@ class SsdTier(IndexedTier[SsdSlot]):
             self._file.erase(slots)
         except OSError as e:
             log.warning("%s: cannot erase %d stale slots (%s)", self.name, len(slots), e)
+            with self._lock:  # (a superseded record would be served once the newer goes)
+                self._uncleared.update(slots)
             return False
         return True
 

@@ -105,6 +105,12 @@ class Tier(abc.ABC):
         """Finish the clearing `remove_later` left (none in a tier that clears at once)."""
         del slots  # nothing to clear
 
+    @property
+    def uncleared_slots(self) -> int:
+        """Removed entries whose bytes a failed clear left where a restart would find them
+        (retried by each `clear_slots`); 0 in a tier that keeps nothing across restarts."""
+        return 0
+
     @abc.abstractmethod
     def evict(self, num_bytes: int) -> int:
         """Evict unpinned entries in policy order until `num_bytes` bytes are free.
