@@ -84,9 +84,10 @@ class Generation:
     replaces_reply: bool = False  # a session turn: its reply replaces the session's last one
     tool_use: ToolUse | None = None  # a chat completion with tools: how its reply holds calls
     session_claim: str | None = None  # a session turn: its hold on the session (`claim`)
-    # a session turn that committed its user message: the message, and the title it gave the
-    # session (if it named it), to withdraw both if the engine refuses the turn
-    committed_message: str | None = None
+    # a session turn that committed messages (a user's, or tools' results): their role and
+    # contents, and the title they gave the session (if they named it), to withdraw all of it
+    # if the engine refuses the turn
+    committed: tuple[str, tuple[str, ...]] | None = None
     committed_title: str | None = None
 
     @property

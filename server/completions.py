@@ -12,18 +12,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from antiphon.engine_ext.types import ChatTurn, RequestClass, ToolCall, ToolSpec
+from antiphon.engine_ext.types import ChatTurn, RequestClass, ToolCall
 from antiphon.server.chat import ChatService, Generation, total_usage
 from antiphon.server.errors import ApiError, ErrorCode, over_limit
-from antiphon.server.protocol import ID_PATTERN, Sampling, StrictBool, StrictInt
+from antiphon.server.protocol import ID_PATTERN, Sampling, StrictBool, StrictInt, ToolOffer
 from antiphon.server.tools import (
     MessageToolCall,
-    NamedToolChoice,
-    ToolChoice,
-    ToolDefinition,
-    ToolUse,
     reply_message,
-    reply_schema,
 )
 
 
@@ -96,7 +91,7 @@ IGNORED_PARAMETERS = frozenset({
 })
 
 
-class ChatCompletionRequest(Sampling):
+class ChatCompletionRequest(ToolOffer):
     """OpenAI's chat-completion request, with vLLM's sampling extensions (`Sampling`, and
     `ignore_eos`). A parameter the server does not know is refused, as OpenAI refuses one;
     `null` means the default, as in OpenAI's API."""
@@ -114,13 +109,6 @@ class ChatCompletionRequest(Sampling):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    tools: list[ToolDefinition] | None = None
-    """Functions the model may call (`--max-tools` at most, names unique): see
-    `server/tools.py`."""
-    tool_choice: ToolChoice | None = None
-    """"auto" with tools (the default), "none", "required", or a function named."""
-    parallel_tool_calls: StrictBool | None = None
-    """False: one call at most (default true)."""
     vllm_xargs: dict[str, Any] | None = None
     """Antiphon reads `request_class` ("rt" or "be"), `ttft_slo_s`, `tpot_slo_s` and
     `session_id` here."""
@@ -137,51 +125,12 @@ class ChatCompletionRequest(Sampling):
         check_stream_options(self.stream, self.stream_options)
         return self
 
-    @model_validator(mode="after")
-    def _tools_consistent(self) -> ChatCompletionRequest:
-        names = [t.function.name for t in self.tools or ()]
-        if len(set(names)) != len(names):
-            raise ValueError("tools must have different names")
-        choice = self.tool_choice
-        if choice not in (None, "none", "auto") and not names:
-            raise ValueError("tool_choice other than none or auto needs tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one "
-                             "of the tools")
-        return self
-
-    def tool_use(self) -> ToolUse | None:
-        """How the reply holds tool calls; None where it holds none (no tools, or
-        tool_choice "none")."""
-        choice = self.tool_choice or "auto"
-        if not self.tools or choice == "none":
-            return None
-        names = tuple(t.function.name for t in self.tools)
-        parallel = self.parallel_tool_calls is not False
-        if isinstance(choice, NamedToolChoice):
-            return ToolUse("function", names, choice.function.name, parallel)
-        if choice == "required":
-            return ToolUse("required", names, None, parallel)
-        structured = self.response_format is not None and self.response_format.type != "text"
-        return ToolUse("auto", names, None, parallel, structured)
-
-    def tool_specs(self) -> list[ToolSpec]:
-        """The tools the model is shown (none where tool_choice is "none")."""
-        if self.tool_use() is None:
-            return []
-        return [t.spec() for t in self.tools or ()]
-
     def sampling(self) -> dict[str, Any]:
         given = super().sampling()
         if self.ignore_eos is not None:
             given["ignore_eos"] = self.ignore_eos
         if self.logprobs:
             given["logprobs"] = self.top_logprobs or 0
-        use = self.tool_use()
-        if use is not None:  # the tools' schema, over (or around) the response_format's
-            schema = reply_schema(use, self.tool_specs(), given.pop("json_schema", None))
-            if schema is not None:
-                given["json_schema"] = schema
         return given
 
     @property

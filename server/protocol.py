@@ -10,10 +10,15 @@ Client to server::
      "max_tokens": int?, <sampling>}
     {"type": "regenerate", "session_id": str, "request_id": str?, "max_tokens": int?,
      <sampling>}  # answer the last user message again (see `Regenerate`)
-    <sampling>: as a chat completion's (`Sampling`): "temperature", "top_p", "top_k",
-    "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-    "stop", "seed", "response_format"; each optional (an unset temperature is the server's
-    --default-temperature, else the model's)
+    {"type": "tool_results", "session_id": str, "results": [{"tool_call_id": str,
+     "content": str}, ...], "request_id": str?, "max_tokens": int?, <sampling>}
+     # one result for each call of the session's last reply, then its next reply
+    <sampling>: as a chat completion's (`Sampling`, `ToolOffer`): "temperature", "top_p",
+    "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_tokens", "stop", "seed", "response_format", "logit_bias", and the tools the model
+    may call: "tools", "tool_choice", "parallel_tool_calls" (given with each turn, as in the
+    OpenAI API); each optional (an unset temperature is the server's --default-temperature,
+    else the model's)
     {"type": "typing", "session_id": str}
     {"type": "cancel", "request_id": str}
 
@@ -28,7 +33,11 @@ Server to client::
     {"type": "token", "request_id": str, "session_id": str, "text": str}
     {"type": "done", "request_id": str, "session_id": str, "finish_reason": str, "text": str,
      "usage": {...}, "timings": {"ttft_s": float, "tpot_s": float | null, "total_s": float},
-     "context_start": int}  # the first message the model still sees (0: all of them)
+     "context_start": int,  # the first message the model still sees (0: all of them)
+     "tool_calls": [{"id": str, "type": "function", "function": {"name": str,
+     "arguments": str}}, ...]?}  # a reply that called tools (finish_reason "tool_calls";
+     # "stop" for a function named by tool_choice): `token` frames and `text` carry its
+     # content only; the session's next turn is the calls' `tool_results`
     {"type": "error", "code": str, "message": str, "request_id": str | null}
     # a turn's error after its `accepted`: its user message stays (regenerate answers it),
     # except with code "bad_message": the engine refused the request, and the message is
@@ -44,7 +53,6 @@ import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -54,7 +62,16 @@ from pydantic import (
     model_validator,
 )
 
+from antiphon.engine_ext.types import ToolSpec
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
+from antiphon.server.schemas import SchemaObject
+from antiphon.server.tools import (
+    NamedToolChoice,
+    ToolChoice,
+    ToolDefinition,
+    ToolUse,
+    reply_schema,
+)
 
 # Ids are opaque tokens chosen by the server or the client; restricting their alphabet keeps them
 # safe to log and to use as keys.
@@ -68,22 +85,6 @@ StopText = Annotated[str, Field(min_length=1)]
 Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 
 
-MAX_SCHEMA_DEPTH = 100  # JSON levels of a schema the server walks (tools' rebuild them)
-
-
-def check_schema_depth(schema: Any) -> Any:
-    """`schema`, unless it nests deeper than `MAX_SCHEMA_DEPTH` JSON levels (ValueError).
-    Measured without recursion."""
-    level: list[Any] = [schema]
-    for _ in range(MAX_SCHEMA_DEPTH + 1):
-        level = [v for node in level if isinstance(node, (dict, list))
-                 for v in (node.values() if isinstance(node, dict) else node)]
-        if not level:
-            return schema
-    raise ValueError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-
-
-SchemaObject = Annotated[dict[str, Any], AfterValidator(check_schema_depth)]
 
 
 class JsonSchemaFormat(BaseModel):
@@ -170,6 +171,62 @@ class Sampling(BaseModel):
         return {name: value for name, value in given.items() if value is not None}
 
 
+class ToolOffer(Sampling):
+    """The tools a request offers the model (OpenAI's `tools`, `tool_choice`,
+    `parallel_tool_calls`; see `server/tools.py`): what a chat completion and a websocket turn
+    both take."""
+
+    tools: list[ToolDefinition] | None = None
+    """Functions the model may call (`--max-tools` at most, names unique)."""
+    tool_choice: ToolChoice | None = None
+    """"auto" with tools (the default), "none", "required", or a function named."""
+    parallel_tool_calls: StrictBool | None = None
+    """False: one call at most (default true)."""
+
+    @model_validator(mode="after")
+    def _tools_consistent(self) -> ToolOffer:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have different names")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice other than none or auto needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one "
+                             "of the tools")
+        return self
+
+    def tool_use(self) -> ToolUse | None:
+        """How the reply holds tool calls; None where it holds none (no tools, or
+        tool_choice "none")."""
+        choice = self.tool_choice or "auto"
+        if not self.tools or choice == "none":
+            return None
+        names = tuple(t.function.name for t in self.tools)
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            return ToolUse("function", names, choice.function.name, parallel)
+        if choice == "required":
+            return ToolUse("required", names, None, parallel)
+        structured = self.response_format is not None and self.response_format.type != "text"
+        return ToolUse("auto", names, None, parallel, structured)
+
+    def tool_specs(self) -> list[ToolSpec]:
+        """The tools the model is shown (none where tool_choice is "none")."""
+        if self.tool_use() is None:
+            return []
+        return [t.spec() for t in self.tools or ()]
+
+    def sampling(self) -> dict[str, Any]:
+        given = super().sampling()
+        use = self.tool_use()
+        if use is not None:  # the tools' schema, over (or around) the response_format's
+            schema = reply_schema(use, self.tool_specs(), given.pop("json_schema", None))
+            if schema is not None:
+                given["json_schema"] = schema
+        return given
+
+
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -200,8 +257,9 @@ class SessionDelete(_Msg):
     while a reply of it is streaming."""
 
 
-class TurnRequest(_Msg, Sampling):
-    """What every request for a reply carries: its session, ids, and how it is sampled."""
+class TurnRequest(_Msg, ToolOffer):
+    """What every request for a reply carries: its session, ids, how it is sampled, and the
+    tools the model may call."""
 
     session_id: Annotated[str, Field(pattern=ID_PATTERN)]
     request_id: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
@@ -224,6 +282,21 @@ class Regenerate(TurnRequest):
     type: Literal["regenerate"]
 
 
+class ToolResult(_Msg):
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)]
+    """The call it answers: one of the session's last reply's `tool_calls`."""
+    content: str
+    """What the tool returned (its size limit is the server's `max_content_chars`)."""
+
+
+class ToolResults(TurnRequest):
+    """The results of the tools the session's last reply called, one for each of its calls,
+    and a request for the reply that reads them (as OpenAI's `tool` messages)."""
+
+    type: Literal["tool_results"]
+    results: Annotated[list[ToolResult], Field(min_length=1)]
+
+
 class Typing(_Msg):
     type: Literal["typing"]
     session_id: Annotated[str, Field(pattern=ID_PATTERN)]
@@ -235,13 +308,13 @@ class Cancel(_Msg):
 
 
 ClientMessage = Annotated[
-    SessionOpen | SessionList | SessionRename | SessionDelete | ChatMessage | Regenerate | Typing
-    | Cancel,
+    SessionOpen | SessionList | SessionRename | SessionDelete | ChatMessage | Regenerate
+    | ToolResults | Typing | Cancel,
     Field(discriminator="type"),
 ]
 _client_adapter: TypeAdapter[ClientMessage] = TypeAdapter(ClientMessage)
 CLIENT_TYPES = ("session.open", "session.list", "session.rename", "session.delete", "message",
-                "regenerate", "typing", "cancel")
+                "regenerate", "tool_results", "typing", "cancel")
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from antiphon.engine_ext.tool_calls import HermesReader, parse_calls, read_reply
 from antiphon.engine_ext.types import ToolSpec
-from antiphon.server.protocol import SchemaObject
+from antiphon.server.schemas import SchemaObject
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's
 

@@ -13,14 +13,16 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
+from typing import Any
 
-from antiphon.engine_ext.types import ChatContext, ChatTurn
+from antiphon.engine_ext.types import ChatContext, ChatTurn, ToolCall
 from antiphon.server import protocol
 from antiphon.server.chat import ChatService, Generation
 from antiphon.server.errors import ApiError, ErrorCode, unexpected_error
 from antiphon.server.metrics import ServerMetrics
+from antiphon.server.tools import ToolStream, reply_message
 from antiphon.sessions.store import Message, Session, SessionStore
 
 logger = logging.getLogger(__name__)
@@ -201,7 +203,7 @@ class SessionTurns:
             return None
         try:
             return self.chat.engine.continue_chat(
-                [ChatTurn(m.role, m.content) for m in history], context)
+                [_turn(m) for m in history], context)
         except Exception:  # a delete goes on: the stored contexts are erased all the same
             logger.exception("session %s: its conversation did not render", session_id)
             return None
@@ -222,7 +224,7 @@ class SessionTurns:
             tokens = list(context.token_ids)  # the last exchange of an OpenAI-API client
         elif history:
             tokens = self.chat.engine.continue_chat(
-                [ChatTurn(m.role, m.content) for m in history], context, open_reply=False)
+                [_turn(m) for m in history], context, open_reply=False)
         else:
             return 0  # a new session: no conversation to bring forward yet
         return await self.chat.engine.advise(session_id, tokens, expected_arrival_s,
@@ -278,14 +280,27 @@ class SessionTurns:
         """
         if isinstance(msg, protocol.ChatMessage):
             self.chat.check_content(msg.content)
+        elif isinstance(msg, protocol.ToolResults):
+            for result in msg.results:
+                self.chat.check_content(result.content, may_be_empty=True)
+        self.chat.check_tools(len(msg.tools or ()))
         await self.get(owner, msg.session_id)
         hold = self.claim(msg.session_id)
         try:
             history, context, start = await asyncio.to_thread(self._history, msg.session_id)
-            turns = [ChatTurn(m.role, m.content) for m in history]
+            turns = [_turn(m) for m in history]
+            calls = unanswered_calls(history)
             replaces_reply = False
             if isinstance(msg, protocol.ChatMessage):
+                if calls:
+                    raise ApiError(ErrorCode.BAD_MESSAGE, f"the session's last reply called "
+                                   f"{len(calls)} tool(s): send their results (tool_results) "
+                                   "first, or regenerate the reply")
                 turns.append(ChatTurn("user", msg.content))
+            elif isinstance(msg, protocol.ToolResults):
+                check_results(msg.results, calls)
+                turns += [ChatTurn("tool", r.content, tool_call_id=r.tool_call_id)
+                          for r in msg.results]
             elif turns and turns[-1].role == "assistant":
                 turns.pop()  # its stored context, which covers it, no longer applies
                 replaces_reply = True
@@ -293,6 +308,7 @@ class SessionTurns:
                 raise ApiError(ErrorCode.BAD_MESSAGE, f"session {msg.session_id} has no "
                                "message to answer again")
             gen, cut = self._prepare_in_window(owner, msg, request_id, turns, context)
+            gen.tool_use = msg.tool_use()
             gen.context_start = start + cut
             gen.replaces_reply = replaces_reply
             gen.session_claim = hold
@@ -300,11 +316,16 @@ class SessionTurns:
                 logger.info("session %s outgrew the model's context: the model sees it from "
                             "message %d on", msg.session_id, start + cut)
                 await asyncio.to_thread(self.store.move_window, msg.session_id, start + cut)
+            if isinstance(msg, protocol.ToolResults):
+                count = self.chat.engine.count_tokens
+                await asyncio.to_thread(self.store.append_tool_results, msg.session_id, [
+                    (r.tool_call_id, r.content, count(r.content)) for r in msg.results])
+                gen.committed = ("tool", tuple(r.content for r in msg.results))
             if not isinstance(msg, protocol.ChatMessage):
                 return gen
             await asyncio.to_thread(self.store.append_message, msg.session_id, "user",
                                     msg.content, self.chat.engine.count_tokens(msg.content))
-            gen.committed_message = msg.content
+            gen.committed = ("user", (msg.content,))
             if not history:
                 title = title_text(msg.content)[:60]
                 named = bool(title) and await asyncio.to_thread(
@@ -341,12 +362,19 @@ class SessionTurns:
             self.release(session_id, gen.session_claim)
             if finished is not None:
                 finished()
+        # A reply that may call tools streams its content alone; the calls come with `done`.
+        calls = None if gen.tool_use is None else ToolStream(gen.tool_use)
+
+        async def send_tokens(texts: Sequence[str]) -> None:
+            for text in texts:
+                await emit(protocol.encode("token", request_id=rid, session_id=session_id,
+                                           text=text))
         try:
             try:
                 async with aclosing(self.chat.stream(gen, api="ws")) as pieces:
                     async for text in pieces:
-                        await emit(protocol.encode("token", request_id=rid,
-                                                   session_id=session_id, text=text))
+                        await send_tokens([text] if calls is None else
+                                          _contents(calls.feed(text)))
             except asyncio.CancelledError:
                 if not is_user_cancel():
                     raise
@@ -360,12 +388,15 @@ class SessionTurns:
                 settle()
                 await _emit_final(emit, protocol.error_frame(err, rid), is_user_cancel)
                 return
+            if calls is not None:  # what it held back, while it might have been calls
+                await send_tokens(_contents(calls.finish(gen.finish_reason)[0]))
+            reply = _reply(gen)
             try:
                 if gen.pieces or not gen.replaces_reply:  # a regenerate stopped before its
                     # first token keeps the old. Shielded: a disconnect while it runs must
                     # not save the reply a second time below.
                     # A cancel of a reply already whole: it is saved, and `done` says so.
-                    commit = asyncio.ensure_future(self._commit_reply(session_id, gen))
+                    commit = asyncio.ensure_future(self._commit_reply(session_id, gen, reply))
                     await _through_user_cancel(commit, is_user_cancel)
             except Exception as exc:  # the store failed (a full disk): say so, do not hang
                 settle()
@@ -375,10 +406,12 @@ class SessionTurns:
                     is_user_cancel)
                 return
             settle()
+            content, tool_calls, finish_reason = reply
             await _emit_final(emit, protocol.encode(
-                "done", request_id=rid, session_id=session_id, finish_reason=gen.finish_reason,
-                text=gen.text, usage=gen.usage(), timings=gen.timings(),
-                context_start=gen.context_start), is_user_cancel)
+                "done", request_id=rid, session_id=session_id, finish_reason=finish_reason,
+                text=content, usage=gen.usage(), timings=gen.timings(),
+                context_start=gen.context_start,
+                **({} if tool_calls is None else {"tool_calls": tool_calls})), is_user_cancel)
         except BaseException:
             # Disconnected or shut down mid-reply: keep what the user already saw.
             if commit is not None:  # saved, or being saved: let the save end
@@ -390,22 +423,22 @@ class SessionTurns:
             elif gen.pieces and not settled:  # (no save begun: none was due unless the reply
                 # has pieces; once settled, the session may hold a later turn's messages)
                 gen.finish_reason = gen.finish_reason or "cancelled"
-                await asyncio.shield(self._commit_reply(session_id, gen))
+                await asyncio.shield(self._commit_reply(session_id, gen, _reply(gen)))
             raise
         finally:
             settle()
 
     async def _withdraw_refused(self, session_id: str, gen: Generation, err: ApiError) -> bool:
         """A turn the engine refused before its first token (`bad_message`: its request is
-        invalid, say a schema the grammar backend cannot compile) takes back the user message
-        it committed, so that bad input changes nothing; True when it did. A turn the engine
-        failed keeps its message, for a regenerate to answer."""
+        invalid, say a schema the grammar backend cannot compile) takes back the messages it
+        committed, so that bad input changes nothing; True when it did. A turn the engine
+        failed keeps them, for a regenerate to answer."""
         if (err.code != ErrorCode.BAD_MESSAGE or gen.pieces or gen.output_token_ids
-                or gen.committed_message is None):
+                or gen.committed is None):
             return False
         try:
-            return await asyncio.to_thread(self.store.withdraw_message, session_id,
-                                           gen.committed_message, gen.committed_title)
+            return await asyncio.to_thread(self.store.withdraw_messages, session_id,
+                                           *gen.committed, gen.committed_title)
         except Exception:  # the store failed: the message stays, as for a failed turn
             logger.exception("session %s: withdrawing the message of refused turn %s failed",
                              session_id, gen.request_id)
@@ -419,10 +452,12 @@ class SessionTurns:
         the server's default), else the fewest whose removal (at a user message) leaves the
         rest within `context_refill_frac` of the model's context. Raises
         `context_length_exceeded` when the new message alone leaves no room."""
+        tools = msg.tool_specs()
+
         def prepare(window: list[ChatTurn], ctx: ChatContext | None) -> Generation:
             return self.chat.prepare(request_id, window, msg.max_tokens,
                                      session_id=msg.session_id, context=ctx, owner=owner,
-                                     **msg.sampling())
+                                     tools=tools, **msg.sampling())
 
         max_model_len, frac = self.chat.engine.max_model_len, self.chat.config.context_refill_frac
         # At most half what a cut leaves free: the conversation then grows by the other half
@@ -441,7 +476,7 @@ class SessionTurns:
         lo, hi = 0, len(starts) - 1  # the last start, the new message alone, always counts
         while lo < hi:  # the first start whose window fits the budget
             mid = (lo + hi) // 2
-            if len(self.chat.engine.render_chat(turns[starts[mid]:])) <= budget:
+            if len(self.chat.engine.render_chat(turns[starts[mid]:], tools=tools)) <= budget:
                 hi = mid
             else:
                 lo = mid + 1
@@ -458,8 +493,54 @@ class SessionTurns:
         num_messages, token_ids = stored
         return history, ChatContext(num_messages - start if num_messages else 0, token_ids), start
 
-    async def _commit_reply(self, session_id: str, gen: Generation) -> None:
+    async def _commit_reply(self, session_id: str, gen: Generation, reply: Reply) -> None:
+        content, tool_calls, finish_reason = reply
         context = self.chat.engine.context_tokens(gen.prompt_token_ids, gen.output_token_ids)
-        await asyncio.to_thread(self.store.append_message, session_id, "assistant", gen.text,
-                                gen.num_output_tokens, gen.finish_reason, context,
-                                replaces_reply=gen.replaces_reply)
+        await asyncio.to_thread(self.store.append_message, session_id, "assistant", content,
+                                gen.num_output_tokens, finish_reason, context,
+                                replaces_reply=gen.replaces_reply, tool_calls=tool_calls)
+
+
+# A reply as the session keeps it: its content, its calls of tools (None: it made none), and
+# its finish reason.
+Reply = tuple[str, list[dict[str, Any]] | None, str | None]
+
+
+def _reply(gen: Generation) -> Reply:
+    if gen.tool_use is None:
+        return gen.text, None, gen.finish_reason
+    message, finish_reason = reply_message(gen.text, gen.finish_reason, gen.tool_use)
+    return message["content"] or "", message.get("tool_calls"), finish_reason
+
+
+def _contents(deltas: Sequence[dict[str, Any]]) -> list[str]:
+    """The content pieces of `ToolStream` deltas (their calls come with `done`)."""
+    return [d["content"] for d in deltas if d.get("content")]
+
+
+def _turn(m: Message) -> ChatTurn:
+    """A stored message as the chat template sees it."""
+    calls = tuple(ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
+                  for c in m.tool_calls or ())
+    return ChatTurn(m.role, m.content, calls, m.tool_call_id)
+
+
+def unanswered_calls(history: Sequence[Message]) -> list[str]:
+    """The ids of the calls of tools the conversation's last reply made, if it is the last
+    message (none answered yet)."""
+    last = history[-1] if history else None
+    if last is None or last.role != "assistant" or not last.tool_calls:
+        return []
+    return [call["id"] for call in last.tool_calls]
+
+
+def check_results(results: Sequence[protocol.ToolResult], calls: Sequence[str]) -> None:
+    """Raises `bad_message` unless `results` answer each of `calls` once."""
+    if not calls:
+        raise ApiError(ErrorCode.BAD_MESSAGE, "the session's last reply called no tools: "
+                       "there is nothing for tool_results to answer")
+    given = [r.tool_call_id for r in results]
+    if sorted(given) != sorted(calls):
+        shown = ", ".join(repr(c) for c in calls[:8])
+        raise ApiError(ErrorCode.BAD_MESSAGE, f"tool_results must answer each call of the "
+                       f"last reply once: {shown}{' ...' if len(calls) > 8 else ''}")

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import json
 import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from antiphon.sqlite import SqliteDb
 
@@ -35,6 +37,8 @@ CREATE TABLE IF NOT EXISTS messages (
     num_tokens    INTEGER NOT NULL,
     finish_reason TEXT,
     created_at    REAL NOT NULL,
+    tool_calls    TEXT,  -- an assistant's calls of tools: JSON, as OpenAI's `tool_calls`
+    tool_call_id  TEXT,  -- a tool's result: the call it answers
     PRIMARY KEY (session_id, seq)
 );
 CREATE TABLE IF NOT EXISTS advisories (
@@ -110,14 +114,35 @@ class Session:
 
 @dataclasses.dataclass(frozen=True)
 class Message:
-    role: str  # "user" | "assistant"
+    role: str  # "user" | "assistant" | "tool"
     content: str
     num_tokens: int
     created_at: float
-    finish_reason: str | None = None  # assistant messages: "stop", "length", "cancelled"
+    # assistant messages: "stop", "length", "cancelled", "tool_calls"
+    finish_reason: str | None = None
+    # an assistant's calls of tools, as OpenAI's `tool_calls` ({"id", "type": "function",
+    # "function": {"name", "arguments"}}); None: it called none
+    tool_calls: tuple[dict[str, Any], ...] | None = None
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def to_json(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+        """As the APIs give it; the tool fields only where set."""
+        data = dataclasses.asdict(self)
+        for name in ("tool_calls", "tool_call_id"):
+            if data[name] is None:
+                del data[name]
+        if self.tool_calls is not None:
+            data["tool_calls"] = list(self.tool_calls)
+        return data
+
+
+_MESSAGE_COLUMNS = "role, content, num_tokens, created_at, finish_reason, tool_calls, tool_call_id"
+
+
+def _message(row: Sequence[Any]) -> Message:
+    calls = None if row[5] is None else tuple(json.loads(row[5]))
+    role, content, num_tokens, created_at, finish_reason = row[:5]
+    return Message(role, content, num_tokens, created_at, finish_reason, calls, row[6])
 
 
 # `Session`'s fields, from `sessions s`.
@@ -151,6 +176,16 @@ def _unpack_chains(blob: bytes) -> list[tuple[int, ...]]:
     return chains
 
 
+def _insert_message(db: sqlite3.Connection, session_id: str, m: Message) -> None:
+    """Insert `m` as the session's next message (seq one past its last)."""
+    calls = None if m.tool_calls is None else json.dumps(m.tool_calls)
+    db.execute(
+        f"INSERT INTO messages (session_id, seq, {_MESSAGE_COLUMNS}) SELECT ?,"
+        " COALESCE(MAX(seq), -1) + 1, ?, ?, ?, ?, ?, ?, ? FROM messages WHERE session_id = ?",
+        (session_id, m.role, m.content, m.num_tokens, m.created_at, m.finish_reason, calls,
+         m.tool_call_id, session_id))
+
+
 def new_session_id() -> str:
     return "s_" + secrets.token_urlsafe(12)
 
@@ -168,6 +203,11 @@ class SessionStore:
         # old chains; the server has its eraser run then.
         self.on_erasure_queued: Callable[[], None] | None = None
         self._db = SqliteDb(path, _SCHEMA, synchronous)
+        with self._db.transaction() as db:  # a database from before tool calls
+            columns = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
+            for column in ("tool_calls", "tool_call_id"):
+                if column not in columns:
+                    db.execute(f"ALTER TABLE messages ADD COLUMN {column} TEXT")
 
     def close(self) -> None:
         self._db.close()
@@ -219,22 +259,26 @@ class SessionStore:
                              (title, session_id, untitled))
         return cur.rowcount == 1
 
-    def withdraw_message(self, session_id: str, content: str, title: str | None = None,
-                         untitled: str = "New chat") -> bool:
-        """Delete the session's last message if it is a user message of `content` (one the
-        engine refused after it was committed), and, with `title`, give the session back its
-        untitled name if that message named it and nothing renamed it since. One
-        transaction; True when the message was deleted."""
+    def withdraw_messages(self, session_id: str, role: str, contents: Sequence[str],
+                          title: str | None = None, untitled: str = "New chat") -> bool:
+        """Delete the session's last messages if they are `contents`, in order, all of `role`
+        (what a turn the engine refused had committed), and, with `title`, give the session
+        back its untitled name if they named it and nothing renamed it since. One
+        transaction; True when the messages were deleted."""
         with self._db.transaction() as db:
-            cur = db.execute(
-                "DELETE FROM messages WHERE session_id = ? AND role = 'user' AND content = ?"
-                " AND seq = (SELECT MAX(seq) FROM messages WHERE session_id = ?)",
-                (session_id, content, session_id))
-            if cur.rowcount and title is not None:
+            rows = db.execute("SELECT seq, role, content FROM messages WHERE session_id = ?"
+                              " ORDER BY seq DESC LIMIT ?",
+                              (session_id, len(contents))).fetchall()
+            if not contents or [(r[1], r[2]) for r in reversed(rows)] != [
+                    (role, content) for content in contents]:
+                return False
+            db.execute("DELETE FROM messages WHERE session_id = ? AND seq >= ?",
+                       (session_id, rows[-1][0]))
+            if title is not None:
                 db.execute("UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?"
                            " AND NOT EXISTS (SELECT 1 FROM messages WHERE session_id = ?)",
                            (untitled, session_id, title, session_id))
-        return cur.rowcount == 1
+        return True
 
     def rename_session(self, owner: str, session_id: str, title: str) -> bool:
         """Set the title; `updated_at` (the last turn, which orders listings) stays."""
@@ -287,34 +331,31 @@ class SessionStore:
     def messages(self, session_id: str) -> list[Message]:
         with self._db.locked() as db:
             rows = db.execute(
-                "SELECT role, content, num_tokens, created_at, finish_reason FROM messages"
-                " WHERE session_id = ? ORDER BY seq",
+                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE session_id = ? ORDER BY seq",
                 (session_id,),
             ).fetchall()
-        return [Message(*r) for r in rows]
+        return [_message(r) for r in rows]
 
     def append_message(
         self, session_id: str, role: str, content: str, num_tokens: int,
         finish_reason: str | None = None, context_ids: Sequence[int] | None = None,
-        replaces_reply: bool = False,
+        replaces_reply: bool = False, tool_calls: Sequence[dict[str, Any]] | None = None,
     ) -> Message:
         """Append and commit one message (durable on return); bumps the session's updated_at.
         `context_ids`: the conversation's exact tokens through this message (`context`).
         `replaces_reply`: the session's last message, if a reply, is deleted in the same
-        transaction (a regenerated reply)."""
+        transaction (a regenerated reply). `tool_calls`: an assistant's calls of tools."""
         now = time.time()
         pruned = False
+        calls = None if tool_calls is None else tuple(tool_calls)
         with self._db.transaction() as db:
             if replaces_reply:
                 db.execute(
                     "DELETE FROM messages WHERE session_id = ? AND role = 'assistant' AND seq ="
                     " (SELECT MAX(seq) FROM messages WHERE session_id = ?)",
                     (session_id, session_id))
-            db.execute(
-                "INSERT INTO messages SELECT ?, COALESCE(MAX(seq), -1) + 1, ?, ?, ?, ?, ?"
-                " FROM messages WHERE session_id = ?",
-                (session_id, role, content, num_tokens, finish_reason, now, session_id),
-            )
+            _insert_message(db, session_id, Message(role, content, num_tokens, now,
+                                                    finish_reason, calls))
             db.execute("UPDATE sessions SET updated_at = ? WHERE session_id = ?",
                        (now, session_id))
             if context_ids is not None:
@@ -325,7 +366,21 @@ class SessionStore:
                     " WHERE session_id = ?",
                     (session_id, ids, session_id))
         self._erasure_queued(pruned)
-        return Message(role, content, num_tokens, now, finish_reason)
+        return Message(role, content, num_tokens, now, finish_reason, calls)
+
+    def append_tool_results(self, session_id: str,
+                            results: Sequence[tuple[str, str, int]]) -> list[Message]:
+        """Append and commit the results of tools, (tool_call_id, content, num_tokens) each,
+        in one transaction (durable on return); bumps the session's updated_at."""
+        now = time.time()
+        messages = [Message("tool", content, num_tokens, now, tool_call_id=call_id)
+                    for call_id, content, num_tokens in results]
+        with self._db.transaction() as db:
+            for message in messages:
+                _insert_message(db, session_id, message)
+            db.execute("UPDATE sessions SET updated_at = ? WHERE session_id = ?",
+                       (now, session_id))
+        return messages
 
     def set_context(self, session_id: str, token_ids: Sequence[int]) -> None:
         """Keep `token_ids` as the session's context with no messages behind it

@@ -207,3 +207,70 @@ def test_tokenize_renders_the_tools_as_a_completion_does(agent: Scripted) -> Non
     assert tokens.json()["tokens"] == _last_prompt(agent)
     refused = httpx.post(agent.url + "/tokenize", json={"prompt": "a", "tools": [WEATHER]})
     assert refused.status_code == 400 and "tools are for messages" in refused.text
+
+
+# -- the websocket API ---------------------------------------------------------------------
+
+
+async def test_a_websocket_turn_calls_a_tool_and_the_session_keeps_the_exchange(
+        agent: Scripted) -> None:
+    """Tools over `/v1/ws`: the reply's calls come with `done` (its tokens carry the content
+    alone), `tool_results` answers them, and the session keeps the calls and the results, as
+    a reopen shows and the next prompt renders."""
+    from websockets.asyncio.client import connect
+
+    from tests.wsclient import chat, open_session, recv_until, send
+
+    async with connect(agent.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        first = await chat(ws, sid, "Weather in Paris?", tools=[WEATHER])
+        done = first["done"]
+        assert done["finish_reason"] == "tool_calls" and done["text"] == "Checking."
+        assert "".join(t["text"] for t in first["tokens"]) == "Checking."
+        (call,) = done["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+        # The calls must be answered before the conversation goes on, each once.
+        await send(ws, type="message", session_id=sid, content="Hello?", request_id="m")
+        assert (await recv_until(ws, "error"))[-1]["code"] == "bad_message"
+        for wrong in ([], [{"tool_call_id": "call_other", "content": "x"}],
+                      [{"tool_call_id": call["id"], "content": "x"}] * 2):
+            await send(ws, type="tool_results", session_id=sid, results=wrong,
+                       request_id="w", tools=[WEATHER])
+            assert (await recv_until(ws, "error"))[-1]["code"] == "bad_message"
+
+        await send(ws, type="tool_results", session_id=sid, request_id="t", tools=[WEATHER],
+                   results=[{"tool_call_id": call["id"], "content": "18 C"}])
+        frames = await recv_until(ws, "done")
+        assert frames[-1]["text"] == "It is 18 C in Paris."
+        assert frames[-1]["finish_reason"] == "stop" and "tool_calls" not in frames[-1]
+        prompt = "".join(map(chr, _last_prompt(agent)))
+        assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                "</tool_call>" in prompt and "<tool_response>\n18 C\n</tool_response>" in prompt)
+        assert "<tools>" in prompt
+
+        messages = (await open_session(ws, sid))["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+        assert messages[1]["tool_calls"] == [call] and messages[1]["content"] == "Checking."
+        assert messages[2]["tool_call_id"] == call["id"] and messages[2]["content"] == "18 C"
+        assert "tool_calls" not in messages[0] and "tool_call_id" not in messages[3]
+
+        later = await chat(ws, sid, "Thanks!", tools=[WEATHER])  # the session goes on
+        assert later["done"]["finish_reason"] in ("stop", "tool_calls")
+
+
+async def test_a_websocket_turn_with_a_named_function_streams_no_content(
+        agent: Scripted) -> None:
+    from websockets.asyncio.client import connect
+
+    from tests.wsclient import chat, open_session
+
+    agent.engine.reply = lambda turns: '{"city": "Oslo"}'
+    async with connect(agent.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        r = await chat(ws, sid, "Weather in Oslo?", tools=[WEATHER],
+                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r["tokens"] == [] and r["done"]["text"] == ""
+    assert r["done"]["finish_reason"] == "stop"
+    (call,) = r["done"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}

@@ -306,6 +306,12 @@ const handlers = {
     const bubbles = (Array.isArray(msg.messages) ? msg.messages : []).map((m) => {
       const { root } = makeBubble(m.role, m.content ?? "");
       if (m.finish_reason === "cancelled") root.classList.add("cancelled"); // cut short
+      // A conversation an app held over the websocket API with tools: calls and results.
+      if (m.role === "tool") root.prepend(el("div", "msg-note tool-note", "Tool result"));
+      for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : []) {
+        const fn = call?.function ?? {};
+        root.append(el("div", "msg-note tool-note", `Called ${fn.name}(${fn.arguments ?? ""})`));
+      }
       return root;
     });
     // Replies still streaming for this session stay visible after a re-open.
