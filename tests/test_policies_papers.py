@@ -126,6 +126,27 @@ def test_resident_prefixes_count_whole_shared_pages_but_never_the_last_token() -
     same = view("w2", BE, prompt=64, prefix_page_hashes=chain("a", "b", "c", "d"))
     assert resident.num_cached_tokens(same) == 3 * PAGE  # the last token is always computed
     assert resident.num_cached_tokens(view("w3", BE, prompt=64)) == 0
+    # The scheduler's view counts the device's prefix hit as computed already: only what lies
+    # beyond it is more.
+    seen = view("w4", BE, prompt=80, computed=2 * PAGE,
+                prefix_page_hashes=chain("a", "b", "c", "z", "q"))
+    assert resident.num_cached_tokens(seen) == PAGE
+    assert resident.num_cached_tokens(dataclasses.replace(seen, num_computed_tokens=64)) == 0
+
+
+@pytest.mark.parametrize("name", ["echo", "hygen"])
+def test_a_be_request_over_a_document_a_running_one_holds_is_admitted(name: str) -> None:
+    """Batch items asking questions over one document: the scheduler's view counts the
+    document's pages (held by the running item) as computed, and the policies counted them
+    again: the waiting item had fewer than no tokens to compute and was never admitted."""
+    doc = chain("a", "b", "c", "d", "e", "f", "g", "h")
+    running = view("q1", BE, prompt=140, computed=145, output=6, running=True,
+                   prefix_page_hashes=doc)
+    waiting = view("q2", BE, prompt=140, computed=8 * PAGE, prefix_page_hashes=doc)
+    cost = CostModel("hygen", {"intercept_s": 0.01, "prefill_token_s": 1e-4,
+                               "decode_request_s": 1e-3})
+    plan = make_policy(name, cost).plan([running, waiting], budget())
+    assert "q2" in plan.order
 
 
 @settings(max_examples=60, deadline=None)

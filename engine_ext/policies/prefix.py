@@ -83,7 +83,10 @@ class ResidentPrefixes:
 
     def num_cached_tokens(self, view: RequestView) -> int:
         """Tokens of waiting `view` found resident (whole pages, and never its last token,
-        which vLLM always computes); 0 for running requests."""
+        which vLLM always computes) beyond those its view counts as computed already (the
+        scheduler's view counts the device's prefix hit, pages running requests hold among
+        them: counted twice, a request sharing a running one's document came out with fewer
+        than no tokens to compute, and was never admitted); 0 for running requests."""
         hashes = view.prefix_page_hashes
         if view.is_running or not hashes or hashes[0] not in self._num_holders:
             return 0
@@ -97,4 +100,4 @@ class ResidentPrefixes:
                 hi = mid - 1
         num_tokens = view.num_prompt_tokens + view.num_output_tokens
         max_pages = max(0, num_tokens - 1) // self.page_tokens
-        return min(lo, max_pages) * self.page_tokens
+        return max(0, min(lo, max_pages) * self.page_tokens - view.num_computed_tokens)
