@@ -286,7 +286,9 @@ class AntiphonScheduler(Scheduler):
         settings = self.settings
         aim = 1.0 - settings.slo_headroom
         num_computed, num_restore = request.num_computed_tokens, 0
-        if not is_running:
+        # A request asking for its prompt's logprobs computes its whole prompt: vLLM reads no
+        # cached KV for it, the device's or the tiers' (`skip_reading_prefix_cache`).
+        if not is_running and not request.skip_reading_prefix_cache:
             # What admission will find is not computed: pages still in the device's prefix
             # cache (a preempted request's, a shared prefix) and what the KV tiers will load. A
             # follow-up turn whose context is stored costs its new message, not its prompt.

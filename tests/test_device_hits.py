@@ -86,3 +86,30 @@ def test_an_unchanged_hit_is_not_looked_up_again_until_the_memo_is_old() -> None
     assert pool.lookups == 1
     AntiphonScheduler._device_cached_tokens(sched, request)  # type: ignore[arg-type]
     assert pool.lookups == 2  # refreshed in full
+
+
+def test_a_request_that_reads_no_cached_kv_is_viewed_as_computing_its_whole_prompt() -> None:
+    """vLLM reads neither the device's prefix cache nor the KV tiers for a request asking for
+    its prompt's logprobs; the view counted the hit as computed, and the policy left the
+    request's prefill unbounded: a 911-token chunk in one 7 s step past a 0.05 s guard."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from antiphon.engine_ext.config import SchedulerSettings
+    from antiphon.engine_ext.schedstats import SchedulerStats
+
+    pool = Pool()
+    hashes = [bytes([i]) * 8 for i in range(62)]
+    pool.cached.update(hashes)
+    sched = scheduler(pool)
+    sched.stats = SchedulerStats()
+    sched.settings = SchedulerSettings(policy="bros")
+    sched._stored_prefix_tokens = lambda request: 62 * PAGE  # the tiers hold it all too
+    sched._first_token_s, sched._checkpoint_cost = {}, None
+    sched._device_cached_tokens = lambda r: AntiphonScheduler._device_cached_tokens(sched, r)
+    for prompt_logprobs, computed in ((None, 62 * PAGE), (1, 0)):
+        params = SamplingParams(max_tokens=16, prompt_logprobs=prompt_logprobs)
+        request = Request("r", list(range(1000)), params, None)
+        request.block_hashes = hashes
+        view = AntiphonScheduler._view(sched, request, is_running=False)  # type: ignore[arg-type]
+        assert view.num_computed_tokens == computed
