@@ -255,3 +255,60 @@ def test_with_nothing_running_a_turn_short_of_pages_holds_nobody_back() -> None:
     views = [view("follow_up", arrival=0.0, prompt=80), view("fresh", arrival=0.5, prompt=8),
              view("be", BE, prompt=8)]
     assert policy.plan(views, budget(now=1.0, free_pages=2)).order == ["fresh", "be"]
+
+
+# -- review: RT tokens that BE work delayed -----------------------------------------------------
+
+SLO = {"ttft_slo_s": 1.0, "tpot_slo_s": 0.1}
+LINEAR = {"intercept_s": 0.01, "prefill_token_s": 5e-4, "decode_request_s": 1e-3}
+
+
+def _stream(rid: str, now: float, slack: float, prompt: int = 32) -> RequestView:
+    """A decoding RT stream whose next token is due `slack` seconds from `now`."""
+    return RequestView(rid, RT, now - 2.0, prompt, prompt + 4, 5, True,
+                       first_token_s=now + slack - 0.5, **SLO)  # type: ignore[arg-type]
+
+
+def _planned_s(cost: CostModel, plan_views: list[RequestView], limits: dict[str, int]) -> float:
+    shape = StepShape()
+    for v in plan_views:
+        new = limits.get(v.request_id, v.num_new_tokens)
+        shape = shape.plus(new, v.num_computed_tokens + new, v.is_prefill)
+    return cost.planning_s(shape)
+
+
+@pytest.mark.parametrize("name", ["bros", "echo"])
+def test_be_work_does_not_stretch_the_step_of_a_late_rt_token(name: str) -> None:
+    """bros sized BE work to the one positive slack left (a new turn's TTFT, 0.7 s) once an
+    RT token was late; echo counted no punishment for a token already late. Either way the
+    late stream waited the whole BE chunk. A late token now counts as due one TPOT away."""
+    now, cost = 10.0, CostModel("hygen", LINEAR)
+    late = _stream("late", now, slack=-0.05)
+    fresh = view("fresh", arrival=now - 0.3, prompt=40)
+    doc = view("doc", BE, prompt=5000)
+    for views in ([late, doc], [late, fresh, doc]):
+        plan = make_policy(name, cost).plan(views, budget(now=now))
+        chosen = [v for v in views if v.request_id in plan.order]
+        assert _planned_s(cost, chosen, plan.token_limits) <= 0.1 + 1e-9
+
+
+def test_bros_keeps_be_work_within_an_on_time_token_due_before_the_tpot_floor() -> None:
+    now, cost = 10.0, CostModel("hygen", LINEAR)
+    soon = _stream("soon", now, slack=0.03)
+    doc = view("doc", BE, prompt=500)
+    plan = make_policy("bros", cost).plan([soon, doc], budget(now=now))
+    chosen = [v for v in (soon, doc) if v.request_id in plan.order]
+    assert _planned_s(cost, chosen, plan.token_limits) <= 0.03 + 1e-9
+
+
+def test_bros_tries_the_rt_requests_behind_an_on_time_decode_that_does_not_fit() -> None:
+    """The paper stops packing RT at the first that does not fit the step; BE work then took
+    the time a waiting turn behind it could have used."""
+    now = 10.0
+    cost = CostModel("hygen", {**LINEAR, "decode_context_s": 1e-5})
+    urgent = _stream("urgent", now, slack=0.1)
+    long_context = _stream("long", now, slack=0.3, prompt=10000)
+    turn = view("turn", arrival=now - 0.05, prompt=64)
+    plan = make_policy("bros", cost).plan([urgent, long_context, turn, view("doc", BE, prompt=500)],
+                                          budget(now=now))
+    assert plan.order[:2] == ["urgent", "turn"] and "long" not in plan.order

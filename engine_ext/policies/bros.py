@@ -36,16 +36,25 @@ from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 MIN_RT_PREFILL_CHUNK = 16  # tokens a late RT prefill computes at least, per step
 
 
-def residual_time_s(rts: Sequence[RequestView], now: float) -> float:
-    """`T_res`: time left for this step, the smallest slack among RT tokens that can still be
-    on time. A token already late cannot be saved by a shorter step, so it does not shrink the
-    step below the smallest TPOT target (the step time an on-time stream needs); without this,
-    one late request would limit every step to itself and starve everything else."""
+def be_time_s(rts: Sequence[RequestView], now: float) -> float:
+    """The step time RT tokens leave BE work: the smallest slack among them, a token already
+    late counting as due one TPOT target from now (a shorter step cannot save it; one of that
+    length keeps its stream at its pace). A late token was left out, and BE work then filled
+    the step to the next slack, a TTFT's 0.7 s say, while the late stream waited."""
     if not rts:
         return float("inf")
-    floor = min(v.tpot_slo_s or 0.0 for v in rts)
-    live = [s for s in (v.slack_s(now) for v in rts) if s > 0]
-    return max(min(live), floor) if live else floor
+    return min(s if s > 0 else v.tpot_slo_s or 0.0 for v, s in ((v, v.slack_s(now))
+                                                                 for v in rts))
+
+
+def residual_time_s(rts: Sequence[RequestView], now: float) -> float:
+    """`T_res`, the time RT packing fills: `be_time_s`, but never below the smallest TPOT
+    target (the step time an on-time stream needs); without this, one urgent request would
+    limit every step to itself and starve the other RT requests. BE work gets `be_time_s`
+    alone: with the floor, it filled the step past an on-time token due sooner."""
+    if not rts:
+        return float("inf")
+    return max(be_time_s(rts, now), min(v.tpot_slo_s or 0.0 for v in rts))
 
 
 def rt_prefill_chunk(view: RequestView, batch: StepBatch, limit_s: float, now: float) -> int:
@@ -102,7 +111,9 @@ class BrosPolicy(Policy):
                 if view.is_prefill:
                     new = rt_prefill_chunk(view, batch, time_limit, now)
                 elif view.slack_s(now) > 0:
-                    break
+                    # It waits a step; the RT requests behind it in slack order may still fit
+                    # (the paper stops here, and BE work then took the time they could use).
+                    continue
                 # else a decode already late goes in past the limit (not in the paper): left
                 # out, its next token would come a whole step later still. Late decodes come
                 # first in slack order, so no on-time token is in the batch yet. Measured with
@@ -127,8 +138,9 @@ class BrosPolicy(Policy):
             victims.take_until(pages, batch, plan)
             batch.add(view, new, pages)
 
-        be_limit = min(time_limit, budget.max_be_step_s)
-        is_slack_limited = time_limit <= budget.max_be_step_s
+        be_time = be_time_s(rts, now)
+        be_limit = min(be_time, budget.max_be_step_s)
+        is_slack_limited = be_time <= budget.max_be_step_s
         is_at_risk = self._add_be(bes, batch, plan, cap, be_limit, is_slack_limited,
                                   is_admission_blocked) or is_at_risk
         # A waiting BE request may not start on the pages a waiting RT turn needs, unless the
