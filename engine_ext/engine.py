@@ -275,13 +275,19 @@ def _prompt_logprobs(out: Any, top: int | None) -> tuple[TokenLogprob | None, ..
                                                  strict=True))
 
 
+# The lowest logprob reported, as vLLM's own server clamps them: structured output masks
+# tokens, whose logprob is then -inf, which JSON cannot carry.
+MIN_LOGPROB = -9999.0
+
+
 def _ranked(candidates: Mapping[int, Any], token_id: int, top: int) -> TokenLogprob:
     """`token_id`'s logprob among vLLM's `candidates`, with the `top` likeliest by rank."""
     chosen = candidates[token_id]
     ranked = sorted((c for c in candidates.values() if c.rank is not None and c.rank <= top),
                     key=lambda c: c.rank)
-    return TokenLogprob(chosen.decoded_token or "", float(chosen.logprob),
-                        tuple((c.decoded_token or "", float(c.logprob)) for c in ranked))
+    return TokenLogprob(chosen.decoded_token or "", max(float(chosen.logprob), MIN_LOGPROB),
+                        tuple((c.decoded_token or "", max(float(c.logprob), MIN_LOGPROB))
+                              for c in ranked))
 
 
 class VllmEngine(Engine):

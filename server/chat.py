@@ -66,6 +66,7 @@ class Generation:
     engine_request_id: str = dataclasses.field(
         default_factory=lambda: "q_" + secrets.token_urlsafe(12))
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))  # unix seconds
     pieces: list[str] = dataclasses.field(default_factory=list)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_output_tokens: int = 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import re
 import secrets
-import time
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -277,7 +276,7 @@ def completion_object(gens: Sequence[Generation], model: str) -> dict[str, Any]:
     """The non-streaming `chat.completion` response of a request's finished choices."""
     return {
         "id": "chatcmpl-" + gens[0].request_id, "object": "chat.completion",
-        "created": int(time.time()), "model": model,
+        "created": gens[0].created, "model": model,
         "choices": [_choice(g) for g in gens],
         "usage": total_usage(gens),
     }

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -130,9 +129,23 @@ async def _respond(request: Request, gens: list[Generation], slot: Slot,
                       is_text=is_text)
         # Its first event before the response starts: a request the engine refuses (a
         # schema its grammar backend cannot take) is a 400, as unstreamed, not a 200 with an
-        # error event. It comes with the first token, or the first ping.
+        # error event. It comes with the first token, or the first ping. A client that leaves
+        # before it ends the request (it ran on until its first token, holding its slot).
+        opening = asyncio.ensure_future(anext(stream))
+        watch = asyncio.create_task(_disconnected(request))
         try:
-            first = await anext(stream)
+            await asyncio.wait((opening, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (opening, watch):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(opening, watch, return_exceptions=True)
+        if opening.cancelled():
+            await stream.aclose()
+            await release()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        try:
+            first = opening.result()
         except StopAsyncIteration:
             first = None
         # The release also runs after the stream: a client gone before its first chunk
@@ -167,11 +180,7 @@ async def _complete_unless_gone(ctx: AppContext, gens: list[Generation],
         for gen in gens:
             await ctx.turns.record_exchange(gen)
 
-    async def disconnected() -> None:  # the body is read: the next message is the disconnect
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.create_task(run()), asyncio.create_task(disconnected())
+    work, watch = asyncio.create_task(run()), asyncio.create_task(_disconnected(request))
     try:
         await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -185,6 +194,12 @@ async def _complete_unless_gone(ctx: AppContext, gens: list[Generation],
     return True
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns once the client disconnects (the body is read: the next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _resumed(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str]:
     """`first`, then the rest of the stream it came from."""
     async with aclosing(rest):  # type: ignore[type-var]
@@ -195,14 +210,14 @@ async def _resumed(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator
 
 
 async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, model: str,
-               include_usage: bool, slot: Slot, is_text: bool = False) -> AsyncIterator[str]:
+               include_usage: bool, slot: Slot, is_text: bool = False) -> AsyncGenerator[str, None]:
     """The stream of a chat completion's chunks, or with `is_text` a text completion's, each
     chunk one choice's. A chat choice opens with the assistant's role when its first token is
     there, as in vLLM's and OpenAI's streams: a client timing its first chunk times the first
     token. A choice's final chunk comes when it is finished (a session turn's once its
     exchange is kept), the usage last where asked. An SSE comment goes out every
     `--sse-ping-s` with nothing else to send."""
-    created = int(time.time())
+    created = gens[0].created  # when the request came, as unstreamed
     tool_streams = [None if g.tool_use is None else ToolStream(g.tool_use) for g in gens]
     sent_logprobs = [0] * len(gens)  # output tokens whose logprobs went out, per choice
     opened = [False] * len(gens)  # the choice's first chunk went out
@@ -214,7 +229,7 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
             "object": "text_completion" if is_text else "chat.completion.chunk"}
         if usage:
             payload["usage"] = usage
-        return "data: " + json.dumps(payload, ensure_ascii=False) + "\n\n"
+        return "data: " + json.dumps(payload, ensure_ascii=False, allow_nan=False) + "\n\n"
 
     def chunks(i: int, text: str | None, finish_reason: str | None = None) -> list[str]:
         """Choice `i`'s next chunks: for new text, or (None) its end. A chat choice's first

@@ -14,7 +14,6 @@ computed afresh: such a prompt is not served from cached KV.
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Sequence
 from typing import Annotated, Any, cast
 
@@ -262,6 +261,6 @@ def legacy_logprobs(gen: Generation, start: int = 0,
 def text_completion_object(gens: Sequence[Generation], model: str) -> dict[str, Any]:
     """The non-streaming `text_completion` response of a request's finished choices."""
     return {"id": "cmpl-" + gens[0].request_id, "object": "text_completion",
-            "created": int(time.time()), "model": model,
+            "created": gens[0].created, "model": model,
             "choices": [text_choice(g, g.text, 0, g.finish_reason, opens=True) for g in gens],
             "usage": total_usage(gens)}

@@ -646,3 +646,46 @@ def test_stream_options_and_a_schemaless_json_schema_as_openai_takes_them(
         assert scripted.engine.params[-1].json_schema == '{"type": "object"}'
     else:
         assert r.status_code == 400 and refused in r.json()["error"]["message"], r.text
+
+
+def test_a_stream_whose_client_leaves_before_its_first_token_is_aborted(
+        scripted: Scripted) -> None:
+    """The response waits for the first token (a refusal is then a 400); a client gone
+    meanwhile left the request running, and holding its slot of the key's limit, until then:
+    each client timeout and retry added one more."""
+    scripted.engine.token_delay_s = 3.0
+    body = {"model": "scripted", "stream": True,
+            "messages": [{"role": "user", "content": "a b c d e f g h"}]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(scripted.url + "/v1/chat/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 2.0  # well before the first token, at 3 s
+    while scripted.engine.active_request_ids:
+        assert time.monotonic() < deadline, "the request ran on after its client left"
+        time.sleep(0.05)
+
+
+def test_created_is_when_the_request_came_streamed_or_not(scripted: Scripted) -> None:
+    scripted.engine.token_delay_s = 0.4
+    app = client(scripted)
+    ask = [{"role": "user", "content": "one two three four"}]
+    sent = time.time()
+    whole = app.chat.completions.create(model="scripted", messages=ask)
+    assert time.time() - sent > 1.5 and abs(whole.created - sent) <= 1
+    sent = time.time()
+    chunks = list(app.chat.completions.create(model="scripted", messages=ask, stream=True))
+    assert all(abs(c.created - sent) <= 1 for c in chunks)
+
+
+def test_logprobs_of_tokens_structured_output_masked_are_finite() -> None:
+    """vLLM reports -inf for tokens a grammar masks: the response failed to encode (a 500),
+    or a stream carried -Infinity, which strict JSON parsers refuse. Clamped as vLLM's own
+    server clamps them."""
+    from types import SimpleNamespace
+
+    from antiphon.engine_ext.engine import MIN_LOGPROB, _ranked
+
+    candidates = {7: SimpleNamespace(logprob=0.0, rank=1, decoded_token="{"),
+                  9: SimpleNamespace(logprob=float("-inf"), rank=2, decoded_token="x")}
+    chosen = _ranked(candidates, 7, 2)
+    assert chosen.top == (("{", 0.0), ("x", MIN_LOGPROB))
+    assert _ranked(candidates, 9, 0).logprob == MIN_LOGPROB
