@@ -13,6 +13,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The names pydantic gives the members of a union of plain types, in an error's path.
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none"})
 
 
 class ErrorCode(enum.StrEnum):
@@ -88,12 +90,14 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 class ApiError(Exception):
     """An error the client caused or must know about; carries a stable code."""
 
-    def __init__(self, code: ErrorCode, message: str, http_status: int | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, http_status: int | None = None,
+                 param: str | None = None) -> None:
         """`http_status` overrides the code's (`HTTP_STATUS`) where one code covers cases
-        HTTP tells apart."""
+        HTTP tells apart; `param` names the request field at fault (OpenAI's `param`)."""
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
         self._http_status = http_status
 
     @property
@@ -118,10 +122,11 @@ def bad_message(errors: Sequence[Mapping[str, Any]], prefix: str = "", skip_loc:
     deepest = max(len(e["loc"]) for e in errors)
     first = next(e for e in errors if len(e["loc"]) == deepest)
     path = ".".join(str(p) for p in first["loc"][skip_loc:] if isinstance(p, int)
-                    or _FIELD_NAME.fullmatch(str(p)))
+                    or (_FIELD_NAME.fullmatch(str(p)) and str(p) not in _UNION_TAGS
+                        and not str(p)[0].isupper()))  # (a model's name: a union's member)
     where = ".".join(part for part in (parent, path) if part) or default_loc
     message = str(first["msg"]).removeprefix("Value error, ")  # a validator's own words
-    return ApiError(ErrorCode.BAD_MESSAGE, f"{prefix}{where}: {message}")
+    return ApiError(ErrorCode.BAD_MESSAGE, f"{prefix}{where}: {message}", param=where)
 
 
 def is_storage_full(exc: BaseException) -> bool:

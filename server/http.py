@@ -50,7 +50,7 @@ async def read_model(request: Request, model: type[M]) -> M:
 
 def error_body(err: ApiError) -> dict[str, Any]:
     """OpenAI's error shape, with Antiphon's stable code."""
-    return {"error": {"code": err.code.value, "message": err.message, "param": None,
+    return {"error": {"code": err.code.value, "message": err.message, "param": err.param,
                       "type": "invalid_request_error" if err.http_status < 500
                       else "server_error"}}
 

@@ -689,3 +689,20 @@ def test_logprobs_of_tokens_structured_output_masked_are_finite() -> None:
     chosen = _ranked(candidates, 7, 2)
     assert chosen.top == (("{", 0.0), ("x", MIN_LOGPROB))
     assert _ranked(candidates, 9, 0).logprob == MIN_LOGPROB
+
+
+def test_a_refused_field_is_named_in_param_without_pydantic_union_tags(
+        scripted: Scripted) -> None:
+    url = scripted.url + "/v1"
+    bad = httpx.post(url + "/chat/completions", json={
+        "model": "scripted", "stop": 5, "messages": [{"role": "user", "content": "hi"}]})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "stop"
+    assert bad.json()["error"]["message"].startswith("stop: ")
+    bad = httpx.post(url + "/completions", json={"model": "scripted", "prompt": {"a": 1}})
+    error = bad.json()["error"]
+    assert bad.status_code == 400 and error["param"] == "prompt"
+    assert ".str" not in error["message"], error
+    bad = httpx.post(url + "/chat/completions", json={
+        "model": "scripted", "messages": [{"role": "user", "content": 5}]})
+    assert bad.json()["error"]["param"] == "messages.0.content"
