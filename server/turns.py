@@ -220,8 +220,11 @@ class SessionTurns:
         await asyncio.to_thread(self.store.record_advisory, session_id, source, time.time())
         self.metrics.advisories.labels(source).inc()
         history, context, _ = await asyncio.to_thread(self._history, session_id)
-        if context is not None and context.num_messages == 0:
-            tokens = list(context.token_ids)  # the last exchange of an OpenAI-API client
+        if context is not None and context.num_messages in (0, len(history)):
+            # The exact tokens the tiers hold: the last exchange of an OpenAI-API client, or
+            # a conversation through its last reply. (Rendered again, a conversation held
+            # with tools would differ: the next turn's tools are not known yet.)
+            tokens = list(context.token_ids)
         elif history:
             tokens = self.chat.engine.continue_chat(
                 [_turn(m) for m in history], context, open_reply=False)

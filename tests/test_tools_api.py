@@ -3,6 +3,7 @@ scripted engine that calls a tool when it is offered one and answers from the to
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -257,6 +258,16 @@ async def test_a_websocket_turn_calls_a_tool_and_the_session_keeps_the_exchange(
 
         later = await chat(ws, sid, "Thanks!", tools=[WEATHER])  # the session goes on
         assert later["done"]["finish_reason"] in ("stop", "tool_calls")
+
+        # A typing advisory brings forward the tokens the last turn ran, tools and all (the
+        # conversation rendered again, without the tools the next turn is not known to use,
+        # shared almost none of them).
+        await send(ws, type="typing", session_id=sid)
+        while not agent.engine.advisories:
+            await asyncio.sleep(0.01)
+        (_, advised, _), = agent.engine.advisories
+        ran = _last_prompt(agent)
+        assert "<tools>" in "".join(map(chr, advised)) and advised[:len(ran)] == ran
 
 
 async def test_a_websocket_turn_with_a_named_function_streams_no_content(

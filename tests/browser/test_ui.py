@@ -513,3 +513,41 @@ def _all_sessions(server: ServerProcess) -> list[dict[str, Any]]:
         if page["next_before"] is None:
             return sessions
         params = {"before": page["next_before"]}
+
+
+def test_a_conversation_with_tools_shows_its_calls_and_results(
+        server: ServerProcess, page: Any, artifacts: Path) -> None:
+    """An app holds a conversation with tools over the websocket API (the model, its reply
+    held to a call of the tool named); the page shows the call and the tool's result."""
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"]}}}
+
+    def reply(ws: Any) -> dict[str, Any]:
+        while (frame := json.loads(ws.recv(timeout=120)))["type"] != "done":
+            assert frame["type"] != "error", frame
+        return dict(frame)
+
+    with sync_connect(server.ws_url) as ws:
+        ws.send(json.dumps({"type": "session.open", "title": "Weather with tools"}))
+        sid = json.loads(ws.recv(timeout=30))["session"]["session_id"]
+        ws.send(json.dumps({"type": "message", "session_id": sid, "max_tokens": 40,
+                            "content": "What is the weather in Paris?", "tools": [weather],
+                            "tool_choice": {"type": "function",
+                                            "function": {"name": "get_weather"}}}))
+        (call,) = reply(ws)["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        ws.send(json.dumps({"type": "tool_results", "session_id": sid, "max_tokens": 16,
+                            "results": [{"tool_call_id": call["id"],
+                                         "content": "18 C and sunny"}]}))
+        assert reply(ws)["finish_reason"] in ("stop", "length")
+    page.goto(server.url + "/")
+    wait_connected(page)
+    page.locator(".session-row", has_text="Weather with tools").locator(".session-item").click()
+    page.locator(".tool-note", has_text="Called get_weather(").wait_for()
+    result = page.locator(".msg", has=page.locator(".tool-note", has_text="Tool result"))
+    assert result.locator(".bubble").inner_text() == "18 C and sunny"
+    assert page.locator(".msg.calls-only .bubble").is_hidden()  # a call with no words
+    assert page.locator(".msg").count() == 4  # the question, the call, the result, the answer
+    page.screenshot(path=str(artifacts / "tool-calls.png"))

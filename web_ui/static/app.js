@@ -308,7 +308,9 @@ const handlers = {
       if (m.finish_reason === "cancelled") root.classList.add("cancelled"); // cut short
       // A conversation an app held over the websocket API with tools: calls and results.
       if (m.role === "tool") root.prepend(el("div", "msg-note tool-note", "Tool result"));
-      for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : []) {
+      const calls = Array.isArray(m.tool_calls) ? m.tool_calls : [];
+      if (calls.length && !m.content) root.classList.add("calls-only");
+      for (const call of calls) {
         const fn = call?.function ?? {};
         root.append(el("div", "msg-note tool-note", `Called ${fn.name}(${fn.arguments ?? ""})`));
       }
