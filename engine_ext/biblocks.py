@@ -15,18 +15,20 @@ cache (`take`) and which came back (`release`, with what taking the page again w
 Placement, in order of preference:
 
     grow      the request's current block, next page in its direction
-    new block a block with no request of its class: one whose free pages on its side hold
-              no cached KV first (vLLM's own free queue hands those out first; ranked by free
-              pages alone, a new turn took the pages of the turn that had just finished while
-              pages holding nothing lay elsewhere), then the one with the most free pages
-              on its side (BROS's "most empty slots"), then the one whose free pages lose the
+    new block a block with no request of its class: the one with the most free pages on its
+              side (BROS's "most empty slots"), pages that hold cached KV counting
+              `block_pages // 2` fewer (vLLM's own free queue hands out pages holding
+              nothing first: ranked by free pages alone, a new turn took the pages of the
+              turn that had just finished while a block of pages holding nothing was free;
+              ranked by cached or not first, it took a lone free page at the pool's end and
+              spilled into a second block); among equals, the one whose free pages lose the
               least of vLLM's prefix cache (freed longest ago, as vLLM's free queue evicts)
     overflow  a block that already has a request of its class, where the direction still holds
     stray     any free page (counted; the direction no longer describes that page)
 
 A GPU pool has 10^5 pages, so placement must not scan them. Each class keeps a heap of blocks
-keyed by (has a request of the class, its free pages on that side hold cached KV, -free pages
-there, eviction cost, index); a page
+keyed by (has a request of the class, -free pages on that side less the cached penalty,
+eviction cost, index); a page
 taken or released in a block re-keys that block alone (O(block_pages + log blocks)), and stale
 entries are skipped when popped. The pages the layout sees as free are those it does not own;
 `place` checks each page it picks against vLLM's pool, and a page the pool holds without the
@@ -42,10 +44,10 @@ import dataclasses
 import heapq
 from collections.abc import Callable, Iterable
 
-# A block's place in a class's heap: (has a request of the class, its free pages on the class's
-# side hold cached KV, -free pages there, eviction cost of those pages, block index, the block's
-# version when keyed).
-_Key = tuple[bool, bool, int, int, int, int]
+# A block's place in a class's heap: (has a request of the class, -free pages on the class's
+# side, plus `_cached_penalty` where they hold cached KV, eviction cost of those pages, block
+# index, the block's version when keyed).
+_Key = tuple[bool, int, int, int, int]
 
 
 @dataclasses.dataclass
@@ -87,6 +89,7 @@ class SharedBlockLayout:
         self._foreign: set[int] = set()  # held by the pool, not by the layout
         self._cost: dict[int, int] = {}  # free page -> what taking it evicts (absent: nothing)
         self._version = [0] * self.num_blocks
+        self._cached_penalty = max(1, block_pages // 2)  # pages; see placement above
         self._heaps: dict[bool, list[_Key]] = {True: [], False: []}  # by class (is RT)
         for index in range(self.num_blocks):
             self._rekey(index)
@@ -264,8 +267,9 @@ class SharedBlockLayout:
             window = self._free_window(index, is_rt, bounds)
             if window:
                 cost = max(self._cost.get(page, 0) for page in window)
-                heapq.heappush(heap, (bool(block.rt if is_rt else block.be), cost > 0,
-                                      -len(window), cost, index, version))
+                room = len(window) - (self._cached_penalty if cost else 0)
+                heapq.heappush(heap, (bool(block.rt if is_rt else block.be), -room, cost,
+                                      index, version))
             if len(heap) > 4 * self.num_blocks + 64:
                 heap[:] = [key for key in heap if key[-1] == self._version[key[-2]]]
                 heapq.heapify(heap)

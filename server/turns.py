@@ -217,7 +217,9 @@ class SessionTurns:
         await self.get(owner, session_id)
         if source == "typing" and self._is_typing_repeat(session_id):
             return None
-        await asyncio.to_thread(self.store.record_advisory, session_id, source, time.time())
+        if not await asyncio.to_thread(self.store.record_advisory, session_id, source,
+                                       time.time()):
+            raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"session {session_id} was deleted")
         self.metrics.advisories.labels(source).inc()
         history, context, _ = await asyncio.to_thread(self._history, session_id)
         if context is not None and context.num_messages in (0, len(history)):
@@ -372,17 +374,22 @@ class SessionTurns:
             for text in texts:
                 await emit(protocol.encode("token", request_id=rid, session_id=session_id,
                                            text=text))
+        emitting = False  # a send fails when the client left: not the engine's failure
         try:
             try:
                 async with aclosing(self.chat.stream(gen, api="ws")) as pieces:
                     async for text in pieces:
+                        emitting = True
                         await send_tokens([text] if calls is None else
                                           _contents(calls.feed(text)))
+                        emitting = False
             except asyncio.CancelledError:
                 if not is_user_cancel():
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
             except Exception as exc:  # the engine refused or failed the turn
+                if emitting:
+                    raise  # the client left: what it saw is kept below
                 err = exc if isinstance(exc, ApiError) else unexpected_error(
                     exc, f"session {session_id}: answering {rid}",
                     "the message was kept (regenerate asks for its reply again)")

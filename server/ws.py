@@ -40,7 +40,8 @@ class Connection:
         self.ctx = ctx
         self.owner = owner
         self._send_lock = asyncio.Lock()
-        self._turns: dict[str, asyncio.Task[None]] = {}
+        self._turns: dict[str, asyncio.Task[None]] = {}  # by request id, until their work ends
+        self._tasks: set[asyncio.Task[None]] = set()  # every turn's, until its last frame
         self._cancelled_request_ids: set[str] = set()
         self._advising: dict[str, asyncio.Task[None]] = {}  # session -> its typing advisory
 
@@ -102,6 +103,11 @@ class Connection:
             session = await turns.rename(self.owner, msg.session_id, msg.title)
             await self.send(protocol.encode("session.renamed", session=session.to_json()))
         elif isinstance(msg, protocol.SessionDelete):
+            # A typing advisory sent before it ends first, as frames are answered in order
+            # (it would else bring forward the KV the delete erases).
+            advising = self._advising.get(msg.session_id)
+            if advising is not None:
+                await asyncio.gather(advising, return_exceptions=True)
             await turns.delete(self.owner, msg.session_id)
             await self.send(protocol.encode("session.deleted", session_id=msg.session_id))
         elif isinstance(msg, protocol.Typing):
@@ -160,11 +166,20 @@ class Connection:
             slot.release()
             self.ctx.turns.release(msg.session_id, gen.session_claim)
             raise
+        def finished() -> None:
+            """The turn's work is over, before its last frame goes out: a client that sends
+            its next turn the moment it reads `done` finds its place on the connection free
+            (it was freed once the frame was out: a race the client could lose)."""
+            slot.release()
+            if self._turns.get(request_id) is task:
+                del self._turns[request_id]
+
         task = asyncio.create_task(self.ctx.turns.run(
             msg.session_id, gen, self.send,
             is_user_cancel=lambda: request_id in self._cancelled_request_ids,
-            finished=slot.release))
+            finished=finished))
         self._turns[request_id] = task
+        self._tasks.add(task)
         task.add_done_callback(lambda t: self._finish_turn(t, msg.session_id, request_id, gen,
                                                            slot))
         # Let the turn start before the next frame is read: a task cancelled before its first
@@ -174,18 +189,22 @@ class Connection:
 
     def _finish_turn(self, task: asyncio.Task[None], session_id: str, request_id: str,
                      gen: Generation, slot: Slot) -> None:
-        if not task.cancelled() and (exc := task.exception()) is not None:
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None and not isinstance(exc, WebSocketDisconnect):
             logger.error("session %s: turn %s ended with an error", session_id, request_id,
                          exc_info=exc)
         slot.release()
-        self._turns.pop(request_id, None)
-        self._cancelled_request_ids.discard(request_id)
+        self._tasks.discard(task)
+        if self._turns.get(request_id) is task:
+            del self._turns[request_id]
+        if request_id not in self._turns:  # (not a later turn under the same id)
+            self._cancelled_request_ids.discard(request_id)
         self.ctx.turns.release(session_id, gen.session_claim)  # whatever way the turn ended
 
     async def _cancel_all(self) -> None:
         """Cancel the connection's turns; its typing advisories run to their end (short, and
         the turn they announce may come over the client's next connection)."""
-        tasks = list(self._turns.values())
+        tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, *self._advising.values(), return_exceptions=True)

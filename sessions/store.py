@@ -455,17 +455,20 @@ class SessionStore:
             db.execute("DELETE FROM contexts WHERE session_id = ?", (session_id,))
         self._erasure_queued(pruned)
 
-    def record_advisory(self, session_id: str, source: str, received_at: float) -> None:
+    def record_advisory(self, session_id: str, source: str, received_at: float) -> bool:
         """Keep an advisory the session received; a session keeps its last
-        `ADVISORIES_KEPT` (a client may send them as often as it likes)."""
+        `ADVISORIES_KEPT` (a client may send them as often as it likes). False (nothing
+        kept) when the session is gone (deleted meanwhile)."""
         with self._db.transaction() as db:
-            db.execute(
-                "INSERT INTO advisories VALUES (?, ?, ?)", (session_id, source, received_at)
-            )
+            if not db.execute(
+                    "INSERT INTO advisories SELECT session_id, ?, ? FROM sessions"
+                    " WHERE session_id = ?", (source, received_at, session_id)).rowcount:
+                return False
             db.execute(
                 "DELETE FROM advisories WHERE session_id = :s AND rowid NOT IN (SELECT rowid"
                 " FROM advisories WHERE session_id = :s ORDER BY received_at DESC, rowid DESC"
                 " LIMIT :n)", {"s": session_id, "n": ADVISORIES_KEPT})
+        return True
 
     def advisories(self, session_id: str) -> list[tuple[str, float]]:
         """(source, received_at) of each advisory the session received, oldest first."""

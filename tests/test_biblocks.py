@@ -63,7 +63,7 @@ def test_placement_prefers_blocks_without_a_request_of_the_same_class() -> None:
 def test_placement_spares_the_cached_pages_of_a_turn_that_just_finished() -> None:
     """Among equally empty blocks, pages holding no cached KV first, then those freed longest
     ago (vLLM's LRU): a new turn must not evict the turn that just finished."""
-    pool = Pool(16, 4)  # blocks [1..3], [4..7], [8..11], [12..15]
+    pool = Pool(17, 4)  # blocks [1..3], [4..7], [8..11], [12..15], [16]
 
     def finish(request_id: str, when: int) -> None:  # its pages stay cached, freed at `when`
         for page in pool.pages.pop(request_id):
@@ -76,11 +76,13 @@ def test_placement_spares_the_cached_pages_of_a_turn_that_just_finished() -> Non
     finish("turn-2", when=2)
     assert pool.grow("turn-3", True, 3) == [12, 13, 14]
     finish("turn-3", when=3)
-    # Fewer pages holding nothing beat more pages holding a finished turn's KV (vLLM's free
-    # queue, too, hands out the pages that hold nothing first).
+    # Three pages holding nothing beat four holding a finished turn's KV (vLLM's free queue,
+    # too, hands out the pages that hold nothing first)...
     assert pool.grow("turn-4", True, 3) == [1, 2, 3]
     finish("turn-4", when=4)
-    assert pool.grow("turn-5", True, 3) == [4, 5, 6]  # every block caches: the oldest goes
+    # ...but a lone free page at the pool's end does not: the turn would spill over two
+    # blocks and take cached pages all the same. Every block caches: the oldest goes.
+    assert pool.grow("turn-5", True, 3) == [4, 5, 6]
     finish("turn-5", when=5)
     pool.layout.forget_costs()  # the prefix cache was reset: nothing cached anywhere
     assert pool.grow("turn-6", True, 3) == [4, 5, 6]  # the lowest of the emptiest blocks

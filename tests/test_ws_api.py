@@ -515,3 +515,77 @@ async def test_a_slow_typing_advisory_does_not_hold_up_a_cancel_behind_it(
         assert time.perf_counter() - started < 1.5
         assert frames[-1]["finish_reason"] == "cancelled"
         await asyncio.wait_for(advised.wait(), 10)  # the advisory still ran
+
+
+async def test_a_client_gone_mid_reply_keeps_what_it_saw_when_a_send_fails(
+        tmp_path: Path) -> None:
+    """A send to a socket already gone raises an ordinary exception (`WebSocketDisconnect`),
+    not a cancel: it was taken for the engine's failure, and the partial reply was lost."""
+    from starlette.websockets import WebSocketDisconnect
+
+    from antiphon.config import AppConfig
+    from antiphon.server import protocol
+    from antiphon.server.config import ServerConfig
+    from antiphon.server.context import AppContext
+    from antiphon.sessions.config import SessionConfig
+
+    ctx = AppContext.build(AppConfig(server=ServerConfig(),
+                                     sessions=SessionConfig(data_dir=tmp_path)),
+                           ScriptedEngine(token_delay_s=0.01))
+    try:
+        session, _ = await ctx.turns.open("o", None)
+        sid = session.session_id
+        msg = protocol.decode_client_message(json.dumps(
+            {"type": "message", "session_id": sid, "content": "one two three four five"}))
+        assert isinstance(msg, protocol.ChatMessage)
+        gen = await ctx.turns.accept("o", msg, "r1")
+        sent: list[str] = []
+
+        async def emit(frame: str) -> None:
+            if len(sent) == 3:
+                raise WebSocketDisconnect(1006)
+            sent.append(frame)
+
+        with pytest.raises(WebSocketDisconnect):
+            await ctx.turns.run(sid, gen, emit, lambda: False)
+        stored = [(m.role, m.finish_reason) for m in ctx.store.messages(sid)]
+        assert stored == [("user", None), ("assistant", "cancelled")]
+    finally:
+        ctx.store.close()
+
+
+async def test_a_delete_right_behind_a_typing_frame_waits_for_its_advisory(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Typing advisories run beside the frames: a delete behind one raced it, and the
+    advisory's insert failed on the deleted session (an internal_error frame)."""
+    from antiphon.sessions.store import SessionStore
+
+    record = SessionStore.record_advisory
+
+    def slow_record(self: SessionStore, *args: Any, **kwargs: Any) -> bool:
+        time.sleep(0.3)  # the database is busy
+        return record(self, *args, **kwargs)
+
+    monkeypatch.setattr(SessionStore, "record_advisory", slow_record)
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await chat(ws, sid, "hello there")
+        await send(ws, type="typing", session_id=sid)
+        await send(ws, type="session.delete", session_id=sid)
+        assert (await recv(ws))["type"] == "session.deleted"
+        with pytest.raises(TimeoutError):
+            await recv(ws, timeout=1.0)  # and nothing else
+
+
+def test_an_advisory_for_a_session_deleted_meanwhile_keeps_nothing(tmp_path: Path) -> None:
+    from antiphon.sessions.store import SessionStore
+
+    store = SessionStore(tmp_path / "s.db")
+    try:
+        session = store.create_session("o")
+        assert session is not None
+        assert store.record_advisory(session.session_id, "typing", 1.0)
+        assert store.delete_session("o", session.session_id)
+        assert not store.record_advisory(session.session_id, "typing", 2.0)
+    finally:
+        store.close()
