@@ -23,7 +23,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -79,6 +79,9 @@ class ChatReply:
     total_s: float
     client_ttft_s: float
     """Time from sending the message to receiving the first token, as this client saw it."""
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    """The reply's calls of the tools the turn offered (OpenAI's shape: `id`, `type`,
+    `function` with `name` and `arguments`); answer them with `tool_results`."""
 
 
 @dataclasses.dataclass
@@ -405,6 +408,21 @@ class AsyncAntiphon:
                                 on_token, max_tokens=max_tokens, temperature=temperature,
                                 **sampling)
 
+    async def tool_results(self, session_id: str,
+                           results: Mapping[str, str] | Sequence[tuple[str, str]], *,
+                           max_tokens: int | None = None, temperature: float | None = None,
+                           on_token: Callable[[str], Any] | None = None,
+                           request_id: str | None = None, **sampling: Any) -> ChatReply:
+        """Answer the calls of the session's last reply (its `tool_calls`): each call's id
+        with what its tool returned, all of them at once; returns the reply that reads them.
+        `sampling` as `chat`'s, `tools` included (offered again, as in the OpenAI API)."""
+        items = results.items() if isinstance(results, Mapping) else results
+        return await self._turn(
+            {"type": "tool_results", "session_id": session_id,
+             "results": [{"tool_call_id": call_id, "content": content}
+                         for call_id, content in items]},
+            request_id, on_token, max_tokens=max_tokens, temperature=temperature, **sampling)
+
     async def _turn(self, payload: dict[str, Any], request_id: str | None,
                     on_token: Callable[[str], Any] | None, **fields: Any) -> ChatReply:
         """Run one turn: `payload` with the `fields` set (not None) and a request id."""
@@ -457,7 +475,7 @@ class AsyncAntiphon:
                         usage.get("prompt_tokens", prompt_tokens),
                         usage.get("completion_tokens", 0), timings["ttft_s"],
                         timings.get("tpot_s"), timings["total_s"],
-                        (first_token_at or end) - sent_at)
+                        (first_token_at or end) - sent_at, tuple(frame.get("tool_calls") or ()))
                 elif kind == "error":
                     raise error_for(frame["code"], frame["message"])
                 elif kind == "_closed":

@@ -285,3 +285,16 @@ async def test_a_websocket_turn_with_a_named_function_streams_no_content(
     assert r["done"]["finish_reason"] == "stop"
     (call,) = r["done"]["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+
+async def test_the_agent_sdk_calls_a_tool_over_the_websocket_api(agent: Scripted) -> None:
+    from antiphon.agents import AsyncAntiphon
+
+    async with AsyncAntiphon(agent.url) as client:
+        sid = (await client.create_session()).session_id
+        first = await client.chat(sid, "Weather in Paris?", tools=[WEATHER])
+        assert first.finish_reason == "tool_calls" and first.text == "Checking."
+        (call,) = first.tool_calls
+        assert call["function"]["name"] == "get_weather"
+        answer = await client.tool_results(sid, {call["id"]: "18 C"}, tools=[WEATHER])
+        assert answer.text == "It is 18 C in Paris." and answer.tool_calls == ()
