@@ -79,6 +79,13 @@ class RequestView:
         """Time left until the next token's deadline (negative once missed)."""
         return self.deadline_s() - now_s
 
+    def due_in_s(self, now_s: float) -> float:
+        """The time a step may take before it delays the next token: its slack, or one TPOT
+        target where it is late already (a shorter step cannot save it; one of that length
+        keeps its stream at its pace). What the policies give BE work around RT tokens."""
+        slack = self.slack_s(now_s)
+        return slack if slack > 0 else self.tpot_slo_s or 0.0
+
 
 @dataclasses.dataclass(frozen=True)
 class StepBudget:

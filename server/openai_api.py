@@ -132,15 +132,7 @@ async def _respond(request: Request, gens: list[Generation], slot: Slot,
         # error event. It comes with the first token, or the first ping. A client that leaves
         # before it ends the request (it ran on until its first token, holding its slot).
         opening = asyncio.ensure_future(anext(stream))
-        watch = asyncio.create_task(_disconnected(request))
-        try:
-            await asyncio.wait((opening, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (opening, watch):
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(opening, watch, return_exceptions=True)
-        if opening.cancelled():
+        if not await _unless_gone(opening, request):
             await stream.aclose()
             await release()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -180,7 +172,21 @@ async def _complete_unless_gone(ctx: AppContext, gens: list[Generation],
         for gen in gens:
             await ctx.turns.record_exchange(gen)
 
-    work, watch = asyncio.create_task(run()), asyncio.create_task(_disconnected(request))
+    work = asyncio.create_task(run())
+    if not await _unless_gone(work, request):
+        return False
+    work.result()  # raises the generation's ApiError
+    return True
+
+
+async def _unless_gone(work: asyncio.Future[Any], request: Request) -> bool:
+    """Wait for `work` to end unless the client disconnects first, which cancels it; whether
+    it ended (its result or error is left in it)."""
+    async def disconnected() -> None:  # the body is read: the next message is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.create_task(disconnected())
     try:
         await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -188,16 +194,7 @@ async def _complete_unless_gone(ctx: AppContext, gens: list[Generation],
             if not task.done():
                 task.cancel()
         await asyncio.gather(work, watch, return_exceptions=True)
-    if work.cancelled():
-        return False
-    work.result()  # raises the generation's ApiError
-    return True
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client disconnects (the body is read: the next message is that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    return not work.cancelled()
 
 
 async def _resumed(first: str | None, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from collections.abc import Callable
 
 from fastapi import WebSocket, WebSocketDisconnect
 
@@ -19,7 +20,6 @@ from antiphon.server.auth import key_from_headers
 from antiphon.server.chat import Generation
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode, unexpected_error
-from antiphon.server.limits import Slot
 
 logger = logging.getLogger(__name__)
 
@@ -181,22 +181,20 @@ class Connection:
         self._turns[request_id] = task
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._finish_turn(t, msg.session_id, request_id, gen,
-                                                           slot))
+                                                           finished))
         # Let the turn start before the next frame is read: a task cancelled before its first
         # step never runs its body, so a `cancel` right behind the message would end it with
         # no `done` frame and nothing committed.
         await asyncio.sleep(0)
 
     def _finish_turn(self, task: asyncio.Task[None], session_id: str, request_id: str,
-                     gen: Generation, slot: Slot) -> None:
+                     gen: Generation, finished: Callable[[], None]) -> None:
         exc = None if task.cancelled() else task.exception()
         if exc is not None and not isinstance(exc, WebSocketDisconnect):
             logger.error("session %s: turn %s ended with an error", session_id, request_id,
                          exc_info=exc)
-        slot.release()
+        finished()  # (again: safe; its place on the connection, whatever way the turn ended)
         self._tasks.discard(task)
-        if self._turns.get(request_id) is task:
-            del self._turns[request_id]
         if request_id not in self._turns:  # (not a later turn under the same id)
             self._cancelled_request_ids.discard(request_id)
         self.ctx.turns.release(session_id, gen.session_claim)  # whatever way the turn ended

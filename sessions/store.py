@@ -127,13 +127,8 @@ class Message:
 
     def to_json(self) -> dict[str, object]:
         """As the APIs give it; the tool fields only where set."""
-        data = dataclasses.asdict(self)
-        for name in ("tool_calls", "tool_call_id"):
-            if data[name] is None:
-                del data[name]
-        if self.tool_calls is not None:
-            data["tool_calls"] = list(self.tool_calls)
-        return data
+        return {name: value for name, value in dataclasses.asdict(self).items()
+                if value is not None or name not in ("tool_calls", "tool_call_id")}
 
 
 _MESSAGE_COLUMNS = "role, content, num_tokens, created_at, finish_reason, tool_calls, tool_call_id"

@@ -37,14 +37,10 @@ MIN_RT_PREFILL_CHUNK = 16  # tokens a late RT prefill computes at least, per ste
 
 
 def be_time_s(rts: Sequence[RequestView], now: float) -> float:
-    """The step time RT tokens leave BE work: the smallest slack among them, a token already
-    late counting as due one TPOT target from now (a shorter step cannot save it; one of that
-    length keeps its stream at its pace). A late token was left out, and BE work then filled
-    the step to the next slack, a TTFT's 0.7 s say, while the late stream waited."""
-    if not rts:
-        return float("inf")
-    return min(s if s > 0 else v.tpot_slo_s or 0.0 for v, s in ((v, v.slack_s(now))
-                                                                 for v in rts))
+    """The step time RT tokens leave BE work: the smallest `due_in_s` among them (a late
+    token was left out, and BE work then filled the step to the next slack, a TTFT's 0.7 s
+    say, while the late stream waited)."""
+    return min((v.due_in_s(now) for v in rts), default=float("inf"))
 
 
 def residual_time_s(rts: Sequence[RequestView], now: float) -> float:

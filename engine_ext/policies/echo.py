@@ -76,10 +76,9 @@ class EchoPolicy(Policy):
         plan = StepPlan(is_restrictive=True)
         self._add_rt(rts, bes, batch, plan)
         seated = set(batch.ids)
-        # A token already late counts as due one TPOT target from now: it carried no
-        # punishment, and BE work stretched its step without limit (to 1 s in a review).
-        rt_slacks = sorted(s if (s := v.slack_s(budget.now_s)) > 0 else v.tpot_slo_s or 0.0
-                           for v in rts if v.request_id in seated)
+        # `due_in_s`: a token already late carried no punishment, and BE work stretched its
+        # step without limit (to 1 s in a review).
+        rt_slacks = sorted(v.due_in_s(budget.now_s) for v in rts if v.request_id in seated)
         evicted = set(plan.preempt)
         resident = self._resident.update(views, budget.page_tokens)
         running = [v for v in bes if v.is_running and v.request_id not in evicted]
