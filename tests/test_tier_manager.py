@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import threading
 import uuid
 from pathlib import Path
@@ -316,3 +317,39 @@ def test_a_turns_fetch_goes_ahead_of_an_advisorys_fetch_already_running() -> Non
         advisory.release()
     finally:
         queue.close()
+
+
+def test_a_named_arena_left_by_a_killed_server_does_not_stop_the_next_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A server killed with -9 leaves the arena --host-shm-name named; the next start found the
+    # name taken (FileExistsError) and could not start until someone removed it by hand.
+    import subprocess
+    import sys
+
+    from antiphon.tiering.host_arena import ArenaInUse
+
+    name = f"antiphon-test-{uuid.uuid4().hex[:12]}"
+    config = TieringConfig(host_tier_bytes=8 * 64, ssd_tier_bytes=0, host_shm_name=name)
+    killed = subprocess.run(
+        [sys.executable, "-c", "import os, signal\n"
+         "from antiphon.tiering.host_arena import HostArena\n"
+         f"HostArena.create({name!r}, 8, 64)\n"
+         "os.kill(os.getpid(), signal.SIGKILL)"], check=False)
+    assert killed.returncode == -9
+    with build_tiered_store(config, slot_bytes=64) as store:
+        assert store.put(GRID[0][0], data(GRID[0][0]))
+        assert f"removed host-tier arena {name}" in caplog.text
+        # while this one serves, a second server on the same name is refused, and the
+        # arena in use is not touched
+        with pytest.raises(ArenaInUse, match=f"in use by process {os.getpid()}"):
+            build_tiered_store(config, slot_bytes=64)
+        assert store.get(GRID[0][0]) == data(GRID[0][0])
+    # a segment of that name that is no host arena is another program's: left alone
+    foreign = Path("/dev/shm") / name
+    foreign.write_bytes(b"not an arena")
+    try:
+        with pytest.raises(FileExistsError, match="not a host arena"):
+            build_tiered_store(config, slot_bytes=64)
+        assert foreign.read_bytes() == b"not an arena"
+    finally:
+        foreign.unlink()

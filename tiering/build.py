@@ -7,7 +7,11 @@ from pathlib import Path
 
 from antiphon.tiering.config import TieringConfig
 from antiphon.tiering.eviction import EvictionPolicy, SessionLruPolicy, get_eviction_policy
-from antiphon.tiering.host_arena import default_arena_name, remove_orphaned_arenas
+from antiphon.tiering.host_arena import (
+    default_arena_name,
+    reclaim_named_arena,
+    remove_orphaned_arenas,
+)
 from antiphon.tiering.host_tier import HostTier
 from antiphon.tiering.manager import TieredStore
 from antiphon.tiering.slot_file import FILE_NAME as SLOT_FILE_NAME
@@ -62,6 +66,9 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int,
             if orphans:
                 logger.warning("removed %d host-tier arenas left by killed processes: %s",
                                len(orphans), ", ".join(orphans))
+        elif reclaim_named_arena(config.host_shm_name):
+            logger.warning("removed host-tier arena %s, left by a killed server",
+                           config.host_shm_name)
         try:
             tiers.append(HostTier.create(config.host_shm_name or default_arena_name(),
                                          config.host_tier_bytes, slot_bytes,

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from antiphon.shmsweep import mapped_segments
 from antiphon.tiering.tier import BytesLike, byte_view
 
 HEADER_BYTES = 4096
@@ -94,7 +95,7 @@ class HostArena:
         """Create segment `name` holding `num_slots` slots of `slot_bytes` bytes each.
 
         Raises FileExistsError if a segment of that name exists (e.g. left by a killed process:
-        remove it with `HostArena.unlink_stale(name)`).
+        remove it with `HostArena.unlink_stale(name)` or `reclaim_named_arena(name)`).
         """
         if slot_bytes < 1 or num_slots < 0:
             raise ValueError(f"need slot_bytes >= 1 and num_slots >= 0, got {slot_bytes}, "
@@ -244,8 +245,9 @@ def default_arena_name() -> str:
 def remove_orphaned_arenas(shm_dir: Path = Path("/dev/shm")) -> list[str]:
     """Unlink default-named arenas (`antiphon-kv-<pid>[-<random>]`) whose process is gone: a server
     killed without closing its tiers leaves its arena in shared memory, which is RAM, until
-    someone removes it. Returns the names removed. An arena named by `--host-shm-name`, or
-    whose pid is alive (in this pid namespace), is left alone."""
+    someone removes it. Returns the names removed. An arena named by `--host-shm-name`
+    (`reclaim_named_arena` makes way for that one), or whose pid is alive (in this pid
+    namespace), is left alone."""
     removed = []
     for path in shm_dir.glob(f"{ARENA_PREFIX}*"):
         pid = path.name.removeprefix(ARENA_PREFIX).split("-")[0]
@@ -254,6 +256,34 @@ def remove_orphaned_arenas(shm_dir: Path = Path("/dev/shm")) -> list[str]:
         if HostArena.unlink_stale(path.name):
             removed.append(path.name)
     return removed
+
+
+class ArenaInUse(RuntimeError):
+    """The arena's name is mapped by a live process: two servers cannot share one arena."""
+
+
+def reclaim_named_arena(name: str, shm_dir: Path = Path("/dev/shm")) -> bool:
+    """Make way for an arena named by `--host-shm-name`, which `remove_orphaned_arenas` cannot
+    tell by its name: a host arena of that name that no live process maps or holds open was
+    left by a killed server, and is unlinked (True); no segment of that name gives False.
+    Raises ArenaInUse where a live process maps it (another server, or an engine that
+    outlived its own), and FileExistsError where the segment is not a host arena (another
+    program's, left alone)."""
+    path = shm_dir / name
+    try:
+        with open(path, "rb") as segment:
+            header = segment.read(_HEADER.size)
+    except FileNotFoundError:
+        return False
+    if len(header) < _HEADER.size or _HEADER.unpack(header)[0] != _MAGIC:
+        raise FileExistsError(f"shared memory {name!r} exists and is not a host arena: name "
+                              f"another one with --host-shm-name")
+    holder = mapped_segments(shm_dir).get(name)
+    if holder is not None:
+        raise ArenaInUse(f"host arena {name!r} is in use by process {holder}: another server "
+                         f"serves with this --host-shm-name; stop it or name another")
+    path.unlink(missing_ok=True)
+    return True
 
 
 def _is_alive(pid: int) -> bool:
