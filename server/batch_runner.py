@@ -122,6 +122,8 @@ class BatchRunner:
             await self._validate(b)
         elif b.status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
             await self._abort([k for k in self._inflight if k[0] == b.batch_id])
+            num_unrun = await asyncio.to_thread(self.store.fail_unrun, b.batch_id)
+            self.metrics.batch_items.labels("failed").inc(num_unrun)
             await self._finalize(b)
         elif b.counts.num_pending == 0:  # answered in full: complete, even past its window
             await asyncio.to_thread(self.store.begin_finalize, b.batch_id)

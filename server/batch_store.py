@@ -302,17 +302,27 @@ class BatchStore:
             if not _move(db, batch_id, (BatchStatus.IN_PROGRESS,), BatchStatus.FINALIZING,
                          BatchStatus.EXPIRED):
                 return 0
-            return db.execute(
-                "UPDATE items SET state = ?, error_code = ?, error_message = ?,"
-                " num_commits = num_commits + 1 WHERE batch_id = ? AND state = ?",
-                (ItemState.FAILED, ErrorCode.BATCH_EXPIRED.value,
-                 "the batch expired before this request ran", batch_id, ItemState.PENDING),
-            ).rowcount
+            return _fail_pending(db, batch_id, ErrorCode.BATCH_EXPIRED,
+                                 "the batch expired before this request ran")
+
+    def fail_unrun(self, batch_id: str) -> int:
+        """A CANCELLING batch's unanswered items (never run, or stopped by the cancel) fail
+        with `batch_cancelled`, so its error file lists them, as OpenAI's does. Call once
+        nothing of the batch runs. Returns the number of items failed (0 for a batch in
+        another status)."""
+        with self.db.transaction() as db:
+            row = db.execute("SELECT status FROM batches WHERE batch_id = ?",
+                             (batch_id,)).fetchone()
+            if row is None or row[0] != BatchStatus.CANCELLING.value:
+                return 0
+            return _fail_pending(db, batch_id, ErrorCode.BATCH_CANCELLED,
+                                 "the batch was cancelled before this request ran")
 
     def finish_batch(self, batch: Batch, output: FileRecord | None,
                      error: FileRecord | None) -> None:
         """FINALIZING or CANCELLING -> its final status, registering the result files (written
-        already) and marking never-run items SKIPPED, in one transaction."""
+        already) and marking items still pending SKIPPED (none where the runner failed a
+        cancelled batch's unrun items first: `fail_unrun`), in one transaction."""
         assert batch.final_status is not None
         with self.db.transaction() as db:
             for f in (output, error):
@@ -423,3 +433,11 @@ def _move(db: sqlite3.Connection, batch_id: str, expected: Sequence[BatchStatus]
         f" WHERE batch_id = ? AND status IN ({','.join('?' * len(expected))})",
         [*args, batch_id, *(s.value for s in expected)])
     return cur.rowcount == 1
+
+
+def _fail_pending(db: sqlite3.Connection, batch_id: str, code: ErrorCode, message: str) -> int:
+    """Fail every pending item of `batch_id` with `code`; the number failed."""
+    return db.execute(
+        "UPDATE items SET state = ?, error_code = ?, error_message = ?,"
+        " num_commits = num_commits + 1 WHERE batch_id = ? AND state = ?",
+        (ItemState.FAILED, code.value, message, batch_id, ItemState.PENDING)).rowcount

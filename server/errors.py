@@ -45,6 +45,7 @@ class ErrorCode(enum.StrEnum):
     UNSUPPORTED_URL = "unsupported_url"
     TOO_MANY_ITEMS = "too_many_items"
     BATCH_EXPIRED = "batch_expired"
+    BATCH_CANCELLED = "batch_cancelled"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     STORAGE_FULL = "storage_full"
@@ -80,6 +81,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNSUPPORTED_URL: 400,
     ErrorCode.TOO_MANY_ITEMS: 413,
     ErrorCode.BATCH_EXPIRED: 408,
+    ErrorCode.BATCH_CANCELLED: 409,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.STORAGE_FULL: 507,

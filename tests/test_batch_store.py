@@ -210,12 +210,17 @@ def test_batch_counts_are_kept_through_every_change_of_an_item(tmp_path: Path) -
         store.commit_item(bid, 0, ok(0))
         store.commit_item(bid, 1, ItemResult("r1", None, "context_length_exceeded", "long"))
     assert store.expire_batch(expired) == 3
+    assert store.fail_unrun(cancelled) == 0  # in progress: its items may still run
     store.request_cancel("alice", cancelled)
+    assert store.fail_unrun(cancelled) == 3  # never run: failed, for the error file
+    assert store.fail_unrun(cancelled) == 0
     store.finish_batch(store.get_batch("alice", cancelled), None, None)  # type: ignore[arg-type]
     counts = {bid: store.get_batch("alice", bid).counts for bid in (expired, cancelled)}  # type: ignore[union-attr]
     assert (counts[expired].total, counts[expired].completed, counts[expired].failed) == (6, 1, 5)
     assert (counts[cancelled].total, counts[cancelled].completed,
-            counts[cancelled].failed) == (6, 1, 2)  # 3 skipped: neither
+            counts[cancelled].failed) == (6, 1, 5)
+    codes = {r.error_code for _, _, r in store.results(cancelled, ItemState.FAILED)}
+    assert codes == {"bad_json", "context_length_exceeded", "batch_cancelled"}
     store.check_integrity()
     with store.db.locked() as db:
         with pytest.raises(sqlite3.IntegrityError, match="never deleted"):

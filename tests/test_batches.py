@@ -288,8 +288,16 @@ def test_cancel_aborts_running_items_and_keeps_partial_results(tmp_path: Path) -
         batch = wait_finished(live.url, batch_id)
         assert batch["status"] == "cancelled" and batch["cancelled_at"]
         counts = batch["request_counts"]
-        assert counts["total"] == 40 and 3 <= counts["completed"] < 40 and counts["failed"] == 0
+        assert counts["total"] == 40 and 3 <= counts["completed"] < 40
         assert len(lines_of(client, batch["output_file_id"])) == counts["completed"]
+        # the items it never ran (or stopped) are in its error file, as OpenAI lists them
+        assert counts["failed"] == 40 - counts["completed"]
+        unrun = lines_of(client, batch["error_file_id"])
+        assert len(unrun) == counts["failed"] and all(
+            line["response"] is None and line["error"]["code"] == "batch_cancelled"
+            for line in unrun)
+        ids = [line["custom_id"] for line in unrun + lines_of(client, batch["output_file_id"])]
+        assert sorted(ids) == sorted(set(ids)) and len(ids) == 40  # each item once
         assert not live.engine.active_request_ids
         assert client.batches.cancel(batch_id).status == "cancelled"  # idempotent
         done_id = submit(client, jsonl(1))
