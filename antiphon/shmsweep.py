@@ -59,7 +59,7 @@ class EngineSegments:
             logger.warning("ignoring %s (%s)", self.record, exc)
             self.record.unlink(missing_ok=True)
             return []
-        mapped = mapped_segments(self.shm_dir)
+        mapped = _mapped_segment_names(self.shm_dir)
         removed = []
         for name in recorded:
             if not (isinstance(name, str) and name.startswith(PREFIXES) and "/" not in name):
@@ -97,11 +97,10 @@ class EngineSegments:
         self.record.unlink(missing_ok=True)
 
 
-def mapped_segments(shm_dir: Path) -> dict[str, int]:
-    """The segments under `shm_dir` that a live process maps or holds open, each with the pid
-    of one such process."""
+def _mapped_segment_names(shm_dir: Path) -> set[str]:
+    """Names of segments under `shm_dir` that a live process maps or holds open."""
     prefix = f"{shm_dir}/"
-    names: dict[str, int] = {}
+    names: set[str] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -113,7 +112,6 @@ def mapped_segments(shm_dir: Path) -> dict[str, int]:
             continue
         with contextlib.suppress(OSError):
             paths += [os.readlink(fd) for fd in (proc / "fd").iterdir()]
-        for path in paths:
-            if path.startswith(prefix):
-                names.setdefault(path[len(prefix):].removesuffix(" (deleted)"), int(proc.name))
+        names.update(path[len(prefix):].removesuffix(" (deleted)") for path in paths
+                     if path.startswith(prefix))
     return names

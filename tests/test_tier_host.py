@@ -201,7 +201,9 @@ def test_cross_process_slots(tier: HostTier) -> None:
 
 
 def test_arenas_of_dead_processes_are_removed_and_live_ones_kept() -> None:
+    import signal
     import subprocess
+    import sys
 
     from antiphon.tiering.host_arena import (
         ARENA_PREFIX,
@@ -209,20 +211,29 @@ def test_arenas_of_dead_processes_are_removed_and_live_ones_kept() -> None:
         remove_orphaned_arenas,
     )
 
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    orphan = HostArena.create(f"{ARENA_PREFIX}{dead.pid}", 1, SLOT)
-    orphan_now = HostArena.create(f"{ARENA_PREFIX}{dead.pid}-0badf00d", 1, SLOT)
+    # a process killed with its resource tracker (a process group's kill): untracked arenas
+    dead = subprocess.Popen(
+        [sys.executable, "-c", "import os, signal\n"
+         "from antiphon.tiering.host_arena import ARENA_PREFIX, HostArena\n"
+         "for suffix in ('', '-0badf00d'):\n"
+         f"    HostArena.create(f'{{ARENA_PREFIX}}{{os.getpid()}}{{suffix}}', 1, {SLOT}, "
+         "tracked=False)\n"
+         "os.kill(os.getpid(), signal.SIGKILL)"])
+    assert dead.wait() == -signal.SIGKILL
+    orphans = {f"{ARENA_PREFIX}{dead.pid}", f"{ARENA_PREFIX}{dead.pid}-0badf00d"}
     mine = HostArena.create(default_arena_name(), 1, SLOT)
+    # the arena of a dead pid that a live process still uses (a worker that outlived its
+    # server) stays
+    in_use = HostArena.create(f"{ARENA_PREFIX}{dead.pid}-5eed", 1, SLOT)
     try:
         removed = remove_orphaned_arenas()
-        assert {orphan.name, orphan_now.name} <= set(removed) and mine.name not in removed
-        assert not HostArena.unlink_stale(orphan.name)  # already gone
+        assert orphans <= set(removed) and not {mine.name, in_use.name} & set(removed)
+        assert not any(HostArena.unlink_stale(name) for name in orphans)  # already gone
         HostArena.attach(mine.name).close()  # still there
+        HostArena.attach(in_use.name).close()
     finally:
-        orphan.close()
-        orphan_now.close()
         mine.close()  # the owner unlinks it
+        in_use.close()
 
 
 def test_a_restart_under_the_same_pid_is_not_stopped_by_the_arena_left_under_it() -> None:

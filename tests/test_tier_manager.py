@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import threading
 import uuid
 from pathlib import Path
@@ -323,33 +322,58 @@ def test_a_named_arena_left_by_a_killed_server_does_not_stop_the_next_start(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # A server killed with -9 leaves the arena --host-shm-name named; the next start found the
     # name taken (FileExistsError) and could not start until someone removed it by hand.
+    import signal
     import subprocess
     import sys
+    import time
 
     from antiphon.tiering.host_arena import ArenaInUse
 
     name = f"antiphon-test-{uuid.uuid4().hex[:12]}"
+    segment = Path("/dev/shm") / name
     config = TieringConfig(host_tier_bytes=8 * 64, ssd_tier_bytes=0, host_shm_name=name)
-    killed = subprocess.run(
+    server = subprocess.run(
         [sys.executable, "-c", "import os, signal\n"
-         "from antiphon.tiering.host_arena import HostArena\n"
-         f"HostArena.create({name!r}, 8, 64)\n"
+         "from antiphon.tiering import build_tiered_store\n"
+         "from antiphon.tiering.config import TieringConfig\n"
+         f"build_tiered_store(TieringConfig(host_tier_bytes=8 * 64, ssd_tier_bytes=0, "
+         f"host_shm_name={name!r}), slot_bytes=64)\n"
          "os.kill(os.getpid(), signal.SIGKILL)"], check=False)
-    assert killed.returncode == -9
+    assert server.returncode == -signal.SIGKILL
+    # The killed process's resource tracker must not unlink the name some time later: by
+    # then a restart may have created its own arena under it.
+    time.sleep(1.0)
+    assert segment.exists()
+    # A process still using it (a worker that outlived its server; it could be in another
+    # PID namespace, out of /proc's sight) keeps it: the start is refused, the arena kept.
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from antiphon.tiering.host_arena import HostArena\n"
+         f"arena = HostArena.attach({name!r})\n"
+         "print('attached', flush=True)\n"
+         "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None and worker.stdout.readline() == "attached\n"
+        with pytest.raises(ArenaInUse, match="in use by a running process"):
+            build_tiered_store(config, slot_bytes=64)
+        assert segment.exists()
+    finally:
+        worker.kill()
+        worker.wait()
     with build_tiered_store(config, slot_bytes=64) as store:
         assert store.put(GRID[0][0], data(GRID[0][0]))
         assert f"removed host-tier arena {name}" in caplog.text
         # while this one serves, a second server on the same name is refused, and the
         # arena in use is not touched
-        with pytest.raises(ArenaInUse, match=f"in use by process {os.getpid()}"):
+        with pytest.raises(ArenaInUse):
             build_tiered_store(config, slot_bytes=64)
         assert store.get(GRID[0][0]) == data(GRID[0][0])
+    assert not segment.exists()  # a clean close removes it
     # a segment of that name that is no host arena is another program's: left alone
-    foreign = Path("/dev/shm") / name
-    foreign.write_bytes(b"not an arena")
+    segment.write_bytes(b"not an arena")
     try:
         with pytest.raises(FileExistsError, match="not a host arena"):
             build_tiered_store(config, slot_bytes=64)
-        assert foreign.read_bytes() == b"not an arena"
+        assert segment.read_bytes() == b"not an arena"
     finally:
-        foreign.unlink()
+        segment.unlink()

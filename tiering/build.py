@@ -66,13 +66,14 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int,
             if orphans:
                 logger.warning("removed %d host-tier arenas left by killed processes: %s",
                                len(orphans), ", ".join(orphans))
-        elif reclaim_named_arena(config.host_shm_name):
-            logger.warning("removed host-tier arena %s, left by a killed server",
-                           config.host_shm_name)
         try:
+            if config.host_shm_name is not None and reclaim_named_arena(config.host_shm_name):
+                logger.warning("removed host-tier arena %s, left by a killed server",
+                               config.host_shm_name)
             tiers.append(HostTier.create(config.host_shm_name or default_arena_name(),
                                          config.host_tier_bytes, slot_bytes,
-                                         policy=policy(is_lowest=ssd is None)))
+                                         policy=policy(is_lowest=ssd is None),
+                                         tracked=config.host_shm_name is None))
         except BaseException:
             if ssd is not None:
                 ssd.close()

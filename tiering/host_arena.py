@@ -15,16 +15,17 @@ The header lets an attaching process check the geometry. Slots start page-aligne
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
 import struct
+from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from antiphon.shmsweep import mapped_segments
 from antiphon.tiering.tier import BytesLike, byte_view
 
 HEADER_BYTES = 4096
@@ -33,19 +34,35 @@ _MAGIC = b"AKVARENA"
 _VERSION = 1
 
 
-def _map_untracked(name: str) -> mmap.mmap:
-    """Map an existing segment without registering it with multiprocessing's resource tracker.
-
-    Before Python 3.13 every `SharedMemory(name)` registers the segment, and a tracker that is
-    not the creator's unlinks it when the attaching process exits (CPython issue 82300).
-    """
+def _open_in_use(name: str) -> int:
+    """A descriptor of segment `name` holding a shared lock on it for as long as it is open:
+    every process that uses an arena, its owner and those attached, holds one, and the lock
+    goes with the process however it ends. `reclaim_named_arena` tells a live arena from one
+    a killed server left by it, across PID namespaces too (containers sharing /dev/shm)."""
     import _posixshmem  # the shm_open that SharedMemory itself uses
 
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def _map_untracked(name: str) -> tuple[mmap.mmap, int]:
+    """Map an existing segment without registering it with multiprocessing's resource tracker,
+    with the descriptor holding its in-use lock (`_open_in_use`).
+
+    Before Python 3.13 every `SharedMemory(name)` registers the segment, and a tracker that is
+    not the creator's unlinks it when the attaching process exits (CPython issue 82300).
+    """
+    fd = _open_in_use(name)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size), fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class ArenaMemoryError(MemoryError):
@@ -81,7 +98,8 @@ class HostArena:
     """Slots in shared memory. Create with `create`, attach with `attach`."""
 
     def __init__(self, name: str, buffer: memoryview, slot_bytes: int, num_slots: int, *,
-                 owner: SharedMemory | None = None, mapping: mmap.mmap | None = None) -> None:
+                 in_use_fd: int, owner: SharedMemory | None = None,
+                 mapping: mmap.mmap | None = None, tracked: bool = True) -> None:
         """Use `create` or `attach`; this wraps an already mapped segment."""
         self.name = name
         self.slot_bytes = slot_bytes
@@ -89,10 +107,18 @@ class HostArena:
         self._buf: memoryview | None = buffer
         self._owner = owner  # the creator's handle (None when attached)
         self._mapping = mapping  # the attacher's mapping (None when created)
+        self._in_use_fd: int | None = in_use_fd  # holds the in-use lock (`_open_in_use`)
+        self._tracked = tracked  # the owner's name is known to the resource tracker
 
     @classmethod
-    def create(cls, name: str, num_slots: int, slot_bytes: int) -> HostArena:
+    def create(cls, name: str, num_slots: int, slot_bytes: int, *,
+               tracked: bool = True) -> HostArena:
         """Create segment `name` holding `num_slots` slots of `slot_bytes` bytes each.
+
+        `tracked=False` keeps the name from multiprocessing's resource tracker, which unlinks
+        the segments of a killed process some time after it died: for a name the operator
+        chose (`--host-shm-name`), that unlink could come after a restart had reclaimed the
+        name and created its own arena under it, and take the new arena's name away.
 
         Raises FileExistsError if a segment of that name exists (e.g. left by a killed process:
         remove it with `HostArena.unlink_stale(name)` or `reclaim_named_arena(name)`).
@@ -102,20 +128,31 @@ class HostArena:
                              f"{num_slots}")
         size = HEADER_BYTES + num_slots * slot_bytes
         shm = SharedMemory(name=name, create=True, size=size)
+        if not tracked:
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        buf = shm.buf
+        assert buf is not None
         try:
-            _reserve(name, size)
+            in_use_fd = _open_in_use(name)
+            try:
+                # the header first: a start killed while reserving leaves a segment that
+                # reads as an arena (`reclaim_named_arena`), not as another program's
+                _HEADER.pack_into(buf, 0, _MAGIC, _VERSION, slot_bytes, num_slots)
+                _reserve(name, size)
+            except BaseException:
+                os.close(in_use_fd)
+                raise
         except BaseException:
             shm.close()
-            shm.unlink()
+            _unlink(shm, tracked)
             raise
-        assert shm.buf is not None
-        _HEADER.pack_into(shm.buf, 0, _MAGIC, _VERSION, slot_bytes, num_slots)
-        return cls(name, shm.buf, slot_bytes, num_slots, owner=shm)
+        return cls(name, buf, slot_bytes, num_slots, in_use_fd=in_use_fd, owner=shm,
+                   tracked=tracked)
 
     @classmethod
     def attach(cls, name: str) -> HostArena:
         """Map the existing segment `name` (created by another process) read-write."""
-        mapping = _map_untracked(name)
+        mapping, in_use_fd = _map_untracked(name)
         buffer = memoryview(mapping)
         try:
             magic, version, slot_bytes, num_slots = _HEADER.unpack_from(buffer, 0)
@@ -126,8 +163,9 @@ class HostArena:
         except BaseException:
             buffer.release()
             mapping.close()
+            os.close(in_use_fd)
             raise
-        return cls(name, buffer, slot_bytes, num_slots, mapping=mapping)
+        return cls(name, buffer, slot_bytes, num_slots, in_use_fd=in_use_fd, mapping=mapping)
 
     @staticmethod
     def unlink_stale(name: str) -> bool:
@@ -211,7 +249,10 @@ class HostArena:
             pass  # a caller still holds a slot view; the mapping goes when that view does
         if self._owner is not None:
             with contextlib.suppress(FileNotFoundError):
-                self._owner.unlink()
+                _unlink(self._owner, self._tracked)
+        if self._in_use_fd is not None:
+            os.close(self._in_use_fd)
+            self._in_use_fd = None
 
     def __enter__(self) -> HostArena:
         return self
@@ -246,12 +287,12 @@ def remove_orphaned_arenas(shm_dir: Path = Path("/dev/shm")) -> list[str]:
     """Unlink default-named arenas (`antiphon-kv-<pid>[-<random>]`) whose process is gone: a server
     killed without closing its tiers leaves its arena in shared memory, which is RAM, until
     someone removes it. Returns the names removed. An arena named by `--host-shm-name`
-    (`reclaim_named_arena` makes way for that one), or whose pid is alive (in this pid
-    namespace), is left alone."""
+    (`reclaim_named_arena` makes way for that one), whose pid is alive (in this pid
+    namespace), or that a live process still uses, is left alone."""
     removed = []
     for path in shm_dir.glob(f"{ARENA_PREFIX}*"):
         pid = path.name.removeprefix(ARENA_PREFIX).split("-")[0]
-        if not pid.isdigit() or _is_alive(int(pid)):
+        if not pid.isdigit() or _is_alive(int(pid)) or _is_in_use(path):
             continue
         if HostArena.unlink_stale(path.name):
             removed.append(path.name)
@@ -259,31 +300,71 @@ def remove_orphaned_arenas(shm_dir: Path = Path("/dev/shm")) -> list[str]:
 
 
 class ArenaInUse(RuntimeError):
-    """The arena's name is mapped by a live process: two servers cannot share one arena."""
+    """The arena is in use by a live process: two servers cannot share one arena."""
 
 
 def reclaim_named_arena(name: str, shm_dir: Path = Path("/dev/shm")) -> bool:
     """Make way for an arena named by `--host-shm-name`, which `remove_orphaned_arenas` cannot
-    tell by its name: a host arena of that name that no live process maps or holds open was
-    left by a killed server, and is unlinked (True); no segment of that name gives False.
-    Raises ArenaInUse where a live process maps it (another server, or an engine that
-    outlived its own), and FileExistsError where the segment is not a host arena (another
-    program's, left alone)."""
+    tell by its name: a host arena of that name that no live process uses (no process holds
+    its in-use lock, `_open_in_use`) was left by a killed server, and is unlinked (True); no
+    segment of that name gives False. Raises ArenaInUse where a live process uses it (another
+    server, or an engine or worker that outlived its own), and FileExistsError where the
+    segment is not a host arena (another program's, left alone)."""
     path = shm_dir / name
     try:
-        with open(path, "rb") as segment:
-            header = segment.read(_HEADER.size)
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return False
-    if len(header) < _HEADER.size or _HEADER.unpack(header)[0] != _MAGIC:
-        raise FileExistsError(f"shared memory {name!r} exists and is not a host arena: name "
-                              f"another one with --host-shm-name")
-    holder = mapped_segments(shm_dir).get(name)
-    if holder is not None:
-        raise ArenaInUse(f"host arena {name!r} is in use by process {holder}: another server "
-                         f"serves with this --host-shm-name; stop it or name another")
-    path.unlink(missing_ok=True)
-    return True
+    except PermissionError as exc:
+        raise FileExistsError(f"shared memory {name!r} exists and belongs to another user: "
+                              f"name another arena with --host-shm-name") from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ArenaInUse(f"host arena {name!r} is in use by a running process (another "
+                             f"server, or the engine of one that was killed): stop it, or "
+                             f"name another arena with --host-shm-name") from None
+        header = os.pread(fd, _HEADER.size, 0)
+        if len(header) < _HEADER.size or _HEADER.unpack(header)[0] != _MAGIC:
+            raise FileExistsError(f"shared memory {name!r} exists and is not a host arena: "
+                                  f"name another one with --host-shm-name")
+        try:
+            replaced = os.stat(path).st_ino != os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False  # another start reclaimed it meanwhile
+        if replaced:  # another start reclaimed it and created its own under the name
+            raise ArenaInUse(f"host arena {name!r} was just created by another process: "
+                             f"two servers are starting with this --host-shm-name")
+        path.unlink()  # still holding the lock: no other start unlinks a newer arena
+        return True
+    finally:
+        os.close(fd)
+
+
+def _unlink(shm: SharedMemory, tracked: bool) -> None:
+    if tracked:
+        shm.unlink()
+    else:  # SharedMemory.unlink would tell a tracker that never heard of the name
+        import _posixshmem
+
+        _posixshmem.shm_unlink(shm._name)  # type: ignore[attr-defined]
+
+
+def _is_in_use(path: Path) -> bool:
+    """Whether a live process holds segment `path`'s in-use lock (`_open_in_use`): a worker
+    that outlived its server, or a process in another PID namespace."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _is_alive(pid: int) -> bool:

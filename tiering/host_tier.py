@@ -41,9 +41,12 @@ class HostTier(IndexedTier[HostSlot]):
 
     @classmethod
     def create(cls, shm_name: str, capacity_bytes: int, slot_bytes: int, *,
-               name: str = "host", policy: EvictionPolicy | None = None) -> HostTier:
-        """A tier over a new arena of `capacity_bytes // slot_bytes` slots named `shm_name`."""
-        arena = HostArena.create(shm_name, capacity_bytes // slot_bytes, slot_bytes)
+               name: str = "host", policy: EvictionPolicy | None = None,
+               tracked: bool = True) -> HostTier:
+        """A tier over a new arena of `capacity_bytes // slot_bytes` slots named `shm_name`
+        (`tracked`: as `HostArena.create`)."""
+        arena = HostArena.create(shm_name, capacity_bytes // slot_bytes, slot_bytes,
+                                 tracked=tracked)
         return cls(arena, name=name, policy=policy)
 
     @property
