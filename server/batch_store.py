@@ -316,7 +316,7 @@ class BatchStore:
             if row is None or row[0] != BatchStatus.CANCELLING.value:
                 return 0
             return _fail_pending(db, batch_id, ErrorCode.BATCH_CANCELLED,
-                                 "the batch was cancelled before this request ran")
+                                 "the batch was cancelled before this request was answered")
 
     def finish_batch(self, batch: Batch, output: FileRecord | None,
                      error: FileRecord | None) -> None:
