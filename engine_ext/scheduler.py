@@ -35,6 +35,7 @@ from vllm.v1.request import Request
 from antiphon.engine_ext.biblock_pool import PositionalPages
 from antiphon.engine_ext.config import SchedulerSettings
 from antiphon.engine_ext.costmodel import CostModel, StepShape
+from antiphon.engine_ext.orphan import watch_parent
 from antiphon.engine_ext.policies import make_policy
 from antiphon.engine_ext.schedstats import SchedulerStats
 from antiphon.engine_ext.steptrace import StepTrace
@@ -60,6 +61,7 @@ def request_class_of(request: Request) -> RequestClass:
 class AntiphonScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        watch_parent()  # an engine core whose server was killed alone stops
         self.settings = SchedulerSettings.from_additional_config(
             self.vllm_config.additional_config)
         self.cost_model = CostModel()

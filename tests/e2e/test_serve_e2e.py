@@ -19,6 +19,7 @@ from websockets.asyncio.client import connect
 from antiphon.bench.serverproc import ServerProcess
 from antiphon.model import DEFAULT_MODEL_NAME
 from antiphon.shmsweep import RECORD_NAME, SHM_DIR
+from tests.procs import descendants, is_gone
 from tests.wsclient import chat, open_session, recv_until, send
 
 pytestmark = pytest.mark.e2e
@@ -124,6 +125,23 @@ async def test_kill_9_loses_no_accepted_message(server: ServerProcess) -> None:
     assert messages[-1]["content"] == "Now write a very long essay about Paris."
     log = Path(server.log_path).read_text()
     assert "Application startup complete" in log
+
+
+def test_a_server_killed_alone_leaves_no_engine_behind(server: ServerProcess) -> None:
+    """kill -9 of the server's pid alone (a supervisor that signals the main process only):
+    vLLM's engine core and worker ran on for ever, holding the SSD tier's lock, and every
+    restart on the data folder failed ("in use by another SSD tier")."""
+    assert server.proc is not None
+    engine = descendants(server.proc.pid)
+    assert engine  # vLLM's engine core and its worker
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait()
+    deadline = time.monotonic() + 30
+    while not all(is_gone(pid) for pid in engine) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(is_gone(pid) for pid in engine)
+    assert "is gone: stopping its engine" in Path(server.log_path).read_text()
+    server.start()  # the data folder is free again: the restart serves
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT])
