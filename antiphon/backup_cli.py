@@ -4,15 +4,23 @@ while the server runs.
 Each database is copied with SQLite's online backup (a snapshot as of one moment, whatever the
 server writes meanwhile), then the batch files that snapshot names. The KV tiers are not copied:
 they are a cache of what the sessions hold, rebuilt by use. To restore, stop the server and
-start it with `--data-dir DEST` (or copy DEST's contents into the data folder).
+start it with `--data-dir DEST`. (Copying DEST's databases over a data folder's is not a
+restore: SQLite would replay the `-wal` file a killed server left beside the old database onto
+the copy.)
+
+A file that cannot be copied (a full disk) fails the backup (status 2) and leaves no partial
+copy under its name; a file deleted after the snapshot is marked deleted in the copy's
+database, as the server marks it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sqlite3
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,32 +69,60 @@ def _copy_database(source: Path, target: Path) -> dict[str, int]:
 
 
 def _copy_files(database: Path, source: Path, target: Path) -> dict[str, Any]:
-    """The batch files `database` names (not deleted), from `source` into `target`."""
-    db = sqlite3.connect(database)
+    """The batch files `database` names (not deleted), from `source` into `target`, each
+    durable and of the size the database gives it; a file deleted after the snapshot is
+    marked deleted in `database`. Raises OSError where a copy fails (none is left)."""
+    db = sqlite3.connect(database, isolation_level=None)
     try:
-        ids = [r[0] for r in db.execute("SELECT file_id FROM files WHERE deleted_at IS NULL")]
+        rows = db.execute("SELECT file_id, num_bytes FROM files WHERE deleted_at IS NULL")
+        sizes = dict(rows.fetchall())
+        files = FileStore(source)
+        private_dir(target)
+        copied, missing, num_bytes = 0, [], 0
+        for file_id, size in sizes.items():
+            path = files.path(file_id)
+            if not _copy_file(path, target / path.name, size):
+                missing.append(file_id)
+                continue
+            copied += 1
+            num_bytes += size
+        if missing:  # as the server's DELETE /v1/files leaves them
+            db.executemany("UPDATE files SET deleted_at = ? WHERE file_id = ?",
+                           [(time.time(), file_id) for file_id in missing])
     finally:
         db.close()
-    files = FileStore(source)
-    private_dir(target)
-    copied, missing, num_bytes = 0, [], 0
-    for file_id in ids:
-        path = files.path(file_id)
-        try:
-            shutil.copy2(path, target / path.name)
-        except FileNotFoundError:  # deleted after the snapshot
-            missing.append(file_id)
-            continue
-        copied += 1
-        num_bytes += path.stat().st_size
     return {"copied": copied, "bytes": num_bytes, "missing": missing}
+
+
+def _copy_file(source: Path, target: Path, size: int) -> bool:
+    """Copy `source` to `target` through a temporary name, synced; False where `source` is
+    gone (deleted after the snapshot). Raises OSError, leaving nothing, where the copy
+    fails or does not come out `size` bytes long."""
+    part = target.with_name(target.name + ".part")
+    try:
+        with open(source, "rb") as src, open(private_file(part), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+            dst.flush()
+            os.fsync(dst.fileno())
+            if dst.tell() != size:
+                raise OSError(f"{source} is {dst.tell()} bytes, its record says {size}")
+    except FileNotFoundError as exc:
+        part.unlink(missing_ok=True)
+        if exc.filename == str(source):
+            return False
+        raise
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    os.replace(part, target)
+    return True
 
 
 def _backup(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir or env.data_dir() or SessionConfig().data_dir).expanduser()
     try:
         summary = backup(data_dir, Path(args.dest))
-    except (FileExistsError, FileNotFoundError, DatabaseDamaged, sqlite3.Error) as exc:
+    except (OSError, DatabaseDamaged, sqlite3.Error) as exc:
         print(f"antiphon backup: {exc}", file=sys.stderr)
         return 2
     for name, counts in summary.items():

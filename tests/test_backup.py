@@ -76,3 +76,46 @@ def test_backup_refuses_a_folder_without_a_database(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["backup", str(tmp_path / "out"), "--data-dir", str(tmp_path)]) == 2
     assert "holds no Antiphon database" in capsys.readouterr().err
+
+
+def test_a_backup_that_cannot_copy_a_file_fails_and_one_deleted_meanwhile_is_marked(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A full disk gave a traceback and left a truncated copy under the file's own name, which
+    # a server started on the backup served; a file deleted after the snapshot stayed listed
+    # in the copy's database (counted against its key's room, its content a 404).
+    import errno
+    import shutil
+
+    from antiphon.server.batch_store import BatchStore
+    from antiphon.server.file_store import FileStore
+
+    data = tmp_path / "data"
+    with live_server(scripted_config(data), ScriptedEngine()) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        batch = wait_finished(url, submit(client, jsonl(3)))
+    copyfileobj = shutil.copyfileobj
+
+    def disk_full(src: object, dst: object, *args: object) -> None:
+        copyfileobj(src, dst, 16)  # type: ignore[arg-type]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfileobj", disk_full)
+    full = tmp_path / "full"
+    assert main(["backup", str(full), "--data-dir", str(data)]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert not list((full / "files").iterdir())  # no partial copy, under any name
+    monkeypatch.undo()
+
+    gone = FileStore(data / "files").path(batch["output_file_id"])
+    gone.unlink()  # as a DELETE /v1/files between the snapshot and the copy leaves it
+    dest = tmp_path / "backup"
+    assert main(["backup", str(dest), "--data-dir", str(data)]) == 0
+    assert "1 deleted meanwhile" in capsys.readouterr().out
+    store = BatchStore(dest / "batches.sqlite3")
+    try:
+        sizes = store.file_sizes()
+        assert batch["output_file_id"] not in sizes and batch["input_file_id"] in sizes
+        FileStore(dest / "files").check_integrity(sizes)
+    finally:
+        store.close()
