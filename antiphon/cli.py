@@ -23,7 +23,7 @@ def _serve(args: argparse.Namespace) -> int:
     from antiphon.engine_ext.engine import VllmEngine
     from antiphon.model import DEFAULT_MODEL_NAME, ModelPrepareError, resolve_model
     from antiphon.server.app import DrainingServer, create_app
-    from antiphon.sqlite import DatabaseDamaged
+    from antiphon.sqlite import DatabaseDamaged, DatabaseUnavailable
 
     try:
         config = AppConfig(
@@ -53,6 +53,9 @@ def _serve(args: argparse.Namespace) -> int:
     except DatabaseDamaged as exc:
         print(f"antiphon serve: {exc}. Restore it from a backup, or move it aside to start "
               "with an empty one.", file=sys.stderr)
+        return 2
+    except DatabaseUnavailable as exc:  # the file may be whole: no advice to replace it
+        print(f"antiphon serve: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # the data folder: missing parent, read-only, not a folder
         print(f"antiphon serve: cannot use {exc.filename or config.sessions.data_dir}: "

@@ -15,6 +15,17 @@ class DatabaseDamaged(RuntimeError):
     """A database file that SQLite finds damaged, or that is no SQLite database at all."""
 
 
+class DatabaseUnavailable(RuntimeError):
+    """A database that cannot be opened now for a reason outside the file's contents (another
+    process locks it, the disk is full or fails, the folder cannot be written): the file
+    itself may be whole, and is not to be replaced."""
+
+
+# SQLite's result codes that say the file's contents are wrong; any other error opening a
+# database (SQLITE_BUSY, SQLITE_FULL, SQLITE_IOERR, SQLITE_CANTOPEN, ...) is no verdict on them.
+_DAMAGED_CODES = frozenset({11, 26})  # SQLITE_CORRUPT, SQLITE_NOTADB
+
+
 class SqliteDb:
     """A connection in autocommit mode: each statement outside `transaction()` commits (and,
     with synchronous FULL, is durable) before it returns."""
@@ -40,8 +51,12 @@ class SqliteDb:
                 raise DatabaseDamaged(f"{path} is damaged ({problems[0]}; "
                                       f"{len(problems)} problems)")
             self._db.executescript(schema)
-        except sqlite3.DatabaseError as exc:  # "file is not a database", "malformed"
+        except sqlite3.DatabaseError as exc:
             self._db.close()
+            # the primary result code (an extended one's low byte: SQLITE_IOERR_READ is IOERR)
+            code = getattr(exc, "sqlite_errorcode", None)
+            if code is not None and code & 0xFF not in _DAMAGED_CODES:
+                raise DatabaseUnavailable(f"cannot open {path} ({exc})") from exc
             raise DatabaseDamaged(f"{path} is damaged ({exc})") from exc
         except BaseException:
             self._db.close()

@@ -93,6 +93,26 @@ def test_a_damaged_database_is_refused_with_a_clear_error(tmp_path: Path, how: s
         SessionStore(path)
 
 
+def test_a_database_locked_by_another_process_is_not_called_damaged(tmp_path: Path) -> None:
+    # Any SQLite error at start (locked, disk full, I/O error) was reported as a damaged file,
+    # and serve advised restoring a backup or moving the file aside: a whole database lost.
+    import sqlite3
+
+    from antiphon.sqlite import DatabaseUnavailable
+
+    path = tmp_path / "sessions.sqlite3"
+    SessionStore(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+        holder.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(DatabaseUnavailable, match="database is locked"):
+            SessionStore(path)
+    finally:
+        holder.close()
+    SessionStore(path).close()  # whole, once the other process lets go
+
+
 def test_serve_refuses_a_damaged_database(tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     from antiphon.cli import main
