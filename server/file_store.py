@@ -7,6 +7,7 @@ leaves either the whole file or a `.part` that `sweep` removes at the next start
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -54,8 +55,13 @@ class FileWriter:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if not self._is_committed:
-            self._file.close()
-            self._part.unlink(missing_ok=True)
+            try:
+                # a close that fails to write the buffered bytes (a full disk: the commit's
+                # flush failed the same way) still closes the file, which must go all the same
+                with contextlib.suppress(OSError):
+                    self._file.close()
+            finally:
+                self._part.unlink(missing_ok=True)
 
 
 class FileStore:

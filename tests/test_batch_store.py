@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -138,6 +139,34 @@ def test_file_store_writes_atomically_and_sweeps(tmp_path: Path) -> None:
         files.check_integrity({orphan: 4})
     with pytest.raises(ValueError):
         files.path("../sessions.sqlite3")
+
+
+def test_a_file_that_cannot_be_written_leaves_no_part_behind(tmp_path: Path) -> None:
+    # On a full disk the commit's flush failed, then the close failed the same way, and the
+    # .part was never removed: each retry of a batch's finalisation left another.
+    import errno
+
+    files = FileStore(tmp_path / "files")
+
+    class DiskFull:
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+        def flush(self) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self) -> None:
+            self.real.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"), files.create(new_file_id()) as writer:
+        writer.write(b"x" * 100)
+        writer._file = DiskFull(writer._file)  # type: ignore[assignment]
+        writer.commit()
+    assert list(files.directory.iterdir()) == []
 
 
 def test_input_lines_fail_one_by_one(tmp_path: Path) -> None:
