@@ -35,10 +35,13 @@ def watch_parent(poll_s: float = POLL_S, grace_s: float = GRACE_S) -> bool:
     may end while it serves (a shell that started it in the background). Returns whether a
     watch started (one per process)."""
     global _watching
-    if _watching or multiprocessing.parent_process() is None:
+    parent_process = multiprocessing.parent_process()
+    if _watching or parent_process is None or parent_process.pid is None:
         return False
     _watching = True
-    parent = os.getppid()
+    # The pid it was started by, not os.getppid(): the scheduler is built after the model is
+    # loaded, and a server killed before that has already left its engine to another parent.
+    parent = parent_process.pid
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -21,36 +21,41 @@ from tests.procs import is_gone
 SERVER = """
 import multiprocessing, signal, sys, time
 
-def engine(ignore_term):
+def engine(ignore_term, late):
     if ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if late:  # the server is killed before the watch starts (vLLM loads the model first)
+        time.sleep(1.0)
     from antiphon.engine_ext.orphan import watch_parent
     assert watch_parent(poll_s=0.05, grace_s=1.0)
     assert not watch_parent()  # one watch per process
     time.sleep(600)
 
 if __name__ == "__main__":
-    child = multiprocessing.get_context("spawn").Process(target=engine,
-                                                         args=(sys.argv[1] == "1",))
+    child = multiprocessing.get_context("spawn").Process(
+        target=engine, args=(sys.argv[1] == "1", sys.argv[2] == "1"))
     child.start()
     print(child.pid, flush=True)
     time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("ignores_term", [False, True], ids=["stops", "killed-after-grace"])
-def test_an_engine_whose_server_was_killed_alone_stops(tmp_path: Path,
-                                                       ignores_term: bool) -> None:
+@pytest.mark.parametrize(("ignores_term", "late"), [(False, False), (True, False), (False, True)],
+                         ids=["stops", "killed-after-grace", "server-gone-before-the-watch"])
+def test_an_engine_whose_server_was_killed_alone_stops(tmp_path: Path, ignores_term: bool,
+                                                       late: bool) -> None:
     # Before: a server killed with -9 alone left vLLM's engine core running for ever, holding
     # the SSD tier's lock, and every later start on its data folder failed.
     script = tmp_path / "server.py"
     script.write_text(SERVER)
-    server = subprocess.Popen([sys.executable, str(script), "1" if ignores_term else "0"],
+    server = subprocess.Popen([sys.executable, str(script), str(int(ignores_term)),
+                               str(int(late))],
                               stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert server.stdout is not None
         engine = int(server.stdout.readline())
-        time.sleep(0.5)  # the engine is watching
+        if not late:
+            time.sleep(0.5)  # the engine is watching
         assert not is_gone(engine)
         server.send_signal(signal.SIGKILL)  # the server alone, not its process group
         server.wait()
