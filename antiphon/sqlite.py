@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,10 +30,13 @@ class SqliteDb:
     """A connection in autocommit mode: each statement outside `transaction()` commits (and,
     with synchronous FULL, is durable) before it returns."""
 
-    def __init__(self, path: Path, schema: str, synchronous: str = "FULL") -> None:
-        """Open (or create) `path` and check it (SQLite's quick_check: 0.15 s for a
-        270 MB file). Raises `DatabaseDamaged` rather than serve from a damaged file, whose
-        writes would fail, and whose reads would be wrong."""
+    def __init__(self, path: Path, schema: str, synchronous: str = "FULL",
+                 migrate: Callable[[sqlite3.Connection], None] | None = None) -> None:
+        """Open (or create) `path`, check it (SQLite's quick_check: 0.15 s for a 270 MB
+        file), create `schema`, and run `migrate` (what an older database lacks) in one
+        transaction. Raises `DatabaseDamaged` rather than serve from a damaged file, whose
+        writes would fail, and whose reads would be wrong, and `DatabaseUnavailable` where
+        any of it fails for a reason outside the file (locked, a full or failing disk)."""
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
         private_file(private_dir(path.parent, tighten=False) / path.name)
@@ -51,6 +54,14 @@ class SqliteDb:
                 raise DatabaseDamaged(f"{path} is damaged ({problems[0]}; "
                                       f"{len(problems)} problems)")
             self._db.executescript(schema)
+            if migrate is not None:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    migrate(self._db)
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
         except sqlite3.DatabaseError as exc:
             self._db.close()
             # the primary result code (an extended one's low byte: SQLITE_IOERR_READ is IOERR)

@@ -128,26 +128,7 @@ class BatchStore:
     """Thread-safe: one connection under a lock (SQLite serialises writers anyway)."""
 
     def __init__(self, path: Path, synchronous: str = "FULL") -> None:
-        self.db = SqliteDb(path, _SCHEMA, synchronous)
-        with self.db.transaction() as db:
-            columns = {row[1] for row in db.execute("PRAGMA table_info(files)")}
-            if "deleted_at" not in columns:  # a database from before files could be deleted
-                db.execute("ALTER TABLE files ADD COLUMN deleted_at REAL")
-            columns = {row[1] for row in db.execute("PRAGMA table_info(batches)")}
-            if "endpoint" not in columns:  # from before text completions: chat's, all of them
-                db.execute(f"ALTER TABLE batches ADD COLUMN endpoint TEXT NOT NULL"
-                           f" DEFAULT '{CHAT_ENDPOINT}'")
-            if _COUNT_COLUMNS[0] not in columns:  # from before the counts were kept: count once
-                for column in _COUNT_COLUMNS:
-                    db.execute(f"ALTER TABLE batches ADD COLUMN {column} INTEGER NOT NULL"
-                               f" DEFAULT 0")
-                db.execute(f"UPDATE batches AS b SET ({', '.join(_COUNT_COLUMNS)}) ="
-                           f" ({_COUNTED})")
-            columns = {row[1] for row in db.execute("PRAGMA table_info(items)")}
-            if "status_code" not in columns:  # from before refusals kept their status
-                db.execute("ALTER TABLE items ADD COLUMN status_code INTEGER")
-            for trigger in _COUNT_TRIGGERS:
-                db.execute(trigger)
+        self.db = SqliteDb(path, _SCHEMA, synchronous, migrate=_migrate)
 
     def close(self) -> None:
         self.db.close()
@@ -433,6 +414,26 @@ def _move(db: sqlite3.Connection, batch_id: str, expected: Sequence[BatchStatus]
         f" WHERE batch_id = ? AND status IN ({','.join('?' * len(expected))})",
         [*args, batch_id, *(s.value for s in expected)])
     return cur.rowcount == 1
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """What a database from an older server lacks (in the opening transaction)."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(files)")}
+    if "deleted_at" not in columns:  # a database from before files could be deleted
+        db.execute("ALTER TABLE files ADD COLUMN deleted_at REAL")
+    columns = {row[1] for row in db.execute("PRAGMA table_info(batches)")}
+    if "endpoint" not in columns:  # from before text completions: chat's, all of them
+        db.execute(f"ALTER TABLE batches ADD COLUMN endpoint TEXT NOT NULL"
+                   f" DEFAULT '{CHAT_ENDPOINT}'")
+    if _COUNT_COLUMNS[0] not in columns:  # from before the counts were kept: count once
+        for column in _COUNT_COLUMNS:
+            db.execute(f"ALTER TABLE batches ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
+        db.execute(f"UPDATE batches AS b SET ({', '.join(_COUNT_COLUMNS)}) = ({_COUNTED})")
+    columns = {row[1] for row in db.execute("PRAGMA table_info(items)")}
+    if "status_code" not in columns:  # from before refusals kept their status
+        db.execute("ALTER TABLE items ADD COLUMN status_code INTEGER")
+    for trigger in _COUNT_TRIGGERS:
+        db.execute(trigger)
 
 
 def _fail_pending(db: sqlite3.Connection, batch_id: str, code: ErrorCode, message: str) -> int:

@@ -197,12 +197,7 @@ class SessionStore:
         # Called (in the writing thread) once a write queued an erasure of a live session's
         # old chains; the server has its eraser run then.
         self.on_erasure_queued: Callable[[], None] | None = None
-        self._db = SqliteDb(path, _SCHEMA, synchronous)
-        with self._db.transaction() as db:  # a database from before tool calls
-            columns = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
-            for column in ("tool_calls", "tool_call_id"):
-                if column not in columns:
-                    db.execute(f"ALTER TABLE messages ADD COLUMN {column} TEXT")
+        self._db = SqliteDb(path, _SCHEMA, synchronous, migrate=_migrate)
 
     def close(self) -> None:
         self._db.close()
@@ -480,3 +475,11 @@ class SessionStore:
         self._db.check({"messages without a session":
                         "SELECT COUNT(*) FROM messages m LEFT JOIN sessions s USING (session_id)"
                         " WHERE s.session_id IS NULL"})
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """What a database from an older server lacks (in the opening transaction)."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
+    for column in ("tool_calls", "tool_call_id"):  # from before tool calls
+        if column not in columns:
+            db.execute(f"ALTER TABLE messages ADD COLUMN {column} TEXT")
