@@ -26,7 +26,7 @@ from typing import Any
 
 from antiphon import env
 from antiphon.private import private_dir, private_file
-from antiphon.server.file_store import FileStore
+from antiphon.server.file_store import FileStore, fsync_dir
 from antiphon.sessions.config import SessionConfig
 from antiphon.sqlite import DatabaseDamaged
 
@@ -86,6 +86,7 @@ def _copy_files(database: Path, source: Path, target: Path) -> dict[str, Any]:
                 continue
             copied += 1
             num_bytes += size
+        fsync_dir(target)  # the copies' names, renamed into it
         if missing:  # as the server's DELETE /v1/files leaves them
             db.executemany("UPDATE files SET deleted_at = ? WHERE file_id = ?",
                            [(time.time(), file_id) for file_id in missing])

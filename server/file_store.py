@@ -46,7 +46,7 @@ class FileWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         os.replace(self._part, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         self._is_committed = True
 
     def __enter__(self) -> FileWriter:
@@ -98,7 +98,8 @@ class FileStore:
             assert path.stat().st_size == num_bytes, f"{file_id} is not {num_bytes} bytes"
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make the names in `directory` durable (a rename into it, say)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
