@@ -677,3 +677,47 @@ def test_a_finished_request_saves_only_the_tail_it_knows(planner: TierPlanner) -
     assert planner.request_finished("r", 12, [1, 2, 3])  # 2 positions past the known tokens
     final = planner.build_metadata([])
     assert [c.blocks for c in final.final_saves["r"]] == [(3,)]
+
+
+def test_a_preempted_turn_admitted_again_leaves_the_next_turns_advisory(tmp_path: Path) -> None:
+    # The user types the next message while a reply streams; the reply's request, preempted
+    # and admitted again, took that advisory (counted used), and the next turn found nothing
+    # prefetched.
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9], session="s1")
+        tokens = [*TURN1, 110, 111, 112, 113, 114, 115]
+        view = TokenView("r2", tokens, session="s1")
+        planner.add_request(view)
+        planner.num_new_matched_tokens(view, 0)
+        planner.test_blocks["r2"] = [1, 2, 3, 4]
+        planner.plan_load("r2", [1, 2, 3, 4], 10, len(tokens))
+        meta = planner.build_metadata([("r2", 14)])
+        fake_worker_saves(planner, meta.saves)
+        planner.step_done({meta.step}, set())
+        planner.advise("s1", tokens, expected_arrival_s=5.0)  # the next turn's
+        assert planner.stats()["advisories_live"] == 1
+        planner.checkpoint("r2", 14, [1, 2, 3, 4])  # preempted
+        meta = planner.build_metadata([])
+        fake_worker_saves(planner, meta.checkpoints)
+        planner.step_done({meta.step}, set())
+        again = TokenView("r2", [*tokens, 116], session="s1")
+        while planner.num_new_matched_tokens(again, 0) is None:
+            time.sleep(0.01)
+        stats = planner.stats()
+        assert (stats["advisories_live"], stats["advisories_used"]) == (1, 0), stats
+    finally:
+        planner.close()
+
+
+def test_an_advisory_with_nothing_to_fetch_is_not_counted_late(tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        planner.advise("s9", [1, 2, 3], expected_arrival_s=0.0)  # nothing stored: no prefetch
+        view = TokenView("r9", [1, 2, 3, 4], session="s9")
+        planner.add_request(view)
+        planner.num_new_matched_tokens(view, 0)
+        stats = planner.stats()
+        assert (stats["advisories_used"], stats["advisories_late"]) == (1, 0), stats
+    finally:
+        planner.close()

@@ -104,6 +104,9 @@ class _Request:
     admitted: tuple[int, int] | None = None
     # (host, SSD) prompt tokens its first admission loaded from the tiers (`served_from`)
     first_loads: tuple[int, int] | None = None
+    # its session's advisory was settled by its first admission (a preempted request's
+    # later ones leave the next turn's advisory alone)
+    advisory_settled: bool = False
 
 
 @dataclasses.dataclass
@@ -289,7 +292,7 @@ class TierPlanner:
         first_chunk = num_computed // self.chunk_tokens
         if match.num_tokens <= num_computed:
             self._drop_prefetch(st)
-            self._use_advisory(view.session)
+            self._use_advisory(st)
             return 0
         wanted = match.layer_keys(first_chunk)
         absent = [key for key in wanted if not self.host.contains(key)]
@@ -318,7 +321,7 @@ class TierPlanner:
             log.debug("turn %s: host room for %d of %d matched tokens", view.request_id,
                       num_tokens, match.num_tokens)
         self._drop_prefetch(st)
-        self._use_advisory(view.session)
+        self._use_advisory(st)
         if num_tokens <= num_computed:
             self._unpin(st)
             return 0
@@ -895,8 +898,14 @@ class TierPlanner:
         c.computed_prompt_tokens += max(0, num_prompt_tokens - st.local_tokens - num_external)
         st.ssd_chunks, st.fetch_attempts = set(), 0
 
-    def _use_advisory(self, session: str | None) -> None:
-        advisory = self._advisories.pop(session or "", None)
+    def _use_advisory(self, st: _Request) -> None:
+        """The turn `st` came: its session's advisory is used. Once per request: a preempted
+        turn admitted again meanwhile may find the next turn's advisory (the user typing while
+        the reply streams), which is not its to use."""
+        if st.advisory_settled:
+            return
+        st.advisory_settled = True
+        advisory = self._advisories.pop(st.view.session or "", None)
         if advisory is None:
             return
         self.counters.advisories_used += 1
@@ -906,13 +915,14 @@ class TierPlanner:
         if advisory.reclaimed:
             return  # its KV went back to the tiers below; the turn loaded what it needed
         handle = advisory.handle
-        if handle is None or handle.finished_at is None:
+        if handle is None:
+            return  # nothing to prefetch: the tiers held nothing, or the host had no room
+        if handle.finished_at is None:
             self.counters.advisories_late += 1  # the turn overtook its prefetch
         else:
             self.counters.prefetch_load_s_sum += handle.finished_at - advisory.received_at
             self.counters.prefetch_lead_s_sum += time.monotonic() - handle.finished_at
-        if handle is not None:
-            self._retire(handle)
+        self._retire(handle)
 
     def _release_advisory(self, session: str) -> None:
         advisory = self._advisories.pop(session, None)
