@@ -55,13 +55,8 @@ class SqliteDb:
                                       f"{len(problems)} problems)")
             self._db.executescript(schema)
             if migrate is not None:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    migrate(self._db)
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-                self._db.execute("COMMIT")
+                with self.transaction() as db:
+                    migrate(db)
         except sqlite3.DatabaseError as exc:
             self._db.close()
             # the primary result code (an extended one's low byte: SQLITE_IOERR_READ is IOERR)
