@@ -23,8 +23,8 @@ logger = logging.getLogger(__name__)
 # The KV connector's counters, followed as per-window deltas.
 _TIER_COUNTERS = ("prompt_tokens", "computed_prompt_tokens", "tokens_from_device",
                   "tokens_from_host", "tokens_from_ssd", "advisories_received",
-                  "advisories_used", "advisories_expired", "prefetch_lead_s_sum",
-                  "prefetch_load_s_sum")
+                  "advisories_used", "advisories_expired", "prefetches_timed",
+                  "prefetch_lead_s_sum", "prefetch_load_s_sum")
 
 
 class Dashboard:
@@ -126,14 +126,16 @@ def _engine_point(sched: dict[str, Any], tiers: dict[str, Any], delta: dict[str,
     asked_ssd = asked_host - delta["tokens_from_host"]
     point["kv_host_hit_rate"] = _ratio(delta["tokens_from_host"], asked_host)
     point["kv_ssd_hit_rate"] = _ratio(delta["tokens_from_ssd"], asked_ssd)
-    used = delta["advisories_used"]
+    # Averages over the prefetches that finished before their turn: a late or reclaimed one,
+    # or one with nothing to bring, adds no time to the sums.
+    timed = delta["prefetches_timed"]
     point.update({
         "prompt_tokens_from": {"device": delta["tokens_from_device"],
                                "host": delta["tokens_from_host"],
                                "ssd": delta["tokens_from_ssd"],
                                "computed": delta["computed_prompt_tokens"]},
-        "prefetch_lead_s": _ratio(delta["prefetch_lead_s_sum"], used),
-        "prefetch_load_s": _ratio(delta["prefetch_load_s_sum"], used),
+        "prefetch_lead_s": _ratio(delta["prefetch_lead_s_sum"], timed),
+        "prefetch_load_s": _ratio(delta["prefetch_load_s_sum"], timed),
         "advisories_received_total": totals["advisories_received"],
         "advisories_used_total": totals["advisories_used"],
         "advisories_expired_total": totals["advisories_expired"]})

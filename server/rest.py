@@ -249,10 +249,13 @@ _TIERING_COUNTERS = (
      "KV pages checkpointed requests loaded back from the tiers"),
     ("copy_steps_failed", "antiphon_kv_copy_steps_failed_total",
      "Engine steps whose KV page copies failed in the worker (their saves were dropped)"),
+    ("prefetches_timed", "antiphon_kv_prefetches_timed_total",
+     "Used advisories whose prefetch finished before their turn came (the two sums below "
+     "are over these)"),
     ("prefetch_load_s_sum", "antiphon_kv_prefetch_load_seconds_total",
-     "Advisory to prefetched KV in host memory, summed over used advisories"),
+     "Advisory to prefetched KV in host memory, summed over timed prefetches"),
     ("prefetch_lead_s_sum", "antiphon_kv_prefetch_lead_seconds_total",
-     "Prefetch done to the turn's arrival, summed over used advisories"),
+     "Prefetch done to the turn's arrival, summed over timed prefetches"),
 )
 
 

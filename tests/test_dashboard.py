@@ -25,12 +25,13 @@ class CountingEngine(ScriptedEngine):
         return self.sched
 
 
-def tier_stats(prompt: int, device: int, host: int, ssd: int, used: int, lead_s: float,
-               load_s: float) -> dict[str, Any]:
+def tier_stats(prompt: int, device: int, host: int, ssd: int, used: int, timed: int,
+               lead_s: float, load_s: float) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "tokens_from_device": device, "tokens_from_host": host,
             "tokens_from_ssd": ssd, "computed_prompt_tokens": prompt - device - host - ssd,
             "advisories_received": used + 1, "advisories_used": used, "advisories_expired": 0,
-            "prefetch_lead_s_sum": lead_s, "prefetch_load_s_sum": load_s,
+            "prefetches_timed": timed, "prefetch_lead_s_sum": lead_s,
+            "prefetch_load_s_sum": load_s,
             "tiers": {"host": {"used_bytes": 25, "capacity_bytes": 100},
                       "ssd": {"used_bytes": 1, "capacity_bytes": 1000}}}
 
@@ -39,9 +40,11 @@ async def test_points_are_window_deltas_of_the_engine_counters() -> None:
     engine, metrics = CountingEngine(), ServerMetrics()
     dash = Dashboard(metrics, engine, (1.0, 0.1), interval_s=1.0, history=10)
     engine.sched = {"policy": "bros", "kv_usage": 0.5, "num_waiting": 2, "num_running": 3}
-    engine.tiers = tier_stats(100, 50, 10, 0, used=1, lead_s=2.0, load_s=0.5)
+    engine.tiers = tier_stats(100, 50, 10, 0, used=1, timed=1, lead_s=2.0, load_s=0.5)
     await dash.sample()
-    engine.tiers = tier_stats(300, 50, 110, 40, used=3, lead_s=5.0, load_s=0.9)
+    # Of the window's 4 used advisories, 2 had a prefetch that finished before their turn (the
+    # others were late, or had nothing to bring): the times average over those 2.
+    engine.tiers = tier_stats(300, 50, 110, 40, used=5, timed=3, lead_s=5.0, load_s=0.9)
     metrics.finished.extend([FinishedRequest("rt", 0.2, 0.05, True),
                              FinishedRequest("rt", 0.4, 0.2, False),
                              FinishedRequest("be", 1.0, 0.1, None)])
@@ -58,6 +61,9 @@ async def test_points_are_window_deltas_of_the_engine_counters() -> None:
     assert point["policy"] == "bros" and point["engine_waiting"] == 2
     assert len(dash.snapshot()["points"]) == 2
     assert dash.snapshot(since=point["t"])["points"] == []
+    engine.tiers = tier_stats(300, 50, 110, 40, used=6, timed=3, lead_s=5.0, load_s=0.9)
+    late_only = await dash.sample()  # one late advisory used: no prefetch time to show
+    assert late_only["prefetch_lead_s"] is None and late_only["prefetch_load_s"] is None
 
 
 async def test_an_engine_without_tiers_still_gives_points() -> None:

@@ -276,6 +276,7 @@ def test_an_advisory_prefetches_and_is_used_by_its_sessions_turn(tmp_path: Path)
         assert planner.num_new_matched_tokens(view, 0) == 10  # no wait: already in host
         stats = planner.stats()
         assert stats["advisories_received"] == 1 and stats["advisories_used"] == 1
+        assert stats["prefetches_timed"] == 1 and stats["prefetch_load_s_sum"] > 0
         assert stats["turns_held"] == 0
         assert "s1" not in hints  # it spoke: no longer ahead of the others
     finally:
@@ -333,6 +334,8 @@ def test_a_running_turn_reclaims_the_host_room_an_advisory_holds(tmp_path: Path)
         assert matched == 10
         stats = planner.stats()
         assert stats["advisories_used"] == 1 and stats["advisories_late"] == 0
+        # Its prefetch went back to the tiers: no time to average in the dashboard.
+        assert stats["prefetches_timed"] == 0 and stats["prefetch_lead_s_sum"] == 0
     finally:
         planner.close()
 
@@ -719,5 +722,6 @@ def test_an_advisory_with_nothing_to_fetch_is_not_counted_late(tmp_path: Path) -
         planner.num_new_matched_tokens(view, 0)
         stats = planner.stats()
         assert (stats["advisories_used"], stats["advisories_late"]) == (1, 0), stats
+        assert stats["prefetches_timed"] == 0, stats
     finally:
         planner.close()

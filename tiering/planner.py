@@ -150,8 +150,9 @@ class TieringCounters:
     chunk_layers_forgotten: int = 0  # erased from the tiers when their session was deleted
     advisories_used: int = 0  # a turn of the session arrived while the advisory was live
     advisories_expired: int = 0
-    prefetch_load_s_sum: float = 0.0  # advisory prefetch time, received -> all in host
-    prefetch_lead_s_sum: float = 0.0  # prefetch done -> the turn arrived
+    prefetches_timed: int = 0  # used advisories whose prefetch finished before the turn came
+    prefetch_load_s_sum: float = 0.0  # over those: advisory received -> all in host
+    prefetch_lead_s_sum: float = 0.0  # over those: prefetch done -> the turn arrived
     advisories_late: int = 0  # the turn arrived before its prefetch finished
     advisories_reclaimed: int = 0  # prefetched KV given up for a running turn's room
     turns_held: int = 0  # turns held to a later step for their SSD fetch
@@ -920,6 +921,7 @@ class TierPlanner:
         if handle.finished_at is None:
             self.counters.advisories_late += 1  # the turn overtook its prefetch
         else:
+            self.counters.prefetches_timed += 1
             self.counters.prefetch_load_s_sum += handle.finished_at - advisory.received_at
             self.counters.prefetch_lead_s_sum += time.monotonic() - handle.finished_at
         self._retire(handle)
