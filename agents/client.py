@@ -207,7 +207,9 @@ class AsyncAntiphon:
                      ordered: bool = False, priority: int = 0) -> int | None:
         """Announce that `session_id` will send a turn in about `expected_arrival` seconds
         (None: soon, unknown when), so the server brings its KV cache forward. Returns the
-        context tokens the server's KV tiers hold for the session (None: it keeps no tiers)."""
+        context tokens the server's KV tiers hold for the session (None: it keeps no tiers).
+        An advisory over a conversation unchanged since the last one, soon after it, is
+        answered as that one was without reaching the engine (`--advisory-repeat-interval-s`)."""
         if expected_arrival is not None and not math.isfinite(expected_arrival):
             raise InvalidRequestError("bad_message", "expected_arrival must be finite")
         body = {"session_id": session_id, "expected_arrival": expected_arrival,

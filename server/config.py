@@ -98,6 +98,11 @@ class ServerConfig:
     typing_interval_s: float = doc(
         "A session's typing advisories closer together than this many seconds count once: "
         "the rest are dropped unrecorded (a client that sends one per keystroke)", default=1.0)
+    advisory_repeat_interval_s: float = doc(
+        "An advisory (any source) for a session whose conversation has not changed since its "
+        "last advisory sent to the engine, within this many seconds of it, repeats it: it is "
+        "answered as that one was and not sent again (each one sent reads, renders and "
+        "hashes the whole conversation). 0: every advisory is sent", default=1.0)
     max_advisory_lead_s: float = doc(
         "Latest expected_arrival an advisory may name, in seconds from now: the prefetched KV "
         "stays reserved until then (plus the engine's --advisory-ttl-s)", default=600.0)
@@ -183,8 +188,9 @@ class ServerConfig:
             raise ValueError("min_request_slo_frac must be within (0, 1]")
         if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
             raise ValueError("default_temperature must be within [0, 2]")
-        if not 0 <= self.typing_interval_s < math.inf:
-            raise ValueError("typing_interval_s must be at least 0 and finite")
+        for name in ("typing_interval_s", "advisory_repeat_interval_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be at least 0 and finite")
         if self.reply_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed "
                              f"max_tokens_limit ({self.max_tokens_limit})")

@@ -60,6 +60,11 @@ class ServerMetrics:
         self.advisories = Counter(
             "antiphon_advisories", "Advisory requests received, by source", ["source"],
             registry=r)
+        self.advisory_repeats = Counter(
+            "antiphon_advisory_repeats",
+            "Advisories that repeated their session's last one (unchanged conversation, "
+            "within --advisory-repeat-interval-s): answered without the engine, by source",
+            ["source"], registry=r)
         self.batch_items = Counter(
             "antiphon_batch_items", "Batch (BE) items answered, by outcome (completed, failed)",
             ["outcome"], registry=r)

@@ -94,9 +94,10 @@ async def advisory(request: Request) -> dict[str, Any]:
     if body.expected_arrival is not None and body.expected_arrival > lead:
         raise ApiError(ErrorCode.BAD_MESSAGE, f"expected_arrival is {body.expected_arrival} s "
                        f"away; the limit is {lead} s")
-    held = await ctx.turns.record_advisory(owner, body.session_id, "rest",
-                                           body.expected_arrival)
-    return {"accepted": True, "session_id": body.session_id, "context_tokens_held": held}
+    advised = await ctx.turns.record_advisory(owner, body.session_id, "rest",
+                                              body.expected_arrival)
+    return {"accepted": True, "session_id": body.session_id,
+            "context_tokens_held": advised.context_tokens_held, "repeat": advised.repeat}
 
 
 @router.get("/healthz")

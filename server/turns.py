@@ -19,6 +19,7 @@ from typing import Any
 
 from antiphon.engine_ext.types import ChatContext, ChatTurn, ToolCall
 from antiphon.server import protocol
+from antiphon.server.advisories import Advised, AdvisoryFilter
 from antiphon.server.chat import ChatService, Generation
 from antiphon.server.errors import ApiError, ErrorCode, unexpected_error
 from antiphon.server.metrics import ServerMetrics
@@ -28,7 +29,6 @@ from antiphon.sessions.store import Message, Session, SessionStore
 logger = logging.getLogger(__name__)
 
 Emit = Callable[[str], Awaitable[None]]
-MAX_TYPING_SESSIONS = 10_000  # sessions whose last typing advisory is remembered before pruning
 
 
 def title_text(text: str) -> str:
@@ -91,7 +91,8 @@ class SessionTurns:
         # session id -> the hold of the turn (or deletion) using it: a token of the server's,
         # never a client's request id, so that no other request can let go of it
         self._busy: dict[str, str] = {}
-        self._last_typing_s: dict[str, float] = {}  # session id -> its last typing advisory
+        self.advisories = AdvisoryFilter(chat.config.typing_interval_s,
+                                         chat.config.advisory_repeat_interval_s)
         self._eraser: asyncio.Task[None] | None = None  # erasing deleted sessions' KV
         self._erase_wanted = False  # a session was deleted since the eraser read the queue
 
@@ -209,16 +210,21 @@ class SessionTurns:
             return None
 
     async def record_advisory(self, owner: str, session_id: str, source: str,
-                              expected_arrival_s: float | None = None) -> int | None:
+                              expected_arrival_s: float | None = None) -> Advised:
         """Record that `session_id` is about to send a turn (typing, agent hook, REST) and
-        have the engine bring its KV forward. Returns the context tokens the engine's KV tiers
-        hold for it (None: the engine keeps no tiers, or a typing advisory came within
-        `typing_interval_s` of the session's last and was dropped)."""
+        have the engine bring its KV forward, unless it repeats the session's last advisory
+        (`AdvisoryFilter`: then it is answered as that one was, and neither kept nor sent)."""
         await self.get(owner, session_id)
-        if source == "typing" and self._is_typing_repeat(session_id):
-            return None
-        if not await asyncio.to_thread(self.store.record_advisory, session_id, source,
-                                       time.time()):
+        if source == "typing" and self.advisories.is_typing_repeat(session_id):
+            return Advised(None, repeat=True)
+        revision = await asyncio.to_thread(self.store.revision, session_id)
+        repeat = None if revision is None else self.advisories.repeat_of(
+            session_id, revision, expected_arrival_s)
+        if repeat is not None:
+            self.metrics.advisory_repeats.labels(source).inc()
+            return repeat
+        if revision is None or not await asyncio.to_thread(
+                self.store.record_advisory, session_id, source, time.time()):
             raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"session {session_id} was deleted")
         self.metrics.advisories.labels(source).inc()
         history, context, _ = await asyncio.to_thread(self._history, session_id)
@@ -231,22 +237,11 @@ class SessionTurns:
             tokens = self.chat.engine.continue_chat(
                 [_turn(m) for m in history], context, open_reply=False)
         else:
-            return 0  # a new session: no conversation to bring forward yet
-        return await self.chat.engine.advise(session_id, tokens, expected_arrival_s,
-                                             self.chat.cache_salt(owner))
-
-    def _is_typing_repeat(self, session_id: str) -> bool:
-        """Whether a typing advisory for `session_id` now repeats one within the interval;
-        records it as the last otherwise."""
-        now, interval = time.monotonic(), self.chat.config.typing_interval_s
-        last = self._last_typing_s.get(session_id)
-        if last is not None and now - last < interval:
-            return True
-        if len(self._last_typing_s) >= MAX_TYPING_SESSIONS:  # forget sessions gone quiet
-            self._last_typing_s = {k: t for k, t in self._last_typing_s.items()
-                                   if now - t < interval}
-        self._last_typing_s[session_id] = now
-        return False
+            tokens = []  # a new session: no conversation to bring forward yet
+        held = 0 if not tokens else await self.chat.engine.advise(
+            session_id, tokens, expected_arrival_s, self.chat.cache_salt(owner))
+        self.advisories.sent(session_id, revision, expected_arrival_s, held)
+        return Advised(held)
 
     def claim(self, session_id: str) -> str:
         """Mark `session_id` busy; returns the hold that `release` takes. Raises

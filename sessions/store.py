@@ -445,6 +445,20 @@ class SessionStore:
             db.execute("DELETE FROM contexts WHERE session_id = ?", (session_id,))
         self._erasure_queued(pruned)
 
+    def revision(self, session_id: str) -> tuple[Any, ...] | None:
+        """A value that changes whenever what the session's conversation renders to may have:
+        a message added (updated_at) or taken back (the count), a context kept (updated_at,
+        its length), the window moved. None when the session is gone. One indexed query:
+        cheap beside reading the messages."""
+        with self._db.locked() as db:
+            row = db.execute(
+                "SELECT s.updated_at,"
+                " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id),"
+                " (SELECT length(token_ids) FROM contexts c WHERE c.session_id = s.session_id),"
+                " (SELECT first_message FROM windows w WHERE w.session_id = s.session_id)"
+                " FROM sessions s WHERE s.session_id = ?", (session_id,)).fetchone()
+        return None if row is None else tuple(row)
+
     def record_advisory(self, session_id: str, source: str, received_at: float) -> bool:
         """Keep an advisory the session received; a session keeps its last
         `ADVISORIES_KEPT` (a client may send them as often as it likes). False (nothing

@@ -30,9 +30,9 @@ from tests.conftest import Scripted, scripted_config
 from tests.liveserver import live_server
 
 
-def advisories_counted(url: str, source: str) -> float:
+def advisories_counted(url: str, source: str, metric: str = "antiphon_advisories") -> float:
     for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(f'antiphon_advisories_total{{source="{source}"}}'):
+        if line.startswith(f'{metric}_total{{source="{source}"}}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -48,7 +48,7 @@ async def test_chat_sessions_and_advisory(scripted: Scripted) -> None:
         assert reply.finish_reason == "stop" and reply.completion_tokens > 0
         assert reply.ttft_s > 0 and reply.client_ttft_s >= 0
         await client.advise(session.session_id, expected_arrival=1.5)
-        await client.typing(session.session_id)
+        await client.typing(session.session_id)  # the turn now, not in 1.5 s: sent again
         second = await client.chat(session.session_id, "again")
         assert second.prompt_tokens > reply.prompt_tokens  # the history came along
         got, messages = await client.get_session(session.session_id)

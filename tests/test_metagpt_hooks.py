@@ -113,10 +113,14 @@ async def test_calls_run_in_role_sessions_and_advise_the_watchers(scripted: Scri
         env.publish_message(Message("done", action_name(WriteDesign), {"architect"}))
         await advisor.drain()
         assert len(env.published) == 1
-        assert advisories_counted(url, "rest") == 5
-        # The two advisories go out concurrently: either may reach the engine first.
-        assert sorted((sid, arrival) for sid, _, arrival in engine.advisories[-2:]) == sorted([
-            (sessions["architect"], 0.0), (sessions["engineer"], 0.0)])
+        # The engineer's conversation has not changed since its advisory during the
+        # architect's call, due already: the server may take it for a repeat (within
+        # --advisory-repeat-interval-s) and not send it again.
+        repeats = advisories_counted(url, "rest", "antiphon_advisory_repeats")
+        assert advisories_counted(url, "rest") + repeats == 5 and repeats <= 1
+        arrivals = {(sid, arrival) for sid, _, arrival in engine.advisories[-2:]}
+        assert (sessions["architect"], 0.0) in arrivals
+        assert repeats or (sessions["engineer"], 0.0) in arrivals
         assert advisor.hooks.num_advisories == 5 and advisor.hooks.num_advisory_errors == 0
         # A call right after a publish finds its advisory, though it may not be sent yet.
         env.publish_message(Message("go", action_name(WriteCode)))

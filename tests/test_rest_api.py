@@ -706,3 +706,42 @@ def test_a_refused_field_is_named_in_param_without_pydantic_union_tags(
     bad = httpx.post(url + "/chat/completions", json={
         "model": "scripted", "messages": [{"role": "user", "content": 5}]})
     assert bad.json()["error"]["param"] == "messages.0.content"
+
+
+def test_an_advisory_over_an_unchanged_conversation_repeats_the_last(tmp_path: Path) -> None:
+    """REST advisories are rate-limited by what they bring: while a session's conversation
+    is unchanged, one within --advisory-repeat-interval-s of the last is answered as that one
+    was, without reading, rendering or hashing the conversation again; a new exchange, or the
+    interval's end, lets the next one through."""
+    engine = ScriptedEngine(token_delay_s=0.0)
+    with live_server(scripted_config(tmp_path, advisory_repeat_interval_s=1.5), engine) as url:
+        sid = httpx.post(url + "/v1/sessions", json={}).json()["session_id"]
+        app = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+        def exchange(text: str) -> None:
+            app.chat.completions.create(model="scripted", max_tokens=10,
+                                        messages=[{"role": "user", "content": text}],
+                                        extra_body={"vllm_xargs": {"session_id": sid}})
+
+        def advise() -> dict[str, object]:
+            r = httpx.post(url + "/v1/advisory", json={"session_id": sid,
+                                                       "expected_arrival": 1.0})
+            assert r.status_code == 202, r.text
+            return r.json()  # type: ignore[no-any-return]
+
+        exchange("a b")
+        first = advise()
+        assert first["repeat"] is False and len(engine.advisories) == 1
+        for _ in range(20):  # a client advising in a loop
+            again = advise()
+            assert again["repeat"] is True
+            assert again["context_tokens_held"] == first["context_tokens_held"]
+        assert len(engine.advisories) == 1
+        exchange("c d")  # the agent's next call: its advisory goes through at once
+        assert advise()["repeat"] is False and len(engine.advisories) == 2
+        assert engine.decode(engine.advisories[-1][1]).endswith("You said: c d")
+        time.sleep(1.6)
+        assert advise()["repeat"] is False and len(engine.advisories) == 3
+        metrics = httpx.get(url + "/metrics").text
+        assert 'antiphon_advisory_repeats_total{source="rest"} 20.0' in metrics
+        assert 'antiphon_advisories_total{source="rest"} 3.0' in metrics

@@ -147,3 +147,40 @@ def test_a_session_keeps_only_its_latest_advisories(tmp_path: Path) -> None:
     kept = store.advisories(a.session_id)
     assert [t for _, t in kept] == [float(i) for i in range(10, ADVISORIES_KEPT + 10)]
     store.check_integrity()
+
+
+def test_a_sessions_revision_changes_with_what_its_conversation_renders_to(
+        tmp_path: Path) -> None:
+    """`revision` keys the advisory repeat rule: every change to the messages, the stored
+    context or the window changes it; reads, titles and advisories do not."""
+    store = SessionStore(tmp_path / "s.sqlite3")
+    sid = store.create_session("o").session_id
+    seen = [store.revision(sid)]
+
+    def changed() -> None:
+        now = store.revision(sid)
+        assert now not in seen, now
+        seen.append(now)
+
+    store.append_message(sid, "user", "hello", 2)
+    changed()
+    store.append_message(sid, "assistant", "hi", 1, "stop", context_ids=[1, 2, 3])
+    changed()
+    store.append_message(sid, "assistant", "hey", 1, "stop", context_ids=[1, 2, 4],
+                         replaces_reply=True)  # a regenerated reply
+    changed()
+    store.set_context(sid, [1, 2, 4, 5])
+    changed()
+    store.append_message(sid, "user", "again", 1)
+    assert store.withdraw_messages(sid, "user", ["again"])  # a turn the engine refused
+    changed()
+    store.move_window(sid, 1)
+    changed()
+    store.append_tool_results(sid, [("call_1", "42", 1)])
+    changed()
+    store.messages(sid)
+    store.rename_session("o", sid, "renamed")
+    store.record_advisory(sid, "rest", 1.0)
+    assert store.revision(sid) == seen[-1]
+    store.delete_session("o", sid)
+    assert store.revision(sid) is None

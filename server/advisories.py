@@ -1,0 +1,91 @@
+"""Which advisories reach the engine: a session's repeats are answered without it.
+
+An advisory costs the server a read of the session's messages, a render of its conversation
+into tokens, and the engine a hash of every chunk of them; it is worth that only when it
+brings forward something the last one did not. Two rules, per session:
+
+- typing: a `typing` frame within `typing_interval_s` of the last one counts once (a client
+  that sends one per keystroke);
+- any source: an advisory while the session's conversation is unchanged since the last one
+  that reached the engine, within `repeat_interval_s` of it, is a repeat and gets that one's
+  answer, unless it expects the turn much sooner than that one did (in under half the time
+  that one had left: it moves the prefetch ahead of others). An agent that advises again
+  after each call changes the conversation (the call's exchange is kept first), so each of
+  its advisories goes through. A repeat that expects the turn later than the last leaves the
+  last's expiry as it was (`--advisory-ttl-s` past its expected arrival).
+
+Each rule bounds what a client looping on one session costs: typing, one advisory an
+interval; the rest, per interval, one plus a halving series of sooner arrivals (about 20).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Hashable
+
+MAX_SESSIONS = 10_000  # sessions remembered per rule before those gone quiet are pruned
+
+
+@dataclasses.dataclass(frozen=True)
+class Advised:
+    """What an advisory did: the context tokens the engine's KV tiers hold for the session
+    (None: the engine keeps no tiers, or a typing repeat was dropped unanswered), and whether
+    it repeated the session's last one (not sent to the engine)."""
+
+    context_tokens_held: int | None
+    repeat: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sent:
+    revision: Hashable  # the session's conversation as it was (`SessionStore.revision`)
+    at_s: float  # time.monotonic() when it was sent
+    due_s: float  # time.monotonic() when it expected the turn
+    held: int | None
+
+
+class AdvisoryFilter:
+    """The two rules above. Not thread-safe: the server's event loop calls it."""
+
+    def __init__(self, typing_interval_s: float, repeat_interval_s: float) -> None:
+        self.typing_interval_s = typing_interval_s
+        self.repeat_interval_s = repeat_interval_s
+        self._last_typing_s: dict[str, float] = {}  # session id -> its last typing advisory
+        self._last_sent: dict[str, _Sent] = {}  # session id -> its last advisory sent
+
+    def is_typing_repeat(self, session_id: str) -> bool:
+        """Whether a typing advisory for `session_id` now repeats one within the interval;
+        records it as the last otherwise."""
+        now = time.monotonic()
+        last = self._last_typing_s.get(session_id)
+        if last is not None and now - last < self.typing_interval_s:
+            return True
+        if len(self._last_typing_s) >= MAX_SESSIONS:
+            self._last_typing_s = {k: t for k, t in self._last_typing_s.items()
+                                   if now - t < self.typing_interval_s}
+        self._last_typing_s[session_id] = now
+        return False
+
+    def repeat_of(self, session_id: str, revision: Hashable,
+                  expected_arrival_s: float | None) -> Advised | None:
+        """The answer to give an advisory for `session_id`, whose conversation is now at
+        `revision` and whose turn it expects in `expected_arrival_s` seconds (None: now), if
+        it repeats the last one sent; None: send it."""
+        last, now = self._last_sent.get(session_id), time.monotonic()
+        if (last is None or last.revision != revision
+                or now - last.at_s >= self.repeat_interval_s
+                or (expected_arrival_s or 0.0) < (last.due_s - now) / 2):
+            return None
+        return Advised(last.held, repeat=True)
+
+    def sent(self, session_id: str, revision: Hashable, expected_arrival_s: float | None,
+             held: int | None) -> None:
+        """Record that an advisory for `session_id` at `revision` reached the engine (read
+        before the conversation was: a change meanwhile makes the next one go through)."""
+        now = time.monotonic()
+        if len(self._last_sent) >= MAX_SESSIONS:
+            self._last_sent = {k: s for k, s in self._last_sent.items()
+                               if now - s.at_s < self.repeat_interval_s}
+        self._last_sent[session_id] = _Sent(revision, now, now + (expected_arrival_s or 0.0),
+                                            held)
