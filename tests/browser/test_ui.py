@@ -205,9 +205,14 @@ def test_a_refused_message_goes_back_to_the_composer(server: ServerProcess, page
     too_long = "x" * 32_001  # the server's --max-content-chars is 32,000
     page.locator("#composer").fill(too_long)
     page.locator("#composer").press("Enter")
-    page.locator(".msg.assistant.failed").wait_for(timeout=30_000)
+    page.locator("#error:not([hidden])").wait_for(timeout=30_000)
     assert "too_large" in page.locator("#error").inner_text()
     assert page.locator("#composer").input_value() == too_long
+    page.wait_for_function("document.querySelectorAll('#messages > .msg').length === 0")
+    deadline = time.monotonic() + 10  # the session opened for it is deleted again
+    while len(httpx.get(server.url + "/v1/sessions").json()["sessions"]) != sessions_before:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_sessions_switch_rename_and_delete(server: ServerProcess, page: Any) -> None:

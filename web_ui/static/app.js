@@ -17,6 +17,7 @@ const ui = {
 const state = {
   sessions: [],
   nextBefore: null, // cursor of the sessions older than those listed (null: all are listed)
+  olderListed: false, // pages past the first were listed ("Show older chats")
   currentId: load(KEYS.sessionId) || null,
   pending: new Map(), // request_id -> {sessionId, root, body, raw, streamed, cancelling, frame}
   queued: null, // message content waiting for a freshly opened session
@@ -201,12 +202,14 @@ function newSession() {
   composer.focus();
 }
 
-function sendMessage(content) {
+function sendMessage(content, { opened = false } = {}) {
   const requestId = newRequestId();
   const user = makeBubble("user", content, requestId);
   ui.messages.append(user.root);
   const entry = addAssistantBubble(requestId, state.currentId);
   entry.content = content; // back into the composer if the server refuses it
+  entry.userRoot = user.root;
+  entry.opened = opened; // the session was opened for this message: gone if it is refused
   markSent();
   if (!client.sendMessage(state.currentId, content, requestId)) {
     finishEntry(requestId, { cls: "failed", note: "Not sent: connection lost." });
@@ -286,13 +289,21 @@ function stop() {
 const handlers = {
   sessions(msg) {
     const listed = Array.isArray(msg.sessions) ? msg.sessions : [];
+    const nextBefore = msg.has_more && typeof msg.next_before === "string" ? msg.next_before : null;
     if (msg.before) { // a page of older sessions: added below those listed
       const known = new Set(state.sessions.map((s) => s.session_id));
       state.sessions.push(...listed.filter((s) => !known.has(s.session_id)));
+      state.olderListed = true;
+      state.nextBefore = nextBefore;
+    } else if (state.olderListed) {
+      // A refresh of the most recent page: the older pages the user opened stay listed, and
+      // so does the cursor past the oldest of them.
+      const fresh = new Set(listed.map((s) => s.session_id));
+      state.sessions = [...listed, ...state.sessions.filter((s) => !fresh.has(s.session_id))];
     } else {
       state.sessions = listed;
+      state.nextBefore = nextBefore;
     }
-    state.nextBefore = msg.has_more && typeof msg.next_before === "string" ? msg.next_before : null;
     const current = state.sessions.find((s) => s.session_id === state.currentId);
     if (current) ui.title.textContent = sessionTitle(current);
     renderSessions();
@@ -327,7 +338,7 @@ const handlers = {
     if (state.queued !== null && s.session_id) {
       const content = state.queued;
       state.queued = null;
-      sendMessage(content);
+      sendMessage(content, { opened: true });
     }
   },
 
@@ -336,6 +347,7 @@ const handlers = {
     if (!entry) return;
     entry.root.dataset.accepted = "true"; // the server keeps the message, whatever happens next
     if (typeof msg.prompt_tokens === "number") entry.root.dataset.promptTokens = msg.prompt_tokens;
+    client.listSessions(); // its count and the title the first message gave
   },
 
   token(msg) {
@@ -400,10 +412,20 @@ const handlers = {
       const entry = state.pending.get(msg.request_id);
       // The engine refused an accepted message (bad_message): the server took it back.
       if (msg.code === "bad_message") entry.root.dataset.accepted = "false";
-      // A message refused goes back to the composer, to fix and send again; one accepted is
-      // kept by the server, and "Retry" asks for its reply again.
-      if (entry.content && entry.root.dataset.accepted !== "true" && composer.isBlank()) {
+      // A message refused goes back to the composer, to fix and send again (the banner says
+      // why), and leaves the conversation as the server keeps it; one accepted is kept by the
+      // server, and "Retry" asks for its reply again.
+      const refused = entry.content && entry.root.dataset.accepted !== "true";
+      if (refused && composer.isBlank()) {
         composer.value = entry.content;
+        finishEntry(msg.request_id);
+        entry.root.remove();
+        entry.userRoot?.remove();
+        // A session opened for this message alone would stay behind empty.
+        if (entry.opened) client.send({ type: "session.delete", session_id: entry.sessionId });
+        else if (msg.code === "session_busy") resync(); // another tab or app is answering it
+        refreshControls();
+        return;
       }
       finishEntry(msg.request_id, { cls: "failed", note: `${msg.code}: ${msg.message}` });
       if (entry.regenerate && entry.sessionId === state.currentId) {
@@ -472,6 +494,29 @@ ui.messages.addEventListener("scroll", () => (state.stick = nearBottom()));
 document.addEventListener("keydown", (ev) => {
   if (ev.key === "Escape") setSidebar(false);
 });
+
+/** Show the current session as the server keeps it, and the list: another tab or app may have
+ * moved it on meanwhile. Not while a reply of it streams here. */
+function resync() {
+  if (!client.connected || document.hidden) return;
+  client.listSessions();
+  if (state.currentId && !isGenerating() && state.queued === null) {
+    client.openSession(state.currentId);
+  }
+}
+// When the user comes back to the page (another tab, another window) it resyncs.
+let away = false;
+function comeBack() {
+  if (!away || document.hidden) return;
+  away = false;
+  resync();
+}
+document.addEventListener("visibilitychange", () => {
+  if (document.hidden) away = true;
+  else comeBack();
+});
+window.addEventListener("blur", () => (away = true));
+window.addEventListener("focus", comeBack);
 
 renderSessions();
 refreshControls();

@@ -44,8 +44,11 @@ export function setupAuthDialog({ onKey }) {
     reasonEl.textContent = reason
       ? `The server refused the request (${reason}). Enter an API key to continue.`
       : "Enter an API key for this server (leave empty to clear the stored one).";
-    input.value = "";
-    if (!dialog.open) dialog.showModal();
-    input.focus();
+    if (!dialog.open) {
+      // Cleared only as it opens: a page that polls asks again while the user types.
+      input.value = "";
+      dialog.showModal();
+      input.focus();
+    }
   };
 }

@@ -62,7 +62,9 @@ const CHARTS = [
     { key: "advisories_expired_total", label: "expired", color: FOURTH }] },
 ];
 
-const charts = CHARTS.map((c) => new LineChart($("#charts"), c));
+// Each chart gets options of its own: `redraw` sets `target` to the target's value there, and
+// CHARTS keeps the name of the field it comes from.
+const charts = CHARTS.map((c) => new LineChart($("#charts"), { ...c }));
 
 function tile(label, value, id) {
   const t = el("div", "tile");
@@ -127,7 +129,9 @@ async function poll() {
   } catch (err) {
     state.failures += 1;
     document.body.dataset.connected = "false";
-    $("#live-status").textContent = `Offline, retrying in ${Math.round(nextPollS())} s…`;
+    $("#live-status").textContent = err.status === 401
+      ? "API key required"
+      : `Offline, retrying in ${Math.round(nextPollS())} s…`;
     showError(err.code || "error", err.message);
   } finally {
     state.polling = false;

@@ -53,7 +53,8 @@ export function renderMarkdown(text, depth = 0) {
       const fence = m[1];
       const body = [];
       i += 1;
-      while (i < lines.length && !lines[i].trim().startsWith(fence)) body.push(lines[i++]);
+      const closing = closingFence(fence);
+      while (i < lines.length && !closing.test(lines[i])) body.push(lines[i++]);
       i += 1; // the closing fence, if any
       frag.append(codeBlock(body.join("\n"), m[2]));
     } else if ((m = HEADING.exec(line))) {
@@ -103,6 +104,30 @@ export function renderMarkdown(text, depth = 0) {
   return frag;
 }
 
+/** The line that closes a block opened by `fence` (CommonMark): indented 3 spaces at most, the
+ * fence's character at least as many times, nothing after it. An indented fence line with a
+ * language inside the code (a snippet about Markdown) does not. */
+function closingFence(fence) {
+  return new RegExp(`^ {0,3}${fence[0]}{${fence.length},}\\s*$`);
+}
+
+/** Put `text` on the clipboard: the Clipboard API where the page may use it (a secure
+ * context: https or localhost), else a selected off-screen textarea and the copy command. */
+async function copyText(text) {
+  if (navigator.clipboard) return navigator.clipboard.writeText(text);
+  const area = document.createElement("textarea");
+  area.value = text;
+  area.setAttribute("readonly", "");
+  Object.assign(area.style, { position: "fixed", top: "-1000px", opacity: "0" });
+  document.body.append(area);
+  area.select();
+  try {
+    if (!document.execCommand("copy")) throw new Error("copy refused");
+  } finally {
+    area.remove();
+  }
+}
+
 function codeBlock(code, lang) {
   const wrap = node("div", "md-code");
   const head = node("div", "md-code-head");
@@ -112,7 +137,7 @@ function codeBlock(code, lang) {
   copy.textContent = "Copy";
   copy.addEventListener("click", async () => {
     try {
-      await navigator.clipboard.writeText(code);
+      await copyText(code);
       copy.textContent = "Copied";
     } catch {
       copy.textContent = "Copy failed";
@@ -133,7 +158,8 @@ function codeBlock(code, lang) {
 const INLINE = [
   { re: /^`([^`\n]+)`/, make: (m) => textEl("code", m[1]) },
   {
-    re: /^\[([^\]\n]+)\]\(([^)\s]+)\)/,
+    // The target may hold one level of balanced parentheses (Wikipedia's "Python_(language)").
+    re: /^\[([^\]\n]+)\]\(((?:[^()\s]|\([^()\s]*\))+)\)/,
     make: (m) => {
       if (!SAFE_URL.test(m[2])) return null;
       const a = node("a");

@@ -1,0 +1,159 @@
+"""What a user of the pages would trip on (scripted engine: no model needed): a refused first
+message, long code lines, Markdown fences and links, a second tab, the sidebar's older pages,
+and the dashboard's target lines and key dialog."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from antiphon.engine_ext.scripted import ScriptedEngine
+from tests.conftest import scripted_config
+from tests.liveserver import live_server
+
+pytestmark = pytest.mark.browser
+KEY = "test-key-123456"
+LISTED = 4  # sessions in one page of the sidebar
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> Iterator[str]:
+    engine = ScriptedEngine(token_delay_s=0.002, max_model_len=4000)
+    config = scripted_config(tmp_path, max_content_chars=1000, max_sessions_listed=LISTED,
+                             dashboard_interval_s=0.2)
+    with live_server(config, engine) as base:
+        yield base
+
+
+def open_chat(page: Any, url: str) -> None:
+    page.goto(url + "/")
+    page.wait_for_selector("body[data-connected=true]")
+
+
+def send(page: Any, text: str) -> Any:
+    """Send `text`; returns its reply's locator once the reply is done."""
+    before = page.locator(".msg.assistant").count()
+    page.locator("#composer").fill(text)
+    page.locator("#composer").press("Enter")
+    reply = page.locator(".msg.assistant").nth(before)
+    reply.locator(".timings").wait_for()
+    return reply
+
+
+def sessions(url: str) -> list[dict[str, Any]]:
+    return httpx.get(url + "/v1/sessions").json()["sessions"]  # type: ignore[no-any-return]
+
+
+def test_a_refused_first_message_leaves_no_session_and_no_bubble(url: str, page: Any) -> None:
+    open_chat(page, url)
+    too_long = "x" * 1001
+    page.locator("#composer").fill(too_long)
+    page.locator("#composer").press("Enter")
+    page.locator("#error:not([hidden])").wait_for()
+    assert "too_large" in page.locator("#error").inner_text()
+    assert page.locator("#composer").input_value() == too_long  # back to fix and resend
+    page.wait_for_function("document.querySelectorAll('#messages > .msg').length === 0")
+    deadline = time.monotonic() + 10
+    while sessions(url):  # the session opened for it is deleted again
+        assert time.monotonic() < deadline, sessions(url)
+        time.sleep(0.05)
+    page.locator("#composer").fill("short")
+    page.locator("#composer").press("Enter")
+    page.locator(".msg.assistant .timings").wait_for()
+    assert page.locator("#messages > .msg").count() == 2 and len(sessions(url)) == 1
+
+
+def test_long_code_lines_scroll_inside_the_bubble(url: str, page: Any) -> None:
+    line = "curl -s http://127.0.0.1:8000/v1/chat/completions " + "-d x" * 40
+    for width in (1280, 375):
+        page.set_viewport_size({"width": width, "height": 800})
+        open_chat(page, url)
+        send(page, f"this:\n```bash\n{line}\n```")  # the reply: "You said: " and this
+        sizes = page.evaluate("""() => {
+          const bubble = [...document.querySelectorAll('.msg.assistant .bubble')].pop();
+          const pre = bubble.querySelector('pre');
+          const pane = document.querySelector('#messages');
+          return {bubble: bubble.getBoundingClientRect().width,
+                  column: bubble.parentElement.getBoundingClientRect().width,
+                  paneScroll: pane.scrollWidth, pane: pane.clientWidth,
+                  preScroll: pre.scrollWidth, pre: pre.clientWidth};
+        }""")
+        assert sizes["bubble"] <= sizes["column"] + 1, sizes
+        assert sizes["paneScroll"] <= sizes["pane"] + 1, sizes  # no sideways page
+        assert sizes["preScroll"] > sizes["pre"], sizes  # the code scrolls in its block
+
+
+def test_fences_and_links_render_as_markdown_says(url: str, page: Any) -> None:
+    open_chat(page, url)
+    # A fence closes on its own character, at least as many, nothing after, indented 3 at most.
+    reply = send(page, "this:\n````markdown\nA snippet:\n```python\nprint(1)\n```\n````\n"
+                       "    ```python\n"
+                       "After [Python](https://en.wikipedia.org/wiki/Python_(language)).")
+    code = reply.locator("pre code")
+    assert code.count() == 1  # the fences inside are the snippet's text
+    assert "```python" in code.inner_text() and "print(1)" in code.inner_text()
+    link = reply.locator("a")
+    assert link.get_attribute("href") == "https://en.wikipedia.org/wiki/Python_(language)"
+    assert link.inner_text() == "Python"
+
+
+def test_a_second_tab_shows_what_the_first_said_when_the_user_comes_back(
+        url: str, page: Any) -> None:
+    open_chat(page, url)
+    send(page, "first question")
+    other = page.context.new_page()
+    open_chat(other, url)  # the same session, remembered
+    other.locator(".msg.user", has_text="first question").wait_for()
+    page.bring_to_front()
+    send(page, "second question")
+    other.bring_to_front()
+    other.evaluate("window.dispatchEvent(new Event('blur')); window.dispatchEvent(new Event('focus'))")
+    other.locator(".msg.user", has_text="second question").wait_for(timeout=10_000)
+    assert other.locator("#messages > .msg").count() == 4
+
+
+def test_the_older_chats_listed_stay_listed_after_a_reply(url: str, page: Any) -> None:
+    for n in range(3 * LISTED):
+        httpx.post(url + "/v1/sessions", json={"title": f"older chat {n}"})
+    open_chat(page, url)
+    rows, older = page.locator(".session-row"), page.locator("#sessions-older")
+    page.wait_for_function(f"document.querySelectorAll('.session-row').length === {LISTED}")
+    older.click()
+    page.wait_for_function(f"document.querySelectorAll('.session-row').length === {2 * LISTED}")
+    send(page, "hello")  # a new session, listed first
+    page.locator(".session-row", has_text="hello").wait_for()
+    time.sleep(0.3)  # the list refreshes after the reply
+    assert rows.count() == 2 * LISTED + 1
+    assert older.is_visible()
+    older.click()
+    page.wait_for_function(f"document.querySelectorAll('.session-row').length === "
+                           f"{3 * LISTED + 1}")
+
+
+def test_the_dashboard_draws_the_target_lines(url: str, page: Any) -> None:
+    page.goto(url + "/dashboard")
+    page.wait_for_selector("body[data-connected=true]")
+    for chart in ("ttft", "tpot"):
+        card = page.locator(f"[data-chart={chart}]")
+        card.locator("svg line.target").first.wait_for(state="attached", timeout=10_000)
+        assert card.locator(".legend-target").count() == 1
+
+
+def test_the_dashboard_key_dialog_keeps_what_is_typed(tmp_path: Path, page: Any) -> None:
+    engine = ScriptedEngine(token_delay_s=0.002)
+    config = scripted_config(tmp_path, api_keys=(KEY,), dashboard_interval_s=0.2)
+    with live_server(config, engine) as base:
+        page.goto(base + "/dashboard")
+        page.locator("#auth-dialog[open]").wait_for()
+        assert page.locator("#live-status").inner_text() == "API key required"
+        page.locator("#api-key-input").press_sequentially(KEY[:6], delay=20)
+        time.sleep(2.5)  # polls retried meanwhile (0.4 s, 0.8 s, ...)
+        assert page.locator("#api-key-input").input_value() == KEY[:6]
+        page.locator("#api-key-input").press_sequentially(KEY[6:])
+        page.locator("#api-key-save").click()
+        page.wait_for_selector("body[data-connected=true]", timeout=40_000)
