@@ -164,15 +164,17 @@ def _results_path(input_path: Path) -> Path:
 
 
 def first_url(path: Path) -> str | None:
-    """The `url` of the file's first line that names one (the endpoint of a batch of it)."""
+    """The `url` of the file's first line that names an endpoint a batch may have (the
+    endpoint of a batch of it): a line with a typo in its `url`, or one that is not JSON,
+    fails alone when the batch runs, not the whole batch here."""
     with path.open("rb") as f:
         for line in f:
             try:
                 url = json.loads(line).get("url") if line.strip() else None
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):  # not a request's JSON
                 continue
-            if isinstance(url, str):
-                return url
+            if url in (CHAT_ENDPOINT, TEXT_ENDPOINT):
+                return str(url)
     return None
 
 

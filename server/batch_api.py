@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from antiphon.server.batch_endpoints import ENDPOINTS
+from antiphon.server.batch_store import InputFileGone
 from antiphon.server.batch_types import (
     COMPLETION_WINDOWS_S,
     Batch,
@@ -180,9 +181,12 @@ async def create_batch(request: Request) -> dict[str, Any]:
     stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
     if stored >= limits.max_stored_file_bytes:
         raise _files_full(stored, limits.max_stored_file_bytes)
-    batch = await asyncio.to_thread(ctx.batch_store.create_batch, owner, input_file.file_id,
-                                    body.completion_window, window_s, body.metadata,
-                                    body.endpoint, limits.max_unfinished_batches)
+    try:
+        batch = await asyncio.to_thread(
+            ctx.batch_store.create_batch, owner, input_file.file_id, body.completion_window,
+            window_s, body.metadata, body.endpoint, limits.max_unfinished_batches)
+    except InputFileGone:  # deleted since it was looked up
+        raise ApiError(ErrorCode.FILE_NOT_FOUND, f"no file {input_file.file_id}") from None
     if batch is None:
         raise ApiError(ErrorCode.TOO_MANY_REQUESTS, (
             f"this API key has {limits.max_unfinished_batches} batches not finished "

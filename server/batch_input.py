@@ -56,7 +56,9 @@ def _check(line_index: int, data: dict[str, Any], chat: ChatService,
         return _failed(line_index, None, ApiError(
             ErrorCode.BAD_MESSAGE, f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters"))
     if custom_id in seen_custom_ids:
-        return _failed(line_index, custom_id, ApiError(
+        # Not under that custom_id: a client matching results by it would take this error
+        # for the answer of the line that holds it first.
+        return _failed(line_index, None, ApiError(
             ErrorCode.DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} is used by an earlier line"))
     seen_custom_ids.add(custom_id)
     try:
@@ -99,7 +101,8 @@ def _lines(f: IO[bytes], max_line_bytes: int) -> Iterator[bytes | None]:
     """The file's lines without their newline, reading at most `max_line_bytes + 2` bytes at
     a time; None stands for a line that is too long (its bytes are skipped)."""
     while line := f.readline(max_line_bytes + 2):
-        if line.endswith(b"\n") or len(line) <= max_line_bytes:
+        # Short of the read's size without a newline: the file's last line (a lone \r too).
+        if line.endswith(b"\n") or len(line) <= max_line_bytes + 1:
             body = line.rstrip(b"\r\n")
             yield body if len(body) <= max_line_bytes else None
             continue

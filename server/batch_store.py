@@ -118,10 +118,14 @@ def _batch(row: Sequence[Any]) -> Batch:
     times = {"created_at": created_at, "expires_at": expires_at,
              **{k: v for k, v in stamps.items() if v is not None}}
     return Batch(batch_id, owner, input_file_id, window,
-                 json.loads(metadata) if metadata else None, BatchStatus(status),
+                 None if metadata is None else json.loads(metadata), BatchStatus(status),
                  BatchStatus(final_status) if final_status else None, times, output_file_id,
                  error_file_id, json.loads(errors) if errors else None,
                  RequestCounts(*row[12 + len(_STAMPS):-1]), row[-1])
+
+
+class InputFileGone(Exception):
+    """A batch's input file is not (or no longer) one of its owner's files."""
 
 
 class BatchStore:
@@ -195,9 +199,15 @@ class BatchStore:
                      max_unfinished: int | None = None) -> Batch | None:
         """A new batch of requests to `endpoint`, in VALIDATING, expiring `window_s` seconds
         from now; None, nothing created, when `owner` has `max_unfinished` batches not
-        finished already (counted in the same transaction)."""
+        finished already (counted in the same transaction). Raises `InputFileGone`, nothing
+        created, when `input_file_id` is not one of `owner`'s files (deleted meanwhile:
+        checked in the transaction that `delete_file`'s check of unfinished batches waits
+        on, so one of the two calls fails)."""
         batch_id, now = new_batch_id(), time.time()
-        with self.db.locked() as db:
+        with self.db.transaction() as db:
+            if db.execute("SELECT 1 FROM files WHERE file_id = ? AND owner = ? AND"
+                          " deleted_at IS NULL", (input_file_id, owner)).fetchone() is None:
+                raise InputFileGone(input_file_id)
             if max_unfinished is not None and db.execute(
                     f"SELECT COUNT(*) FROM batches WHERE owner = ? AND status NOT IN {_FINISHED}",
                     (owner,)).fetchone()[0] >= max_unfinished:
@@ -207,7 +217,8 @@ class BatchStore:
                 " metadata, status, created_at, expires_at, endpoint)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (batch_id, owner, input_file_id, completion_window,
-                 json.dumps(metadata) if metadata else None, BatchStatus.VALIDATING.value, now,
+                 None if metadata is None else json.dumps(metadata),
+                 BatchStatus.VALIDATING.value, now,
                  now + window_s, endpoint))
         batch = self.get_batch(owner, batch_id)
         assert batch is not None

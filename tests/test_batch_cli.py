@@ -98,3 +98,21 @@ def test_an_error_file_that_fails_leaves_no_half_results(tmp_path: Any) -> None:
         _client(output_only).download({"output_file_id": "file-0" + "0" * 23,
                                        "error_file_id": "file-1" + "0" * 23}, out)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_endpoint_is_the_first_url_a_batch_may_have(tmp_path: Any) -> None:
+    """A typo in the first line's url fails that line when the batch runs, not the whole
+    submission; a first line nested past Python's recursion limit is skipped, not a
+    traceback."""
+    from antiphon.batch_cli import first_url
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([
+        "[" * 100_000,
+        '{"custom_id": "a", "url": "/v1/chat/completion"}',
+        "not json",
+        '{"custom_id": "b", "url": "/v1/completions"}',
+        '{"custom_id": "c", "url": "/v1/chat/completions"}']) + "\n")
+    assert first_url(path) == "/v1/completions"
+    path.write_text('{"url": "/v1/embeddings"}\n')
+    assert first_url(path) is None  # the CLI then asks for chat completions

@@ -11,7 +11,7 @@ import pytest
 
 from antiphon.engine_ext.scripted import ScriptedEngine
 from antiphon.server.batch_input import read_items
-from antiphon.server.batch_store import BatchStore
+from antiphon.server.batch_store import BatchStore, InputFileGone
 from antiphon.server.batch_types import (
     BatchStatus,
     FileRecord,
@@ -200,8 +200,43 @@ def test_input_lines_fail_one_by_one(tmp_path: Path) -> None:
     by_line = {it.line_index: it for it in got}
     assert by_line[0].body is not None and json.loads(by_line[0].body) == good
     duplicate = by_line[4]
-    assert duplicate.custom_id == "a" and duplicate.body is None and duplicate.error is not None
-    assert duplicate.error[1].startswith("line 5: ")
+    # Reported under no custom_id: results matched by it keep line 1's answer for "a".
+    assert duplicate.custom_id is None and duplicate.body is None and duplicate.error is not None
+    assert duplicate.error[1].startswith("line 5: ") and "'a'" in duplicate.error[1]
+
+
+def test_a_last_line_of_the_limit_ending_in_a_lone_cr_is_read(tmp_path: Path) -> None:
+    chat = ChatService(ScriptedEngine(), ServerMetrics(), ServerConfig())
+    record = {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}}
+    text = json.dumps(record)
+    path = tmp_path / "in.jsonl"
+    for ending in (b"\r", b"\r\n", b""):
+        path.write_bytes(text.encode() + ending)
+        got = read_items(path, chat, max_line_bytes=len(text), max_items=10)
+        assert [it.error for it in got] == [None], ending
+    path.write_bytes(text.encode() + b"x\r")  # one byte over: too long, whatever its ending
+    got = read_items(path, chat, max_line_bytes=len(text), max_items=10)
+    assert got[0].error is not None and got[0].error[0] == ErrorCode.TOO_LARGE
+
+
+def test_a_batch_is_not_created_from_a_file_deleted_meanwhile(tmp_path: Path) -> None:
+    """The file is checked in the batch's own transaction, the one `delete_file`'s check for
+    unfinished batches waits on: of a delete and a create racing, one fails."""
+    store = BatchStore(tmp_path / "b.sqlite3")
+    file_id = new_file_id()
+    store.add_file(FileRecord(file_id, "alice", "batch", "in.jsonl", 10, 0.0))
+    assert store.delete_file("alice", file_id) is None
+    with pytest.raises(InputFileGone):
+        store.create_batch("alice", file_id, "24h", 60.0, None)
+    other = new_file_id()
+    store.add_file(FileRecord(other, "bob", "batch", "in.jsonl", 10, 0.0))
+    with pytest.raises(InputFileGone):  # not alice's
+        store.create_batch("alice", other, "24h", 60.0, None)
+    assert store.list_batches("alice", 10) == []
+    batch = store.create_batch("bob", other, "24h", 60.0, {})
+    assert batch is not None and batch.metadata == {}  # empty metadata stays empty
+    assert store.delete_file("bob", other) == "in use"
 
 
 def test_a_database_from_before_file_deletion_opens_and_deletes(tmp_path: Path) -> None:

@@ -238,7 +238,7 @@ def test_malformed_lines_fail_individually(tmp_path: Path) -> None:
         *errors, refused = lines_of(client, batch.error_file_id)
         assert all(r["response"] is None and r["id"].startswith("batch_req_") for r in errors)
         assert [(r["custom_id"], r["error"]["code"]) for r in errors] == [
-            (None, "bad_json"), (None, "missing_custom_id"), ("ok-1", "duplicate_custom_id"),
+            (None, "bad_json"), (None, "missing_custom_id"), (None, "duplicate_custom_id"),
             ("url", "unsupported_url"), ("body", "bad_message"), ("big", "max_tokens_too_large")]
         assert errors[0]["error"]["message"].startswith("line 2: ")
         # A request the endpoint refused when it ran is its HTTP answer, as OpenAI writes it
@@ -701,3 +701,24 @@ def test_a_refused_submit_keeps_no_upload(tmp_path: Path) -> None:
         assert len(httpx.get(live.url + "/v1/files").json()["data"]) == 1
         for b in httpx.get(live.url + "/v1/batches").json()["data"]:
             httpx.post(f"{live.url}/v1/batches/{b['id']}/cancel")
+
+
+def test_a_file_deleted_as_its_batch_is_created_gives_one_of_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delete that lands between the create's look-up of the file and its insert: the
+    create is refused (file_not_found), not a batch that fails on a file gone from disk."""
+    with batch_server(tmp_path) as live:
+        client = live.client()
+        uploaded = client.files.create(file=("in.jsonl", jsonl(2)), purpose="batch")
+        stored_bytes = BatchStore.stored_bytes
+
+        def delete_then_count(store: BatchStore, owner: str) -> int:
+            assert httpx.delete(f"{live.url}/v1/files/{uploaded.id}").status_code == 200
+            return stored_bytes(store, owner)
+
+        monkeypatch.setattr(BatchStore, "stored_bytes", delete_then_count)
+        with pytest.raises(openai.NotFoundError) as refused:
+            client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+        assert refused.value.body["code"] == "file_not_found"  # type: ignore[index]
+        assert client.batches.list().data == []

@@ -97,20 +97,23 @@ function select(id) {
   renderDetail().catch((err) => showError(err.code || "error", err.message));
 }
 
-/** A JSONL line's `url`, or null (blank, not JSON, or none). */
+const ENDPOINTS = ["/v1/chat/completions", "/v1/completions"];
+
+/** A JSONL line's `url` if it is an endpoint a batch may have, or null (blank, not JSON, none,
+ * or another url: that line fails alone when the batch runs). */
 function urlOf(line) {
   if (!line.trim()) return null;
   try {
     const url = JSON.parse(line).url;
-    return typeof url === "string" ? url : null;
+    return ENDPOINTS.includes(url) ? url : null;
   } catch {
     return null; // the server reports bad lines
   }
 }
 
-/** The endpoint of a batch of `file`: the url of its first line that names one, read a
- * piece at a time (lines may be long), as `antiphon batch submit` finds it; chat
- * completions if none does. */
+/** The endpoint of a batch of `file`: the url of its first line that names one a batch may
+ * have, read a piece at a time (lines may be long), as `antiphon batch submit` finds it;
+ * chat completions if none does. */
 async function firstUrl(file) {
   const decoder = new TextDecoder();
   const step = 1 << 16;
