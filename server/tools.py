@@ -156,11 +156,16 @@ class ToolStream:
     def __init__(self, use: ToolUse) -> None:
         self.use = use
         self.num_calls = 0
+        self.content: list[str] = []  # the content pieces given out so far
+        self.calls: list[dict[str, Any]] = []  # the calls given out so far (whole ones)
         self._reader = HermesReader(names=use.names)
         self._held: list[str] = []  # the reply so far, while it may be read whole
         self._whole: bool | None = None  # read whole (None: not known yet)
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
+        return self._given(self._feed(piece))
+
+    def _feed(self, piece: str) -> list[dict[str, Any]]:
         if self.use.mode == "function":
             if self.num_calls == 0:
                 return [self._delta([(self.use.function or "", piece)])]
@@ -181,8 +186,14 @@ class ToolStream:
             return [{"content": piece}]
         return [d for d in map(self._delta, self._reader.feed(piece)) if d]
 
-    def finish(self, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
-        """The deltas held back, and the choice's finish reason."""
+    def finish(self, finish_reason: str | None,
+               cut: bool = False) -> tuple[list[dict[str, Any]], str | None]:
+        """The deltas held back, and the choice's finish reason. `cut`: the reply was cut
+        short (cancelled): what is held back, a call still open or a reply still to be read
+        whole, is dropped, not given out as content; the reply is what was given out
+        (`content`, `calls`)."""
+        if cut and self.use.mode != "function":
+            return [], finish_reason
         if self.use.mode == "function":
             deltas = [] if self.num_calls else [self._delta([(self.use.function or "", "")])]
         elif self._whole is False:
@@ -192,7 +203,14 @@ class ToolStream:
             deltas = [{"content": content} if content else {}, self._delta(calls)]
         if self.num_calls and finish_reason == "stop":
             finish_reason = self.use.finish_with_calls
-        return [d for d in deltas if d], finish_reason
+        return self._given([d for d in deltas if d]), finish_reason
+
+    def _given(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for delta in deltas:
+            if delta.get("content"):
+                self.content.append(delta["content"])
+            self.calls.extend(c for c in delta.get("tool_calls", ()) if "id" in c)
+        return deltas
 
     def _delta(self, event: str | Sequence[tuple[str, str]]) -> dict[str, Any]:
         if isinstance(event, str):

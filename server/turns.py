@@ -393,9 +393,11 @@ class SessionTurns:
                 settle()
                 await _emit_final(emit, protocol.error_frame(err, rid), is_user_cancel)
                 return
-            if calls is not None:  # what it held back, while it might have been calls
-                await send_tokens(_contents(calls.finish(gen.finish_reason)[0]))
-            reply = _reply(gen)
+            if calls is not None:  # what it held back, while it might have been calls (a
+                # reply cut short drops it: the session keeps what the client was given)
+                await send_tokens(_contents(calls.finish(
+                    gen.finish_reason, cut=gen.finish_reason == "cancelled")[0]))
+            reply = _reply(gen, calls)
             try:
                 if gen.pieces or not gen.replaces_reply:  # a regenerate stopped before its
                     # first token keeps the old. Shielded: a disconnect while it runs must
@@ -428,7 +430,7 @@ class SessionTurns:
             elif gen.pieces and not settled:  # (no save begun: none was due unless the reply
                 # has pieces; once settled, the session may hold a later turn's messages)
                 gen.finish_reason = gen.finish_reason or "cancelled"
-                await asyncio.shield(self._commit_reply(session_id, gen, _reply(gen)))
+                await asyncio.shield(self._commit_reply(session_id, gen, _reply(gen, calls)))
             raise
         finally:
             settle()
@@ -438,14 +440,22 @@ class SessionTurns:
         invalid, say a schema the grammar backend cannot compile) takes back the messages it
         committed, so that bad input changes nothing; True when it did. A turn the engine
         failed keeps them, for a regenerate to answer."""
-        if (err.code != ErrorCode.BAD_MESSAGE or gen.pieces or gen.output_token_ids
-                or gen.committed is None):
+        if err.code != ErrorCode.BAD_MESSAGE or gen.pieces or gen.output_token_ids:
+            return False
+        return await self.take_back(session_id, gen)
+
+    async def take_back(self, session_id: str, gen: Generation) -> bool:
+        """Withdraw the messages `accept` committed for `gen` (and the title they gave the
+        session), while the session is still claimed for it: a turn refused, or whose client
+        never heard it was accepted. True when they were withdrawn; a store that fails keeps
+        them (logged), as for a failed turn."""
+        if gen.committed is None:
             return False
         try:
             return await asyncio.to_thread(self.store.withdraw_messages, session_id,
                                            *gen.committed, gen.committed_title)
-        except Exception:  # the store failed: the message stays, as for a failed turn
-            logger.exception("session %s: withdrawing the message of refused turn %s failed",
+        except Exception:
+            logger.exception("session %s: withdrawing the message of turn %s failed",
                              session_id, gen.request_id)
             return False
 
@@ -511,9 +521,15 @@ class SessionTurns:
 Reply = tuple[str, list[dict[str, Any]] | None, str | None]
 
 
-def _reply(gen: Generation) -> Reply:
+def _reply(gen: Generation, given: ToolStream | None = None) -> Reply:
+    """`gen`'s reply as the session keeps it; one cut short (cancelled) that may call tools:
+    what `given` gave the client, not a `<tool_call>` block it left open."""
     if gen.tool_use is None:
         return gen.text, None, gen.finish_reason
+    if (given is not None and gen.finish_reason == "cancelled"
+            and gen.tool_use.mode != "function"):
+        calls = [{k: v for k, v in c.items() if k != "index"} for c in given.calls]
+        return "".join(given.content), calls or None, gen.finish_reason
     message, finish_reason = reply_message(gen.text, gen.finish_reason, gen.tool_use)
     return message["content"] or "", message.get("tool_calls"), finish_reason
 

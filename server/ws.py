@@ -73,9 +73,11 @@ class Connection:
                 raise ApiError(ErrorCode.TOO_LARGE, f"message of {size} bytes exceeds the "
                                f"limit of {self.ctx.config.server.max_frame_bytes}")
             msg = protocol.decode_client_message(data)
-            if isinstance(msg, protocol.TurnRequest):
+            if isinstance(msg, (protocol.TurnRequest, protocol.Cancel)):
                 request_id = msg.request_id
             await self._dispatch(msg)
+        except WebSocketDisconnect:
+            raise  # the client left: nobody to tell, and no error of the server's
         except Exception as exc:
             if msg is None:  # the frame did not decode: name the request its text carries
                 request_id = protocol.find_request_id(data)
@@ -162,9 +164,13 @@ class Connection:
             await self.send(protocol.encode("accepted", request_id=request_id,
                                             session_id=msg.session_id,
                                             prompt_tokens=len(gen.prompt_token_ids)))
-        except BaseException:  # the client left before it heard "accepted"
+        except BaseException:  # the client left before it heard "accepted": it may send the
+            # message again (on its next connection), so the session keeps nothing of it
             slot.release()
-            self.ctx.turns.release(msg.session_id, gen.session_claim)
+            try:
+                await asyncio.shield(self.ctx.turns.take_back(msg.session_id, gen))
+            finally:
+                self.ctx.turns.release(msg.session_id, gen.session_claim)
             raise
         def finished() -> None:
             """The turn's work is over, before its last frame goes out: a client that sends

@@ -298,3 +298,30 @@ async def test_the_agent_sdk_calls_a_tool_over_the_websocket_api(agent: Scripted
         assert call["function"]["name"] == "get_weather"
         answer = await client.tool_results(sid, {call["id"]: "18 C"}, tools=[WEATHER])
         assert answer.text == "It is 18 C in Paris." and answer.tool_calls == ()
+
+
+async def test_a_websocket_reply_cut_inside_a_call_keeps_what_the_client_was_given(
+        agent: Scripted) -> None:
+    """Cancelled while its `<tool_call>` block was being written: the client was given the
+    content before it, and that is what `done` says and the session keeps, not the block's
+    half (which the next turn's prompt would show the model)."""
+    from websockets.asyncio.client import connect
+
+    from tests.wsclient import open_session, recv, recv_until, send
+
+    agent.engine.token_delay_s = 0.2
+    async with connect(agent.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="Weather in Paris?",
+                   tools=[WEATHER], request_id="r")
+        while (frame := await recv(ws))["type"] != "token":
+            pass
+        await asyncio.sleep(0.5)  # the call's first words, held back
+        await send(ws, type="cancel", request_id="r")
+        frames = await recv_until(ws, "done")
+        done = frames[-1]
+        given = frame["text"] + "".join(f["text"] for f in frames if f["type"] == "token")
+        assert done["finish_reason"] == "cancelled" and "tool_calls" not in done
+        assert given == done["text"] == "Checking."
+        (_, reply) = (await open_session(ws, sid))["messages"]
+        assert (reply["content"], reply.get("tool_calls")) == ("Checking.", None)

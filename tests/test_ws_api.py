@@ -589,3 +589,62 @@ def test_an_advisory_for_a_session_deleted_meanwhile_keeps_nothing(tmp_path: Pat
         assert not store.record_advisory(session.session_id, "typing", 2.0)
     finally:
         store.close()
+
+
+async def test_a_message_whose_accepted_frame_never_went_out_is_not_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that left before it heard `accepted` may send the message again: the session
+    keeps nothing of it, and the session is free."""
+    from starlette.websockets import WebSocketDisconnect
+
+    from antiphon.server import ws as ws_module
+
+    send_frame = ws_module.Connection.send
+
+    async def lose_accepted(self: Any, frame: str) -> None:
+        if json.loads(frame)["type"] == "accepted":
+            raise WebSocketDisconnect(1006)
+        await send_frame(self, frame)
+
+    engine = ScriptedEngine(token_delay_s=0.0)
+    with live_server(scripted_config(tmp_path), engine) as url:
+        ws_url = url.replace("http", "ws") + "/v1/ws"
+        async with connect(ws_url) as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            monkeypatch.setattr(ws_module.Connection, "send", lose_accepted)
+            await send(ws, type="message", session_id=sid, content="order #42",
+                       request_id="r1")
+            with pytest.raises(ConnectionClosed):
+                await recv(ws, timeout=10)
+        monkeypatch.setattr(ws_module.Connection, "send", send_frame)
+        async with connect(ws_url) as ws:
+            assert (await open_session(ws, sid))["messages"] == []
+            done = (await chat(ws, sid, "order #42"))["done"]  # sent again: once
+            assert done["text"] == "You said: order #42"
+            roles = [m["role"] for m in (await open_session(ws, sid))["messages"]]
+            assert roles == ["user", "assistant"]
+
+
+async def test_errors_name_the_cancel_they_answer_and_a_client_gone_is_no_error(
+        tmp_path: Path) -> None:
+    engine = ScriptedEngine(lambda turns: "x " * 3000, token_delay_s=0.0, max_model_len=10**5)
+    with live_server(scripted_config(tmp_path, max_tokens_limit=3000), engine) as url:
+        ws_url = url.replace("http", "ws") + "/v1/ws"
+        async with connect(ws_url) as ws:
+            await send(ws, type="cancel", request_id="never")
+            frame = await recv(ws)
+            assert (frame["code"], frame["request_id"]) == ("request_not_found", "never")
+        # A client that stops reading, then leaves, while the server answers its frames.
+        ws = await connect(ws_url, max_queue=1, close_timeout=1)
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="long", max_tokens=3000)
+        await asyncio.sleep(0.5)
+        await send(ws, type="session.list")  # its answer waits behind the reply's tokens
+        await asyncio.sleep(0.3)
+        ws.transport.abort()
+        await asyncio.sleep(1.0)
+        import httpx
+
+        errors = [line for line in httpx.get(url + "/metrics").text.splitlines()
+                  if line.startswith('antiphon_errors_total{code="internal_error"}')]
+        assert errors in ([], ['antiphon_errors_total{code="internal_error"} 0.0']), errors
