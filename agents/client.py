@@ -36,6 +36,7 @@ from antiphon.agents.errors import (
     AntiphonError,
     ConnectionLostError,
     InvalidRequestError,
+    NotFoundError,
     RequestTimeoutError,
     error_for,
 )
@@ -344,15 +345,19 @@ class AsyncAntiphon:
     async def _read(self, ws: ClientConnection) -> None:
         """Route frames to their turns; when the socket closes, tell every turn in flight."""
         closed: dict[str, Any] = {"type": "_closed", "message": "the connection closed"}
+        # An error frame that may refuse the connection (a wrong key, a connection limit) does
+        # only if the socket closes right behind it: the same codes answer single frames too
+        # (a typing advisory over the connection's limit), and the connection goes on.
+        refusal: dict[str, Any] | None = None
         try:
             async for raw in ws:
                 frame = json.loads(raw)
                 turn = self._turns.get(frame.get("request_id") or "")
+                refusal = None
                 if turn is not None:
                     turn.queue.put_nowait(frame)
                 elif frame.get("type") == "error" and frame.get("code") in CONNECTION_ERRORS:
-                    # the server refuses the connection (a wrong key, a connection limit)
-                    closed.update(code=frame["code"], message=str(frame.get("message")))
+                    refusal = frame
         except ConnectionClosed as exc:
             try:
                 _raise_if_refused(exc)
@@ -360,6 +365,8 @@ class AsyncAntiphon:
                 closed.update(code=err.code, message=err.message)
             else:
                 closed["message"] = f"the connection closed ({exc})"
+                if refusal is not None:
+                    closed.update(code=refusal["code"], message=str(refusal.get("message")))
         finally:
             for turn in self._turns.values():
                 turn.queue.put_nowait(closed)
@@ -500,7 +507,11 @@ class AsyncAntiphon:
 
     async def cancel(self, request_id: str) -> None:
         """Stop a turn in flight on this client; its `chat` returns finish_reason
-        "cancelled" with the text so far."""
+        "cancelled" with the text so far. Raises `NotFoundError` when no turn of this
+        client's has that request id (finished, or never sent)."""
+        if request_id not in self._turns:
+            raise NotFoundError("request_not_found", f"no request {request_id} in flight on "
+                                "this client")
         await self._send({"type": "cancel", "request_id": request_id})
 
 
@@ -516,6 +527,8 @@ def _encode(payload: dict[str, Any]) -> str:
     """`payload` as JSON; NaN and Infinity, which JSON has not (the server refuses them), are
     `InvalidRequestError`s here."""
     try:
-        return json.dumps(payload, allow_nan=False)
+        # As UTF-8, as the server counts a frame's bytes (escaped, text in other scripts than
+        # Latin's took 3 to 6 times its size, and hit --max-frame-bytes far sooner).
+        return json.dumps(payload, allow_nan=False, ensure_ascii=False)
     except ValueError as exc:
         raise InvalidRequestError("bad_message", str(exc)) from None

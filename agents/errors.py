@@ -73,6 +73,8 @@ _BY_CODE: dict[str, type[AntiphonError]] = {
     "shutting_down": BusyError,
     "engine_error": ServerError,
     "internal_error": ServerError,
+    # (websocket error frames carry no HTTP status: every 5xx code is named here)
+    "storage_full": ServerError,
 }
 
 

@@ -387,3 +387,45 @@ def test_the_blocking_client_from_its_own_callback_is_refused(scripted: Scripted
         assert client.chat(sid, "a b c", on_token=on_token).finish_reason == "stop"
         assert seen and "callback" in str(seen[0])
         assert client.create_session().session_id
+
+
+async def test_a_refused_typing_frame_does_not_turn_a_lost_connection_into_a_refusal(
+        tmp_path: Path) -> None:
+    """Typing advisories over the connection's limit are refused one by one
+    (too_many_requests, no request id): the connection goes on, and a turn it later loses
+    mid-reply is a ConnectionLostError with what was said, not a BusyError."""
+    from tests.liveserver import running_server
+
+    engine = ScriptedEngine(token_delay_s=0.02, max_model_len=10**5)
+    config = scripted_config(tmp_path, max_inflight_per_connection=2, drain_timeout_s=0.3)
+    with running_server(config, engine) as (url, server):
+        async with AsyncAntiphon(url, timeout_s=10, connect_attempts=1) as client:
+            sids = [(await client.create_session()).session_id for _ in range(6)]
+            await asyncio.gather(*(client.typing(s) for s in sids))
+            seen: list[str] = []
+            turn = asyncio.create_task(client.chat(
+                sids[0], " ".join(f"w{i}" for i in range(300)), on_token=seen.append))
+            while len(seen) < 5:
+                await asyncio.sleep(0.02)
+            server.should_exit = True  # shut down mid-reply (as SIGTERM does)
+            with pytest.raises(ConnectionLostError) as lost:
+                await turn
+            assert lost.value.accepted and lost.value.partial == "".join(seen)
+
+
+async def test_text_in_any_script_counts_as_utf8_and_errors_are_typed_alike(
+        scripted: Scripted) -> None:
+    """A message is sent as UTF-8, as the server counts --max-frame-bytes (escaped, text
+    outside Latin took 3 to 6 times its size); every code is the same error over the
+    websocket as over REST; a cancel of no turn of the client's is a NotFoundError."""
+    async with AsyncAntiphon(scripted.url) as client:
+        sid = (await client.create_session()).session_id
+        text = "猫" * 900  # 2,700 bytes as UTF-8 under the 8,192-byte frame limit; 5,400 escaped
+        assert (await client.chat(sid, text)).text == "You said: " + text
+        with pytest.raises(NotFoundError):
+            await client.cancel("r_never_sent")
+    from antiphon.agents.errors import error_for
+    from antiphon.server.errors import HTTP_STATUS
+
+    for code, status in HTTP_STATUS.items():  # websocket frames carry no status; REST does
+        assert type(error_for(code.value, "x")) is type(error_for(code.value, "x", status)), code
