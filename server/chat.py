@@ -8,6 +8,7 @@ filling in the generation's usage and timings.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -188,7 +189,9 @@ class ChatService:
         # The server was told to stop (a signal): engine failures from now on may be the
         # engine's processes stopping with it (the same signal), not the requests' doing.
         self.stop_requested = False
-        self._num_live = 0  # replies streaming to clients (batch items are not waited for)
+        # replies streaming to clients, by id(Generation), with how many blocks hold each
+        # (a websocket turn's and its stream's) (batch items are not waited for)
+        self._live: collections.Counter[int] = collections.Counter()
         self._none_live = asyncio.Event()
         self._none_live.set()
 
@@ -249,15 +252,19 @@ class ChatService:
                            "again once it is back")
 
     @contextlib.contextmanager
-    def live(self) -> Iterator[None]:
-        """Mark a reply to a client as in flight until the block ends (`drain` waits)."""
-        self._num_live += 1
+    def live(self, gen: Generation) -> Iterator[None]:
+        """Mark `gen`'s reply to a client as in flight until the block ends (`drain` waits);
+        blocks may nest (a turn holds its reply live until its last frame, its stream
+        until its last token): the reply counts once."""
+        self._live[id(gen)] += 1
         self._none_live.clear()
         try:
             yield
         finally:
-            self._num_live -= 1
-            if not self._num_live:
+            self._live[id(gen)] -= 1
+            if not self._live[id(gen)]:
+                del self._live[id(gen)]
+            if not self._live:
                 self._none_live.set()
 
     async def drain(self, timeout_s: float) -> int:
@@ -267,7 +274,7 @@ class ChatService:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._none_live.wait()
-        return self._num_live
+        return len(self._live)
 
     def check_content(self, content: str, may_be_empty: bool = False) -> None:
         if len(content) > self.config.max_content_chars:
@@ -366,7 +373,7 @@ class ChatService:
         cls = gen.params.request_class.value
         self.metrics.inflight.labels(cls).inc()
         outcome = "error"
-        with self.live() if api != "batch" else contextlib.nullcontext():
+        with self.live(gen) if api != "batch" else contextlib.nullcontext():
             try:
                 deltas = self.engine.generate(gen.engine_request_id, gen.prompt_token_ids,
                                               gen.params)

@@ -346,7 +346,7 @@ class SessionTurns:
         The session is free again, and `finished` called, before the last frame goes out: a
         client that sends its next turn the moment it reads `done` finds the session free.
         """
-        with self.chat.live():  # a shutdown waits for the `done` frame, not only the tokens
+        with self.chat.live(gen):  # a shutdown waits for the `done` frame, not only the tokens
             await self._run(session_id, gen, emit, is_user_cancel, finished)
 
     async def _run(self, session_id: str, gen: Generation, emit: Emit,

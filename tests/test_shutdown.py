@@ -9,6 +9,7 @@ import sqlite3
 from pathlib import Path
 
 import httpx
+import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -64,7 +65,8 @@ async def test_clients_that_close_as_the_drain_ends_fail_nothing(tmp_path: Path)
     assert done["finish_reason"] == "stop"
 
 
-async def test_replies_longer_than_the_drain_are_cut_short_and_kept(tmp_path: Path) -> None:
+async def test_replies_longer_than_the_drain_are_cut_short_and_kept(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = scripted_config(tmp_path, drain_timeout_s=0.3)
     with running_server(config, ScriptedEngine(token_delay_s=0.05)) as (url, server):
         async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
@@ -80,3 +82,5 @@ async def test_replies_longer_than_the_drain_are_cut_short_and_kept(tmp_path: Pa
     db = sqlite3.connect(tmp_path / "sessions.sqlite3")
     assert db.execute("SELECT role, finish_reason FROM messages").fetchall() == [
         ("user", None), ("assistant", "cancelled")]
+    # The one reply, counted once (its turn and its stream both hold it live).
+    assert "1 replies still streaming" in caplog.text, caplog.text
