@@ -310,8 +310,19 @@ def add_batch_parser(commands: Any) -> None:
     batch.set_defaults(func=run)
 
 
+def _seconds(text: str) -> float:
+    """A command line's number of seconds: positive and finite."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"must be positive and finite, got {text!r}")
+    return value
+
+
 def _add_watch_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds (0.5)")
-    parser.add_argument("--max-unreachable-s", type=float, default=600.0,
+    parser.add_argument("--poll-interval", type=_seconds, default=0.5, help="seconds (0.5)")
+    parser.add_argument("--max-unreachable-s", type=_seconds, default=600.0,
                         help="while waiting, keep polling a server that does not answer (a "
                              "restart) this long before giving up (600 s)")

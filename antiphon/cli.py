@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import shutil
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -18,6 +20,55 @@ from antiphon.sessions.config import SessionConfig
 from antiphon.tiering.config import TieringConfig
 
 
+def serve_config(args: argparse.Namespace) -> AppConfig:
+    """The deployment `antiphon serve ARGS` runs: the command line's options, the
+    environment's settings where it gives none, and the checks that need the machine (the
+    host tier's room in /dev/shm). Raises ValueError naming what is wrong, before anything is
+    loaded or written."""
+    config = AppConfig(
+        engine=dataclass_from_args(EngineConfig, args, fallbacks={"model": env.model()}),
+        server=dataclass_from_args(ServerConfig, args, fallbacks={
+            "api_keys": env.api_keys() or None,
+            "best_effort_api_keys": env.best_effort_api_keys() or None}),
+        sessions=dataclass_from_args(SessionConfig, args,
+                                     fallbacks={"data_dir": env.data_dir()}),
+    )
+    tiering = dataclass_from_args(
+        TieringConfig, args, ssd_dir=args.ssd_dir or config.sessions.data_dir / "kv")
+    if tiering.kv_tiering:
+        if not tiering.host_tier_bytes:
+            raise ValueError("host_tier_bytes is 0: the KV connector moves every load and save "
+                             "through the host tier (give it room, or --no-kv-tiering)")
+        # Against its size, not what is free: a killed server's arena there is reclaimed at
+        # start (`HostArena`), after this check.
+        size = shm_size_bytes()
+        if size is not None and tiering.host_tier_bytes > size:
+            raise ValueError(f"host_tier_bytes ({tiering.host_tier_bytes}) is more than "
+                             f"/dev/shm holds ({size} bytes): lower --host-tier-bytes")
+    return dataclasses.replace(config, tiering=tiering)
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (`host`, `port`), as uvicorn binds one, for it to listen on.
+    Raises OSError (the port in use, an address not of this machine)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def shm_size_bytes() -> int | None:
+    """The size of /dev/shm, where the host tier's arena lives (None: no such folder)."""
+    try:
+        return shutil.disk_usage("/dev/shm").total
+    except OSError:
+        return None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from antiphon.datalock import DataDirInUseError, lock_data_dir
     from antiphon.engine_ext.engine import VllmEngine
@@ -26,21 +77,20 @@ def _serve(args: argparse.Namespace) -> int:
     from antiphon.sqlite import DatabaseDamaged, DatabaseUnavailable
 
     try:
-        config = AppConfig(
-            engine=dataclass_from_args(EngineConfig, args, model=env.model()),
-            server=dataclass_from_args(
-                ServerConfig, args, api_keys=env.api_keys() or None,
-                best_effort_api_keys=env.best_effort_api_keys() or None),
-            sessions=dataclass_from_args(SessionConfig, args, data_dir=env.data_dir()),
-        )
-        config = dataclasses.replace(config, tiering=dataclass_from_args(
-            TieringConfig, args, ssd_dir=args.ssd_dir or config.sessions.data_dir / "kv"))
+        config = serve_config(args)
         model_dir = resolve_model(config.engine.model)
         if config.engine.model is None and config.engine.served_model_name is None:
             config = dataclasses.replace(config, engine=dataclasses.replace(
                 config.engine, served_model_name=DEFAULT_MODEL_NAME))
     except (ValueError, ModelPrepareError) as exc:
         print(f"antiphon serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        # The port first: one in use is said now, not after the model has loaded.
+        listener = bind_listener(config.server.host, config.server.port)
+    except OSError as exc:
+        print(f"antiphon serve: cannot listen on {config.server.host}:{config.server.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
         return 2
     try:
         lock_data_dir(config.sessions.data_dir)  # held until the process ends
@@ -64,7 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
     server = DrainingServer(app, log_level=args.log_level.lower(),
                             **config.server.uvicorn_options())
     try:
-        server.run()
+        server.run(sockets=[listener])
     except KeyboardInterrupt:
         # uvicorn raises the signal it stopped on again once it has shut down; Python turns
         # SIGINT into this exception: end as SIGINT ends a process (status 130), without the

@@ -59,10 +59,12 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
             group.add_argument(flag, dest=dest, type=base, default=given, help=help_text)
 
 
-def dataclass_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "",
-                        **overrides: Any) -> T:
-    """Build `cls` from options given on the command line; unset options keep their defaults."""
-    values: dict[str, Any] = {}
+def dataclass_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "", *,
+                        fallbacks: Mapping[str, Any] | None = None, **overrides: Any) -> T:
+    """Build `cls` from options given on the command line; unset options take `fallbacks`
+    (by field name: the environment's settings, which the command line beats), else keep
+    their defaults. `overrides` beat both (what the command itself decides)."""
+    values: dict[str, Any] = {k: v for k, v in (fallbacks or {}).items() if v is not None}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         value = getattr(args, prefix.replace("-", "_") + f.name, None)
         if value is not None:

@@ -3,6 +3,7 @@ user it runs as alone: folders 0700, files 0600, whatever the umask."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -14,6 +15,8 @@ def private_dir(path: Path, *, tighten: bool = True) -> Path:
     """Create `path` (with its parents) if missing; it, not its parents, is 0700 then, and
     with `tighten` made so if others could read it (not an operator's own data folder, whose
     contents are private all the same)."""
+    if path.exists() and not path.is_dir():  # (mkdir would say "File exists")
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
     path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
     if tighten:
         _tighten(path, DIR_MODE)

@@ -77,11 +77,14 @@ async def _profile(config: EngineConfig, quick: bool) -> tuple[CostFit, list[Pro
 def run(args: argparse.Namespace) -> int:
     from antiphon.model import ModelPrepareError
 
+    if args.out and not Path(args.out).resolve().parent.is_dir():  # known before minutes
+        print(f"antiphon profile: no folder for --out {args.out}", file=sys.stderr)
+        return 2
     started = time.monotonic()
     try:
         eager = args.enforce_eager if args.enforce_eager is not None else (args.quick or None)
         # The profile's own engine neither loads nor makes a fit at start.
-        config = dataclass_from_args(EngineConfig, args, model=env.model(),
+        config = dataclass_from_args(EngineConfig, args, fallbacks={"model": env.model()},
                                      enforce_eager=eager, cost_model="online")
         fit, steps, path = asyncio.run(_profile(config, args.quick))
     except (ValueError, ModelPrepareError) as exc:

@@ -34,7 +34,10 @@ class EngineConfig:
         "Cap on the number of KV pages (vLLM's num_gpu_blocks_override); unset: from memory",
         default=None)
     max_num_seqs: int = doc("Most sequences in one engine step", default=64)
-    max_num_batched_tokens: int = doc("Token budget of one engine step", default=2048)
+    max_num_batched_tokens: int = doc(
+        "Token budget of one engine step; raised to --max-model-len where it is lower (a "
+        "step can hold a whole prompt; the co-scheduling policies size steps within it)",
+        default=2048)
     dtype: str = doc(
         "Model weight, activation and KV dtype: bfloat16, float16, float32, or auto (bfloat16 "
         "on GPUs and on CPUs with bfloat16 instructions, float32 on other CPUs)",
@@ -98,8 +101,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_model_len < 16:
             raise ValueError(f"max_model_len must be at least 16, got {self.max_model_len}")
-        if self.kv_cache_gib <= 0:
-            raise ValueError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
+        if not 0 < self.kv_cache_gib < math.inf:  # (NaN fails too)
+            raise ValueError(f"kv_cache_gib must be positive and finite, got "
+                             f"{self.kv_cache_gib}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -107,8 +111,8 @@ class EngineConfig:
         if self.dtype not in ("bfloat16", "float16", "float32", "auto"):
             raise ValueError(f"dtype must be bfloat16, float16, float32 or auto, got {self.dtype}")
 
-        if self.rt_ttft_slo_s <= 0 or self.rt_tpot_slo_s <= 0:
-            raise ValueError("rt_ttft_slo_s and rt_tpot_slo_s must be positive")
+        if not (0 < self.rt_ttft_slo_s < math.inf and 0 < self.rt_tpot_slo_s < math.inf):
+            raise ValueError("rt_ttft_slo_s and rt_tpot_slo_s must be positive and finite")
         if not 0 <= self.slo_headroom < 1:
             raise ValueError(f"slo_headroom must be within [0, 1), got {self.slo_headroom}")
         if self.step_trace is not None and not os.path.isdir(

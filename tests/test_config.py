@@ -118,3 +118,84 @@ def test_every_commands_help_renders() -> None:
             if isinstance(action, argparse._SubParsersAction):
                 pending.extend(action.choices.values())
     assert seen > 5  # serve, profile, batch, bench and their subcommands
+
+
+def test_the_command_line_beats_the_environment(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """ANTIPHON_DATA_DIR, ANTIPHON_MODEL and ANTIPHON_API_KEYS count only where the command
+    line says nothing: a restore onto `--data-dir DEST` under a unit that sets the variable
+    served the old folder."""
+    from antiphon.cli import serve_config
+
+    monkeypatch.setenv("ANTIPHON_DATA_DIR", str(tmp_path / "from-env"))
+    monkeypatch.setenv("ANTIPHON_MODEL", "/models/from-env")
+    monkeypatch.setenv("ANTIPHON_API_KEYS", "env-key-123456")
+    given = serve_config(build_parser().parse_args([
+        "serve", "--data-dir", str(tmp_path / "from-flag"), "--model", "/models/from-flag",
+        "--api-keys", "flag-key-123456"]))
+    assert given.sessions.data_dir == tmp_path / "from-flag"
+    assert given.tiering.ssd_dir == tmp_path / "from-flag" / "kv"
+    assert given.engine.model == "/models/from-flag"
+    assert given.server.api_keys == ("flag-key-123456",)
+    unset = serve_config(build_parser().parse_args(["serve"]))
+    assert unset.sessions.data_dir == tmp_path / "from-env"
+    assert unset.engine.model == "/models/from-env"
+    assert unset.server.api_keys == ("env-key-123456",)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--kv-cache-gib", "nan"], ["--kv-cache-gib", "inf"], ["--rt-ttft-slo-s", "nan"],
+    ["--rt-tpot-slo-s", "inf"], ["--advisory-ttl-s", "nan"], ["--host-tier-bytes", "0"],
+    ["--host-tier-bytes", "99999999999999999999"]])
+def test_serve_refuses_settings_that_would_fail_in_the_engine(
+        tmp_path: Path, flags: list[str]) -> None:
+    """Refused with the flag's name before the model loads (they failed in the engine after
+    it had, with tracebacks, or left the data folder half written)."""
+    from antiphon.cli import serve_config
+
+    with pytest.raises(ValueError, match=flags[0].removeprefix("--").replace("-", "_")):
+        serve_config(build_parser().parse_args(["serve", "--data-dir", str(tmp_path), *flags]))
+    assert list(tmp_path.iterdir()) == []
+    serve_config(build_parser().parse_args(  # without the connector it needs no host tier
+        ["serve", "--data-dir", str(tmp_path), "--host-tier-bytes", "0", "--no-kv-tiering"]))
+
+
+def test_small_cli_mistakes_are_refused_at_once(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from antiphon.cli import main
+    from antiphon.private import private_dir
+
+    # --out into no folder: said before minutes of profiling, not as a traceback after them
+    assert main(["profile", "--quick", "--out", str(tmp_path / "no" / "fit.json")]) == 2
+    assert "no folder for --out" in capsys.readouterr().err
+    for flags in (["--poll-interval", "-1"], ["--max-unreachable-s", "nan"]):
+        with pytest.raises(SystemExit) as refused:
+            main(["batch", "status", "batch_x", "--wait", *flags])
+        assert refused.value.code == 2 and "positive and finite" in capsys.readouterr().err
+    a_file = tmp_path / "data"
+    a_file.touch()
+    with pytest.raises(NotADirectoryError):
+        private_dir(a_file)
+
+
+def test_serve_on_a_port_in_use_fails_before_the_engine_starts(tmp_path: Path) -> None:
+    """Said at once with status 2 (it was said after the model had loaded, about 30 s, and a
+    supervisor restarting it loaded the model again each time)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "antiphon", "serve", "--port", str(port), "--data-dir",
+             str(tmp_path / "data"), "--cost-model", "online", "--enforce-eager"],
+            capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert not (tmp_path / "data").exists()  # nothing written, nothing loaded
+    assert time.monotonic() - started < 60

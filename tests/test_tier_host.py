@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -260,3 +261,19 @@ def test_a_key_reserved_for_a_copy_is_not_stored_twice(tier: HostTier) -> None:
     assert tier.commit(key("k"), len(b"saved"))
     assert tier.get(key("k")) == b"saved"
     tier.check_integrity()
+
+
+def test_an_empty_segment_left_by_a_failed_start_is_swept_and_a_huge_arena_leaves_none(
+        tmp_path: Path) -> None:
+    """A start that died creating its arena (a size past what the system maps) left an empty
+    segment, which cannot be mapped: the sweep of every later start failed on it."""
+    from antiphon.tiering.host_arena import ARENA_PREFIX, remove_orphaned_arenas
+
+    dead_pid = 2**22 + 12345  # past pid_max: no such process
+    (tmp_path / f"{ARENA_PREFIX}{dead_pid}-0badf00d").touch()  # empty, as the failure left it
+    assert remove_orphaned_arenas(tmp_path) == [f"{ARENA_PREFIX}{dead_pid}-0badf00d"]
+    assert list(tmp_path.iterdir()) == []
+    name = f"{ARENA_PREFIX}{os.getpid()}-huge"
+    with pytest.raises(ValueError, match="more than this system can map"):
+        HostArena.create(name, 2**62, 2**10)
+    assert not (Path("/dev/shm") / name).exists()

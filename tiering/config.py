@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from antiphon.configfields import doc
@@ -22,7 +23,8 @@ class TieringConfig:
         "How long past its expected arrival an advisory keeps its prefetched KV reserved",
         default=30.0)
     host_tier_bytes: int = doc(
-        "Host RAM for session KV (a shared-memory arena), in bytes; 0 turns the host tier off",
+        "Host RAM for session KV (a shared-memory arena in /dev/shm), in bytes; the KV "
+        "connector moves every load and save through it, so 0 needs --no-kv-tiering",
         default=2 * GiB)
     ssd_tier_bytes: int = doc(
         "Disk space for session KV files, in bytes; 0 turns the SSD tier off (the host tier "
@@ -106,8 +108,9 @@ class TieringConfig:
         if not 0 <= self.ssd_fetch_wait_s <= 10:  # also refuses NaN
             raise ValueError(f"ssd_fetch_wait_s must be within 0..10, got "
                              f"{self.ssd_fetch_wait_s}")
-        if self.advisory_ttl_s <= 0:
-            raise ValueError(f"advisory_ttl_s must be positive, got {self.advisory_ttl_s}")
+        if not 0 < self.advisory_ttl_s < math.inf:  # (NaN fails too)
+            raise ValueError(f"advisory_ttl_s must be positive and finite, got "
+                             f"{self.advisory_ttl_s}")
         if self.writer_queue_depth < 1:
             raise ValueError(
                 f"writer_queue_depth must be at least 1, got {self.writer_queue_depth}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -27,6 +28,8 @@ from types import TracebackType
 from typing import Any
 
 from antiphon.tiering.tier import BytesLike, byte_view
+
+logger = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIQQ")  # magic, version, slot_bytes, num_slots
@@ -127,7 +130,12 @@ class HostArena:
             raise ValueError(f"need slot_bytes >= 1 and num_slots >= 0, got {slot_bytes}, "
                              f"{num_slots}")
         size = HEADER_BYTES + num_slots * slot_bytes
-        shm = SharedMemory(name=name, create=True, size=size)
+        try:
+            shm = SharedMemory(name=name, create=True, size=size)
+        except OverflowError:  # a size past off_t: Python leaves the empty segment behind
+            HostArena.unlink_stale(name)
+            raise ValueError(f"a host arena of {size} bytes is more than this system can "
+                             "map") from None
         if not tracked:
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         buf = shm.buf
@@ -168,14 +176,14 @@ class HostArena:
         return cls(name, buffer, slot_bytes, num_slots, in_use_fd=in_use_fd, mapping=mapping)
 
     @staticmethod
-    def unlink_stale(name: str) -> bool:
-        """Remove a segment left behind by a dead owner; False if there was none."""
+    def unlink_stale(name: str, shm_dir: Path = Path("/dev/shm")) -> bool:
+        """Remove a segment left behind by a dead owner; False if there was none. By its
+        name, without mapping it: a start that died creating it may have left it empty,
+        which cannot be mapped."""
         try:
-            shm = SharedMemory(name=name)
+            (shm_dir / name).unlink()
         except FileNotFoundError:
             return False
-        shm.close()
-        shm.unlink()
         return True
 
     @property
@@ -294,8 +302,12 @@ def remove_orphaned_arenas(shm_dir: Path = Path("/dev/shm")) -> list[str]:
         pid = path.name.removeprefix(ARENA_PREFIX).split("-")[0]
         if not pid.isdigit() or _is_alive(int(pid)) or _is_in_use(path):
             continue
-        if HostArena.unlink_stale(path.name):
-            removed.append(path.name)
+        try:
+            if HostArena.unlink_stale(path.name, shm_dir):
+                removed.append(path.name)
+        except OSError as exc:  # another user's, say: theirs to remove, not a reason to fail
+            logger.warning("host arena %s left by process %s could not be removed: %s",
+                           path.name, pid, exc)
     return removed
 
 
