@@ -44,7 +44,11 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
         segments = EngineSegments(config.sessions.data_dir)
         segments.sweep()  # those a killed predecessor's engine left in /dev/shm
         before = segments.names()
-        await engine.start()
+        if not await _start_engine(ctx, engine):  # a shutdown was asked for meanwhile
+            yield  # uvicorn, told to exit, serves nothing and shuts down
+            ctx.store.close()
+            ctx.batch_store.close()
+            return
         segments.remember(before)
         await ctx.batches.start()
         ctx.turns.start_erasing()
@@ -128,6 +132,26 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
 ENGINE_WATCH_INTERVAL_S = 0.5
 
 
+async def _start_engine(ctx: AppContext, engine: Engine) -> bool:
+    """Start `engine`; False, with it stopped again, when a shutdown asked for meanwhile
+    cancelled the start (`DrainingServer.handle_exit`). A failed start stops what it had
+    started and raises."""
+    ctx.starting = asyncio.ensure_future(engine.start())
+    try:
+        await ctx.starting
+        return True
+    except asyncio.CancelledError:
+        if not ctx.starting.cancelled():
+            raise  # the lifespan itself is being cancelled
+        await engine.shutdown()
+        return False
+    except BaseException:
+        await engine.shutdown()
+        raise
+    finally:
+        ctx.starting = None
+
+
 async def watch_engine(ctx: AppContext) -> None:
     """Shut the server down once the engine has failed for good (its process died: killed
     for memory, say). vLLM cannot restart it in place, and a server left running would fail
@@ -171,6 +195,12 @@ class DrainingServer(uvicorn.Server):
         # from now on was stopped on purpose (`ChatService.stop_requested`).
         self.ctx.chat.stop_requested = True
         super().handle_exit(sig, frame)
+        starting = self.ctx.starting
+        if starting is not None and not starting.done():
+            # Still starting (first-start profiling takes minutes): stop now, not once the
+            # engine serves. The model's load itself blocks until it ends.
+            logger.info("stopping during start-up")
+            starting.get_loop().call_soon_threadsafe(starting.cancel)
 
     @property
     def exit_status(self) -> int:

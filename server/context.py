@@ -46,6 +46,9 @@ class AppContext:
     engine_died: bool = False  # the engine failed for good: the server shuts down
     # Set by the server running the app (`DrainingServer`): begin a graceful shutdown.
     request_shutdown: Callable[[], None] | None = None
+    # The engine's start (model load, first-start profiling) while it runs: a shutdown
+    # asked for meanwhile cancels it (`app.DrainingServer.handle_exit`)
+    starting: asyncio.Task[None] | None = None
 
     @classmethod
     def build(cls, config: AppConfig, engine: Engine) -> AppContext:

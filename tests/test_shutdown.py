@@ -84,3 +84,39 @@ async def test_replies_longer_than_the_drain_are_cut_short_and_kept(
         ("user", None), ("assistant", "cancelled")]
     # The one reply, counted once (its turn and its stream both hold it live).
     assert "1 replies still streaming" in caplog.text, caplog.text
+
+
+def test_a_shutdown_asked_for_during_the_start_stops_it_at_once(tmp_path: Path) -> None:
+    """A signal while the engine starts (first-start profiling takes minutes) cancels the
+    start and stops the engine, instead of waiting for it to serve first."""
+    import signal
+    import threading
+    import time
+
+    from antiphon.server.app import DrainingServer, create_app
+
+    class SlowStart(ScriptedEngine):
+        started = threading.Event()
+        stopped = False
+
+        async def start(self) -> None:
+            self.started.set()
+            await asyncio.sleep(60)  # profiling, say
+            await super().start()
+
+        async def shutdown(self) -> None:
+            SlowStart.stopped = True
+            await super().shutdown()
+
+    config = scripted_config(tmp_path)
+    engine = SlowStart()
+    server = DrainingServer(create_app(config, engine), log_level="warning",
+                            **{**config.server.uvicorn_options(), "port": 0})
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert SlowStart.started.wait(30)
+    asked = time.monotonic()
+    server.handle_exit(signal.SIGTERM, None)
+    thread.join(30)
+    assert not thread.is_alive() and time.monotonic() - asked < 5
+    assert SlowStart.stopped and not engine._is_running and not server.ctx.is_ready
