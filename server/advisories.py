@@ -9,7 +9,9 @@ brings forward something the last one did not. Two rules, per session:
 - any source: an advisory while the session's conversation is unchanged since the last one
   that reached the engine, within `repeat_interval_s` of it, is a repeat and gets that one's
   answer, unless it expects the turn much sooner than that one did (in under half the time
-  that one had left: it moves the prefetch ahead of others). An agent that advises again
+  that one had left: it moves the prefetch ahead of others), a turn of the session began since
+  (the turn used that one up in the engine, even one that changed nothing yet), or the engine
+  has let that one go (`--advisory-ttl-s` past its expected arrival). An agent that advises again
   after each call changes the conversation (the call's exchange is kept first), so each of
   its advisories goes through. A repeat that expects the turn later than the last leaves the
   last's expiry as it was (`--advisory-ttl-s` past its expected arrival).
@@ -21,6 +23,7 @@ interval; the rest, per interval, one plus a halving series of sooner arrivals (
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Hashable
 
@@ -48,9 +51,13 @@ class _Sent:
 class AdvisoryFilter:
     """The two rules above. Not thread-safe: the server's event loop calls it."""
 
-    def __init__(self, typing_interval_s: float, repeat_interval_s: float) -> None:
+    def __init__(self, typing_interval_s: float, repeat_interval_s: float,
+                 advisory_ttl_s: float | None = None) -> None:
+        """`advisory_ttl_s`: how long past its expected arrival the engine keeps an advisory
+        (`--advisory-ttl-s`): one it has expired is repeated by none (None: no bound)."""
         self.typing_interval_s = typing_interval_s
         self.repeat_interval_s = repeat_interval_s
+        self.advisory_ttl_s = math.inf if advisory_ttl_s is None else advisory_ttl_s
         self._last_typing_s: dict[str, float] = {}  # session id -> its last typing advisory
         self._last_sent: dict[str, _Sent] = {}  # session id -> its last advisory sent
 
@@ -75,9 +82,15 @@ class AdvisoryFilter:
         last, now = self._last_sent.get(session_id), time.monotonic()
         if (last is None or last.revision != revision
                 or now - last.at_s >= self.repeat_interval_s
+                or now >= last.due_s + self.advisory_ttl_s  # the engine has let it go
                 or (expected_arrival_s or 0.0) < (last.due_s - now) / 2):
             return None
         return Advised(last.held, repeat=True)
+
+    def forget(self, session_id: str) -> None:
+        """A turn of `session_id` began: it takes the session's advisory in the engine, so
+        the next one repeats nothing."""
+        self._last_sent.pop(session_id, None)
 
     def sent(self, session_id: str, revision: Hashable, expected_arrival_s: float | None,
              held: int | None) -> None:

@@ -84,7 +84,10 @@ async def _emit_final(emit: Emit, frame: str, is_user_cancel: Callable[[], bool]
 
 
 class SessionTurns:
-    def __init__(self, store: SessionStore, chat: ChatService, metrics: ServerMetrics) -> None:
+    def __init__(self, store: SessionStore, chat: ChatService, metrics: ServerMetrics,
+                 advisory_ttl_s: float | None = None) -> None:
+        """`advisory_ttl_s`: how long the engine keeps an advisory past its expected
+        arrival (`--advisory-ttl-s`; None: as long as the repeat interval)."""
         self.store = store
         self.chat = chat
         self.metrics = metrics
@@ -92,7 +95,7 @@ class SessionTurns:
         # never a client's request id, so that no other request can let go of it
         self._busy: dict[str, str] = {}
         self.advisories = AdvisoryFilter(chat.config.typing_interval_s,
-                                         chat.config.advisory_repeat_interval_s)
+                                         chat.config.advisory_repeat_interval_s, advisory_ttl_s)
         self._eraser: asyncio.Task[None] | None = None  # erasing deleted sessions' KV
         self._erase_wanted = False  # a session was deleted since the eraser read the queue
 
@@ -251,6 +254,9 @@ class SessionTurns:
             raise ApiError(ErrorCode.SESSION_BUSY,
                            f"session {session_id} is already answering a message")
         hold = self._busy[session_id] = "hold_" + secrets.token_urlsafe(12)
+        # The turn uses the session's advisory in the engine, whether or not it changes the
+        # conversation (one that commits at its end, or fails): the next is no repeat.
+        self.advisories.forget(session_id)
         return hold
 
     def release(self, session_id: str, hold: str | None) -> None:

@@ -70,3 +70,15 @@ def test_sessions_gone_quiet_are_forgotten_past_the_bound(
     f.sent("s9", "r", None, 1)
     f.is_typing_repeat("s9")
     assert list(f._last_sent) == ["s9"] and list(f._last_typing_s) == ["s9"]
+
+
+def test_a_turn_begun_or_an_advisory_expired_in_the_engine_ends_the_repeats() -> None:
+    f = AdvisoryFilter(typing_interval_s=1.0, repeat_interval_s=60.0)
+    f.sent("s1", "r", None, 7)
+    f.forget("s1")  # a turn of s1 began: it uses the advisory up
+    assert f.repeat_of("s1", "r", None) is None
+    short = AdvisoryFilter(typing_interval_s=1.0, repeat_interval_s=60.0, advisory_ttl_s=0.05)
+    short.sent("s1", "r", None, 7)
+    assert short.repeat_of("s1", "r", None) is not None
+    time.sleep(0.06)  # the engine has expired it
+    assert short.repeat_of("s1", "r", None) is None

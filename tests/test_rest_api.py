@@ -745,3 +745,26 @@ def test_an_advisory_over_an_unchanged_conversation_repeats_the_last(tmp_path: P
         metrics = httpx.get(url + "/metrics").text
         assert 'antiphon_advisory_repeats_total{source="rest"} 20.0' in metrics
         assert 'antiphon_advisories_total{source="rest"} 3.0' in metrics
+
+
+def test_an_advisory_during_the_sessions_turn_is_no_repeat(tmp_path: Path) -> None:
+    """A turn uses its session's advisory up in the engine before it changes the
+    conversation (an OpenAI-API exchange is kept at its end): an advisory for the next call,
+    sent while it streams, is sent to the engine."""
+    engine = ScriptedEngine(token_delay_s=0.02)
+    with live_server(scripted_config(tmp_path, advisory_repeat_interval_s=60.0), engine) as url:
+        sid = httpx.post(url + "/v1/sessions", json={}).json()["session_id"]
+        app = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        app.chat.completions.create(model="scripted", max_tokens=10,
+                                    messages=[{"role": "user", "content": "a b"}],
+                                    extra_body={"vllm_xargs": {"session_id": sid}})
+        advise = {"session_id": sid, "expected_arrival": 5.0}
+        assert httpx.post(url + "/v1/advisory", json=advise).json()["repeat"] is False
+        stream = app.chat.completions.create(
+            model="scripted", stream=True, max_tokens=30,
+            messages=[{"role": "user", "content": " ".join(["w"] * 30)}],
+            extra_body={"vllm_xargs": {"session_id": sid}})
+        next(iter(stream))  # the turn runs: it has taken the advisory
+        assert httpx.post(url + "/v1/advisory", json=advise).json()["repeat"] is False
+        list(stream)
+        assert len(engine.advisories) == 2
