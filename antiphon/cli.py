@@ -70,7 +70,7 @@ def shm_size_bytes() -> int | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from antiphon.datalock import DataDirInUseError, lock_data_dir
+    from antiphon.datalock import DataDirInUseError, check_ssd_dir_free, lock_data_dir
     from antiphon.engine_ext.engine import VllmEngine
     from antiphon.model import DEFAULT_MODEL_NAME, ModelPrepareError, resolve_model
     from antiphon.server.app import DrainingServer, create_app
@@ -94,6 +94,9 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         lock_data_dir(config.sessions.data_dir)  # held until the process ends
+        ssd_dir = config.tiering.ssd_dir
+        if config.tiering.kv_tiering and config.tiering.ssd_tier_bytes and ssd_dir is not None:
+            check_ssd_dir_free(ssd_dir)
         engine = VllmEngine(config.engine, model_dir, config.tiering,
                             drain_timeout_s=config.server.drain_timeout_s)
         app = create_app(config, engine)

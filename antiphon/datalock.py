@@ -44,3 +44,17 @@ def lock_data_dir(data_dir: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def check_ssd_dir_free(ssd_dir: Path) -> None:
+    """Raise DataDirInUseError when another process's SSD tier holds `ssd_dir` (its
+    `.lock`): said before the model loads, not by the engine after it (two servers given one
+    --ssd-dir). Takes and lets go of the lock; a folder not there yet is free."""
+    path = ssd_dir / ".lock"
+    if not path.exists():
+        return
+    fd = try_lock(path)
+    if fd is None:
+        raise DataDirInUseError(f"{ssd_dir} is in use by another server's SSD tier; give this "
+                                "one its own --ssd-dir")
+    os.close(fd)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from antiphon.datalock import DataDirInUseError, lock_data_dir
+from antiphon.datalock import DataDirInUseError, lock_data_dir, try_lock
 
 
 def test_a_second_holder_is_refused_until_the_first_lets_go(tmp_path: Path) -> None:
@@ -41,3 +41,19 @@ def test_serve_refuses_a_data_folder_another_server_holds(tmp_path: Path) -> Non
     assert done.returncode == 2
     assert f"is in use by another antiphon server (pid {os.getpid()})" in done.stderr
     assert not (tmp_path / "sessions.sqlite3").exists()  # refused before opening anything
+
+
+def test_an_ssd_folder_another_tier_holds_is_refused_before_the_engine(tmp_path: Path) -> None:
+    from antiphon.datalock import check_ssd_dir_free
+
+    check_ssd_dir_free(tmp_path / "none-yet")  # free: nothing there, nothing made
+    assert not (tmp_path / "none-yet").exists()
+    (tmp_path / "kv").mkdir()
+    held = try_lock(tmp_path / "kv" / ".lock")  # as a running server's SSD tier holds it
+    assert held is not None
+    try:
+        with pytest.raises(DataDirInUseError, match="--ssd-dir"):
+            check_ssd_dir_free(tmp_path / "kv")
+    finally:
+        os.close(held)
+    check_ssd_dir_free(tmp_path / "kv")  # let go: free again
