@@ -41,6 +41,7 @@ class BatchReader(Protocol):
 class BatchClient:
     def __init__(self, url: str, api_key: str | None, timeout_s: float = 60.0) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url = url
         self.http = httpx.Client(base_url=url.rstrip("/") + "/v1", headers=headers,
                                  timeout=timeout_s)
 
@@ -77,7 +78,7 @@ class BatchClient:
                                 f.write(chunk)
                                 num_lines += chunk.count(b"\n")
                     except httpx.TransportError as exc:
-                        raise ServerUnreachableError(f"cannot reach the server: {exc}") from None
+                        raise self._unreachable(exc) from None
             part.replace(out)
         finally:
             part.unlink(missing_ok=True)
@@ -86,11 +87,16 @@ class BatchClient:
     def delete_file(self, file_id: str) -> None:
         self._json("DELETE", f"/files/{file_id}")
 
+    def _unreachable(self, exc: Exception) -> ServerUnreachableError:
+        return ServerUnreachableError(
+            f"cannot reach the server at {self.url}: {exc} (--url names it, when it runs "
+            "elsewhere or on another --port)")
+
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         try:
             r = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise ServerUnreachableError(f"cannot reach the server: {exc}") from None
+            raise self._unreachable(exc) from None
         _check(r)
         result: dict[str, Any] = r.json()
         return result

@@ -48,6 +48,7 @@ from antiphon.tiering.config import TieringConfig
 from antiphon.tiering.manager import unopened_file_error
 
 logger = logging.getLogger(__name__)
+ENGINE_STOP_TIMEOUT_S = 15.0  # for the engine's processes to exit before they are killed
 
 # How long `forget` waits for a deleted session's KV to be erased (its SSD slots zeroed behind
 # the writes queued before them) before it gives up; the server then tries again later.
@@ -610,5 +611,7 @@ class VllmEngine(Engine):
             if unfinished:
                 with contextlib.suppress(Exception):  # a dead engine has nothing to abort
                     await self._llm.abort(unfinished)
-            self._llm.shutdown()
+            # vLLM's default grace (5 s) is shorter than its worker takes to exit here (about
+            # 4 s, then the engine core's teardown): every stop ended in a force kill.
+            self._llm.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
             self._llm = None

@@ -242,7 +242,7 @@ async def prepare_cost_model(engine: VllmEngine) -> CostFit | None:
         fit = None
     if fit is None and mode == "auto":
         logger.info("No cost-model fit stored for this model and machine: profiling the "
-                    "engine (quick grid, a few minutes, once); `antiphon profile` fits a "
+                    "engine (quick grid, under 2 minutes on 2 cores, once); `antiphon profile` fits a "
                     "finer one")
         ran: list[list[int]] = []
         try:

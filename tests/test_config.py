@@ -199,3 +199,12 @@ def test_serve_on_a_port_in_use_fails_before_the_engine_starts(tmp_path: Path) -
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
     assert not (tmp_path / "data").exists()  # nothing written, nothing loaded
     assert time.monotonic() - started < 60
+
+
+def test_the_batch_cli_names_the_server_it_cannot_reach(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from antiphon.cli import main
+
+    assert main(["batch", "status", "batch_x", "--url", "http://127.0.0.1:9"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach the server at http://127.0.0.1:9" in err and "--url" in err
