@@ -95,8 +95,8 @@ class EngineConfig:
     cost_model: str = doc(
         "Where the step cost model starts: 'stored' (the fit `antiphon profile` stored for "
         "this model and machine, else a prior), 'auto' (as stored, but profile the engine at "
-        "start, under 2 minutes on 2 cores, once, when no fit is stored), 'online' (the prior); it refits "
-        "online in every mode", default="stored")
+        "start, under 2 minutes on 2 cores, once, when no fit is stored), 'online' (the "
+        "prior); it refits online in every mode", default="stored")
 
     def __post_init__(self) -> None:
         if self.max_model_len < 16:

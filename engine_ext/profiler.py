@@ -242,8 +242,8 @@ async def prepare_cost_model(engine: VllmEngine) -> CostFit | None:
         fit = None
     if fit is None and mode == "auto":
         logger.info("No cost-model fit stored for this model and machine: profiling the "
-                    "engine (quick grid, under 2 minutes on 2 cores, once); `antiphon profile` fits a "
-                    "finer one")
+                    "engine (quick grid, under 2 minutes on 2 cores, once); `antiphon profile` "
+                    "fits a finer one")
         ran: list[list[int]] = []
         try:
             fit, _ = await profile(engine, QUICK, ran=ran)

@@ -14,7 +14,7 @@ brings forward something the last one did not. Two rules, per session:
   has let that one go (`--advisory-ttl-s` past its expected arrival). An agent that advises again
   after each call changes the conversation (the call's exchange is kept first), so each of
   its advisories goes through. A repeat that expects the turn later than the last leaves the
-  last's expiry as it was (`--advisory-ttl-s` past its expected arrival).
+  last's expiry as it was.
 
 Each rule bounds what a client looping on one session costs: typing, one advisory an
 interval; the rest, per interval, one plus a halving series of sooner arrivals (about 20).
@@ -25,9 +25,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 MAX_SESSIONS = 10_000  # sessions remembered per rule before those gone quiet are pruned
+V = TypeVar("V")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +70,8 @@ class AdvisoryFilter:
         last = self._last_typing_s.get(session_id)
         if last is not None and now - last < self.typing_interval_s:
             return True
-        if len(self._last_typing_s) >= MAX_SESSIONS:
-            self._last_typing_s = {k: t for k, t in self._last_typing_s.items()
-                                   if now - t < self.typing_interval_s}
+        self._last_typing_s = _pruned(self._last_typing_s, lambda t: now - t,
+                                      self.typing_interval_s)
         self._last_typing_s[session_id] = now
         return False
 
@@ -97,8 +98,15 @@ class AdvisoryFilter:
         """Record that an advisory for `session_id` at `revision` reached the engine (read
         before the conversation was: a change meanwhile makes the next one go through)."""
         now = time.monotonic()
-        if len(self._last_sent) >= MAX_SESSIONS:
-            self._last_sent = {k: s for k, s in self._last_sent.items()
-                               if now - s.at_s < self.repeat_interval_s}
+        self._last_sent = _pruned(self._last_sent, lambda s: now - s.at_s,
+                                  self.repeat_interval_s)
         self._last_sent[session_id] = _Sent(revision, now, now + (expected_arrival_s or 0.0),
                                             held)
+
+
+def _pruned(last: dict[str, V], age_s: Callable[[V], float], keep_s: float) -> dict[str, V]:
+    """`last` (session id -> what it last did), without the sessions whose entry is
+    `keep_s` old or older once it holds `MAX_SESSIONS`: they count for nothing any more."""
+    if len(last) < MAX_SESSIONS:
+        return last
+    return {k: v for k, v in last.items() if age_s(v) < keep_s}

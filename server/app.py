@@ -136,12 +136,12 @@ async def _start_engine(ctx: AppContext, engine: Engine) -> bool:
     """Start `engine`; False, with it stopped again, when a shutdown asked for meanwhile
     cancelled the start (`DrainingServer.handle_exit`). A failed start stops what it had
     started and raises."""
-    ctx.starting = asyncio.ensure_future(engine.start())
+    starting = ctx.starting = asyncio.ensure_future(engine.start())
     try:
-        await ctx.starting
+        await starting
         return True
     except asyncio.CancelledError:
-        if not ctx.starting.cancelled():
+        if not starting.cancelled():
             raise  # the lifespan itself is being cancelled
         await engine.shutdown()
         return False

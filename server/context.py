@@ -63,7 +63,8 @@ class AppContext:
         auth = Authenticator(config.server.accepted_api_keys)
         server = config.server
         return cls(config, engine, store, metrics, auth,
-                   chat, SessionTurns(store, chat, metrics, config.tiering.advisory_ttl_s), batch_store, files,
+                   chat, SessionTurns(store, chat, metrics, config.tiering.advisory_ttl_s),
+                   batch_store, files,
                    BatchRunner(batch_store, files, chat, metrics),
                    Dashboard(metrics, engine, targets_s, config.server.dashboard_interval_s,
                              config.server.dashboard_history),

@@ -157,7 +157,7 @@ class ToolStream:
         self.use = use
         self.num_calls = 0
         self.content: list[str] = []  # the content pieces given out so far
-        self.calls: list[dict[str, Any]] = []  # the calls given out so far (whole ones)
+        self.calls: list[dict[str, Any]] = []  # the whole calls given out so far (no index)
         self._reader = HermesReader(names=use.names)
         self._held: list[str] = []  # the reply so far, while it may be read whole
         self._whole: bool | None = None  # read whole (None: not known yet)
@@ -209,7 +209,8 @@ class ToolStream:
         for delta in deltas:
             if delta.get("content"):
                 self.content.append(delta["content"])
-            self.calls.extend(c for c in delta.get("tool_calls", ()) if "id" in c)
+            self.calls.extend({k: v for k, v in c.items() if k != "index"}
+                              for c in delta.get("tool_calls", ()) if "id" in c)
         return deltas
 
     def _delta(self, event: str | Sequence[tuple[str, str]]) -> dict[str, Any]:

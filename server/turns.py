@@ -87,7 +87,7 @@ class SessionTurns:
     def __init__(self, store: SessionStore, chat: ChatService, metrics: ServerMetrics,
                  advisory_ttl_s: float | None = None) -> None:
         """`advisory_ttl_s`: how long the engine keeps an advisory past its expected
-        arrival (`--advisory-ttl-s`; None: as long as the repeat interval)."""
+        arrival (`--advisory-ttl-s`; None: unknown, no bound on repeats)."""
         self.store = store
         self.chat = chat
         self.metrics = metrics
@@ -220,15 +220,17 @@ class SessionTurns:
         await self.get(owner, session_id)
         if source == "typing" and self.advisories.is_typing_repeat(session_id):
             return Advised(None, repeat=True)
+        gone = ApiError(ErrorCode.SESSION_NOT_FOUND, f"session {session_id} was deleted")
         revision = await asyncio.to_thread(self.store.revision, session_id)
-        repeat = None if revision is None else self.advisories.repeat_of(
-            session_id, revision, expected_arrival_s)
+        if revision is None:
+            raise gone
+        repeat = self.advisories.repeat_of(session_id, revision, expected_arrival_s)
         if repeat is not None:
             self.metrics.advisory_repeats.labels(source).inc()
             return repeat
-        if revision is None or not await asyncio.to_thread(
-                self.store.record_advisory, session_id, source, time.time()):
-            raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"session {session_id} was deleted")
+        if not await asyncio.to_thread(self.store.record_advisory, session_id, source,
+                                       time.time()):
+            raise gone
         self.metrics.advisories.labels(source).inc()
         history, context, _ = await asyncio.to_thread(self._history, session_id)
         if context is not None and context.num_messages in (0, len(history)):
@@ -534,8 +536,7 @@ def _reply(gen: Generation, given: ToolStream | None = None) -> Reply:
         return gen.text, None, gen.finish_reason
     if (given is not None and gen.finish_reason == "cancelled"
             and gen.tool_use.mode != "function"):
-        calls = [{k: v for k, v in c.items() if k != "index"} for c in given.calls]
-        return "".join(given.content), calls or None, gen.finish_reason
+        return "".join(given.content), given.calls or None, gen.finish_reason
     message, finish_reason = reply_message(gen.text, gen.finish_reason, gen.tool_use)
     return message["content"] or "", message.get("tool_calls"), finish_reason
 
