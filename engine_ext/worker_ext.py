@@ -6,6 +6,11 @@ from __future__ import annotations
 import os
 import signal
 
+from antiphon.engine_ext.compile_cache import reuse_cpu_compiled_model
+
+# vLLM imports this module in each worker before the model compiles (or loads compiled)
+reuse_cpu_compiled_model()
+
 
 class AntiphonWorkerExtension:
     def antiphon_hold_group_signals(self) -> int:
