@@ -22,7 +22,7 @@ from typing import Any
 
 from antiphon.bench.report import print_table, write_json
 from antiphon.bench.serverproc import ServerProcess, scratch_data_dir
-from antiphon.engine_ext.config import set_cpu_threading
+from antiphon.engine_ext.config import WORKER_EXTENSION_CLS, set_cpu_threading
 
 SHORT_PROMPT = "What is the capital of France? Answer in one word."
 TOPICS = ["a lighthouse keeper", "a lost robot", "the first city on Mars", "a chess prodigy",
@@ -73,6 +73,9 @@ async def run_direct(model_dir: Path, engine_args: dict[str, Any],
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     set_cpu_threading()  # as `antiphon serve` does
+    # Antiphon's worker extension for the reuse of the compiled model on CPU, as in `antiphon
+    # serve` (compiled in the process, a model decodes 3-10% slower: docs/benchmarks.md)
+    engine_args = {"worker_extension_cls": WORKER_EXTENSION_CLS, **engine_args}
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), **engine_args))
     counter = iter(range(1 << 30))
     extra_args = {"antiphon_class": request_class} if request_class else None

@@ -146,6 +146,10 @@ class EngineConfig:
                                  self.step_trace, self.slo_headroom)
 
 
+# vLLM's `worker_extension_cls` for Antiphon's engines; the stock vLLM baselines of the
+# benchmarks get it too, for the reuse of the compiled model it brings on CPU (compile_cache.py)
+WORKER_EXTENSION_CLS = "antiphon.engine_ext.worker_ext.AntiphonWorkerExtension"
+
 CPU_RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 OMP_SPIN_COUNT_ENV = "GOMP_SPINCOUNT"
 

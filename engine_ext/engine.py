@@ -25,6 +25,7 @@ from typing import Any, cast
 from antiphon.engine_ext.config import (
     ASYNC_SCHEDULER_CLS,
     SCHEDULER_CLS,
+    WORKER_EXTENSION_CLS,
     EngineConfig,
     set_cpu_threading,
 )
@@ -338,7 +339,7 @@ class VllmEngine(Engine):
             disable_log_stats=True,
             kv_transfer_config=self._kv_transfer_config(),
             shutdown_timeout=math.ceil(self.drain_timeout_s),
-            worker_extension_cls="antiphon.engine_ext.worker_ext.AntiphonWorkerExtension",
+            worker_extension_cls=WORKER_EXTENSION_CLS,
         )
         started = time.monotonic()
         self._llm = AsyncLLM.from_engine_args(args)
