@@ -56,6 +56,8 @@ def send(page: Any, text: str) -> None:
     page.locator("#composer").fill(text)
     page.locator("#composer").press("Enter")
     page.locator(".msg.assistant .bubble", has_text=f"to {text}").wait_for()
+    # done: the page takes no message while a reply streams (the next Enter would be ignored)
+    page.locator(".msg.assistant.streaming").wait_for(state="detached")
 
 
 def test_regenerate_replaces_the_last_reply(chat: Chat, page: Any, artifacts: Path) -> None:
