@@ -73,8 +73,7 @@ async def run_direct(model_dir: Path, engine_args: dict[str, Any],
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     set_cpu_threading()  # as `antiphon serve` does
-    # Antiphon's worker extension for the reuse of the compiled model on CPU, as in `antiphon
-    # serve` (compiled in the process, a model decodes 3-10% slower: docs/benchmarks.md)
+    # the compiled model's reuse on CPU, as `antiphon serve` has it (WORKER_EXTENSION_CLS)
     engine_args = {"worker_extension_cls": WORKER_EXTENSION_CLS, **engine_args}
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), **engine_args))
     counter = iter(range(1 << 30))

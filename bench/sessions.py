@@ -309,8 +309,7 @@ def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse
               str(max(2048, sweep.max_model_len)), "--dtype", args.dtype, "--seed", "0"]
     engine += ["--enforce-eager"] if args.enforce_eager else []
     if system.is_stock_vllm:
-        # Antiphon's worker extension for the reuse of the compiled model on CPU, as in
-        # `antiphon serve` (compiled in the process, a model decodes 3-10% slower)
+        # the compiled model's reuse on CPU, as `antiphon serve` has it (WORKER_EXTENSION_CLS)
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine,
                 "--worker-extension-cls", WORKER_EXTENSION_CLS,
                 "--host", "127.0.0.1", "--enable-prefix-caching", "--enable-prompt-tokens-details",

@@ -147,7 +147,8 @@ class EngineConfig:
 
 
 # vLLM's `worker_extension_cls` for Antiphon's engines; the stock vLLM baselines of the
-# benchmarks get it too, for the reuse of the compiled model it brings on CPU (compile_cache.py)
+# benchmarks get it too, for the reuse of the compiled model it brings on CPU (compile_cache.py:
+# a model compiled in the process decodes 3-10% slower than a loaded one, docs/benchmarks.md)
 WORKER_EXTENSION_CLS = "antiphon.engine_ext.worker_ext.AntiphonWorkerExtension"
 
 CPU_RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
