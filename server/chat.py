@@ -194,6 +194,9 @@ class ChatService:
         self._live: collections.Counter[int] = collections.Counter()
         self._none_live = asyncio.Event()
         self._none_live.set()
+        # Set when a shutdown's drain ends with replies still streaming: REST responses
+        # (`choices.stream_choices`) then end with a `shutting_down` error.
+        self.cut_short = asyncio.Event()
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -269,11 +272,13 @@ class ChatService:
 
     async def drain(self, timeout_s: float) -> int:
         """Refuse new turns, and wait up to `timeout_s` for the replies streaming now to
-        finish; returns how many still stream."""
+        finish; returns how many still stream, and cuts those of REST requests short."""
         self.is_draining = True
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._none_live.wait()
+        if self._live:
+            self.cut_short.set()
         return len(self._live)
 
     def check_content(self, content: str, may_be_empty: bool = False) -> None:

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Sequence
 
 from antiphon.server.chat import ChatService, Generation
+from antiphon.server.errors import ApiError, ErrorCode
 
 # What `stream_choices` yields: (choice's position, a text piece), (position, None) when that
 # choice is finished, or None for a pause of `ping_every_s`.
@@ -27,14 +28,23 @@ async def stream_choices(chat: ChatService, gens: Sequence[Generation], api: str
     pause does not cancel it."""
     streams: list[AsyncGenerator[str, None]] = [chat.stream(g, api) for g in gens]
     waiting = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    # A shutdown's drain that ends before these do cuts a client's request short, with an
+    # error it can read (uvicorn would soon drop the connection mid-response). Batch items
+    # were stopped before the drain, and run again after the restart.
+    cut = None if api == "batch" else asyncio.ensure_future(chat.cut_short.wait())
     try:
         while waiting:
-            done, _ = await asyncio.wait(waiting, timeout=ping_every_s,
+            done, _ = await asyncio.wait([*waiting, *([cut] if cut else [])],
+                                         timeout=ping_every_s,
                                          return_when=asyncio.FIRST_COMPLETED)
-            if not done:
+            if cut in done:
+                raise ApiError(ErrorCode.SHUTTING_DOWN, "the server shut down before this "
+                               "reply ended (--drain-timeout-s): it was cut short")
+            ready = sorted((p for p in waiting if p in done), key=waiting.__getitem__)
+            if not ready:
                 yield None
                 continue
-            for next_piece in sorted(done, key=waiting.__getitem__):
+            for next_piece in ready:
                 i = waiting.pop(next_piece)
                 try:
                     piece = next_piece.result()  # raises the choice's ApiError
@@ -44,6 +54,8 @@ async def stream_choices(chat: ChatService, gens: Sequence[Generation], api: str
                 waiting[asyncio.ensure_future(anext(streams[i]))] = i
                 yield i, piece
     finally:
+        if cut is not None:
+            cut.cancel()
         for next_piece in waiting:  # each generation is aborted inside its task
             next_piece.cancel()
         for next_piece in waiting:

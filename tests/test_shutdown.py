@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sqlite3
 from pathlib import Path
 
@@ -84,6 +85,33 @@ async def test_replies_longer_than_the_drain_are_cut_short_and_kept(
         ("user", None), ("assistant", "cancelled")]
     # The one reply, counted once (its turn and its stream both hold it live).
     assert "1 replies still streaming" in caplog.text, caplog.text
+
+
+async def test_rest_requests_longer_than_the_drain_end_with_an_error(tmp_path: Path) -> None:
+    """A REST reply still generating when the drain ends gets `shutting_down`: a stream as
+    its last event (then `[DONE]`), a whole response as its status. Before, uvicorn dropped
+    the connection 5 s later, and a streaming client read the cut reply as a whole one."""
+    config = scripted_config(tmp_path, drain_timeout_s=0.3)
+    # 160 tokens echoed back, 8 s: longer than uvicorn's 5 s wait after the drain
+    body = {"model": "scripted", "messages": [{"role": "user", "content": LONG * 4}]}
+    with running_server(config, ScriptedEngine(token_delay_s=0.05)) as (url, server):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            async with client.stream("POST", "/v1/chat/completions",
+                                     json={**body, "stream": True}) as stream:
+                lines = stream.aiter_lines()
+                while not (await anext(lines)).startswith("data: {"):
+                    pass  # until the first chunk: it is streaming
+                whole = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+                await asyncio.sleep(0.2)
+                server.should_exit = True  # what SIGTERM does
+                events = [line async for line in lines if line.startswith("data: ")]
+            response = await whole
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "shutting_down" and "cut short" in error["message"]
+    assert len(events) < 40  # cut at the drain's end
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "shutting_down"
 
 
 def test_a_shutdown_asked_for_during_the_start_stops_it_at_once(tmp_path: Path) -> None:
