@@ -15,6 +15,8 @@ import functools
 import json
 import logging
 import math
+import multiprocessing
+import threading
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
@@ -100,6 +102,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def start(self) -> None:
         """Load the model and start serving; returns when the engine accepts requests."""
+
+    def stop_starting(self) -> None:
+        """A stop was asked for while `start` runs (called in a signal handler, while `start`
+        may block the event loop): make `start` end soon, failing or cancelled. An engine
+        whose start does not block is cancelled in time as it is."""
+        return None
 
     @abc.abstractmethod
     def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True,
@@ -212,6 +220,24 @@ def _tier_tokens(out: Any) -> tuple[int, int] | None:
     return None if loads is None else (int(loads[0]), int(loads[1]))
 
 
+def kill_engine_processes() -> None:
+    """Kill the vLLM engine processes this process started, with their workers."""
+    import psutil
+
+    try:
+        children = multiprocessing.active_children()
+    except RuntimeError:  # the set of children changed meanwhile: the next call sees them
+        return
+    for engine in children:
+        if not engine.name.startswith("EngineCore") or engine.pid is None:
+            continue
+        with contextlib.suppress(psutil.Error):
+            for worker in psutil.Process(engine.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    worker.kill()
+        engine.kill()
+
+
 def resolve_dtype(dtype: str) -> str:
     """The dtype vLLM runs: `dtype`, with 'auto' resolved to bfloat16 on accelerators and on
     CPUs that compute it natively (`cpu_computes_bf16`), float32 on other CPUs, where vLLM's
@@ -313,6 +339,7 @@ class VllmEngine(Engine):
         self.max_model_len = config.max_model_len
         self._llm: Any = None
         self._tokenizer: Any = None
+        self._loading = False  # in vLLM's blocking start of its engine
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -342,13 +369,32 @@ class VllmEngine(Engine):
             worker_extension_cls=WORKER_EXTENSION_CLS,
         )
         started = time.monotonic()
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._loading = True
+        try:
+            self._llm = AsyncLLM.from_engine_args(args)  # blocks until the model has loaded
+        finally:
+            self._loading = False
         self.vocab_size = self._llm.model_config.get_vocab_size()
         if self._llm.vllm_config.parallel_config.distributed_executor_backend == "mp":
             # workers in processes of their own: they stop with the engine, not on a signal
             await self._llm.collective_rpc("antiphon_hold_group_signals")
         logger.info("vLLM engine for %s up in %.1f s", self.model_name, time.monotonic() - started)
         await prepare_cost_model(self)
+
+    def stop_starting(self) -> None:
+        """vLLM's engine process heeds a signal only once its model has loaded (20 s, or 1 to
+        3 minutes while torch compiles), and `start` blocks the event loop until then; its
+        processes are killed instead, now and any started later while the load runs, and the
+        load fails at once. Nothing runs in them yet, and the next start removes what they
+        leave in shared memory."""
+        def kill_while_loading() -> None:
+            while self._loading:
+                kill_engine_processes()
+                time.sleep(0.1)
+
+        if self._loading:
+            threading.Thread(target=kill_while_loading, name="antiphon-stop-start",
+                             daemon=True).start()
 
     def _kv_transfer_config(self) -> Any:
         if self.tiering is None:

@@ -145,6 +145,12 @@ async def _start_engine(ctx: AppContext, engine: Engine) -> bool:
             raise  # the lifespan itself is being cancelled
         await engine.shutdown()
         return False
+    except Exception:
+        await engine.shutdown()
+        if ctx.chat.stop_requested:  # the stop ended the engine's load (`stop_starting`)
+            logger.info("the engine's start was stopped")
+            return False
+        raise
     except BaseException:
         await engine.shutdown()
         raise
@@ -200,6 +206,7 @@ class DrainingServer(uvicorn.Server):
             # Still starting (first-start profiling takes minutes): stop now, not once the
             # engine serves. The model's load itself blocks until it ends.
             logger.info("stopping during start-up")
+            self.ctx.engine.stop_starting()
             starting.get_loop().call_soon_threadsafe(starting.cancel)
 
     @property

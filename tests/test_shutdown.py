@@ -6,8 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import signal
 import sqlite3
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -15,6 +20,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.server.app import DrainingServer, create_app
 from tests.conftest import scripted_config
 from tests.liveserver import running_server
 from tests.wsclient import open_session, recv, recv_until, send
@@ -114,37 +120,137 @@ async def test_rest_requests_longer_than_the_drain_end_with_an_error(tmp_path: P
     assert response.json()["error"]["code"] == "shutting_down"
 
 
-def test_a_shutdown_asked_for_during_the_start_stops_it_at_once(tmp_path: Path) -> None:
-    """A signal while the engine starts (first-start profiling takes minutes) cancels the
-    start and stops the engine, instead of waiting for it to serve first."""
-    import signal
-    import threading
-    import time
+class StartWatched(ScriptedEngine):
+    """A scripted engine whose start is held (`hold`); says when it began and stopped."""
 
-    from antiphon.server.app import DrainingServer, create_app
+    def __init__(self) -> None:
+        super().__init__()
+        self.starting = threading.Event()
+        self.stopped = False
 
-    class SlowStart(ScriptedEngine):
-        started = threading.Event()
-        stopped = False
+    async def start(self) -> None:
+        self.starting.set()
+        await self.hold()
+        await super().start()
 
-        async def start(self) -> None:
-            self.started.set()
-            await asyncio.sleep(60)  # profiling, say
-            await super().start()
+    async def hold(self) -> None:
+        raise NotImplementedError
 
-        async def shutdown(self) -> None:
-            SlowStart.stopped = True
-            await super().shutdown()
+    async def shutdown(self) -> None:
+        self.stopped = True
+        await super().shutdown()
 
+
+def stop_while_starting(tmp_path: Path, engine: StartWatched) -> DrainingServer:
+    """Run a server on `engine`, send it SIGTERM once the engine's start has begun, and
+    return the server once it has stopped (within 5 s of the signal)."""
     config = scripted_config(tmp_path)
-    engine = SlowStart()
     server = DrainingServer(create_app(config, engine), log_level="warning",
                             **{**config.server.uvicorn_options(), "port": 0})
-    thread = threading.Thread(target=server.run, daemon=True)
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run()
+        except BaseException as exc:  # re-raised below
+            failures.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    assert SlowStart.started.wait(30)
+    assert engine.starting.wait(30)
     asked = time.monotonic()
     server.handle_exit(signal.SIGTERM, None)
     thread.join(30)
     assert not thread.is_alive() and time.monotonic() - asked < 5
-    assert SlowStart.stopped and not engine._is_running and not server.ctx.is_ready
+    if failures:
+        raise failures[0]
+    return server
+
+
+def test_a_shutdown_asked_for_during_the_start_stops_it_at_once(tmp_path: Path) -> None:
+    """A signal while the engine starts (first-start profiling takes minutes) cancels the
+    start and stops the engine, instead of waiting for it to serve first."""
+    class SlowStart(StartWatched):
+        async def hold(self) -> None:
+            await asyncio.sleep(60)  # profiling, say
+
+    engine = SlowStart()
+    server = stop_while_starting(tmp_path, engine)
+    assert engine.stopped and not engine._is_running and not server.ctx.is_ready
+
+def fake_engine_process(pids: Any) -> None:
+    """What vLLM's engine process is to `stop_starting`: a child of the server named
+    EngineCore, with a worker of its own, loading."""
+    import subprocess
+
+    worker = subprocess.Popen(["sleep", "60"])
+    pids.put(worker.pid)
+    time.sleep(60)
+
+
+def test_a_stop_during_the_model_load_kills_the_engine_processes(tmp_path: Path) -> None:
+    """vLLM's engine process heeds a signal only once its model has loaded (up to minutes),
+    and its start blocks the server's event loop until then: `stop_starting` kills the
+    engine and its workers, those started before the call and after it, while the load
+    runs, and nothing once it has ended."""
+    import multiprocessing
+
+    import psutil
+
+    from antiphon.engine_ext.config import EngineConfig
+    from antiphon.engine_ext.engine import VllmEngine
+
+    spawn = multiprocessing.get_context("spawn")
+    pids = spawn.Queue()
+
+    def start_engine_process() -> multiprocessing.process.BaseProcess:
+        engine_process = spawn.Process(target=fake_engine_process, args=(pids,),
+                                       name="EngineCore")
+        engine_process.start()
+        return engine_process
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    engine = VllmEngine(EngineConfig(), tmp_path)
+    engine._loading = True  # in vLLM's blocking start
+    before = start_engine_process()
+    worker = pids.get(timeout=60)
+    engine.stop_starting()
+    after = start_engine_process()  # spawned once the stop was asked for
+    for process in (before, after):
+        process.join(10)
+        assert process.exitcode == -9
+    assert gone(worker)
+    engine._loading = False  # the load ended (failed)
+    time.sleep(0.3)
+    spared = start_engine_process()
+    worker = pids.get(timeout=60)
+    assert spared.is_alive() and not gone(worker)
+    spared.kill()
+    psutil.Process(worker).kill()
+
+
+def test_a_shutdown_during_a_start_that_blocks_the_event_loop_stops_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A start that blocks the event loop (vLLM's model load) and fails once the stop has
+    ended it (`stop_starting`): the server stops at once, as from a cancelled start, without
+    an error."""
+    class BlockingStart(StartWatched):
+        stop = threading.Event()
+
+        async def hold(self) -> None:
+            if self.stop.wait(60):  # blocks the loop: the signal's cancel waits
+                raise RuntimeError("Engine core initialization failed")
+
+        def stop_starting(self) -> None:
+            self.stop.set()
+
+    engine = BlockingStart()
+    server = stop_while_starting(tmp_path, engine)
+    assert engine.stopped and not server.ctx.is_ready
+    # not uvicorn's "Application startup failed", with the start's traceback
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
