@@ -7,10 +7,20 @@ flight as strays; the SSD tier's own lock covers only its folder, and only with 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
+import time
 from pathlib import Path
 
+from antiphon.engine_ext.orphan import GRACE_S, POLL_S
 from antiphon.private import private_dir, private_file
+
+logger = logging.getLogger(__name__)
+
+# How long a start waits for the SSD tier's lock: the engine of a server killed alone holds
+# it until it has stopped (it notices within `POLL_S`, and is killed `GRACE_S` after it was
+# asked to stop), and a supervisor restarts the server at once (systemd: 100 ms).
+SSD_LOCK_WAIT_S = POLL_S + GRACE_S + 4.0
 
 
 class DataDirInUseError(RuntimeError):
@@ -46,15 +56,25 @@ def lock_data_dir(data_dir: Path) -> int:
     return fd
 
 
-def check_ssd_dir_free(ssd_dir: Path) -> None:
+def check_ssd_dir_free(ssd_dir: Path, wait_s: float = SSD_LOCK_WAIT_S) -> None:
     """Raise DataDirInUseError when another process's SSD tier holds `ssd_dir` (its
-    `.lock`): said before the model loads, not by the engine after it (two servers given one
-    --ssd-dir). Takes and lets go of the lock; a folder not there yet is free."""
+    `.lock`) for `wait_s`: said before the model loads, not by the engine after it (two
+    servers given one --ssd-dir). The wait is for the engine of a server killed just before,
+    which stops within it. Takes and lets go of the lock; a folder not there yet is free."""
     path = ssd_dir / ".lock"
     if not path.exists():
         return
-    fd = try_lock(path)
-    if fd is None:
-        raise DataDirInUseError(f"{ssd_dir} is in use by another server's SSD tier; give this "
-                                "one its own --ssd-dir")
+    deadline = time.monotonic() + wait_s
+    waited = False
+    while (fd := try_lock(path)) is None:
+        holder = path.read_text(errors="replace").strip()[:32] or "unknown"
+        if time.monotonic() >= deadline:
+            raise DataDirInUseError(f"{ssd_dir} is in use by another server's SSD tier (pid "
+                                    f"{holder}); give this one its own --ssd-dir")
+        if not waited:
+            logger.warning("%s is held by pid %s: waiting up to %.0f s for it (the engine of "
+                           "a server killed just before stops within that)", ssd_dir, holder,
+                           wait_s)
+            waited = True
+        time.sleep(0.2)
     os.close(fd)

@@ -17,23 +17,25 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 # Under vLLM's logger tree, so the message shows in the EngineCore process's log.
 logger = logging.getLogger("vllm.antiphon.orphan")
 
 POLL_S = 1.0  # how often the parent is looked for
-# A stop asked for by SIGTERM first drains the engine's requests (vLLM's shutdown timeout);
-# nobody reads their output now, so the engine is killed if it has not ended by then.
+# The engine is killed if it has not ended this long after the SIGTERM (its teardown takes
+# about 5 s here; the scheduler's `before_stop` makes it abort its requests, not drain them).
 GRACE_S = 10.0
 
 _watching = False
 
 
-def watch_parent(poll_s: float = POLL_S, grace_s: float = GRACE_S) -> bool:
+def watch_parent(poll_s: float = POLL_S, grace_s: float = GRACE_S,
+                 before_stop: Callable[[], None] | None = None) -> bool:
     """In a process a server started (vLLM's engine core): stop this process once its parent
-    is gone. Nothing in the server's own process (an engine run in-process), whose parent
-    may end while it serves (a shell that started it in the background). Returns whether a
-    watch started (one per process)."""
+    is gone, calling `before_stop` first (in the watch's thread). Nothing in the server's own
+    process (an engine run in-process), whose parent may end while it serves (a shell that
+    started it in the background). Returns whether a watch started (one per process)."""
     global _watching
     parent_process = multiprocessing.parent_process()
     if _watching or parent_process is None or parent_process.pid is None:
@@ -48,6 +50,8 @@ def watch_parent(poll_s: float = POLL_S, grace_s: float = GRACE_S) -> bool:
             time.sleep(poll_s)
         logger.error("the server (pid %d) is gone: stopping its engine (pid %d)", parent,
                      os.getpid())
+        if before_stop is not None:
+            before_stop()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
         logger.error("the engine did not stop within %.0f s of its server's end: killing it",

@@ -61,7 +61,10 @@ def request_class_of(request: Request) -> RequestClass:
 class AntiphonScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        watch_parent()  # an engine core whose server was killed alone stops
+        # An engine core whose server was killed alone stops, aborting its requests: nobody
+        # reads their output, and a drain (vLLM's on a signal, up to --drain-timeout-s) would
+        # hold the SSD tier's lock that long from the server's restart.
+        watch_parent(before_stop=self._abort_at_stop)
         self.settings = SchedulerSettings.from_additional_config(
             self.vllm_config.additional_config)
         self.cost_model = CostModel()
@@ -113,6 +116,11 @@ class AntiphonScheduler(Scheduler):
                                "are recomputed, not checkpointed")
         logger.info("AntiphonScheduler installed (%s, policy %s)",
                     type(self).__name__, self.step_policy.name)
+
+    def _abort_at_stop(self) -> None:
+        """The engine's next stop aborts its requests (vLLM reads the timeout when a signal
+        asks it to stop; 0: abort)."""
+        self.vllm_config.shutdown_timeout = 0
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         started = time.perf_counter()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -45,15 +47,33 @@ def test_serve_refuses_a_data_folder_another_server_holds(tmp_path: Path) -> Non
 
 def test_an_ssd_folder_another_tier_holds_is_refused_before_the_engine(tmp_path: Path) -> None:
     from antiphon.datalock import check_ssd_dir_free
+    from antiphon.tiering.ssd_tier import _lock_directory
 
     check_ssd_dir_free(tmp_path / "none-yet")  # free: nothing there, nothing made
     assert not (tmp_path / "none-yet").exists()
     (tmp_path / "kv").mkdir()
-    held = try_lock(tmp_path / "kv" / ".lock")  # as a running server's SSD tier holds it
-    assert held is not None
+    held = _lock_directory(tmp_path / "kv")  # as a running server's SSD tier holds it
     try:
-        with pytest.raises(DataDirInUseError, match="--ssd-dir"):
-            check_ssd_dir_free(tmp_path / "kv")
+        started = time.monotonic()
+        with pytest.raises(DataDirInUseError, match=f"pid {os.getpid()}.*--ssd-dir"):
+            check_ssd_dir_free(tmp_path / "kv", wait_s=0.5)
+        assert time.monotonic() - started >= 0.5
     finally:
         os.close(held)
     check_ssd_dir_free(tmp_path / "kv")  # let go: free again
+
+
+def test_a_start_waits_for_the_ssd_tier_of_an_engine_still_stopping(tmp_path: Path) -> None:
+    """A server killed alone leaves its engine stopping for up to about 11 s (it aborts its
+    requests; killed 10 s after it was asked to stop), holding the SSD tier's lock: a
+    restart then (a supervisor's, 100 ms after) was refused, and systemd gave up after five."""
+    from antiphon.datalock import SSD_LOCK_WAIT_S, check_ssd_dir_free
+
+    (tmp_path / "kv").mkdir()
+    held = try_lock(tmp_path / "kv" / ".lock")
+    assert held is not None
+    threading.Timer(1.0, os.close, [held]).start()  # the old engine ends
+    started = time.monotonic()
+    check_ssd_dir_free(tmp_path / "kv")
+    assert 1.0 <= time.monotonic() - started < 2.0
+    assert SSD_LOCK_WAIT_S > 11

@@ -21,19 +21,21 @@ from tests.procs import is_gone
 SERVER = """
 import multiprocessing, signal, sys, time
 
-def engine(ignore_term, late):
+def engine(ignore_term, late, marker):
     if ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if late:  # the server is killed before the watch starts (vLLM loads the model first)
         time.sleep(1.0)
     from antiphon.engine_ext.orphan import watch_parent
-    assert watch_parent(poll_s=0.05, grace_s=1.0)
+    def before_stop():  # the scheduler's: abort the requests, do not drain them
+        open(marker, "w").close()
+    assert watch_parent(poll_s=0.05, grace_s=1.0, before_stop=before_stop)
     assert not watch_parent()  # one watch per process
     time.sleep(600)
 
 if __name__ == "__main__":
     child = multiprocessing.get_context("spawn").Process(
-        target=engine, args=(sys.argv[1] == "1", sys.argv[2] == "1"))
+        target=engine, args=(sys.argv[1] == "1", sys.argv[2] == "1", sys.argv[3]))
     child.start()
     print(child.pid, flush=True)
     time.sleep(600)
@@ -48,8 +50,9 @@ def test_an_engine_whose_server_was_killed_alone_stops(tmp_path: Path, ignores_t
     # the SSD tier's lock, and every later start on its data folder failed.
     script = tmp_path / "server.py"
     script.write_text(SERVER)
+    marker = tmp_path / "before-stop"
     server = subprocess.Popen([sys.executable, str(script), str(int(ignores_term)),
-                               str(int(late))],
+                               str(int(late)), str(marker)],
                               stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert server.stdout is not None
@@ -63,6 +66,7 @@ def test_an_engine_whose_server_was_killed_alone_stops(tmp_path: Path, ignores_t
         while not is_gone(engine) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert is_gone(engine)
+        assert marker.exists()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)

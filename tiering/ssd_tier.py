@@ -458,4 +458,6 @@ def _lock_directory(directory: Path) -> int:
     fd = try_lock(directory / ".lock", 0o600)
     if fd is None:
         raise RuntimeError(f"{directory} is in use by another SSD tier")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)  # whom a server refused names
     return fd

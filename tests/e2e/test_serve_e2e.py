@@ -127,20 +127,30 @@ async def test_kill_9_loses_no_accepted_message(server: ServerProcess) -> None:
     assert "Application startup complete" in log
 
 
-def test_a_server_killed_alone_leaves_no_engine_behind(server: ServerProcess) -> None:
+async def test_a_server_killed_alone_leaves_no_engine_behind(server: ServerProcess) -> None:
     """kill -9 of the server's pid alone (a supervisor that signals the main process only):
     vLLM's engine core and worker ran on for ever, holding the SSD tier's lock, and every
-    restart on the data folder failed ("in use by another SSD tier")."""
+    restart on the data folder failed ("in use by another SSD tier"). Then, with a reply
+    generating, the engine drained it for 10 s, for nobody, and a restart meanwhile (a
+    supervisor's, 100 ms after) was refused: now it aborts it, and a restart waits."""
     assert server.proc is not None
     engine = descendants(server.proc.pid)
     assert engine  # vLLM's engine core and its worker
-    server.proc.send_signal(signal.SIGKILL)
-    server.proc.wait()
-    deadline = time.monotonic() + 30
-    while not all(is_gone(pid) for pid in engine) and time.monotonic() < deadline:
+    async with connect(server.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="Count to a thousand.",
+                   max_tokens=1000, min_tokens=1000)
+        await recv_until(ws, "token")
+        killed = time.monotonic()
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+    while not all(is_gone(pid) for pid in engine) and time.monotonic() - killed < 30:
         time.sleep(0.2)
-    assert all(is_gone(pid) for pid in engine)
-    assert "is gone: stopping its engine" in Path(server.log_path).read_text()
+    stopped_s = time.monotonic() - killed
+    log = Path(server.log_path).read_text()
+    assert "is gone: stopping its engine" in log
+    assert "aborting in-flight requests" in log and "did not stop within" not in log, log
+    assert stopped_s < 9, stopped_s  # noticed within 1 s; killed 10 s after, draining
     server.start()  # the data folder is free again: the restart serves
 
 
