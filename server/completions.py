@@ -201,11 +201,21 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     return turns
 
 
+# What `vllm_xargs` may hold here (vLLM passes its keys on to custom logits processors,
+# which Antiphon's engine has none of).
+VLLM_XARGS = frozenset({"session_id", "request_class", "ttft_slo_s", "tpot_slo_s"})
+
+
 def check_request(chat: ChatService, body: Sampling, max_tokens: int | None,
                   xargs: dict[str, Any]) -> None:
     """The checks a chat and a text completion share, none needing a tokenizer: max_tokens,
     `vllm_xargs` (class and targets), stop sequences, logit_bias. Raises `ApiError`."""
     chat.check_max_tokens(max_tokens)
+    unknown = sorted(set(xargs) - VLLM_XARGS)
+    if unknown:  # a misspelt session_id would run as a plain request, without its session
+        raise ApiError(ErrorCode.BAD_MESSAGE, f"vllm_xargs has keys this server does not know: "
+                       f"{', '.join(repr(k[:64]) for k in unknown[:5])}; it takes "
+                       f"{', '.join(sorted(VLLM_XARGS))}", param="vllm_xargs")
     request_class_xarg(xargs)
     slo_overrides(chat, xargs)
     chat.check_stop(body.stop_sequences)

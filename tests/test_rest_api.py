@@ -99,6 +99,8 @@ def test_length_finish_reason(scripted: Scripted) -> None:
     ({"messages": [{"role": "user", "content": "x"}] * 257}, 400, "too_large"),  # 256 at most
     ({"messages": []}, 400, "bad_message"),
     ({"extra_body": {"vllm_xargs": {"request_class": "urgent"}}}, 400, "bad_message"),
+    # misspelt: it ran as a plain request, without its session (nothing said so)
+    ({"extra_body": {"vllm_xargs": {"sesion_id": "s1"}}}, 400, "bad_message"),
 ])
 def test_bad_requests_get_typed_errors(scripted: Scripted, kwargs: dict[str, object],
                                        status: int, code: str) -> None:
@@ -442,6 +444,7 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(scripted: Scripted) -> None
     ({"messages": []}, "unrecognized request argument: messages"),
     ({"vllm_xargs": {"session_id": "s1"}}, "use /v1/chat/completions"),
     ({"vllm_xargs": {"request_class": "x"}}, "request_class"),
+    ({"vllm_xargs": {"ttft_slo": 0.5}}, "does not know: 'ttft_slo'; it takes request_class"),
 ])
 def test_text_completions_refuse_what_they_cannot_do(
         scripted: Scripted, fields: dict[str, object], words: str) -> None:
