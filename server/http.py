@@ -39,9 +39,13 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def read_model(request: Request, model: type[M]) -> M:
-    """Parse and validate a JSON body into `model`; raises typed `ApiError`s."""
-    data = parse_json(await read_body(request), "body")
+async def read_model(request: Request, model: type[M], may_be_empty: bool = False) -> M:
+    """Parse and validate a JSON body into `model` (with `may_be_empty`, no body at all is
+    `{}`: a model whose every field is optional); raises typed `ApiError`s."""
+    raw = await read_body(request)
+    if may_be_empty and not raw.strip():
+        raw = b"{}"
+    data = parse_json(raw, "body")
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -14,7 +14,7 @@ from antiphon.server.completions import require_served_model
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.http import authorize, read_model
-from antiphon.server.protocol import ID_PATTERN
+from antiphon.server.protocol import ID_PATTERN, StrictBool, StrictFloat, StrictInt
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +37,10 @@ class Advisory(BaseModel):
     model_config = ConfigDict(extra="forbid")
     session_id: Annotated[str, Field(pattern=ID_PATTERN)]
     model_id: str | None = None
-    expected_arrival: Annotated[float, Field(ge=0)] | None = None  # seconds from now
-    ordered: bool = False
-    priority: int = 0
+    # numbers and flags of their JSON types, as everywhere in the API ("3" is not 3)
+    expected_arrival: Annotated[StrictFloat, Field(ge=0)] | None = None  # seconds from now
+    ordered: StrictBool = False
+    priority: StrictInt = 0
 
 
 def _ctx(request: Request) -> AppContext:
@@ -58,7 +59,7 @@ async def list_sessions(request: Request, before: str | None = None) -> dict[str
 @router.post("/v1/sessions", status_code=201)
 async def create_session(request: Request) -> dict[str, Any]:
     ctx, owner = _ctx(request), authorize(request)
-    body = await read_model(request, NewSession)
+    body = await read_model(request, NewSession, may_be_empty=True)  # `curl -X POST` works
     session, _ = await ctx.turns.open(owner, None, body.title)
     return session.to_json()
 

@@ -134,7 +134,13 @@ def test_sessions_advisory_health_and_metrics(scripted: Scripted) -> None:
     assert r.status_code == 202
     r = httpx.post(base + "/v1/advisory", json={"session_id": "s_x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    for wrong_type in ({"expected_arrival": "3"}, {"ordered": "yes"}, {"priority": "1"}):
+        r = httpx.post(base + "/v1/advisory", json={"session_id": sid, **wrong_type})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_message", wrong_type
     assert httpx.delete(base + f"/v1/sessions/{sid}").status_code == 204
+    untitled = httpx.post(base + "/v1/sessions")  # no body: every field is optional
+    assert untitled.status_code == 201 and untitled.json()["title"] == "New chat", untitled.text
+    assert httpx.post(base + "/v1/sessions", content=b"[]").status_code == 400
     assert httpx.get(base + f"/v1/sessions/{sid}").status_code == 404
     assert httpx.get(base + "/healthz").json()["status"] == "ok"
 
