@@ -208,14 +208,14 @@ class ChatService:
         """Raises `too_large` past `--max-stop-sequences` stop sequences."""
         if len(stop) > self.config.max_stop_sequences:
             raise over_limit(f"{len(stop)} stop sequences; the limit is "
-                             f"{self.config.max_stop_sequences}")
+                             f"{self.config.max_stop_sequences}", "stop")
 
     def check_logit_bias(self, logit_bias: Sequence[tuple[int, float]]) -> None:
         """Raises `too_large` past `--max-logit-bias-tokens` tokens, and `bad_message` for a
         token id outside the model's vocabulary."""
         if len(logit_bias) > self.config.max_logit_bias_tokens:
             raise over_limit(f"logit_bias names {len(logit_bias)} tokens; the limit is "
-                             f"{self.config.max_logit_bias_tokens}")
+                             f"{self.config.max_logit_bias_tokens}", "logit_bias")
         self.check_in_vocabulary([token for token, _ in logit_bias], "logit_bias")
 
     def request_class_for(self, owner: str, asked: RequestClass | None) -> RequestClass:
@@ -233,12 +233,12 @@ class ChatService:
         """Raises `too_large` past `--max-choices` choices in one request."""
         if count > self.config.max_choices:
             raise over_limit(f"{count} choices (n, times the prompts); the limit is "
-                             f"{self.config.max_choices}")
+                             f"{self.config.max_choices}", "n")
 
     def check_tools(self, count: int) -> None:
         """Raises `too_large` past `--max-tools` tools in one request."""
         if count > self.config.max_tools:
-            raise over_limit(f"{count} tools; the limit is {self.config.max_tools}")
+            raise over_limit(f"{count} tools; the limit is {self.config.max_tools}", "tools")
 
     def check_in_vocabulary(self, token_ids: Sequence[int], what: str) -> None:
         """Raises `bad_message` when `what` holds a token id the model does not have."""
@@ -291,7 +291,7 @@ class ChatService:
     def check_max_tokens(self, max_tokens: int | None) -> None:
         if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
             raise ApiError(ErrorCode.MAX_TOKENS_TOO_LARGE, f"max_tokens {max_tokens} exceeds "
-                           f"the limit of {self.config.max_tokens_limit}")
+                           f"the limit of {self.config.max_tokens_limit}", param="max_tokens")
 
     def cache_salt(self, owner: str) -> str | None:
         """What keeps `owner`'s cached KV apart from other keys' (None: shared). The owner is

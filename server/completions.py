@@ -177,7 +177,8 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     require_served_model(chat, body.model)
     limits = chat.config
     if len(body.messages) > limits.max_messages:
-        raise over_limit(f"{len(body.messages)} messages; the limit is {limits.max_messages}")
+        raise over_limit(f"{len(body.messages)} messages; the limit is {limits.max_messages}",
+                         "messages")
     check_request(chat, body, body.requested_max_tokens, body.vllm_xargs or {})
     chat.check_choices(body.num_choices)
     if body.num_choices > 1 and "session_id" in (body.vllm_xargs or {}):

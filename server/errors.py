@@ -107,11 +107,11 @@ class ApiError(Exception):
         return self._http_status or HTTP_STATUS[self.code]
 
 
-def over_limit(message: str) -> ApiError:
-    """A field of a request past one of the server's limits (too many messages or stop
-    sequences, a message too long): `too_large`, but a 400 as OpenAI answers it, not the 413
-    of a body too large."""
-    return ApiError(ErrorCode.TOO_LARGE, message, http_status=400)
+def over_limit(message: str, param: str | None = None) -> ApiError:
+    """A field of a request (`param`) past one of the server's limits (too many messages or
+    stop sequences, a message too long): `too_large`, but a 400 as OpenAI answers it, not the
+    413 of a body too large."""
+    return ApiError(ErrorCode.TOO_LARGE, message, http_status=400, param=param)
 
 
 def bad_message(errors: Sequence[Mapping[str, Any]], prefix: str = "", skip_loc: int = 0,

@@ -112,6 +112,19 @@ def test_bad_requests_get_typed_errors(scripted: Scripted, kwargs: dict[str, obj
     assert info.value.body["code"] == code  # type: ignore[index]
 
 
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"max_tokens": 1000}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}] * 257}, "messages"),
+    ({"n": 17}, "n"),
+    ({"stop": [str(i) for i in range(17)]}, "stop"),
+])
+def test_a_field_past_a_limit_is_named(scripted: Scripted, fields: dict[str, object],
+                                       param: str) -> None:
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], **fields}
+    r = httpx.post(scripted.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_malformed_and_oversize_bodies(scripted: Scripted) -> None:
     r = httpx.post(scripted.url + "/v1/chat/completions", content=b"{oops",
                    headers={"content-type": "application/json"})
