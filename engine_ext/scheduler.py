@@ -39,7 +39,7 @@ from antiphon.engine_ext.orphan import watch_parent
 from antiphon.engine_ext.policies import make_policy
 from antiphon.engine_ext.schedstats import SchedulerStats
 from antiphon.engine_ext.steptrace import StepTrace
-from antiphon.engine_ext.types import RequestClass
+from antiphon.engine_ext.types import TIER_TOKENS_KEY, RequestClass
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 from antiphon.tiering.keys import salt_bytes
 
@@ -92,6 +92,9 @@ class AntiphonScheduler(Scheduler):
         self._stalled = False
         # Tokens of a waiting request the KV tiers will load (Antiphon's connector), if any.
         self._stored_prefix_tokens = getattr(self.connector, "stored_prefix_tokens", None)
+        # What the tiers served each request's prompt, where they did (`_say_tier_tokens`).
+        self._tier_planner: Any = getattr(self.connector, "planner", None)
+        self._tier_params: dict[str, dict[str, Any]] = {}
         # Waiting requests' device prefix-cache hits: (hashes, step, tokens) per request. A
         # hit can be checked at its ends alone where pages and hashes are one size, in one
         # KV cache group, with nothing sharding or dropping pages.
@@ -199,6 +202,8 @@ class AntiphonScheduler(Scheduler):
             self._observe_step(*self._steps_in_flight.popleft())
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         self._note_first_tokens(scheduler_output)
+        if self._tier_planner is not None:
+            self._say_tier_tokens(outputs)
         if self.pages is not None and not self.running and not self.waiting \
                 and scheduler_output.total_num_scheduled_tokens:
             self._check_when_idle()
@@ -230,7 +235,27 @@ class AntiphonScheduler(Scheduler):
                     not request.is_finished() and rid not in self._first_token_s:
                 self._first_token_s[rid] = now
 
+    def _say_tier_tokens(self, outputs: dict[int, Any]) -> None:
+        """Every output of a request whose prompt the KV tiers served says how many tokens
+        came from each (`TIER_TOKENS_KEY` in vLLM's `kv_transfer_params`, which the connector
+        gives its last output): a reply that vLLM's front end ends itself (a stop string), and
+        so aborts in the engine, gets no last output from here, and vLLM merges outputs that
+        queue up into the newest."""
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                if out.kv_transfer_params is not None:
+                    continue
+                params = self._tier_params.get(out.request_id)
+                if params is None:
+                    loads = self._tier_planner.served_from(out.request_id)
+                    if loads is None:  # not admitted, or finished
+                        continue
+                    params = self._tier_params[out.request_id] = {
+                        TIER_TOKENS_KEY: list(loads)}
+                out.kv_transfer_params = params
+
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
+        self._tier_params.pop(request.request_id, None)
         self._first_token_s.pop(request.request_id, None)
         self._lost_tokens.pop(request.request_id, None)
         self._device_hits.pop(request.request_id, None)

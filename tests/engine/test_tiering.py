@@ -247,3 +247,23 @@ async def test_a_deleted_sessions_kv_leaves_host_and_ssd(tmp_path: Path) -> None
         assert (text, cached) == (replies[0], 0)
     finally:
         await eng.shutdown()
+
+
+async def test_a_reply_a_stop_string_ends_says_what_the_tiers_served(tmp_path: Path) -> None:
+    """vLLM's front end ends a reply at a stop string and aborts it in the engine, so the
+    connector's last output, which said what the tiers served, never came: such replies had
+    no `tier_prompt_tokens` in their usage."""
+    eng = await tiered_engine(tmp_path / "ssd")
+    try:
+        prompt = eng.render_chat([ChatTurn("user", QUESTIONS[0])])
+        async for _ in eng.generate("store", prompt, GenerationParams(max_tokens=1)):
+            pass
+        assert await eng.reset_prefix_cache()  # the prompt's KV is in the tiers alone
+        deltas = [delta async for delta in eng.generate(
+            "stopped", prompt, GenerationParams(max_tokens=40, stop=(" ",)))]
+    finally:
+        await eng.shutdown()
+    last = deltas[-1]
+    assert last.finished and last.finish_reason == "stop"
+    assert len(deltas) < 40 and last.num_cached_tokens > 0
+    assert last.tier_tokens is not None and sum(last.tier_tokens) == last.num_cached_tokens
