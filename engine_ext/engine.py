@@ -16,6 +16,8 @@ import json
 import logging
 import math
 import multiprocessing
+import os
+import signal
 import threading
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
@@ -231,6 +233,8 @@ def kill_engine_processes() -> None:
     for engine in children:
         if not engine.name.startswith("EngineCore") or engine.pid is None:
             continue
+        with contextlib.suppress(OSError):  # stopped, it starts no worker the kill misses
+            os.kill(engine.pid, signal.SIGSTOP)
         with contextlib.suppress(psutil.Error):
             for worker in psutil.Process(engine.pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error):
@@ -339,9 +343,22 @@ class VllmEngine(Engine):
         self.max_model_len = config.max_model_len
         self._llm: Any = None
         self._tokenizer: Any = None
-        self._loading = False  # in vLLM's blocking start of its engine
+        self._loading = False  # in `start`, until vLLM's engine is up
+        self._stop_asked = False  # `stop_starting`
+        self._started_s = 0.0
 
     async def start(self) -> None:
+        self._loading = True  # until vLLM's engine is up: `stop_starting` ends the start
+        try:
+            await self._start()
+        finally:
+            self._loading = False
+        logger.info("vLLM engine for %s up in %.1f s", self.model_name,
+                    time.monotonic() - self._started_s)
+        await prepare_cost_model(self)
+
+    async def _start(self) -> None:
+        self._started_s = time.monotonic()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -368,33 +385,32 @@ class VllmEngine(Engine):
             shutdown_timeout=math.ceil(self.drain_timeout_s),
             worker_extension_cls=WORKER_EXTENSION_CLS,
         )
-        started = time.monotonic()
-        self._loading = True
-        try:
-            self._llm = AsyncLLM.from_engine_args(args)  # blocks until the model has loaded
-        finally:
-            self._loading = False
+        if self._stop_asked:
+            raise RuntimeError("the engine's start was stopped")
+        # vLLM's engine process heeds a signal only once its model has loaded (20 s, or 1 to
+        # 3 minutes while torch compiles), and its start blocks the event loop until then:
+        # once a stop is asked for, its processes are killed and the load fails at once.
+        threading.Thread(target=self._kill_engine_once_stopped, name="antiphon-stop-start",
+                         daemon=True).start()
+        self._llm = AsyncLLM.from_engine_args(args)  # blocks until the model has loaded
         self.vocab_size = self._llm.model_config.get_vocab_size()
         if self._llm.vllm_config.parallel_config.distributed_executor_backend == "mp":
             # workers in processes of their own: they stop with the engine, not on a signal
             await self._llm.collective_rpc("antiphon_hold_group_signals")
-        logger.info("vLLM engine for %s up in %.1f s", self.model_name, time.monotonic() - started)
-        await prepare_cost_model(self)
 
     def stop_starting(self) -> None:
-        """vLLM's engine process heeds a signal only once its model has loaded (20 s, or 1 to
-        3 minutes while torch compiles), and `start` blocks the event loop until then; its
-        processes are killed instead, now and any started later while the load runs, and the
-        load fails at once. Nothing runs in them yet, and the next start removes what they
-        leave in shared memory."""
-        def kill_while_loading() -> None:
-            while self._loading:
-                kill_engine_processes()
-                time.sleep(0.1)
+        """Ends the start: before vLLM's engine starts, or by killing its processes while
+        they load the model (`_kill_engine_once_stopped`). Nothing runs in them yet, and the
+        next start removes what they leave in shared memory."""
+        self._stop_asked = True
 
-        if self._loading:
-            threading.Thread(target=kill_while_loading, name="antiphon-stop-start",
-                             daemon=True).start()
+    def _kill_engine_once_stopped(self) -> None:
+        """While vLLM's engine starts: once a stop is asked for, kill its processes, and
+        those started after."""
+        while self._loading:
+            if self._stop_asked:
+                kill_engine_processes()
+            time.sleep(0.1)
 
     def _kv_transfer_config(self) -> Any:
         if self.tiering is None:

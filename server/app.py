@@ -45,6 +45,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
         segments.sweep()  # those a killed predecessor's engine left in /dev/shm
         before = segments.names()
         if not await _start_engine(ctx, engine):  # a shutdown was asked for meanwhile
+            segments.remember(before)  # what an engine killed in its load left, if any
             yield  # uvicorn, told to exit, serves nothing and shuts down
             ctx.store.close()
             ctx.batch_store.close()
@@ -136,6 +137,8 @@ async def _start_engine(ctx: AppContext, engine: Engine) -> bool:
     """Start `engine`; False, with it stopped again, when a shutdown asked for meanwhile
     cancelled the start (`DrainingServer.handle_exit`). A failed start stops what it had
     started and raises."""
+    if ctx.chat.stop_requested:  # a signal came before the start
+        return False
     starting = ctx.starting = asyncio.ensure_future(engine.start())
     try:
         await starting

@@ -277,8 +277,7 @@ class ChatService:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._none_live.wait()
-        if self._live:
-            self.cut_short.set()
+        self.cut_short.set()  # (also a REST request that passed `check_open` just before)
         return len(self._live)
 
     def check_content(self, content: str, may_be_empty: bool = False) -> None:

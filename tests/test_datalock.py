@@ -77,3 +77,21 @@ def test_a_start_waits_for_the_ssd_tier_of_an_engine_still_stopping(tmp_path: Pa
     check_ssd_dir_free(tmp_path / "kv")
     assert 1.0 <= time.monotonic() - started < 2.0
     assert SSD_LOCK_WAIT_S > 11
+
+
+def test_the_ssd_tier_takes_its_lock_on_a_full_disk(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its pid in the lock file is a courtesy: on a full disk (no block for it) the tier
+    still opens, as it did before the pid was written."""
+    import errno
+
+    from antiphon.tiering.ssd_tier import _lock_directory
+
+    def full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    fd = _lock_directory(tmp_path)
+    monkeypatch.undo()
+    assert try_lock(tmp_path / ".lock") is None  # held
+    os.close(fd)

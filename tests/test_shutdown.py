@@ -118,6 +118,7 @@ async def test_rest_requests_longer_than_the_drain_end_with_an_error(tmp_path: P
     assert len(events) < 40  # cut at the drain's end
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "shutting_down"
+    assert "cut short" in response.json()["error"]["message"]  # not refused: it was running
 
 
 class StartWatched(ScriptedEngine):
@@ -192,7 +193,7 @@ def test_a_stop_during_the_model_load_kills_the_engine_processes(tmp_path: Path)
     """vLLM's engine process heeds a signal only once its model has loaded (up to minutes),
     and its start blocks the server's event loop until then: `stop_starting` kills the
     engine and its workers, those started before the call and after it, while the load
-    runs, and nothing once it has ended."""
+    runs."""
     import multiprocessing
 
     import psutil
@@ -216,22 +217,24 @@ def test_a_stop_during_the_model_load_kills_the_engine_processes(tmp_path: Path)
             return True
 
     engine = VllmEngine(EngineConfig(), tmp_path)
-    engine._loading = True  # in vLLM's blocking start
-    before = start_engine_process()
-    worker = pids.get(timeout=60)
-    engine.stop_starting()
-    after = start_engine_process()  # spawned once the stop was asked for
-    for process in (before, after):
-        process.join(10)
-        assert process.exitcode == -9
-    assert gone(worker)
-    engine._loading = False  # the load ended (failed)
-    time.sleep(0.3)
-    spared = start_engine_process()
-    worker = pids.get(timeout=60)
-    assert spared.is_alive() and not gone(worker)
-    spared.kill()
-    psutil.Process(worker).kill()
+    engine._loading = True  # in its start, as `_start` runs the killer beside vLLM's
+    killer = threading.Thread(target=engine._kill_engine_once_stopped, daemon=True)
+    killer.start()
+    try:
+        before = start_engine_process()
+        worker = pids.get(timeout=60)
+        time.sleep(0.3)
+        assert before.is_alive()  # nothing is killed until a stop is asked for
+        engine.stop_starting()
+        after = start_engine_process()  # spawned once the stop was asked for
+        for process in (before, after):
+            process.join(10)
+            assert process.exitcode == -9
+        assert gone(worker)
+    finally:
+        engine._loading = False  # the load ended (failed): the killer stops
+    killer.join(5)
+    assert not killer.is_alive()
 
 
 def test_a_shutdown_during_a_start_that_blocks_the_event_loop_stops_it(
@@ -254,3 +257,34 @@ def test_a_shutdown_during_a_start_that_blocks_the_event_loop_stops_it(
     assert engine.stopped and not server.ctx.is_ready
     # not uvicorn's "Application startup failed", with the start's traceback
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+async def test_a_stop_asked_before_vllms_start_loads_nothing(tmp_path: Path) -> None:
+    """A signal while the start still imports vLLM or loads the tokenizer (seconds, the
+    event loop blocked): the start ends before vLLM's engine starts, not after its load; and
+    one before the start begins starts nothing."""
+    from antiphon.engine_ext.config import EngineConfig
+    from antiphon.engine_ext.engine import VllmEngine
+    from antiphon.server.app import _start_engine
+    from antiphon.server.context import AppContext
+    from tests.conftest import default_model_or_skip
+
+    engine = VllmEngine(EngineConfig(), default_model_or_skip())
+    engine.stop_starting()
+    with pytest.raises(RuntimeError, match="stopped"):
+        await engine.start()
+    assert engine._llm is None and not multiprocessing_children()
+
+    class NeverStarted(ScriptedEngine):
+        async def start(self) -> None:
+            raise AssertionError("started after the stop")
+
+    ctx = AppContext.build(scripted_config(tmp_path), NeverStarted())
+    ctx.chat.stop_requested = True  # what the signal's handler sets
+    assert not await _start_engine(ctx, ctx.engine)
+
+
+def multiprocessing_children() -> list[str]:
+    import multiprocessing
+
+    return [p.name for p in multiprocessing.active_children()]

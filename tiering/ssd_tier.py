@@ -22,6 +22,7 @@ in the free space, so the reserve may be undercut by up to the writer's queue.)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -458,6 +459,7 @@ def _lock_directory(directory: Path) -> int:
     fd = try_lock(directory / ".lock", 0o600)
     if fd is None:
         raise RuntimeError(f"{directory} is in use by another SSD tier")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)  # whom a server refused names
+    with contextlib.suppress(OSError):  # whom a server refused names (not on a full disk)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
