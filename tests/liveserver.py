@@ -22,10 +22,11 @@ def live_server(config: AppConfig, engine: Engine) -> Iterator[str]:
 
 @contextmanager
 def running_server(config: AppConfig, engine: Engine,
-                   log_level: str = "warning") -> Iterator[tuple[str, DrainingServer]]:
+                   log_level: str = "warning",
+                   port: int | None = None) -> Iterator[tuple[str, DrainingServer]]:
     """`live_server`, with the uvicorn server (`should_exit = True` shuts it down as SIGTERM
-    does), and its thread joined on exit."""
-    port = free_port()
+    does), and its thread joined on exit; on `port` (a restart) or a free one."""
+    port = port or free_port()
     app = create_app(config, engine)
     options = {**config.server.uvicorn_options(), "host": "127.0.0.1", "port": port}
     server = DrainingServer(app, log_level=log_level, **options)  # as `antiphon serve` runs

@@ -4,6 +4,7 @@ and the dashboard's target lines and key dialog."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,9 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
+from antiphon.bench.serverproc import free_port
 from antiphon.engine_ext.scripted import ScriptedEngine
 from tests.conftest import scripted_config
-from tests.liveserver import live_server
+from tests.liveserver import live_server, running_server
 
 pytestmark = pytest.mark.browser
 KEY = "test-key-123456"
@@ -115,6 +117,34 @@ def test_a_second_tab_shows_what_the_first_said_when_the_user_comes_back(
     other.evaluate("window.dispatchEvent(new Event('blur')); window.dispatchEvent(new Event('focus'))")
     other.locator(".msg.user", has_text="second question").wait_for(timeout=10_000)
     assert other.locator("#messages > .msg").count() == 4
+
+
+def test_while_the_server_is_away_the_page_counts_down_and_retries_when_the_user_returns(
+        tmp_path: Path, page: Any) -> None:
+    """The status said "Reconnecting in 9s…" until the next try (no countdown), and a user
+    coming back to the page (another tab, another window) waited out the rest of a backoff of
+    up to 15 s after the server was back."""
+    config = scripted_config(tmp_path)
+    port = free_port()
+    with running_server(config, ScriptedEngine(), port=port) as (base, _):
+        open_chat(page, base)
+    page.wait_for_function("document.body.dataset.connected === 'false'")
+    time.sleep(8)  # failed tries: the backoff is now 4 to 10 s
+    page.evaluate("window.dispatchEvent(new Event('blur'))")  # the user leaves
+    readings = []
+    for _ in range(3):
+        readings.append(page.locator("#conn-status").inner_text())
+        time.sleep(1.1)
+    assert all(text.startswith("Reconnecting in ") for text in readings), readings
+    seconds = [int(text.removeprefix("Reconnecting in ").rstrip("s…")) for text in readings]
+    # counting down (a try between two readings starts a longer wait: a rise)
+    assert any(b < a for a, b in itertools.pairwise(seconds)), readings
+    with running_server(config, ScriptedEngine(), port=port):
+        back = time.monotonic()
+        page.evaluate("window.dispatchEvent(new Event('focus'))")  # and comes back
+        page.wait_for_function("document.body.dataset.connected === 'true'", timeout=15000)
+        assert time.monotonic() - back < 1.5
+        assert page.locator("#conn-status").inner_text() == "Connected"
 
 
 def test_the_older_chats_listed_stay_listed_after_a_reply(url: str, page: Any) -> None:

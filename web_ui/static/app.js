@@ -442,7 +442,21 @@ const handlers = {
 
 // ---------- wiring ----------
 
+// While a reconnect waits, the status counts down to it.
+let countdown = null;
+function showReconnecting(retryInMs) {
+  clearInterval(countdown);
+  const at = Date.now() + retryInMs;
+  const show = () => {
+    const left = Math.max(1, Math.ceil((at - Date.now()) / 1000));
+    ui.status.textContent = `Reconnecting in ${left}s…`;
+  };
+  show();
+  countdown = setInterval(show, 1000);
+}
+
 client.addEventListener("open", () => {
+  clearInterval(countdown);
   ui.body.dataset.connected = "true";
   ui.status.textContent = "Connected";
   const box = $("#error");
@@ -457,9 +471,10 @@ client.addEventListener("open", () => {
 client.addEventListener("close", (ev) => {
   ui.body.dataset.connected = "false";
   const { retryInMs } = ev.detail;
+  clearInterval(countdown);
   if (client.authRequired) ui.status.textContent = "API key required";
   else if (retryInMs === null) ui.status.textContent = "Disconnected";
-  else ui.status.textContent = `Reconnecting in ${Math.max(1, Math.round(retryInMs / 1000))}s…`;
+  else showReconnecting(retryInMs);
   for (const rid of [...state.pending.keys()]) {
     finishEntry(rid, { cls: "failed", note: "Connection lost before the reply finished." });
   }
@@ -504,12 +519,14 @@ function resync() {
     client.openSession(state.currentId);
   }
 }
-// When the user comes back to the page (another tab, another window) it resyncs.
+// When the user comes back to the page (another tab, another window) it resyncs, or, while
+// the server is away, tries it again at once rather than at the end of its backoff wait.
 let away = false;
 function comeBack() {
   if (!away || document.hidden) return;
   away = false;
-  resync();
+  if (client.connected) resync();
+  else client.retryNow();
 }
 document.addEventListener("visibilitychange", () => {
   if (document.hidden) away = true;

@@ -38,9 +38,13 @@ export class ChatClient extends EventTarget {
     this._retryTimer = null;
     this._authBlocked = false; // stop retrying until a (new) key is given
     // Skip the rest of a backoff wait when the network comes back.
-    window.addEventListener("online", () => {
-      if (!this._ws && !this._authBlocked) this.connect();
-    });
+    window.addEventListener("online", () => this.retryNow());
+  }
+
+  /** Skip the rest of a backoff wait (the network came back, the user came back to the page);
+   * nothing while connected or connecting, or until a new API key after an auth failure. */
+  retryNow() {
+    if (!this._ws && !this._authBlocked) this.connect();
   }
 
   get connected() {
