@@ -147,6 +147,17 @@ def test_while_the_server_is_away_the_page_counts_down_and_retries_when_the_user
         assert page.locator("#conn-status").inner_text() == "Connected"
 
 
+def test_a_reply_cut_at_max_tokens_says_so_after_a_reload(tmp_path: Path, page: Any) -> None:
+    """The live timings line says "length"; a reloaded page showed such a reply as whole."""
+    with live_server(scripted_config(tmp_path, default_max_tokens=3), ScriptedEngine()) as base:
+        open_chat(page, base)
+        assert "length" in send(page, "one two three four five").locator(".timings").inner_text()
+        page.reload()
+        page.wait_for_selector(".msg.assistant .finish-note")
+        assert page.locator(".msg.assistant .finish-note").inner_text() == "length"
+        assert page.locator(".msg.user .finish-note").count() == 0
+
+
 def test_the_older_chats_listed_stay_listed_after_a_reply(url: str, page: Any) -> None:
     for n in range(3 * LISTED):
         httpx.post(url + "/v1/sessions", json={"title": f"older chat {n}"})

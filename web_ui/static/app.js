@@ -317,6 +317,10 @@ const handlers = {
     const bubbles = (Array.isArray(msg.messages) ? msg.messages : []).map((m) => {
       const { root } = makeBubble(m.role, m.content ?? "");
       if (m.finish_reason === "cancelled") root.classList.add("cancelled"); // cut short
+      // How a reply ended, as its live timings line says it: cut at max_tokens, or cancelled.
+      if (m.role === "assistant" && ["length", "cancelled"].includes(m.finish_reason)) {
+        root.append(el("div", "msg-note finish-note", m.finish_reason));
+      }
       // A conversation an app held over the websocket API with tools: calls and results.
       if (m.role === "tool") root.prepend(el("div", "msg-note tool-note", "Tool result"));
       const calls = Array.isArray(m.tool_calls) ? m.tool_calls : [];
