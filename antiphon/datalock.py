@@ -48,12 +48,21 @@ def lock_data_dir(data_dir: Path) -> int:
     path = private_file(data_dir / ".lock")  # 0600, as every file of the folder
     fd = try_lock(path)
     if fd is None:
-        holder = path.read_text(errors="replace").strip()[:32] or "unknown"
         raise DataDirInUseError(f"{data_dir} is in use by another antiphon server (pid "
-                                f"{holder}); give this one its own --data-dir")
+                                f"{holder(path)}); give this one its own --data-dir")
+    record_holder(fd)
+    return fd
+
+
+def record_holder(fd: int) -> None:
+    """Write this process's pid into the lock file `fd` holds, for `holder` to name."""
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+
+
+def holder(path: Path) -> str:
+    """The pid the holder of the lock file `path` recorded ("unknown" where none)."""
+    return path.read_text(errors="replace").strip()[:32] or "unknown"
 
 
 def check_ssd_dir_free(ssd_dir: Path, wait_s: float = SSD_LOCK_WAIT_S) -> None:
@@ -67,14 +76,13 @@ def check_ssd_dir_free(ssd_dir: Path, wait_s: float = SSD_LOCK_WAIT_S) -> None:
     deadline = time.monotonic() + wait_s
     waited = False
     while (fd := try_lock(path)) is None:
-        holder = path.read_text(errors="replace").strip()[:32] or "unknown"
         if time.monotonic() >= deadline:
             raise DataDirInUseError(f"{ssd_dir} is in use by another server's SSD tier (pid "
-                                    f"{holder}); give this one its own --ssd-dir")
+                                    f"{holder(path)}); give this one its own --ssd-dir")
         if not waited:
             logger.warning("%s is held by pid %s: waiting up to %.0f s for it (the engine of "
-                           "a server killed just before stops within that)", ssd_dir, holder,
-                           wait_s)
+                           "a server killed just before stops within that)", ssd_dir,
+                           holder(path), wait_s)
             waited = True
         time.sleep(0.2)
     os.close(fd)

@@ -345,20 +345,19 @@ class VllmEngine(Engine):
         self._tokenizer: Any = None
         self._loading = False  # in `start`, until vLLM's engine is up
         self._stop_asked = False  # `stop_starting`
-        self._started_s = 0.0
 
     async def start(self) -> None:
+        started = time.monotonic()
         self._loading = True  # until vLLM's engine is up: `stop_starting` ends the start
         try:
             await self._start()
         finally:
             self._loading = False
         logger.info("vLLM engine for %s up in %.1f s", self.model_name,
-                    time.monotonic() - self._started_s)
+                    time.monotonic() - started)
         await prepare_cost_model(self)
 
     async def _start(self) -> None:
-        self._started_s = time.monotonic()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -148,14 +148,11 @@ async def _start_engine(ctx: AppContext, engine: Engine) -> bool:
             raise  # the lifespan itself is being cancelled
         await engine.shutdown()
         return False
-    except Exception:
+    except BaseException as exc:
         await engine.shutdown()
-        if ctx.chat.stop_requested:  # the stop ended the engine's load (`stop_starting`)
-            logger.info("the engine's start was stopped")
+        if isinstance(exc, Exception) and ctx.chat.stop_requested:  # the stop ended the
+            logger.info("the engine's start was stopped")  # model's load (`stop_starting`)
             return False
-        raise
-    except BaseException:
-        await engine.shutdown()
         raise
     finally:
         ctx.starting = None
@@ -206,8 +203,9 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         starting = self.ctx.starting
         if starting is not None and not starting.done():
-            # Still starting (first-start profiling takes minutes): stop now, not once the
-            # engine serves. The model's load itself blocks until it ends.
+            # Still starting (the model's load, first-start profiling: minutes): stop now,
+            # not once the engine serves. The load blocks the event loop, so the engine
+            # ends it itself (`stop_starting`); the cancel takes the rest.
             logger.info("stopping during start-up")
             self.ctx.engine.stop_starting()
             starting.get_loop().call_soon_threadsafe(starting.cancel)

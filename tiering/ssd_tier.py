@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
 
-from antiphon.datalock import try_lock
+from antiphon.datalock import record_holder, try_lock
 from antiphon.private import private_dir
 from antiphon.tiering.eviction import EvictionPolicy, LruPolicy
 from antiphon.tiering.index import IndexEntry
@@ -460,6 +460,5 @@ def _lock_directory(directory: Path) -> int:
     if fd is None:
         raise RuntimeError(f"{directory} is in use by another SSD tier")
     with contextlib.suppress(OSError):  # whom a server refused names (not on a full disk)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        record_holder(fd)
     return fd
