@@ -177,6 +177,28 @@ def test_an_erasure_whose_clear_on_disk_fails_is_not_done_until_a_retry_clears_i
         again.close()
 
 
+def test_kv_computed_past_a_sessions_last_kept_token_is_erased_with_it(tmp_path: Path) -> None:
+    # A reply a stop string ended (or its user cancelled) ran on in the engine: its tail holds
+    # a token the session never kept, so no hash of the session's chains names it, and it
+    # outlived the session's deletion.
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        run_turn(planner, "r1", [*TURN1, 110, 111], [7, 8, 9], session="s1")  # tail 108-110
+        run_turn(planner, "r2", OTHER, [4, 5, 6], session="s2")
+        planner.store.flush()
+
+        erased, kept = planner.forget("s1", [TURN1]).result(10)  # the session kept 100-109
+
+        assert (erased, kept) == (2 * 3 * LAYERS, 0)
+        others = set(chain_hashes([OTHER], CHUNK, "test-model"))
+        for tier in planner.store.tiers:
+            stored = tier.keys()  # a tier's snapshot, not a dict's view
+            assert {key.prefix_hash for key in stored} <= others
+        assert planner.stats()["chunk_layers_forgotten"] == erased
+    finally:
+        planner.close()
+
+
 def test_a_live_sessions_old_chain_is_erased_but_what_it_still_runs_is_not(
         tmp_path: Path) -> None:
     planner = make_planner(tmp_path / "ssd")

@@ -147,6 +147,28 @@ def test_a_turn_vllm_could_not_place_is_answered_again_from_its_pins(
     planner.store.check_integrity()
 
 
+def test_a_follow_up_loads_the_part_of_a_tail_it_shares(planner: TierPlanner) -> None:
+    # The turn ran past where the follow-up's prompt leaves it: a reply a stop string ended
+    # (the engine computed a token or more past the stop, which the next prompt renders
+    # without) or one its user cancelled. Its tail was stored under its own 3 tokens only,
+    # and the follow-up, which shares 2 of them, recomputed the whole partial chunk.
+    run_turn(planner, "r1", [*TURN1, 110, 111], [7, 8, 9])  # 11 computed: tail 108-110
+    follow = [*TURN1, 200, 201, 202]
+    view = TokenView("r2", follow)
+    planner.add_request(view)
+    assert planner.num_new_matched_tokens(view, 0) == 10
+    planner.plan_load("r2", [1, 2, 3, 4], 10, len(follow))
+    meta = planner.build_metadata([])
+    assert [c.blocks for c in meta.loads] == [(1,), (2,)]
+    assert [c.blocks for c in meta.early_loads] == [(3,)]  # the shared tail's page
+    planner.step_done({meta.step}, set())
+    # A stored tail of exactly the prompt's tokens wins over a longer shared prefix's
+    run_turn(planner, "r3", [*TURN1, 200, 201], [4, 5, 6])  # tail 108, 109, 200
+    view = TokenView("r4", [*TURN1, 200, 201, 202])
+    planner.add_request(view)
+    assert planner.num_new_matched_tokens(view, 0) == 11
+
+
 def test_a_different_prefix_matches_nothing(planner: TierPlanner) -> None:
     run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9])
     view = TokenView("r2", [1, *TURN1])

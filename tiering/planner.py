@@ -47,6 +47,7 @@ from antiphon.tiering.keys import (
 )
 from antiphon.tiering.prefetch import PrefetchHandle
 from antiphon.tiering.prefetch_queue import URGENT, PrefetchQueue
+from antiphon.tiering.tails import TailIndex
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +209,10 @@ class TierPlanner:
         self._forgotten_chunks: set[bytes] = set()
         self._erasing: list[set[bytes]] = []  # the prefix hashes of each erasure running
         self._retiring: list[PrefetchHandle] = []
+        # The tokens of partial chunks saved: one entry per chunk the tiers can hold at most.
+        slot_bytes = page_bytes * self.pages_per_chunk
+        self._tails = TailIndex(sum(tier.capacity_bytes // slot_bytes
+                                    for tier in self.store.tiers) // num_layers)
         self.counters = TieringCounters()
 
     @property
@@ -606,7 +611,13 @@ class TierPlanner:
                 if kept_chains:
                     wanted -= chain_hashes(kept_chains, self.chunk_tokens, self.model_id,
                                            salt=salt)
+                ends, kept_ends = self._chain_ends(chains, salt), self._chain_ends(
+                    kept_chains or (), salt)
                 with self._lock:
+                    # and the partial chunks computed past a chain's end (a reply cut by a
+                    # stop string or a cancel ran on in the engine), as far as this run knows
+                    wanted |= self._overhangs(ends) - self._overhangs(kept_ends)
+                    self._tails.discard_hashes(wanted)
                     # Chunks a checkpointed request will restore stay, now and until the
                     # erasure is done (`checkpoint` takes its own out of every erasure).
                     wanted -= {key.prefix_hash for cp in self._checkpoints.values()
@@ -707,12 +718,43 @@ class TierPlanner:
         start = len(chunks) * self.chunk_tokens
         rest = token_ids[start:min(limit, start + self.chunk_tokens - 1)]
         previous = chunks[-1].prefix_hash if chunks else prefix_seed(self.model_id, salt)
+        # A partial chunk saved in this run that shares a prefix with `rest`, if any (it may
+        # run past `rest`: a reply ended by a stop string, or cancelled), then one saved with
+        # exactly the first `length` tokens of `rest` for a longer length (one from before a
+        # restart, or evicted from the index).
+        shared, tail, tail_layers = 0, None, None
+        for length, key in self._tails.candidates(previous, rest):
+            keys = self._stored(key)
+            if keys is not None:
+                shared, tail, tail_layers = length, key, keys
+                break
         for length, tail_hash in reversed(list(enumerate(tail_hashes(previous, rest), 1))):
+            if length <= shared:
+                break
             key = ChunkKey(self.model_id, tail_hash, len(chunks), 0)
             keys = self._stored(key)
             if keys is not None:
-                return _Match([*chunks, key], start + length, [*layers, keys])
+                shared, tail, tail_layers = length, key, keys
+                break
+        if tail is not None and tail_layers is not None:
+            return _Match([*chunks, tail], start + shared, [*layers, tail_layers])
         return _Match(chunks, start, layers)
+
+    def _chain_ends(self, chains: Iterable[Sequence[int]], salt: bytes
+                    ) -> list[tuple[bytes, Sequence[int]]]:
+        """(the hash of its full chunks, its tokens after them) of each of `chains`."""
+        ends = []
+        for tokens in chains:
+            hashes = prefix_hashes(tokens, self.chunk_tokens, self.model_id, salt=salt)
+            previous = hashes[-1] if hashes else prefix_seed(self.model_id, salt)
+            ends.append((previous, tokens[len(hashes) * self.chunk_tokens:]))
+        return ends
+
+    def _overhangs(self, ends: Iterable[tuple[bytes, Sequence[int]]]) -> set[bytes]:
+        """The prefix hashes of the partial chunks saved in this run whose tokens run on past
+        one of the chain ends `ends` (`_chain_ends`)."""
+        return {key.prefix_hash for previous, rest in ends
+                for key in self._tails.extending(previous, rest)}
 
     def _stored(self, key: ChunkKey) -> list[ChunkKey] | None:
         """`key`'s chunk at every layer, if some tier holds each (layer 0 first: a partial
@@ -844,12 +886,15 @@ class TierPlanner:
                    for k in (key.with_layer(layer) for layer in range(self.num_layers)))
 
     def _tail_key(self, st: _Request, num_tokens: int) -> ChunkKey:
-        """The key of the partial chunk that ends at `num_tokens` (not a chunk boundary)."""
+        """The key of the partial chunk that ends at `num_tokens` (not a chunk boundary),
+        whose tokens the tail index keeps."""
         full = num_tokens // self.chunk_tokens
         hashes = self._hashes(st, full)
         previous = hashes[-1] if hashes else prefix_seed(self.model_id, st.view.salt)
         tokens = st.view.token_ids[full * self.chunk_tokens:num_tokens]
-        return ChunkKey(self.model_id, tail_hashes(previous, tokens)[-1], full, 0)
+        key = ChunkKey(self.model_id, tail_hashes(previous, tokens)[-1], full, 0)
+        self._tails.add(previous, key, tokens)
+        return key
 
     def _tail_pages(self, block_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
         """The device pages of the partial chunk that ends at `num_tokens`."""

@@ -4,6 +4,7 @@ greedy output identical to the same conversation without tiering."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ from antiphon.model import resolve_model
 from antiphon.tiering.config import MiB, TieringConfig
 from antiphon.tiering.keys import chain_hashes
 from antiphon.tiering.slot_file import RECORD_HEADER_BYTES, SlotFile, stored_slot_bytes
+from antiphon.tiering.tails import common_prefix
 from tests.engine import TEST_DTYPE
 
 pytestmark = pytest.mark.engine
@@ -249,21 +251,47 @@ async def test_a_deleted_sessions_kv_leaves_host_and_ssd(tmp_path: Path) -> None
         await eng.shutdown()
 
 
-async def test_a_reply_a_stop_string_ends_says_what_the_tiers_served(tmp_path: Path) -> None:
+async def reset_when_free(eng: VllmEngine) -> None:
+    """Empty vLLM's page cache once no request holds pages (an aborted reply's pages stay
+    until its last partial chunk is saved)."""
+    for _ in range(100):
+        if await eng.reset_prefix_cache():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the device's pages were never all free")
+
+
+async def test_a_reply_a_stop_string_ends_says_what_the_tiers_served(
+        tmp_path: Path, engine: VllmEngine) -> None:
     """vLLM's front end ends a reply at a stop string and aborts it in the engine, so the
     connector's last output, which said what the tiers served, never came: such replies had
-    no `tier_prompt_tokens` in their usage."""
+    no `tier_prompt_tokens` in their usage. And by then the engine had computed a token or
+    more past the stop string, which the follow-up's prompt renders without: the partial
+    chunk saved with them was recomputed whole (up to 127 tokens)."""
     eng = await tiered_engine(tmp_path / "ssd")
+    first = [ChatTurn("user", QUESTIONS[0])]
     try:
-        prompt = eng.render_chat([ChatTurn("user", QUESTIONS[0])])
+        prompt = eng.render_chat(first)
         async for _ in eng.generate("store", prompt, GenerationParams(max_tokens=1)):
             pass
         assert await eng.reset_prefix_cache()  # the prompt's KV is in the tiers alone
         deltas = [delta async for delta in eng.generate(
-            "stopped", prompt, GenerationParams(max_tokens=40, stop=(" ",)))]
+            "stopped", prompt, GenerationParams(max_tokens=60, stop=(".",)))]
+        follow_up = eng.render_chat([*first, ChatTurn("assistant", "".join(
+            delta.text for delta in deltas)), ChatTurn("user", QUESTIONS[1])])
+        await reset_when_free(eng)
+        params = GenerationParams(max_tokens=30, temperature=0.0)
+        served = [delta async for delta in eng.generate("follow-up", follow_up, params)]
     finally:
         await eng.shutdown()
     last = deltas[-1]
     assert last.finished and last.finish_reason == "stop"
-    assert len(deltas) < 40 and last.num_cached_tokens > 0
+    assert len(deltas) < 60 and last.num_cached_tokens > 0
     assert last.tier_tokens is not None and sum(last.tier_tokens) == last.num_cached_tokens
+    # The follow-up loads the first turn's prompt and the reply up to the stop string
+    shared = common_prefix(follow_up, [*prompt, *(t for delta in deltas for t in delta.token_ids)])
+    assert shared > len(prompt) + 10
+    assert served[-1].num_cached_tokens == shared
+    assert await engine.reset_prefix_cache()
+    recomputed = [delta async for delta in engine.generate("recomputed", follow_up, params)]
+    assert "".join(d.text for d in served) == "".join(d.text for d in recomputed)

@@ -1,0 +1,48 @@
+"""The index of saved partial chunks' tokens: which share a prefix with a prompt, which run on
+past a session's end, and its bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from antiphon.tiering.keys import ChunkKey
+from antiphon.tiering.tails import TailIndex, common_prefix
+
+
+def key(name: bytes) -> ChunkKey:
+    return ChunkKey("m", name, 1, 0)
+
+
+def test_candidates_are_the_tails_after_the_chain_longest_shared_prefix_first() -> None:
+    index = TailIndex(8)
+    index.add(b"p", key(b"a"), [1, 2, 3])
+    index.add(b"p", key(b"b"), [1, 2, 9, 9])
+    index.add(b"p", key(b"c"), [5])
+    index.add(b"q", key(b"d"), [1, 2, 3, 4])  # another chain: never a candidate
+    assert index.candidates(b"p", [1, 2, 3, 4]) == [(3, key(b"a")), (2, key(b"b"))]
+    assert index.candidates(b"p", [7]) == []
+    assert set(index.extending(b"p", [1, 2])) == {key(b"a"), key(b"b")}
+    assert index.extending(b"p", [1, 2, 3, 4]) == []  # shorter tails are the chain's own
+
+
+def test_the_index_keeps_the_most_recently_saved_up_to_its_capacity() -> None:
+    index = TailIndex(2)
+    index.add(b"p", key(b"a"), [1])
+    index.add(b"p", key(b"b"), [1, 2])
+    index.add(b"p", key(b"a"), [1])  # saved again: the newest
+    index.add(b"p", key(b"c"), [1, 2, 3])
+    assert len(index) == 2
+    assert [k for _, k in index.candidates(b"p", [1, 2, 3])] == [key(b"c"), key(b"a")]
+    index.discard_hashes({b"a", b"c"})
+    assert len(index) == 0 and index.candidates(b"p", [1]) == []
+    off = TailIndex(0)
+    off.add(b"p", key(b"a"), [1])
+    assert len(off) == 0
+    with pytest.raises(ValueError):
+        TailIndex(-1)
+
+
+def test_common_prefix() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([], [1]) == 0
