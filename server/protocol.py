@@ -24,7 +24,9 @@ Client to server::
 
 Server to client::
 
-    {"type": "session", "session": {...}, "messages": [...]}
+    {"type": "session", "session": {...}, "messages": [...], "replying": bool}
+    # `replying`: a turn of the session is running (from another connection, or the REST
+    # API): its last message is being answered, and the session is busy until it is done
     {"type": "sessions", "sessions": [...], "has_more": bool, "before": str | null,
      "next_before": str | null}  # most recent first, up to a limit; `next_before` pages on
     {"type": "session.renamed", "session": {...}}

@@ -68,7 +68,8 @@ async def create_session(request: Request) -> dict[str, Any]:
 async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     ctx, owner = _ctx(request), authorize(request)
     session, messages = await ctx.turns.open(owner, session_id)
-    return {"session": session.to_json(), "messages": [m.to_json() for m in messages]}
+    return {"session": session.to_json(), "messages": [m.to_json() for m in messages],
+            "replying": ctx.turns.is_replying(session_id)}
 
 
 @router.patch("/v1/sessions/{session_id}")

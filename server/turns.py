@@ -114,6 +114,11 @@ class SessionTurns:
         session = await self.get(owner, session_id)
         return session, await asyncio.to_thread(self.store.messages, session_id)
 
+    def is_replying(self, session_id: str) -> bool:
+        """A turn of the session is running (from any connection or API): its last message
+        is being answered."""
+        return session_id in self._busy
+
     async def list_recent(self, owner: str,
                           before: str | None = None) -> tuple[list[Session], str | None]:
         """`owner`'s most recent sessions (after the `before` cursor, when given), at most

@@ -95,7 +95,8 @@ class Connection:
         if isinstance(msg, protocol.SessionOpen):
             session, messages = await turns.open(self.owner, msg.session_id, msg.title)
             await self.send(protocol.encode("session", session=session.to_json(),
-                                            messages=[m.to_json() for m in messages]))
+                                            messages=[m.to_json() for m in messages],
+                                            replying=turns.is_replying(session.session_id)))
         elif isinstance(msg, protocol.SessionList):
             sessions, next_before = await turns.list_recent(self.owner, msg.before)
             await self.send(protocol.encode(

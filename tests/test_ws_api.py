@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -145,6 +146,26 @@ async def test_one_turn_per_session_at_a_time(scripted: Scripted) -> None:
         frames = await recv_until(ws, "error")
         assert frames[-1]["code"] == "session_busy" and frames[-1]["request_id"] == "r2"
         await recv_until(ws, "done")
+
+
+async def test_a_session_opened_elsewhere_says_whether_a_turn_of_it_runs(
+        scripted: Scripted) -> None:
+    """A second tab showed a message being answered in the first as one left without a reply,
+    and offered to retry it (which the server refuses: the session is busy)."""
+    scripted.engine.token_delay_s = 0.05
+    async with connect(scripted.ws_url) as ws, connect(scripted.ws_url) as other:
+        sid = (await open_session(ws))["session"]["session_id"]
+        assert (await open_session(other, sid))["replying"] is False
+        await send(ws, type="message", session_id=sid, content="a b c d e f", request_id="r1")
+        await recv(ws)  # accepted
+        assert (await open_session(other, sid))["replying"] is True
+        async with httpx.AsyncClient() as http:
+            got = (await http.get(f"{scripted.url}/v1/sessions/{sid}")).json()
+            assert got["replying"] is True and got["messages"][-1]["role"] == "user"
+            await recv_until(ws, "done")
+            got = (await http.get(f"{scripted.url}/v1/sessions/{sid}")).json()
+            assert got["replying"] is False and got["messages"][-1]["role"] == "assistant"
+        assert (await open_session(other, sid))["replying"] is False
 
 
 async def test_typing_records_an_advisory(scripted: Scripted) -> None:

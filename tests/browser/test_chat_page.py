@@ -119,6 +119,35 @@ def test_a_second_tab_shows_what_the_first_said_when_the_user_comes_back(
     assert other.locator("#messages > .msg").count() == 4
 
 
+def test_a_second_tab_offers_no_retry_while_the_first_is_answering(
+        tmp_path: Path, page: Any) -> None:
+    """The second tab showed the first's new message without a reply and offered "Retry",
+    which the server refused (the session was busy), and showed the reply only once the user
+    left the tab and came back."""
+    with live_server(scripted_config(tmp_path), ScriptedEngine(token_delay_s=0.05)) as base:
+        open_chat(page, base)
+        send(page, "hello")
+        other = page.context.new_page()
+        open_chat(other, base)  # the same session, remembered
+        other.locator(".msg.user", has_text="hello").wait_for()
+        page.bring_to_front()
+        page.locator("#composer").fill(" ".join(["word"] * 80))  # a reply of about 4 s
+        page.locator("#composer").press("Enter")
+        page.locator(".msg.assistant.streaming").wait_for()
+        other.bring_to_front()
+        other.evaluate("window.dispatchEvent(new Event('blur')); "
+                       "window.dispatchEvent(new Event('focus'))")
+        other.locator(".replying-note").wait_for()
+        assert other.locator(".msg.user").count() == 2
+        assert other.locator(".regenerate").count() == 0
+        page.locator(".msg.assistant").nth(1).locator(".timings").wait_for()
+        # the reply comes in without the user doing anything, and can be regenerated
+        other.locator(".msg.assistant").nth(1).wait_for(timeout=10_000)
+        other.locator(".regenerate", has_text="Regenerate").wait_for()
+        assert other.locator(".replying-note").count() == 0
+        assert other.locator(".msg.assistant").nth(1).inner_text().startswith("You said: word")
+
+
 def test_while_the_server_is_away_the_page_counts_down_and_retries_when_the_user_returns(
         tmp_path: Path, page: Any) -> None:
     """The status said "Reconnecting in 9s…" until the next try (no countdown), and a user

@@ -26,7 +26,13 @@ const state = {
   restoring: false, // re-opening a remembered session (it may be gone)
   cancelled: new Set(), // request ids we sent `cancel` for
   deleteWhenDone: new Set(), // sessions to delete once their streaming reply has stopped
+  // The session shown is being answered by another tab or app (the server said `replying`):
+  // no Retry under its last message, and the page opens it again until the reply is in.
+  replyingElsewhere: null,
 };
+
+// How often a session another tab is answering is opened again, to show its reply.
+const REPLYING_POLL_MS = 1500;
 
 // Stop takes Send's place while a reply streams: a double-click on Send would land its second
 // click on Stop and cancel the reply it just asked for. Stop is disabled this long after a send.
@@ -83,15 +89,24 @@ function refreshRegenerate(generating) {
   const msgs = ui.messages.querySelectorAll(":scope > .msg");
   const last = msgs[msgs.length - 1];
   let label = null;
-  if (state.currentId && !generating && client.connected && last) {
+  const elsewhere = state.currentId !== null && state.replyingElsewhere === state.currentId;
+  if (state.currentId && !generating && client.connected && last && !elsewhere) {
     if (last.classList.contains("user")) label = "Retry";
     else if (!last.classList.contains("failed")) label = "Regenerate";
     else if (last.dataset.accepted === "true") label = "Retry"; // its message was kept
   }
+  const note = elsewhere && !generating ? "Being answered in another tab or app…" : null;
+  const shown = label ?? note;
   const row = ui.messages.querySelector(":scope > .msg-actions");
-  if (row && label !== null && row === ui.messages.lastElementChild
-      && row.firstElementChild.textContent === label) return;
+  if (row && shown !== null && row === ui.messages.lastElementChild
+      && row.firstElementChild.textContent === shown) return;
   row?.remove();
+  if (note !== null) {
+    const actions = el("div", "msg-actions");
+    actions.append(el("span", "msg-note replying-note", note));
+    ui.messages.append(actions);
+    return;
+  }
   if (label === null) return;
   const button = el("button", "btn btn-ghost regenerate", label);
   button.type = "button";
@@ -312,6 +327,9 @@ const handlers = {
   session(msg) {
     const s = msg.session || {};
     state.restoring = false;
+    // Opened again to see whether another tab's reply is in: the reader's scroll stays.
+    const polled = state.replyingElsewhere !== null && s.session_id === state.replyingElsewhere
+      && s.session_id === state.currentId;
     setCurrentSession(s.session_id || null);
     ui.title.textContent = sessionTitle(s);
     const bubbles = (Array.isArray(msg.messages) ? msg.messages : []).map((m) => {
@@ -332,10 +350,22 @@ const handlers = {
       return root;
     });
     // Replies still streaming for this session stay visible after a re-open.
-    for (const p of state.pending.values()) if (p.sessionId === s.session_id) bubbles.push(p.root);
+    const mine = [...state.pending.values()].filter((p) => p.sessionId === s.session_id);
+    bubbles.push(...mine.map((p) => p.root));
+    const stick = !polled || nearBottom();
     ui.messages.replaceChildren(...bubbles);
     markContextStart(ui.messages, s.context_start);
-    scrollToBottom(true);
+    scrollToBottom(stick);
+    const elsewhere = msg.replying === true && mine.length === 0 && s.session_id;
+    state.replyingElsewhere = elsewhere ? s.session_id : null;
+    if (state.replyingElsewhere !== null) {
+      const id = state.replyingElsewhere;
+      setTimeout(() => {
+        if (state.replyingElsewhere === id && state.currentId === id && client.connected) {
+          client.openSession(id);
+        }
+      }, REPLYING_POLL_MS);
+    }
     if (s.session_id) upsertSession(s);
     renderSessions();
     refreshControls();
