@@ -104,17 +104,28 @@ def test_fences_and_links_render_as_markdown_says(url: str, page: Any) -> None:
     assert link.inner_text() == "Python"
 
 
-def test_a_second_tab_shows_what_the_first_said_when_the_user_comes_back(
-        url: str, page: Any) -> None:
+def second_tab(page: Any, url: str, first: str) -> Any:
+    """Send `first` in `page`, open the same session in a second tab, and go back to `page`."""
     open_chat(page, url)
-    send(page, "first question")
+    send(page, first)
     other = page.context.new_page()
     open_chat(other, url)  # the same session, remembered
-    other.locator(".msg.user", has_text="first question").wait_for()
+    other.locator(".msg.user", has_text=first).wait_for()
     page.bring_to_front()
+    return other
+
+
+def come_back(tab: Any) -> None:
+    """The user goes to `tab` (it resyncs with the server)."""
+    tab.bring_to_front()
+    tab.evaluate("window.dispatchEvent(new Event('blur')); window.dispatchEvent(new Event('focus'))")
+
+
+def test_a_second_tab_shows_what_the_first_said_when_the_user_comes_back(
+        url: str, page: Any) -> None:
+    other = second_tab(page, url, "first question")
     send(page, "second question")
-    other.bring_to_front()
-    other.evaluate("window.dispatchEvent(new Event('blur')); window.dispatchEvent(new Event('focus'))")
+    come_back(other)
     other.locator(".msg.user", has_text="second question").wait_for(timeout=10_000)
     assert other.locator("#messages > .msg").count() == 4
 
@@ -125,18 +136,11 @@ def test_a_second_tab_offers_no_retry_while_the_first_is_answering(
     which the server refused (the session was busy), and showed the reply only once the user
     left the tab and came back."""
     with live_server(scripted_config(tmp_path), ScriptedEngine(token_delay_s=0.05)) as base:
-        open_chat(page, base)
-        send(page, "hello")
-        other = page.context.new_page()
-        open_chat(other, base)  # the same session, remembered
-        other.locator(".msg.user", has_text="hello").wait_for()
-        page.bring_to_front()
+        other = second_tab(page, base, "hello")
         page.locator("#composer").fill(" ".join(["word"] * 80))  # a reply of about 4 s
         page.locator("#composer").press("Enter")
         page.locator(".msg.assistant.streaming").wait_for()
-        other.bring_to_front()
-        other.evaluate("window.dispatchEvent(new Event('blur')); "
-                       "window.dispatchEvent(new Event('focus'))")
+        come_back(other)
         other.locator(".replying-note").wait_for()
         assert other.locator(".msg.user").count() == 2
         assert other.locator(".regenerate").count() == 0
