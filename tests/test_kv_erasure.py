@@ -199,6 +199,40 @@ def test_kv_computed_past_a_sessions_last_kept_token_is_erased_with_it(tmp_path:
         planner.close()
 
 
+def test_kv_an_earlier_turn_computed_past_what_the_session_kept_is_erased_with_it(
+        tmp_path: Path) -> None:
+    # Turn 1's reply ran on in the engine past what the session kept (TURN1); turn 2 went on
+    # from TURN1 without it. The session's chain (turn 2's) runs past turn 1's tail.
+    planner = make_planner(tmp_path / "ssd")
+    chain = [*TURN1, 120, 121, 122, 123, 124]
+    try:
+        run_turn(planner, "r1", [*TURN1, 110, 111], [7, 8, 9], session="s1")  # tail 108-110
+        run_turn(planner, "r2", chain, [4, 5, 6, 7], session="s1")
+        planner.store.flush()
+        erased, _ = planner.forget("s1", [chain]).result(10)
+        for tier in planner.store.tiers:
+            assert len(tier.keys()) == 0
+        assert erased == 2 * (4 + 1) * LAYERS  # 3 full chunks and 2 tails, on both tiers
+    finally:
+        planner.close()
+
+
+def test_a_live_sessions_pruned_chain_leaves_the_tail_of_one_it_still_runs(
+        tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd")
+    old = [*TURN1]  # dropped
+    current = [*TURN1, 110, 111, 112, 113, 114]  # extends it
+    try:
+        run_turn(planner, "r1", [*TURN1, 110, 111], [7, 8, 9], session="s1")  # tail 108-110
+        planner.store.flush()
+        assert planner.forget("s1", [old], keep=[current]).result(10) == (0, 0)
+        view = TokenView("r2", current)
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) == 11
+    finally:
+        planner.close()
+
+
 def test_a_live_sessions_old_chain_is_erased_but_what_it_still_runs_is_not(
         tmp_path: Path) -> None:
     planner = make_planner(tmp_path / "ssd")

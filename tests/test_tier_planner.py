@@ -162,11 +162,25 @@ def test_a_follow_up_loads_the_part_of_a_tail_it_shares(planner: TierPlanner) ->
     assert [c.blocks for c in meta.loads] == [(1,), (2,)]
     assert [c.blocks for c in meta.early_loads] == [(3,)]  # the shared tail's page
     planner.step_done({meta.step}, set())
-    # A stored tail of exactly the prompt's tokens wins over a longer shared prefix's
+    # Of two tails, the one that shares more
     run_turn(planner, "r3", [*TURN1, 200, 201], [4, 5, 6])  # tail 108, 109, 200
     view = TokenView("r4", [*TURN1, 200, 201, 202])
     planner.add_request(view)
     assert planner.num_new_matched_tokens(view, 0) == 11
+
+
+def test_a_tail_saved_before_a_restart_is_found_by_its_exact_tokens(tmp_path: Path) -> None:
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "r1", [*TURN1, 200, 201], [7, 8, 9])  # tail 108, 109, 200
+    first.close()
+    planner = make_planner(tmp_path / "ssd")  # its tail index is empty
+    try:
+        run_turn(planner, "r2", [*TURN1, 300, 301], [4, 5, 6])  # tail 108, 109, 300: indexed
+        view = TokenView("r3", [*TURN1, 200, 201, 202])
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) == 11  # not 10 (the indexed one)
+    finally:
+        planner.close()
 
 
 def test_a_different_prefix_matches_nothing(planner: TierPlanner) -> None:

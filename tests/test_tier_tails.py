@@ -25,21 +25,33 @@ def test_candidates_are_the_tails_after_the_chain_longest_shared_prefix_first() 
     assert index.extending(b"p", [1, 2, 3, 4]) == []  # shorter tails are the chain's own
 
 
-def test_the_index_keeps_the_most_recently_saved_up_to_its_capacity() -> None:
-    index = TailIndex(2)
+def test_the_index_keeps_the_most_recently_saved_or_used_up_to_its_bounds() -> None:
+    index = TailIndex(3, per_chain=2)
     index.add(b"p", key(b"a"), [1])
     index.add(b"p", key(b"b"), [1, 2])
-    index.add(b"p", key(b"a"), [1])  # saved again: the newest
-    index.add(b"p", key(b"c"), [1, 2, 3])
-    assert len(index) == 2
+    index.touch(key(b"a"))  # used: b leaves first
+    index.add(b"p", key(b"c"), [1, 2, 3])  # a third after p: over per_chain
     assert [k for _, k in index.candidates(b"p", [1, 2, 3])] == [key(b"c"), key(b"a")]
-    index.discard_hashes({b"a", b"c"})
-    assert len(index) == 0 and index.candidates(b"p", [1]) == []
+    index.add(b"q", key(b"d"), [1])
+    index.add(b"r", key(b"e"), [1])  # a fourth in all: over capacity, a leaves
+    assert len(index) == 3 and index.candidates(b"p", [1]) == [(1, key(b"c"))]
+    index.discard_hashes({b"c", b"d"})
+    assert len(index) == 1 and index.candidates(b"p", [1]) == []
     off = TailIndex(0)
     off.add(b"p", key(b"a"), [1])
     assert len(off) == 0
     with pytest.raises(ValueError):
         TailIndex(-1)
+
+
+def test_tails_by_the_chain_they_continue_and_by_session() -> None:
+    index = TailIndex(8)
+    index.add(b"p", key(b"a"), [1], session="s1")
+    index.add(b"q", key(b"b"), [2], session="s2")
+    index.add(b"r", key(b"c"), [3])
+    assert set(index.after({b"p", b"q", b"x"})) == {key(b"a"), key(b"b")}
+    assert index.of_session("s1") == [key(b"a")]
+    assert index.extending(b"p", []) == [key(b"a")]  # a chain ending at a chunk boundary
 
 
 def test_common_prefix() -> None:

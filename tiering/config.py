@@ -38,6 +38,12 @@ class TieringConfig:
         "unset: <data-dir>/kv", default=None)
     chunk_tokens: int = doc(
         "Tokens per stored KV chunk; a multiple of page_tokens", default=128)
+    tail_index_entries: int = doc(
+        "Partial chunks whose tokens the engine keeps in memory (about 1 KiB each with "
+        "128-token chunks), so a turn that shares only part of one (a reply a stop string "
+        "ended or a user cancelled ran on in the engine) loads that part, and deleting a "
+        "session erases it; 0 turns this off (tails are then matched by their exact tokens)",
+        default=16384)
     # Tokens per KV page of the engine: the connector sets it to vLLM's block size (128 on the
     # CPU backend), so it is no command-line option.
     page_tokens: int = 128
@@ -111,6 +117,8 @@ class TieringConfig:
         if not 0 < self.advisory_ttl_s < math.inf:  # (NaN fails too)
             raise ValueError(f"advisory_ttl_s must be positive and finite, got "
                              f"{self.advisory_ttl_s}")
+        if self.tail_index_entries < 0:
+            raise ValueError(f"tail_index_entries must be >= 0, got {self.tail_index_entries}")
         if self.writer_queue_depth < 1:
             raise ValueError(
                 f"writer_queue_depth must be at least 1, got {self.writer_queue_depth}")

@@ -209,10 +209,7 @@ class TierPlanner:
         self._forgotten_chunks: set[bytes] = set()
         self._erasing: list[set[bytes]] = []  # the prefix hashes of each erasure running
         self._retiring: list[PrefetchHandle] = []
-        # The tokens of partial chunks saved: one entry per chunk the tiers can hold at most.
-        slot_bytes = page_bytes * self.pages_per_chunk
-        self._tails = TailIndex(sum(tier.capacity_bytes // slot_bytes
-                                    for tier in self.store.tiers) // num_layers)
+        self._tails = TailIndex(config.tail_index_entries)  # the tokens of tails saved
         self.counters = TieringCounters()
 
     @property
@@ -464,10 +461,11 @@ class TierPlanner:
             full = num_computed // self.chunk_tokens
             if num_computed == full * self.chunk_tokens or st.saved_chunks != full:
                 return False  # nothing partial, or the full chunks were not all saved
-            copy, keys = self._reserve(self._tail_key(st, num_computed),
-                                       self._tail_pages(block_ids, num_computed))
+            tail = self._tail_key(st, num_computed)
+            copy, keys = self._reserve(tail, self._tail_pages(block_ids, num_computed))
             if copy is None:
                 return False
+            self._index_tail(st, num_computed, tail)
             self._final_saves[request_id] = [copy]
             self._final_keys.extend((key, self._durable(st)) for key in keys)
             return True
@@ -511,6 +509,8 @@ class TierPlanner:
                         break  # no host room: recompute from here
                     copies.append(copy)
                     reserved.extend(keys)
+                if key_end % self.chunk_tokens:
+                    self._index_tail(st, key_end, key)
                 held = key_end
                 restore.append(key)
             st.saved_chunks = min(st.saved_chunks, held // self.chunk_tokens)
@@ -607,16 +607,16 @@ class TierPlanner:
         def erase() -> None:
             wanted: set[bytes] = set()
             try:
-                wanted = chain_hashes(chains, self.chunk_tokens, self.model_id, salt=salt)
-                if kept_chains:
-                    wanted -= chain_hashes(kept_chains, self.chunk_tokens, self.model_id,
-                                           salt=salt)
-                ends, kept_ends = self._chain_ends(chains, salt), self._chain_ends(
-                    kept_chains or (), salt)
+                kept = set() if not kept_chains else chain_hashes(
+                    kept_chains, self.chunk_tokens, self.model_id, salt=salt)
+                wanted = chain_hashes(chains, self.chunk_tokens, self.model_id, salt=salt) - kept
+                ends = self._chain_ends(chains, salt)
                 with self._lock:
-                    # and the partial chunks computed past a chain's end (a reply cut by a
-                    # stop string or a cancel ran on in the engine), as far as this run knows
-                    wanted |= self._overhangs(ends) - self._overhangs(kept_ends)
+                    # and the partial chunks computed past where the session's tokens go (a
+                    # reply a stop string ended or a cancel ran on in the engine), no chain's
+                    # hash names, as far as this run knows them (`TailIndex`)
+                    wanted |= self._run_on_tails(session, ends, wanted,
+                                                 deleted=kept_chains is None) - kept
                     self._tails.discard_hashes(wanted)
                     # Chunks a checkpointed request will restore stay, now and until the
                     # erasure is done (`checkpoint` takes its own out of every erasure).
@@ -737,6 +737,7 @@ class TierPlanner:
                 shared, tail, tail_layers = length, key, keys
                 break
         if tail is not None and tail_layers is not None:
+            self._tails.touch(tail)
             return _Match([*chunks, tail], start + shared, [*layers, tail_layers])
         return _Match(chunks, start, layers)
 
@@ -750,11 +751,17 @@ class TierPlanner:
             ends.append((previous, tokens[len(hashes) * self.chunk_tokens:]))
         return ends
 
-    def _overhangs(self, ends: Iterable[tuple[bytes, Sequence[int]]]) -> set[bytes]:
-        """The prefix hashes of the partial chunks saved in this run whose tokens run on past
-        one of the chain ends `ends` (`_chain_ends`)."""
-        return {key.prefix_hash for previous, rest in ends
-                for key in self._tails.extending(previous, rest)}
+    def _run_on_tails(self, session: str, ends: Iterable[tuple[bytes, Sequence[int]]],
+                      erased: set[bytes], *, deleted: bool) -> set[bytes]:
+        """The prefix hashes of the partial chunks saved in this run that run on past one of
+        the chain ends `ends` (`_chain_ends`), or continue a full chunk in `erased` (which no
+        turn can then reach), or, for a `deleted` session, that a request of it saved."""
+        found = {key.prefix_hash for previous, rest in ends
+                 for key in self._tails.extending(previous, rest)}
+        found.update(key.prefix_hash for key in self._tails.after(erased))
+        if deleted:
+            found.update(key.prefix_hash for key in self._tails.of_session(session))
+        return found
 
     def _stored(self, key: ChunkKey) -> list[ChunkKey] | None:
         """`key`'s chunk at every layer, if some tier holds each (layer 0 first: a partial
@@ -886,15 +893,20 @@ class TierPlanner:
                    for k in (key.with_layer(layer) for layer in range(self.num_layers)))
 
     def _tail_key(self, st: _Request, num_tokens: int) -> ChunkKey:
-        """The key of the partial chunk that ends at `num_tokens` (not a chunk boundary),
-        whose tokens the tail index keeps."""
+        """The key of the partial chunk that ends at `num_tokens` (not a chunk boundary)."""
         full = num_tokens // self.chunk_tokens
         hashes = self._hashes(st, full)
         previous = hashes[-1] if hashes else prefix_seed(self.model_id, st.view.salt)
         tokens = st.view.token_ids[full * self.chunk_tokens:num_tokens]
-        key = ChunkKey(self.model_id, tail_hashes(previous, tokens)[-1], full, 0)
-        self._tails.add(previous, key, tokens)
-        return key
+        return ChunkKey(self.model_id, tail_hashes(previous, tokens)[-1], full, 0)
+
+    def _index_tail(self, st: _Request, num_tokens: int, key: ChunkKey) -> None:
+        """`key` (`_tail_key(st, num_tokens)`) is stored or on its way: keep its tokens."""
+        full = num_tokens // self.chunk_tokens
+        hashes = self._hashes(st, full)
+        previous = hashes[-1] if hashes else prefix_seed(self.model_id, st.view.salt)
+        self._tails.add(previous, key, st.view.token_ids[full * self.chunk_tokens:num_tokens],
+                        st.view.session)
 
     def _tail_pages(self, block_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
         """The device pages of the partial chunk that ends at `num_tokens`."""

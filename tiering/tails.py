@@ -9,16 +9,23 @@ the reply without it) or one its user cancelled (the engine ran ahead of what wa
 Position i's KV depends on tokens 0..i alone, so the first n pages of such a chunk hold the KV
 of any prompt that shares its first n tokens; this index finds the chunk with the longest
 common prefix. It lives in memory, for one engine's life: after a restart the stored chunks
-are found by their exact tokens alone.
+are found by their exact tokens alone (token ids are never written to disk).
 """
 
 from __future__ import annotations
 
 import array
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from antiphon.tiering.keys import ChunkKey
+
+# Tails kept per chain they continue, the most recently saved or used: a match compares the
+# prompt with each (a few µs apiece), under the planner's lock. A session's own tail follows
+# its own chunks; only conversations shorter than a chunk share a chain (the salted seed, or a
+# long common system prompt), and there the most recent tails are the ones likely asked for.
+TAILS_PER_CHAIN = 16
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -30,48 +37,74 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+@dataclasses.dataclass
+class _Tail:
+    previous: bytes
+    tokens: array.array[int]
+    session: str | None
+
+
 class TailIndex:
     """Partial chunks by the chain they continue (`previous`: the hash of the full chunks
-    before them, or the salted seed), with their tokens; the `capacity` most recently saved,
-    at most (one entry is at most `chunk_tokens - 1` token ids, 4 bytes each)."""
+    before them, or the salted seed), with their tokens and the session whose request saved
+    them: at most `capacity` (one is at most `chunk_tokens - 1` token ids, 4 bytes each) and
+    `TAILS_PER_CHAIN` per chain, the least recently saved or used leaving first."""
 
-    def __init__(self, capacity: int) -> None:
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
+    def __init__(self, capacity: int, per_chain: int = TAILS_PER_CHAIN) -> None:
+        if capacity < 0 or per_chain < 1:
+            raise ValueError(f"capacity must be >= 0 and per_chain >= 1, got {capacity}, "
+                             f"{per_chain}")
         self.capacity = capacity
-        self._entries: OrderedDict[ChunkKey, tuple[bytes, array.array[int]]] = OrderedDict()
-        self._after: dict[bytes, set[ChunkKey]] = {}
+        self.per_chain = per_chain
+        self._entries: OrderedDict[ChunkKey, _Tail] = OrderedDict()
+        self._after: dict[bytes, OrderedDict[ChunkKey, None]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, previous: bytes, key: ChunkKey, tokens: Sequence[int]) -> None:
+    def add(self, previous: bytes, key: ChunkKey, tokens: Sequence[int],
+            session: str | None = None) -> None:
         """`key` (layer 0) is the partial chunk of `tokens` after `previous`."""
         if self.capacity == 0 or not tokens:
             return
         if key in self._entries:
-            self._entries.move_to_end(key)
+            self.touch(key)
             return
-        self._entries[key] = (previous, array.array("I", tokens))
-        self._after.setdefault(previous, set()).add(key)
-        while len(self._entries) > self.capacity:
+        self._entries[key] = _Tail(previous, array.array("I", tokens), session)
+        chain = self._after.setdefault(previous, OrderedDict())
+        chain[key] = None
+        if len(chain) > self.per_chain:
+            self.discard(next(iter(chain)))
+        if len(self._entries) > self.capacity:
             self.discard(next(iter(self._entries)))
 
+    def touch(self, key: ChunkKey) -> None:
+        """`key` was used: the last to leave."""
+        tail = self._entries.get(key)
+        if tail is not None:
+            self._entries.move_to_end(key)
+            self._after[tail.previous].move_to_end(key)
+
     def discard(self, key: ChunkKey) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is None:
+        tail = self._entries.pop(key, None)
+        if tail is None:
             return
-        siblings = self._after[entry[0]]
-        siblings.discard(key)
-        if not siblings:
-            del self._after[entry[0]]
+        chain = self._after[tail.previous]
+        del chain[key]
+        if not chain:
+            del self._after[tail.previous]
+
+    def discard_hashes(self, prefix_hashes: set[bytes]) -> None:
+        """Drop the entries of chunks stored under any of `prefix_hashes` (erased)."""
+        for key in [key for key in self._entries if key.prefix_hash in prefix_hashes]:
+            self.discard(key)
 
     def candidates(self, previous: bytes, tokens: Sequence[int]) -> list[tuple[int, ChunkKey]]:
         """(tokens shared with `tokens`, key) of every partial chunk after `previous` that
-        shares at least one, longest first."""
+        shares at least one, longest first (the most recent first among equals)."""
         found = []
-        for key in self._after.get(previous, ()):
-            shared = common_prefix(self._entries[key][1], tokens)
+        for key in reversed(self._after.get(previous, {})):
+            shared = common_prefix(self._entries[key].tokens, tokens)
             if shared:
                 found.append((shared, key))
         found.sort(key=lambda item: -item[0])
@@ -79,11 +112,15 @@ class TailIndex:
 
     def extending(self, previous: bytes, tokens: Sequence[int]) -> list[ChunkKey]:
         """The partial chunks after `previous` whose tokens begin with all of `tokens`: KV
-        computed past where a session's known tokens end (erased with the session)."""
+        computed past where a session's known tokens end."""
         return [key for key in self._after.get(previous, ())
-                if common_prefix(self._entries[key][1], tokens) == len(tokens)]
+                if common_prefix(self._entries[key].tokens, tokens) == len(tokens)]
 
-    def discard_hashes(self, prefix_hashes: set[bytes]) -> None:
-        """Drop the entries of chunks stored under any of `prefix_hashes` (erased)."""
-        for key in [key for key in self._entries if key.prefix_hash in prefix_hashes]:
-            self.discard(key)
+    def after(self, prefix_hashes: set[bytes]) -> list[ChunkKey]:
+        """The partial chunks that continue any of the chains `prefix_hashes` (full chunks)."""
+        return [key for previous, chain in self._after.items() if previous in prefix_hashes
+                for key in chain]
+
+    def of_session(self, session: str) -> list[ChunkKey]:
+        """The partial chunks requests of `session` saved."""
+        return [key for key, tail in self._entries.items() if tail.session == session]
