@@ -169,6 +169,22 @@ def test_a_follow_up_loads_the_part_of_a_tail_it_shares(planner: TierPlanner) ->
     assert planner.num_new_matched_tokens(view, 0) == 11
 
 
+def test_a_tail_a_tier_held_already_is_matched_by_the_part_it_shares(tmp_path: Path) -> None:
+    # The same conversation after a restart saves the same tail, which the SSD tier holds
+    # from before: nothing to copy, and it was left out of the index.
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "r1", [*TURN1, 110, 111], [7, 8, 9])  # tail 108-110
+    first.close()
+    planner = make_planner(tmp_path / "ssd", ssd_fetch_wait_s=5.0)
+    try:
+        run_turn(planner, "r1", [*TURN1, 110, 111], [7, 8, 9])
+        view = TokenView("r2", [*TURN1, 200, 201, 202])
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) == 10
+    finally:
+        planner.close()
+
+
 def test_a_tail_saved_before_a_restart_is_found_by_its_exact_tokens(tmp_path: Path) -> None:
     first = make_planner(tmp_path / "ssd")
     run_turn(first, "r1", [*TURN1, 200, 201], [7, 8, 9])  # tail 108, 109, 200

@@ -463,9 +463,10 @@ class TierPlanner:
                 return False  # nothing partial, or the full chunks were not all saved
             tail = self._tail_key(st, num_computed)
             copy, keys = self._reserve(tail, self._tail_pages(block_ids, num_computed))
+            if copy is not None or self._held(tail):  # (a tier may hold it: a restart's)
+                self._index_tail(st, num_computed, tail)
             if copy is None:
                 return False
-            self._index_tail(st, num_computed, tail)
             self._final_saves[request_id] = [copy]
             self._final_keys.extend((key, self._durable(st)) for key in keys)
             return True
