@@ -215,8 +215,9 @@ class Engine(abc.ABC):
 
 
 def _tier_tokens(out: Any) -> tuple[int, int] | None:
-    """(host, SSD) prompt tokens the KV tiers served a finished request (its connector's
-    `kv_transfer_params`); None without tiers."""
+    """(host, SSD) prompt tokens the KV tiers served the request (its connector's
+    `kv_transfer_params`, on each of its outputs: a reply its client cancels has no finished
+    one); None without tiers."""
     params = getattr(out, "kv_transfer_params", None) or {}
     loads = params.get(TIER_TOKENS_KEY)
     return None if loads is None else (int(loads[0]), int(loads[1]))
@@ -530,7 +531,7 @@ class VllmEngine(Engine):
                         finish_reason=completion.finish_reason,
                         num_prompt_tokens=len(out.prompt_token_ids or ()),
                         num_cached_tokens=out.num_cached_tokens or 0,
-                        tier_tokens=_tier_tokens(out) if out.finished else None,
+                        tier_tokens=_tier_tokens(out),
                         token_ids=tuple(completion.token_ids),
                         logprobs=_token_logprobs(completion, params, out.finished),
                         prompt_logprobs=_prompt_logprobs(out, params.prompt_logprobs),

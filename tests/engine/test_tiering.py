@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import shutil
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -282,12 +283,17 @@ async def test_a_reply_a_stop_string_ends_says_what_the_tiers_served(
         await reset_when_free(eng)
         params = GenerationParams(max_tokens=30, temperature=0.0)
         served = [delta async for delta in eng.generate("follow-up", follow_up, params)]
+        # A reply its client cancels says what the tiers served too (it has no last output)
+        await reset_when_free(eng)
+        async with aclosing(eng.generate("cancelled", follow_up, params)) as stream:
+            first = await anext(stream)
     finally:
         await eng.shutdown()
     last = deltas[-1]
     assert last.finished and last.finish_reason == "stop"
     assert len(deltas) < 60 and last.num_cached_tokens > 0
     assert last.tier_tokens is not None and sum(last.tier_tokens) == last.num_cached_tokens
+    assert not first.finished and first.tier_tokens is not None and sum(first.tier_tokens) > 0
     # The follow-up loads the first turn's prompt and the reply up to the stop string
     shared = common_prefix(follow_up, [*prompt, *(t for delta in deltas for t in delta.token_ids)])
     assert shared > len(prompt) + 10
