@@ -137,6 +137,7 @@ def test_a_second_tab_offers_no_retry_while_the_first_is_answering(
     left the tab and came back."""
     with live_server(scripted_config(tmp_path), ScriptedEngine(token_delay_s=0.05)) as base:
         other = second_tab(page, base, "hello")
+        other.set_viewport_size({"width": 900, "height": 420})  # the conversation overflows
         page.locator("#composer").fill(" ".join(["word"] * 80))  # a reply of about 4 s
         page.locator("#composer").press("Enter")
         page.locator(".msg.assistant.streaming").wait_for()
@@ -144,12 +145,23 @@ def test_a_second_tab_offers_no_retry_while_the_first_is_answering(
         other.locator(".replying-note").wait_for()
         assert other.locator(".msg.user").count() == 2
         assert other.locator(".regenerate").count() == 0
+        # a message typed meanwhile waits in the composer (the server would refuse it)
+        other.locator("#composer").fill("meanwhile")
+        assert other.locator("#send").is_disabled()
+        other.locator("#composer").press("Enter")
+        assert other.locator("#composer").input_value() == "meanwhile"
         page.locator(".msg.assistant").nth(1).locator(".timings").wait_for()
         # the reply comes in without the user doing anything, and can be regenerated
         other.locator(".msg.assistant").nth(1).wait_for(timeout=10_000)
         other.locator(".regenerate", has_text="Regenerate").wait_for()
         assert other.locator(".replying-note").count() == 0
         assert other.locator(".msg.assistant").nth(1).inner_text().startswith("You said: word")
+        assert other.locator("#send").is_enabled()
+        # scrolled to the end, the Regenerate row in view
+        assert other.evaluate("""() => {
+          const m = document.querySelector('#messages');
+          return m.scrollHeight - m.scrollTop - m.clientHeight < 2;
+        }""")
 
 
 def test_while_the_server_is_away_the_page_counts_down_and_retries_when_the_user_returns(

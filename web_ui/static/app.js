@@ -67,12 +67,19 @@ function isGenerating() {
   return false;
 }
 
+/** Another tab or app is answering the session shown: the server would refuse a message. */
+function answeredElsewhere() {
+  return state.currentId !== null && state.replyingElsewhere === state.currentId;
+}
+
 function refreshControls() {
   const generating = isGenerating();
   ui.stop.hidden = !generating;
   ui.send.hidden = generating;
   // While a new session opens for a queued message, a second message waits in the composer.
-  ui.send.disabled = !client.connected || composer.isBlank() || state.queued !== null;
+  // And while another tab answers the session, the message waits in the composer.
+  ui.send.disabled = !client.connected || composer.isBlank() || state.queued !== null
+    || answeredElsewhere();
   const current = [...state.pending.values()].filter((p) => p.sessionId === state.currentId);
   ui.stop.disabled = (current.length > 0 && current.every((p) => p.cancelling))
     || performance.now() - state.sentAt < STOP_GRACE_MS;
@@ -89,7 +96,7 @@ function refreshRegenerate(generating) {
   const msgs = ui.messages.querySelectorAll(":scope > .msg");
   const last = msgs[msgs.length - 1];
   let label = null;
-  const elsewhere = state.currentId !== null && state.replyingElsewhere === state.currentId;
+  const elsewhere = answeredElsewhere();
   if (state.currentId && !generating && client.connected && last && !elsewhere) {
     if (last.classList.contains("user")) label = "Retry";
     else if (!last.classList.contains("failed")) label = "Regenerate";
@@ -261,7 +268,7 @@ function regenerate() {
 
 function submit() {
   const content = composer.value;
-  if (composer.isBlank() || isGenerating() || state.queued !== null) return;
+  if (composer.isBlank() || isGenerating() || state.queued !== null || answeredElsewhere()) return;
   if (!client.connected) {
     showError("disconnected", "Not connected to the server; reconnecting…");
     return;
@@ -355,13 +362,14 @@ const handlers = {
     const stick = !polled || nearBottom();
     ui.messages.replaceChildren(...bubbles);
     markContextStart(ui.messages, s.context_start);
-    scrollToBottom(stick);
     const elsewhere = msg.replying === true && mine.length === 0 && s.session_id;
     state.replyingElsewhere = elsewhere ? s.session_id : null;
     if (state.replyingElsewhere !== null) {
+      // A hidden tab asks again when the user comes back to it (`comeBack`).
       const id = state.replyingElsewhere;
       setTimeout(() => {
-        if (state.replyingElsewhere === id && state.currentId === id && client.connected) {
+        if (state.replyingElsewhere === id && state.currentId === id && client.connected
+            && !document.hidden) {
           client.openSession(id);
         }
       }, REPLYING_POLL_MS);
@@ -369,6 +377,7 @@ const handlers = {
     if (s.session_id) upsertSession(s);
     renderSessions();
     refreshControls();
+    scrollToBottom(stick); // with the Regenerate row refreshControls drew
     if (state.queued !== null && s.session_id) {
       const content = state.queued;
       state.queued = null;
