@@ -185,6 +185,28 @@ def test_a_tail_a_tier_held_already_is_matched_by_the_part_it_shares(tmp_path: P
         planner.close()
 
 
+def test_after_a_restart_an_advisory_lets_the_turn_load_the_part_of_a_tail_it_shares(
+        tmp_path: Path) -> None:
+    # The reply a stop string ended: the session keeps its tokens up to the stop string's
+    # (110), which the next prompt renders without. After a restart the tail index is empty,
+    # and the follow-up's prompt finds no tail by its exact tokens; the advisory's context does.
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "r1", [*TURN1, 110, 111], [7, 8, 9])  # tail 108-110: the session's context
+    first.close()
+    planner = make_planner(tmp_path / "ssd", ssd_fetch_wait_s=5.0)
+    try:
+        follow = [*TURN1, 200, 201, 202]
+        view = TokenView("r2", follow)
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) == 8  # the full chunks alone
+        assert planner.advise("s1", [*TURN1, 110], expected_arrival_s=None) == 11
+        view = TokenView("r3", follow, "s1")
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) == 10
+    finally:
+        planner.close()
+
+
 def test_a_tail_saved_before_a_restart_is_found_by_its_exact_tokens(tmp_path: Path) -> None:
     first = make_planner(tmp_path / "ssd")
     run_turn(first, "r1", [*TURN1, 200, 201], [7, 8, 9])  # tail 108, 109, 200

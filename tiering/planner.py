@@ -574,7 +574,7 @@ class TierPlanner:
             self._expire_advisories()
             self.counters.advisories_received += 1
             self._release_advisory(session)
-            match = self._match(token_ids, len(token_ids), salt, None)
+            match = self._match(token_ids, len(token_ids), salt, None, session=session)
             keys = self._leading_chunks_with_room(match.layer_keys())
             due = now + (expected_arrival_s or 0.0)
             handle = self._prefetcher.submit(keys, due) if keys else None
@@ -702,9 +702,11 @@ class TierPlanner:
     # -- internals ---------------------------------------------------------------------------
 
     def _match(self, token_ids: Sequence[int], limit: int, salt: bytes,
-               st: _Request | None) -> _Match:
+               st: _Request | None, *, session: str | None = None) -> _Match:
         """The longest stored prefix of `token_ids[:limit]`: full chunks with every layer in
-        some tier, then the longest stored partial chunk after them."""
+        some tier, then the longest stored partial chunk after them. A partial chunk found by
+        its exact tokens joins the tail index (one saved before a restart: an advisory's
+        context finds the reply a stop string ended, its turn the part it shares)."""
         hashes = (self._hashes(st, limit // self.chunk_tokens) if st is not None else
                   prefix_hashes(token_ids[:limit], self.chunk_tokens, self.model_id, salt=salt))
         chunks: list[ChunkKey] = []
@@ -736,6 +738,8 @@ class TierPlanner:
             keys = self._stored(key)
             if keys is not None:
                 shared, tail, tail_layers = length, key, keys
+                self._tails.add(previous, key, rest[:length],
+                                st.view.session if st is not None else session)
                 break
         if tail is not None and tail_layers is not None:
             self._tails.touch(tail)
