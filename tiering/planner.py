@@ -897,21 +897,24 @@ class TierPlanner:
         return all(self.store.contains(k) or self.host.is_reserved(k)
                    for k in (key.with_layer(layer) for layer in range(self.num_layers)))
 
-    def _tail_key(self, st: _Request, num_tokens: int) -> ChunkKey:
-        """The key of the partial chunk that ends at `num_tokens` (not a chunk boundary)."""
+    def _tail_chain(self, st: _Request, num_tokens: int) -> tuple[bytes, Sequence[int]]:
+        """(the hash of the chain it continues, its tokens) of the partial chunk that ends at
+        `num_tokens` (not a chunk boundary)."""
         full = num_tokens // self.chunk_tokens
         hashes = self._hashes(st, full)
         previous = hashes[-1] if hashes else prefix_seed(self.model_id, st.view.salt)
-        tokens = st.view.token_ids[full * self.chunk_tokens:num_tokens]
-        return ChunkKey(self.model_id, tail_hashes(previous, tokens)[-1], full, 0)
+        return previous, st.view.token_ids[full * self.chunk_tokens:num_tokens]
+
+    def _tail_key(self, st: _Request, num_tokens: int) -> ChunkKey:
+        """The key of the partial chunk that ends at `num_tokens` (not a chunk boundary)."""
+        previous, tokens = self._tail_chain(st, num_tokens)
+        return ChunkKey(self.model_id, tail_hashes(previous, tokens)[-1],
+                        num_tokens // self.chunk_tokens, 0)
 
     def _index_tail(self, st: _Request, num_tokens: int, key: ChunkKey) -> None:
         """`key` (`_tail_key(st, num_tokens)`) is stored or on its way: keep its tokens."""
-        full = num_tokens // self.chunk_tokens
-        hashes = self._hashes(st, full)
-        previous = hashes[-1] if hashes else prefix_seed(self.model_id, st.view.salt)
-        self._tails.add(previous, key, st.view.token_ids[full * self.chunk_tokens:num_tokens],
-                        st.view.session)
+        previous, tokens = self._tail_chain(st, num_tokens)
+        self._tails.add(previous, key, tokens, st.view.session)
 
     def _tail_pages(self, block_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
         """The device pages of the partial chunk that ends at `num_tokens`."""

@@ -335,8 +335,7 @@ const handlers = {
     const s = msg.session || {};
     state.restoring = false;
     // Opened again to see whether another tab's reply is in: the reader's scroll stays.
-    const polled = state.replyingElsewhere !== null && s.session_id === state.replyingElsewhere
-      && s.session_id === state.currentId;
+    const polled = answeredElsewhere() && s.session_id === state.currentId;
     setCurrentSession(s.session_id || null);
     ui.title.textContent = sessionTitle(s);
     const bubbles = (Array.isArray(msg.messages) ? msg.messages : []).map((m) => {
