@@ -12,6 +12,7 @@ from websockets.asyncio.client import connect
 
 from antiphon.engine_ext.scripted import ScriptedEngine
 from antiphon.sessions.store import SessionStore
+from antiphon.tiering.connector_meta import TieringMetadata
 from antiphon.tiering.keys import chain_hashes, prefix_hashes, tail_hashes
 from antiphon.tiering.manager import ErasureIncomplete
 from antiphon.tiering.planner import TierPlanner, TokenView
@@ -41,6 +42,17 @@ def session_keys(planner: TierPlanner, tier: int, tokens: list[int]) -> list[obj
 
 
 
+def step_of_new_turn(planner: TierPlanner, tokens: list[int], num_done: int) -> TieringMetadata:
+    """Session s1's turn r1 (pages 7, 8, 9) admitted and planned in a step computing
+    `num_done` tokens; the copies are left to the caller."""
+    view = TokenView("r1", tokens, "s1")
+    planner.add_request(view)
+    planner.num_new_matched_tokens(view, 0)
+    planner.test_blocks["r1"] = [7, 8, 9]  # type: ignore[attr-defined]
+    planner.plan_load("r1", [7, 8, 9], 0, len(tokens))
+    return planner.build_metadata([("r1", num_done)])
+
+
 def test_kv_still_being_saved_when_its_session_is_deleted_is_not_kept(tmp_path: Path) -> None:
     # The session's last turn has just run: its chunks are copied into host slots this step
     # and its tail the next. The erasure scans the tiers, which hold none of it yet; the
@@ -50,12 +62,7 @@ def test_kv_still_being_saved_when_its_session_is_deleted_is_not_kept(tmp_path: 
     planner = make_planner(tmp_path / "ssd")
     chain = [*TURN1, 110]
     try:
-        view = TokenView("r1", chain, "s1")
-        planner.add_request(view)
-        planner.num_new_matched_tokens(view, 0)
-        planner.test_blocks["r1"] = [7, 8, 9]  # type: ignore[attr-defined]
-        planner.plan_load("r1", [7, 8, 9], 0, len(chain))
-        meta = planner.build_metadata([("r1", 10)])  # saves chunks 0 and 1
+        meta = step_of_new_turn(planner, chain, 10)  # saves chunks 0 and 1
         assert planner.request_finished("r1", 10, [7, 8, 9])  # the tail goes next step
         assert planner.forget("s1", [chain]).result(10) == (0, 0)
         fake_worker_saves(planner, meta.saves)
@@ -213,6 +220,51 @@ def test_kv_an_earlier_turn_computed_past_what_the_session_kept_is_erased_with_i
         for tier in planner.store.tiers:
             assert len(tier.keys()) == 0
         assert erased == 2 * (4 + 1) * LAYERS  # 3 full chunks and 2 tails, on both tiers
+    finally:
+        planner.close()
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_kv_a_reply_ran_on_into_past_what_the_session_kept_is_erased_with_it(
+        tmp_path: Path, restart: bool) -> None:
+    # The engine computed 108-111 and 112 past the reply the session kept (TURN1: a stop
+    # string ended it at 109): a full chunk and a tail no hash of the session's chains names.
+    # The tail index knew the tail until a restart; nothing knew the full chunk.
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        run_turn(planner, "r1", [*TURN1, 110, 111, 112, 113], [7, 8, 9, 10], session="s1")
+        run_turn(planner, "r2", OTHER, [4, 5, 6], session="s2")
+        planner.store.flush()
+        if restart:
+            planner.close()
+            planner = make_planner(tmp_path / "ssd")
+
+        erased, kept = planner.forget("s1", [TURN1]).result(10)
+
+        tiers = 1 if restart else 2  # the host tier starts empty
+        assert (erased, kept) == (tiers * 4 * LAYERS, 0)  # 3 full chunks and the tail
+        others = set(chain_hashes([OTHER], CHUNK, "test-model"))
+        for tier in planner.store.tiers:
+            stored = tier.keys()  # a tier's snapshot, not a dict's view
+            assert {key.prefix_hash for key in stored} <= others
+    finally:
+        planner.close()
+
+
+def test_kv_a_deleted_session_ran_on_into_that_is_still_being_saved_is_not_kept(
+        tmp_path: Path) -> None:
+    from tests.test_tier_planner import fake_worker_saves
+
+    planner = make_planner(tmp_path / "ssd")
+    tokens = [*TURN1, 110, 111, 112]  # the session kept TURN1
+    try:
+        meta = step_of_new_turn(planner, tokens, 12)  # saves chunks 0 to 2
+        assert planner.forget("s1", [TURN1]).result(10) == (0, 0)
+        fake_worker_saves(planner, meta.saves)
+        planner.step_done({meta.step}, set())
+        planner.store.flush()
+        for tier in planner.store.tiers:
+            assert tier.keys() == []
     finally:
         planner.close()
 

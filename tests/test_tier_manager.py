@@ -44,9 +44,10 @@ class RecordingTier(MemoryTier):
         self.hold_layers = hold_layers
         self.gate = threading.Event()
 
-    def put(self, key: ChunkKey, data: BytesLike, *, pin: bool = False) -> bool:
+    def put(self, key: ChunkKey, data: BytesLike, *, pin: bool = False,
+            owner: bytes = b"") -> bool:
         self.put_log.append(key)
-        return super().put(key, data, pin=pin)
+        return super().put(key, data, pin=pin, owner=owner)
 
     def get(self, key: ChunkKey) -> bytes | memoryview | None:
         if key.layer in self.hold_layers:

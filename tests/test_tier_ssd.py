@@ -420,6 +420,59 @@ def test_record_header_round_trip_and_empty_page() -> None:
         encode_record_header(ChunkKey("m" * 5000, HASHES[0], 0, 0), memoryview(b""), 1)
 
 
+def test_a_record_header_keeps_its_owner_and_one_written_before_owners_reads_as_none(
+        ) -> None:
+    import struct
+
+    from antiphon.tiering.slot_file import _RECORD, _RECORD_MAGIC, check_of, encode_record_header
+
+    page = encode_record_header(key(1, 2), memoryview(payload()), 7, b"o" * 16)
+    record = decode_record_header(page)
+    assert record is not None and (record.key, record.owner) == (key(1, 2), b"o" * 16)
+    damaged = bytearray(page)
+    damaged[_RECORD.size + 1 + len(HASHES[1]) + 3] ^= 0xFF  # a byte of the owner
+    with pytest.raises(CorruptChunk, match="header checksum"):
+        decode_record_header(bytes(damaged))
+    # format 3 before owners: the same fields, padding where owner_len is, no owner
+    fixed = _RECORD.pack(_RECORD_MAGIC, 3, 1, len(HASHES[1]), 0, 1, 2, SLOT, 7,
+                         check_of(payload()), 0)
+    body = fixed[:-4] + b"m" + HASHES[1]
+    old = fixed[:-4] + struct.pack("<I", check_of(body)) + b"m" + HASHES[1]
+    old += bytes(RECORD_HEADER_BYTES - len(old))
+    record = decode_record_header(old)
+    assert record is not None and (record.key, record.owner) == (key(1, 2), b"")
+    assert encode_record_header(key(1, 2), memoryview(payload()), 7) == old
+    with pytest.raises(ValueError, match="owner tag"):
+        encode_record_header(key(1, 2), memoryview(b""), 1, b"o" * 65)
+
+
+def test_the_keys_of_an_owner_are_found_also_after_a_restart(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "kv", num_slots=4)
+    a, b = b"a" * 16, b"b" * 16
+    try:
+        assert tier.put(key(0, 0), payload(0, 0), owner=a)
+        assert tier.put(key(0, 1), payload(0, 1), owner=a)
+        assert tier.put(key(1, 0), payload(1, 0), owner=b)
+        assert tier.put(key(2, 0), payload(2, 0))
+        assert tier.put(key(0, 0), payload(0, 0), owner=b)  # stored already: stays a's
+        assert set(tier.owned_by(a)) == {key(0, 0), key(0, 1)}
+        assert tier.owned_by(b"") == []
+        tier.flush()
+    finally:
+        tier.close()
+    tier = open_tier(tmp_path / "kv", num_slots=4)
+    try:
+        assert set(tier.owned_by(a)) == {key(0, 0), key(0, 1)}
+        assert tier.owned_by(b) == [key(1, 0)]
+        assert tier.remove(key(0, 0))
+        assert tier.put(key(3, 0), payload(3, 0))
+        assert tier.put(key(4, 0), payload(4, 0))  # evicts the oldest: key(0, 1)
+        assert tier.owned_by(a) == []
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
 def test_concurrent_reads_never_see_another_keys_bytes(tmp_path: Path) -> None:
     """Readers race a producer that keeps evicting and reusing slots (4 slots, 24 keys): every
     read is a miss or the exact payload of the key asked for, and no read counts as corrupt."""

@@ -136,7 +136,7 @@ class HostTier(IndexedTier[HostSlot]):
                              f"{self.slot_bytes}-byte slot")
         return self.slot_bytes
 
-    def _store(self, key: ChunkKey, data: memoryview) -> HostSlot:
+    def _store(self, key: ChunkKey, data: memoryview, owner: bytes) -> HostSlot:
         slot = self._slots.allocate()
         self.arena.write(slot, data)
         return HostSlot(slot, len(data))

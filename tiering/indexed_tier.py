@@ -36,8 +36,8 @@ class IndexedTier(Tier, Generic[Location]):
         """Capacity bytes charged for a payload of `num_payload_bytes` (ValueError if too big)."""
 
     @abc.abstractmethod
-    def _store(self, key: ChunkKey, data: memoryview) -> Location:
-        """Copy `data` into storage for `key`; room has been made."""
+    def _store(self, key: ChunkKey, data: memoryview, owner: bytes) -> Location:
+        """Copy `data` into storage for `key`, saved by `owner`; room has been made."""
 
     @abc.abstractmethod
     def _load(self, key: ChunkKey, entry: IndexEntry[Location]) -> bytes:
@@ -92,8 +92,9 @@ class IndexedTier(Tier, Generic[Location]):
             entry = self._index.get(key)
             return None if entry is None else self._load(key, entry)
 
-    def put(self, key: ChunkKey, data: BytesLike, *, pin: bool = False) -> bool:
-        return self._put_locked(key, byte_view(data), pin)[0] is not None
+    def put(self, key: ChunkKey, data: BytesLike, *, pin: bool = False,
+            owner: bytes = b"") -> bool:
+        return self._put_locked(key, byte_view(data), pin, owner)[0] is not None
 
     def pin(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -154,8 +155,8 @@ class IndexedTier(Tier, Generic[Location]):
 
     # Helpers for subclasses.
 
-    def _put_locked(self, key: ChunkKey, data: memoryview,
-                    pin: bool) -> tuple[IndexEntry[Location] | None, bool]:
+    def _put_locked(self, key: ChunkKey, data: memoryview, pin: bool,
+                    owner: bytes = b"") -> tuple[IndexEntry[Location] | None, bool]:
         """The put flow under the lock: (entry, is_new), or (None, False) when refused.
 
         A present key is only used (and pinned); a new one gets room, storage and an entry.
@@ -175,7 +176,7 @@ class IndexedTier(Tier, Generic[Location]):
             if not self._make_room(nbytes):
                 self.stats.refused += 1
                 return None, False
-            self._index.insert(key, self._store(key, data), nbytes, pin=pin)
+            self._index.insert(key, self._store(key, data, owner), nbytes, pin=pin)
             self.stats.bytes_in += len(data)
             entry = self._index.get(key)
             return entry, True

@@ -150,3 +150,15 @@ def chain_hashes(chains: Iterable[Sequence[int]], chunk_tokens: int, model_id: s
             rest = tokens[start:min(len(tokens), start + chunk_tokens - 1)]
             found.update(tail_hashes(hashes[index - 1] if index else seed, rest))
     return found
+
+
+_OWNER_DOMAIN = b"antiphon-kv-owner\0"
+OWNER_TAG_BYTES = 16
+
+
+def owner_tag(session: str | None) -> bytes:
+    """The tag a tier keeps with the KV a request of `session` saved (empty for none): a hash,
+    so a tier never holds the session's id, and fixed in length."""
+    if not session:
+        return b""
+    return hashlib.sha256(_OWNER_DOMAIN + session.encode()).digest()[:OWNER_TAG_BYTES]

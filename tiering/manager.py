@@ -61,34 +61,40 @@ class TieredStore:
         if uncleared:
             raise ErasureIncomplete(f"removed slots whose clear on disk failed: {uncleared}")
 
-    def put(self, key: ChunkKey, data: BytesLike) -> bool:
-        """Store `data` in the fastest tier that accepts it and in the slowest tier.
+    def put(self, key: ChunkKey, data: BytesLike, *, owner: bytes = b"") -> bool:
+        """Store `data` in the fastest tier that accepts it and in the slowest tier, saved by
+        `owner` (`Tier.put`).
 
         The slowest tier's write may finish later (see `flush`). Returns whether any tier took it.
         """
         stored = False
         for tier in self.tiers[:-1]:
-            if tier.put(key, data):
+            if tier.put(key, data, owner=owner):
                 stored = True
                 break
-        return self.tiers[-1].put(key, data) or stored
+        return self.tiers[-1].put(key, data, owner=owner) or stored
 
     def put_many(self, items: Iterable[tuple[ChunkKey, BytesLike]]) -> list[bool]:
         """`put` for each (key, data), in order."""
         return [self.put(key, data) for key, data in items]
 
-    def write_through(self, key: ChunkKey, from_tier: int = 0) -> bool:
+    def write_through(self, key: ChunkKey, from_tier: int = 0, *, owner: bytes = b"") -> bool:
         """Copy `key`, stored out of band in `tiers[from_tier]` (e.g. a committed host slot),
-        down to the slowest tier, unless that tier holds it already. Returns whether the
-        slowest tier holds it."""
+        down to the slowest tier, saved by `owner`, unless that tier holds it already. Returns
+        whether the slowest tier holds it."""
         if self.tiers[-1].contains(key):
             return True
         if from_tier == len(self.tiers) - 1:
             return False
         data = self.tiers[from_tier].peek(key)
-        return data is not None and self.tiers[-1].put(key, data)
+        return data is not None and self.tiers[-1].put(key, data, owner=owner)
 
-    def write_through_later(self, keys: Sequence[ChunkKey], from_tier: int = 0) -> int:
+    def owned_by(self, owner: bytes) -> set[ChunkKey]:
+        """The keys any tier keeps as saved by `owner` (`Tier.owned_by`)."""
+        return {key for tier in self.tiers for key in tier.owned_by(owner)}
+
+    def write_through_later(self, keys: Sequence[ChunkKey], from_tier: int = 0, *,
+                            owner: bytes = b"") -> int:
         """`write_through` the `keys` that `tiers[from_tier]` holds and the slowest tier does
         not, on a background thread; each stays pinned there until it is written. For the
         engine's scheduler thread: a BE checkpoint's 240 chunk-layers, copied there, delayed
@@ -98,13 +104,13 @@ class TieredStore:
         source, lowest = self.tiers[from_tier], self.tiers[-1]
         pinned = [key for key in keys if not lowest.contains(key) and source.pin(key)]
         if pinned:
-            self._write_down.submit(self._write_pinned, pinned, from_tier)
+            self._write_down.submit(self._write_pinned, pinned, from_tier, owner)
         return len(pinned)
 
-    def _write_pinned(self, keys: Sequence[ChunkKey], from_tier: int) -> None:
+    def _write_pinned(self, keys: Sequence[ChunkKey], from_tier: int, owner: bytes) -> None:
         for key in keys:
             try:
-                self.write_through(key, from_tier)
+                self.write_through(key, from_tier, owner=owner)
             finally:
                 self.tiers[from_tier].unpin(key)
 

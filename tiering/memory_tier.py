@@ -22,7 +22,7 @@ class MemoryTier(IndexedTier[bytes]):
     def _charge(self, key: ChunkKey, num_payload_bytes: int) -> int:
         return num_payload_bytes
 
-    def _store(self, key: ChunkKey, data: memoryview) -> bytes:
+    def _store(self, key: ChunkKey, data: memoryview, owner: bytes) -> bytes:
         return bytes(data)
 
     def _load(self, key: ChunkKey, entry: IndexEntry[bytes]) -> bytes:

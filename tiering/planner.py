@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 from antiphon.tiering.build import build_tiered_store
 from antiphon.tiering.config import TieringConfig
@@ -41,6 +41,7 @@ from antiphon.tiering.keys import (
     ChunkKey,
     chain_hashes,
     continue_prefix_hashes,
+    owner_tag,
     prefix_hashes,
     prefix_seed,
     tail_hashes,
@@ -129,13 +130,20 @@ class Checkpoint:
     chunks: tuple[ChunkKey, ...]  # layer-0 keys of the chunks its restore loads
 
 
+class _Commit(NamedTuple):
+    """A reserved host slot to publish once its copy is done."""
+
+    key: ChunkKey
+    durable: bool  # written through to the slowest tier once published
+    owner: bytes  # whose request saved it (`keys.owner_tag`), kept with it there
+
+
 @dataclasses.dataclass
 class _InFlight:
     """A step the worker has not finished: pins to drop, reserved slots to publish."""
 
     pins: list[ChunkKey] = dataclasses.field(default_factory=list)
-    # (key, written through to the slowest tier once published)
-    commits: list[tuple[ChunkKey, bool]] = dataclasses.field(default_factory=list)
+    commits: list[_Commit] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -199,7 +207,7 @@ class TierPlanner:
         self._pending_early: list[PageCopy] = []
         self._pending_load_pins: list[ChunkKey] = []
         self._final_saves: dict[str, list[PageCopy]] = {}
-        self._final_keys: list[tuple[ChunkKey, bool]] = []  # as `_InFlight.commits`
+        self._final_keys: list[_Commit] = []  # as `_InFlight.commits`
         self._in_flight: dict[int, _InFlight] = {}
         self._pending_checkpoints: list[PageCopy] = []
         self._checkpoints: dict[str, Checkpoint] = {}  # the preemption table
@@ -414,7 +422,7 @@ class TierPlanner:
                 self.counters.copy_steps_failed += step in failed_steps
                 for key in in_flight.pins:
                     self.host.unpin(key)
-                for key, durable in in_flight.commits:
+                for key, durable, owner in in_flight.commits:
                     if key.prefix_hash in self._forgotten_chunks:
                         self.host.abort(key, erase=True)
                     elif step in failed_steps:
@@ -425,7 +433,7 @@ class TierPlanner:
                         # of a BE tail was gone though the SSD tier had room.
                         if self.host.commit(key, pin=True):
                             try:
-                                self.store.write_through(key)
+                                self.store.write_through(key, owner=owner)
                             finally:
                                 self.host.unpin(key)
                     else:
@@ -468,7 +476,8 @@ class TierPlanner:
             if copy is None:
                 return False
             self._final_saves[request_id] = [copy]
-            self._final_keys.extend((key, self._durable(st)) for key in keys)
+            durable, owner = self._durable(st), self._owner(st)
+            self._final_keys.extend(_Commit(key, durable, owner) for key in keys)
             return True
 
     def checkpoint(self, request_id: str, num_computed: int, block_ids: Sequence[int]) -> int:
@@ -517,7 +526,8 @@ class TierPlanner:
             st.saved_chunks = min(st.saved_chunks, held // self.chunk_tokens)
             self._pending_checkpoints.extend(copies)
             # published, and written down, when this step's copies are done
-            self._final_keys.extend((key, True) for key in reserved)
+            owner = self._owner(st)
+            self._final_keys.extend(_Commit(key, True, owner) for key in reserved)
             copied = sum(len(copy.blocks) for copy in copies)
             c = self.counters
             c.checkpoints += 1
@@ -530,7 +540,7 @@ class TierPlanner:
             for wanted in self._erasing:
                 wanted -= kept
             if not self._durable(st):  # down to the SSD tier, so a full host tier keeps it
-                self._write_down(restore)
+                self._write_down(restore, owner)
             # The tiers keep the checkpoint until the restore: its chunks are evicted after
             # everything no checkpoint or advisory holds (a host tier full of write-through
             # evicted handed-over chunks first, and the request recomputed them).
@@ -589,7 +599,8 @@ class TierPlanner:
                keep: Iterable[Sequence[int]] | None = None) -> Future[tuple[int, int]]:
         """`session` was deleted: drop its advisory, and erase from every tier each
         chunk-layer its token sequences (`chains`, under cache salt `salt`) can be stored
-        under (`keys.chain_hashes`), bytes and all. With `keep`, the session lives on and
+        under (`keys.chain_hashes`), and each one a request of it saved (its owner tag), bytes
+        and all. With `keep`, the session lives on and
         `chains` are old ones it dropped: its advisory stays, and so does each chunk-layer
         `keep` (what it still runs) can be stored under. The hashing and the erasure run in a
         thread of their own: the engine's steps go on. A copy pinned by a running turn, or
@@ -618,6 +629,8 @@ class TierPlanner:
                     # hash names, as far as this run knows them (`TailIndex`)
                     wanted |= self._run_on_tails(session, ends, wanted,
                                                  deleted=kept_chains is None) - kept
+                    if kept_chains is None:  # and what its requests saved, also before a
+                        wanted |= self._owned_by(owner_tag(session))  # restart
                     self._tails.discard_hashes(wanted)
                     # Chunks a checkpointed request will restore stay, now and until the
                     # erasure is done (`checkpoint` takes its own out of every erasure).
@@ -768,6 +781,16 @@ class TierPlanner:
             found.update(key.prefix_hash for key in self._tails.of_session(session))
         return found
 
+    def _owned_by(self, owner: bytes) -> set[bytes]:
+        """The prefix hashes of the chunk-layers a tier keeps as saved by `owner`, and of those
+        in flight to it (lock held): the KV a deleted session's requests computed, including
+        what ran on past everything its chains name (a full chunk a reply's run-on filled, a
+        tail saved before a restart, whose tokens the tail index no longer has)."""
+        found = {key.prefix_hash for key in self.store.owned_by(owner)}
+        commits = [*self._final_keys,
+                   *(c for in_flight in self._in_flight.values() for c in in_flight.commits)]
+        return found | {c.key.prefix_hash for c in commits if c.owner == owner}
+
     def _stored(self, key: ChunkKey) -> list[ChunkKey] | None:
         """`key`'s chunk at every layer, if some tier holds each (layer 0 first: a partial
         chunk is probed at up to 127 lengths, most of them stored nowhere)."""
@@ -837,14 +860,14 @@ class TierPlanner:
             return
         hashes = self._hashes(st, full)
         block_ids = self._block_ids_of(st.view.request_id)
-        durable = self._durable(st)
+        durable, owner = self._durable(st), self._owner(st)
         for index in range(st.saved_chunks, full):
             first_page = index * self.pages_per_chunk
             pages = tuple(block_ids[first_page:first_page + self.pages_per_chunk])
             copy, keys = self._reserve(ChunkKey(self.model_id, hashes[index], index, 0), pages)
             if copy is not None:
                 meta.saves.append(copy)
-                in_flight.commits.extend((key, durable) for key in keys)
+                in_flight.commits.extend(_Commit(key, durable, owner) for key in keys)
                 self.counters.saved_chunks += 1
         st.saved_chunks = full
 
@@ -882,15 +905,22 @@ class TierPlanner:
             return True
         return not st.view.background and (mode == "rt" or st.view.session is not None)
 
-    def _write_down(self, chunks: Sequence[ChunkKey]) -> None:
-        """Write the layers of `chunks` the host tier holds through to the slowest tier, in
-        the background; those still being copied, when `step_done` publishes them."""
+    def _write_down(self, chunks: Sequence[ChunkKey], owner: bytes) -> None:
+        """Write the layers of `chunks` the host tier holds through to the slowest tier (saved
+        by `owner`), in the background; those still being copied, when `step_done` publishes
+        them."""
         self.store.write_through_later(
-            [chunk.with_layer(layer) for chunk in chunks for layer in range(self.num_layers)])
+            [chunk.with_layer(layer) for chunk in chunks for layer in range(self.num_layers)],
+            owner=owner)
         hashes = {chunk.prefix_hash for chunk in chunks}
         for in_flight in self._in_flight.values():
-            in_flight.commits = [(key, durable or key.prefix_hash in hashes)
-                                 for key, durable in in_flight.commits]
+            in_flight.commits = [c._replace(durable=True) if c.key.prefix_hash in hashes else c
+                                 for c in in_flight.commits]
+
+    @staticmethod
+    def _owner(st: _Request) -> bytes:
+        """The tag the tiers keep with what the request saves: its session's, if any."""
+        return owner_tag(st.view.session)
 
     def _held(self, key: ChunkKey) -> bool:
         """Every layer of the chunk is in a tier or reserved in the host arena."""

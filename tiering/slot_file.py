@@ -6,16 +6,21 @@
     slot, `stride` = 4 KiB + slot_bytes rounded up to 4 KiB:
       [record header, zero-padded to 4 KiB][payload (payload_len bytes)][unused]
     record header, little-endian:
-      magic "AKVC" | version u16 | model_len u16 | prefix_len u16 | pad u16 | chunk_index u32 |
-      layer u32 | payload_len u64 | sequence u64 | payload_check u32 | header_check u32,
-      then model_id (utf-8) and prefix_hash
+      magic "AKVC" | version u16 | model_len u16 | prefix_len u16 | owner_len u16 |
+      chunk_index u32 | layer u32 | payload_len u64 | sequence u64 | payload_check u32 |
+      header_check u32, then model_id (utf-8), prefix_hash and owner
     a check is the low 32 bits of the XXH3-64 hash of the bytes it covers
+
+`owner` is a tag of who saved the record (`keys.owner_tag`: a hash of a session's id, or empty),
+so a session's deletion finds, also after a restart, the KV its requests computed past anything
+its token chains name (a reply the engine ran on past a stop string or a cancel). Records written
+before it was added have `owner_len` 0 in what was padding, and read as owned by no one.
 
 A record is written with one `pwritev` of whole pages into a slot that already exists on disk
 after its first use, so a write is a copy into the page cache: no file to create, rename or
 allocate (a file per chunk-layer cost 95 µs of CPU against 8 µs here, and slowed the model's
 decode steps by 12-20%; docs/benchmarks.md). `header_check` covers the header bytes before it
-and the key bytes, so a damaged header is caught before its lengths are trusted; the payload
+and the key and owner bytes, so a damaged header is caught before its lengths are trusted; the payload
 has its own checksum, so a torn write (new header, old payload) fails verification. A slot
 whose header page is all zeros is empty. `sequence` grows with every write: after a restart
 the newest record of a key wins.
@@ -51,6 +56,7 @@ _RECORD = struct.Struct("<4sHHHHIIQQII")
 _RECORD_MAGIC = b"AKVC"
 _CHECK_OFFSET = _RECORD.size - 4  # header_check is the last fixed field
 _ZERO_PAGE = bytes(PAGE)
+MAX_OWNER_BYTES = 64
 
 
 class CorruptChunk(Exception):
@@ -67,6 +73,7 @@ class Record(NamedTuple):
     payload_len: int
     payload_check: int
     sequence: int
+    owner: bytes = b""
 
 
 def check_of(data: bytes | memoryview) -> int:
@@ -79,24 +86,29 @@ def stride_for(slot_bytes: int) -> int:
     return RECORD_HEADER_BYTES + -(-slot_bytes // PAGE) * PAGE
 
 
-def key_bytes(key: ChunkKey) -> int:
-    """Length of `key`'s record header before padding; ValueError when over one page."""
-    size = _RECORD.size + len(key.model_id.encode()) + len(key.prefix_hash)
+def key_bytes(key: ChunkKey, owner: bytes = b"") -> int:
+    """Length of `key`'s record header (owned by `owner`) before padding; ValueError when over
+    one page."""
+    if len(owner) > MAX_OWNER_BYTES:
+        raise ValueError(f"an owner tag of {len(owner)} bytes is over {MAX_OWNER_BYTES}")
+    size = _RECORD.size + len(key.model_id.encode()) + len(key.prefix_hash) + len(owner)
     if size > RECORD_HEADER_BYTES:
         raise ValueError(f"a key of {size} bytes does not fit a {RECORD_HEADER_BYTES}-byte "
                          f"record header (model id too long)")
     return size
 
 
-def encode_record_header(key: ChunkKey, payload: memoryview, sequence: int) -> bytes:
-    """`key`'s record header for `payload`, padded to a whole page."""
-    key_bytes(key)
+def encode_record_header(key: ChunkKey, payload: memoryview, sequence: int,
+                         owner: bytes = b"") -> bytes:
+    """`key`'s record header for `payload`, owned by `owner`, padded to a whole page."""
+    key_bytes(key, owner)
     model = key.model_id.encode()
-    fixed = _RECORD.pack(_RECORD_MAGIC, FORMAT_VERSION, len(model), len(key.prefix_hash), 0,
-                         key.chunk_index, key.layer, len(payload), sequence,
+    fixed = _RECORD.pack(_RECORD_MAGIC, FORMAT_VERSION, len(model), len(key.prefix_hash),
+                         len(owner), key.chunk_index, key.layer, len(payload), sequence,
                          check_of(payload), 0)
-    body = fixed[:_CHECK_OFFSET] + model + key.prefix_hash
-    header = fixed[:_CHECK_OFFSET] + struct.pack("<I", check_of(body)) + model + key.prefix_hash
+    tail = model + key.prefix_hash + owner
+    header = (fixed[:_CHECK_OFFSET] + struct.pack("<I", check_of(fixed[:_CHECK_OFFSET] + tail))
+              + tail)
     return header + bytes(RECORD_HEADER_BYTES - len(header))
 
 
@@ -109,23 +121,24 @@ def decode_record_header(page: bytes | memoryview) -> Record | None:
         return None
     if len(page) < _RECORD.size:
         raise CorruptChunk("truncated record header")
-    (magic, version, model_len, prefix_len, _, chunk_index, layer, payload_len, sequence,
-     payload_check, header_check) = _RECORD.unpack_from(page)
+    (magic, version, model_len, prefix_len, owner_len, chunk_index, layer, payload_len,
+     sequence, payload_check, header_check) = _RECORD.unpack_from(page)
     if magic != _RECORD_MAGIC:
         raise CorruptChunk("bad magic")
     if version != FORMAT_VERSION:
         raise CorruptChunk(f"record version {version}, expected {FORMAT_VERSION}")
-    end = _RECORD.size + model_len + prefix_len
+    end = _RECORD.size + model_len + prefix_len + owner_len
     if end > len(page):
         raise CorruptChunk("truncated record header")
     key_part = bytes(page[_RECORD.size:end])
     if check_of(bytes(page[:_CHECK_OFFSET]) + key_part) != header_check:
         raise CorruptChunk("header checksum mismatch")
     try:
-        key = ChunkKey(key_part[:model_len].decode(), key_part[model_len:], chunk_index, layer)
+        key = ChunkKey(key_part[:model_len].decode(),
+                       key_part[model_len:model_len + prefix_len], chunk_index, layer)
     except ValueError as e:  # UnicodeDecodeError is a ValueError
         raise CorruptChunk(f"bad key in header: {e}") from None
-    return Record(key, payload_len, payload_check, sequence)
+    return Record(key, payload_len, payload_check, sequence, key_part[model_len + prefix_len:])
 
 
 class SlotFile:
@@ -160,12 +173,14 @@ class SlotFile:
         """Where `slot` starts in the file."""
         return FILE_HEADER_BYTES + slot * self.stride
 
-    def write(self, slot: int, key: ChunkKey, payload: memoryview, sequence: int) -> None:
-        """Write `key`'s record into `slot` (OSError on a full or failing disk)."""
+    def write(self, slot: int, key: ChunkKey, payload: memoryview, sequence: int,
+              owner: bytes = b"") -> None:
+        """Write `key`'s record, owned by `owner`, into `slot` (OSError on a full or failing
+        disk)."""
         if len(payload) > self.slot_bytes:
             raise ValueError(f"a {len(payload)}-byte payload does not fit a "
                              f"{self.slot_bytes}-byte slot")
-        header = encode_record_header(key, payload, sequence)
+        header = encode_record_header(key, payload, sequence, owner)
         offset = self.offset(slot)
         written = os.pwritev(self._fd, [header, payload], offset)
         if written != len(header) + len(payload):  # a short write: the disk is full

@@ -11,7 +11,9 @@ that fails verification on read is dropped (its slot cleared) and the read is a 
 the index is rebuilt from the slots' headers, oldest write first, so LRU order survives a
 restart approximately; damaged headers are cleared. An evicted record stays on disk until its
 slot is reused, so a restart may find it again: a key names its content, so it is still
-right. `remove` and a failed verification clear the slot.
+right. `remove` and a failed verification clear the slot. Each record keeps the tag of who saved
+it (`owner`: a hash of a session's id), and the index lists each owner's keys (`owned_by`), so
+a deleted session's KV is found also after a restart.
 
 The disk keeps `min_free_disk_bytes` free while the tier runs, whatever its budget: the slot
 file grows only when every slot in it is taken, and then only as far as the disk's free space
@@ -50,6 +52,7 @@ class SsdSlot:
     slot: int
     written: Future[bool]  # resolves when the record is on disk (False: dropped before)
     pending: bytes | None  # the payload until the record is written, then None
+    owner: bytes = b""  # who saved it (`keys.owner_tag`), written into its record header
 
 
 @dataclasses.dataclass
@@ -105,6 +108,8 @@ class SsdTier(IndexedTier[SsdSlot]):
         self._is_disk_short = False  # capped below the budget by the disk's free space
         self._slots: SlotAllocator  # built by `_rebuild` from the slots found in use
         self._next_sequence = 1  # of the next record written; `_rebuild` moves it past the file's
+        # each owner's tag (one copy, which its keys' slots share) and keys; none for b""
+        self._owned: dict[bytes, tuple[bytes, set[ChunkKey]]] = {}
         self._writer = WriteBehind(name, max_pending_writes, nice=writer_nice)
         try:
             self.scan_report = self._rebuild(num_slots, verify_on_start, model_id)
@@ -133,13 +138,18 @@ class SsdTier(IndexedTier[SsdSlot]):
         location = self.location_of(key)
         return None if location is None else location.slot
 
-    def put(self, key: ChunkKey, data: BytesLike, *, pin: bool = False) -> bool:
+    def put(self, key: ChunkKey, data: BytesLike, *, pin: bool = False,
+            owner: bytes = b"") -> bool:
         """Accept `data` (copied) and queue its write; blocks while the queue is full."""
-        return self._accept(key, data, pin) is not None
+        return self._accept(key, data, pin, owner) is not None
 
     def put_async(self, key: ChunkKey, data: BytesLike) -> Future[bool]:
-        written = self._accept(key, data, False)
+        written = self._accept(key, data, False, b"")
         return done_future(False) if written is None else written
+
+    def owned_by(self, owner: bytes) -> list[ChunkKey]:
+        with self._lock:
+            return list(self._owned[owner][1]) if owner in self._owned else []
 
     def get(self, key: ChunkKey) -> bytes | memoryview | None:
         with self._lock:
@@ -214,8 +224,10 @@ class SsdTier(IndexedTier[SsdSlot]):
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
-    def _accept(self, key: ChunkKey, data: BytesLike, pin: bool) -> Future[bool] | None:
-        entry, is_new = self._put_locked(key, byte_view(data), pin)
+    def _accept(self, key: ChunkKey, data: BytesLike, pin: bool,
+                owner: bytes) -> Future[bool] | None:
+        key_bytes(key, owner)  # ValueError for a tag too long, before anything changes
+        entry, is_new = self._put_locked(key, byte_view(data), pin, owner)
         if entry is None:
             return None
         location = entry.location
@@ -240,7 +252,7 @@ class SsdTier(IndexedTier[SsdSlot]):
             sequence = self._next_sequence
             self._next_sequence += 1
         try:
-            self._file.write(location.slot, key, memoryview(payload), sequence)
+            self._file.write(location.slot, key, memoryview(payload), sequence, location.owner)
         except OSError as e:
             log.warning("%s: cannot write slot %d (%s); dropping it", self.name, location.slot, e)
             with self._lock:
@@ -341,14 +353,14 @@ class SsdTier(IndexedTier[SsdSlot]):
                         self._budget_slots * self.stride)
         self._is_disk_short = is_short
 
-    def _store(self, key: ChunkKey, data: memoryview) -> SsdSlot:
+    def _store(self, key: ChunkKey, data: memoryview, owner: bytes) -> SsdSlot:
         # An immutable `bytes` payload (the host tier's copy, on write-through) is kept as it
         # is: copying it again cost the engine's scheduler thread a memcpy per chunk-layer.
         source = data.obj
         payload = source if isinstance(source, bytes) and len(source) == len(data) else bytes(data)
         slot = self._slots.allocate()
         self._file_slots = max(self._file_slots, slot + 1)
-        return SsdSlot(slot, Future(), payload)
+        return SsdSlot(slot, Future(), payload, self._own(key, owner))
 
     def _load(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> bytes:
         pending = entry.location.pending
@@ -357,6 +369,21 @@ class SsdTier(IndexedTier[SsdSlot]):
 
     def _free(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> None:
         self._slots.free(entry.location.slot)  # a pending write sees the entry gone, skips
+        owner = entry.location.owner
+        if owner:
+            keys = self._owned[owner][1]
+            keys.discard(key)
+            if not keys:
+                del self._owned[owner]
+
+    def _own(self, key: ChunkKey, owner: bytes) -> bytes:
+        """Note `key` as `owner`'s; returns the owner's one copy of its tag, for the key's slot
+        (the thousands of chunk-layers of a session share it)."""
+        if not owner:
+            return b""
+        tag, keys = self._owned.setdefault(owner, (owner, set()))
+        keys.add(key)
+        return tag
 
     def _check_storage(self) -> None:
         self._slots.check_integrity()
@@ -381,7 +408,7 @@ class SsdTier(IndexedTier[SsdSlot]):
         if report.was_reset:
             log.warning("%s: %s had another format or slot size; emptied it", self.name,
                         self._file.path)
-        newest: dict[ChunkKey, tuple[int, int]] = {}  # key -> (sequence, slot)
+        newest: dict[ChunkKey, tuple[int, int, bytes]] = {}  # key -> (sequence, slot, owner)
         stale: list[int] = []  # slots of records that cannot be served: erased, not just reused
         for slot in range(self._file.num_slots_on_disk):
             try:
@@ -409,7 +436,7 @@ class SsdTier(IndexedTier[SsdSlot]):
                     stale.append(slot)
                     continue
                 stale.append(previous[1])
-            newest[record.key] = (record.sequence, slot)
+            newest[record.key] = (record.sequence, slot, record.owner)
         if report.num_other_model:
             log.warning("%s: %d chunk-layers of KV stored for another model, its weights or "
                         "dtype changed since, can never be used: erasing them",
@@ -418,11 +445,12 @@ class SsdTier(IndexedTier[SsdSlot]):
         if stale:  # the first job of the writer: any write into these slots comes after it
             self._submit(lambda: self._erase_stale(stale))
         self.stats.corrupt_dropped += report.num_corrupt_removed
-        used = [slot for _, slot in newest.values()]
+        used = [slot for _, slot, _ in newest.values()]
         self._slots = SlotAllocator(num_slots, used=used)
         self._file_slots = max([self._file.num_slots_on_disk, *(slot + 1 for slot in used)])
-        for key, (_, slot) in sorted(newest.items(), key=lambda item: item[1][0]):
-            self._index.insert(key, SsdSlot(slot, done_future(True), None), self.stride)
+        for key, (_, slot, owner) in sorted(newest.items(), key=lambda item: item[1][0]):
+            self._index.insert(key, SsdSlot(slot, done_future(True), None,
+                                            self._own(key, owner)), self.stride)
             report.num_loaded += 1
         return report
 

@@ -9,7 +9,8 @@ the reply without it) or one its user cancelled (the engine ran ahead of what wa
 Position i's KV depends on tokens 0..i alone, so the first n pages of such a chunk hold the KV
 of any prompt that shares its first n tokens; this index finds the chunk with the longest
 common prefix. It lives in memory, for one engine's life: after a restart the stored chunks
-are found by their exact tokens alone (token ids are never written to disk).
+are found by their exact tokens alone (token ids are never written to disk; a deleted session's
+are found by their owner, `TierPlanner.forget`).
 """
 
 from __future__ import annotations

@@ -68,11 +68,13 @@ class Tier(abc.ABC):
         """Like `get` but not a use: no stats, no recency change (for copies between tiers)."""
 
     @abc.abstractmethod
-    def put(self, key: ChunkKey, data: BytesLike, *, pin: bool = False) -> bool:
+    def put(self, key: ChunkKey, data: BytesLike, *, pin: bool = False,
+            owner: bytes = b"") -> bool:
         """Store `data` under `key`, evicting per the policy if needed, pinned once if `pin`.
 
         Returns False, changing nothing, when there is no room even after evicting every unpinned
-        entry. `data` is copied: the caller may reuse its buffer at once.
+        entry. `data` is copied: the caller may reuse its buffer at once. `owner` tags who saved
+        it (`keys.owner_tag`), for `owned_by`; a key already stored keeps its first owner.
         """
 
     @abc.abstractmethod
@@ -121,6 +123,12 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def keys(self) -> list[ChunkKey]:
         """A snapshot of the stored keys."""
+
+    def owned_by(self, owner: bytes) -> list[ChunkKey]:
+        """The stored keys `put` with `owner`, kept across a restart by a tier that persists
+        (none in a tier that does not keep owners)."""
+        del owner  # kept by no one here
+        return []
 
     @abc.abstractmethod
     def set_hint(self, session: Hashable, prefix_hashes: Sequence[bytes],
