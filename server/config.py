@@ -63,10 +63,10 @@ class ServerConfig:
         default=16)
     max_tools: int = doc("Most tools one chat completion offers the model", default=128)
     max_prompt_logprobs_tokens: int = doc(
-        "Longest prompt a text completion may ask its tokens' logprobs of (echo with "
-        "logprobs), times its choices (n), each of which computes them: they are computed in "
-        "one step, over the whole vocabulary, and took 0.5 GB of memory per 1000 tokens with "
-        "the default model", default=4096)
+        "Most prompt tokens a text completion may ask the logprobs of (echo with logprobs), "
+        "over all its prompts and times its choices (n), each of which computes them: they "
+        "are computed at once, over the whole vocabulary, and took 0.5 GB of memory per 1000 "
+        "tokens with the default model", default=4096)
     max_inflight_per_connection: int = doc(
         "Most generations in flight on one websocket connection", default=16)
     max_connections: int = doc("Most open websocket connections", default=512)

@@ -199,15 +199,20 @@ def prepare_text_completion(chat: ChatService, body: TextCompletionRequest, owne
     # An echo alone (max_tokens 0) generates one token, as vLLM's does, which it does not give.
     max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
     gens: list[Generation] = []
+    limit, logprob_tokens = chat.config.max_prompt_logprobs_tokens, 0
     for prompt_index, prompt in enumerate(prompts):
         tokens = chat.engine.encode_prompt(prompt) if isinstance(prompt, str) else prompt
         what = "the prompt" if len(prompts) == 1 else f"prompt {prompt_index}"
-        limit = chat.config.max_prompt_logprobs_tokens
-        if body.echo and body.logprobs is not None and len(tokens) * n > limit:
-            each = f" for each of {n} choices" if n > 1 else ""
-            raise over_limit(f"{what} is {len(tokens)} tokens, its logprobs computed{each}; "
-                             f"the logprobs of at most {limit} prompt tokens can be asked for "
-                             "(--max-prompt-logprobs-tokens)")
+        if body.echo and body.logprobs is not None:  # computed for every prompt and choice
+            logprob_tokens += len(tokens) * n
+            if logprob_tokens > limit:
+                each = f" for each of {n} choices" if n > 1 else ""
+                before = (f" after {logprob_tokens - len(tokens) * n} tokens of the prompts before "
+                          "it" if logprob_tokens > len(tokens) * n else "")
+                raise over_limit(f"{what} is {len(tokens)} tokens, its logprobs computed"
+                                 f"{each}{before}; the logprobs of at most {limit} prompt "
+                                 "tokens, over all prompts and choices, can be asked for "
+                                 "(--max-prompt-logprobs-tokens)")
         gen = chat.prepare_prompt(request_id, tokens, max_tokens, request_class, owner=owner,
                                   what=what, **body.sampling(), **slo_overrides(chat, xargs))
         gen.index, gen.prompt_index = prompt_index * n, prompt_index

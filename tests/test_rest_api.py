@@ -408,6 +408,14 @@ def test_prompt_logprobs_are_limited_in_length(tmp_path: Path) -> None:
         body = {"model": "scripted", "prompt": ["abcd", "abcde"], "max_tokens": 1}
         r = httpx.post(url + "/v1/completions", json={**body, "echo": True, "logprobs": 0})
         assert r.status_code == 400 and "prompt 1 is 5 tokens" in r.text, r.text
+        # short prompts, too many of them: each computes its logprobs
+        r = httpx.post(url + "/v1/completions", json={**body, "prompt": ["ab", "cd", "ef"],
+                                                      "echo": True, "logprobs": 0})
+        assert r.status_code == 400 and "prompt 2 is 2 tokens, its logprobs computed after 4 tokens " \
+            "of the prompts before it" in r.text, r.text
+        r = httpx.post(url + "/v1/completions", json={**body, "prompt": ["ab", "cd"],
+                                                      "echo": True, "logprobs": 0})
+        assert r.status_code == 200, r.text
         for fine in ({"echo": True}, {"logprobs": 0}):
             assert httpx.post(url + "/v1/completions",
                               json={**body, **fine}).status_code == 200, fine
