@@ -32,8 +32,8 @@ class OpenAIMessage(BaseModel):
     content: str | list[TextPart] | None = None
     """Required, and not blank, except in an assistant message (clients send "" or null) and
     a tool's result (which may be empty)."""
-    tool_calls: list[MessageToolCall] | None = None
-    """An assistant's calls of tools."""
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
+    """An assistant's calls of tools (at least one: OpenAI refuses an empty list)."""
     tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     """A tool's result: the call it answers (one of an earlier assistant message's)."""
 
@@ -185,21 +185,49 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
         raise ApiError(ErrorCode.BAD_MESSAGE, "n must be 1 in a session turn: the session "
                        "keeps one reply per turn")
     chat.check_tools(len(body.tools or ()))
-    turns, call_ids = [], set()
-    for m in body.messages:
+    turns: list[ChatTurn] = []
+    unanswered: list[str] = []  # the calls of the last assistant message, not yet answered
+    caller = 0  # that message's index
+    for index, m in enumerate(body.messages):
         turn = m.turn()
         # Empty messages are allowed, as OpenAI and vLLM allow them (clients send an empty
         # system prompt when none is set); a websocket turn's message may not be empty.
         chat.check_content(turn.content, may_be_empty=True)
-        for call in turn.tool_calls:
-            chat.check_content(call.arguments, may_be_empty=True)
-            call_ids.add(call.id)
-        if turn.tool_call_id is not None and turn.tool_call_id not in call_ids:
-            raise ApiError(ErrorCode.BAD_MESSAGE, f"tool message answers "
-                           f"{turn.tool_call_id[:64]!r}, which no earlier assistant message "
-                           "called")
+        if turn.tool_call_id is not None:
+            if turn.tool_call_id not in unanswered:
+                raise ApiError(ErrorCode.BAD_MESSAGE, f"tool message answers "
+                               f"{turn.tool_call_id[:64]!r}, which the assistant message "
+                               "before it did not call, or which it answered already",
+                               param=f"messages.{index}.tool_call_id")
+            unanswered.remove(turn.tool_call_id)
+        else:
+            _check_all_answered(unanswered, caller)
+            unanswered, caller = _calls_of(turn, index, chat), index
         turns.append(turn)
+    _check_all_answered(unanswered, caller)
     return turns
+
+
+def _calls_of(turn: ChatTurn, index: int, chat: ChatService) -> list[str]:
+    """The ids of the calls message `index` (`turn`) makes; raises `ApiError` for an empty
+    list of calls or two calls of one id, as OpenAI does (results are matched by id)."""
+    ids = [call.id for call in turn.tool_calls]
+    for call in turn.tool_calls:
+        chat.check_content(call.arguments, may_be_empty=True)
+    if len(set(ids)) != len(ids):
+        raise ApiError(ErrorCode.BAD_MESSAGE, "two tool calls of one assistant message have "
+                       "the same id", param=f"messages.{index}.tool_calls")
+    return ids
+
+
+def _check_all_answered(unanswered: Sequence[str], caller: int) -> None:
+    """Raises `ApiError` unless each of the calls `unanswered` of message `caller` has its tool
+    message."""
+    if unanswered:
+        raise ApiError(ErrorCode.BAD_MESSAGE, "an assistant message with tool_calls must be "
+                       "followed by a tool message answering each call; "
+                       f"{', '.join(repr(i[:64]) for i in unanswered[:8])} got none",
+                       param=f"messages.{caller}.tool_calls")
 
 
 # What `vllm_xargs` may hold here (vLLM passes its keys on to custom logits processors,

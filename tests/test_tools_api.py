@@ -143,6 +143,12 @@ def _last_prompt(s: Scripted) -> list[int]:
     return s.engine.request_prompts[-1]
 
 
+CALLS_C1_C2 = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    for i in (1, 2)]}
+ANSWER_C1 = {"role": "tool", "tool_call_id": "c1", "content": "18 C"}
+
+
 @pytest.mark.parametrize(("fields", "words"), [
     ({"tools": [WEATHER, WEATHER]}, "tools must have different names"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name"),
@@ -153,7 +159,19 @@ def _last_prompt(s: Scripted) -> list[int]:
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "string"}}}]}, "parameters must be the JSON schema of an object"),
     ({"messages": [*ASK, {"role": "tool", "tool_call_id": "c9", "content": "x"}]},
-     "tool message answers 'c9', which no earlier assistant message called"),
+     "tool message answers 'c9', which the assistant message before it did not call"),
+    ({"messages": [*ASK, CALLS_C1_C2, ANSWER_C1]},
+     "must be followed by a tool message answering each call; 'c2' got none"),
+    ({"messages": [*ASK, CALLS_C1_C2, ANSWER_C1, {"role": "user", "content": "and?"}]},
+     "'c2' got none"),
+    ({"messages": [*ASK, CALLS_C1_C2, ANSWER_C1, ANSWER_C1]}, "or which it answered already"),
+    ({"messages": [*ASK, CALLS_C1_C2, ANSWER_C1, {**ANSWER_C1, "tool_call_id": "c2"},
+                   {"role": "assistant", "content": "x"}, ANSWER_C1]},
+     "tool message answers 'c1', which the assistant message before it did not call"),
+    ({"messages": [*ASK, {**CALLS_C1_C2, "tool_calls": [CALLS_C1_C2["tool_calls"][0]] * 2}]},
+     "two tool calls of one assistant message have the same id"),
+    ({"messages": [*ASK, {"role": "assistant", "content": "x", "tool_calls": []}]},
+     "messages.1.tool_calls"),
     ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "needs tool_call_id"),
     ({"messages": [{"role": "user", "content": "a", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
@@ -167,6 +185,15 @@ def test_bad_tool_requests_are_refused(agent: Scripted, fields: dict[str, Any],
     assert response.status_code == 400 and words in response.json()["error"]["message"], \
         response.text
     assert not agent.engine.params  # nothing reached the engine
+
+
+def test_each_call_answered_in_any_order_is_a_whole_history(agent: Scripted) -> None:
+    body = {"model": "scripted", "tools": [WEATHER], "messages": [
+        *ASK, CALLS_C1_C2, {**ANSWER_C1, "tool_call_id": "c2"}, ANSWER_C1]}
+    assert httpx.post(agent.url + "/v1/chat/completions", json=body).status_code == 200
+    body["messages"] = [*ASK, CALLS_C1_C2, ANSWER_C1]
+    error = httpx.post(agent.url + "/v1/chat/completions", json=body).json()["error"]
+    assert error["param"] == "messages.1.tool_calls"  # the message whose call goes unanswered
 
 
 def test_a_tool_schema_nested_too_deeply_is_refused(tmp_path: Any) -> None:
