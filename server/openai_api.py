@@ -224,7 +224,7 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
         payload: dict[str, Any] = {
             "id": completion_id, "created": created, "model": model, "choices": choices,
             "object": "text_completion" if is_text else "chat.completion.chunk"}
-        if usage:
+        if include_usage:  # null but in the last chunk, as OpenAI's
             payload["usage"] = usage
         return "data: " + json.dumps(payload, ensure_ascii=False, allow_nan=False) + "\n\n"
 

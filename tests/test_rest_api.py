@@ -82,6 +82,15 @@ def test_streaming_chat_completion(scripted: Scripted) -> None:
     assert text == "You said: a b c"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    # every chunk has usage, null but in the last, as OpenAI's; none without include_usage
+    for include, expected in ((True, {"usage": None}), (False, {})):
+        with httpx.stream("POST", scripted.url + "/v1/chat/completions", json={
+                "model": "scripted", "messages": [{"role": "user", "content": "a"}],
+                "stream": True, "stream_options": {"include_usage": include}}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        assert len(events) > 2 and all(
+            {k: v for k, v in e.items() if k == "usage"} == expected for e in events[:-1])
 
 
 def test_length_finish_reason(scripted: Scripted) -> None:
