@@ -103,6 +103,11 @@ class ServerConfig:
         "last advisory sent to the engine, within this many seconds of it, repeats it: it is "
         "answered as that one was and not sent again (each one sent reads, renders and "
         "hashes the whole conversation). 0: every advisory is sent", default=1.0)
+    session_free_wait_s: float = doc(
+        "How long a turn, or a deletion, of a session whose running turn is being cut short "
+        "(cancelled, or its client gone) waits for that turn to keep what it has and let go of "
+        "the session, before it is refused with session_busy (a client cut off mid-reply "
+        "reconnects and asks again at once). 0: refused at once", default=5.0)
     max_advisory_lead_s: float = doc(
         "Latest expected_arrival an advisory may name, in seconds from now: the prefetched KV "
         "stays reserved until then (plus the engine's --advisory-ttl-s)", default=600.0)
@@ -188,7 +193,7 @@ class ServerConfig:
             raise ValueError("min_request_slo_frac must be within (0, 1]")
         if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
             raise ValueError("default_temperature must be within [0, 2]")
-        for name in ("typing_interval_s", "advisory_repeat_interval_s"):
+        for name in ("typing_interval_s", "advisory_repeat_interval_s", "session_free_wait_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be at least 0 and finite")
         if self.reply_max_tokens > self.max_tokens_limit:

@@ -79,7 +79,7 @@ async def chat_completions(request: Request) -> Response:
     slot = ctx.inflight_per_key.take(owner, len(gens))
     if session_id is not None:
         try:
-            gens[0].session_claim = ctx.turns.claim(session_id)
+            gens[0].session_claim = await ctx.turns.claim_soon(session_id)
         except ApiError:
             slot.release()
             raise
@@ -168,6 +168,8 @@ async def _complete_unless_gone(ctx: AppContext, gens: list[Generation],
     """Run `gens` to their ends and keep a session's exchange; False, with the generations
     aborted, if the client disconnected first."""
     async def run() -> None:
+        if gens[0].params.session_id is not None:  # a client that left and asks again waits
+            ctx.turns.held_by_this_task(gens[0].params.session_id, gens[0].session_claim)
         await run_choices(ctx.chat, gens, "openai")
         for gen in gens:
             await ctx.turns.record_exchange(gen)

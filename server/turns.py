@@ -94,6 +94,11 @@ class SessionTurns:
         # session id -> the hold of the turn (or deletion) using it: a token of the server's,
         # never a client's request id, so that no other request can let go of it
         self._busy: dict[str, str] = {}
+        # holds of turns being cut short (cancelled, or their client gone), the task running
+        # each turn, and what `claim_soon` waits on: set when the hold is let go
+        self._ending: set[str] = set()
+        self._holder_tasks: dict[str, asyncio.Task[Any]] = {}
+        self._let_go: dict[str, asyncio.Event] = {}
         self.advisories = AdvisoryFilter(chat.config.typing_interval_s,
                                          chat.config.advisory_repeat_interval_s, advisory_ttl_s)
         self._eraser: asyncio.Task[None] | None = None  # erasing deleted sessions' KV
@@ -146,6 +151,7 @@ class SessionTurns:
         """Delete one of `owner`'s sessions with its messages. Refused (`session_busy`, nothing
         changed) while a reply of it is streaming: stop that first."""
         await self.get(owner, session_id)  # someone else's session stays "not found"
+        await self._wait_for_ending_turn(session_id)
         if session_id in self._busy:
             raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is answering a "
                            "message; stop the reply before deleting the session")
@@ -266,10 +272,46 @@ class SessionTurns:
         self.advisories.forget(session_id)
         return hold
 
+    async def claim_soon(self, session_id: str) -> str:
+        """`claim`, once a turn of the session being cut short (cancelled, or its client gone)
+        has kept what it has and let go, waiting at most `--session-free-wait-s` for it."""
+        await self._wait_for_ending_turn(session_id)
+        return self.claim(session_id)
+
+    async def _wait_for_ending_turn(self, session_id: str) -> None:
+        deadline = time.monotonic() + self.chat.config.session_free_wait_s
+        while (hold := self._busy.get(session_id)) is not None and self._is_ending(hold):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            let_go = self._let_go.setdefault(hold, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(let_go.wait(), remaining)
+
+    def _is_ending(self, hold: str) -> bool:
+        """The turn holding `hold` is being cut short: marked so, or its task is being
+        cancelled (at once, before the task has run to where it marks itself)."""
+        task = self._holder_tasks.get(hold)
+        return hold in self._ending or (task is not None and task.cancelling() > 0)
+
     def release(self, session_id: str, hold: str | None) -> None:
         """Clear `claim`'s mark, if `hold` still holds it (safe to call twice)."""
         if hold is not None and self._busy.get(session_id) == hold:
             del self._busy[session_id]
+        if hold is not None:
+            self._ending.discard(hold)
+            self._holder_tasks.pop(hold, None)
+            let_go = self._let_go.pop(hold, None)
+            if let_go is not None:
+                let_go.set()
+
+    def held_by_this_task(self, session_id: str, hold: str | None) -> None:
+        """The current task runs the turn holding `session_id` with `hold`: a turn or deletion
+        that asks for the session while this task is being cancelled waits for it to let go
+        (`claim_soon`)."""
+        task = asyncio.current_task()
+        if hold is not None and task is not None and self._busy.get(session_id) == hold:
+            self._holder_tasks[hold] = task
 
     async def record_exchange(self, gen: Generation) -> None:
         """Keep a finished chat completion of a session (`/v1/chat/completions` with
@@ -298,7 +340,7 @@ class SessionTurns:
                 self.chat.check_content(result.content, may_be_empty=True)
         self.chat.check_tools(len(msg.tools or ()))
         await self.get(owner, msg.session_id)
-        hold = self.claim(msg.session_id)
+        hold = await self.claim_soon(msg.session_id)
         try:
             history, context, start = await asyncio.to_thread(self._history, msg.session_id)
             turns = [_turn(m) for m in history]
@@ -359,6 +401,7 @@ class SessionTurns:
         The session is free again, and `finished` called, before the last frame goes out: a
         client that sends its next turn the moment it reads `done` finds the session free.
         """
+        self.held_by_this_task(session_id, gen.session_claim)
         with self.chat.live(gen):  # a shutdown waits for the `done` frame, not only the tokens
             await self._run(session_id, gen, emit, is_user_cancel, finished)
 
@@ -392,6 +435,8 @@ class SessionTurns:
                                           _contents(calls.feed(text)))
                         emitting = False
             except asyncio.CancelledError:
+                if gen.session_claim is not None:  # cut short: what it has is kept below
+                    self._ending.add(gen.session_claim)
                 if not is_user_cancel():
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
@@ -412,8 +457,10 @@ class SessionTurns:
                     gen.finish_reason, cut=gen.finish_reason == "cancelled")[0]))
             reply = _reply(gen, calls)
             try:
-                if gen.pieces or not gen.replaces_reply:  # a regenerate stopped before its
-                    # first token keeps the old. Shielded: a disconnect while it runs must
+                if gen.pieces or not (gen.replaces_reply or gen.finish_reason == "cancelled"):
+                    # A turn stopped before its first token keeps nothing: a regenerate's
+                    # session its old reply, a message's none (answered as one a crash left,
+                    # by a regenerate). Shielded: a disconnect while it runs must
                     # not save the reply a second time below.
                     # A cancel of a reply already whole: it is saved, and `done` says so.
                     commit = asyncio.ensure_future(self._commit_reply(session_id, gen, reply))

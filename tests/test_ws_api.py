@@ -63,6 +63,71 @@ async def test_several_sessions_in_flight_on_one_connection(scripted: Scripted) 
         f"r{i}": f"You said: m{i} a b c d e" for i in range(3)}
 
 
+async def test_a_message_stopped_before_its_first_token_is_left_without_a_reply(
+        scripted: Scripted) -> None:
+    # It was kept with an empty reply, which the model then saw in every later turn.
+    scripted.engine.token_delay_s = 1.0
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="hi", request_id="x1")
+        assert (await recv(ws))["type"] == "accepted"
+        await send(ws, type="cancel", request_id="x1")
+        done = (await recv_until(ws, "done"))[-1]
+        assert (done["finish_reason"], done["text"]) == ("cancelled", "")
+        assert [m["role"] for m in (await open_session(ws, sid))["messages"]] == ["user"]
+        scripted.engine.token_delay_s = 0.0
+        await send(ws, type="regenerate", session_id=sid, request_id="x2")
+        assert (await recv_until(ws, "done"))[-1]["text"] == "You said: hi"
+        messages = (await open_session(ws, sid))["messages"]
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("user", "hi"), ("assistant", "You said: hi")]
+
+
+@pytest.mark.parametrize("how", ["close", "cancel"])
+async def test_a_turn_cut_short_lets_go_of_its_session_for_the_next_at_once(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """A client cut off mid-reply reconnects and asks again (or deletes the session) at once:
+    the turn being cut short keeps what it has, then the next one runs, where it was refused
+    with session_busy while the cut-short reply was saved."""
+    from antiphon.sessions.store import SessionStore
+
+    save = SessionStore.append_message
+
+    def slow_save(self: SessionStore, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.5)  # a slow disk: the cut-short reply takes a while to keep
+        return save(self, *args, **kwargs)
+
+    scripted.engine.token_delay_s = 0.05
+    async with connect(scripted.ws_url) as a:
+        sid = (await open_session(a))["session"]["session_id"]
+        await send(a, type="message", session_id=sid, content="w " * 60, request_id="long")
+        await recv_until(a, "token")
+        monkeypatch.setattr(SessionStore, "append_message", slow_save)
+        async with connect(scripted.ws_url) as b:
+            if how == "close":
+                await a.close()
+            else:
+                await send(a, type="cancel", request_id="long")
+            await send(b, type="regenerate", session_id=sid, request_id="again",
+                       max_tokens=3)
+            frames = await recv_until(b, "done")
+            assert frames[0]["type"] == "accepted", frames[0]
+            await send(b, type="session.delete", session_id=sid)
+            assert (await recv(b))["type"] == "session.deleted"
+
+
+async def test_a_turn_still_answering_refuses_another_at_once(scripted: Scripted) -> None:
+    scripted.engine.token_delay_s = 0.05
+    async with connect(scripted.ws_url) as a, connect(scripted.ws_url) as b:
+        sid = (await open_session(a))["session"]["session_id"]
+        await send(a, type="message", session_id=sid, content="w " * 60, request_id="long")
+        await recv_until(a, "token")
+        started = asyncio.get_running_loop().time()
+        await send(b, type="regenerate", session_id=sid, request_id="again")
+        assert (await recv(b))["code"] == "session_busy"
+        assert asyncio.get_running_loop().time() - started < 2  # not held for the wait
+
+
 async def test_cancel_keeps_partial_reply(scripted: Scripted) -> None:
     scripted.engine.token_delay_s = 0.05
     async with connect(scripted.ws_url) as ws:
