@@ -9,7 +9,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from antiphon.engine_ext.types import ChatTurn, RequestClass, ToolCall
 from antiphon.server.chat import ChatService, Generation, total_usage
@@ -83,11 +83,16 @@ UNSUPPORTED_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "web_search_options": (None,), "echo": (None, False), "best_of": (None, 1),
 }
 # OpenAI parameters that change nothing a reply holds (bookkeeping and routing on OpenAI's
-# side): accepted and not used.
-IGNORED_PARAMETERS = frozenset({
-    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-    "prompt_cache_retention",
-})
+# side): accepted and not used, but held to OpenAI's types (null: unset).
+_TEXT = TypeAdapter(str | None)
+IGNORED_PARAMETERS: dict[str, TypeAdapter[Any]] = {
+    "user": _TEXT, "safety_identifier": _TEXT, "prompt_cache_key": _TEXT,
+    "service_tier": _TEXT, "prompt_cache_retention": _TEXT,
+    "store": TypeAdapter(StrictBool | None),
+    "metadata": TypeAdapter(Annotated[dict[Annotated[str, Field(max_length=64)],
+                                           Annotated[str, Field(max_length=512)]],
+                                      Field(max_length=16)] | None),
+}
 
 
 class ChatCompletionRequest(ToolOffer):
@@ -151,9 +156,15 @@ def refuse_unsupported(data: Any, known: set[str],
         for name, neutral in unsupported.items():
             if name in data and not any(_same(data[name], v) for v in neutral):
                 raise ValueError(f"{name} is not supported by this server")
-        unknown = sorted(set(data) - known - set(unsupported) - IGNORED_PARAMETERS)
+        unknown = sorted(set(data) - known - set(unsupported) - set(IGNORED_PARAMETERS))
         if unknown:
             raise ValueError(f"unrecognized request argument: {', '.join(unknown)}")
+        for name, adapter in IGNORED_PARAMETERS.items():
+            if name in data:
+                try:
+                    adapter.validate_python(data[name], strict=True)
+                except ValidationError as e:
+                    raise ValueError(f"{name}: {e.errors()[0]['msg']}") from None
     return data
 
 

@@ -90,7 +90,8 @@ Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 
 
 class JsonSchemaFormat(BaseModel):
-    name: Annotated[str, Field(min_length=1, max_length=64)]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    """As OpenAI's: letters, digits, underscores and dashes."""
     description: str | None = None
     json_schema: SchemaObject | None = Field(None, alias="schema")
     """None (as OpenAI allows): any JSON object."""
@@ -126,7 +127,8 @@ class Sampling(BaseModel):
     model's (`ChatService.prepare`)."""
 
     temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None = None
+    top_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
+    """0 (which OpenAI takes, and vLLM does not): the likeliest token alone, as top_k 1."""
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
     """vLLM's: sample from the k likeliest tokens; 0 or -1 for all."""
     min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
@@ -165,6 +167,8 @@ class Sampling(BaseModel):
             "min_tokens", "seed")}
         if self.top_k is not None:
             given["top_k"] = max(self.top_k, 0)  # -1 and 0 both mean every token
+        if self.top_p == 0:
+            given["top_p"], given["top_k"] = None, 1
         given["stop"] = self.stop_sequences
         if self.response_format is not None:
             given["json_schema"] = self.response_format.schema_text()

@@ -226,7 +226,7 @@ async def test_a_websocket_turn_takes_the_sampling_of_a_chat_completion(
         await send(ws, type="regenerate", session_id=sid, min_tokens=2,
                    response_format={"type": "json_object"})
         await recv_until(ws, "done")
-        for bad, words in (({"top_p": 0}, "top_p"), ({"stop": ["s"] * 17}, "stop sequences"),
+        for bad, words in (({"top_p": 1.5}, "top_p"), ({"stop": ["s"] * 17}, "stop sequences"),
                            ({"response_format": {"type": "yaml"}}, "response_format.type"),
                            ({"ignore_eos": True}, "ignore_eos")):  # a benchmark's, REST only
             await send(ws, type="message", session_id=sid, content="again", **bad)

@@ -668,23 +668,41 @@ def test_empty_messages_are_taken_as_openai_takes_them(scripted: Scripted) -> No
 
 
 @pytest.mark.parametrize(("extra", "refused"), [
+    ({"user": 123}, "user: Input should be a valid string"),
+    ({"store": "yes"}, "store: Input should be a valid boolean"),
+    ({"metadata": "x"}, "metadata: Input should be a valid dictionary"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata: Dictionary should have at most"),
+    ({"user": "u-1", "metadata": {"run": "7"}, "store": False, "service_tier": "auto",
+      "prompt_cache_key": None}, None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!"}}},
+     "String should match pattern"),
     ({"stream_options": {"include_usage": True}}, "only allowed with stream"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage"),
     ({"stream": True, "stream_options": {"include_usge": True}}, "include_usge"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}}, None),
 ])
-def test_stream_options_and_a_schemaless_json_schema_as_openai_takes_them(
+def test_options_bookkeeping_and_a_schemaless_json_schema_as_openai_takes_them(
         scripted: Scripted, extra: dict[str, object], refused: str | None) -> None:
     """Stream options are checked like every field (an unknown one was dropped silently, and
-    they were taken without a stream); a json_schema format without a schema is any JSON
-    object, as OpenAI has it (it was a 400)."""
+    they were taken without a stream); OpenAI's bookkeeping parameters, not used, have their
+    types (any was taken); a json_schema format without a schema is any JSON object, as
+    OpenAI has it (it was a 400), and its name is OpenAI's kind of name."""
     body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], **extra}
     r = httpx.post(scripted.url + "/v1/chat/completions", json=body)
     if refused is None:
         assert r.status_code == 200, r.text
-        assert scripted.engine.params[-1].json_schema == '{"type": "object"}'
+        if "response_format" in extra:
+            assert scripted.engine.params[-1].json_schema == '{"type": "object"}'
     else:
         assert r.status_code == 400 and refused in r.json()["error"]["message"], r.text
+
+
+def test_top_p_zero_takes_the_likeliest_token_as_openai_does(scripted: Scripted) -> None:
+    r = httpx.post(scripted.url + "/v1/chat/completions", json={
+        "model": "scripted", "messages": [{"role": "user", "content": "hi"}], "top_p": 0})
+    assert r.status_code == 200, r.text  # vLLM refuses 0
+    params = scripted.engine.params[-1]
+    assert (params.top_p, params.top_k) == (1.0, 1)
 
 
 def test_a_stream_whose_client_leaves_before_its_first_token_is_aborted(
