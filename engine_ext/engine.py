@@ -133,6 +133,11 @@ class Engine(abc.ABC):
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of token ids, special tokens included."""
 
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's string as the tokenizer's vocabulary has it (vLLM's `/tokenize`
+        `token_strs`); here, each one decoded alone."""
+        return [self.decode([token]) for token in token_ids]
+
     special_token_ids: frozenset[int] = frozenset()  # left off the end of a reply's context
     vocab_size: int | None = None  # token ids run from 0 to vocab_size - 1 (None: unknown)
     # The model's own sampling defaults (generation_config.json, as vLLM reads them):
@@ -477,6 +482,9 @@ class VllmEngine(Engine):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=False))
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return [str(t) for t in self._tokenizer.convert_ids_to_tokens(list(token_ids))]
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams

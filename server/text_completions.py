@@ -110,7 +110,10 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: Annotated[list[OpenAIMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool | None = None
-    """A plain prompt's BOS and the like (default true); not for messages (the template's)."""
+    """A plain prompt's BOS and the like (default true); messages get the template's (false,
+    their default in vLLM: none added on top)."""
+    return_token_strs: StrictBool | None = None
+    """Also give each token's string (`token_strs`), as vLLM's does."""
     add_generation_prompt: StrictBool = True
     """Messages only: end with the assistant's turn opened, as a reply's prompt does."""
     tools: list[ToolDefinition] | None = None
@@ -122,7 +125,7 @@ class TokenizeRequest(BaseModel):
             raise ValueError("give either prompt or messages")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools are for messages")
-        if self.messages is not None and self.add_special_tokens is not None:
+        if self.messages is not None and self.add_special_tokens:
             raise ValueError("add_special_tokens is for a prompt; messages get the chat "
                              "template's")
         return self
@@ -155,7 +158,8 @@ def tokenize(chat: ChatService, body: TokenizeRequest) -> dict[str, Any]:
         chat.check_content(body.prompt, may_be_empty=True)
         tokens = chat.engine.encode_prompt(body.prompt, body.add_special_tokens is not False)
     return {"count": len(tokens), "max_model_len": chat.engine.max_model_len,
-            "tokens": tokens}
+            "tokens": tokens, "token_strs": chat.engine.token_strings(tokens)
+            if body.return_token_strs else None}
 
 
 def detokenize(chat: ChatService, body: DetokenizeRequest) -> dict[str, Any]:

@@ -435,7 +435,13 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(scripted: Scripted) -> None
     which `vllm bench serve` asks to check its tokenizer; bad input gets a typed 400."""
     url = scripted.url
     r = httpx.post(url + "/tokenize", json={"model": "scripted", "prompt": "hi"})
-    assert r.json() == {"count": 2, "max_model_len": 1000, "tokens": [104, 105]}
+    assert r.json() == {"count": 2, "max_model_len": 1000, "tokens": [104, 105],
+                        "token_strs": None}
+    r = httpx.post(url + "/tokenize", json={"prompt": "hi", "return_token_strs": True})
+    assert r.json()["token_strs"] == ["h", "i"]
+    r = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                            "add_special_tokens": False})  # vLLM's default
+    assert r.status_code == 200, r.text
     r = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.json()["tokens"] == [ord(c) for c in "<user>hi\n<assistant>"]
     r = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],

@@ -79,8 +79,10 @@ def test_openai_client_text_completion(server: ServerProcess) -> None:
                                        max_tokens=6, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
     tokens = httpx.post(server.url + "/tokenize", json={
-        "model": DEFAULT_MODEL_NAME, "prompt": "The capital of France is"}).json()
+        "model": DEFAULT_MODEL_NAME, "prompt": "The capital of France is",
+        "return_token_strs": True}).json()
     assert tokens["count"] == out.usage.prompt_tokens
+    assert "".join(tokens["token_strs"]).replace("\u0120", " ") == "The capital of France is"
     assert httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json() == {
         "prompt": "The capital of France is"}
 
