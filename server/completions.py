@@ -32,8 +32,9 @@ class OpenAIMessage(BaseModel):
     content: str | list[TextPart] | None = None
     """Required, and not blank, except in an assistant message (clients send "" or null) and
     a tool's result (which may be empty)."""
-    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
-    """An assistant's calls of tools (at least one: OpenAI refuses an empty list)."""
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant's calls of tools (an empty list, which vLLM's replies carry and OpenAI
+    refuses, is none)."""
     tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     """A tool's result: the call it answers (one of an earlier assistant message's)."""
 

@@ -80,7 +80,7 @@ async def chat_completions(request: Request) -> Response:
     if session_id is not None:
         try:
             gens[0].session_claim = await ctx.turns.claim_soon(session_id)
-        except ApiError:
+        except BaseException:  # refused, or the client gone while it waited
             slot.release()
             raise
     return await _respond(request, gens, slot, body)
@@ -279,6 +279,9 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
                     ended[i] = True
         for gen in gens:
             await ctx.turns.record_exchange(gen)
+    except (asyncio.CancelledError, GeneratorExit):  # the client left: a turn of the
+        ctx.turns.mark_ending(gens[0].session_claim)  # session it sends again waits for this
+        raise
     except ApiError as err:
         if not started:
             raise  # before the response: its status says it (`_respond`)

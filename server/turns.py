@@ -276,6 +276,7 @@ class SessionTurns:
         """`claim`, once a turn of the session being cut short (cancelled, or its client gone)
         has kept what it has and let go, waiting at most `--session-free-wait-s` for it."""
         await self._wait_for_ending_turn(session_id)
+        self.chat.check_open()  # (a shutdown may have begun meanwhile)
         return self.claim(session_id)
 
     async def _wait_for_ending_turn(self, session_id: str) -> None:
@@ -304,6 +305,12 @@ class SessionTurns:
             let_go = self._let_go.pop(hold, None)
             if let_go is not None:
                 let_go.set()
+
+    def mark_ending(self, hold: str | None) -> None:
+        """The turn holding `hold` is being cut short: a turn or deletion that asks for its
+        session waits for it to let go (`claim_soon`)."""
+        if hold is not None and hold in self._busy.values():
+            self._ending.add(hold)
 
     def held_by_this_task(self, session_id: str, hold: str | None) -> None:
         """The current task runs the turn holding `session_id` with `hold`: a turn or deletion
@@ -435,8 +442,7 @@ class SessionTurns:
                                           _contents(calls.feed(text)))
                         emitting = False
             except asyncio.CancelledError:
-                if gen.session_claim is not None:  # cut short: what it has is kept below
-                    self._ending.add(gen.session_claim)
+                self.mark_ending(gen.session_claim)  # cut short: what it has is kept below
                 if not is_user_cancel():
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
@@ -457,10 +463,8 @@ class SessionTurns:
                     gen.finish_reason, cut=gen.finish_reason == "cancelled")[0]))
             reply = _reply(gen, calls)
             try:
-                if gen.pieces or not (gen.replaces_reply or gen.finish_reason == "cancelled"):
-                    # A turn stopped before its first token keeps nothing: a regenerate's
-                    # session its old reply, a message's none (answered as one a crash left,
-                    # by a regenerate). Shielded: a disconnect while it runs must
+                if gen.pieces or not gen.replaces_reply:  # a regenerate stopped before its
+                    # first token keeps the old. Shielded: a disconnect while it runs must
                     # not save the reply a second time below.
                     # A cancel of a reply already whole: it is saved, and `done` says so.
                     commit = asyncio.ensure_future(self._commit_reply(session_id, gen, reply))

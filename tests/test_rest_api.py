@@ -711,6 +711,38 @@ def test_top_p_zero_takes_the_likeliest_token_as_openai_does(scripted: Scripted)
     assert (params.top_p, params.top_k) == (1.0, 1)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_session_turn_whose_client_left_lets_the_retry_in(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
+    """A client cut off mid-reply sends the session's turn again at once: it waits for the
+    turn being cut short to let go of the session (slow here: each release takes 0.5 s),
+    where it got a 409 session_busy."""
+    import asyncio
+
+    from antiphon.server.turns import SessionTurns
+
+    release = SessionTurns.release
+
+    def slow_release(self: SessionTurns, session_id: str, hold: str | None) -> None:
+        asyncio.get_running_loop().call_later(0.5, release, self, session_id, hold)
+
+    url = scripted.url
+    sid = httpx.post(url + "/v1/sessions", json={}).json()["session_id"]
+    scripted.engine.token_delay_s = 0.05
+    monkeypatch.setattr(SessionTurns, "release", slow_release)
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "w " * 60}],
+            "vllm_xargs": {"session_id": sid}, "stream": stream}
+    if stream:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            next(r.iter_lines())  # under way; then the client leaves
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=0.5)
+    retry = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False,
+                                                           "max_tokens": 2})
+    assert retry.status_code == 200, retry.text
+
+
 def test_a_stream_whose_client_leaves_before_its_first_token_is_aborted(
         scripted: Scripted) -> None:
     """The response waits for the first token (a refusal is then a 400); a client gone

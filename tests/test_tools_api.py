@@ -170,8 +170,6 @@ ANSWER_C1 = {"role": "tool", "tool_call_id": "c1", "content": "18 C"}
      "tool message answers 'c1', which the assistant message before it did not call"),
     ({"messages": [*ASK, {**CALLS_C1_C2, "tool_calls": [CALLS_C1_C2["tool_calls"][0]] * 2}]},
      "two tool calls of one assistant message have the same id"),
-    ({"messages": [*ASK, {"role": "assistant", "content": "x", "tool_calls": []}]},
-     "messages.1.tool_calls"),
     ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "needs tool_call_id"),
     ({"messages": [{"role": "user", "content": "a", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
@@ -189,7 +187,8 @@ def test_bad_tool_requests_are_refused(agent: Scripted, fields: dict[str, Any],
 
 def test_each_call_answered_in_any_order_is_a_whole_history(agent: Scripted) -> None:
     body = {"model": "scripted", "tools": [WEATHER], "messages": [
-        *ASK, CALLS_C1_C2, {**ANSWER_C1, "tool_call_id": "c2"}, ANSWER_C1]}
+        *ASK, CALLS_C1_C2, {**ANSWER_C1, "tool_call_id": "c2"}, ANSWER_C1,
+        {"role": "assistant", "content": "18 C both", "tool_calls": []}]}  # none, as vLLM's
     assert httpx.post(agent.url + "/v1/chat/completions", json=body).status_code == 200
     body["messages"] = [*ASK, CALLS_C1_C2, ANSWER_C1]
     error = httpx.post(agent.url + "/v1/chat/completions", json=body).json()["error"]

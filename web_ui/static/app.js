@@ -421,10 +421,8 @@ const handlers = {
     if (line) setTimings(entry.root, line);
     const cancelled = msg.finish_reason === "cancelled";
     finishEntry(msg.request_id, { cls: cancelled ? "cancelled" : null });
-    if ((entry.regenerate || cancelled) && entry.raw === "" && msg.session_id === state.currentId) {
-      // Stopped before its first word: the session keeps the old reply (a regenerate) or its
-      // message without one, with Retry under it.
-      client.openSession(msg.session_id);
+    if (entry.regenerate && entry.raw === "" && msg.session_id === state.currentId) {
+      client.openSession(msg.session_id); // stopped before its first word: the old reply stays
     }
     if (msg.session_id === state.currentId) markContextStart(ui.messages, msg.context_start);
     scrollToBottom();
