@@ -269,6 +269,47 @@ def test_kv_a_deleted_session_ran_on_into_that_is_still_being_saved_is_not_kept(
         planner.close()
 
 
+def test_a_checkpoint_on_its_way_to_ssd_when_its_session_is_deleted_is_erased(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A session's best-effort turn (its KV in the host tier alone) was checkpointed, its
+    # chunks queued for the SSD tier, then stopped and its session deleted: the erasure read
+    # the owners before the write-down landed, which then outlived the deletion.
+    import threading
+
+    from tests.test_tier_planner import fake_worker_saves
+
+    planner = make_planner(tmp_path / "ssd")
+    gate = threading.Event()
+    write_through = planner.store.write_through
+
+    def held(*args: object, **kwargs: object) -> bool:
+        assert gate.wait(10)
+        return write_through(*args, **kwargs)  # type: ignore[arg-type]
+
+    tokens = [*TURN1, 110, 111, 112]
+    try:
+        view = TokenView("be", tokens, "s1", background=True)
+        planner.add_request(view)
+        planner.num_new_matched_tokens(view, 0)
+        planner.test_blocks["be"] = [7, 8, 9]  # type: ignore[attr-defined]
+        planner.plan_load("be", [7, 8, 9], 0, len(tokens))
+        meta = planner.build_metadata([("be", 12)])  # chunks 0 to 2, in the host tier
+        fake_worker_saves(planner, meta.saves)
+        planner.step_done({meta.step}, set())
+        monkeypatch.setattr(planner.store, "write_through", held)
+        assert planner.checkpoint("be", 12, [7, 8, 9]) == 12  # all written down, later
+        planner.request_finished("be", 12, [7, 8, 9])
+        threading.Timer(0.3, gate.set).start()
+        erased, _ = planner.forget("s1", [TURN1[:3]]).result(10)  # no chain names them
+        planner.store.flush()
+        for tier in planner.store.tiers:
+            assert tier.keys() == []
+        assert erased == 2 * 3 * LAYERS
+    finally:
+        gate.set()
+        planner.close()
+
+
 def test_a_live_sessions_pruned_chain_leaves_the_tail_of_one_it_still_runs(
         tmp_path: Path) -> None:
     planner = make_planner(tmp_path / "ssd")

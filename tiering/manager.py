@@ -107,6 +107,10 @@ class TieredStore:
             self._write_down.submit(self._write_pinned, pinned, from_tier, owner)
         return len(pinned)
 
+    def wait_for_write_downs(self) -> None:
+        """Block until the `write_through_later` calls made so far have run."""
+        self._write_down.submit(lambda: None).result()
+
     def _write_pinned(self, keys: Sequence[ChunkKey], from_tier: int, owner: bytes) -> None:
         for key in keys:
             try:

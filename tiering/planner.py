@@ -619,6 +619,8 @@ class TierPlanner:
         def erase() -> None:
             wanted: set[bytes] = set()
             try:
+                if kept_chains is None:  # a checkpoint's chunks on their way down to SSD
+                    self.store.wait_for_write_downs()  # land before the owners are read
                 kept = set() if not kept_chains else chain_hashes(
                     kept_chains, self.chunk_tokens, self.model_id, salt=salt)
                 wanted = chain_hashes(chains, self.chunk_tokens, self.model_id, salt=salt) - kept
