@@ -608,10 +608,11 @@ class TierPlanner:
         resolves to (chunk-layers erased, kept) once every erasure is on disk;
         `forgotten(session)` reads it."""
         chains = list(chains)
-        kept_chains = None if keep is None else list(keep)
+        kept_chains = [] if keep is None else list(keep)
+        deleted = keep is None
         done: Future[tuple[int, int]] = Future()
         with self._lock:
-            if kept_chains is None:
+            if deleted:
                 self._release_advisory(session)
                 self.store.clear_hint(session)
             self._forgetting[session] = done
@@ -619,20 +620,18 @@ class TierPlanner:
         def erase() -> None:
             wanted: set[bytes] = set()
             try:
-                if kept_chains is None:  # a checkpoint's chunks on their way down to SSD
-                    self.store.wait_for_write_downs()  # land before the owners are read
-                kept = set() if not kept_chains else chain_hashes(
-                    kept_chains, self.chunk_tokens, self.model_id, salt=salt)
+                if deleted:  # a checkpoint's chunks on their way down to SSD land before
+                    self.store.wait_for_write_downs()  # the owners are read
+                kept = chain_hashes(kept_chains, self.chunk_tokens, self.model_id, salt=salt)
                 wanted = chain_hashes(chains, self.chunk_tokens, self.model_id, salt=salt) - kept
                 ends = self._chain_ends(chains, salt)
                 with self._lock:
                     # and the partial chunks computed past where the session's tokens go (a
                     # reply a stop string ended or a cancel ran on in the engine), no chain's
                     # hash names, as far as this run knows them (`TailIndex`)
-                    wanted |= self._run_on_tails(session, ends, wanted,
-                                                 deleted=kept_chains is None) - kept
-                    if kept_chains is None:  # and what its requests saved, also before a
-                        wanted |= self._owned_by(owner_tag(session))  # restart
+                    wanted |= self._run_on_tails(session, ends, wanted, deleted=deleted) - kept
+                    if deleted:  # and what its requests saved, also before a restart
+                        wanted |= self._owned_by(owner_tag(session))
                     self._tails.discard_hashes(wanted)
                     # Chunks a checkpointed request will restore stay, now and until the
                     # erasure is done (`checkpoint` takes its own out of every erasure).

@@ -20,8 +20,8 @@ A record is written with one `pwritev` of whole pages into a slot that already e
 after its first use, so a write is a copy into the page cache: no file to create, rename or
 allocate (a file per chunk-layer cost 95 µs of CPU against 8 µs here, and slowed the model's
 decode steps by 12-20%; docs/benchmarks.md). `header_check` covers the header bytes before it
-and the key and owner bytes, so a damaged header is caught before its lengths are trusted; the payload
-has its own checksum, so a torn write (new header, old payload) fails verification. A slot
+and the key and owner bytes, so a damaged header is caught before its lengths are trusted; the
+payload has its own checksum, so a torn write (new header, old payload) fails verification. A slot
 whose header page is all zeros is empty. `sequence` grows with every write: after a restart
 the newest record of a key wins.
 

@@ -328,7 +328,7 @@ class SsdTier(IndexedTier[SsdSlot]):
         if num_payload_bytes > self.slot_bytes:
             raise ValueError(f"{self.name}: a {num_payload_bytes}-byte payload does not fit a "
                              f"{self.slot_bytes}-byte slot")
-        key_bytes(key)
+        # (the key's header size: checked with its owner by `_accept`, the one way in)
         if self._index.used_bytes >= self._file_slots * self.stride:  # the file must grow
             self._fit_to_disk()
         return self.stride
