@@ -228,6 +228,18 @@ def _tier_tokens(out: Any) -> tuple[int, int] | None:
     return None if loads is None else (int(loads[0]), int(loads[1]))
 
 
+def joined_user_runs(turns: Sequence[ChatTurn]) -> list[ChatTurn]:
+    """`turns` with each run of consecutive user messages made one, their texts a blank line
+    apart."""
+    out: list[ChatTurn] = []
+    for turn in turns:
+        if out and turn.role == "user" and out[-1].role == "user":
+            out[-1] = ChatTurn("user", f"{out[-1].content}\n\n{turn.content}")
+        else:
+            out.append(turn)
+    return out
+
+
 def kill_engine_processes() -> None:
     """Kill the vLLM engine processes this process started, with their workers."""
     import psutil
@@ -444,19 +456,33 @@ class VllmEngine(Engine):
                 extra["tools"] = [t.to_json() for t in tools]
         else:
             turns = hermes_turns(turns, tools)
+        try:
+            text = self._apply_template(turns, open_reply, extra)
+        except EngineRequestError:
+            # Templates that want roles to alternate (Mistral's, Gemma's) refuse two user
+            # messages in a row, which OpenAI's API takes and a session holds after a message
+            # left without a reply (a crash, a failed turn) is followed by another: the model
+            # then sees each run of them as one message.
+            joined = joined_user_runs(turns)
+            if len(joined) == len(turns):
+                raise
+            text = self._apply_template(joined, open_reply, extra)
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _apply_template(self, turns: Sequence[ChatTurn], open_reply: bool,
+                        extra: dict[str, Any]) -> str:
         from jinja2 import TemplateError
 
         try:
-            text = self._tokenizer.apply_chat_template(
+            return str(self._tokenizer.apply_chat_template(
                 [tool_message(t) for t in turns], add_generation_prompt=open_reply,
-                tokenize=False, **extra)
+                tokenize=False, **extra))
         # the template's own checks (roles, tool call ids, ...), and its filters given what
         # they cannot take (`items` of arguments that are not an object)
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError,
                 IndexError) as exc:
             raise EngineRequestError(f"the model's chat template refused the "
                                      f"conversation: {exc}") from exc
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     @functools.cached_property
     def _template_knows_tools(self) -> bool:

@@ -74,3 +74,39 @@ def test_the_scripted_engine_continues_its_own_context() -> None:
     prompt = engine.render_chat(HISTORY[:1])
     context = ChatContext(2, engine.context_tokens(prompt, [ord(c) for c in HISTORY[1].content]))
     assert engine.continue_chat([*HISTORY, NEXT], context) == engine.render_chat([*HISTORY, NEXT])
+
+
+# Mistral's rule, in the way its template words it: roles alternate, the user's first.
+ALTERNATING_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}")
+
+
+def test_a_template_that_wants_roles_to_alternate_sees_a_run_of_user_messages_as_one() -> None:
+    """A message left without a reply (the server went down while answering it) and the next
+    one are two user messages in a row, which OpenAI's API takes and templates like Mistral's
+    refuse: the model sees them as one message, and the previous turn's KV is still reused."""
+    strict = VllmEngine(EngineConfig(), default_model_or_skip())
+    strict.load_tokenizer()
+    strict._tokenizer.chat_template = ALTERNATING_TEMPLATE
+    unanswered, latest = ChatTurn("user", "Are you there?"), ChatTurn("user", "Hello?")
+    turns = [*HISTORY, unanswered, latest]
+    assert strict.decode(strict.render_chat(turns)) == (
+        "[INST] Write two short paragraphs. [/INST]First one.\n\nSecond one.</s>"
+        "[INST] Are you there?\n\nHello? [/INST]")
+    prompt = strict.render_chat(HISTORY[:1])
+    reply = strict.encode_prompt(HISTORY[1].content, add_special_tokens=False)
+    context = ChatContext(2, strict.context_tokens(prompt, reply))
+    follow_up = strict.continue_chat(turns, context)
+    assert follow_up[:len(context.token_ids)] == list(context.token_ids)
+    assert strict.decode(follow_up) == strict.decode(strict.render_chat(turns))
+    # What else it refuses, it still refuses.
+    from antiphon.engine_ext.engine import EngineRequestError
+    with pytest.raises(EngineRequestError, match="roles must alternate"):
+        strict.render_chat([HISTORY[1], NEXT])
+    with pytest.raises(EngineRequestError, match="roles must alternate"):
+        strict.render_chat([NEXT, HISTORY[1], HISTORY[1]])
