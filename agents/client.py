@@ -59,11 +59,12 @@ class Session:
     created_at: float
     updated_at: float
     num_messages: int
+    system: str | None = None  # the system message the model sees first
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Session:
         return cls(data["session_id"], data.get("title"), data["created_at"],
-                   data["updated_at"], data["num_messages"])
+                   data["updated_at"], data["num_messages"], data.get("system"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +181,12 @@ class AsyncAntiphon:
     async def models(self) -> list[str]:
         return [m["id"] for m in (await self._json("GET", "/v1/models"))["data"]]
 
-    async def create_session(self, title: str | None = None) -> Session:
-        return Session.from_json(await self._json("POST", "/v1/sessions",
-                                                  json={"title": title}))
+    async def create_session(self, title: str | None = None,
+                             system: str | None = None) -> Session:
+        """A new session; with `system`, the system message its model sees before the
+        conversation at every turn."""
+        body = {"title": title} if system is None else {"title": title, "system": system}
+        return Session.from_json(await self._json("POST", "/v1/sessions", json=body))
 
     async def list_sessions(self) -> list[Session]:
         """Every session of this API key, most recent first (the server lists them a page at

@@ -2,7 +2,8 @@
 
 Client to server::
 
-    {"type": "session.open", "session_id": null | str, "title": str?}
+    {"type": "session.open", "session_id": null | str, "title": str?, "system": str?}
+    # `system`: a new session's system message, which the model sees first at every turn
     {"type": "session.list", "before": str?}
     {"type": "session.rename", "session_id": str, "title": str}
     {"type": "session.delete", "session_id": str}
@@ -242,6 +243,9 @@ class SessionOpen(_Msg):
     session_id: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
     """Existing session to resume; null opens a new one."""
     title: Annotated[str, Field(max_length=200)] | None = None
+    system: str | None = None
+    """A new session's system message, which the model sees before the conversation
+    (`--max-content-chars` at most, as a message)."""
 
 
 class SessionList(_Msg):

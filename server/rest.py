@@ -24,6 +24,7 @@ router = APIRouter()
 class NewSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     title: Annotated[str, Field(max_length=200)] | None = None
+    system: str | None = None  # the system message the model sees first
 
 
 class SessionUpdate(BaseModel):
@@ -60,7 +61,7 @@ async def list_sessions(request: Request, before: str | None = None) -> dict[str
 async def create_session(request: Request) -> dict[str, Any]:
     ctx, owner = _ctx(request), authorize(request)
     body = await read_model(request, NewSession, may_be_empty=True)  # `curl -X POST` works
-    session, _ = await ctx.turns.open(owner, None, body.title)
+    session, _ = await ctx.turns.open(owner, None, body.title, body.system)
     return session.to_json()
 
 

@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import Any, NamedTuple
 
 from antiphon.engine_ext.types import ChatContext, ChatTurn, ToolCall
 from antiphon.server import protocol
@@ -104,13 +104,21 @@ class SessionTurns:
         self._eraser: asyncio.Task[None] | None = None  # erasing deleted sessions' KV
         self._erase_wanted = False  # a session was deleted since the eraser read the queue
 
-    async def open(self, owner: str, session_id: str | None,
-                   title: str | None = None) -> tuple[Session, list[Message]]:
-        """Create a session (no id) or load one of `owner`'s; raises `session_not_found`."""
+    async def open(self, owner: str, session_id: str | None, title: str | None = None,
+                   system: str | None = None) -> tuple[Session, list[Message]]:
+        """Create a session (no id), whose model sees `system` first, or load one of
+        `owner`'s; raises `session_not_found`, or `bad_message` for a system message too
+        long, or given for a session that exists (its conversation was had under its own)."""
+        if session_id is not None and system is not None:
+            raise ApiError(ErrorCode.BAD_MESSAGE, "a session's system message is set when it "
+                           "is created: open a new session for another", param="system")
+        if system is not None:
+            self.chat.check_content(system, may_be_empty=True)
         if session_id is None:
             title = "New chat" if title is None else clean_title(title)
             limit = self.chat.config.max_sessions_per_key
-            session = await asyncio.to_thread(self.store.create_session, owner, title, limit)
+            session = await asyncio.to_thread(self.store.create_session, owner, title, limit,
+                                              system or None)
             if session is None:
                 raise ApiError(ErrorCode.TOO_MANY_SESSIONS, (
                     f"this API key has {limit} sessions, the most it may keep "
@@ -213,12 +221,11 @@ class SessionTurns:
     def _last_prompt(self, session_id: str) -> list[int] | None:
         """The prompt the session's conversation renders to now (that of a turn whose reply
         was never stored, if one is pending), for the erasure of its KV."""
-        history, context, _ = self._history(session_id)
-        if not history:
+        seen = self._history(session_id)
+        if not seen.history:
             return None
         try:
-            return self.chat.engine.continue_chat(
-                [_turn(m) for m in history], context)
+            return self.chat.engine.continue_chat(seen.turns, seen.context)
         except Exception:  # a delete goes on: the stored contexts are erased all the same
             logger.exception("session %s: its conversation did not render", session_id)
             return None
@@ -243,15 +250,15 @@ class SessionTurns:
                                        time.time()):
             raise gone
         self.metrics.advisories.labels(source).inc()
-        history, context, _ = await asyncio.to_thread(self._history, session_id)
-        if context is not None and context.num_messages in (0, len(history)):
+        seen = await asyncio.to_thread(self._history, session_id)
+        context = seen.context
+        if context is not None and context.num_messages in (0, len(seen.turns)):
             # The exact tokens the tiers hold: the last exchange of an OpenAI-API client, or
             # a conversation through its last reply. (Rendered again, a conversation held
             # with tools would differ: the next turn's tools are not known yet.)
             tokens = list(context.token_ids)
-        elif history:
-            tokens = self.chat.engine.continue_chat(
-                [_turn(m) for m in history], context, open_reply=False)
+        elif seen.history:
+            tokens = self.chat.engine.continue_chat(seen.turns, context, open_reply=False)
         else:
             tokens = []  # a new session: no conversation to bring forward yet
         held = 0 if not tokens else await self.chat.engine.advise(
@@ -349,9 +356,9 @@ class SessionTurns:
         await self.get(owner, msg.session_id)
         hold = await self.claim_soon(msg.session_id)
         try:
-            history, context, start = await asyncio.to_thread(self._history, msg.session_id)
-            turns = [_turn(m) for m in history]
-            calls = unanswered_calls(history)
+            seen = await asyncio.to_thread(self._history, msg.session_id)
+            turns, start = seen.turns, seen.start
+            calls = unanswered_calls(seen.history)
             replaces_reply = False
             if isinstance(msg, protocol.ChatMessage):
                 if calls:
@@ -366,10 +373,11 @@ class SessionTurns:
             elif turns and turns[-1].role == "assistant":
                 turns.pop()  # its stored context, which covers it, no longer applies
                 replaces_reply = True
-            if not turns:
+            if len(turns) == seen.lead:
                 raise ApiError(ErrorCode.BAD_MESSAGE, f"session {msg.session_id} has no "
                                "message to answer again")
-            gen, cut = self._prepare_in_window(owner, msg, request_id, turns, context)
+            gen, cut = self._prepare_in_window(owner, msg, request_id, turns, seen.lead,
+                                               seen.context)
             gen.tool_use = msg.tool_use()
             gen.context_start = start + cut
             gen.replaces_reply = replaces_reply
@@ -388,7 +396,7 @@ class SessionTurns:
             await asyncio.to_thread(self.store.append_message, msg.session_id, "user",
                                     msg.content, self.chat.engine.count_tokens(msg.content))
             gen.committed = ("user", (msg.content,))
-            if not history:
+            if not seen.history:
                 title = title_text(msg.content)[:60]
                 named = bool(title) and await asyncio.to_thread(
                     self.store.title_if_untitled, msg.session_id, title)
@@ -524,13 +532,14 @@ class SessionTurns:
             return False
 
     def _prepare_in_window(self, owner: str, msg: protocol.TurnRequest, request_id: str,
-                           turns: list[ChatTurn], context: ChatContext | None,
+                           turns: list[ChatTurn], lead: int, context: ChatContext | None,
                            ) -> tuple[Generation, int]:
-        """The turn's generation, and how many of `turns`' first messages it had to leave out
-        of the model's view: none while the reply gets the room it asks for (`max_tokens`, or
-        the server's default), else the fewest whose removal (at a user message) leaves the
-        rest within `context_refill_frac` of the model's context. Raises
-        `context_length_exceeded` when the new message alone leaves no room."""
+        """The turn's generation, and how many of the first messages after `turns[:lead]`
+        (the system message, which the model always sees) it had to leave out of the model's
+        view: none while the reply gets the room it asks for (`max_tokens`, or the server's
+        default), else the fewest whose removal (at a user message) leaves the rest within
+        `context_refill_frac` of the model's context. Raises `context_length_exceeded` when
+        the new message alone leaves no room."""
         tools = msg.tool_specs()
 
         def prepare(window: list[ChatTurn], ctx: ChatContext | None) -> Generation:
@@ -543,7 +552,7 @@ class SessionTurns:
         # before the next cut, instead of every turn cutting (and recomputing) again.
         wanted = min(msg.max_tokens or self.chat.config.reply_max_tokens,
                      int(max_model_len * (1 - frac) / 2))
-        starts = [i for i in range(1, len(turns)) if turns[i].role == "user"]
+        starts = [i for i in range(lead + 1, len(turns)) if turns[i].role == "user"]
         try:
             gen = prepare(turns, context)
             if gen.params.max_tokens >= wanted or not starts:  # or nothing to leave out
@@ -555,22 +564,26 @@ class SessionTurns:
         lo, hi = 0, len(starts) - 1  # the last start, the new message alone, always counts
         while lo < hi:  # the first start whose window fits the budget
             mid = (lo + hi) // 2
-            if len(self.chat.engine.render_chat(turns[starts[mid]:], tools=tools)) <= budget:
+            window = [*turns[:lead], *turns[starts[mid]:]]
+            if len(self.chat.engine.render_chat(window, tools=tools)) <= budget:
                 hi = mid
             else:
                 lo = mid + 1
-        return prepare(turns[starts[lo]:], None), starts[lo]
+        return prepare([*turns[:lead], *turns[starts[lo]:]], None), starts[lo] - lead
 
-    def _history(self, session_id: str) -> tuple[list[Message], ChatContext | None, int]:
-        """The messages of the session the model sees, the exact tokens through the last
-        reply among them (if stored), and the index of the first of them in the session."""
+    def _history(self, session_id: str) -> Seen:
+        """What the model sees of the session's conversation."""
         start = self.store.window_start(session_id)
         history = self.store.messages(session_id)[start:]
+        system = self.store.system(session_id)
+        lead = [] if system is None else [ChatTurn("system", system)]
+        turns = [*lead, *(_turn(m) for m in history)]
         stored = self.store.context(session_id)
         if stored is None or (stored[0] and stored[0] <= start):
-            return history, None, start
+            return Seen(history, turns, len(lead), None, start)
         num_messages, token_ids = stored
-        return history, ChatContext(num_messages - start if num_messages else 0, token_ids), start
+        context = ChatContext(num_messages - start + len(lead) if num_messages else 0, token_ids)
+        return Seen(history, turns, len(lead), context, start)
 
     async def _commit_reply(self, session_id: str, gen: Generation, reply: Reply) -> None:
         content, tool_calls, finish_reason = reply
@@ -578,6 +591,16 @@ class SessionTurns:
         await asyncio.to_thread(self.store.append_message, session_id, "assistant", content,
                                 gen.num_output_tokens, finish_reason, context,
                                 replaces_reply=gen.replaces_reply, tool_calls=tool_calls)
+
+
+class Seen(NamedTuple):
+    """What the model sees of a session's conversation (`SessionTurns._history`)."""
+
+    history: list[Message]  # its messages from the first the model sees
+    turns: list[ChatTurn]  # the system message (if it has one), then `history`
+    lead: int  # turns before `history`: 1 with a system message, else 0
+    context: ChatContext | None  # the exact tokens through the last reply, over `turns`
+    start: int  # the index of `history[0]` among the session's messages
 
 
 # A reply as the session keeps it: its content, its calls of tools (None: it made none), and

@@ -93,7 +93,8 @@ class Connection:
     async def _dispatch(self, msg: protocol.ClientMessage) -> None:
         turns = self.ctx.turns
         if isinstance(msg, protocol.SessionOpen):
-            session, messages = await turns.open(self.owner, msg.session_id, msg.title)
+            session, messages = await turns.open(self.owner, msg.session_id, msg.title,
+                                                 msg.system)
             await self.send(protocol.encode("session", session=session.to_json(),
                                             messages=[m.to_json() for m in messages],
                                             replying=turns.is_replying(session.session_id)))

@@ -25,7 +25,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     owner      TEXT NOT NULL,
     title      TEXT NOT NULL,
     created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    system     TEXT  -- the system message the model sees before the conversation (null: none)
 );
 DROP INDEX IF EXISTS sessions_owner;
 CREATE INDEX IF NOT EXISTS sessions_owner_recent ON sessions(owner, updated_at, session_id);
@@ -105,11 +106,13 @@ class Session:
     updated_at: float
     num_messages: int = 0
     context_start: int = 0  # the first message the model still sees (`move_window`)
+    system: str | None = None  # the system message the model sees first, set at creation
 
     def to_json(self) -> dict[str, object]:
         return {"session_id": self.session_id, "title": self.title,
                 "created_at": self.created_at, "updated_at": self.updated_at,
-                "num_messages": self.num_messages, "context_start": self.context_start}
+                "num_messages": self.num_messages, "context_start": self.context_start,
+                "system": self.system}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +147,8 @@ def _message(row: Sequence[Any]) -> Message:
 _SESSION_COLUMNS = (
     "s.session_id, s.owner, s.title, s.created_at, s.updated_at,"
     " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id),"
-    " COALESCE((SELECT first_message FROM windows w WHERE w.session_id = s.session_id), 0)")
+    " COALESCE((SELECT first_message FROM windows w WHERE w.session_id = s.session_id), 0),"
+    " s.system")
 
 
 def _ids(token_ids: Sequence[int]) -> bytes:
@@ -203,16 +207,19 @@ class SessionStore:
         self._db.close()
 
     def create_session(self, owner: str, title: str = "New chat",
-                       max_sessions: int | None = None) -> Session | None:
-        """A new session of `owner`'s; None (and nothing written) when the owner has
-        `max_sessions` already."""
+                       max_sessions: int | None = None,
+                       system: str | None = None) -> Session | None:
+        """A new session of `owner`'s, whose model sees `system` first (None: no system
+        message); None (and nothing written) when the owner has `max_sessions` already."""
         now = time.time()
-        session = Session(new_session_id(), owner, title, now, now)
+        session = Session(new_session_id(), owner, title, now, now, system=system)
         with self._db.locked() as db:
             inserted = db.execute(
-                "INSERT INTO sessions SELECT ?, ?, ?, ?, ? WHERE ? IS NULL OR"
+                "INSERT INTO sessions (session_id, owner, title, created_at, updated_at, system)"
+                " SELECT ?, ?, ?, ?, ?, ? WHERE ? IS NULL OR"
                 " (SELECT COUNT(*) FROM sessions WHERE owner = ?) < ?",
-                (session.session_id, owner, title, now, now, max_sessions, owner, max_sessions),
+                (session.session_id, owner, title, now, now, system, max_sessions, owner,
+                 max_sessions),
             ).rowcount
         return session if inserted else None
 
@@ -317,6 +324,13 @@ class SessionStore:
             rows = db.execute("SELECT token_ids FROM kv_chains WHERE session_id = ?",
                               (session_id,)).fetchall()
         return [_unpack_ids(r[0]) for r in rows]
+
+    def system(self, session_id: str) -> str | None:
+        """The session's system message (None: none, or no such session)."""
+        with self._db.locked() as db:
+            row = db.execute("SELECT system FROM sessions WHERE session_id = ?",
+                             (session_id,)).fetchone()
+        return None if row is None else row[0]
 
     def messages(self, session_id: str) -> list[Message]:
         with self._db.locked() as db:
@@ -497,3 +511,5 @@ def _migrate(db: sqlite3.Connection) -> None:
     for column in ("tool_calls", "tool_call_id"):  # from before tool calls
         if column not in columns:
             db.execute(f"ALTER TABLE messages ADD COLUMN {column} TEXT")
+    if "system" not in {row[1] for row in db.execute("PRAGMA table_info(sessions)")}:
+        db.execute("ALTER TABLE sessions ADD COLUMN system TEXT")  # from before system messages

@@ -58,6 +58,9 @@ async def test_chat_sessions_and_advisory(scripted: Scripted) -> None:
         await client.delete_session(session.session_id)
         with pytest.raises(NotFoundError):
             await client.get_session(session.session_id)
+        briefed = await client.create_session("brief", system="Be terse.")
+        assert briefed.system == "Be terse." and session.system is None
+        assert (await client.get_session(briefed.session_id))[0].system == "Be terse."
     assert advisories_counted(scripted.url, "rest") == 2
     assert advisories_counted(scripted.url, "typing") == 1
 

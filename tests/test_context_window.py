@@ -30,9 +30,9 @@ class PromptRecordingEngine(ScriptedEngine):
             yield delta
 
 
-async def talk(url: str, session_id: str | None, first: int, n: int) -> str:
+async def talk(url: str, session_id: str | None, first: int, n: int, **opening: Any) -> str:
     async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
-        sid = (await open_session(ws, session_id))["session"]["session_id"]
+        sid = (await open_session(ws, session_id, **opening))["session"]["session_id"]
         for i in range(first, first + n):
             await send(ws, type="message", session_id=sid, content=f"message {i} " + "x" * 30)
             done = (await recv_until(ws, "done"))[-1]
@@ -66,3 +66,29 @@ async def test_a_conversation_longer_than_the_context_goes_on(tmp_path: Path) ->
     with live_server(config, engine) as url:  # after a restart, the same view
         await talk(url, sid, 14, 1)
     assert engine.prompts[0].startswith(prompts[-1])
+
+
+async def test_the_system_message_stays_in_view_across_cuts(tmp_path: Path) -> None:
+    """A session's system message is the first thing the model sees at every turn, before and
+    after the oldest messages leave its view, and after a restart; the turns between cuts
+    still extend the last one's exact tokens."""
+    engine = PromptRecordingEngine()
+    config = scripted_config(tmp_path, max_content_chars=500, context_refill_frac=0.5)
+    system = "<system>Answer like a pirate.\n"
+    with live_server(config, engine) as url:
+        sid = await talk(url, None, 0, 14, system="Answer like a pirate.")
+    prompts = engine.prompts
+    assert all(p.startswith(system) for p in prompts), prompts
+    firsts = [int(p.split("message ")[1].split()[0]) for p in prompts]
+    cuts = [i for i in range(1, len(firsts)) if firsts[i] != firsts[i - 1]]
+    assert cuts and firsts[-1] > 0
+    for i in cuts:  # the cut left the system message in view, and refilled to at most half
+        assert prompts[i].startswith(f"{system}<user>message {firsts[i]} ")
+        assert len(prompts[i]) <= MAX_MODEL_LEN * 0.5
+    for i in range(1, len(prompts)):
+        if i not in cuts:
+            assert prompts[i].startswith(prompts[i - 1]), (i, firsts)
+    engine = PromptRecordingEngine()
+    with live_server(config, engine) as url:  # (where this turn cuts again)
+        await talk(url, sid, 14, 1)
+    assert engine.prompts[0].startswith(f"{system}<user>message ")

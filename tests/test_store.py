@@ -21,6 +21,37 @@ def test_sessions_persist_across_reopen(tmp_path: Path) -> None:
     reopened.check_integrity()
 
 
+def test_a_database_of_an_older_server_gains_what_it_lacks(tmp_path: Path) -> None:
+    """A data folder from before tool calls and system messages opens with its sessions and
+    messages as they were (no system message, no calls) and takes the new ones."""
+    import sqlite3
+
+    path = tmp_path / "s.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE sessions (session_id TEXT PRIMARY KEY, owner TEXT NOT NULL,
+            title TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+        CREATE TABLE messages (session_id TEXT NOT NULL REFERENCES sessions(session_id)
+            ON DELETE CASCADE, seq INTEGER NOT NULL, role TEXT NOT NULL, content TEXT NOT NULL,
+            num_tokens INTEGER NOT NULL, finish_reason TEXT, created_at REAL NOT NULL,
+            PRIMARY KEY (session_id, seq));
+        INSERT INTO sessions VALUES ('s_old', 'alice', 'kept', 1.0, 2.0);
+        INSERT INTO messages VALUES ('s_old', 0, 'user', 'hello', 1, NULL, 1.5);
+        """)
+    old.commit()
+    old.close()
+    store = SessionStore(path)
+    kept = store.get_session("alice", "s_old")
+    assert kept is not None and (kept.title, kept.num_messages, kept.system) == ("kept", 1, None)
+    assert [(m.role, m.content, m.tool_calls) for m in store.messages("s_old")] == [
+        ("user", "hello", None)]
+    new = store.create_session("alice", system="Be terse.")
+    assert new is not None and store.system(new.session_id) == "Be terse."
+    store.append_message("s_old", "assistant", "hi", 1, "stop", tool_calls=[{"id": "c"}])
+    assert store.messages("s_old")[-1].tool_calls == ({"id": "c"},)
+    store.check_integrity()
+
+
 def test_owner_isolation(tmp_path: Path) -> None:
     store = SessionStore(tmp_path / "s.sqlite3")
     s = store.create_session("alice")

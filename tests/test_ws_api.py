@@ -48,6 +48,44 @@ async def test_follow_up_sees_history_and_reopen_returns_it(scripted: Scripted) 
     assert opened["session"]["title"] == "one"
 
 
+async def test_a_sessions_system_message_is_what_the_model_sees_first(
+        scripted: Scripted) -> None:
+    """A session opened with a system message (websocket or REST) keeps it: the model sees it
+    before the conversation at every turn, it is not one of the session's messages, and it
+    is set once, at creation."""
+    scripted.engine.reply = lambda turns: "Arr"
+    async with connect(scripted.ws_url) as ws:
+        opened = await open_session(ws, system="Answer like a pirate.")
+        sid = opened["session"]["session_id"]
+        assert (opened["session"]["system"], opened["messages"]) == ("Answer like a pirate.", [])
+        await send(ws, type="regenerate", session_id=sid, request_id="nothing")
+        assert (await recv(ws))["code"] == "bad_message"  # the system message is no message
+        await chat(ws, sid, "hello")
+        await chat(ws, sid, "where is it?")
+        assert [scripted.engine.decode(p) for p in scripted.engine.request_prompts] == [
+            "<system>Answer like a pirate.\n<user>hello\n<assistant>",
+            "<system>Answer like a pirate.\n<user>hello\n<assistant>Arr\n"
+            "<user>where is it?\n<assistant>"]
+        reopened = await open_session(ws, sid)
+        assert reopened["session"]["system"] == "Answer like a pirate."
+        assert [m["role"] for m in reopened["messages"]] == ["user", "assistant"] * 2
+        # set once: not for a session that exists; at most a message's length
+        await send(ws, type="session.open", session_id=sid, system="Be terse.")
+        refused = await recv(ws)
+        assert refused["code"] == "bad_message" and "system message" in refused["message"]
+        await send(ws, type="session.open", system="x" * 1001)
+        assert (await recv(ws))["code"] == "too_large"
+        plain = await open_session(ws)
+        assert plain["session"]["system"] is None
+    async with httpx.AsyncClient(base_url=scripted.url) as client:
+        made = (await client.post("/v1/sessions", json={"system": "Be terse."})).json()
+        assert made["system"] == "Be terse."
+        listed = (await client.get("/v1/sessions")).json()["sessions"]
+        assert {s["session_id"]: s["system"] for s in listed} == {
+            made["session_id"]: "Be terse.", sid: "Answer like a pirate.",
+            plain["session"]["session_id"]: None}
+
+
 async def test_several_sessions_in_flight_on_one_connection(scripted: Scripted) -> None:
     async with connect(scripted.ws_url) as ws:
         sids = [(await open_session(ws))["session"]["session_id"] for _ in range(3)]

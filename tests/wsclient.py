@@ -28,8 +28,9 @@ async def recv_until(ws: ClientConnection, kind: str, timeout: float = 60.0) -> 
             return frames
 
 
-async def open_session(ws: ClientConnection, session_id: str | None = None) -> dict[str, Any]:
-    await send(ws, type="session.open", session_id=session_id)
+async def open_session(ws: ClientConnection, session_id: str | None = None,
+                       **extra: Any) -> dict[str, Any]:
+    await send(ws, type="session.open", session_id=session_id, **extra)
     frame = await recv(ws)
     assert frame["type"] == "session", frame
     return frame
