@@ -243,3 +243,26 @@ def test_the_dashboard_key_dialog_keeps_what_is_typed(tmp_path: Path, page: Any)
         page.locator("#api-key-input").press_sequentially(KEY[6:])
         page.locator("#api-key-save").click()
         page.wait_for_selector("body[data-connected=true]", timeout=40_000)
+
+
+def test_a_new_chat_asked_for_while_the_first_message_opens_its_session_loses_nothing(
+        url: str, page: Any) -> None:
+    """Enter on a new chat's first message, then "+ New chat" before the server has opened
+    the session for it: the message goes to that session and is answered (it was dropped,
+    and its session left empty), and the page shows a blank chat."""
+    open_chat(page, url)
+    page.locator("#composer").fill("first of its chat")
+    page.evaluate("""() => {
+      document.querySelector('#composer-form').requestSubmit();
+      document.querySelector('#new-session').click();
+    }""")
+    deadline = time.monotonic() + 10
+    while not (listed := sessions(url)) or listed[0]["num_messages"] < 2:
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.05)
+    assert [(s["title"], s["num_messages"]) for s in listed] == [("first of its chat", 2)]
+    assert page.locator("#session-title").inner_text() == "New chat"
+    assert page.locator("#messages > .msg").count() == 0
+    assert page.locator("#composer").input_value() == ""
+    send(page, "second chat")  # the blank chat is one: its message opens a session of its own
+    assert len(sessions(url)) == 2

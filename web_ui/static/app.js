@@ -21,6 +21,7 @@ const state = {
   currentId: load(KEYS.sessionId) || null,
   pending: new Map(), // request_id -> {sessionId, root, body, raw, streamed, cancelling, frame}
   queued: null, // message content waiting for a freshly opened session
+  blankAfterQueued: false, // "New chat" was clicked while the queued message's session opened
   sentAt: -Infinity, // performance.now() of the last send (see STOP_GRACE_MS)
   stick: true, // keep the conversation scrolled to the bottom while streaming
   restoring: false, // re-opening a remembered session (it may be gone)
@@ -218,7 +219,9 @@ function deleteSession(id) {
 
 function newSession() {
   setSidebar(false);
-  state.queued = null;
+  // A first message whose session is opening goes to it all the same (dropped, it was lost,
+  // and its session left empty); the blank chat comes once it is sent.
+  state.blankAfterQueued = state.queued !== null;
   showBlankChat(); // the session is opened once a message is sent: no empty sessions
   refreshControls();
   composer.focus();
@@ -279,6 +282,7 @@ function submit() {
     sendMessage(content);
   } else {
     state.queued = content;
+    state.blankAfterQueued = false;
     markSent();
     client.openSession(null);
   }
@@ -381,6 +385,7 @@ const handlers = {
       const content = state.queued;
       state.queued = null;
       sendMessage(content, { opened: true });
+      if (state.blankAfterQueued) newSession(); // its reply streams on in the sidebar's chat
     }
   },
 
