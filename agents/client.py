@@ -9,7 +9,8 @@ Chat turns stream over one shared websocket (several turns may be in flight on i
 is opened on first use and reopened by the next call after it drops (up to `connect_attempts`
 tries with backoff); a turn whose connection drops mid-reply raises `ConnectionLostError` with
 the text received so far, which is also what the server keeps as the session's reply, so the
-session stays consistent. Sessions, advisories, Batch API jobs and OpenAI-style completions
+session stays consistent; where the server itself went down (a crash), it keeps the message
+without a reply, and `regenerate` asks for one. Sessions, advisories, Batch API jobs and OpenAI-style completions
 (`complete`: the whole conversation each call, tools too) go over REST.
 """
 
@@ -415,7 +416,8 @@ class AsyncAntiphon:
                          on_token: Callable[[str], Any] | None = None,
                          request_id: str | None = None, **sampling: Any) -> ChatReply:
         """Answer the session's last user message again: the new reply replaces the last one
-        once it is complete (one stopped before its first token leaves the old one), and a
+        once it is kept, when it ends or is cut short (a cancel, a dropped connection) with
+        some of its text (one stopped before its first token leaves the old one), and a
         message left without a reply (the server went down while answering it) gets one."""
         return await self._turn({"type": "regenerate", "session_id": session_id}, request_id,
                                 on_token, max_tokens=max_tokens, temperature=temperature,

@@ -41,7 +41,8 @@ class ConnectionLostError(AntiphonError):
     """The connection dropped, or could not be opened, before the reply was complete.
 
     `accepted` says whether the server had taken the message: if so it keeps it, with
-    `partial` (the text received so far) as its reply where there is some, and
+    `partial` (the text received so far) as its reply where there is some (unless the server
+    itself went down: then the message is kept without a reply), and
     `regenerate(session_id)` asks for a whole reply; if not, the session has nothing of it
     and the message can be sent again. The next call reconnects."""
 

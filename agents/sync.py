@@ -65,7 +65,13 @@ class Antiphon:
         return task.result()
 
     def __getattr__(self, name: str) -> Any:
-        method = getattr(self.aio, name)
+        try:
+            if name == "aio":  # (not made: the start failed)
+                raise AttributeError(name)
+            method = getattr(self.aio, name)
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute "
+                                 f"{name!r}", name=name, obj=self) from None
         if not asyncio.iscoroutinefunction(method):
             return method
 

@@ -163,6 +163,8 @@ def test_blocking_client(scripted: Scripted) -> None:
     with Antiphon(scripted.url) as client:
         sid = client.create_session().session_id
         assert client.chat(sid, "sync").text == "You said: sync"
+        with pytest.raises(AttributeError, match="'Antiphon' object has no attribute 'chatt'"):
+            client.chatt(sid, "misspelt")  # the class the caller used, not the one inside
     with pytest.raises(ConnectionLostError, match="closed"):
         client.chat(sid, "after close")
     threads = threading.active_count()
