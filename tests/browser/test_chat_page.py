@@ -266,3 +266,47 @@ def test_a_new_chat_asked_for_while_the_first_message_opens_its_session_loses_no
     assert page.locator("#composer").input_value() == ""
     send(page, "second chat")  # the blank chat is one: its message opens a session of its own
     assert len(sessions(url)) == 2
+
+
+def test_a_busy_sessions_banner_goes_once_the_other_reply_is_in(tmp_path: Path,
+                                                                 page: Any) -> None:
+    """A message sent in a tab that had not yet seen another tab's turn is refused
+    (session_busy, its text back in the composer); the banner saying so went on showing after
+    that turn's reply was in and Send was enabled again."""
+    with live_server(scripted_config(tmp_path), ScriptedEngine(token_delay_s=0.05)) as base:
+        other = second_tab(page, base, "hello")
+        page.locator("#composer").fill(" ".join(["word"] * 40))  # a reply of about 2 s
+        page.locator("#composer").press("Enter")
+        page.locator(".msg.assistant.streaming").wait_for()
+        other.locator("#composer").fill("me too")
+        other.locator("#composer").press("Enter")
+        other.locator("#error:not([hidden])").wait_for()
+        assert "session_busy" in other.locator("#error").inner_text()
+        assert other.locator("#composer").input_value() == "me too"
+        page.locator(".msg.assistant").nth(1).locator(".timings").wait_for()
+        come_back(other)
+        other.locator(".msg.assistant").nth(1).wait_for(timeout=10_000)
+        other.locator("#error").wait_for(state="hidden", timeout=10_000)
+        assert other.locator("#send").is_enabled()
+
+
+def test_a_shutting_down_banner_goes_once_a_server_serves_again(tmp_path: Path,
+                                                               page: Any) -> None:
+    """A turn refused while the server shut down showed `shutting_down`, and the banner went
+    on showing once the page had reconnected to the server that replaced it."""
+    config = scripted_config(tmp_path)
+    port = free_port()
+    with running_server(config, ScriptedEngine(), port=port) as (base, _):
+        open_chat(page, base)
+        page.evaluate("""() => {  // as the server's refusal of a turn during its shutdown shows
+          const box = document.querySelector('#error');
+          box.querySelector('.error-code').textContent = 'shutting_down';
+          box.dataset.code = 'shutting_down';
+          box.hidden = false;
+        }""")
+    page.wait_for_function("document.body.dataset.connected === 'false'")
+    assert page.locator("#error").is_visible()
+    with running_server(config, ScriptedEngine(), port=port):
+        page.evaluate("window.dispatchEvent(new Event('focus'))")  # (tries at once)
+        page.wait_for_function("document.body.dataset.connected === 'true'", timeout=15000)
+        page.locator("#error").wait_for(state="hidden", timeout=5000)

@@ -367,6 +367,9 @@ const handlers = {
     markContextStart(ui.messages, s.context_start);
     const elsewhere = msg.replying === true && mine.length === 0 && s.session_id;
     state.replyingElsewhere = elsewhere ? s.session_id : null;
+    // The reply another tab or app was giving, which refused this one's message, is in.
+    const box = $("#error");
+    if (!box.hidden && box.dataset.code === "session_busy" && !elsewhere) hideError();
     if (state.replyingElsewhere !== null) {
       // A hidden tab asks again when the user comes back to it (`comeBack`).
       const id = state.replyingElsewhere;
@@ -507,7 +510,9 @@ client.addEventListener("open", () => {
   ui.body.dataset.connected = "true";
   ui.status.textContent = "Connected";
   const box = $("#error");
-  if (!box.hidden && ["disconnected", "unauthorized"].includes(box.dataset.code)) hideError();
+  // (a server that was shutting down has been replaced by one that serves)
+  const gone = ["disconnected", "unauthorized", "shutting_down"];
+  if (!box.hidden && gone.includes(box.dataset.code)) hideError();
   client.listSessions();
   state.restoring = Boolean(state.currentId);
   if (state.currentId) client.openSession(state.currentId);
