@@ -497,6 +497,10 @@ class VllmEngine(Engine):
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        # Antiphon checks lengths against the served context itself (a message refused as
+        # too long logged transformers' "Token indices sequence length is longer than the
+        # specified maximum" warning, which said it "will result in indexing errors").
+        self._tokenizer.model_max_length = int(1e30)  # transformers' own "no limit"
         self.special_token_ids = frozenset(self._tokenizer.all_special_ids)
         self.sampling_defaults = model_sampling_defaults(self.model_dir)
 

@@ -37,6 +37,20 @@ def title_text(text: str) -> str:
     return " ".join("".join(ch for ch in text if ch.isprintable() or ch.isspace()).split())
 
 
+TITLE_CHARS = 60  # of a title taken from a session's first message
+
+
+def title_from(message: str) -> str:
+    """The title a session's first message gives it: its start, cut after a whole word
+    (with "…") where it runs past `TITLE_CHARS`."""
+    text = title_text(message)
+    if len(text) <= TITLE_CHARS:
+        return text
+    cut = text[:TITLE_CHARS - 1]
+    words = cut.rsplit(" ", 1)[0] if " " in cut[TITLE_CHARS // 2:] else cut
+    return words.rstrip(" ,.;:-") + "…"
+
+
 def clean_title(title: str) -> str:
     """A title a client gave, as stored (`title_text`); raises `bad_message` when nothing is
     left."""
@@ -397,7 +411,7 @@ class SessionTurns:
                                     msg.content, self.chat.engine.count_tokens(msg.content))
             gen.committed = ("user", (msg.content,))
             if not seen.history:
-                title = title_text(msg.content)[:60]
+                title = title_from(msg.content)
                 named = bool(title) and await asyncio.to_thread(
                     self.store.title_if_untitled, msg.session_id, title)
                 gen.committed_title = title if named else None

@@ -110,3 +110,11 @@ def test_a_template_that_wants_roles_to_alternate_sees_a_run_of_user_messages_as
         strict.render_chat([HISTORY[1], NEXT])
     with pytest.raises(EngineRequestError, match="roles must alternate"):
         strict.render_chat([NEXT, HISTORY[1], HISTORY[1]])
+
+
+def test_a_text_longer_than_the_model_counts_without_a_warning(engine: VllmEngine) -> None:
+    """The server refuses such a message itself; transformers' tokenizer logged that its
+    length "will result in indexing errors" on the way."""
+    assert engine.count_tokens("word " * 20_000) > 10_000
+    warned = engine._tokenizer.deprecation_warnings
+    assert not warned.get("sequence-length-is-longer-than-the-specified-maximum")

@@ -752,3 +752,16 @@ async def test_errors_name_the_cancel_they_answer_and_a_client_gone_is_no_error(
         errors = [line for line in httpx.get(url + "/metrics").text.splitlines()
                   if line.startswith('antiphon_errors_total{code="internal_error"}')]
         assert errors in ([], ['antiphon_errors_total{code="internal_error"} 0.0']), errors
+
+
+def test_a_title_from_a_long_first_message_ends_at_a_word() -> None:
+    from antiphon.server.turns import TITLE_CHARS, title_from
+
+    assert title_from("  What is   the capital\nof France? ") == "What is the capital of France?"
+    long = "Please summarise the following meeting notes, keeping every decision and owner"
+    assert title_from(long) == "Please summarise the following meeting notes, keeping…"
+    assert len(title_from(long)) <= TITLE_CHARS
+    unbroken = "x" * 100  # no word to end at: cut at the limit
+    assert title_from(unbroken) == "x" * (TITLE_CHARS - 1) + "…"
+    exact = "y" * TITLE_CHARS
+    assert title_from(exact) == exact
