@@ -8,14 +8,17 @@ start it with `--data-dir DEST`. (Copying DEST's databases over a data folder's 
 restore: SQLite would replay the `-wal` file a killed server left beside the old database onto
 the copy.)
 
-A file that cannot be copied (a full disk) fails the backup (status 2) and leaves no partial
-copy under its name; a file deleted after the snapshot is marked deleted in the copy's
-database, as the server marks it.
+A backup that fails (a full disk: status 2) leaves nothing behind: every copy is written
+under a temporary name (`.part`) and takes its own name only once all are done, the batch
+database first and the sessions database last, so a folder a backup killed midway leaves
+holds no database a server would start from as if whole. A file deleted after the snapshot is
+marked deleted in the copy's database, as the server marks it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sqlite3
@@ -42,13 +45,34 @@ def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
     found = [name for name in DATABASES if (data_dir / name).is_file()]
     if not found:
         raise FileNotFoundError(f"{data_dir} holds no Antiphon database")
+    made = not dest.exists()
     private_dir(dest)
-    summary: dict[str, Any] = {}
-    for name in found:
-        summary[name] = _copy_database(data_dir / name, dest / name)
-    if "batches.sqlite3" in found:
-        summary["files"] = _copy_files(dest / "batches.sqlite3", data_dir / "files",
-                                       dest / "files")
+    # What the backup writes, under its temporary name and its own, files folder first and
+    # the sessions database last (`DATABASES` in reverse).
+    names = [name for name in ("files", *reversed(DATABASES))
+             if name in found or (name == "files" and "batches.sqlite3" in found)]
+    parts = {name: dest / f"{name}.part" for name in names}
+    try:
+        summary: dict[str, Any] = {}
+        for name in found:
+            summary[name] = _copy_database(data_dir / name, parts[name])
+        if "batches.sqlite3" in found:
+            summary["files"] = _copy_files(parts["batches.sqlite3"], data_dir / "files",
+                                           parts["files"])
+        for name in names:
+            os.replace(parts[name], dest / name)
+        fsync_dir(dest)
+    except BaseException:
+        for name in names:
+            for path in (parts[name], dest / name, dest / f"{name}.part-journal"):
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+        if made:
+            with contextlib.suppress(OSError):
+                dest.rmdir()
+        raise
     return summary
 
 

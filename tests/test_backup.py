@@ -4,6 +4,7 @@ server starts from with every session, message and batch result."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import openai
 import pytest
 from websockets.asyncio.client import connect
 
+from antiphon import backup_cli
 from antiphon.cli import main
 from antiphon.engine_ext.scripted import ScriptedEngine
 from tests.conftest import scripted_config
@@ -104,7 +106,25 @@ def test_a_backup_that_cannot_copy_a_file_fails_and_one_deleted_meanwhile_is_mar
     full = tmp_path / "full"
     assert main(["backup", str(full), "--data-dir", str(data)]) == 2
     assert "No space left on device" in capsys.readouterr().err
-    assert not list((full / "files").iterdir())  # no partial copy, under any name
+    assert not full.exists()  # no partial copy, under any name (it made the folder)
+    monkeypatch.undo()
+    # A database that cannot be copied: the one copied before it went with it (a whole
+    # sessions database stayed, beside an empty batch one, and a server started on the
+    # folder served it, with every batch job lost).
+    copy_database = backup_cli._copy_database
+
+    def batches_full(source: Path, target: Path) -> dict[str, int]:
+        if source.name == "batches.sqlite3":
+            target.write_bytes(b"")
+            raise sqlite3.OperationalError("database or disk is full")
+        return copy_database(source, target)
+
+    monkeypatch.setattr(backup_cli, "_copy_database", batches_full)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["backup", str(empty), "--data-dir", str(data)]) == 2
+    assert "disk is full" in capsys.readouterr().err
+    assert empty.is_dir() and not list(empty.iterdir())  # (the folder was there before)
     monkeypatch.undo()
 
     gone = FileStore(data / "files").path(batch["output_file_id"])
