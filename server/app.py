@@ -181,6 +181,11 @@ async def watch_engine(ctx: AppContext) -> None:
         ctx.request_shutdown()
 
 
+# After the drain: how long the replies it cut short have to be kept and their websocket
+# turns to get their `done` (uvicorn's own wait for connections after a shutdown is 5 s too).
+CUT_SHORT_WAIT_S = 5.0
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn closes every websocket at once when it shuts down (1012, cutting the replies
     streaming on it short); this server first lets live replies finish, for up to
@@ -228,6 +233,9 @@ class DrainingServer(uvicorn.Server):
             if left:
                 logger.warning("%d replies still streaming after %.0f s are cut short", left,
                                timeout_s)
+                # each kept as it is, and a websocket turn's `done` sent, before uvicorn
+                # closes the sockets
+                await ctx.chat.wait_cut_short(CUT_SHORT_WAIT_S)
         self._mark_closing_websockets()  # no await from here to uvicorn's loop over them
         await super().shutdown(sockets)
 

@@ -280,6 +280,14 @@ class ChatService:
         self.cut_short.set()  # (also a REST request that passed `check_open` just before)
         return len(self._live)
 
+    async def wait_cut_short(self, timeout_s: float) -> int:
+        """After `drain`: wait up to `timeout_s` for the replies it cut short to be kept and
+        told so (a websocket turn's `done`); returns how many are left."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._none_live.wait()
+        return len(self._live)
+
     def check_content(self, content: str, may_be_empty: bool = False) -> None:
         if len(content) > self.config.max_content_chars:
             raise over_limit(f"message has {len(content)} characters; the limit is "

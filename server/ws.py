@@ -50,6 +50,7 @@ class Connection:
             await self.ws.send_text(frame)
 
     async def serve(self) -> None:
+        cutter = asyncio.create_task(self._cut_short_at_shutdown())
         try:
             while True:
                 raw = await self.ws.receive()
@@ -60,7 +61,17 @@ class Connection:
         except WebSocketDisconnect:
             return
         finally:
+            cutter.cancel()
             await self._cancel_all()
+
+    async def _cut_short_at_shutdown(self) -> None:
+        """Once a shutdown's drain ends, stop the connection's turns still streaming as a
+        `cancel` would: each keeps what it has and sends its `done` before the socket
+        closes."""
+        await self.ctx.chat.cut_short.wait()
+        for request_id, task in list(self._turns.items()):
+            self._cancelled_request_ids.add(request_id)
+            task.cancel()
 
     async def _handle_frame(self, data: str | bytes) -> None:
         """Answer one frame; whatever goes wrong with it, the connection and the other

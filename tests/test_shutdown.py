@@ -79,16 +79,22 @@ async def test_replies_longer_than_the_drain_are_cut_short_and_kept(
         async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
             sid = (await open_session(ws))["session"]["session_id"]
             await send(ws, type="message", session_id=sid, content=LONG)
-            await recv_until(ws, "token")
+            frames = await recv_until(ws, "token")
             server.should_exit = True
             try:
                 while True:
-                    await recv(ws, timeout=30)
+                    frames.append(await recv(ws, timeout=30))
             except ConnectionClosed:
                 pass
+    # The turn cut short got its `done` (the socket closed without one), with what streamed.
+    done = frames[-1]
+    assert (done["type"], done["finish_reason"]) == ("done", "cancelled"), frames[-3:]
+    streamed = "".join(f["text"] for f in frames if f["type"] == "token")
     db = sqlite3.connect(tmp_path / "sessions.sqlite3")
     assert db.execute("SELECT role, finish_reason FROM messages").fetchall() == [
         ("user", None), ("assistant", "cancelled")]
+    assert db.execute("SELECT content FROM messages WHERE role = 'assistant'").fetchone() == (
+        streamed,) and done["text"] == streamed
     # The one reply, counted once (its turn and its stream both hold it live).
     assert "1 replies still streaming" in caplog.text, caplog.text
 
