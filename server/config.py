@@ -170,6 +170,10 @@ class ServerConfig:
             )
         if any(len(k) < 8 for k in self.accepted_api_keys):
             raise ValueError("API keys must be at least 8 characters long")
+        if set(self.api_keys) & set(self.best_effort_api_keys):
+            # (it ran as best-effort work, whichever list the operator meant)
+            raise ValueError("a key is in both --api-keys and --best-effort-api-keys: give "
+                             "each key in one of them")
         if any(not alias.strip() or len(alias) > 256 for alias in self.model_aliases):
             raise ValueError("model aliases must be 1 to 256 characters, not blank")
         for name in ("max_frame_bytes", "max_content_chars", "max_messages", "default_max_tokens",

@@ -58,7 +58,7 @@ class ServerMetrics:
         self.connections = Gauge(
             "antiphon_websocket_connections", "Open websocket connections", registry=r)
         self.advisories = Counter(
-            "antiphon_advisories", "Advisory requests received, by source", ["source"],
+            "antiphon_advisories", "Advisories kept and sent to the engine, by source (repeats: antiphon_advisory_repeats_total)", ["source"],
             registry=r)
         self.advisory_repeats = Counter(
             "antiphon_advisory_repeats",

@@ -32,6 +32,8 @@ def test_non_loopback_needs_api_key() -> None:
                                     {"default_max_tokens": 10, "max_tokens_limit": 5},
                                     {"api_keys": ("short",)}, {"max_batch_concurrency": 0},
                                     {"best_effort_api_keys": ("short",)},
+                                    {"api_keys": ("k" * 16,),
+                                     "best_effort_api_keys": ("j" * 16, "k" * 16)},
                                     {"max_batch_file_bytes": 0}])
 def test_server_config_rejects_bad_limits(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
