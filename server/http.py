@@ -60,4 +60,6 @@ def error_body(err: ApiError) -> dict[str, Any]:
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err), status_code=err.http_status)
+    # A 401 says how to authenticate (RFC 9110), as OpenAI's does.
+    headers = {"WWW-Authenticate": 'Bearer realm="antiphon"'} if err.http_status == 401 else None
+    return JSONResponse(error_body(err), status_code=err.http_status, headers=headers)

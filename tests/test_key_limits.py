@@ -199,3 +199,4 @@ def test_every_api_route_needs_the_key(tmp_path: Path) -> None:
             concrete = path.replace("{", "x").replace("}", "")  # any id: the key comes first
             reply = httpx.request(method, url + concrete, json={})
             assert reply.status_code == 401, (method, path, reply.status_code, reply.text)
+            assert reply.headers["www-authenticate"].startswith("Bearer ")
