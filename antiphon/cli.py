@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 import shutil
 import signal
 import socket
@@ -83,7 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, engine=dataclasses.replace(
                 config.engine, served_model_name=DEFAULT_MODEL_NAME))
     except (ValueError, ModelPrepareError) as exc:
-        print(f"antiphon serve: {exc}", file=sys.stderr)
+        print(f"antiphon serve: {named_as_options(str(exc), args)}", file=sys.stderr)
         return 2
     try:
         # The port first: one in use is said now, not after the model has loaded.
@@ -177,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(commands)
     add_profile_parser(commands)
     return parser
+
+
+def named_as_options(message: str, args: argparse.Namespace) -> str:
+    """`message` with each config field it names (`max_frame_bytes`) written as the option
+    that sets it (`--max-frame-bytes`), as the operator typed it."""
+    options = vars(args)
+    return re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b",
+                  lambda m: "--" + m[0].replace("_", "-") if m[0] in options else m[0], message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

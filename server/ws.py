@@ -147,7 +147,7 @@ class Connection:
         limit = self.ctx.config.server.max_inflight_per_connection
         if len(self._advising) >= limit:
             raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many typing advisories in flight "
-                           f"on this connection (limit {limit})")
+                           f"on this connection (--max-inflight-per-connection: {limit})")
         task = asyncio.create_task(self._record_typing(session_id))
         self._advising[session_id] = task
         task.add_done_callback(lambda _t: self._advising.pop(session_id, None))
@@ -166,7 +166,8 @@ class Connection:
             raise ApiError(ErrorCode.DUPLICATE_REQUEST, f"request {request_id} is in flight")
         if len(self._turns) >= self.ctx.config.server.max_inflight_per_connection:
             raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many requests in flight on this "
-                           f"connection (limit {self.ctx.config.server.max_inflight_per_connection})")
+                           "connection (--max-inflight-per-connection: "
+                           f"{self.ctx.config.server.max_inflight_per_connection})")
         slot = self.ctx.inflight_per_key.take(self.owner)
         try:
             gen = await self.ctx.turns.accept(self.owner, msg, request_id)
@@ -239,7 +240,8 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         return
     try:
         if ctx.num_connections >= ctx.config.server.max_connections:
-            raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many open connections")
+            raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many open connections "
+                           f"(--max-connections: {ctx.config.server.max_connections})")
         slot = ctx.connections_per_key.take(owner)
     except ApiError as err:
         await ws.send_text(protocol.error_frame(err))

@@ -210,3 +210,17 @@ def test_the_batch_cli_names_the_server_it_cannot_reach(
     assert main(["batch", "status", "batch_x", "--url", "http://127.0.0.1:9"]) == 1
     err = capsys.readouterr().err
     assert "cannot reach the server at http://127.0.0.1:9" in err and "--url" in err
+
+
+def test_serve_names_a_bad_setting_by_its_option(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The operator typed `--max-frame-bytes 0`; the refusal said `max_frame_bytes`."""
+    from antiphon.cli import main
+
+    assert main(["serve", "--data-dir", str(tmp_path), "--max-frame-bytes", "0"]) == 2
+    said = capsys.readouterr().err
+    assert "--max-frame-bytes must be at least 1" in said and "max_frame_bytes" not in said
+    assert main(["serve", "--data-dir", str(tmp_path), "--default-max-tokens", "50",
+                 "--max-tokens-limit", "10"]) == 2
+    assert "--default-max-tokens (50) must not exceed --max-tokens-limit (10)" in (
+        capsys.readouterr().err)

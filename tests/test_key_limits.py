@@ -200,3 +200,24 @@ def test_every_api_route_needs_the_key(tmp_path: Path) -> None:
             reply = httpx.request(method, url + concrete, json={})
             assert reply.status_code == 401, (method, path, reply.status_code, reply.text)
             assert reply.headers["www-authenticate"].startswith("Bearer ")
+
+
+async def test_the_servers_limits_name_their_options(tmp_path: Path) -> None:
+    """A refusal past `--max-connections` or `--max-inflight-per-connection` names the option
+    an operator would raise (they said "too many open connections", "(limit 1)")."""
+    config = scripted_config(tmp_path, max_connections=1, max_inflight_per_connection=1)
+    with live_server(config, ScriptedEngine(token_delay_s=0.05)) as url:
+        ws_url = url.replace("http://", "ws://") + "/v1/ws"
+        async with connect(ws_url) as first:
+            async with connect(ws_url) as second:
+                refused = json.loads(await second.recv())
+            assert "--max-connections: 1" in refused["message"], refused
+            await send(first, type="session.open")
+            sid = (await recv(first))["session"]["session_id"]
+            await send(first, type="session.open")
+            sid2 = (await recv(first))["session"]["session_id"]
+            await send(first, type="message", session_id=sid, content="a b c d e f g h")
+            await send(first, type="message", session_id=sid2, content="x", request_id="r2")
+            while (frame := await recv(first))["type"] != "error":
+                pass
+            assert "--max-inflight-per-connection: 1" in frame["message"], frame
