@@ -310,3 +310,56 @@ def test_a_shutting_down_banner_goes_once_a_server_serves_again(tmp_path: Path,
         page.evaluate("window.dispatchEvent(new Event('focus'))")  # (tries at once)
         page.wait_for_function("document.body.dataset.connected === 'true'", timeout=15000)
         page.locator("#error").wait_for(state="hidden", timeout=5000)
+
+
+def test_a_new_chat_takes_a_system_message_and_shows_it(tmp_path: Path, page: Any) -> None:
+    """A system message typed on a new chat opens its session with it: the model sees it
+    first (the scripted engine's prompt), the conversation shows it above the messages, also
+    after a reload, and the next new chat starts without one."""
+    engine = ScriptedEngine(token_delay_s=0.002)
+    with live_server(scripted_config(tmp_path), engine) as base:
+        open_chat(page, base)
+        page.locator("#system-box summary").click()
+        page.locator("#system-input").fill("Answer like a pirate.")
+        send(page, "hello")
+        assert engine.decode(engine.request_prompts[-1]).startswith(
+            "<system>Answer like a pirate.\n<user>hello\n")
+        note = page.locator("#messages > .system-note")
+        assert note.inner_text() == "System: Answer like a pirate."
+        assert page.locator("#system-box").is_hidden()
+        assert sessions(base)[0]["system"] == "Answer like a pirate."
+        page.reload()
+        page.wait_for_selector("body[data-connected=true]")
+        page.locator("#messages > .msg.assistant").wait_for()
+        assert note.inner_text() == "System: Answer like a pirate."
+        page.locator("#new-session").click()
+        assert page.locator("#system-box").is_visible()
+        assert page.locator("#system-input").input_value() == ""
+        send(page, "no system here")
+        assert engine.decode(engine.request_prompts[-1]).startswith("<user>no system here")
+        assert page.locator("#messages > .system-note").count() == 0
+
+
+@pytest.mark.parametrize("refusal", ["too_many_sessions", "too_large"])
+def test_a_new_chat_whose_session_is_refused_gives_the_message_back(
+        tmp_path: Path, page: Any, refusal: str) -> None:
+    """The server refused to open a new chat's session (the key's sessions at their limit, a
+    system message too long): the banner said so, and the message, cleared from the composer,
+    was lost, with Send disabled for good."""
+    config = scripted_config(tmp_path, max_sessions_per_key=1, max_content_chars=100)
+    with live_server(config, ScriptedEngine()) as base:
+        open_chat(page, base)
+        if refusal == "too_many_sessions":
+            send(page, "the one chat this key may keep")
+            page.locator("#new-session").click()
+        else:
+            page.locator("#system-box summary").click()
+            page.locator("#system-input").fill("x" * 101)
+        page.locator("#composer").fill("will it be kept?")
+        page.locator("#composer").press("Enter")
+        page.locator("#error:not([hidden])").wait_for()
+        assert refusal in page.locator("#error").inner_text()
+        page.wait_for_function(
+            "document.querySelector('#composer').value === 'will it be kept?'", timeout=5000)
+        assert page.locator("#send").is_enabled()
+        assert len(sessions(base)) == (1 if refusal == "too_many_sessions" else 0)

@@ -12,6 +12,7 @@ const ui = {
   body: document.body, messages: $("#messages"), send: $("#send"), stop: $("#stop"),
   sessionList: $("#session-list"), title: $("#session-title"), status: $("#conn-status"),
   sidebarToggle: $("#sidebar-toggle"), backdrop: $("#backdrop"),
+  systemBox: $("#system-box"), systemInput: $("#system-input"),
 };
 
 const state = {
@@ -21,6 +22,7 @@ const state = {
   currentId: load(KEYS.sessionId) || null,
   pending: new Map(), // request_id -> {sessionId, root, body, raw, streamed, cancelling, frame}
   queued: null, // message content waiting for a freshly opened session
+  queuedSystem: null, // the system message that session is opened with
   blankAfterQueued: false, // "New chat" was clicked while the queued message's session opened
   sentAt: -Infinity, // performance.now() of the last send (see STOP_GRACE_MS)
   stick: true, // keep the conversation scrolled to the bottom while streaming
@@ -144,6 +146,8 @@ function showBlankChat() {
   setCurrentSession(null);
   ui.messages.replaceChildren();
   ui.title.textContent = "New chat";
+  ui.systemInput.value = ""; // a new chat starts without one
+  ui.systemBox.hidden = false;
   renderSessions();
 }
 
@@ -282,9 +286,10 @@ function submit() {
     sendMessage(content);
   } else {
     state.queued = content;
+    state.queuedSystem = ui.systemInput.value.trim() || null;
     state.blankAfterQueued = false;
     markSent();
-    client.openSession(null);
+    client.openSession(null, state.queuedSystem);
   }
   refreshControls();
 }
@@ -362,6 +367,11 @@ const handlers = {
     // Replies still streaming for this session stay visible after a re-open.
     const mine = [...state.pending.values()].filter((p) => p.sessionId === s.session_id);
     bubbles.push(...mine.map((p) => p.root));
+    // The session's system message, which the model sees first (set when it was created).
+    if (typeof s.system === "string" && s.system) {
+      bubbles.unshift(el("div", "system-note", `System: ${s.system}`));
+    }
+    ui.systemBox.hidden = Boolean(s.session_id);
     const stick = !polled || nearBottom();
     ui.messages.replaceChildren(...bubbles);
     markContextStart(ui.messages, s.context_start);
@@ -458,6 +468,14 @@ const handlers = {
     if (msg.code === "request_not_found" && state.cancelled.delete(msg.request_id)) return;
     const silent = msg.code === "session_not_found" && !msg.request_id && state.restoring;
     if (!silent) showError(msg.code, msg.message);
+    if (!msg.request_id && state.queued !== null) {
+      // The session a new chat's first message waited for was refused (the key's sessions at
+      // their limit, a system message too long): the message goes back to the composer.
+      if (composer.isBlank()) composer.value = state.queued;
+      state.queued = null;
+      state.blankAfterQueued = false;
+      refreshControls();
+    }
     if (msg.request_id && state.pending.has(msg.request_id)) {
       const entry = state.pending.get(msg.request_id);
       // The engine refused an accepted message (bad_message): the server took it back.
@@ -516,7 +534,7 @@ client.addEventListener("open", () => {
   client.listSessions();
   state.restoring = Boolean(state.currentId);
   if (state.currentId) client.openSession(state.currentId);
-  else if (state.queued !== null) client.openSession(null);
+  else if (state.queued !== null) client.openSession(null, state.queuedSystem);
   refreshControls();
 });
 
@@ -588,5 +606,6 @@ window.addEventListener("blur", () => (away = true));
 window.addEventListener("focus", comeBack);
 
 renderSessions();
+ui.systemBox.hidden = Boolean(state.currentId); // a blank chat's, until a session shows
 refreshControls();
 client.connect();

@@ -125,8 +125,11 @@ export class ChatClient extends EventTarget {
     return this.send(before === null ? { type: "session.list" } : { type: "session.list", before });
   }
 
-  openSession(sessionId = null) {
-    return this.send({ type: "session.open", session_id: sessionId });
+  /** Open `sessionId`, or a new session (null) whose model sees `system` first, if given. */
+  openSession(sessionId = null, system = null) {
+    const frame = { type: "session.open", session_id: sessionId };
+    if (sessionId === null && system) frame.system = system;
+    return this.send(frame);
   }
 
   sendMessage(sessionId, content, requestId) {
