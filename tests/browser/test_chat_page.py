@@ -363,3 +363,20 @@ def test_a_new_chat_whose_session_is_refused_gives_the_message_back(
             "document.querySelector('#composer').value === 'will it be kept?'", timeout=5000)
         assert page.locator("#send").is_enabled()
         assert len(sessions(base)) == (1 if refusal == "too_many_sessions" else 0)
+
+
+def test_the_dashboard_counts_down_to_its_next_try(url: str, page: Any) -> None:
+    """"Offline, retrying in 8 s…" stayed as it was until the next try (the chat page's
+    status counts down)."""
+    page.goto(url + "/dashboard")
+    page.wait_for_selector("body[data-connected=true]")
+    page.route("**/v1/dashboard*", lambda route: route.abort())
+    page.wait_for_selector("body[data-connected=false]", timeout=10_000)
+    page.wait_for_timeout(3000)  # failures in a row: the wait is now some seconds
+    readings = []
+    for _ in range(4):
+        readings.append(page.locator("#live-status").inner_text())
+        page.wait_for_timeout(1100)
+    assert all(text.startswith("Offline, retrying in ") for text in readings), readings
+    seconds = [int(text.removeprefix("Offline, retrying in ").split()[0]) for text in readings]
+    assert any(b < a for a, b in itertools.pairwise(seconds)), readings

@@ -107,7 +107,19 @@ function nextPollS() {
   return state.failures ? Math.min(MAX_RETRY_S, base * 2 ** state.failures) : base;
 }
 
+// While the server is unreachable, the status counts down to the next try.
+let countdown = null;
+function showRetrying(at) {
+  const show = () => {
+    const left = Math.max(1, Math.ceil((at - Date.now()) / 1000));
+    $("#live-status").textContent = `Offline, retrying in ${left} s…`;
+  };
+  show();
+  countdown = setInterval(show, 1000);
+}
+
 async function poll() {
+  clearInterval(countdown);
   clearTimeout(state.timer);
   state.timer = null;
   if (document.hidden || state.polling) return; // a hidden tab does not poll; shown, it does
@@ -129,9 +141,8 @@ async function poll() {
   } catch (err) {
     state.failures += 1;
     document.body.dataset.connected = "false";
-    $("#live-status").textContent = err.status === 401
-      ? "API key required"
-      : `Offline, retrying in ${Math.round(nextPollS())} s…`;
+    if (err.status === 401) $("#live-status").textContent = "API key required";
+    else showRetrying(Date.now() + nextPollS() * 1000);
     showError(err.code || "error", err.message);
   } finally {
     state.polling = false;
