@@ -132,7 +132,7 @@ class SessionTurns:
             title = "New chat" if title is None else clean_title(title)
             limit = self.chat.config.max_sessions_per_key
             session = await asyncio.to_thread(self.store.create_session, owner, title, limit,
-                                              system or None)
+                                              system if system and system.strip() else None)
             if session is None:
                 raise ApiError(ErrorCode.TOO_MANY_SESSIONS, (
                     f"this API key has {limit} sessions, the most it may keep "
