@@ -184,7 +184,7 @@ def named_as_options(message: str, args: argparse.Namespace) -> str:
     """`message` with each config field it names (`max_frame_bytes`) written as the option
     that sets it (`--max-frame-bytes`), as the operator typed it."""
     options = vars(args)
-    return re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b",
+    return re.sub(r"(?<![\w/.-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w/.-])",  # (not in a path)
                   lambda m: "--" + m[0].replace("_", "-") if m[0] in options else m[0], message)
 
 

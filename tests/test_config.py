@@ -224,3 +224,8 @@ def test_serve_names_a_bad_setting_by_its_option(tmp_path: Path,
                  "--max-tokens-limit", "10"]) == 2
     assert "--default-max-tokens (50) must not exceed --max-tokens-limit (10)" in (
         capsys.readouterr().err)
+    from antiphon.cli import build_parser, named_as_options
+
+    args = build_parser().parse_args(["serve"])
+    assert named_as_options("/srv/data_dir/x and ./data_dir: data_dir", args) == (
+        "/srv/data_dir/x and ./data_dir: --data-dir")  # a path's names stay as they are
