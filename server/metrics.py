@@ -29,7 +29,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "antiphon_requests", "Generation requests by API, class and outcome",
+            "antiphon_requests", "Generations by API, class and outcome (one per choice: "
+            "a request with n=2 counts 2)",
             ["api", "request_class", "outcome"], registry=r)
         self.ttft = Histogram(
             "antiphon_ttft_seconds", "Time to first token", ["request_class"],
@@ -46,7 +47,8 @@ class ServerMetrics:
             "Completed RT requests by target (ttft, tpot) and whether they met it; attainment "
             "is met=true over both", ["target", "met"], registry=r)
         self.prompt_tokens = Counter(
-            "antiphon_prompt_tokens", "Prompt tokens submitted", ["request_class"], registry=r)
+            "antiphon_prompt_tokens", "Prompt tokens submitted (per choice, as the engine "
+            "runs each)", ["request_class"], registry=r)
         self.cached_prompt_tokens = Counter(
             "antiphon_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
             ["request_class"], registry=r)
