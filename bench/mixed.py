@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import statistics
 import sys
@@ -215,6 +216,14 @@ def main(args: argparse.Namespace) -> int:
     return run_systems(args, "mixed", systems, baseline="fcfs")
 
 
+def trace_duration(args: argparse.Namespace) -> float:
+    """The RT trace's length: `--duration`, else 40 s with `--quick` and 120 s without; set in
+    `args`, so the record's config says the length run (it said 120 s after a --quick run)."""
+    if args.duration is None:
+        args.duration = 40.0 if args.quick else 120.0
+    return float(args.duration)
+
+
 def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, list[str]],
                 baseline: str) -> int:
     """Serve the RT trace and the BE batch job `args.repeats` times per system (its extra
@@ -223,7 +232,8 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     from antiphon.model import resolve_model
 
     model_dir = resolve_model(args.model)
-    duration = 40.0 if args.quick else args.duration
+    duration = trace_duration(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per chat turn otherwise
     arrivals = azure_arrivals(duration, args.rt_rate, args.rt_prompt_tokens,
                               args.rt_output_tokens, seed=args.seed)
     conversations = sharegpt_conversations(len(arrivals), seed=args.seed)
@@ -422,7 +432,8 @@ def add_workload_arguments(p: argparse.ArgumentParser, kv_pages: int) -> None:
     """The RT trace, BE job and engine settings `run_systems` reads."""
     p.add_argument("--model", default=None)
     p.add_argument("--quick", action="store_true", help="40 s traces, eager engines")
-    p.add_argument("--duration", type=float, default=120.0, help="RT trace length (s)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="RT trace length (s; default 120, with --quick 40)")
     p.add_argument("--rt-rate", type=float, default=1.0, help="RT arrivals per second")
     p.add_argument("--rt-prompt-tokens", type=int, default=300, help="mean RT prompt length")
     p.add_argument("--rt-output-tokens", type=int, default=48, help="mean RT output length")

@@ -52,8 +52,8 @@ class EngineConfig:
         "schedules synchronously (CPU), AntiphonAsyncScheduler where it overlaps (GPU)",
         default=None)
     policy: str = doc(
-        "Scheduling policy: bros, hygen, echo, larry, stock vLLM's fcfs and priority, or "
-        "bros_no_block_preemption (BROS's baseline in bench blocks)",
+        "Scheduling policy: bros, hygen, echo or larry; fcfs or priority (vLLM's own "
+        "policies); or bros_no_block_preemption (BROS's baseline in bench blocks)",
         default="bros")
     rt_ttft_slo_s: float = doc("Default TTFT target of RT requests, in seconds", default=1.0)
     rt_tpot_slo_s: float = doc("Default TPOT target of RT requests, in seconds", default=0.1)

@@ -190,3 +190,16 @@ def test_a_failed_run_is_recorded_and_the_runs_after_it_go_on() -> None:
                          "error": "ConnectionError('server closed the connection')"}]
     assert recorded == [({"fcfs": 1, "echo": 0}, 0), ({"fcfs": 1, "echo": 0}, 1),
                         ({"fcfs": 2, "echo": 0}, 1), ({"fcfs": 2, "echo": 1}, 1)]
+
+
+def test_the_record_says_the_trace_length_run() -> None:
+    """A --quick run's record said "duration": 120 over a 40 s trace, and --quick silently
+    beat a --duration given."""
+    from antiphon.bench.mixed import add_workload_arguments, trace_duration
+
+    parser = argparse.ArgumentParser()
+    add_workload_arguments(parser, kv_pages=64)
+    for given, expected in ((["--quick"], 40.0), ([], 120.0),
+                            (["--quick", "--duration", "15"], 15.0)):
+        args = parser.parse_args(given)
+        assert trace_duration(args) == expected == args.duration
