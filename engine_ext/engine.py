@@ -240,6 +240,15 @@ def joined_user_runs(turns: Sequence[ChatTurn]) -> list[ChatTurn]:
     return out
 
 
+def engine_process_ids() -> set[int]:
+    """The pids of the vLLM engine processes this process started."""
+    try:
+        children = multiprocessing.active_children()
+    except RuntimeError:  # the set of children changed meanwhile
+        return set()
+    return {p.pid for p in children if p.name.startswith("EngineCore") and p.pid is not None}
+
+
 def kill_engine_processes() -> None:
     """Kill the vLLM engine processes this process started, with their workers."""
     import psutil
@@ -712,7 +721,12 @@ class VllmEngine(Engine):
             if unfinished:
                 with contextlib.suppress(Exception):  # a dead engine has nothing to abort
                     await self._llm.abort(unfinished)
+            engines = engine_process_ids()
             # vLLM's default grace (5 s) is shorter than its worker takes to exit here (about
             # 4 s, then the engine core's teardown): every stop ended in a force kill.
             self._llm.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
             self._llm = None
+            if self.tiering is not None:  # the host tier's arena, which the engine left
+                from antiphon.tiering.host_arena import remove_arenas_of
+
+                remove_arenas_of(engines)

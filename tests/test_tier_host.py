@@ -277,3 +277,43 @@ def test_an_empty_segment_left_by_a_failed_start_is_swept_and_a_huge_arena_leave
     with pytest.raises(ValueError, match="more than this system can map"):
         HostArena.create(name, 2**62, 2**10)
     assert not (Path("/dev/shm") / name).exists()
+
+
+SPAWNED_ENGINE = """
+import multiprocessing, os, signal, sys
+from antiphon.tiering.host_arena import ARENA_PREFIX, HostArena, remove_arenas_of
+
+
+def engine() -> None:  # creates its arena, tracked, and is killed before it closes it
+    HostArena.create(f"{ARENA_PREFIX}{os.getpid()}-0badf00d", 1, 64)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    proc = multiprocessing.get_context("spawn").Process(target=engine, name="EngineCore")
+    proc.start()
+    proc.join()
+    if sys.argv[1] == "remove":
+        print(remove_arenas_of({proc.pid}))
+"""
+
+
+@pytest.mark.parametrize("remove", [True, False])
+def test_the_arena_an_engine_left_is_removed_without_the_trackers_warning(
+        tmp_path: Path, remove: bool) -> None:
+    """vLLM kills its engine process before that closes its tiers: the arena stayed for
+    multiprocessing's resource tracker to unlink at the server's exit, which warned of
+    "leaked shared_memory objects" at every stop."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine.py"
+    script.write_text(SPAWNED_ENGINE)
+    done = subprocess.run([sys.executable, str(script), "remove" if remove else "keep"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert not list(Path("/dev/shm").glob("antiphon-kv-*-0badf00d"))  # gone either way
+    assert ("leaked shared_memory" in done.stderr) is not remove, done.stderr
+    assert "Traceback" not in done.stderr
+    if remove:
+        assert "-0badf00d" in done.stdout

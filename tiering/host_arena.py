@@ -21,6 +21,7 @@ import mmap
 import os
 import secrets
 import struct
+from collections.abc import Collection
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -308,6 +309,25 @@ def remove_orphaned_arenas(shm_dir: Path = Path("/dev/shm")) -> list[str]:
         except OSError as exc:  # another user's, say: theirs to remove, not a reason to fail
             logger.warning("host arena %s left by process %s could not be removed: %s",
                            path.name, pid, exc)
+    return removed
+
+
+def remove_arenas_of(pids: Collection[int], shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """Unlink the default-named arenas of processes `pids` (this server's engine processes,
+    just stopped: vLLM kills its engine process before that closes its tiers), and take them
+    off multiprocessing's resource tracker, which this process's children share: it would
+    unlink them itself at this process's exit, warning of "leaked shared_memory objects".
+    Returns the names removed."""
+    tracker_here = getattr(resource_tracker._resource_tracker, "_fd", None) is not None
+    removed = []
+    for path in shm_dir.glob(f"{ARENA_PREFIX}*"):
+        pid = path.name.removeprefix(ARENA_PREFIX).split("-")[0]
+        if not pid.isdigit() or int(pid) not in pids or not HostArena.unlink_stale(path.name,
+                                                                                  shm_dir):
+            continue
+        removed.append(path.name)
+        if tracker_here:  # (else the tracker that knows the name is another's)
+            resource_tracker.unregister("/" + path.name, "shared_memory")
     return removed
 
 
