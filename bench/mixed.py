@@ -240,6 +240,7 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.model_max_length = int(1e30)  # documents are cut to size here, not by it
     prompts = [fit_tokens(c[0][1], a.prompt_tokens, c[-1][1], tokenizer)
                for c, a in zip(conversations, arrivals, strict=False)]
     out = Path(args.out)
