@@ -20,8 +20,13 @@ BOOTSTRAP_DRAWS = 2000  # resamples behind the pooled miss cost's 95% interval
 
 def report(record: dict[str, Any], out: Path) -> None:
     """Write `out` (JSON) and `out` with .png, and print the tables."""
-    write_json(out, record)
     systems = record["systems"]
+    miss_cost = None
+    if "advisory" in systems and "advisory_miss10" in systems:
+        miss_cost = miss_cost_rows(systems["advisory_miss10"], systems["advisory"])
+        record = {**record, "advisory_miss10_cost": {  # (kept in the JSON too)
+            k: None if math.isnan(v) else v for k, v in miss_cost.items()}}
+    write_json(out, record)
     baseline = "vllm" if "vllm" in systems else next(iter(systems))
     print_table({name: point_rows(s) for name, s in systems.items()}, baseline)
     print("\nfollow-up TTFT / fresh TTFT of the same message, median, by prior context tokens:")
@@ -30,15 +35,13 @@ def report(record: dict[str, Any], out: Path) -> None:
           f"(capped by the sweep):")
     print_table({name: capacity_rows(s, systems[baseline]) for name, s in systems.items()},
                 baseline)
-    if "advisory" in systems and "advisory_miss10" in systems:
+    if miss_cost is not None:
         print("\nwhat the dropped advisories cost, per point: follow-up TTFT p50 of "
               "advisory_miss10 over advisory's, and within advisory_miss10, the turns without "
               "an advisory over those with one (each turn's TTFT over its message's fresh "
               "TTFT, p50); all points pooled, that ratio's median over advisory's with its 95% "
               "bootstrap interval:")
-        print_table({"advisory_miss10": miss_cost_rows(systems["advisory_miss10"],
-                                                       systems["advisory"])},
-                    "advisory_miss10")
+        print_table({"advisory_miss10": miss_cost}, "advisory_miss10")
     plot(systems, out.with_suffix(".png"))
 
 

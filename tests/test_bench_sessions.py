@@ -260,6 +260,17 @@ def test_report_writes_the_record_and_the_plot(tmp_path: Path) -> None:
     assert math.isnan(point_rows(system)["u2_host_hit_frac"])
     ratios = ttft_ratio_rows(turns)
     assert ratios["ctx_0_256"] == pytest.approx(4.0) and math.isnan(ratios["ctx_256_512"])
+    # What the dropped advisories cost is in the JSON too (it was printed alone), as JSON
+    # (no NaN).
+    missing = {**system, "missed_advisories": [1], "missed_over_advised_p50": [None],
+               "followup_ttft_p50_s": [0.5]}
+    report({"benchmark": "sessions", "config": {},
+            "systems": {"advisory": system, "advisory_miss10": missing}}, out)
+    cost = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(c))[
+        "advisory_miss10_cost"]
+    assert cost["u2_over_advisory"] == pytest.approx(1.25)
+    assert cost["u2_missed_advisories"] == 1 and cost["u2_missed_over_advised"] is None
+    assert cost["all_over_advisory"] == pytest.approx(1.0)
 
 
 def test_capacity_is_the_most_users_at_no_higher_median_tpot() -> None:
