@@ -10,7 +10,8 @@ is opened on first use and reopened by the next call after it drops (up to `conn
 tries with backoff); a turn whose connection drops mid-reply raises `ConnectionLostError` with
 the text received so far, which is also what the server keeps as the session's reply, so the
 session stays consistent; where the server itself went down (a crash), it keeps the message
-without a reply, and `regenerate` asks for one. Sessions, advisories, Batch API jobs and OpenAI-style completions
+without a reply, and `regenerate` asks for one. A reply a server's shutdown cuts short (past
+its `--drain-timeout-s`) comes back as it was kept, with finish_reason "cancelled". Sessions, advisories, Batch API jobs and OpenAI-style completions
 (`complete`: the whole conversation each call, tools too) go over REST.
 """
 

@@ -397,8 +397,9 @@ def test_the_blocking_client_from_its_own_callback_is_refused(scripted: Scripted
 async def test_a_refused_typing_frame_does_not_turn_a_lost_connection_into_a_refusal(
         tmp_path: Path) -> None:
     """Typing advisories over the connection's limit are refused one by one
-    (too_many_requests, no request id): the connection goes on, and a turn it later loses
-    mid-reply is a ConnectionLostError with what was said, not a BusyError."""
+    (too_many_requests, no request id): the connection goes on, and a turn a shutdown later
+    cuts short mid-reply ends as the server says (its `done`, "cancelled", with what was
+    said), not as a BusyError."""
     from tests.liveserver import running_server
 
     engine = ScriptedEngine(token_delay_s=0.02, max_model_len=10**5)
@@ -413,9 +414,8 @@ async def test_a_refused_typing_frame_does_not_turn_a_lost_connection_into_a_ref
             while len(seen) < 5:
                 await asyncio.sleep(0.02)
             server.should_exit = True  # shut down mid-reply (as SIGTERM does)
-            with pytest.raises(ConnectionLostError) as lost:
-                await turn
-            assert lost.value.accepted and lost.value.partial == "".join(seen)
+            reply = await turn
+            assert reply.finish_reason == "cancelled" and reply.text == "".join(seen)
 
 
 async def test_text_in_any_script_counts_as_utf8_and_errors_are_typed_alike(
