@@ -47,10 +47,9 @@ def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{data_dir} holds no Antiphon database")
     made = not dest.exists()
     private_dir(dest)
-    # What the backup writes, under its temporary name and its own, files folder first and
-    # the sessions database last (`DATABASES` in reverse).
-    names = [name for name in ("files", *reversed(DATABASES))
-             if name in found or (name == "files" and "batches.sqlite3" in found)]
+    # What the backup writes, under its temporary name and its own, in the order they take
+    # their names: the batch files, then the databases, the sessions one last.
+    names = [*(["files"] if "batches.sqlite3" in found else []), *reversed(found)]
     parts = {name: dest / f"{name}.part" for name in names}
     try:
         summary: dict[str, Any] = {}

@@ -253,20 +253,16 @@ def kill_engine_processes() -> None:
     """Kill the vLLM engine processes this process started, with their workers."""
     import psutil
 
-    try:
-        children = multiprocessing.active_children()
-    except RuntimeError:  # the set of children changed meanwhile: the next call sees them
-        return
-    for engine in children:
-        if not engine.name.startswith("EngineCore") or engine.pid is None:
-            continue
+    # (while the set of children changes it names none: the next call sees them)
+    for pid in engine_process_ids():
         with contextlib.suppress(OSError):  # stopped, it starts no worker the kill misses
-            os.kill(engine.pid, signal.SIGSTOP)
+            os.kill(pid, signal.SIGSTOP)
         with contextlib.suppress(psutil.Error):
-            for worker in psutil.Process(engine.pid).children(recursive=True):
+            for worker in psutil.Process(pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error):
                     worker.kill()
-        engine.kill()
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def resolve_dtype(dtype: str) -> str:

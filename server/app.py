@@ -235,7 +235,7 @@ class DrainingServer(uvicorn.Server):
                                timeout_s)
                 # each kept as it is, and a websocket turn's `done` sent, before uvicorn
                 # closes the sockets
-                await ctx.chat.wait_cut_short(CUT_SHORT_WAIT_S)
+                await ctx.chat.wait_for_replies(CUT_SHORT_WAIT_S)
         self._mark_closing_websockets()  # no await from here to uvicorn's loop over them
         await super().shutdown(sockets)
 

@@ -274,15 +274,14 @@ class ChatService:
         """Refuse new turns, and wait up to `timeout_s` for the replies streaming now to
         finish; returns how many still stream, and cuts those of REST requests short."""
         self.is_draining = True
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._none_live.wait()
+        left = await self.wait_for_replies(timeout_s)
         self.cut_short.set()  # (also a REST request that passed `check_open` just before)
-        return len(self._live)
+        return left
 
-    async def wait_cut_short(self, timeout_s: float) -> int:
-        """After `drain`: wait up to `timeout_s` for the replies it cut short to be kept and
-        told so (a websocket turn's `done`); returns how many are left."""
+    async def wait_for_replies(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for the replies streaming to end (after `drain`, those it
+        cut short: each kept, and a websocket turn's `done` sent); returns how many are
+        left."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._none_live.wait()

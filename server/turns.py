@@ -172,14 +172,14 @@ class SessionTurns:
     async def delete(self, owner: str, session_id: str) -> None:
         """Delete one of `owner`'s sessions with its messages. Refused (`session_busy`, nothing
         changed) while a reply of it is streaming: stop that first."""
-        await self.get(owner, session_id)  # someone else's session stays "not found"
+        session = await self.get(owner, session_id)  # another's stays "not found"
         await self._wait_for_ending_turn(session_id)
         if session_id in self._busy:
             raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is answering a "
                            "message; stop the reply before deleting the session")
         hold = self.claim(session_id)  # no turn starts while the deletion runs
         try:
-            last_prompt = await asyncio.to_thread(self._last_prompt, session_id)
+            last_prompt = await asyncio.to_thread(self._last_prompt, session)
             if not await asyncio.to_thread(self.store.delete_session, owner, session_id,
                                            last_prompt):
                 raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
@@ -232,16 +232,17 @@ class SessionTurns:
                             erased or 0)
                 await asyncio.to_thread(self.store.finish_erasure, erasure_id)
 
-    def _last_prompt(self, session_id: str) -> list[int] | None:
+    def _last_prompt(self, session: Session) -> list[int] | None:
         """The prompt the session's conversation renders to now (that of a turn whose reply
         was never stored, if one is pending), for the erasure of its KV."""
-        seen = self._history(session_id)
+        seen = self._history(session)
         if not seen.history:
             return None
         try:
             return self.chat.engine.continue_chat(seen.turns, seen.context)
         except Exception:  # a delete goes on: the stored contexts are erased all the same
-            logger.exception("session %s: its conversation did not render", session_id)
+            logger.exception("session %s: its conversation did not render",
+                             session.session_id)
             return None
 
     async def record_advisory(self, owner: str, session_id: str, source: str,
@@ -249,7 +250,7 @@ class SessionTurns:
         """Record that `session_id` is about to send a turn (typing, agent hook, REST) and
         have the engine bring its KV forward, unless it repeats the session's last advisory
         (`AdvisoryFilter`: then it is answered as that one was, and neither kept nor sent)."""
-        await self.get(owner, session_id)
+        session = await self.get(owner, session_id)
         if source == "typing" and self.advisories.is_typing_repeat(session_id):
             return Advised(None, repeat=True)
         gone = ApiError(ErrorCode.SESSION_NOT_FOUND, f"session {session_id} was deleted")
@@ -264,7 +265,7 @@ class SessionTurns:
                                        time.time()):
             raise gone
         self.metrics.advisories.labels(source).inc()
-        seen = await asyncio.to_thread(self._history, session_id)
+        seen = await asyncio.to_thread(self._history, session)
         context = seen.context
         if context is not None and context.num_messages in (0, len(seen.turns)):
             # The exact tokens the tiers hold: the last exchange of an OpenAI-API client, or
@@ -367,10 +368,10 @@ class SessionTurns:
             for result in msg.results:
                 self.chat.check_content(result.content, may_be_empty=True)
         self.chat.check_tools(len(msg.tools or ()))
-        await self.get(owner, msg.session_id)
+        session = await self.get(owner, msg.session_id)
         hold = await self.claim_soon(msg.session_id)
         try:
-            seen = await asyncio.to_thread(self._history, msg.session_id)
+            seen = await asyncio.to_thread(self._history, session)
             turns, start = seen.turns, seen.start
             calls = unanswered_calls(seen.history)
             replaces_reply = False
@@ -585,12 +586,13 @@ class SessionTurns:
                 lo = mid + 1
         return prepare([*turns[:lead], *turns[starts[lo]:]], None), starts[lo] - lead
 
-    def _history(self, session_id: str) -> Seen:
-        """What the model sees of the session's conversation."""
+    def _history(self, session: Session) -> Seen:
+        """What the model sees of the session's conversation (its system message, set at
+        creation, as `session` has it)."""
+        session_id = session.session_id
         start = self.store.window_start(session_id)
         history = self.store.messages(session_id)[start:]
-        system = self.store.system(session_id)
-        lead = [] if system is None else [ChatTurn("system", system)]
+        lead = [] if session.system is None else [ChatTurn("system", session.system)]
         turns = [*lead, *(_turn(m) for m in history)]
         stored = self.store.context(session_id)
         if stored is None or (stored[0] and stored[0] <= start):

@@ -325,13 +325,6 @@ class SessionStore:
                               (session_id,)).fetchall()
         return [_unpack_ids(r[0]) for r in rows]
 
-    def system(self, session_id: str) -> str | None:
-        """The session's system message (None: none, or no such session)."""
-        with self._db.locked() as db:
-            row = db.execute("SELECT system FROM sessions WHERE session_id = ?",
-                             (session_id,)).fetchone()
-        return None if row is None else row[0]
-
     def messages(self, session_id: str) -> list[Message]:
         with self._db.locked() as db:
             rows = db.execute(

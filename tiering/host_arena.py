@@ -300,8 +300,8 @@ def remove_orphaned_arenas(shm_dir: Path = Path("/dev/shm")) -> list[str]:
     namespace), or that a live process still uses, is left alone."""
     removed = []
     for path in shm_dir.glob(f"{ARENA_PREFIX}*"):
-        pid = path.name.removeprefix(ARENA_PREFIX).split("-")[0]
-        if not pid.isdigit() or _is_alive(int(pid)) or _is_in_use(path):
+        pid = _arena_pid(path.name)
+        if pid is None or _is_alive(pid) or _is_in_use(path):
             continue
         try:
             if HostArena.unlink_stale(path.name, shm_dir):
@@ -310,6 +310,12 @@ def remove_orphaned_arenas(shm_dir: Path = Path("/dev/shm")) -> list[str]:
             logger.warning("host arena %s left by process %s could not be removed: %s",
                            path.name, pid, exc)
     return removed
+
+
+def _arena_pid(name: str) -> int | None:
+    """The pid in a default arena name (`default_arena_name`), None in another name."""
+    pid = name.removeprefix(ARENA_PREFIX).split("-")[0]
+    return int(pid) if name.startswith(ARENA_PREFIX) and pid.isdigit() else None
 
 
 def remove_arenas_of(pids: Collection[int], shm_dir: Path = Path("/dev/shm")) -> list[str]:
@@ -321,9 +327,7 @@ def remove_arenas_of(pids: Collection[int], shm_dir: Path = Path("/dev/shm")) ->
     tracker_here = getattr(resource_tracker._resource_tracker, "_fd", None) is not None
     removed = []
     for path in shm_dir.glob(f"{ARENA_PREFIX}*"):
-        pid = path.name.removeprefix(ARENA_PREFIX).split("-")[0]
-        if not pid.isdigit() or int(pid) not in pids or not HostArena.unlink_stale(path.name,
-                                                                                  shm_dir):
+        if _arena_pid(path.name) not in pids or not HostArena.unlink_stale(path.name, shm_dir):
             continue
         removed.append(path.name)
         if tracker_here:  # (else the tracker that knows the name is another's)
