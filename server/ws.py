@@ -1,8 +1,8 @@
 """The websocket chat API, `/v1/ws`: one `Connection` per client socket.
 
-The connection validates each frame, answers typed errors, and runs every accepted turn in a task
-of its own, so several sessions and requests can be in flight on one socket. Closing the socket
-cancels its turns, which aborts their generations and frees their KV pages.
+The connection validates each frame, answers typed errors, and accepts and runs each turn in a
+task of its own, so several sessions and requests can be in flight on one socket. Closing the
+socket cancels its turns, which aborts their generations and frees their KV pages.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from antiphon.server.auth import key_from_headers
 from antiphon.server.chat import Generation
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode, unexpected_error
+from antiphon.server.limits import Slot
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ class Connection:
         self._tasks: set[asyncio.Task[None]] = set()  # every turn's, until its last frame
         self._cancelled_request_ids: set[str] = set()
         self._advising: dict[str, asyncio.Task[None]] = {}  # session -> its typing advisory
+        # Turns being accepted (waiting, say, for their session's last turn to let go): by
+        # request id, and each session's latest, which the session's next frames wait for.
+        self._accepting: dict[str, asyncio.Task[None]] = {}
+        self._accepting_session: dict[str, asyncio.Task[None]] = {}
 
     async def send(self, frame: str) -> None:
         async with self._send_lock:
@@ -71,7 +76,8 @@ class Connection:
         await self.ctx.chat.cut_short.wait()
         for request_id, task in list(self._turns.items()):
             self._cancelled_request_ids.add(request_id)
-            task.cancel()
+            if request_id not in self._accepting:  # (else once its turn starts)
+                task.cancel()
 
     async def _handle_frame(self, data: str | bytes) -> None:
         """Answer one frame; whatever goes wrong with it, the connection and the other
@@ -120,9 +126,10 @@ class Connection:
         elif isinstance(msg, protocol.SessionDelete):
             # A typing advisory sent before it ends first, as frames are answered in order
             # (it would else bring forward the KV the delete erases).
-            advising = self._advising.get(msg.session_id)
-            if advising is not None:
-                await asyncio.gather(advising, return_exceptions=True)
+            # So does a turn being accepted (its message would else land in a session gone).
+            ahead = [t for t in (self._advising.get(msg.session_id),
+                                 self._accepting_session.get(msg.session_id)) if t is not None]
+            await asyncio.gather(*ahead, return_exceptions=True)
             await turns.delete(self.owner, msg.session_id)
             await self.send(protocol.encode("session.deleted", session_id=msg.session_id))
         elif isinstance(msg, protocol.Typing):
@@ -133,9 +140,10 @@ class Connection:
                 raise ApiError(ErrorCode.REQUEST_NOT_FOUND,
                                f"no request {msg.request_id} in flight on this connection")
             self._cancelled_request_ids.add(msg.request_id)
-            task.cancel()
+            if msg.request_id not in self._accepting:  # (one being accepted is cancelled
+                task.cancel()                           # once its turn starts)
         else:
-            await self._start_turn(msg)
+            await self._start_turn(msg, msg.type)
 
     def _advise(self, session_id: str) -> None:
         """Record a typing advisory in a task of its own: the engine answers it between two
@@ -159,7 +167,11 @@ class Connection:
             with contextlib.suppress(Exception):  # the client may have left meanwhile
                 await self._send_error(exc, None, "typing")
 
-    async def _start_turn(self, msg: protocol.TurnRequest) -> None:
+    async def _start_turn(self, msg: protocol.TurnRequest, what: str) -> None:
+        """Check a turn's limits, then accept and run it in a task of its own: accepting can
+        wait (up to `--session-free-wait-s` for the session's last turn to let go), and the
+        frames behind it, for other sessions or a `cancel`, must not. A session's turns are
+        accepted in the order they came."""
         self.ctx.chat.check_open()
         request_id = msg.request_id or "r_" + secrets.token_urlsafe(9)
         if request_id in self._turns:
@@ -169,11 +181,40 @@ class Connection:
                            "connection (--max-inflight-per-connection: "
                            f"{self.ctx.config.server.max_inflight_per_connection})")
         slot = self.ctx.inflight_per_key.take(self.owner)
+        ahead = self._accepting_session.get(msg.session_id)
+        task = asyncio.create_task(
+            self._accept_and_start(msg, what, request_id, slot, ahead))
+        self._turns[request_id] = self._accepting[request_id] = task
+        self._accepting_session[msg.session_id] = task
+        self._tasks.add(task)
+
+    async def _accept_and_start(self, msg: protocol.TurnRequest, what: str, request_id: str,
+                                slot: Slot, ahead: asyncio.Task[None] | None) -> None:
+        """Accept the turn (after the session's turn `ahead` of it), tell the client, and start
+        its run; a refusal is told as an error frame naming the request. A `cancel` (or a
+        shutdown's cut) meanwhile stops the run once it is under way."""
+        run = None
         try:
+            run = await self._accept_and_run(msg, what, request_id, slot, ahead)
+        finally:
+            self._end_accepting(msg.session_id, request_id)
+        if run is not None and request_id in self._cancelled_request_ids:
+            run.cancel()
+
+    async def _accept_and_run(self, msg: protocol.TurnRequest, what: str, request_id: str,
+                              slot: Slot,
+                              ahead: asyncio.Task[None] | None) -> asyncio.Task[None] | None:
+        try:
+            if ahead is not None:
+                await asyncio.wait([ahead])
             gen = await self.ctx.turns.accept(self.owner, msg, request_id)
-        except BaseException:  # refused: nothing is held
+        except BaseException as exc:  # refused: nothing is held
             slot.release()
-            raise
+            if not isinstance(exc, Exception):
+                raise
+            with contextlib.suppress(Exception):  # the client may have left meanwhile
+                await self._send_error(exc, request_id, what)
+            return None
         try:
             await self.send(protocol.encode("accepted", request_id=request_id,
                                             session_id=msg.session_id,
@@ -185,7 +226,13 @@ class Connection:
                 await asyncio.shield(self.ctx.turns.take_back(msg.session_id, gen))
             finally:
                 self.ctx.turns.release(msg.session_id, gen.session_claim)
-            raise
+            with contextlib.suppress(Exception):  # (a socket that cannot send is done for)
+                await self.ws.close()
+            return None
+        return await self._start_run(msg, request_id, slot, gen)
+
+    async def _start_run(self, msg: protocol.TurnRequest, request_id: str, slot: Slot,
+                         gen: Generation) -> asyncio.Task[None]:
         def finished() -> None:
             """The turn's work is over, before its last frame goes out: a client that sends
             its next turn the moment it reads `done` finds its place on the connection free
@@ -202,10 +249,20 @@ class Connection:
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._finish_turn(t, msg.session_id, request_id, gen,
                                                            finished))
-        # Let the turn start before the next frame is read: a task cancelled before its first
-        # step never runs its body, so a `cancel` right behind the message would end it with
-        # no `done` frame and nothing committed.
+        # Let the turn start before it may be cancelled: a task cancelled before its first
+        # step never runs its body, and would end with no `done` frame and nothing committed.
         await asyncio.sleep(0)
+        return task
+
+    def _end_accepting(self, session_id: str, request_id: str) -> None:
+        """The current task's turn is accepted and under way, or refused."""
+        task = self._accepting.pop(request_id)
+        if self._accepting_session.get(session_id) is task:
+            del self._accepting_session[session_id]
+        self._tasks.discard(task)
+        if self._turns.get(request_id) is task:  # refused: no run took its place
+            del self._turns[request_id]
+            self._cancelled_request_ids.discard(request_id)
 
     def _finish_turn(self, task: asyncio.Task[None], session_id: str, request_id: str,
                      gen: Generation, finished: Callable[[], None]) -> None:
@@ -221,7 +278,10 @@ class Connection:
 
     async def _cancel_all(self) -> None:
         """Cancel the connection's turns; its typing advisories run to their end (short, and
-        the turn they announce may come over the client's next connection)."""
+        the turn they announce may come over the client's next connection), as do the turns
+        being accepted (their `accepted` cannot reach the client: each takes its message
+        back)."""
+        await asyncio.gather(*self._accepting.values(), return_exceptions=True)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

@@ -765,3 +765,68 @@ def test_a_title_from_a_long_first_message_ends_at_a_word() -> None:
     assert title_from(unbroken) == "x" * (TITLE_CHARS - 1) + "…"
     exact = "y" * TITLE_CHARS
     assert title_from(exact) == exact
+
+
+def slow_release(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
+    """Make each turn let go of its session `delay_s` late (a slow cut-short turn)."""
+    from antiphon.server.turns import SessionTurns
+
+    release = SessionTurns.release
+
+    def late(self: SessionTurns, session_id: str, hold: str | None) -> None:
+        asyncio.get_running_loop().call_later(delay_s, release, self, session_id, hold)
+
+    monkeypatch.setattr(SessionTurns, "release", late)
+
+
+async def cut_short_turn(ws: Any, session_id: str) -> None:
+    """Start a turn of `session_id` and cancel it: the session waits for it to let go."""
+    await send(ws, type="message", session_id=session_id, content="w " * 60, request_id="cut")
+    await recv_until(ws, "token")
+    await send(ws, type="cancel", request_id="cut")
+    assert (await recv_until(ws, "done"))[-1]["finish_reason"] == "cancelled"
+
+
+async def test_a_turn_waiting_for_its_session_holds_up_no_other_frame(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn that waits for its session's last turn to let go (up to
+    --session-free-wait-s) is accepted in a task of its own: the frames behind it on the
+    connection, another session's turn or a listing, are answered meanwhile."""
+    async with connect(scripted.ws_url) as ws:
+        waiting = (await open_session(ws))["session"]["session_id"]
+        other = (await open_session(ws))["session"]["session_id"]
+        slow_release(monkeypatch, 1.5)
+        await cut_short_turn(ws, waiting)
+        start = time.monotonic()
+        await send(ws, type="regenerate", session_id=waiting, request_id="late")
+        await send(ws, type="session.list")
+        await send(ws, type="message", session_id=other, content="hi", request_id="other")
+        frames = await recv_until(ws, "accepted")
+        assert [f["type"] for f in frames] == ["sessions", "accepted"], frames
+        assert frames[-1]["request_id"] == "other" and time.monotonic() - start < 1.0
+        done = [f for f in await recv_until(ws, "done") + await recv_until(ws, "done")
+                if f["type"] == "done"]
+        assert sorted(f["request_id"] for f in done) == ["late", "other"]
+
+
+async def test_a_cancel_for_a_turn_still_being_accepted_stops_it_once_under_way(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `cancel` that comes while its turn waits for the session is not lost: the turn is
+    accepted, then stopped, and ends with `done` (cancelled); a session's turns are accepted
+    in the order they came, the one behind it once it has let go."""
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        slow_release(monkeypatch, 1.0)
+        await cut_short_turn(ws, sid)
+        await send(ws, type="message", session_id=sid, content="one", request_id="first")
+        await send(ws, type="message", session_id=sid, content="two", request_id="second")
+        await send(ws, type="cancel", request_id="first")
+        frames = [f for f in await recv_until(ws, "done") + await recv_until(ws, "done")
+                  if f["type"] != "token"]
+        assert [(f["request_id"], f["type"]) for f in frames] == [
+            ("first", "accepted"), ("first", "done"), ("second", "accepted"),
+            ("second", "done")], frames
+        assert frames[1]["finish_reason"] == "cancelled"
+        assert frames[3]["finish_reason"] == "stop"
+        messages = (await open_session(ws, sid))["messages"]
+        assert [m["content"] for m in messages if m["role"] == "user"][1:] == ["one", "two"]
