@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 from collections.abc import Callable
@@ -35,20 +36,39 @@ def frame_bytes(data: str | bytes) -> int:
     return len(data.encode("utf-8", "surrogatepass"))
 
 
+TurnMessage = protocol.ChatMessage | protocol.Regenerate | protocol.ToolResults
+
+
+@dataclasses.dataclass(eq=False)
+class _Turn:
+    """A turn on the connection, from its frame until its work ends: accepted in one task,
+    then run in another."""
+
+    session_id: str
+    starter: asyncio.Task[None] = dataclasses.field(init=False)  # accepts it, starts its run
+    run: asyncio.Task[None] | None = None  # once the starter has started it
+    is_cancelled: bool = False  # by its client's `cancel`, or a shutdown's cut
+
+    def cancel(self) -> None:
+        """Stop the turn as a `cancel` does: its run at once, or, while it is being accepted,
+        once it is under way (a refused turn has nothing to stop)."""
+        self.is_cancelled = True
+        if self.run is not None:
+            self.run.cancel()
+
+
 class Connection:
     def __init__(self, ws: WebSocket, ctx: AppContext, owner: str) -> None:
         self.ws = ws
         self.ctx = ctx
         self.owner = owner
         self._send_lock = asyncio.Lock()
-        self._turns: dict[str, asyncio.Task[None]] = {}  # by request id, until their work ends
+        self._turns: dict[str, _Turn] = {}  # by request id, until their work ends
         self._tasks: set[asyncio.Task[None]] = set()  # every turn's, until its last frame
-        self._cancelled_request_ids: set[str] = set()
         self._advising: dict[str, asyncio.Task[None]] = {}  # session -> its typing advisory
-        # Turns being accepted (waiting, say, for their session's last turn to let go): by
-        # request id, and each session's latest, which the session's next frames wait for.
-        self._accepting: dict[str, asyncio.Task[None]] = {}
-        self._accepting_session: dict[str, asyncio.Task[None]] = {}
+        # Each session's latest turn still being accepted (waiting, say, for the session's
+        # last turn to let go): the session's next turn or deletion waits for it.
+        self._accepting: dict[str, _Turn] = {}
 
     async def send(self, frame: str) -> None:
         async with self._send_lock:
@@ -74,10 +94,8 @@ class Connection:
         `cancel` would: each keeps what it has and sends its `done` before the socket
         closes."""
         await self.ctx.chat.cut_short.wait()
-        for request_id, task in list(self._turns.items()):
-            self._cancelled_request_ids.add(request_id)
-            if request_id not in self._accepting:  # (else once its turn starts)
-                task.cancel()
+        for turn in list(self._turns.values()):
+            turn.cancel()
 
     async def _handle_frame(self, data: str | bytes) -> None:
         """Answer one frame; whatever goes wrong with it, the connection and the other
@@ -128,22 +146,20 @@ class Connection:
             # (it would else bring forward the KV the delete erases).
             # So does a turn being accepted (its message would else land in a session gone).
             ahead = [t for t in (self._advising.get(msg.session_id),
-                                 self._accepting_session.get(msg.session_id)) if t is not None]
+                                 self._starter_of(msg.session_id)) if t is not None]
             await asyncio.gather(*ahead, return_exceptions=True)
             await turns.delete(self.owner, msg.session_id)
             await self.send(protocol.encode("session.deleted", session_id=msg.session_id))
         elif isinstance(msg, protocol.Typing):
             self._advise(msg.session_id)
         elif isinstance(msg, protocol.Cancel):
-            task = self._turns.get(msg.request_id)
-            if task is None:
+            turn = self._turns.get(msg.request_id)
+            if turn is None:
                 raise ApiError(ErrorCode.REQUEST_NOT_FOUND,
                                f"no request {msg.request_id} in flight on this connection")
-            self._cancelled_request_ids.add(msg.request_id)
-            if msg.request_id not in self._accepting:  # (one being accepted is cancelled
-                task.cancel()                           # once its turn starts)
+            turn.cancel()
         else:
-            await self._start_turn(msg, msg.type)
+            self._start_turn(msg)
 
     def _advise(self, session_id: str) -> None:
         """Record a typing advisory in a task of its own: the engine answers it between two
@@ -167,8 +183,8 @@ class Connection:
             with contextlib.suppress(Exception):  # the client may have left meanwhile
                 await self._send_error(exc, None, "typing")
 
-    async def _start_turn(self, msg: protocol.TurnRequest, what: str) -> None:
-        """Check a turn's limits, then accept and run it in a task of its own: accepting can
+    def _start_turn(self, msg: TurnMessage) -> None:
+        """Check a turn's limits, then accept and run it in tasks of its own: accepting can
         wait (up to `--session-free-wait-s` for the session's last turn to let go), and the
         frames behind it, for other sessions or a `cancel`, must not. A session's turns are
         accepted in the order they came."""
@@ -181,28 +197,36 @@ class Connection:
                            "connection (--max-inflight-per-connection: "
                            f"{self.ctx.config.server.max_inflight_per_connection})")
         slot = self.ctx.inflight_per_key.take(self.owner)
-        ahead = self._accepting_session.get(msg.session_id)
-        task = asyncio.create_task(
-            self._accept_and_start(msg, what, request_id, slot, ahead))
-        self._turns[request_id] = self._accepting[request_id] = task
-        self._accepting_session[msg.session_id] = task
-        self._tasks.add(task)
+        turn = _Turn(msg.session_id)
+        turn.starter = asyncio.create_task(self._accept_and_start(
+            msg, request_id, turn, slot, self._starter_of(msg.session_id)))
+        self._turns[request_id] = self._accepting[msg.session_id] = turn
+        self._tasks.add(turn.starter)
 
-    async def _accept_and_start(self, msg: protocol.TurnRequest, what: str, request_id: str,
+    def _starter_of(self, session_id: str) -> asyncio.Task[None] | None:
+        """The task accepting the session's latest turn, if one is being accepted."""
+        turn = self._accepting.get(session_id)
+        return None if turn is None else turn.starter
+
+    async def _accept_and_start(self, msg: TurnMessage, request_id: str, turn: _Turn,
                                 slot: Slot, ahead: asyncio.Task[None] | None) -> None:
         """Accept the turn (after the session's turn `ahead` of it), tell the client, and start
-        its run; a refusal is told as an error frame naming the request. A `cancel` (or a
-        shutdown's cut) meanwhile stops the run once it is under way."""
+        its run; a refusal is told as an error frame. A `cancel` (or a shutdown's cut)
+        meanwhile stops the run once it is under way."""
         run = None
         try:
-            run = await self._accept_and_run(msg, what, request_id, slot, ahead)
-        finally:
-            self._end_accepting(msg.session_id, request_id)
-        if run is not None and request_id in self._cancelled_request_ids:
+            run = await self._accept_and_run(msg, request_id, turn, slot, ahead)
+        finally:  # (no await from here on: a cancel finds `turn.run` set, or is seen below)
+            turn.run = run
+            if self._accepting.get(turn.session_id) is turn:
+                del self._accepting[turn.session_id]
+            self._tasks.discard(turn.starter)
+            if run is None and self._turns.get(request_id) is turn:  # refused
+                del self._turns[request_id]
+        if run is not None and turn.is_cancelled:
             run.cancel()
 
-    async def _accept_and_run(self, msg: protocol.TurnRequest, what: str, request_id: str,
-                              slot: Slot,
+    async def _accept_and_run(self, msg: TurnMessage, request_id: str, turn: _Turn, slot: Slot,
                               ahead: asyncio.Task[None] | None) -> asyncio.Task[None] | None:
         try:
             if ahead is not None:
@@ -213,39 +237,42 @@ class Connection:
             if not isinstance(exc, Exception):
                 raise
             with contextlib.suppress(Exception):  # the client may have left meanwhile
-                await self._send_error(exc, request_id, what)
+                await self._send_error(exc, msg.request_id, msg.type)
             return None
         try:
             await self.send(protocol.encode("accepted", request_id=request_id,
                                             session_id=msg.session_id,
                                             prompt_tokens=len(gen.prompt_token_ids)))
-        except BaseException:  # the client left before it heard "accepted": it may send the
-            # message again (on its next connection), so the session keeps nothing of it
+        except BaseException as exc:  # the client left before it heard "accepted": it may
+            # send the message again (on its next connection), so the session keeps nothing
             slot.release()
             try:
                 await asyncio.shield(self.ctx.turns.take_back(msg.session_id, gen))
             finally:
                 self.ctx.turns.release(msg.session_id, gen.session_claim)
+            if not isinstance(exc, Exception):
+                raise
+            if not isinstance(exc, WebSocketDisconnect):
+                logger.error("websocket: sending accepted for %s failed", request_id,
+                             exc_info=exc)
             with contextlib.suppress(Exception):  # (a socket that cannot send is done for)
                 await self.ws.close()
             return None
-        return await self._start_run(msg, request_id, slot, gen)
+        return await self._start_run(msg, request_id, turn, slot, gen)
 
-    async def _start_run(self, msg: protocol.TurnRequest, request_id: str, slot: Slot,
+    async def _start_run(self, msg: TurnMessage, request_id: str, turn: _Turn, slot: Slot,
                          gen: Generation) -> asyncio.Task[None]:
         def finished() -> None:
             """The turn's work is over, before its last frame goes out: a client that sends
             its next turn the moment it reads `done` finds its place on the connection free
             (it was freed once the frame was out: a race the client could lose)."""
             slot.release()
-            if self._turns.get(request_id) is task:
+            if self._turns.get(request_id) is turn:
                 del self._turns[request_id]
 
         task = asyncio.create_task(self.ctx.turns.run(
-            msg.session_id, gen, self.send,
-            is_user_cancel=lambda: request_id in self._cancelled_request_ids,
+            msg.session_id, gen, self.send, is_user_cancel=lambda: turn.is_cancelled,
             finished=finished))
-        self._turns[request_id] = task
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._finish_turn(t, msg.session_id, request_id, gen,
                                                            finished))
@@ -253,16 +280,6 @@ class Connection:
         # step never runs its body, and would end with no `done` frame and nothing committed.
         await asyncio.sleep(0)
         return task
-
-    def _end_accepting(self, session_id: str, request_id: str) -> None:
-        """The current task's turn is accepted and under way, or refused."""
-        task = self._accepting.pop(request_id)
-        if self._accepting_session.get(session_id) is task:
-            del self._accepting_session[session_id]
-        self._tasks.discard(task)
-        if self._turns.get(request_id) is task:  # refused: no run took its place
-            del self._turns[request_id]
-            self._cancelled_request_ids.discard(request_id)
 
     def _finish_turn(self, task: asyncio.Task[None], session_id: str, request_id: str,
                      gen: Generation, finished: Callable[[], None]) -> None:
@@ -272,16 +289,17 @@ class Connection:
                          exc_info=exc)
         finished()  # (again: safe; its place on the connection, whatever way the turn ended)
         self._tasks.discard(task)
-        if request_id not in self._turns:  # (not a later turn under the same id)
-            self._cancelled_request_ids.discard(request_id)
         self.ctx.turns.release(session_id, gen.session_claim)  # whatever way the turn ended
 
     async def _cancel_all(self) -> None:
         """Cancel the connection's turns; its typing advisories run to their end (short, and
         the turn they announce may come over the client's next connection), as do the turns
         being accepted (their `accepted` cannot reach the client: each takes its message
-        back)."""
-        await asyncio.gather(*self._accepting.values(), return_exceptions=True)
+        back). Runs are stopped first, not after those waits."""
+        starters = [turn.starter for turn in self._turns.values() if turn.run is None]
+        for task in self._tasks.difference(starters):
+            task.cancel()
+        await asyncio.gather(*starters, return_exceptions=True)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

@@ -830,3 +830,24 @@ async def test_a_cancel_for_a_turn_still_being_accepted_stops_it_once_under_way(
         assert frames[3]["finish_reason"] == "stop"
         messages = (await open_session(ws, sid))["messages"]
         assert [m["content"] for m in messages if m["role"] == "user"][1:] == ["one", "two"]
+
+
+async def test_a_request_id_used_again_after_its_cancelled_turn_is_a_new_turn(
+        scripted: Scripted) -> None:
+    """A cancel belongs to the turn it stopped: a turn sent under the same id right after that
+    turn's `done` runs to its end (the cancel's mark, kept by id, stopped it in 14 of 20
+    tries); and a turn refused while being accepted names the id its frame gave, none
+    here."""
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        for i in range(8):
+            await send(ws, type="message", session_id=sid, content="w " * 40, request_id=f"c{i}")
+            await recv_until(ws, "token")
+            await send(ws, type="cancel", request_id=f"c{i}")
+            assert (await recv_until(ws, "done"))[-1]["finish_reason"] == "cancelled"
+            await send(ws, type="message", session_id=sid, content="hi", request_id=f"c{i}")
+            done = (await recv_until(ws, "done"))[-1]
+            assert (done["finish_reason"], done["text"]) == ("stop", "You said: hi")
+        await send(ws, type="message", session_id="s_nope", content="hi")
+        refused = await recv(ws)
+        assert (refused["code"], refused["request_id"]) == ("session_not_found", None)
