@@ -329,7 +329,7 @@ def test_an_advisory_fetches_only_the_leading_chunks_the_host_has_room_for(
     planner = restarted_planner(tmp_path, host_tier_bytes=3 * PAGE_BYTES)
     try:
         assert planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0) == 10
-        handle = planner._advisories["s1"].handle
+        handle = planner.advisories.get("s1").handle
         assert handle is not None and handle.wait(10)
         assert {key.chunk_index for key in handle.keys} == {0}  # whole, both layers
         assert len(handle.keys) == LAYERS and planner.stats()["ssd_fetches_cut"] == 1
@@ -341,7 +341,7 @@ def test_an_advisory_prefetches_and_is_used_by_its_sessions_turn(tmp_path: Path)
     planner = restarted_planner(tmp_path)
     try:
         assert planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0) == 10
-        handle = planner._advisories["s1"].handle
+        handle = planner.advisories.get("s1").handle
         assert handle is not None and handle.wait(10)
         view = TokenView("r2", [*TURN1, 110, 111], session="s1")
         planner.add_request(view)
@@ -390,7 +390,7 @@ def test_a_running_turn_reclaims_the_host_room_an_advisory_holds(tmp_path: Path)
         run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9], session="s1")
         planner.store.flush()
         planner.advise("s1", [*TURN1, 110], expected_arrival_s=60.0)
-        handle = planner._advisories["s1"].handle
+        handle = planner.advisories.get("s1").handle
         assert handle is not None and handle.wait(10)
         other = [t + 1000 for t in TURN1] + [1110]
         _, meta = run_turn(planner, "r2", other, [4, 5, 6], session="s2")

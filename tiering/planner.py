@@ -19,8 +19,8 @@ allocator, the SSD tier). Per engine step:
 Advisories (`advise`) run the same match for a session's context before its turn arrives and
 prefetch into the host arena, pinned until the turn uses them or they expire. Those pins are a
 soft reservation: when a turn's load or a save finds the arena full of pins, the advisory
-expected last gives its pins up first (`_room_for`), so advised sessions never make a
-running turn recompute.
+expected last gives its pins up first (`AdvisoryBook.make_room`), so advised sessions never
+make a running turn recompute.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import Any
 
+from antiphon.tiering.advisory_book import AdvisoryBook
 from antiphon.tiering.build import build_tiered_store
 from antiphon.tiering.config import TieringConfig
 from antiphon.tiering.connector_meta import NO_SLOT, PageCopy, TieringMetadata
@@ -46,135 +46,24 @@ from antiphon.tiering.keys import (
     prefix_seed,
     tail_hashes,
 )
-from antiphon.tiering.prefetch import PrefetchHandle
+from antiphon.tiering.plan_state import (
+    Checkpoint,
+    RequestState,
+    SlotCommit,
+    StepInFlight,
+    StoredMatch,
+    TieringCounters,
+    TokenView,
+    known_tokens,
+)
 from antiphon.tiering.prefetch_queue import URGENT, PrefetchQueue
 from antiphon.tiering.tails import TailIndex
 
 log = logging.getLogger(__name__)
 
-@dataclasses.dataclass
-class TokenView:
-    """What the planner reads from a vLLM request (kept apart so tests need no vLLM)."""
-
-    request_id: str
-    token_ids: Sequence[int]  # prompt and output tokens so far
-    session: str | None = None
-    salt: bytes = b""
-    background: bool = False  # a BE request: its KV reaches the SSD tier only if checkpointed
-
-
-@dataclasses.dataclass
-class _Match:
-    """The stored prefix of a token sequence: one layer-0 key per chunk (the last may be a
-    partial chunk's key) and how many tokens they cover."""
-
-    chunks: list[ChunkKey]
-    num_tokens: int
-    layers: list[list[ChunkKey]]  # per chunk, its key at every layer (built once per match)
-
-    def layer_keys(self, first_chunk: int = 0) -> list[ChunkKey]:
-        """Every chunk-layer from chunk `first_chunk` on, in chunk order, layer 0 first."""
-        return [key for keys in self.layers[first_chunk:] for key in keys]
-
-
-def _known(st: _Request, num_computed: int) -> int:
-    """The computed tokens whose ids the scheduler knows. With async scheduling vLLM counts
-    a step's positions computed before the tokens sampled in the step ahead of it are added
-    to the request (`num_output_placeholders`): their KV is stored once their ids are known
-    (keys are hashes of token ids), or recomputed after a checkpoint."""
-    return min(num_computed, len(st.view.token_ids))
-
-
 # Fetches from SSD one turn waits for before it takes what the host holds and recomputes the
 # rest (a fetch can lose its host room to others after it starts).
 MAX_FETCH_ATTEMPTS = 3
-
-
-@dataclasses.dataclass
-class _Request:
-    view: TokenView
-    hashes: list[bytes] = dataclasses.field(default_factory=list)  # full chunks hashed so far
-    saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being saved
-    local_tokens: int = 0  # device prefix-cache hit at admission
-    match: _Match | None = None
-    pins: list[ChunkKey] = dataclasses.field(default_factory=list)  # host pins for the load
-    prefetch: PrefetchHandle | None = None
-    fetch_attempts: int = 0  # fetches from SSD this turn waited for
-    ssd_chunks: set[int] = dataclasses.field(default_factory=set)  # chunks that came from SSD
-    stored_tokens: tuple[int, int] | None = None  # `stored_prefix_tokens`: (of tokens, found)
-    # (tokens, device hit) of the last admission that pinned `match` (stands while it is set)
-    admitted: tuple[int, int] | None = None
-    # (host, SSD) prompt tokens its first admission loaded from the tiers (`served_from`)
-    first_loads: tuple[int, int] | None = None
-    # its session's advisory was settled by its first admission (a preempted request's
-    # later ones leave the next turn's advisory alone)
-    advisory_settled: bool = False
-
-
-@dataclasses.dataclass
-class _Advisory:
-    session: str
-    received_at: float
-    expires_at: float
-    handle: PrefetchHandle | None
-    num_tokens: int  # context tokens the tiers held when it arrived
-    reclaimed: bool = False  # its pins went to a running turn before the session spoke
-
-
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    """A preempted request in the preemption table: what the tiers hold of its KV."""
-
-    num_tokens: int  # computed tokens when it was preempted
-    held_tokens: int  # of those, from the start, held by the tiers (the rest is recomputed)
-    chunks: tuple[ChunkKey, ...]  # layer-0 keys of the chunks its restore loads
-
-
-class _Commit(NamedTuple):
-    """A reserved host slot to publish once its copy is done."""
-
-    key: ChunkKey
-    durable: bool  # written through to the slowest tier once published
-    owner: bytes  # whose request saved it (`keys.owner_tag`), kept with it there
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """A step the worker has not finished: pins to drop, reserved slots to publish."""
-
-    pins: list[ChunkKey] = dataclasses.field(default_factory=list)
-    commits: list[_Commit] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class TieringCounters:
-    prompt_tokens: int = 0  # prompt tokens of admitted turns
-    tokens_from_device: int = 0  # of those, found in vLLM's prefix cache
-    tokens_from_host: int = 0  # loaded from the host arena
-    tokens_from_ssd: int = 0  # loaded from the host arena after a prefetch from SSD
-    computed_prompt_tokens: int = 0  # computed by the model
-    saved_chunks: int = 0  # chunks (all layers) saved from the device
-    saves_refused: int = 0  # chunks not saved: no host slot, every one pinned (recomputed later)
-    advisories_received: int = 0
-    chunk_layers_forgotten: int = 0  # erased from the tiers when their session was deleted
-    advisories_used: int = 0  # a turn of the session arrived while the advisory was live
-    advisories_expired: int = 0
-    prefetches_timed: int = 0  # used advisories whose prefetch finished before the turn came
-    prefetch_load_s_sum: float = 0.0  # over those: advisory received -> all in host
-    prefetch_lead_s_sum: float = 0.0  # over those: prefetch done -> the turn arrived
-    advisories_late: int = 0  # the turn arrived before its prefetch finished
-    advisories_reclaimed: int = 0  # prefetched KV given up for a running turn's room
-    turns_held: int = 0  # turns held to a later step for their SSD fetch
-    turns_fetched_in_step: int = 0  # turns whose SSD fetch came up within ssd_fetch_wait_s
-    fetch_retries: int = 0  # turns' SSD fetches sent again: others took their host room
-    ssd_fetches_cut: int = 0  # fetches (turns', advisories') cut to the chunks with host room
-    checkpoints: int = 0  # preempted requests whose KV went to the tiers (lazy checkpoints)
-    pages_checkpointed: int = 0  # device pages copied at preemption (not yet written through)
-    pages_handed_over: int = 0  # preempted pages a tier already held: given up at no cost
-    checkpoint_short_tokens: int = 0  # preempted tokens the full host arena could not take
-    restores: int = 0  # checkpointed requests admitted again
-    pages_restored: int = 0  # pages those loaded back from the tiers
-    copy_steps_failed: int = 0  # steps whose page copies the worker failed (saves dropped)
 
 
 class TierPlanner:
@@ -200,15 +89,14 @@ class TierPlanner:
         self._block_ids_of = block_ids_of
         self._prefetcher = PrefetchQueue(self.store.tiers)
         self._lock = threading.RLock()
-        self._requests: dict[str, _Request] = {}
-        self._advisories: dict[str, _Advisory] = {}
+        self._requests: dict[str, RequestState] = {}
         self._step = 0
         self._pending_loads: list[PageCopy] = []
         self._pending_early: list[PageCopy] = []
         self._pending_load_pins: list[ChunkKey] = []
         self._final_saves: dict[str, list[PageCopy]] = {}
-        self._final_keys: list[_Commit] = []  # as `_InFlight.commits`
-        self._in_flight: dict[int, _InFlight] = {}
+        self._final_keys: list[SlotCommit] = []  # as `StepInFlight.commits`
+        self._in_flight: dict[int, StepInFlight] = {}
         self._pending_checkpoints: list[PageCopy] = []
         self._checkpoints: dict[str, Checkpoint] = {}  # the preemption table
         self._forgetting: dict[str, Future[tuple[int, int]]] = {}  # deleted sessions' erasures
@@ -216,9 +104,10 @@ class TierPlanner:
         # session's last turn may have copies on their way); cleared once none are.
         self._forgotten_chunks: set[bytes] = set()
         self._erasing: list[set[bytes]] = []  # the prefix hashes of each erasure running
-        self._retiring: list[PrefetchHandle] = []
         self._tails = TailIndex(config.tail_index_entries)  # the tokens of tails saved
         self.counters = TieringCounters()
+        self.advisories = AdvisoryBook(self._prefetcher, self.store, host, self.counters,
+                                       config.advisory_ttl_s)
 
     @property
     def arena_name(self) -> str:
@@ -228,22 +117,16 @@ class TierPlanner:
 
     def add_request(self, view: TokenView) -> None:
         with self._lock:
-            self._requests.setdefault(view.request_id, _Request(view))
+            self._requests.setdefault(view.request_id, RequestState(view))
 
     def num_new_matched_tokens(self, view: TokenView, num_computed: int) -> int | None:
         """Tokens beyond `num_computed` (vLLM's device hit) the tiers can supply now, or None
         while a prefetch this turn needs is still moving."""
         with self._lock:
-            self._expire_advisories()
-            st = self._requests.setdefault(view.request_id, _Request(view))
+            self.advisories.expire()
+            st = self._requests.setdefault(view.request_id, RequestState(view))
             st.view = view
-            advisory = self._advisories.get(view.session or "")
-            if advisory is not None and advisory.handle is not None \
-                    and not advisory.handle.is_done:
-                # The turn came before its advised prefetch finished: stop that one and fetch
-                # the rest at once, ahead of every other advisory.
-                self._retire(advisory.handle)
-                advisory.handle = None
+            self.advisories.overtake(view.session or "")
             if st.prefetch is not None and not st.prefetch.is_done:
                 return None
             checkpoint = self._checkpoints.get(view.request_id)
@@ -282,12 +165,12 @@ class TierPlanner:
             return matched
 
     @staticmethod
-    def _note_admitted(st: _Request, view: TokenView, num_computed: int,
+    def _note_admitted(st: RequestState, view: TokenView, num_computed: int,
                        matched: int | None) -> None:
         if matched and st.match is not None:
             st.admitted = (len(view.token_ids), num_computed)
 
-    def _admit_again(self, st: _Request, view: TokenView, num_computed: int) -> int | None:
+    def _admit_again(self, st: RequestState, view: TokenView, num_computed: int) -> int | None:
         """`_admit`, with the pins of an earlier admission set aside until it is done."""
         held, st.pins, st.match = st.pins, [], None
         try:
@@ -296,7 +179,7 @@ class TierPlanner:
             for key in held:  # released only now: re-pinned keys never leave in between
                 self.host.unpin(key)
 
-    def _admit(self, st: _Request, view: TokenView, num_computed: int) -> int | None:
+    def _admit(self, st: RequestState, view: TokenView, num_computed: int) -> int | None:
         """`num_new_matched_tokens` once no prefetch is pending and old pins are set aside."""
         st.local_tokens = num_computed
         match = self._match(view.token_ids, len(view.token_ids) - 1, view.salt, st)
@@ -314,7 +197,7 @@ class TierPlanner:
             st.pins = [key for key in wanted if key not in missing and self.host.pin(key)]
             self._drop_prefetch(st)
             st.fetch_attempts += 1
-            self._room_for(len(absent), view.session)
+            self.advisories.make_room(len(absent), view.session)
             absent = self._leading_chunks_with_room(absent)
             if absent:
                 st.ssd_chunks |= {key.chunk_index for key in absent}
@@ -343,7 +226,7 @@ class TierPlanner:
         grew, e.g. preempted after more output): what a scheduling policy can count as not to be
         computed. An estimate; admission decides."""
         with self._lock:
-            st = self._requests.setdefault(view.request_id, _Request(view))
+            st = self._requests.setdefault(view.request_id, RequestState(view))
             num_tokens = len(view.token_ids)
             if st.stored_tokens is None or st.stored_tokens[0] != num_tokens:
                 st.view = view
@@ -398,7 +281,7 @@ class TierPlanner:
             meta = TieringMetadata(self._step, self.arena_name, self._pending_loads,
                                    self._pending_early, checkpoints=self._pending_checkpoints)
             self._pending_checkpoints = []
-            in_flight = _InFlight(pins=self._pending_load_pins)
+            in_flight = StepInFlight(pins=self._pending_load_pins)
             self._pending_loads, self._pending_early, self._pending_load_pins = [], [], []
             for request_id, num_done in scheduled:
                 st = self._requests.get(request_id)
@@ -465,7 +348,7 @@ class TierPlanner:
                 return False
             self._unpin(st)
             self._drop_prefetch(st)
-            num_computed = _known(st, num_computed)
+            num_computed = known_tokens(st, num_computed)
             full = num_computed // self.chunk_tokens
             if num_computed == full * self.chunk_tokens or st.saved_chunks != full:
                 return False  # nothing partial, or the full chunks were not all saved
@@ -477,7 +360,7 @@ class TierPlanner:
                 return False
             self._final_saves[request_id] = [copy]
             durable, owner = self._durable(st), self._owner(st)
-            self._final_keys.extend(_Commit(key, durable, owner) for key in keys)
+            self._final_keys.extend(SlotCommit(key, durable, owner) for key in keys)
             return True
 
     def checkpoint(self, request_id: str, num_computed: int, block_ids: Sequence[int]) -> int:
@@ -494,7 +377,7 @@ class TierPlanner:
                 return 0
             self._unpin(st)
             self._drop_prefetch(st)
-            num_computed = _known(st, num_computed)
+            num_computed = known_tokens(st, num_computed)
             full = num_computed // self.chunk_tokens
             hashes = self._hashes(st, full)
             ppc = self.pages_per_chunk
@@ -527,7 +410,7 @@ class TierPlanner:
             self._pending_checkpoints.extend(copies)
             # published, and written down, when this step's copies are done
             owner = self._owner(st)
-            self._final_keys.extend(_Commit(key, True, owner) for key in reserved)
+            self._final_keys.extend(SlotCommit(key, True, owner) for key in reserved)
             copied = sum(len(copy.blocks) for copy in copies)
             c = self.counters
             c.checkpoints += 1
@@ -579,18 +462,13 @@ class TierPlanner:
         """A turn of `session`, whose context is `token_ids`, is coming: bring its stored KV
         into the host arena, soonest-expected first, and keep it there until the turn comes or
         the advisory expires. Returns the context tokens the tiers hold."""
-        now = time.monotonic()
         with self._lock:
-            self._expire_advisories()
-            self.counters.advisories_received += 1
-            self._release_advisory(session)
+            self.advisories.expire()
+            self.advisories.release(session)  # (before the match: its pins hold no room)
             match = self._match(token_ids, len(token_ids), salt, None, session=session)
             keys = self._leading_chunks_with_room(match.layer_keys())
-            due = now + (expected_arrival_s or 0.0)
-            handle = self._prefetcher.submit(keys, due) if keys else None
-            self._advisories[session] = _Advisory(
-                session, now, due + self.config.advisory_ttl_s, handle, match.num_tokens)
-            self.store.set_hint(session, [key.prefix_hash for key in match.chunks], 1.0)
+            self.advisories.start(session, keys, expected_arrival_s, match.num_tokens,
+                                  [key.prefix_hash for key in match.chunks])
             return match.num_tokens
 
     # -- deleted sessions ---------------------------------------------------------------------
@@ -613,7 +491,7 @@ class TierPlanner:
         done: Future[tuple[int, int]] = Future()
         with self._lock:
             if deleted:
-                self._release_advisory(session)
+                self.advisories.release(session)
                 self.store.clear_hint(session)
             self._forgetting[session] = done
 
@@ -652,7 +530,7 @@ class TierPlanner:
     def reset_counters(self) -> None:
         """The connector's and every tier's counters from zero (occupancy is not a counter)."""
         with self._lock:
-            self.counters = TieringCounters()
+            self.counters.reset()
             for tier in self.store.tiers:
                 tier.stats.reset()
 
@@ -699,14 +577,14 @@ class TierPlanner:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            self._expire_advisories()
+            self.advisories.expire()
             tiers = {}
             for tier in self.store.tiers:
                 tiers[tier.name] = {"used_bytes": tier.used_bytes,
                                     "capacity_bytes": tier.capacity_bytes,
                                     **tier.stats.as_dict()}
             return {**dataclasses.asdict(self.counters), "tiers": tiers,
-                    "advisories_live": len(self._advisories),
+                    "advisories_live": len(self.advisories),
                     "requests_tracked": len(self._requests)}
 
     def close(self) -> None:
@@ -716,7 +594,7 @@ class TierPlanner:
     # -- internals ---------------------------------------------------------------------------
 
     def _match(self, token_ids: Sequence[int], limit: int, salt: bytes,
-               st: _Request | None, *, session: str | None = None) -> _Match:
+               st: RequestState | None, *, session: str | None = None) -> StoredMatch:
         """The longest stored prefix of `token_ids[:limit]`: full chunks with every layer in
         some tier, then the longest stored partial chunk after them. A partial chunk found by
         its exact tokens joins the tail index (one saved before a restart: an advisory's
@@ -757,8 +635,8 @@ class TierPlanner:
                 break
         if tail is not None and tail_layers is not None:
             self._tails.touch(tail)
-            return _Match([*chunks, tail], start + shared, [*layers, tail_layers])
-        return _Match(chunks, start, layers)
+            return StoredMatch([*chunks, tail], start + shared, [*layers, tail_layers])
+        return StoredMatch(chunks, start, layers)
 
     def _chain_ends(self, chains: Iterable[Sequence[int]], salt: bytes
                     ) -> list[tuple[bytes, Sequence[int]]]:
@@ -800,7 +678,7 @@ class TierPlanner:
         keys = [key, *(key.with_layer(layer) for layer in range(1, self.num_layers))]
         return keys if all(self.store.contains(k) for k in keys[1:]) else None
 
-    def _hashes(self, st: _Request, num_chunks: int) -> list[bytes]:
+    def _hashes(self, st: RequestState, num_chunks: int) -> list[bytes]:
         """The request's first `num_chunks` full-chunk hashes, extending the cached chain."""
         have = len(st.hashes)
         if num_chunks > have:
@@ -810,7 +688,7 @@ class TierPlanner:
         return st.hashes[:num_chunks]
 
     @staticmethod
-    def _fetch_again(st: _Request, missing: set[ChunkKey]) -> bool:
+    def _fetch_again(st: RequestState, missing: set[ChunkKey]) -> bool:
         """Whether the turn fetches `missing` from SSD: it has not yet, or (a few times at
         most) some of it is not after the chunks its last fetch, done, brought up. Those were
         lost to other fetches' host room, or come before the fetched ones: vLLM dropped device
@@ -841,22 +719,22 @@ class TierPlanner:
             self.counters.ssd_fetches_cut += 1
         return list(keys[:taken])
 
-    def _pin_chunks(self, st: _Request, match: _Match, first_chunk: int) -> int:
+    def _pin_chunks(self, st: RequestState, match: StoredMatch, first_chunk: int) -> int:
         """Pin every layer of the matched chunks from `first_chunk` in the host arena; returns
         the tokens covered up to the first chunk that could not be pinned."""
         for index in range(first_chunk, len(match.chunks)):
             keys = match.layers[index]
             if not self.host.pin_all(keys):
-                st.match = _Match(match.chunks[:index], index * self.chunk_tokens,
+                st.match = StoredMatch(match.chunks[:index], index * self.chunk_tokens,
                                   match.layers[:index])
                 return st.match.num_tokens
             st.pins.extend(keys)
         st.match = match
         return match.num_tokens
 
-    def _plan_saves(self, st: _Request, num_done: int, meta: TieringMetadata,
-                    in_flight: _InFlight) -> None:
-        full = _known(st, num_done) // self.chunk_tokens
+    def _plan_saves(self, st: RequestState, num_done: int, meta: TieringMetadata,
+                    in_flight: StepInFlight) -> None:
+        full = known_tokens(st, num_done) // self.chunk_tokens
         if full <= st.saved_chunks:
             return
         hashes = self._hashes(st, full)
@@ -868,7 +746,7 @@ class TierPlanner:
             copy, keys = self._reserve(ChunkKey(self.model_id, hashes[index], index, 0), pages)
             if copy is not None:
                 meta.saves.append(copy)
-                in_flight.commits.extend(_Commit(key, durable, owner) for key in keys)
+                in_flight.commits.extend(SlotCommit(key, durable, owner) for key in keys)
                 self.counters.saved_chunks += 1
         st.saved_chunks = full
 
@@ -885,7 +763,7 @@ class TierPlanner:
                 continue
             slot = self.host.reserve(layer_key)
             if slot is None:  # the arena is all pins: take advisories' back, try once more
-                self._room_for(1, None)
+                self.advisories.make_room(1, None)
                 slot = self.host.reserve(layer_key)
             if slot is None:
                 for done in reserved:
@@ -898,7 +776,7 @@ class TierPlanner:
             return None, []
         return PageCopy(pages, tuple(slots)), reserved
 
-    def _durable(self, st: _Request) -> bool:
+    def _durable(self, st: RequestState) -> bool:
         """Whether the request's KV is written through to the slowest tier as it is saved
         (`ssd_write_through`); if not, only once it is checkpointed."""
         mode = self.config.ssd_write_through
@@ -919,7 +797,7 @@ class TierPlanner:
                                  for c in in_flight.commits]
 
     @staticmethod
-    def _owner(st: _Request) -> bytes:
+    def _owner(st: RequestState) -> bytes:
         """The tag the tiers keep with what the request saves: its session's, if any."""
         return owner_tag(st.view.session)
 
@@ -928,7 +806,7 @@ class TierPlanner:
         return all(self.store.contains(k) or self.host.is_reserved(k)
                    for k in (key.with_layer(layer) for layer in range(self.num_layers)))
 
-    def _tail_chain(self, st: _Request, num_tokens: int) -> tuple[bytes, Sequence[int]]:
+    def _tail_chain(self, st: RequestState, num_tokens: int) -> tuple[bytes, Sequence[int]]:
         """(the hash of the chain it continues, its tokens) of the partial chunk that ends at
         `num_tokens` (not a chunk boundary)."""
         full = num_tokens // self.chunk_tokens
@@ -936,13 +814,13 @@ class TierPlanner:
         previous = hashes[-1] if hashes else prefix_seed(self.model_id, st.view.salt)
         return previous, st.view.token_ids[full * self.chunk_tokens:num_tokens]
 
-    def _tail_key(self, st: _Request, num_tokens: int) -> ChunkKey:
+    def _tail_key(self, st: RequestState, num_tokens: int) -> ChunkKey:
         """The key of the partial chunk that ends at `num_tokens` (not a chunk boundary)."""
         previous, tokens = self._tail_chain(st, num_tokens)
         return ChunkKey(self.model_id, tail_hashes(previous, tokens)[-1],
                         num_tokens // self.chunk_tokens, 0)
 
-    def _index_tail(self, st: _Request, num_tokens: int, key: ChunkKey) -> None:
+    def _index_tail(self, st: RequestState, num_tokens: int, key: ChunkKey) -> None:
         """`key` (`_tail_key(st, num_tokens)`) is stored or on its way: keep its tokens."""
         previous, tokens = self._tail_chain(st, num_tokens)
         self._tails.add(previous, key, tokens, st.view.session)
@@ -967,17 +845,17 @@ class TierPlanner:
         self.store.clear_hint(_checkpoint_hint(request_id))
         return True
 
-    def _unpin(self, st: _Request) -> None:
+    def _unpin(self, st: RequestState) -> None:
         self.host.unpin_all(st.pins)
         st.pins = []
         st.match = None
 
-    def _drop_prefetch(self, st: _Request) -> None:
+    def _drop_prefetch(self, st: RequestState) -> None:
         if st.prefetch is not None:
-            self._retire(st.prefetch)
+            self._prefetcher.retire(st.prefetch)
             st.prefetch = None
 
-    def _count_admission(self, st: _Request, num_external: int, num_prompt_tokens: int) -> None:
+    def _count_admission(self, st: RequestState, num_external: int, num_prompt_tokens: int) -> None:
         c = self.counters
         c.prompt_tokens += num_prompt_tokens
         c.tokens_from_device += st.local_tokens
@@ -995,80 +873,13 @@ class TierPlanner:
         c.computed_prompt_tokens += max(0, num_prompt_tokens - st.local_tokens - num_external)
         st.ssd_chunks, st.fetch_attempts = set(), 0
 
-    def _use_advisory(self, st: _Request) -> None:
+    def _use_advisory(self, st: RequestState) -> None:
         """The turn `st` came: its session's advisory is used. Once per request: a preempted
         turn admitted again meanwhile may find the next turn's advisory (the user typing while
         the reply streams), which is not its to use."""
-        if st.advisory_settled:
-            return
-        st.advisory_settled = True
-        advisory = self._advisories.pop(st.view.session or "", None)
-        if advisory is None:
-            return
-        self.counters.advisories_used += 1
-        # The turn came: the session has just spoken, and its KV is no longer kept ahead of
-        # others' (it stayed so until the advisory's expiry before).
-        self.store.clear_hint(advisory.session)
-        if advisory.reclaimed:
-            return  # its KV went back to the tiers below; the turn loaded what it needed
-        handle = advisory.handle
-        if handle is None:
-            return  # nothing to prefetch: the tiers held nothing, or the host had no room
-        if handle.finished_at is None:
-            self.counters.advisories_late += 1  # the turn overtook its prefetch
-        else:
-            self.counters.prefetches_timed += 1
-            self.counters.prefetch_load_s_sum += handle.finished_at - advisory.received_at
-            self.counters.prefetch_lead_s_sum += time.monotonic() - handle.finished_at
-        self._retire(handle)
-
-    def _release_advisory(self, session: str) -> None:
-        advisory = self._advisories.pop(session, None)
-        if advisory is not None and advisory.handle is not None:
-            self._retire(advisory.handle)
-
-    def _room_for(self, num_slots: int, session: str | None) -> None:
-        """Reclaim other sessions' advisory pins until `num_slots` host slots can be had:
-        running turns take host room before sessions that have not spoken yet. Settled
-        prefetches go first (their pins go at once, a running one's once it stops), then the
-        advisory expected last."""
-        if self.host.can_make_room(num_slots * self.host.slot_bytes):
-            return
-        held = sorted((a for a in self._advisories.values()
-                       if a.handle is not None and a.session != session),
-                      key=lambda a: (a.handle is not None and a.handle.is_done, a.expires_at,
-                                     a.received_at), reverse=True)
-        for advisory in held:  # one sort per call, not one scan per advisory reclaimed
-            assert advisory.handle is not None
-            self._retire(advisory.handle)
-            advisory.handle, advisory.reclaimed = None, True
-            self.counters.advisories_reclaimed += 1
-            if self.host.can_make_room(num_slots * self.host.slot_bytes):
-                return
-
-    def _retire(self, handle: PrefetchHandle) -> None:
-        """Stop a prefetch and drop its pins once it has settled (pins taken while it still
-        runs would otherwise leak)."""
-        handle.cancel()
-        self._retiring.append(handle)
-        self._reap()
-
-    def _reap(self) -> None:
-        still_running = []
-        for handle in self._retiring:
-            if handle.is_done:
-                handle.release()
-            else:
-                still_running.append(handle)
-        self._retiring = still_running
-
-    def _expire_advisories(self) -> None:
-        self._reap()
-        now = time.monotonic()
-        for session in [s for s, a in self._advisories.items() if a.expires_at <= now]:
-            self._release_advisory(session)
-            self.store.clear_hint(session)
-            self.counters.advisories_expired += 1
+        if not st.advisory_settled:
+            st.advisory_settled = True
+            self.advisories.use(st.view.session or "")
 
 
 def _checkpoint_hint(request_id: str) -> tuple[str, str]:

@@ -27,6 +27,7 @@ class PrefetchQueue:
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
+        self._retiring: list[PrefetchHandle] = []  # stopped, their pins dropped once settled
         self._thread = threading.Thread(target=self._run, name="kv-prefetch", daemon=True)
         self._thread.start()
 
@@ -42,6 +43,22 @@ class PrefetchQueue:
             heapq.heappush(self._heap, (due, next(self._seq), handle))
             self._cond.notify()
         return handle
+
+    def retire(self, handle: PrefetchHandle) -> None:
+        """Stop a prefetch and drop its pins once it has settled (pins taken while it still
+        runs would otherwise leak)."""
+        handle.cancel()
+        with self._cond:
+            self._retiring.append(handle)
+        self.reap()
+
+    def reap(self) -> None:
+        """Drop the pins of the retired prefetches that have settled."""
+        with self._cond:
+            settled = [handle for handle in self._retiring if handle.is_done]
+            self._retiring = [handle for handle in self._retiring if not handle.is_done]
+        for handle in settled:
+            handle.release()
 
     def close(self) -> None:
         """Cancel what has not started and stop the thread."""

@@ -1,0 +1,133 @@
+"""The advisories the connector holds: one per session, each the prefetch of the session's
+stored KV into the host arena, pinned there until the session's turn uses it or it expires.
+
+The pins are a soft reservation: a running turn short of host room takes them back
+(`make_room`), settled prefetches first, then the advisory expected last, so advised sessions
+never make a running turn recompute. `expected_arrival` orders competing prefetches
+(`PrefetchQueue`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from antiphon.tiering.host_tier import HostTier
+from antiphon.tiering.keys import ChunkKey
+from antiphon.tiering.manager import TieredStore
+from antiphon.tiering.plan_state import TieringCounters
+from antiphon.tiering.prefetch import PrefetchHandle
+from antiphon.tiering.prefetch_queue import PrefetchQueue
+
+
+@dataclasses.dataclass
+class Advisory:
+    session: str
+    received_at: float  # time.monotonic()
+    expires_at: float  # time.monotonic()
+    handle: PrefetchHandle | None  # its prefetch, None once retired or with nothing to fetch
+    num_tokens: int  # context tokens the tiers held when it arrived
+    reclaimed: bool = False  # its pins went to a running turn before the session spoke
+
+
+class AdvisoryBook:
+    """The live advisories, by session. Not thread-safe: the planner calls it under its
+    lock."""
+
+    def __init__(self, prefetcher: PrefetchQueue, store: TieredStore, host: HostTier,
+                 counters: TieringCounters, ttl_s: float) -> None:
+        self._prefetcher = prefetcher
+        self._store = store
+        self._host = host
+        self._counters = counters
+        self._ttl_s = ttl_s  # how long an advisory outlives its expected arrival (seconds)
+        self._advisories: dict[str, Advisory] = {}
+
+    def __len__(self) -> int:
+        return len(self._advisories)
+
+    def get(self, session: str) -> Advisory | None:
+        return self._advisories.get(session)
+
+    def start(self, session: str, keys: Sequence[ChunkKey], expected_arrival_s: float | None,
+              num_tokens: int, prefix_hashes: Sequence[bytes]) -> None:
+        """Record an advisory for `session` (its earlier one released), prefetching `keys`
+        (chunk-layers) due at its expected arrival (seconds from now; None: now) and keeping
+        its chunks (`prefix_hashes`) ahead of others' in the tiers until it is used or
+        expires."""
+        now = time.monotonic()
+        self._counters.advisories_received += 1
+        self.release(session)
+        due = now + (expected_arrival_s or 0.0)
+        handle = self._prefetcher.submit(keys, due) if keys else None
+        self._advisories[session] = Advisory(session, now, due + self._ttl_s, handle,
+                                             num_tokens)
+        self._store.set_hint(session, prefix_hashes, 1.0)
+
+    def release(self, session: str) -> None:
+        """Drop the session's advisory, if any, and its prefetch."""
+        advisory = self._advisories.pop(session, None)
+        if advisory is not None and advisory.handle is not None:
+            self._prefetcher.retire(advisory.handle)
+
+    def overtake(self, session: str) -> None:
+        """The session's turn came before its advised prefetch finished: that one stops, and
+        the turn fetches the rest at once, ahead of every other advisory."""
+        advisory = self._advisories.get(session)
+        if advisory is not None and advisory.handle is not None \
+                and not advisory.handle.is_done:
+            self._prefetcher.retire(advisory.handle)
+            advisory.handle = None
+
+    def use(self, session: str) -> None:
+        """A turn of `session` came: its advisory, if any, is used (counted, released)."""
+        advisory = self._advisories.pop(session, None)
+        if advisory is None:
+            return
+        c = self._counters
+        c.advisories_used += 1
+        # The turn came: the session has just spoken, and its KV is no longer kept ahead of
+        # others' (it stayed so until the advisory's expiry before).
+        self._store.clear_hint(advisory.session)
+        if advisory.reclaimed:
+            return  # its KV went back to the tiers below; the turn loaded what it needed
+        handle = advisory.handle
+        if handle is None:
+            return  # nothing to prefetch: the tiers held nothing, or the host had no room
+        if handle.finished_at is None:
+            c.advisories_late += 1  # the turn overtook its prefetch
+        else:
+            c.prefetches_timed += 1
+            c.prefetch_load_s_sum += handle.finished_at - advisory.received_at
+            c.prefetch_lead_s_sum += time.monotonic() - handle.finished_at
+        self._prefetcher.retire(handle)
+
+    def make_room(self, num_slots: int, session: str | None) -> None:
+        """Reclaim other sessions' advisory pins until `num_slots` host slots can be had:
+        running turns take host room before sessions that have not spoken yet. Settled
+        prefetches go first (their pins go at once, a running one's once it stops), then the
+        advisory expected last."""
+        host = self._host
+        if host.can_make_room(num_slots * host.slot_bytes):
+            return
+        held = sorted((a for a in self._advisories.values()
+                       if a.handle is not None and a.session != session),
+                      key=lambda a: (a.handle is not None and a.handle.is_done, a.expires_at,
+                                     a.received_at), reverse=True)
+        for advisory in held:  # one sort per call, not one scan per advisory reclaimed
+            assert advisory.handle is not None
+            self._prefetcher.retire(advisory.handle)
+            advisory.handle, advisory.reclaimed = None, True
+            self._counters.advisories_reclaimed += 1
+            if host.can_make_room(num_slots * host.slot_bytes):
+                return
+
+    def expire(self) -> None:
+        """Drop the advisories past their time (stale: their session did not speak)."""
+        self._prefetcher.reap()
+        now = time.monotonic()
+        for session in [s for s, a in self._advisories.items() if a.expires_at <= now]:
+            self.release(session)
+            self._store.clear_hint(session)
+            self._counters.advisories_expired += 1
