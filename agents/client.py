@@ -61,7 +61,9 @@ class Session:
     created_at: float
     updated_at: float
     num_messages: int
-    system: str | None = None  # the system message the model sees first
+    # the system message the model sees first (None in `list_sessions`: listings leave it
+    # out; `get_session` has it)
+    system: str | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Session:

@@ -287,12 +287,15 @@ class ChatService:
                 await self._none_live.wait()
         return len(self._live)
 
-    def check_content(self, content: str, may_be_empty: bool = False) -> None:
+    def check_content(self, content: str, may_be_empty: bool = False, what: str = "message",
+                      param: str | None = None) -> None:
+        """A message's text (`what` names it in errors, `param` the field it came in) is at
+        most `--max-content-chars` long, and not blank unless `may_be_empty`."""
         if len(content) > self.config.max_content_chars:
-            raise over_limit(f"message has {len(content)} characters; the limit is "
-                             f"{self.config.max_content_chars}")
+            raise over_limit(f"{what} has {len(content)} characters; the limit is "
+                             f"{self.config.max_content_chars} (--max-content-chars)", param)
         if not may_be_empty and not content.strip():
-            raise ApiError(ErrorCode.BAD_MESSAGE, "message content is empty")
+            raise ApiError(ErrorCode.BAD_MESSAGE, f"{what} content is empty", param=param)
 
     def check_max_tokens(self, max_tokens: int | None) -> None:
         if max_tokens is not None and max_tokens > self.config.max_tokens_limit:

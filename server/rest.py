@@ -53,7 +53,7 @@ async def list_sessions(request: Request, before: str | None = None) -> dict[str
     """The most recent sessions; `?before=` a listing's `next_before` gives the next page."""
     ctx, owner = _ctx(request), authorize(request)
     sessions, next_before = await ctx.turns.list_recent(owner, before)
-    return {"sessions": [s.to_json() for s in sessions], "has_more": next_before is not None,
+    return {"sessions": [s.to_json(listed=True) for s in sessions], "has_more": next_before is not None,
             "next_before": next_before}
 
 

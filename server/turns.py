@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, NamedTuple
 
+from antiphon.engine_ext.engine import EngineRequestError
 from antiphon.engine_ext.types import ChatContext, ChatTurn, ToolCall
 from antiphon.server import protocol
 from antiphon.server.advisories import Advised, AdvisoryFilter
@@ -121,18 +122,23 @@ class SessionTurns:
     async def open(self, owner: str, session_id: str | None, title: str | None = None,
                    system: str | None = None) -> tuple[Session, list[Message]]:
         """Create a session (no id), whose model sees `system` first, or load one of
-        `owner`'s; raises `session_not_found`, or `bad_message` for a system message too
-        long, or given for a session that exists (its conversation was had under its own)."""
+        `owner`'s; raises `session_not_found`, `bad_message` for a system message given for a
+        session that exists (its conversation was had under its own) or one the chat template
+        refuses, `too_large` or `context_length_exceeded` for one too long."""
         if session_id is not None and system is not None:
             raise ApiError(ErrorCode.BAD_MESSAGE, "a session's system message is set when it "
                            "is created: open a new session for another", param="system")
         if system is not None:
-            self.chat.check_content(system, may_be_empty=True)
+            self.chat.check_content(system, may_be_empty=True, what="the system message",
+                                    param="system")
+            system = system if system.strip() else None
+        if system is not None:
+            self._check_system(system)
         if session_id is None:
             title = "New chat" if title is None else clean_title(title)
             limit = self.chat.config.max_sessions_per_key
             session = await asyncio.to_thread(self.store.create_session, owner, title, limit,
-                                              system if system and system.strip() else None)
+                                              system)
             if session is None:
                 raise ApiError(ErrorCode.TOO_MANY_SESSIONS, (
                     f"this API key has {limit} sessions, the most it may keep "
@@ -140,6 +146,22 @@ class SessionTurns:
             return session, []
         session = await self.get(owner, session_id)
         return session, await asyncio.to_thread(self.store.messages, session_id)
+
+    def _check_system(self, system: str) -> None:
+        """A system message every turn of a session can use, which is set for good: the
+        model's chat template takes it, and it leaves at least half the model's context to
+        the conversation. Raises `bad_message` or `context_length_exceeded`."""
+        try:
+            prompt = self.chat.engine.render_chat([ChatTurn("system", system),
+                                                   ChatTurn("user", "Hello")])
+        except EngineRequestError as exc:
+            raise ApiError(ErrorCode.BAD_MESSAGE, f"the system message cannot be used: {exc}",
+                           param="system") from exc
+        most = self.chat.engine.max_model_len // 2
+        if len(prompt) > most:
+            raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, (
+                f"the system message takes {len(prompt)} tokens with a short message; at most "
+                f"half the model's context ({most} tokens) may go to it"), param="system")
 
     def is_replying(self, session_id: str) -> bool:
         """A turn of the session is running (from any connection or API): its last message
@@ -563,10 +585,16 @@ class SessionTurns:
                                      tools=tools, **msg.sampling())
 
         max_model_len, frac = self.chat.engine.max_model_len, self.chat.config.context_refill_frac
+        # The system message (and the tools the template writes into it) stays at every cut:
+        # the budgets are shares of what it leaves (counted in them, a large one left a cut
+        # the newest message alone, and every other turn cut again).
+        lead_tokens = len(self.chat.engine.render_chat(turns[:lead], open_reply=False,
+                                                       tools=tools)) if lead else 0
+        room = max_model_len - lead_tokens
         # At most half what a cut leaves free: the conversation then grows by the other half
         # before the next cut, instead of every turn cutting (and recomputing) again.
         wanted = min(msg.max_tokens or self.chat.config.reply_max_tokens,
-                     int(max_model_len * (1 - frac) / 2))
+                     int(room * (1 - frac) / 2))
         starts = [i for i in range(lead + 1, len(turns)) if turns[i].role == "user"]
         try:
             gen = prepare(turns, context)
@@ -575,7 +603,7 @@ class SessionTurns:
         except ApiError as err:
             if err.code != ErrorCode.CONTEXT_LENGTH_EXCEEDED or not starts:
                 raise
-        budget = max_model_len * frac
+        budget = lead_tokens + room * frac
         lo, hi = 0, len(starts) - 1  # the last start, the new message alone, always counts
         while lo < hi:  # the first start whose window fits the budget
             mid = (lo + hi) // 2

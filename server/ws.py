@@ -136,7 +136,7 @@ class Connection:
         elif isinstance(msg, protocol.SessionList):
             sessions, next_before = await turns.list_recent(self.owner, msg.before)
             await self.send(protocol.encode(
-                "sessions", sessions=[s.to_json() for s in sessions], before=msg.before,
+                "sessions", sessions=[s.to_json(listed=True) for s in sessions], before=msg.before,
                 has_more=next_before is not None, next_before=next_before))
         elif isinstance(msg, protocol.SessionRename):
             session = await turns.rename(self.owner, msg.session_id, msg.title)

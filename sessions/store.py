@@ -108,11 +108,16 @@ class Session:
     context_start: int = 0  # the first message the model still sees (`move_window`)
     system: str | None = None  # the system message the model sees first, set at creation
 
-    def to_json(self) -> dict[str, object]:
-        return {"session_id": self.session_id, "title": self.title,
-                "created_at": self.created_at, "updated_at": self.updated_at,
-                "num_messages": self.num_messages, "context_start": self.context_start,
-                "system": self.system}
+    def to_json(self, *, listed: bool = False) -> dict[str, object]:
+        """As the APIs give it; `listed` (a listing of many) without the system message, which
+        may be as long as a message."""
+        data: dict[str, object] = {
+            "session_id": self.session_id, "title": self.title, "created_at": self.created_at,
+            "updated_at": self.updated_at, "num_messages": self.num_messages,
+            "context_start": self.context_start}
+        if not listed:
+            data["system"] = self.system
+        return data
 
 
 @dataclasses.dataclass(frozen=True)

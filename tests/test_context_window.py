@@ -13,7 +13,7 @@ from websockets.asyncio.client import connect
 from antiphon.engine_ext.scripted import ScriptedEngine
 from tests.conftest import scripted_config
 from tests.liveserver import live_server
-from tests.wsclient import open_session, recv_until, send
+from tests.wsclient import open_session, recv, recv_until, send
 
 MAX_MODEL_LEN = 1000
 
@@ -68,6 +68,27 @@ async def test_a_conversation_longer_than_the_context_goes_on(tmp_path: Path) ->
     assert engine.prompts[0].startswith(prompts[-1])
 
 
+async def test_a_large_system_message_leaves_a_cut_more_than_the_newest_message(
+        tmp_path: Path) -> None:
+    """A cut refills the context the system message leaves (it was counted in the refill
+    budget: with 40% of the context in it, every cut left the model the newest message
+    alone); one past half the context is refused when the session is created, as no turn
+    could use it well."""
+    engine = PromptRecordingEngine()
+    config = scripted_config(tmp_path, max_content_chars=600, context_refill_frac=0.5)
+    with live_server(config, engine) as url:
+        await talk(url, None, 0, 12, system="S" * 400)
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            await send(ws, type="session.open", system="S" * 550)
+            refused = await recv(ws)
+    in_view = [p.count("<user>") for p in engine.prompts]
+    first_cut = next(i for i in range(1, len(in_view)) if in_view[i] < in_view[i - 1])
+    assert min(in_view[first_cut:]) >= 2, in_view
+    assert all(len(p) <= MAX_MODEL_LEN for p in engine.prompts)
+    assert refused["code"] == "context_length_exceeded" \
+        and "system message" in refused["message"]
+
+
 async def test_the_system_message_stays_in_view_across_cuts(tmp_path: Path) -> None:
     """A session's system message is the first thing the model sees at every turn, before and
     after the oldest messages leave its view, and after a restart; the turns between cuts
@@ -82,9 +103,10 @@ async def test_the_system_message_stays_in_view_across_cuts(tmp_path: Path) -> N
     firsts = [int(p.split("message ")[1].split()[0]) for p in prompts]
     cuts = [i for i in range(1, len(firsts)) if firsts[i] != firsts[i - 1]]
     assert cuts and firsts[-1] > 0
-    for i in cuts:  # the cut left the system message in view, and refilled to at most half
+    for i in cuts:  # the cut left the system message in view, and refilled the rest of the
+        # context to at most half
         assert prompts[i].startswith(f"{system}<user>message {firsts[i]} ")
-        assert len(prompts[i]) <= MAX_MODEL_LEN * 0.5
+        assert len(prompts[i]) <= len(system) + (MAX_MODEL_LEN - len(system)) * 0.5
     for i in range(1, len(prompts)):
         if i not in cuts:
             assert prompts[i].startswith(prompts[i - 1]), (i, firsts)
