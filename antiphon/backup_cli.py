@@ -9,9 +9,10 @@ restore: SQLite would replay the `-wal` file a killed server left beside the old
 the copy.)
 
 A backup that fails (a full disk: status 2) leaves nothing behind: every copy is written
-under a temporary name (`.part`) and takes its own name only once all are done, the batch
-database first and the sessions database last, so a folder a backup killed midway leaves
-holds no database a server would start from as if whole. A file deleted after the snapshot is
+under a temporary name (`.part`) and takes its own name only once all are done. A backup
+killed midway cannot clean up: its folder keeps the `BACKUP-UNFINISHED` file it wrote first
+(and removes last), and `serve` refuses a folder that holds it (some databases may be
+missing, and a server would make them anew, empty). A file deleted after the snapshot is
 marked deleted in the copy's database, as the server marks it.
 """
 
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from antiphon import env
+from antiphon.datalock import UNFINISHED_BACKUP
 from antiphon.private import private_dir, private_file
 from antiphon.server.file_store import FileStore, fsync_dir
 from antiphon.sessions.config import SessionConfig
@@ -47,6 +49,10 @@ def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{data_dir} holds no Antiphon database")
     made = not dest.exists()
     private_dir(dest)
+    unfinished = dest / UNFINISHED_BACKUP
+    with open(private_file(unfinished), "wb") as marker:
+        os.fsync(marker.fileno())
+    fsync_dir(dest)
     # What the backup writes, under its temporary name and its own, in the order they take
     # their names: the batch files, then the databases, the sessions one last.
     names = [*(["files"] if "batches.sqlite3" in found else []), *reversed(found)]
@@ -60,14 +66,18 @@ def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
                                            parts["files"])
         for name in names:
             os.replace(parts[name], dest / name)
+        fsync_dir(dest)  # the names, on disk before the folder says it is whole
+        unfinished.unlink()
         fsync_dir(dest)
     except BaseException:
         for name in names:
-            for path in (parts[name], dest / name, dest / f"{name}.part-journal"):
+            for path in (parts[name], dest / name,
+                         *(dest / f"{name}.part{end}" for end in ("-journal", "-wal", "-shm"))):
                 if path.is_dir():
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     path.unlink(missing_ok=True)
+        unfinished.unlink(missing_ok=True)  # last: until it goes, no server starts here
         if made:
             with contextlib.suppress(OSError):
                 dest.rmdir()

@@ -71,7 +71,13 @@ def shm_size_bytes() -> int | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from antiphon.datalock import DataDirInUseError, check_ssd_dir_free, lock_data_dir
+    from antiphon.datalock import (
+        DataDirInUseError,
+        UnfinishedBackupError,
+        check_not_unfinished_backup,
+        check_ssd_dir_free,
+        lock_data_dir,
+    )
     from antiphon.engine_ext.engine import VllmEngine
     from antiphon.model import DEFAULT_MODEL_NAME, ModelPrepareError, resolve_model
     from antiphon.server.app import DrainingServer, create_app
@@ -94,6 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
               f"{exc.strerror or exc}", file=sys.stderr)
         return 2
     try:
+        check_not_unfinished_backup(config.sessions.data_dir)
         lock_data_dir(config.sessions.data_dir)  # held until the process ends
         ssd_dir = config.tiering.ssd_dir
         if config.tiering.kv_tiering and config.tiering.ssd_tier_bytes and ssd_dir is not None:
@@ -101,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine = VllmEngine(config.engine, model_dir, config.tiering,
                             drain_timeout_s=config.server.drain_timeout_s)
         app = create_app(config, engine)
-    except DataDirInUseError as exc:
+    except (DataDirInUseError, UnfinishedBackupError) as exc:
         print(f"antiphon serve: {exc}", file=sys.stderr)
         return 2
     except DatabaseDamaged as exc:

@@ -23,8 +23,26 @@ logger = logging.getLogger(__name__)
 SSD_LOCK_WAIT_S = POLL_S + GRACE_S + 4.0
 
 
+# A backup writes this file into its folder first and removes it last: a folder that holds
+# it is a backup that did not finish (killed midway), which no server may start from.
+UNFINISHED_BACKUP = "BACKUP-UNFINISHED"
+
+
 class DataDirInUseError(RuntimeError):
     """Another process holds the data folder."""
+
+
+class UnfinishedBackupError(RuntimeError):
+    """The data folder is a backup that did not finish."""
+
+
+def check_not_unfinished_backup(data_dir: Path) -> None:
+    """Raise UnfinishedBackupError where `data_dir` is a backup that did not finish: some of
+    its databases may be missing, and a server started on it would make them anew, empty."""
+    if (data_dir / UNFINISHED_BACKUP).exists():
+        raise UnfinishedBackupError(
+            f"{data_dir} is a backup that did not finish ({UNFINISHED_BACKUP} is in it): back "
+            "up again into an empty folder, or start from another")
 
 
 def try_lock(path: Path, mode: int = 0o644) -> int | None:

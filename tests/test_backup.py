@@ -139,3 +139,47 @@ def test_a_backup_that_cannot_copy_a_file_fails_and_one_deleted_meanwhile_is_mar
         FileStore(dest / "files").check_integrity(sizes)
     finally:
         store.close()
+
+
+def test_a_backup_killed_between_its_renames_is_no_folder_a_server_starts_from(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A backup killed (SIGKILL, power loss) after the batch database took its name, before
+    the sessions one did: a server started on the folder served with every session gone (it
+    made a new, empty database). The folder keeps the marker the backup wrote first, and
+    `serve` refuses it."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.conftest import default_model_or_skip
+
+    data, dest = tmp_path / "data", tmp_path / "dest"
+    with live_server(scripted_config(data), ScriptedEngine()) as url:
+        asyncio.run(converse(url, 1, 1))
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        wait_finished(url, submit(client, jsonl(2)))
+    killed_midway = textwrap.dedent(f"""
+        import os
+        from pathlib import Path
+        from antiphon import backup_cli
+        replace, renamed = os.replace, []
+        def replace_then_die(source, target):
+            replace(source, target)
+            renamed.append(target)
+            if Path(target).name == "batches.sqlite3":
+                os._exit(9)
+        backup_cli.os.replace = replace_then_die
+        backup_cli.backup(Path({str(data)!r}), Path({str(dest)!r}))
+    """)
+    done = subprocess.run([sys.executable, "-c", killed_midway], env=os.environ.copy())
+    assert done.returncode == 9
+    names = {p.name for p in dest.iterdir()}
+    assert {"batches.sqlite3", "sessions.sqlite3.part", "BACKUP-UNFINISHED"} <= names
+    default_model_or_skip()
+    assert main(["serve", "--data-dir", str(dest), "--port", "18998"]) == 2
+    assert "is a backup that did not finish" in capsys.readouterr().err
+    assert not (dest / "sessions.sqlite3").exists()  # nothing made anew
+    # A whole backup has no marker: a server starts from it.
+    assert main(["backup", str(tmp_path / "whole"), "--data-dir", str(data)]) == 0
+    assert "BACKUP-UNFINISHED" not in {p.name for p in (tmp_path / "whole").iterdir()}
