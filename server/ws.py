@@ -66,9 +66,11 @@ class Connection:
         self._turns: dict[str, _Turn] = {}  # by request id, until their work ends
         self._tasks: set[asyncio.Task[None]] = set()  # every turn's, until its last frame
         self._advising: dict[str, asyncio.Task[None]] = {}  # session -> its typing advisory
-        # Each session's latest turn still being accepted (waiting, say, for the session's
-        # last turn to let go): the session's next turn or deletion waits for it.
-        self._accepting: dict[str, _Turn] = {}
+        # Each session's latest frame still being answered in a task of its own (a turn being
+        # accepted, waiting, say, for the session's last turn to let go; a deletion): the
+        # session's next turn or deletion waits for it.
+        self._ahead: dict[str, asyncio.Task[None]] = {}
+        self._deletions: set[asyncio.Task[None]] = set()  # until each is answered
 
     async def send(self, frame: str) -> None:
         async with self._send_lock:
@@ -142,14 +144,7 @@ class Connection:
             session = await turns.rename(self.owner, msg.session_id, msg.title)
             await self.send(protocol.encode("session.renamed", session=session.to_json()))
         elif isinstance(msg, protocol.SessionDelete):
-            # A typing advisory sent before it ends first, as frames are answered in order
-            # (it would else bring forward the KV the delete erases).
-            # So does a turn being accepted (its message would else land in a session gone).
-            ahead = [t for t in (self._advising.get(msg.session_id),
-                                 self._starter_of(msg.session_id)) if t is not None]
-            await asyncio.gather(*ahead, return_exceptions=True)
-            await turns.delete(self.owner, msg.session_id)
-            await self.send(protocol.encode("session.deleted", session_id=msg.session_id))
+            self._start_deletion(msg.session_id)
         elif isinstance(msg, protocol.Typing):
             self._advise(msg.session_id)
         elif isinstance(msg, protocol.Cancel):
@@ -160,6 +155,38 @@ class Connection:
             turn.cancel()
         else:
             self._start_turn(msg)
+
+    def _start_deletion(self, session_id: str) -> None:
+        """Delete the session in a task of its own: it waits for what the connection sent
+        about the session before it (a typing advisory, which would else bring forward the KV
+        the deletion erases; a turn being accepted, whose message would else land in a
+        session gone), then for a turn of it being cut short (up to `--session-free-wait-s`),
+        and the frames behind it, for other sessions or a `cancel`, must not wait."""
+        limit = self.ctx.config.server.max_inflight_per_connection
+        if len(self._deletions) >= limit:
+            raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many session deletions in flight "
+                           f"on this connection (--max-inflight-per-connection: {limit})")
+        ahead = [t for t in (self._advising.get(session_id), self._ahead.get(session_id))
+                 if t is not None]
+        task = asyncio.create_task(self._delete(session_id, ahead))
+        self._ahead[session_id] = task
+        self._deletions.add(task)
+
+        def answered(_task: asyncio.Task[None]) -> None:
+            self._deletions.discard(task)
+            if self._ahead.get(session_id) is task:
+                del self._ahead[session_id]
+        task.add_done_callback(answered)
+
+    async def _delete(self, session_id: str, ahead: list[asyncio.Task[None]]) -> None:
+        try:
+            if ahead:
+                await asyncio.wait(ahead)
+            await self.ctx.turns.delete(self.owner, session_id)
+            await self.send(protocol.encode("session.deleted", session_id=session_id))
+        except Exception as exc:
+            with contextlib.suppress(Exception):  # the client may have left meanwhile
+                await self._send_error(exc, None, "session.delete")
 
     def _advise(self, session_id: str) -> None:
         """Record a typing advisory in a task of its own: the engine answers it between two
@@ -172,12 +199,18 @@ class Connection:
         if len(self._advising) >= limit:
             raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many typing advisories in flight "
                            f"on this connection (--max-inflight-per-connection: {limit})")
-        task = asyncio.create_task(self._record_typing(session_id))
+        deleting = self._ahead.get(session_id)
+        task = asyncio.create_task(self._record_typing(
+            session_id, deleting if deleting in self._deletions else None))
         self._advising[session_id] = task
         task.add_done_callback(lambda _t: self._advising.pop(session_id, None))
 
-    async def _record_typing(self, session_id: str) -> None:
+    async def _record_typing(self, session_id: str,
+                             deleting: asyncio.Task[None] | None) -> None:
+        """Record the advisory, after the session's deletion sent before it (`deleting`)."""
         try:
+            if deleting is not None:
+                await asyncio.wait([deleting])
             await self.ctx.turns.record_advisory(self.owner, session_id, "typing")
         except Exception as exc:
             with contextlib.suppress(Exception):  # the client may have left meanwhile
@@ -199,14 +232,10 @@ class Connection:
         slot = self.ctx.inflight_per_key.take(self.owner)
         turn = _Turn(msg.session_id)
         turn.starter = asyncio.create_task(self._accept_and_start(
-            msg, request_id, turn, slot, self._starter_of(msg.session_id)))
-        self._turns[request_id] = self._accepting[msg.session_id] = turn
+            msg, request_id, turn, slot, self._ahead.get(msg.session_id)))
+        self._turns[request_id] = turn
+        self._ahead[msg.session_id] = turn.starter
         self._tasks.add(turn.starter)
-
-    def _starter_of(self, session_id: str) -> asyncio.Task[None] | None:
-        """The task accepting the session's latest turn, if one is being accepted."""
-        turn = self._accepting.get(session_id)
-        return None if turn is None else turn.starter
 
     async def _accept_and_start(self, msg: TurnMessage, request_id: str, turn: _Turn,
                                 slot: Slot, ahead: asyncio.Task[None] | None) -> None:
@@ -218,8 +247,8 @@ class Connection:
             run = await self._accept_and_run(msg, request_id, turn, slot, ahead)
         finally:  # (no await from here on: a cancel finds `turn.run` set, or is seen below)
             turn.run = run
-            if self._accepting.get(turn.session_id) is turn:
-                del self._accepting[turn.session_id]
+            if self._ahead.get(turn.session_id) is turn.starter:
+                del self._ahead[turn.session_id]
             self._tasks.discard(turn.starter)
             if run is None and self._turns.get(request_id) is turn:  # refused
                 del self._turns[request_id]
@@ -293,9 +322,10 @@ class Connection:
 
     async def _cancel_all(self) -> None:
         """Cancel the connection's turns; its typing advisories run to their end (short, and
-        the turn they announce may come over the client's next connection), as do the turns
-        being accepted (their `accepted` cannot reach the client: each takes its message
-        back). Runs are stopped first, not after those waits."""
+        the turn they announce may come over the client's next connection), as do its
+        deletions (asked for) and the turns being accepted (their `accepted` cannot reach the
+        client: each takes its message back). Runs are stopped first, not after those
+        waits."""
         starters = [turn.starter for turn in self._turns.values() if turn.run is None]
         for task in self._tasks.difference(starters):
             task.cancel()
@@ -303,7 +333,8 @@ class Connection:
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, *self._advising.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, *self._advising.values(), *self._deletions,
+                             return_exceptions=True)
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:

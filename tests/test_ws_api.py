@@ -887,3 +887,23 @@ async def test_a_request_id_used_again_after_its_cancelled_turn_is_a_new_turn(
         await send(ws, type="message", session_id="s_nope", content="hi")
         refused = await recv(ws)
         assert (refused["code"], refused["request_id"]) == ("session_not_found", None)
+
+
+async def test_a_deletion_waiting_for_its_session_holds_up_no_other_frame(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `session.delete` that waits for the session's cut-short turn to let go runs in a task
+    of its own, as a turn does: a listing behind it is answered meanwhile; a message for the
+    session sent after it still comes after it (session_not_found)."""
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        slow_release(monkeypatch, 1.5)
+        await cut_short_turn(ws, sid)
+        start = time.monotonic()
+        await send(ws, type="session.delete", session_id=sid)
+        await send(ws, type="session.list")
+        await send(ws, type="message", session_id=sid, content="hi", request_id="after")
+        listed = await recv(ws)
+        assert listed["type"] == "sessions" and time.monotonic() - start < 1.0, listed
+        deleted, refused = await recv(ws), await recv(ws)
+        assert deleted == {"type": "session.deleted", "session_id": sid}
+        assert (refused["code"], refused["request_id"]) == ("session_not_found", "after")
