@@ -104,6 +104,7 @@ class ServerProcess:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()  # what it started (vLLM's engine) may run on
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
                                    + self.log()[-4000:])
             try:
@@ -123,7 +124,10 @@ class ServerProcess:
         if self.proc is None:
             return
         deadline = time.monotonic() + timeout_s
-        if self.proc.poll() is None:
+        if self.proc.poll() is not None:  # exited (a crash, an engine's death): what is
+            with contextlib.suppress(ProcessLookupError):  # left of it is told to stop too
+                os.killpg(self.proc.pid, sig)
+        else:
             os.killpg(self.proc.pid, sig)
             try:
                 self.proc.wait(timeout_s)

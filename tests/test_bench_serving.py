@@ -40,3 +40,11 @@ def test_a_server_stops_with_every_process_of_its_group() -> None:
     server.stop()
     assert not group_alive(server.proc.pid)
     assert time.monotonic() - started > 1.0  # it waited for the worker-like child
+    # A server that exited on its own (a crash, its engine's death) leaves its group to the
+    # signal too: stop waited its whole timeout, then killed it.
+    server.proc = subprocess.Popen(["bash", "-c", "sleep 300 & exit 1"], start_new_session=True)
+    server.proc.wait()
+    assert group_alive(server.proc.pid)
+    started = time.monotonic()
+    server.stop(timeout_s=8)
+    assert not group_alive(server.proc.pid) and time.monotonic() - started < 4
