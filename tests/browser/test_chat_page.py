@@ -327,7 +327,9 @@ def test_a_new_chat_takes_a_system_message_and_shows_it(tmp_path: Path, page: An
         note = page.locator("#messages > .system-note")
         assert note.inner_text() == "System: Answer like a pirate."
         assert page.locator("#system-box").is_hidden()
-        assert sessions(base)[0]["system"] == "Answer like a pirate."
+        sid = sessions(base)[0]["session_id"]
+        stored = httpx.get(f"{base}/v1/sessions/{sid}").json()["session"]
+        assert stored["system"] == "Answer like a pirate."
         page.reload()
         page.wait_for_selector("body[data-connected=true]")
         page.locator("#messages > .msg.assistant").wait_for()
