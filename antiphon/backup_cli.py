@@ -29,7 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from antiphon import env
-from antiphon.datalock import UNFINISHED_BACKUP
+from antiphon.datalock import (
+    UNFINISHED_BACKUP,
+    UnfinishedBackupError,
+    check_not_unfinished_backup,
+)
 from antiphon.private import private_dir, private_file
 from antiphon.server.file_store import FileStore, fsync_dir
 from antiphon.sessions.config import SessionConfig
@@ -42,6 +46,7 @@ def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
     """Copy `data_dir`'s databases and batch files into `dest` (new or empty); what was
     copied. Raises FileExistsError (`dest` holds files), FileNotFoundError (no database in
     `data_dir`), DatabaseDamaged (a copy fails SQLite's integrity check)."""
+    check_not_unfinished_backup(data_dir)  # (its copy would look whole)
     if dest.exists() and any(dest.iterdir()):
         raise FileExistsError(f"{dest} is not empty")
     found = [name for name in DATABASES if (data_dir / name).is_file()]
@@ -50,14 +55,14 @@ def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
     made = not dest.exists()
     private_dir(dest)
     unfinished = dest / UNFINISHED_BACKUP
-    with open(private_file(unfinished), "wb") as marker:
-        os.fsync(marker.fileno())
-    fsync_dir(dest)
     # What the backup writes, under its temporary name and its own, in the order they take
     # their names: the batch files, then the databases, the sessions one last.
     names = [*(["files"] if "batches.sqlite3" in found else []), *reversed(found)]
     parts = {name: dest / f"{name}.part" for name in names}
     try:
+        with open(private_file(unfinished), "wb") as marker:
+            os.fsync(marker.fileno())
+        fsync_dir(dest)
         summary: dict[str, Any] = {}
         for name in found:
             summary[name] = _copy_database(data_dir / name, parts[name])
@@ -156,7 +161,7 @@ def _backup(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir or env.data_dir() or SessionConfig().data_dir).expanduser()
     try:
         summary = backup(data_dir, Path(args.dest))
-    except (OSError, DatabaseDamaged, sqlite3.Error) as exc:
+    except (OSError, DatabaseDamaged, sqlite3.Error, UnfinishedBackupError) as exc:
         print(f"antiphon backup: {exc}", file=sys.stderr)
         return 2
     for name, counts in summary.items():

@@ -18,7 +18,7 @@ from contextlib import aclosing
 from typing import Any, NamedTuple
 
 from antiphon.engine_ext.engine import EngineRequestError
-from antiphon.engine_ext.types import ChatContext, ChatTurn, ToolCall
+from antiphon.engine_ext.types import ChatContext, ChatTurn, ToolCall, ToolSpec
 from antiphon.server import protocol
 from antiphon.server.advisories import Advised, AdvisoryFilter
 from antiphon.server.chat import ChatService, Generation
@@ -308,8 +308,8 @@ class SessionTurns:
         `session_busy` if it is busy already: one turn per session keeps the conversation in
         a single order."""
         if session_id in self._busy:
-            raise ApiError(ErrorCode.SESSION_BUSY,
-                           f"session {session_id} is already answering a message")
+            raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is busy (answering "
+                           "a message, or being deleted)")
         hold = self._busy[session_id] = "hold_" + secrets.token_urlsafe(12)
         # The turn uses the session's advisory in the engine, whether or not it changes the
         # conversation (one that commits at its end, or fails): the next is no repeat.
@@ -588,8 +588,7 @@ class SessionTurns:
         # The system message (and the tools the template writes into it) stays at every cut:
         # the budgets are shares of what it leaves (counted in them, a large one left a cut
         # the newest message alone, and every other turn cut again).
-        lead_tokens = len(self.chat.engine.render_chat(turns[:lead], open_reply=False,
-                                                       tools=tools)) if lead else 0
+        lead_tokens = self._lead_tokens(turns[:lead], tools)
         room = max_model_len - lead_tokens
         # At most half what a cut leaves free: the conversation then grows by the other half
         # before the next cut, instead of every turn cutting (and recomputing) again.
@@ -604,6 +603,8 @@ class SessionTurns:
             if err.code != ErrorCode.CONTEXT_LENGTH_EXCEEDED or not starts:
                 raise
         budget = lead_tokens + room * frac
+        if msg.max_tokens:  # a reply that asks for more room than the refill leaves gets it
+            budget = min(budget, max_model_len - msg.max_tokens)
         lo, hi = 0, len(starts) - 1  # the last start, the new message alone, always counts
         while lo < hi:  # the first start whose window fits the budget
             mid = (lo + hi) // 2
@@ -613,6 +614,19 @@ class SessionTurns:
             else:
                 lo = mid + 1
         return prepare([*turns[:lead], *turns[starts[lo]:]], None), starts[lo] - lead
+
+    def _lead_tokens(self, lead: list[ChatTurn], tools: Sequence[ToolSpec]) -> int:
+        """About the tokens the system message (and the tools a template writes into it)
+        take: rendered with an empty user message, as some templates (Qwen3's, Llama 3.1's
+        with tools) refuse a conversation with no user message; 0 without one, or where the
+        template refuses it even so."""
+        if not lead:
+            return 0
+        try:
+            return len(self.chat.engine.render_chat([*lead, ChatTurn("user", "")],
+                                                    open_reply=False, tools=tools))
+        except EngineRequestError:
+            return 0
 
     def _history(self, session: Session) -> Seen:
         """What the model sees of the session's conversation (its system message, set at

@@ -71,6 +71,7 @@ class Connection:
         # session's next turn or deletion waits for it.
         self._ahead: dict[str, asyncio.Task[None]] = {}
         self._deletions: set[asyncio.Task[None]] = set()  # until each is answered
+        self._deleting: dict[str, asyncio.Task[None]] = {}  # session -> its latest deletion
 
     async def send(self, frame: str) -> None:
         async with self._send_lock:
@@ -169,13 +170,14 @@ class Connection:
         ahead = [t for t in (self._advising.get(session_id), self._ahead.get(session_id))
                  if t is not None]
         task = asyncio.create_task(self._delete(session_id, ahead))
-        self._ahead[session_id] = task
+        self._ahead[session_id] = self._deleting[session_id] = task
         self._deletions.add(task)
 
         def answered(_task: asyncio.Task[None]) -> None:
             self._deletions.discard(task)
-            if self._ahead.get(session_id) is task:
-                del self._ahead[session_id]
+            for pending in (self._ahead, self._deleting):
+                if pending.get(session_id) is task:
+                    del pending[session_id]
         task.add_done_callback(answered)
 
     async def _delete(self, session_id: str, ahead: list[asyncio.Task[None]]) -> None:
@@ -199,9 +201,8 @@ class Connection:
         if len(self._advising) >= limit:
             raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many typing advisories in flight "
                            f"on this connection (--max-inflight-per-connection: {limit})")
-        deleting = self._ahead.get(session_id)
-        task = asyncio.create_task(self._record_typing(
-            session_id, deleting if deleting in self._deletions else None))
+        task = asyncio.create_task(self._record_typing(session_id,
+                                                       self._deleting.get(session_id)))
         self._advising[session_id] = task
         task.add_done_callback(lambda _t: self._advising.pop(session_id, None))
 
@@ -327,13 +328,16 @@ class Connection:
         client: each takes its message back). Runs are stopped first, not after those
         waits."""
         starters = [turn.starter for turn in self._turns.values() if turn.run is None]
-        for task in self._tasks.difference(starters):
+        runs = self._tasks.difference(starters)
+        for task in runs:
             task.cancel()
         await asyncio.gather(*starters, return_exceptions=True)
-        tasks = list(self._tasks)
-        for task in tasks:
+        # Only the runs those started: cancelled again, a run keeping its reply (shielded)
+        # let its session go before the reply was saved.
+        late = self._tasks.difference(runs)
+        for task in late:
             task.cancel()
-        await asyncio.gather(*tasks, *self._advising.values(), *self._deletions,
+        await asyncio.gather(*runs, *late, *self._advising.values(), *self._deletions,
                              return_exceptions=True)
 
 

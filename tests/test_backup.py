@@ -180,6 +180,10 @@ def test_a_backup_killed_between_its_renames_is_no_folder_a_server_starts_from(
     assert main(["serve", "--data-dir", str(dest), "--port", "18998"]) == 2
     assert "is a backup that did not finish" in capsys.readouterr().err
     assert not (dest / "sessions.sqlite3").exists()  # nothing made anew
+    # A backup of it is refused too: its copy had no marker, and a server started from it.
+    assert main(["backup", str(tmp_path / "copy"), "--data-dir", str(dest)]) == 2
+    assert "is a backup that did not finish" in capsys.readouterr().err
+    assert not (tmp_path / "copy").exists()
     # A whole backup has no marker: a server starts from it.
     assert main(["backup", str(tmp_path / "whole"), "--data-dir", str(data)]) == 0
     assert "BACKUP-UNFINISHED" not in {p.name for p in (tmp_path / "whole").iterdir()}

@@ -114,3 +114,53 @@ async def test_the_system_message_stays_in_view_across_cuts(tmp_path: Path) -> N
     with live_server(config, engine) as url:  # (where this turn cuts again)
         await talk(url, sid, 14, 1)
     assert engine.prompts[0].startswith(f"{system}<user>message ")
+
+
+class NoUserQueryEngine(PromptRecordingEngine):
+    """A chat template that refuses a conversation with no user message (as Qwen3's and, with
+    tools, Llama 3.1's do)."""
+
+    def render_chat(self, turns: Any, **kwargs: Any) -> list[int]:
+        from antiphon.engine_ext.engine import EngineRequestError
+
+        if not any(t.role == "user" for t in turns):
+            raise EngineRequestError("the model's chat template refused the conversation: "
+                                     "No user query found in messages.")
+        return super().render_chat(turns, **kwargs)
+
+
+async def turn(ws: Any, session_id: str, content: str, **extra: Any) -> dict[str, Any]:
+    """A message's last frame: its `done`, or the `error` that refused it."""
+    await send(ws, type="message", session_id=session_id, content=content, **extra)
+    while (frame := await recv(ws))["type"] not in ("done", "error"):
+        pass
+    return frame
+
+
+async def test_a_system_message_alone_is_never_rendered(tmp_path: Path) -> None:
+    """The room the system message takes is counted with a user message beside it: rendered
+    alone, a template that wants a user message refused it, and every turn of a session with
+    a system message failed (internal_error)."""
+    engine = NoUserQueryEngine()
+    with live_server(scripted_config(tmp_path, max_content_chars=500), engine) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws, system="Be terse."))["session"]["session_id"]
+            assert (await turn(ws, sid, "hello"))["finish_reason"] == "stop"
+
+
+async def test_a_reply_asking_for_more_room_than_the_refill_leaves_gets_a_deeper_cut(
+        tmp_path: Path) -> None:
+    """A cut leaves a turn's explicit max_tokens its room: refilled to half of what the
+    system message leaves, a turn asking for 400 of a 1,000-token context was refused
+    (context_length_exceeded) where the newest message alone would serve it."""
+    engine = PromptRecordingEngine()
+    config = scripted_config(tmp_path, max_content_chars=600, context_refill_frac=0.5,
+                             max_tokens_limit=1000)
+    with live_server(config, engine) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws, system="S" * 400))["session"]["session_id"]
+            for i in range(2):
+                assert (await turn(ws, sid, f"m{i} " + "x" * 56))["type"] == "done"
+            third = await turn(ws, sid, "m2 " + "x" * 56, max_tokens=400)
+    assert third["type"] == "done", third
+    assert engine.prompts[-1].count("<user>") == 1  # the newest message alone

@@ -907,3 +907,53 @@ async def test_a_deletion_waiting_for_its_session_holds_up_no_other_frame(
         deleted, refused = await recv(ws), await recv(ws)
         assert deleted == {"type": "session.deleted", "session_id": sid}
         assert (refused["code"], refused["request_id"]) == ("session_not_found", "after")
+
+
+async def test_a_typing_advisory_after_a_deletion_waits_for_it(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A typing advisory sent after a session's deletion (a turn of it between them) waits for
+    the deletion: it ran first and brought forward the KV the deletion was about to erase."""
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        slow_release(monkeypatch, 1.0)
+        await cut_short_turn(ws, sid)
+        await send(ws, type="session.delete", session_id=sid)
+        await send(ws, type="message", session_id=sid, content="hi", request_id="after")
+        await send(ws, type="typing", session_id=sid)
+        frames = [await recv(ws) for _ in range(3)]
+    assert frames[0]["type"] == "session.deleted"
+    assert sorted((f["code"], f["request_id"] or "") for f in frames[1:]) == [
+        ("session_not_found", ""), ("session_not_found", "after")]
+    assert not [a for a in scripted.engine.advisories if a[0] == sid]
+
+
+async def test_a_reply_cut_by_a_disconnect_is_kept_before_its_session_is_let_go(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client cut off while one of its turns streamed and another was being accepted: the
+    connection cancelled the streaming turn twice, the second cancel broke into the saving of
+    its partial reply, and the session was let go before the reply was kept; the client's
+    `regenerate` at once then ran beside the save and the session ended with two replies."""
+    from antiphon.sessions.store import SessionStore
+
+    append = SessionStore.append_message
+
+    def slow_append(self: SessionStore, session_id: str, role: str, content: str,
+                    *args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0 if role == "assistant" else 0.3 if content == "slow" else 0)
+        return append(self, session_id, role, content, *args, **kwargs)
+
+    monkeypatch.setattr(SessionStore, "append_message", slow_append)
+    async with connect(scripted.ws_url) as ws:
+        streaming = (await open_session(ws))["session"]["session_id"]
+        other = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=streaming, content="w " * 80, request_id="a")
+        await recv_until(ws, "token")
+        await send(ws, type="message", session_id=other, content="slow", request_id="b")
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.6)
+    async with connect(scripted.ws_url) as ws:
+        await send(ws, type="regenerate", session_id=streaming, request_id="again")
+        assert (await recv_until(ws, "done"))[-1]["finish_reason"] == "stop"
+        messages = (await open_session(ws, streaming))["messages"]
+    assert [(m["role"], m["finish_reason"]) for m in messages] == [
+        ("user", None), ("assistant", "stop")]

@@ -54,9 +54,11 @@ class PrefetchQueue:
 
     def reap(self) -> None:
         """Drop the pins of the retired prefetches that have settled."""
+        settled: list[PrefetchHandle] = []
         with self._cond:
-            settled = [handle for handle in self._retiring if handle.is_done]
-            self._retiring = [handle for handle in self._retiring if not handle.is_done]
+            retiring, self._retiring = self._retiring, []
+            for handle in retiring:  # each looked at once: the prefetch thread settles them
+                (settled if handle.is_done else self._retiring).append(handle)
         for handle in settled:
             handle.release()
 
