@@ -72,6 +72,7 @@ class Connection:
         self._ahead: dict[str, asyncio.Task[None]] = {}
         self._deletions: set[asyncio.Task[None]] = set()  # until each is answered
         self._deleting: dict[str, asyncio.Task[None]] = {}  # session -> its latest deletion
+        self._unstarted: set[asyncio.Task[None]] = set()  # runs before their first step
 
     async def send(self, frame: str) -> None:
         async with self._send_lock:
@@ -308,7 +309,11 @@ class Connection:
                                                            finished))
         # Let the turn start before it may be cancelled: a task cancelled before its first
         # step never runs its body, and would end with no `done` frame and nothing committed.
-        await asyncio.sleep(0)
+        self._unstarted.add(task)
+        try:
+            await asyncio.sleep(0)
+        finally:
+            self._unstarted.discard(task)
         return task
 
     def _finish_turn(self, task: asyncio.Task[None], session_id: str, request_id: str,
@@ -328,7 +333,7 @@ class Connection:
         client: each takes its message back). Runs are stopped first, not after those
         waits."""
         starters = [turn.starter for turn in self._turns.values() if turn.run is None]
-        runs = self._tasks.difference(starters)
+        runs = self._tasks.difference(starters, self._unstarted)
         for task in runs:
             task.cancel()
         await asyncio.gather(*starters, return_exceptions=True)
