@@ -152,15 +152,14 @@ class SessionTurns:
         model's chat template takes it, and it leaves at least half the model's context to
         the conversation. Raises `bad_message` or `context_length_exceeded`."""
         try:
-            prompt = self.chat.engine.render_chat([ChatTurn("system", system),
-                                                   ChatTurn("user", "Hello")])
+            num_tokens = self._render_lead([ChatTurn("system", system)], ())
         except EngineRequestError as exc:
             raise ApiError(ErrorCode.BAD_MESSAGE, f"the system message cannot be used: {exc}",
                            param="system") from exc
         most = self.chat.engine.max_model_len // 2
-        if len(prompt) > most:
+        if num_tokens > most:
             raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, (
-                f"the system message takes {len(prompt)} tokens with a short message; at most "
+                f"the system message takes {num_tokens} tokens with an empty message; at most "
                 f"half the model's context ({most} tokens) may go to it"), param="system")
 
     def is_replying(self, session_id: str) -> bool:
@@ -585,23 +584,26 @@ class SessionTurns:
                                      tools=tools, **msg.sampling())
 
         max_model_len, frac = self.chat.engine.max_model_len, self.chat.config.context_refill_frac
+        asked = msg.max_tokens or self.chat.config.reply_max_tokens
+        starts = [i for i in range(lead + 1, len(turns)) if turns[i].role == "user"]
+        gen = None
+        try:
+            gen = prepare(turns, context)
+            if gen.params.max_tokens >= asked or not starts:  # or nothing to leave out
+                return gen, 0
+        except ApiError as err:
+            if err.code != ErrorCode.CONTEXT_LENGTH_EXCEEDED or not starts:
+                raise
         # The system message (and the tools the template writes into it) stays at every cut:
         # the budgets are shares of what it leaves (counted in them, a large one left a cut
         # the newest message alone, and every other turn cut again).
         lead_tokens = self._lead_tokens(turns[:lead], tools)
         room = max_model_len - lead_tokens
-        # At most half what a cut leaves free: the conversation then grows by the other half
-        # before the next cut, instead of every turn cutting (and recomputing) again.
-        wanted = min(msg.max_tokens or self.chat.config.reply_max_tokens,
-                     int(room * (1 - frac) / 2))
-        starts = [i for i in range(lead + 1, len(turns)) if turns[i].role == "user"]
-        try:
-            gen = prepare(turns, context)
-            if gen.params.max_tokens >= wanted or not starts:  # or nothing to leave out
-                return gen, 0
-        except ApiError as err:
-            if err.code != ErrorCode.CONTEXT_LENGTH_EXCEEDED or not starts:
-                raise
+        # A reply short of its room cuts only when it has less than half what a cut leaves
+        # free: the conversation then grows by the other half before the next cut, instead of
+        # every turn cutting (and recomputing) again.
+        if gen is not None and gen.params.max_tokens >= min(asked, int(room * (1 - frac) / 2)):
+            return gen, 0
         budget = lead_tokens + room * frac
         if msg.max_tokens:  # a reply that asks for more room than the refill leaves gets it
             budget = min(budget, max_model_len - msg.max_tokens)
@@ -623,10 +625,15 @@ class SessionTurns:
         if not lead:
             return 0
         try:
-            return len(self.chat.engine.render_chat([*lead, ChatTurn("user", "")],
-                                                    open_reply=False, tools=tools))
+            return self._render_lead(lead, tools)
         except EngineRequestError:
             return 0
+
+    def _render_lead(self, lead: list[ChatTurn], tools: Sequence[ToolSpec]) -> int:
+        """The tokens of `lead` (the system message) with an empty user message after it;
+        raises `EngineRequestError` where the chat template refuses it."""
+        return len(self.chat.engine.render_chat([*lead, ChatTurn("user", "")],
+                                                open_reply=False, tools=tools))
 
     def _history(self, session: Session) -> Seen:
         """What the model sees of the session's conversation (its system message, set at

@@ -52,13 +52,12 @@ class AdvisoryBook:
 
     def start(self, session: str, keys: Sequence[ChunkKey], expected_arrival_s: float | None,
               num_tokens: int, prefix_hashes: Sequence[bytes]) -> None:
-        """Record an advisory for `session` (its earlier one released), prefetching `keys`
-        (chunk-layers) due at its expected arrival (seconds from now; None: now) and keeping
-        its chunks (`prefix_hashes`) ahead of others' in the tiers until it is used or
-        expires."""
+        """Record an advisory for `session` (its earlier one already released: its pins
+        hold room the match needs), prefetching `keys` (chunk-layers) due at its expected
+        arrival (seconds from now; None: now) and keeping its chunks (`prefix_hashes`) ahead
+        of others' in the tiers until it is used or expires."""
         now = time.monotonic()
         self._counters.advisories_received += 1
-        self.release(session)
         due = now + (expected_arrival_s or 0.0)
         handle = self._prefetcher.submit(keys, due) if keys else None
         self._advisories[session] = Advisory(session, now, due + self._ttl_s, handle,
