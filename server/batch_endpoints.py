@@ -16,7 +16,9 @@ from antiphon.server.completions import (
     completion_object,
     completion_turns,
     prepare_completion,
+    request_class_xarg,
 )
+from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.text_completions import (
     TextCompletionRequest,
     check_text_completion,
@@ -34,13 +36,38 @@ class BatchEndpoint:
     response: Callable[[list[Generation], str], dict[str, Any]]  # (finished choices, model)
 
 
+def check_batch_line(body: ChatCompletionRequest | TextCompletionRequest) -> None:
+    """What a batch line's `vllm_xargs` may not ask for, which a request sent alone may: a
+    session (a line runs on its own, and its reply would not be kept in one) and RT work
+    (batch items run as BE). Raises `ApiError` (either would otherwise go unheeded)."""
+    xargs = body.vllm_xargs or {}
+    if "session_id" in xargs:
+        raise ApiError(ErrorCode.BAD_MESSAGE, "vllm_xargs.session_id: a batch line runs on its "
+                       "own, in no session; send a session's turn alone",
+                       param="vllm_xargs.session_id")
+    if request_class_xarg(xargs) is RequestClass.RT:
+        raise ApiError(ErrorCode.BAD_MESSAGE, "vllm_xargs.request_class: batch lines run as "
+                       "best-effort (be) work; send a request that must be rt alone",
+                       param="vllm_xargs.request_class")
+
+
+def _check_chat_line(chat: ChatService, body: ChatCompletionRequest) -> None:
+    check_batch_line(body)
+    completion_turns(chat, body)
+
+
+def _check_text_line(chat: ChatService, body: TextCompletionRequest) -> None:
+    check_batch_line(body)
+    check_text_completion(chat, body)
+
+
 ENDPOINTS: dict[str, BatchEndpoint] = {
     CHAT_ENDPOINT: BatchEndpoint(
-        ChatCompletionRequest, completion_turns,
+        ChatCompletionRequest, _check_chat_line,
         lambda chat, body, owner: prepare_completion(chat, body, owner, RequestClass.BE),
         completion_object),
     TEXT_ENDPOINT: BatchEndpoint(
-        TextCompletionRequest, check_text_completion,
+        TextCompletionRequest, _check_text_line,
         lambda chat, body, owner: prepare_text_completion(chat, body, owner, RequestClass.BE),
         text_completion_object),
 }

@@ -17,14 +17,12 @@ from antiphon.server.chat import ChatService
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
 from antiphon.server.protocol import parse_json
 
-MAX_CUSTOM_ID_CHARS = 512
 
-
-def read_items(path: Path, chat: ChatService, max_line_bytes: int,
-               max_items: int, endpoint: str = CHAT_ENDPOINT) -> list[InputItem]:
+def read_items(path: Path, chat: ChatService, endpoint: str = CHAT_ENDPOINT) -> list[InputItem]:
     """Every non-blank line of the JSONL file at `path`, validated as a request to `endpoint`,
-    in order. Lines longer than `max_line_bytes` and lines after the first `max_items` fail.
-    Raises OSError."""
+    in order, under the server's limits (`chat.config`): lines longer than `--max-frame-bytes`
+    and lines after the first `--max-batch-items` fail. Raises OSError."""
+    max_line_bytes, max_items = chat.config.max_frame_bytes, chat.config.max_batch_items
     items: list[InputItem] = []
     seen_custom_ids: set[str] = set()
     with path.open("rb") as f:
@@ -33,11 +31,11 @@ def read_items(path: Path, chat: ChatService, max_line_bytes: int,
                 continue
             try:
                 if raw is None:
-                    raise ApiError(ErrorCode.TOO_LARGE,
-                                   f"the line is longer than {max_line_bytes} bytes")
+                    raise ApiError(ErrorCode.TOO_LARGE, f"the line is longer than "
+                                   f"{max_line_bytes} bytes (--max-frame-bytes)")
                 if len(items) >= max_items:
-                    raise ApiError(ErrorCode.TOO_MANY_ITEMS,
-                                   f"a batch holds at most {max_items} requests")
+                    raise ApiError(ErrorCode.TOO_MANY_ITEMS, f"a batch holds at most "
+                                   f"{max_items} requests (--max-batch-items)")
                 data = _parse(raw)
             except ApiError as err:
                 items.append(_failed(line_index, None, err))
@@ -52,9 +50,10 @@ def _check(line_index: int, data: dict[str, Any], chat: ChatService,
     if not isinstance(custom_id, str) or not custom_id:
         return _failed(line_index, None, ApiError(
             ErrorCode.MISSING_CUSTOM_ID, "custom_id must be a non-empty string"))
-    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
-        return _failed(line_index, None, ApiError(
-            ErrorCode.BAD_MESSAGE, f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters"))
+    max_chars = chat.config.max_custom_id_chars
+    if len(custom_id) > max_chars:
+        return _failed(line_index, None, ApiError(ErrorCode.BAD_MESSAGE, (
+            f"custom_id is longer than {max_chars} characters (--max-custom-id-chars)")))
     if custom_id in seen_custom_ids:
         # Not under that custom_id: a client matching results by it would take this error
         # for the answer of the line that holds it first.
@@ -62,13 +61,16 @@ def _check(line_index: int, data: dict[str, Any], chat: ChatService,
             ErrorCode.DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} is used by an earlier line"))
     seen_custom_ids.add(custom_id)
     try:
-        ENDPOINTS[endpoint].check(chat, _check_request(data, endpoint))
+        body_text = _body_text(data, endpoint)
+        ENDPOINTS[endpoint].check(chat, parse_body(body_text, endpoint))
     except ApiError as err:
         return _failed(line_index, custom_id, err)
-    return InputItem(line_index, custom_id, json.dumps(data["body"], ensure_ascii=False))
+    return InputItem(line_index, custom_id, body_text)
 
 
-def _check_request(data: dict[str, Any], endpoint: str) -> Any:
+def _body_text(data: dict[str, Any], endpoint: str) -> str:
+    """The line's request body, as the item keeps it; raises `ApiError` for a line that is
+    not a request to `endpoint`."""
     if data.get("method") != "POST":
         raise ApiError(ErrorCode.BAD_MESSAGE, "method must be \"POST\"")
     if data.get("url") != endpoint:
@@ -76,9 +78,19 @@ def _check_request(data: dict[str, Any], endpoint: str) -> Any:
                        f"batch's endpoint; use {endpoint!r}")
     if not isinstance(data.get("body"), dict):
         raise ApiError(ErrorCode.BAD_MESSAGE, "body must be a JSON object: the request")
+    return json.dumps(data["body"], ensure_ascii=False)
+
+
+def parse_body(body_text: str, endpoint: str) -> Any:
+    """An item's request body (`InputItem.body`) as `endpoint`'s request model, parsed from
+    its text both when the line is checked and when it runs: the JSON parser nests less
+    deeply than Python's, which read the line (a body it refused only at run time was taken
+    for a crash and run again). Raises `bad_message`."""
     try:
-        body = ENDPOINTS[endpoint].request.model_validate(data["body"])
+        body = ENDPOINTS[endpoint].request.model_validate_json(body_text)
     except ValidationError as exc:
+        if exc.errors()[0]["type"] == "json_invalid":  # (the text is JSON Python wrote)
+            raise ApiError(ErrorCode.BAD_JSON, "body is nested too deeply") from None
         raise bad_message(exc.errors(), parent="body") from None
     if getattr(body, "stream", None):
         raise ApiError(ErrorCode.BAD_MESSAGE, "body.stream: streaming is not available in a batch")

@@ -592,18 +592,49 @@ def test_lines_no_part_of_the_server_could_use_fail_alone(tmp_path: Path) -> Non
              request_line("seed", "x", seed=2**70),
              request_line("slo", "x", vllm_xargs={"ttft_slo_s": -1}),
              json.dumps({"custom_id": "nobody", "method": "POST", "url": "/v1/chat/completions"}),
+             # deep enough for Python's JSON parser, too deep for the one an item runs from
+             # (it failed when it ran, was taken for a crash and ran three times)
+             request_line("nested", "x", tools=[{"type": "function", "function": {
+                 "name": "f", "parameters": json.loads('{"a": ' * 300 + "1" + "}" * 300)}}]),
              request_line("ok-2", "also fine")]
     with batch_server(tmp_path) as live:
         client = live.client()
         batch = wait_finished(live.url, submit(client, ("\n".join(lines) + "\n").encode()))
         assert batch["status"] == "completed"
-        assert batch["request_counts"] == {"total": 8, "completed": 2, "failed": 6}
+        assert batch["request_counts"] == {"total": 9, "completed": 2, "failed": 7}
         errors = [(r["custom_id"], r["error"]["code"], r["error"]["message"].split(":")[0])
                   for r in lines_of(client, batch["error_file_id"])]
         assert errors == [
             (None, "bad_json", "line 2"), (None, "bad_json", "line 3"),
             (None, "bad_json", "line 4"), ("seed", "bad_message", "line 5"),
-            ("slo", "bad_message", "line 6"), ("nobody", "bad_message", "line 7")]
+            ("slo", "bad_message", "line 6"), ("nobody", "bad_message", "line 7"),
+            ("nested", "bad_json", "line 8")]
+        assert len(live.engine.request_prompts) == 2
+
+
+def test_lines_asking_for_a_session_or_rt_work_are_refused(tmp_path: Path) -> None:
+    """A batch line runs as BE work in no session: one that asks otherwise fails, where it ran
+    as a plain BE request (a session that did not exist, too), its ask unheeded."""
+    lines = [request_line("session", "x", vllm_xargs={"session_id": "s_nowhere"}),
+             request_line("rt", "x", vllm_xargs={"request_class": "rt"}),
+             request_line("be", "x", vllm_xargs={"request_class": "be"})]
+    text = json.dumps({"custom_id": "text-rt", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "scripted", "prompt": "x",
+                                "vllm_xargs": {"request_class": "rt"}}})
+    with batch_server(tmp_path) as live:
+        client = live.client()
+        batch = wait_finished(live.url, submit(client, ("\n".join(lines) + "\n").encode()))
+        assert batch["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+        assert [(r["custom_id"], r["error"]["code"], r["error"]["message"].split(":")[1])
+                for r in lines_of(client, batch["error_file_id"])] == [
+            ("session", "bad_message", " vllm_xargs.session_id"),
+            ("rt", "bad_message", " vllm_xargs.request_class")]
+        uploaded = client.files.create(file=("in.jsonl", text.encode()), purpose="batch")
+        created = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                        completion_window="24h")
+        batch = wait_finished(live.url, created.id)
+        assert [r["error"]["code"] for r in lines_of(client, batch["error_file_id"])] == [
+            "bad_message"]
 
 
 def test_uploads_that_end_early_or_hide_a_line_are_refused(tmp_path: Path) -> None:
