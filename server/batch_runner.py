@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from antiphon.server.batch_endpoints import ENDPOINTS
-from antiphon.server.batch_input import read_items
+from antiphon.server.batch_input import parse_body, read_items
 from antiphon.server.batch_store import BatchStore
 from antiphon.server.batch_types import (
     Batch,
@@ -141,9 +141,7 @@ class BatchRunner:
         cannot be read (or its check fails in a way no line explains: it would every time)."""
         path = self.files.path(b.input_file_id)
         try:
-            items = await asyncio.to_thread(read_items, path, self.chat,
-                                            self.config.max_frame_bytes,
-                                            self.config.max_batch_items, b.endpoint)
+            items = await asyncio.to_thread(read_items, path, self.chat, b.endpoint)
         except OSError as exc:
             await asyncio.to_thread(self.store.fail_batch, b.batch_id, ErrorCode.INVALID_FILE,
                                     f"the input file cannot be read: {exc.strerror}")
@@ -182,10 +180,13 @@ class BatchRunner:
                                          if batch_id in owner_of)
         queues = []
         for b in batches:
+            # Items running when the read starts may be committed under it: a read that began
+            # before the commit lists one as pending, and it would run again.
+            started = set(self._inflight)
             pending = await asyncio.to_thread(self.store.pending_items, b.batch_id,
-                                              num_free + len(self._inflight))
+                                              num_free + len(started))
             queues.append([(b, it) for it in pending if (b.batch_id, it.line_index)
-                           not in self._inflight])
+                           not in started and (b.batch_id, it.line_index) not in self._inflight])
         chosen: list[tuple[Batch, PendingItem]] = []
         num_choices: dict[ItemKey, int] = {}  # of each item looked at
         num_taken = 0  # engine requests of the items chosen
@@ -291,8 +292,8 @@ class BatchRunner:
         """Run one request of `batch` on the engine as BE; None when the engine failed (not the
         request), so the item stays pending and runs again."""
         endpoint = ENDPOINTS[batch.endpoint]
-        body: Any = endpoint.request.model_validate_json(item.body)  # has `model`
         try:
+            body: Any = parse_body(item.body, batch.endpoint)  # has `model`
             gens = endpoint.prepare(self.chat, body, batch.owner)
             await run_choices(self.chat, gens, api="batch")
         except ApiError as err:

@@ -307,3 +307,25 @@ async def test_a_failed_finalize_leaves_no_copy_of_the_results_behind(tmp_path: 
     batch = await run_until_finished(store, runner, batch_id)
     assert batch.status == BatchStatus.COMPLETED and len(calls) == 4
     assert sorted(p.stem for p in files.directory.iterdir()) == sorted(store.file_sizes())
+
+
+async def test_an_item_committed_while_pending_items_are_read_does_not_run_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An item answered while the runner reads which items are pending (in a thread, a slow
+    disk's 10 ms here) is in that read, but no longer running once it is back: it was started
+    again (6 of 900 items ran twice)."""
+    store, files, engine, runner = direct_runner(tmp_path, token_delay_s=0.003)
+    read = store.pending_items
+
+    def slow_read(*args: Any, **kwargs: Any) -> Any:
+        found = read(*args, **kwargs)
+        time.sleep(0.01)
+        return found
+    monkeypatch.setattr(store, "pending_items", slow_read)
+    batch_id = add_input(store, files, 200)
+    try:
+        batch = await run_until_finished(store, runner, batch_id)
+    finally:
+        store.close()
+    assert batch.counts.completed == 200
+    assert len(engine.request_prompts) == 200
