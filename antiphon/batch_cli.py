@@ -24,6 +24,7 @@ FINISHED = ("completed", "failed", "expired", "cancelled")
 # answering all (failed, expired, cancelled; a refused request also exits 1), or it completed
 # with some items failed (their errors are in the results).
 EXIT_ALL_ANSWERED, EXIT_NOT_COMPLETED, EXIT_ITEMS_FAILED = 0, 1, 3
+EXIT_STOPPED = 130  # Ctrl-C, as a shell reports it
 
 
 class BatchCliError(Exception):
@@ -189,7 +190,12 @@ def _submit(client: BatchClient, args: argparse.Namespace) -> int:
     if not path.is_file():
         raise BatchCliError(f"no such file: {path}")
     endpoint = args.endpoint or first_url(path) or CHAT_ENDPOINT
-    uploaded = client.upload(path)
+    try:
+        uploaded = client.upload(path)
+    except KeyboardInterrupt:
+        print("\nstopped while uploading: no batch was created (an upload the server had "
+              "received whole is kept: GET /v1/files lists it)", file=sys.stderr)
+        return EXIT_STOPPED
     try:
         batch = client.create(uploaded["id"], endpoint)
     except BatchCliError:
@@ -197,12 +203,16 @@ def _submit(client: BatchClient, args: argparse.Namespace) -> int:
         with contextlib.suppress(BatchCliError):
             client.delete_file(uploaded["id"])
         raise
+    except KeyboardInterrupt:
+        print(f"\nstopped while the batch was being created: it may run (GET /v1/batches "
+              f"lists the key's batches; its input is {uploaded['id']})", file=sys.stderr)
+        return EXIT_STOPPED
     print(f"batch {batch['id']} created from {path} ({uploaded['bytes']} bytes)")
     if not args.wait:
         return 0
     watched = _watch(client, batch["id"], args)
     if watched is None:
-        return 130
+        return EXIT_STOPPED
     _fetch(client, watched, _results_path(path))
     return finished_status(watched)
 
@@ -240,7 +250,7 @@ def _status(client: BatchClient, args: argparse.Namespace) -> int:
     if args.wait:
         watched = _watch(client, args.batch_id, args)
         if watched is None:
-            return 130
+            return EXIT_STOPPED
         batch = watched
     else:
         batch = client.get(args.batch_id)
@@ -280,6 +290,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"antiphon batch: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
               file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # (a download leaves no part of its file)
+        print("\nantiphon batch: stopped", file=sys.stderr)
+        return EXIT_STOPPED
 
 
 def add_batch_parser(commands: Any) -> None:

@@ -118,6 +118,8 @@ class ServerConfig:
         "keys together without keys; an upload past it is refused until files are deleted",
         default=8 * 1024 ** 3)
     max_batch_items: int = doc("Most requests (lines) in one batch input file", default=50_000)
+    max_custom_id_chars: int = doc("Longest custom_id of a batch input line, in characters "
+                                   "(a line's longest is --max-frame-bytes)", default=512)
     max_unfinished_batches: int = doc(
         "Most batches one API key has not finished (validating, in progress, finalizing), all "
         "keys together without keys; creating one past it is refused until some finish",
@@ -182,7 +184,7 @@ class ServerConfig:
                      "max_inflight_per_connection", "max_connections", "max_connections_per_key",
                      "max_inflight_per_key", "max_sessions_listed", "max_sessions_per_key",
                      "max_batch_file_bytes", "max_stored_file_bytes", "max_batch_items",
-                     "max_unfinished_batches", "max_batch_item_attempts",
+                     "max_custom_id_chars", "max_unfinished_batches", "max_batch_item_attempts",
                      "max_batch_concurrency", "dashboard_history", "dashboard_max_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:

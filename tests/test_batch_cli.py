@@ -116,3 +116,27 @@ def test_the_endpoint_is_the_first_url_a_batch_may_have(tmp_path: Any) -> None:
     assert first_url(path) == "/v1/completions"
     path.write_text('{"url": "/v1/embeddings"}\n')
     assert first_url(path) is None  # the CLI then asks for chat completions
+
+
+def test_ctrl_c_while_submitting_says_what_the_server_may_keep(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while the file uploads, or while the batch is created, exits 130 with a line on
+    what the server may hold (it was a traceback)."""
+    import argparse
+
+    import httpx
+
+    from antiphon.batch_cli import EXIT_STOPPED, _submit
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"custom_id": "a", "url": "/v1/chat/completions"}\n')
+    args = argparse.Namespace(file=str(path), endpoint=None, wait=False)
+    for stop_at, said in (("/v1/files", "stopped while uploading"),
+                          ("/v1/batches", "it may run (GET /v1/batches")):
+        def handler(request: httpx.Request, stop_at: str = stop_at) -> httpx.Response:
+            if request.url.path == stop_at:
+                raise KeyboardInterrupt
+            return httpx.Response(200, json={"id": "file-" + "0" * 24, "bytes": 10})
+
+        assert _submit(_client(handler), args) == EXIT_STOPPED
+        assert said in capsys.readouterr().err

@@ -172,7 +172,8 @@ def test_a_file_that_cannot_be_written_leaves_no_part_behind(tmp_path: Path) -> 
 def test_input_lines_fail_one_by_one(tmp_path: Path) -> None:
     chat = ChatService(ScriptedEngine(), ServerMetrics(),
                        ServerConfig(max_content_chars=50, max_tokens_limit=100,
-                                    default_max_tokens=100))
+                                    default_max_tokens=100, max_frame_bytes=300,
+                                    max_batch_items=12, max_custom_id_chars=150))
 
     def line(custom_id: object = "a", **over: object) -> str:
         body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
@@ -190,7 +191,7 @@ def test_input_lines_fail_one_by_one(tmp_path: Path) -> None:
              line("i" * 200), "[1, 2]", line("j")]
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    got = read_items(path, chat, max_line_bytes=300, max_items=12)
+    got = read_items(path, chat)
     codes = {it.line_index: it.error[0].value if it.error else "ok" for it in got}
     assert codes == {0: "ok", 2: "bad_json", 3: "missing_custom_id", 4: "duplicate_custom_id",
                      5: "unsupported_url", 6: "bad_message", 7: "bad_message",
@@ -203,20 +204,24 @@ def test_input_lines_fail_one_by_one(tmp_path: Path) -> None:
     # Reported under no custom_id: results matched by it keep line 1's answer for "a".
     assert duplicate.custom_id is None and duplicate.body is None and duplicate.error is not None
     assert duplicate.error[1].startswith("line 5: ") and "'a'" in duplicate.error[1]
+    path.write_text(line("k" * 151) + "\n" + line("l" * 150) + "\n")
+    too_long, longest = read_items(path, chat)
+    assert too_long.error is not None and too_long.error[0] == ErrorCode.BAD_MESSAGE
+    assert "(--max-custom-id-chars)" in too_long.error[1] and longest.error is None
 
 
 def test_a_last_line_of_the_limit_ending_in_a_lone_cr_is_read(tmp_path: Path) -> None:
-    chat = ChatService(ScriptedEngine(), ServerMetrics(), ServerConfig())
     record = {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}}
     text = json.dumps(record)
+    chat = ChatService(ScriptedEngine(), ServerMetrics(), ServerConfig(max_frame_bytes=len(text)))
     path = tmp_path / "in.jsonl"
     for ending in (b"\r", b"\r\n", b""):
         path.write_bytes(text.encode() + ending)
-        got = read_items(path, chat, max_line_bytes=len(text), max_items=10)
+        got = read_items(path, chat)
         assert [it.error for it in got] == [None], ending
     path.write_bytes(text.encode() + b"x\r")  # one byte over: too long, whatever its ending
-    got = read_items(path, chat, max_line_bytes=len(text), max_items=10)
+    got = read_items(path, chat)
     assert got[0].error is not None and got[0].error[0] == ErrorCode.TOO_LARGE
 
 
