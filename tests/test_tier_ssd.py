@@ -215,6 +215,34 @@ def test_a_reused_slot_whose_new_write_fails_is_cleared_of_the_removed_record(
         assert again.keys() == []
 
 
+def test_an_erasure_done_leaves_no_record_a_restart_finds(tmp_path: Path) -> None:
+    """A removed key's slot taken again after its clear was queued: the clear was skipped, so
+    the erasure's barrier resolved with the removed record still on disk (its replacement
+    queued behind the barrier): a crash then, or the replacement dropped unwritten, left it
+    for a restart to serve."""
+    with open_tier(tmp_path, num_slots=1) as tier:
+        tier.put(key(0, 0), payload(0, 0), owner=b"deleted")
+        tier.flush()
+        gate = threading.Event()
+        tier._submit(lambda: gate.wait(10))  # the writer busy with earlier saves
+        removed, slot = tier.remove_later(key(0, 0))
+        assert removed and slot == 0
+        tier.clear_slots([slot])
+        erased = tier.barrier()  # as the planner's erasure waits for it
+        later = threading.Event()
+        tier._submit(lambda: later.wait(10))  # the next save's write comes later
+        assert tier.put(key(0, 1), payload(0, 1)) and tier.slot_of(key(0, 1)) == slot
+        gate.set()
+        assert erased.result(5) is True and tier.uncleared_slots == 0
+        assert tier._file.read_header(0) is None  # a kill -9 now finds nothing
+        assert tier.remove(key(0, 1))  # and the replacement dropped before its write
+        later.set()
+        tier.flush()
+        tier.check_integrity()
+    with open_tier(tmp_path, num_slots=1) as again:
+        assert again.keys() == []
+
+
 @pytest.mark.parametrize(("where", "offset"), [("payload", RECORD_HEADER_BYTES + 50),
                                                 ("header", 20), ("key", 60)])
 def test_damaged_record_is_a_miss_and_cleared(ssd: SsdTier, where: str, offset: int) -> None:
@@ -362,6 +390,21 @@ def test_files_of_the_old_format_are_removed(tmp_path: Path) -> None:
     with open_tier(tmp_path) as tier:
         assert tier.scan_report.num_legacy_removed == 2
     assert not shard.exists() and (tmp_path / "ab" / "notes.txt").exists()
+
+
+def test_foreign_entries_in_the_folder_are_not_followed_or_fatal(tmp_path: Path) -> None:
+    """A link named like an old shard had the .kv files of the folder it names deleted, and a
+    folder named like a chunk file stopped the tier from starting."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious.kv").write_bytes(b"not ours")
+    directory = tmp_path / "kv"
+    directory.mkdir()
+    (directory / "zz").symlink_to(elsewhere)
+    (directory / "ab" / "notes.kv").mkdir(parents=True)
+    with open_tier(directory) as tier:
+        assert tier.scan_report.num_legacy_removed == 0
+    assert (elsewhere / "precious.kv").exists() and (directory / "ab" / "notes.kv").is_dir()
 
 
 def test_one_tier_per_directory(tmp_path: Path) -> None:

@@ -95,6 +95,9 @@ class SsdTier(IndexedTier[SsdSlot]):
         # Free slots whose old record a clear failed to erase on disk: a restart would serve
         # it again. Each later `clear_slots` tries again; a record written there ends it.
         self._uncleared: set[int] = set()
+        # Allocated slots whose record is not yet on disk (its write queued, or dropped): a
+        # slot's old record is still there, and a clear queued before the write must erase it.
+        self._unwritten_slots: set[int] = set()
         try:
             self._file = SlotFile(self.directory, slot_bytes, fsync=fsync)
         except BaseException:
@@ -267,16 +270,20 @@ class SsdTier(IndexedTier[SsdSlot]):
             self._uncleared.discard(location.slot)  # the new record replaced the old
             if self._index.get(key) is entry:
                 location.pending = None
+                self._unwritten_slots.discard(location.slot)
                 return True
             return False
 
     def _clear_behind(self, slot: int) -> None:
-        """Queue the clearing of `slot`'s header, done only if the slot is still free then
-        (a new record for it is queued behind the clear, or was written before it)."""
+        """Queue the clearing of `slot`'s header, skipped only if a new record for the slot
+        is on disk by then. One still queued (behind the clear) is not: the erasure's barrier
+        would resolve with the old record on disk, for a restart to serve, and for good if
+        the new one were dropped unwritten."""
         def clear() -> bool:
             with self._lock:
-                if self._slots.is_allocated(slot):  # its new record replaces the old, or
-                    return True  # `_write` clears the slot if that write fails
+                if self._slots.is_allocated(slot) and slot not in self._unwritten_slots:
+                    return True  # its new record replaced the old (written, or its failed
+                    # write cleared the slot)
             return self._clear_now(slot)
         self._submit(clear)
 
@@ -360,6 +367,7 @@ class SsdTier(IndexedTier[SsdSlot]):
         payload = source if isinstance(source, bytes) and len(source) == len(data) else bytes(data)
         slot = self._slots.allocate()
         self._file_slots = max(self._file_slots, slot + 1)
+        self._unwritten_slots.add(slot)
         return SsdSlot(slot, Future(), payload, self._own(key, owner))
 
     def _load(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> bytes:
@@ -369,6 +377,7 @@ class SsdTier(IndexedTier[SsdSlot]):
 
     def _free(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> None:
         self._slots.free(entry.location.slot)  # a pending write sees the entry gone, skips
+        self._unwritten_slots.discard(entry.location.slot)
         owner = entry.location.owner
         if owner:
             keys = self._owned[owner][1]
@@ -390,6 +399,9 @@ class SsdTier(IndexedTier[SsdSlot]):
         slots = [entry.location.slot for _, entry in self._index.items()]
         assert len(set(slots)) == len(slots), f"{self.name}: two keys share a slot"
         assert set(slots) == self._slots.used_slots(), f"{self.name}: allocator disagrees"
+        unwritten = {entry.location.slot for _, entry in self._index.items()
+                     if entry.location.pending is not None}
+        assert unwritten == self._unwritten_slots, f"{self.name}: unwritten slots disagree"
         for key, entry in self._index.items():
             location = entry.location
             assert entry.nbytes == self.stride, f"{key} not charged one slot"
@@ -460,14 +472,19 @@ def _remove_legacy_files(directory: Path) -> int:
     emptied folders; returns how many files went."""
     removed = 0
     for shard in directory.iterdir():
-        if not (shard.is_dir() and len(shard.name) == 2):
+        # Nothing else is followed or fatal: a link (to a folder elsewhere, whose files are
+        # not the tier's) or a folder named like a chunk file is left as it is.
+        if len(shard.name) != 2 or shard.is_symlink() or not shard.is_dir():
             continue
-        for path in shard.iterdir():
-            if path.name.endswith((".kv", ".kv.tmp")):
-                path.unlink(missing_ok=True)
-                removed += 1
-        if not any(shard.iterdir()):
-            shard.rmdir()
+        try:
+            for path in shard.iterdir():
+                if path.name.endswith((".kv", ".kv.tmp")) and not path.is_dir():
+                    path.unlink(missing_ok=True)
+                    removed += 1
+            if not any(shard.iterdir()):
+                shard.rmdir()
+        except OSError as exc:
+            log.warning("cannot remove the old-format KV files in %s: %s", shard, exc)
     if removed:
         log.warning("removed %d KV files of the old one-file-per-chunk-layer format from %s",
                     removed, directory)
