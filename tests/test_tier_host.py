@@ -317,3 +317,17 @@ def test_the_arena_an_engine_left_is_removed_without_the_trackers_warning(
     assert "Traceback" not in done.stderr
     if remove:
         assert "-0badf00d" in done.stdout
+
+
+def test_slots_never_handed_out_are_not_listed() -> None:
+    """A large tier's allocator starts without a list of every slot (11 million slots took
+    420 MiB), and hands slots out in the order a full list did: the lowest free first, a
+    just-freed one before it."""
+    slots = SlotAllocator(11_000_000, used=[2, 5])
+    assert len(slots._free_list) == 4 and slots.num_free == 11_000_000 - 2
+    assert [slots.allocate() for _ in range(5)] == [0, 1, 3, 4, 6]
+    slots.free(3)
+    assert [slots.allocate() for _ in range(2)] == [3, 7]
+    assert slots.used_slots() == {0, 1, 2, 3, 4, 5, 6, 7}
+    empty = SlotAllocator(0)
+    assert not empty.can_allocate() and empty.num_free == 0
