@@ -426,19 +426,25 @@ class AntiphonScheduler(Scheduler):
 
         Running requests that sit a step out keep their seats (vLLM's `max_num_seqs`), so the
         plan's waiting requests get only the seats left, in the plan's order. An RT request
-        beyond them takes the seat of a BE request sitting out, which is preempted (RT takes
-        from BE, never the reverse; checkpointed with bidirectional blocks). The others sit
-        the step out too: vLLM seats in queue order, so one left queued would take the seat
-        an RT request behind it was given."""
+        beyond them takes the seat of a BE request sitting out, else of one the plan runs
+        (an RT request sitting out on time kept the seat an urgent one needed, while BE work
+        ran in the other), which is preempted (RT takes from BE, never the reverse;
+        checkpointed with bidirectional blocks). The others sit the step out too: vLLM seats
+        in queue order, so one left queued would take the seat an RT request behind it was
+        given."""
         sitting_out, waiting_out = sat_out
         free = self.max_num_running_reqs - len(self.running) - len(sitting_out)
         seated = []
         for request in admitted:
             if free <= 0 and request_class_of(request) is RequestClass.RT:
-                be = [r for r in sitting_out if request_class_of(r) is not RequestClass.RT]
-                if be:
-                    victim = min(be, key=lambda r: r.num_computed_tokens)  # least to keep
-                    sitting_out.remove(victim)
+                victim = None
+                for seats in (sitting_out, self.running):
+                    be = [r for r in seats if request_class_of(r) is not RequestClass.RT]
+                    if be:
+                        victim = min(be, key=lambda r: r.num_computed_tokens)  # least to keep
+                        seats.remove(victim)
+                        break
+                if victim is not None:
                     self.stats.seat_preemptions += 1
                     self._preempt_request(victim, now)
                     self.waiting.remove_request(victim)  # vLLM queued it: it sits out

@@ -123,6 +123,22 @@ def test_requests_sitting_out_keep_their_seats_and_rt_takes_one_from_be() -> Non
     assert len(sched.running) == 2
 
 
+def test_an_rt_turn_takes_the_seat_of_be_work_the_plan_runs_when_none_sits_out() -> None:
+    # Two seats: an RT stream on time sits the step out (keeping its seat) and a BE request
+    # decodes in the other. An urgent RT arrival the plan runs got no seat: only BE requests
+    # sitting out gave theirs, and the BE work ran while the RT turn waited.
+    sched = scheduler([StepPlan(order=["r1", "b"], is_restrictive=True)] * 2 + [
+        StepPlan(order=["r2", "b"], is_restrictive=True)], max_num_seqs=2)
+    sched.add_request(request("r1", 20))
+    sched.add_request(request("b", 20, "be"))
+    for _ in range(2):
+        finish_step(sched, sched.schedule())
+    sched.add_request(request("r2", 20))
+    assert scheduled(sched.schedule()) == {"r2": 20}
+    assert {r.request_id for r in sched.running} == {"r1", "r2"}
+    assert sched.stats.seat_preemptions == 1 and sched.requests["b"].num_preemptions == 1
+
+
 def test_each_step_trains_the_cost_model_with_its_own_shape_when_scheduled_ahead() -> None:
     # Async scheduling: vLLM schedules step 2 before it takes step 1's output. Each step's
     # measured time must go with its own shape (a 40-token prefill, then decodes).
