@@ -117,13 +117,31 @@ def test_without_block_preemption_a_request_short_of_pages_recomputes_itself() -
     assert plan.preempt == [] and plan.order == ["be"]
 
 
-def test_be_order_running_then_least_to_restore_then_arrival() -> None:
+def test_be_order_running_then_preempted_then_least_to_restore_then_arrival() -> None:
+    """Preempted BE requests resume before fresh ones (by the paper's M_cpu alone, a
+    checkpointed request waited behind every fresh one, for as long as a batch had items)."""
     policy = BrosPolicy(constant_cost(0.01), base_batch_size=64)
-    views = [view("new", BE, arrival=3.0), view("restore_much", BE, num_restore_tokens=500),
-             view("preempted", BE, arrival=1.0), view("restore_little", BE,
-             num_restore_tokens=10), decoding("running_be", BE)]
+    views = [view("new", BE, arrival=3.0),
+             view("restore_much", BE, num_restore_tokens=500, num_preemptions=1),
+             view("recompute", BE, arrival=1.0, num_preemptions=1),
+             view("restore_little", BE, num_restore_tokens=10, num_preemptions=2),
+             view("stored_prefix", BE, num_restore_tokens=10, arrival=0.5),
+             view("older", BE, arrival=2.0), decoding("running_be", BE)]
     assert policy.plan(views, budget()).order == [
-        "running_be", "preempted", "new", "restore_little", "restore_much"]
+        "running_be", "recompute", "restore_little", "restore_much", "older", "new",
+        "stored_prefix"]
+
+
+def test_echo_resumes_a_preempted_be_request_before_fresh_ones() -> None:
+    """Ranked with fresh requests by tokens per second, a resumed request with one token
+    left to compute came last, and a batch's fresh items kept it waiting."""
+    cost = CostModel("hygen", {"prefill_token_s": 1e-4, "prefill_request_s": 5e-3,
+                               "decode_request_s": 1e-3, "intercept_s": 0.01})
+    views = [view("fresh", BE, prompt=64), view("later", BE, prompt=64, arrival=1.0),
+             view("resumed", BE, prompt=256, computed=258, output=3, num_restore_tokens=258,
+                  num_preemptions=1)]
+    plan = make_policy("echo", cost).plan(views, budget(max_seqs=2))
+    assert plan.order == ["resumed", "fresh"]
 
 
 def test_cost_model_learns_a_linear_step_time() -> None:

@@ -11,9 +11,12 @@ Each step:
    RT request short of pages takes them from running BE requests (cheapest to redo first),
    never the other way round; a waiting one that still cannot get its pages keeps every
    waiting request behind it from starting.
-3. Add BE requests under the same limits: running first, then those with the least KV to
-   restore from the host tier (the paper's M_cpu), then in arrival order (a preempted request
-   before one not yet started, as vLLM resumes them). They may only use free pages. A BE
+3. Add BE requests under the same limits: running first, then preempted ones, then those
+   not yet started, each of the two with the least KV to restore from the host tier first
+   (the paper's M_cpu), then in arrival order. (The paper orders all BE requests by M_cpu: a
+   restored request, whose M_cpu is never 0, then waited behind every fresh one, and the
+   batch runner keeps fresh items waiting until a job runs out of them.) They may only use
+   free pages. A BE
    prefill that does not fit the time limit is cut to the chunk that does. With no RT request
    in the system the limit is the arrival guard
    (`StepBudget.max_be_step_s`, not in the paper): without it one step could prefill several
@@ -81,8 +84,8 @@ class BrosPolicy(Policy):
         now = budget.now_s
         rts = sorted((v for v in views if v.is_rt),
                      key=lambda v: (self._misses_ttft(v, budget), v.slack_s(now)))
-        bes = sorted((v for v in views if not v.is_rt),
-                     key=lambda v: (not v.is_running, v.num_restore_tokens, v.arrival_s))
+        bes = sorted((v for v in views if not v.is_rt), key=lambda v: (
+            not v.is_running, v.num_preemptions == 0, v.num_restore_tokens, v.arrival_s))
         cap = min(self.batch_size, budget.max_num_seqs)
         batch = StepBatch(budget, self.cost_model)
         plan = StepPlan(is_restrictive=True)

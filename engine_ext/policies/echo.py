@@ -10,7 +10,8 @@ latency overruns (Eq. 3's SLO constraint, made a price). Each step:
 2. Running BE requests (the last batch, Echo's starting point) stay in the step, best marginal
    (benefit - punishment) / time first, while that net is positive; those that would push an
    RT token late sit the step out keeping their pages ("evict to fit tight SLOs").
-3. Waiting BE requests are added the same way. Prompt pages that running requests hold count
+3. Waiting BE requests are added the same way, preempted ones first (not in the paper: ranked
+   with fresh ones, a resumed decode starved). Prompt pages that running requests hold count
    as benefit at no time (KV-aware batching, Fig. 4b). They only take free pages beyond a burst
    headroom left for arriving RT requests (4.2): the larger of `headroom_fraction` of the pool
    and the RT pages predicted as mean + `burst_sigmas` standard deviations of those observed
@@ -83,8 +84,12 @@ class EchoPolicy(Policy):
         resident = self._resident.update(views, budget.page_tokens)
         running = [v for v in bes if v.is_running and v.request_id not in evicted]
         self._add_be(running, batch, rt_slacks, resident, 0, budget.max_be_step_s)
-        waiting = [v for v in bes if not v.is_running]
-        self._add_be(waiting, batch, rt_slacks, resident, reserve, budget.max_be_step_s)
+        # Preempted requests before those not yet started: ranked together by benefit per
+        # second, a resumed decode (a token a step) came last, and waited for as long as a
+        # batch had fresh items to start.
+        for resuming in (True, False):
+            waiting = [v for v in bes if not v.is_running and (v.num_preemptions > 0) == resuming]
+            self._add_be(waiting, batch, rt_slacks, resident, reserve, budget.max_be_step_s)
         plan.order = batch.ids
         plan.token_limits = batch.token_limits
         return plan
