@@ -33,6 +33,7 @@ zero: an online window of decode steps says nothing about prefill.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -135,17 +136,26 @@ class CostForm(abc.ABC):
 
     def coefficients_of(self, values: Sequence[float] | dict[str, float]) -> tuple[float, ...]:
         """Coefficients from a sequence in `terms` order or a {term: value} mapping (terms left
-        out are 0); raises ValueError naming the terms when they do not match."""
+        out are 0); raises ValueError naming the terms when they do not match, or a value that
+        is not a finite number >= 0 (a NaN predicted every step to take 0 s, for good: no refit
+        recovers a term the steps do not exercise)."""
         if isinstance(values, dict):
             unknown = set(values) - set(self.terms)
             if unknown:
                 raise ValueError(f"{self.name} has no terms {sorted(unknown)}; its terms: "
                                  f"{', '.join(self.terms)}")
-            return tuple(float(values.get(t, 0.0)) for t in self.terms)
-        if len(values) != len(self.terms):
+            coefficients = tuple(float(values.get(t, 0.0)) for t in self.terms)
+        elif len(values) != len(self.terms):
             raise ValueError(f"{self.name} takes {len(self.terms)} coefficients "
                              f"({', '.join(self.terms)}), got {len(values)}")
-        return tuple(float(v) for v in values)
+        else:
+            coefficients = tuple(float(v) for v in values)
+        bad = [t for t, c in zip(self.terms, coefficients, strict=True)
+               if not 0.0 <= c < math.inf]
+        if bad:
+            raise ValueError(f"{self.name}: coefficients of {', '.join(bad)} are not finite "
+                             "numbers >= 0")
+        return coefficients
 
 
 class LinearForm(CostForm):

@@ -260,7 +260,12 @@ def test_a_fit_from_another_machine_or_model_is_not_used(
     '{"format": 1, "model": "m", "machine": {}, "form": "cubic", "coefficients": [],'
     ' "heldout_mape": 0.1, "num_steps": 1, "scores": []}',
     '{"format": 1, "model": "m", "machine": {}, "form": "bros", "coefficients": [1, 2],'
-    ' "heldout_mape": 0.1, "num_steps": 1, "scores": []}'])
+    ' "heldout_mape": 0.1, "num_steps": 1, "scores": []}',
+    # a NaN (Python's json writes and reads it) predicted 0 s for every step, for good
+    '{"format": 1, "model": "m", "machine": {}, "form": "bros", "coefficients":'
+    ' [NaN, 0, 0, 0, 0, 0], "heldout_mape": 0.1, "num_steps": 1, "scores": []}',
+    '{"format": 1, "model": "m", "machine": {}, "form": "bros", "coefficients":'
+    ' [-1, 0, 0, 0, 0, Infinity], "heldout_mape": 0.1, "num_steps": 1, "scores": []}'])
 def test_a_corrupt_fit_is_a_clear_error_and_ignored_at_start(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, content: str) -> None:
     path = tmp_path / "fit.json"
