@@ -95,6 +95,10 @@ class SharedBlockLayout:
             self._rekey(index)
         self.counters = LayoutCounters()
 
+    def reset_counters(self) -> None:
+        """`counters` from zero (the placements of a start-up profile are not the server's)."""
+        self.counters = LayoutCounters()
+
     # -- queries -----------------------------------------------------------------------------
 
     def owner(self, page: int) -> tuple[str, bool] | None:

@@ -513,8 +513,11 @@ class AntiphonScheduler(Scheduler):
         return taken
 
     def reset_counters(self) -> None:
-        """Counters from zero; the cost model's fields stay what they are."""
+        """Counters from zero, the bidirectional blocks' too; the cost model's fields stay
+        what they are."""
         self.stats = self.stats.reset()
+        if self.pages is not None:
+            self.pages.layout.reset_counters()
 
     def antiphon_stats(self) -> dict[str, Any]:
         return self.stats.snapshot(num_waiting=len(self.waiting), num_running=len(self.running),

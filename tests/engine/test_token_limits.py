@@ -16,6 +16,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from antiphon.engine_ext.config import SchedulerSettings
 from antiphon.engine_ext.policies.base import Policy
 from antiphon.engine_ext.scheduler import AntiphonAsyncScheduler, AntiphonScheduler
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
@@ -39,7 +40,8 @@ class ScriptedPlans(Policy):
 
 
 def scheduler(plans: list[StepPlan], max_num_seqs: int = 16,
-              cls: type[AntiphonScheduler] = AntiphonScheduler) -> AntiphonScheduler:
+              cls: type[AntiphonScheduler] = AntiphonScheduler,
+              settings: SchedulerSettings | None = None) -> AntiphonScheduler:
     """vLLM's scheduler as the engine builds it (100 pages of 16 tokens, 2,048 tokens a step),
     with `plans` for its policy; no engine, no model weights loaded."""
     model = ModelConfig(model=str(resolve_model(None)), dtype="float32", max_model_len=2048)
@@ -49,7 +51,7 @@ def scheduler(plans: list[StepPlan], max_num_seqs: int = 16,
                                          max_model_len=2048, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=False),
-        additional_config={})
+        additional_config={} if settings is None else settings.to_additional_config())
     config.cache_config.num_gpu_blocks = 100
     pages = KVCacheConfig(num_blocks=100, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=PAGE, num_kv_heads=1,
@@ -137,6 +139,19 @@ def test_an_rt_turn_takes_the_seat_of_be_work_the_plan_runs_when_none_sits_out()
     assert scheduled(sched.schedule()) == {"r2": 20}
     assert {r.request_id for r in sched.running} == {"r1", "r2"}
     assert sched.stats.seat_preemptions == 1 and sched.requests["b"].num_preemptions == 1
+
+
+def test_reset_counters_zeroes_the_bidirectional_blocks_counters_too() -> None:
+    # The server resets the counters after the start-up profile; the shared blocks' (pages
+    # placed, collisions) kept the profile's in /metrics.
+    sched = scheduler([StepPlan(order=["a"])] * 3,
+                      settings=SchedulerSettings(policy="fcfs", biblocks=True))
+    sched.add_request(request("a", 40))
+    for _ in range(3):
+        finish_step(sched, sched.schedule())
+    assert sched.antiphon_stats()["biblocks"]["pages_placed"] > 0
+    sched.reset_counters()
+    assert sched.antiphon_stats()["biblocks"]["pages_placed"] == 0
 
 
 def test_each_step_trains_the_cost_model_with_its_own_shape_when_scheduled_ahead() -> None:
