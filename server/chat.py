@@ -86,11 +86,15 @@ class Generation:
     replaces_reply: bool = False  # a session turn: its reply replaces the session's last one
     tool_use: ToolUse | None = None  # a chat completion with tools: how its reply holds calls
     session_claim: str | None = None  # a session turn: its hold on the session (`claim`)
+    # a session turn that had to leave messages out: its reply moves the session's window to
+    # `context_start` (a turn taken back leaves the window where it was)
+    moves_window: bool = False
     # a session turn that committed messages (a user's, or tools' results): their role and
-    # contents, and the title they gave the session (if they named it), to withdraw all of it
-    # if the engine refuses the turn
+    # contents, the title they gave the session (if they named it), and its updated_at before
+    # them, to withdraw all of it if the engine refuses the turn
     committed: tuple[str, tuple[str, ...]] | None = None
     committed_title: str | None = None
+    updated_at_before: float | None = None
 
     @property
     def text(self) -> str:

@@ -418,25 +418,25 @@ class SessionTurns:
             gen.context_start = start + cut
             gen.replaces_reply = replaces_reply
             gen.session_claim = hold
+            gen.moves_window = cut > 0  # with the reply: a turn taken back moves nothing
             if cut:
                 logger.info("session %s outgrew the model's context: the model sees it from "
                             "message %d on", msg.session_id, start + cut)
-                await asyncio.to_thread(self.store.move_window, msg.session_id, start + cut)
+            count = self.chat.engine.count_tokens
+            title = None  # (a session's first message names it)
+            messages: list[tuple[str, int, str | None]]
             if isinstance(msg, protocol.ToolResults):
-                count = self.chat.engine.count_tokens
-                await asyncio.to_thread(self.store.append_tool_results, msg.session_id, [
-                    (r.tool_call_id, r.content, count(r.content)) for r in msg.results])
-                gen.committed = ("tool", tuple(r.content for r in msg.results))
-            if not isinstance(msg, protocol.ChatMessage):
+                role, messages = "tool", [(r.content, count(r.content), r.tool_call_id)
+                                          for r in msg.results]
+            elif isinstance(msg, protocol.ChatMessage):
+                role, messages = "user", [(msg.content, count(msg.content), None)]
+                title = None if seen.history else title_from(msg.content) or None
+            else:
                 return gen
-            await asyncio.to_thread(self.store.append_message, msg.session_id, "user",
-                                    msg.content, self.chat.engine.count_tokens(msg.content))
-            gen.committed = ("user", (msg.content,))
-            if not seen.history:
-                title = title_from(msg.content)
-                named = bool(title) and await asyncio.to_thread(
-                    self.store.title_if_untitled, msg.session_id, title)
-                gen.committed_title = title if named else None
+            named, gen.updated_at_before = await asyncio.to_thread(
+                self.store.add_turn_messages, msg.session_id, role, messages, title)
+            gen.committed = (role, tuple(content for content, _, _ in messages))
+            gen.committed_title = title if named else None
         except BaseException:
             self.release(msg.session_id, hold)
             raise
@@ -561,7 +561,8 @@ class SessionTurns:
             return False
         try:
             return await asyncio.to_thread(self.store.withdraw_messages, session_id,
-                                           *gen.committed, gen.committed_title)
+                                           *gen.committed, gen.committed_title,
+                                           gen.updated_at_before)
         except Exception:
             logger.exception("session %s: withdrawing the message of turn %s failed",
                              session_id, gen.request_id)
@@ -655,7 +656,8 @@ class SessionTurns:
         context = self.chat.engine.context_tokens(gen.prompt_token_ids, gen.output_token_ids)
         await asyncio.to_thread(self.store.append_message, session_id, "assistant", content,
                                 gen.num_output_tokens, finish_reason, context,
-                                replaces_reply=gen.replaces_reply, tool_calls=tool_calls)
+                                replaces_reply=gen.replaces_reply, tool_calls=tool_calls,
+                                window=gen.context_start if gen.moves_window else None)
 
 
 class Seen(NamedTuple):

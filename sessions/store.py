@@ -254,19 +254,38 @@ class SessionStore:
             ).fetchall()
         return [Session(*r) for r in rows]
 
-    def title_if_untitled(self, session_id: str, title: str, untitled: str = "New chat") -> bool:
-        """Name a session after its first message unless it was named already (True: named)."""
-        with self._db.locked() as db:
-            cur = db.execute("UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?",
-                             (title, session_id, untitled))
-        return cur.rowcount == 1
+    def add_turn_messages(self, session_id: str, role: str,
+                          messages: Sequence[tuple[str, int, str | None]],
+                          title: str | None = None, untitled: str = "New chat",
+                          ) -> tuple[bool, float]:
+        """Append and commit a turn's messages of `role` (a user's, or tools' results), each
+        (content, num_tokens, tool_call_id), bumping updated_at, and with `title` name the
+        session after them unless it was named already: one transaction, durable on return
+        (a crash between the message and its title left the session untitled for good).
+        Returns whether it named the session, and the session's updated_at before: what
+        `withdraw_messages` gives back."""
+        now = time.time()
+        with self._db.transaction() as db:
+            row = db.execute("SELECT updated_at FROM sessions WHERE session_id = ?",
+                             (session_id,)).fetchone()
+            for content, num_tokens, tool_call_id in messages:
+                _insert_message(db, session_id, Message(role, content, num_tokens, now,
+                                                        tool_call_id=tool_call_id))
+            db.execute("UPDATE sessions SET updated_at = ? WHERE session_id = ?",
+                       (now, session_id))
+            named = title is not None and db.execute(
+                "UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?",
+                (title, session_id, untitled)).rowcount == 1
+        return named, now if row is None else float(row[0])
 
     def withdraw_messages(self, session_id: str, role: str, contents: Sequence[str],
-                          title: str | None = None, untitled: str = "New chat") -> bool:
+                          title: str | None = None, updated_at: float | None = None,
+                          untitled: str = "New chat") -> bool:
         """Delete the session's last messages if they are `contents`, in order, all of `role`
-        (what a turn the engine refused had committed), and, with `title`, give the session
-        back its untitled name if they named it and nothing renamed it since. One
-        transaction; True when the messages were deleted."""
+        (what a turn the engine refused had committed), give the session back its
+        `updated_at` from before them (the listings' order), and, with `title`, its untitled
+        name if they named it and nothing renamed it since. One transaction; True when the
+        messages were deleted."""
         with self._db.transaction() as db:
             rows = db.execute("SELECT seq, role, content FROM messages WHERE session_id = ?"
                               " ORDER BY seq DESC LIMIT ?",
@@ -276,6 +295,9 @@ class SessionStore:
                 return False
             db.execute("DELETE FROM messages WHERE session_id = ? AND seq >= ?",
                        (session_id, rows[-1][0]))
+            if updated_at is not None:
+                db.execute("UPDATE sessions SET updated_at = ? WHERE session_id = ?",
+                           (updated_at, session_id))
             if title is not None:
                 db.execute("UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?"
                            " AND NOT EXISTS (SELECT 1 FROM messages WHERE session_id = ?)",
@@ -342,15 +364,18 @@ class SessionStore:
         self, session_id: str, role: str, content: str, num_tokens: int,
         finish_reason: str | None = None, context_ids: Sequence[int] | None = None,
         replaces_reply: bool = False, tool_calls: Sequence[dict[str, Any]] | None = None,
+        window: int | None = None,
     ) -> Message:
         """Append and commit one message (durable on return); bumps the session's updated_at.
         `context_ids`: the conversation's exact tokens through this message (`context`).
         `replaces_reply`: the session's last message, if a reply, is deleted in the same
-        transaction (a regenerated reply). `tool_calls`: an assistant's calls of tools."""
+        transaction (a regenerated reply). `tool_calls`: an assistant's calls of tools.
+        `window`: the window moves to it in the same transaction (`move_window`): a reply
+        whose turn left messages out."""
         now = time.time()
-        pruned = False
         calls = None if tool_calls is None else tuple(tool_calls)
         with self._db.transaction() as db:
+            pruned = False if window is None else self._move_window(db, session_id, window)
             if replaces_reply:
                 db.execute(
                     "DELETE FROM messages WHERE session_id = ? AND role = 'assistant' AND seq ="
@@ -362,27 +387,13 @@ class SessionStore:
                        (now, session_id))
             if context_ids is not None:
                 ids = _ids(context_ids)
-                pruned = self._keep_diverged_chain(db, session_id, ids)
+                pruned = self._keep_diverged_chain(db, session_id, ids) or pruned
                 db.execute(
                     "INSERT OR REPLACE INTO contexts SELECT ?, COUNT(*), ? FROM messages"
                     " WHERE session_id = ?",
                     (session_id, ids, session_id))
         self._erasure_queued(pruned)
         return Message(role, content, num_tokens, now, finish_reason, calls)
-
-    def append_tool_results(self, session_id: str,
-                            results: Sequence[tuple[str, str, int]]) -> list[Message]:
-        """Append and commit the results of tools, (tool_call_id, content, num_tokens) each,
-        in one transaction (durable on return); bumps the session's updated_at."""
-        now = time.time()
-        messages = [Message("tool", content, num_tokens, now, tool_call_id=call_id)
-                    for call_id, content, num_tokens in results]
-        with self._db.transaction() as db:
-            for message in messages:
-                _insert_message(db, session_id, message)
-            db.execute("UPDATE sessions SET updated_at = ? WHERE session_id = ?",
-                       (now, session_id))
-        return messages
 
     def set_context(self, session_id: str, token_ids: Sequence[int]) -> None:
         """Keep `token_ids` as the session's context with no messages behind it
@@ -451,11 +462,16 @@ class SessionStore:
         """From now on the model sees the conversation from message `first_message` on; the
         stored context, rendered from the messages before, is dropped with it."""
         with self._db.transaction() as db:
-            db.execute("INSERT OR REPLACE INTO windows SELECT session_id, ? FROM sessions"
-                       " WHERE session_id = ?", (first_message, session_id))
-            pruned = self._keep_diverged_chain(db, session_id, None)
-            db.execute("DELETE FROM contexts WHERE session_id = ?", (session_id,))
+            pruned = self._move_window(db, session_id, first_message)
         self._erasure_queued(pruned)
+
+    def _move_window(self, db: sqlite3.Connection, session_id: str, first_message: int) -> bool:
+        """`move_window` in transaction `db`; True when a chain was queued for erasure."""
+        db.execute("INSERT OR REPLACE INTO windows SELECT session_id, ? FROM sessions"
+                   " WHERE session_id = ?", (first_message, session_id))
+        pruned = self._keep_diverged_chain(db, session_id, None)
+        db.execute("DELETE FROM contexts WHERE session_id = ?", (session_id,))
+        return pruned
 
     def revision(self, session_id: str) -> tuple[Any, ...] | None:
         """A value that changes whenever what the session's conversation renders to may have:

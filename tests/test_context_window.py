@@ -164,3 +164,31 @@ async def test_a_reply_asking_for_more_room_than_the_refill_leaves_gets_a_deeper
             third = await turn(ws, sid, "m2 " + "x" * 56, max_tokens=400)
     assert third["type"] == "done", third
     assert engine.prompts[-1].count("<user>") == 1  # the newest message alone
+
+
+async def test_a_turn_taken_back_leaves_the_window_and_the_listing_as_they_were(
+        tmp_path: Path) -> None:
+    """A long message that needed a cut, which the engine then refused: the message went,
+    but the window had moved past the whole conversation, for good (a regenerate found no
+    message to answer, the next turn's prompt held no history), and the session went to the
+    top of the listings."""
+    from tests.test_rest_api import RefusingEngine
+
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}}
+    engine = RefusingEngine(max_model_len=MAX_MODEL_LEN)
+    with live_server(scripted_config(tmp_path, max_content_chars=900), engine) as url:
+        sid = await talk(url, None, 0, 3)
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            await send(ws, type="session.open")
+            other = (await recv(ws))["session"]["session_id"]  # listed first from here on
+            before = (await open_session(ws, sid))["session"]
+            await send(ws, type="message", session_id=sid, content="L" * 600,
+                       response_format=schema)
+            assert [f["type"] for f in (await recv(ws), await recv(ws))] == ["accepted", "error"]
+            after = (await open_session(ws, sid))["session"]
+            assert after == before
+            await send(ws, type="session.list")
+            assert [s["session_id"] for s in (await recv(ws))["sessions"]] == [other, sid]
+            await send(ws, type="regenerate", session_id=sid)
+            assert (await recv_until(ws, "done"))[-1]["finish_reason"] == "stop"
+        assert "message 0" in engine.decode(engine.request_prompts[-1])

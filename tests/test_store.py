@@ -80,9 +80,24 @@ def test_list_orders_by_update_and_delete_cascades(tmp_path: Path) -> None:
 def test_first_message_names_untitled_session(tmp_path: Path) -> None:
     store = SessionStore(tmp_path / "s.sqlite3")
     s = store.create_session("o")
-    store.title_if_untitled(s.session_id, "What is KV caching")
-    store.title_if_untitled(s.session_id, "second")
+    assert store.add_turn_messages(s.session_id, "user", [("What is KV caching?", 5, None)],
+                                   "What is KV caching") == (True, s.updated_at)
+    named, _ = store.add_turn_messages(s.session_id, "user", [("second", 1, None)], "second")
+    assert not named
     assert store.get_session("o", s.session_id).title == "What is KV caching"  # type: ignore[union-attr]
+
+
+def test_withdrawn_messages_leave_the_session_as_it_was(tmp_path: Path) -> None:
+    """A turn the engine refused gives back the title its message gave and the session's
+    place in the listings (its updated_at)."""
+    store = SessionStore(tmp_path / "s.sqlite3")
+    s = store.create_session("o")
+    named, before = store.add_turn_messages(s.session_id, "user", [("hi there", 2, None)],
+                                            "hi there")
+    assert named and store.withdraw_messages(s.session_id, "user", ["hi there"], "hi there",
+                                             before)
+    again = store.get_session("o", s.session_id)
+    assert again is not None and (again.title, again.updated_at) == ("New chat", s.updated_at)
 
 
 def test_a_reply_stores_the_exact_context_tokens_with_it(tmp_path: Path) -> None:
@@ -208,7 +223,7 @@ def test_a_sessions_revision_changes_with_what_its_conversation_renders_to(
     changed()
     store.move_window(sid, 1)
     changed()
-    store.append_tool_results(sid, [("call_1", "42", 1)])
+    store.add_turn_messages(sid, "tool", [("42", 1, "call_1")])
     changed()
     store.messages(sid)
     store.rename_session("o", sid, "renamed")
