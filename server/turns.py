@@ -529,9 +529,12 @@ class SessionTurns:
                 **({} if tool_calls is None else {"tool_calls": tool_calls})), is_user_cancel)
         except BaseException:
             # Disconnected or shut down mid-reply: keep what the user already saw.
-            if commit is not None:  # saved, or being saved: let the save end
-                try:
-                    await asyncio.shield(commit)
+            if commit is not None:  # saved, or being saved: let the save end, whatever
+                try:  # cancels land meanwhile (the session is let go after it, below)
+                    while not commit.done():
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await asyncio.shield(commit)
+                    commit.result()
                 except Exception:
                     logger.exception("session %s: saving the reply to %s failed", session_id,
                                      rid)

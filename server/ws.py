@@ -51,7 +51,11 @@ class _Turn:
 
     def cancel(self) -> None:
         """Stop the turn as a `cancel` does: its run at once, or, while it is being accepted,
-        once it is under way (a refused turn has nothing to stop)."""
+        once it is under way (a refused turn has nothing to stop). Once: a run cancelled again
+        (a stop button clicked again and again) broke into the saving of its cut reply, and
+        gave the session up before the save ended."""
+        if self.is_cancelled:
+            return
         self.is_cancelled = True
         if self.run is not None:
             self.run.cancel()

@@ -197,6 +197,43 @@ async def test_cancel_keeps_partial_reply(scripted: Scripted) -> None:
     assert not scripted.engine.active_request_ids
 
 
+async def test_cancels_sent_again_and_again_end_the_turn_once(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop button clicked again while the cut reply is saved (slowly: a busy disk): each
+    cancel cancelled the run again, so with three the turn never sent its `done`, and with
+    four the session was let go before the save ended: the next message went in first and
+    the cut reply after it."""
+    from antiphon.sessions.store import SessionStore
+
+    save = SessionStore.append_message
+
+    def slow_save(self: SessionStore, session_id: str, role: str, *args: Any,
+                  **kwargs: Any) -> Any:
+        if role == "assistant" and "cancelled" in args:
+            time.sleep(0.6)
+        return save(self, session_id, role, *args, **kwargs)
+    monkeypatch.setattr(SessionStore, "append_message", slow_save)
+    scripted.engine.token_delay_s = 0.05
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="first " + "w " * 50,
+                   request_id="r")
+        await recv_until(ws, "token")
+        for _ in range(4):
+            await send(ws, type="cancel", request_id="r")
+            await asyncio.sleep(0.1)
+        await send(ws, type="message", session_id=sid, content="second", request_id="s")
+        frames = await recv_until(ws, "done")
+        if frames[-1]["request_id"] == "r":
+            frames += await recv_until(ws, "done")
+        ends = [(f["type"], f["request_id"]) for f in frames if f["type"] in ("done", "error")]
+        assert ends == [("done", "r"), ("done", "s")], frames
+        history = (await open_session(ws, sid))["messages"]
+    assert [(m["role"], m.get("finish_reason")) for m in history] == [
+        ("user", None), ("assistant", "cancelled"), ("user", None), ("assistant", "stop")]
+    assert history[2]["content"] == "second"
+
+
 async def test_disconnect_mid_stream_aborts_generation(scripted: Scripted) -> None:
     scripted.engine.token_delay_s = 0.05
     async with connect(scripted.ws_url) as ws:
