@@ -134,6 +134,28 @@ def test_resident_prefixes_count_whole_shared_pages_but_never_the_last_token() -
     assert resident.num_cached_tokens(dataclasses.replace(seen, num_computed_tokens=64)) == 0
 
 
+@pytest.mark.parametrize("name", ["hygen", "echo"])
+def test_a_prefix_held_by_a_request_preempted_in_the_plan_is_not_resident(name: str) -> None:
+    """The pages of a BE request preempted for an RT turn go back to the pool: a waiting
+    request over the same document was credited them as still held too, and the plan needed
+    more pages than the pool had."""
+    doc = chain("d0", "d1", "d2", "d3", "d4")  # a 5-page document
+    held = view("V", BE, prompt=80, computed=83, output=4, running=True,  # 6 of the 8 pages
+                prefix_page_hashes=doc)
+    over_doc = view("W", BE, prompt=96, arrival=1.0, prefix_page_hashes=(*doc, *chain("q")))
+    turn = view("R", prompt=90, arrival=2.0)  # 6 pages
+    views = {v.request_id: v for v in (held, over_doc, turn)}
+    plan = make_policy(name, constant_cost(0.001)).plan(
+        list(views.values()), StepBudget(now_s=2.0, max_num_seqs=8, max_num_tokens=2048,
+                                         num_free_pages=2, page_tokens=PAGE,
+                                         num_total_pages=8))
+    assert plan.preempt == ["V"] and plan.order[0] == "R"
+    # every page a planned request holds after the step comes from the pool (V's are back
+    # in it: W finding them in the prefix cache takes them from it too)
+    assert sum(new_pages(views[rid], plan.token_limits.get(rid, views[rid].num_new_tokens),
+                         PAGE) for rid in plan.order) <= 2 + 6
+
+
 @pytest.mark.parametrize("name", ["echo", "hygen"])
 def test_a_be_request_over_a_document_a_running_one_holds_is_admitted(name: str) -> None:
     """Batch items asking questions over one document: the scheduler's view counts the

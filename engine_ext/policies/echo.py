@@ -81,7 +81,9 @@ class EchoPolicy(Policy):
         # step without limit (to 1 s in a review).
         rt_slacks = sorted(v.due_in_s(budget.now_s) for v in rts if v.request_id in seated)
         evicted = set(plan.preempt)
-        resident = self._resident.update(views, budget.page_tokens)
+        # (not the requests evicted for RT ones: their pages go back to the pool)
+        resident = self._resident.update(
+            [v for v in views if v.request_id not in evicted], budget.page_tokens)
         running = [v for v in bes if v.is_running and v.request_id not in evicted]
         self._add_be(running, batch, rt_slacks, resident, 0, budget.max_be_step_s)
         # Preempted requests before those not yet started: ranked together by benefit per

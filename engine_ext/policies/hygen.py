@@ -76,7 +76,9 @@ class HygenPolicy(Policy):
         preempted = set(plan.preempt)
         running_bes = [v for v in bes if v.is_running and v.request_id not in preempted]
         waiting_bes = [v for v in bes if not v.is_running]
-        resident = self._resident.update(views, budget.page_tokens)
+        # (not the requests preempted for RT ones: their pages go back to the pool)
+        resident = self._resident.update(
+            [v for v in views if v.request_id not in preempted], budget.page_tokens)
         # BE work also keeps the step within the arrival guard, so a turn arriving meanwhile
         # does not wait behind a long document prefill.
         self._offline_phase(running_bes, waiting_bes, batch, min(limit_s, budget.max_be_step_s),
