@@ -321,13 +321,16 @@ class AntiphonScheduler(Scheduler):
         settings = self.settings
         aim = 1.0 - settings.slo_headroom
         num_computed, num_restore = request.num_computed_tokens, 0
+        num_shared = self._shared_pages(request) if is_running else 0
         # A request asking for its prompt's logprobs computes its whole prompt: vLLM reads no
         # cached KV for it, the device's or the tiers' (`skip_reading_prefix_cache`).
         if not is_running and not request.skip_reading_prefix_cache:
             # What admission will find is not computed: pages still in the device's prefix
             # cache (a preempted request's, a shared prefix) and what the KV tiers will load. A
             # follow-up turn whose context is stored costs its new message, not its prompt.
-            num_computed = max(num_computed, self._device_cached_tokens(request))
+            device = self._device_cached_tokens(request)
+            num_shared = self._held_prefix_pages(request, device // self.block_size)
+            num_computed = max(num_computed, device)
             if self._stored_prefix_tokens is not None:
                 stored = self._stored_prefix_tokens(request)
                 num_restore = max(0, stored - num_computed)
@@ -350,7 +353,37 @@ class AntiphonScheduler(Scheduler):
             checkpoint_pages=(self._checkpoint_cost(request) if is_running and not is_rt
                               and self._checkpoint_cost is not None else None),
             prefix_page_hashes=request.block_hashes,  # read-only; no per-step copy
+            num_shared_pages=num_shared,
         )
+
+    def _held_prefix_pages(self, request: Request, num_pages: int) -> int:
+        """Of the first `num_pages` pages of waiting `request`'s device prefix hit, those
+        running requests hold (admission takes them without allocating). They lead the hit:
+        a request holding a page holds the pages before it (the hashes chain), so a
+        bisection finds them."""
+        hashes, pool = request.block_hashes, self.kv_cache_manager.block_pool
+        lo, hi = 0, min(num_pages, len(hashes))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            blocks = pool.get_cached_block(hashes[mid - 1], [0])
+            if blocks and blocks[0].ref_cnt > 0:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _shared_pages(self, request: Request) -> int:
+        """Pages of running `request` another request holds too (a preemption of it does not
+        give them back): its leading pages, as for `_held_prefix_pages`."""
+        blocks = self.kv_cache_manager.coordinator.get_blocks(request.request_id)[0]
+        lo, hi = 0, len(blocks)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if blocks[mid - 1].ref_cnt > 1:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _device_cached_tokens(self, request: Request) -> int:
         """Prompt tokens of a waiting request in the device's prefix cache: a lookup of its

@@ -36,6 +36,10 @@ class RequestView:
     checkpoint_pages: int | None = None
     # RT: when its first token was produced (seconds, the arrival clock); None before that.
     first_token_s: float | None = None
+    # Pages other running requests hold too (a shared system prompt, one document): waiting,
+    # the part of its prefix admission takes without allocating; running, what a preemption
+    # of it does not give back.
+    num_shared_pages: int = 0
     prefix_page_hashes: Sequence[bytes] = ()
     """Chained hashes of the prompt's full KV pages (vLLM's block hashes): two requests share
     their first k pages exactly when their first k hashes are equal. The scheduler passes

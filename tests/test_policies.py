@@ -144,6 +144,28 @@ def test_echo_resumes_a_preempted_be_request_before_fresh_ones() -> None:
     assert plan.order == ["resumed", "fresh"]
 
 
+@pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
+def test_a_turn_over_pages_running_requests_hold_preempts_only_for_its_own(name: str) -> None:
+    """A turn whose 4-page system prompt a running turn holds needs one page: counted as 5,
+    BE work was preempted for pages it did not need (5 requests for 1 page)."""
+    turn = view("r1", prompt=70, computed=64, num_shared_pages=4)
+    bes = [view(f"b{i}", BE, prompt=8, computed=10, output=3, running=True)
+           for i in range(7)]
+    r0 = view("r0", prompt=64, computed=74, output=11, running=True)
+    plan = make_policy(name, constant_cost(0.01)).plan([r0, turn, *bes], budget(free_pages=0))
+    assert "r1" in plan.order and len(plan.preempt) == 1, plan
+
+
+def test_a_victim_gives_back_only_the_pages_no_other_request_holds() -> None:
+    """Two BE requests over one document: preempting one frees its own page, not the four
+    the other still holds (counted as freed, the plan seated a turn on them)."""
+    shared = [view(f"b{i}", BE, prompt=66, computed=67, output=2, running=True,
+                   num_shared_pages=4) for i in (1, 2)]
+    plan = make_policy("bros", constant_cost(0.01)).plan(
+        [*shared, view("r", prompt=40)], budget(free_pages=1))  # the turn needs 3 pages
+    assert sorted(plan.preempt) == ["b1", "b2"] and "r" in plan.order, plan
+
+
 def test_cost_model_learns_a_linear_step_time() -> None:
     rng = np.random.default_rng(0)
     form = HygenForm()

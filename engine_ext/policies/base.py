@@ -25,7 +25,21 @@ def pages_for(num_tokens: int, page_tokens: int) -> int:
     return -(-num_tokens // page_tokens)
 
 
+def held_pages(view: RequestView, page_tokens: int) -> int:
+    """KV pages of `view`'s computed tokens it need not allocate: all of them for a running
+    request, the ones running requests hold for a waiting one (counted as new, a turn over a
+    shared system prompt preempted BE work for pages it did not need)."""
+    if view.is_running:
+        return pages_for(view.num_computed_tokens, page_tokens)
+    return view.num_shared_pages
+
+
+def freed_pages(view: RequestView, page_tokens: int) -> int:
+    """KV pages a preemption of running `view` gives back: those no other request holds."""
+    return pages_for(view.num_computed_tokens, page_tokens) - view.num_shared_pages
+
+
 def new_pages(view: RequestView, num_new_tokens: int, page_tokens: int) -> int:
     """KV pages `view` must allocate to compute `num_new_tokens` more tokens."""
-    held = pages_for(view.num_computed_tokens, page_tokens) if view.is_running else 0
-    return pages_for(view.num_computed_tokens + num_new_tokens, page_tokens) - held
+    return (pages_for(view.num_computed_tokens + num_new_tokens, page_tokens)
+            - held_pages(view, page_tokens))

@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterable
 
 from antiphon.engine_ext.costmodel import CostModel, StepShape
-from antiphon.engine_ext.policies.base import pages_for
+from antiphon.engine_ext.policies.base import freed_pages, held_pages, pages_for
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
 
@@ -61,8 +61,7 @@ class StepBatch:
         time or tokens cut the chunk short)."""
         page_tokens = self.page_tokens
         start = view.num_computed_tokens + num_cached_tokens
-        held = (pages_for(view.num_computed_tokens, page_tokens) if view.is_running else 0)
-        held += num_cached_tokens // page_tokens
+        held = held_pages(view, page_tokens) + num_cached_tokens // page_tokens
         by_pages = (held + self.pages_left) * page_tokens - start
         wanted = min(view.num_new_tokens - num_cached_tokens, self.tokens_left)
         by_time = self.tokens_within(view, limit_s, wanted, start)
@@ -121,7 +120,7 @@ class Victims:
 
     def __init__(self, views: Iterable[RequestView], page_tokens: int) -> None:
         self._stack = list(views)[::-1]  # pop() takes the next victim
-        self.num_pages = sum(pages_for(v.num_computed_tokens, page_tokens) for v in self._stack)
+        self.num_pages = sum(freed_pages(v, page_tokens) for v in self._stack)
 
     def __bool__(self) -> bool:
         return bool(self._stack)
@@ -138,9 +137,10 @@ class Victims:
 
 
 def preempt(view: RequestView, batch: StepBatch, plan: StepPlan) -> int:
-    """Preempt running `view` before the step: its id goes to `plan.preempt`, its pages back
-    to `batch`. Returns the pages freed."""
-    freed = pages_for(view.num_computed_tokens, batch.page_tokens)
+    """Preempt running `view` before the step: its id goes to `plan.preempt`, the pages no
+    other request holds back to `batch` (counting the shared ones, the plan seated work on
+    pages still held). Returns the pages freed."""
+    freed = freed_pages(view, batch.page_tokens)
     plan.preempt.append(view.request_id)
     batch.pages_left += freed
     return freed

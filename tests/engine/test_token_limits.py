@@ -10,6 +10,8 @@ import pytest
 import torch
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -17,7 +19,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from antiphon.engine_ext.config import SchedulerSettings
-from antiphon.engine_ext.policies.base import Policy
+from antiphon.engine_ext.policies.base import Policy, freed_pages, new_pages
 from antiphon.engine_ext.scheduler import AntiphonAsyncScheduler, AntiphonScheduler
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 from antiphon.model import resolve_model
@@ -25,6 +27,8 @@ from antiphon.model import resolve_model
 pytestmark = pytest.mark.engine
 
 PAGE = 16
+init_none_hash(sha256)
+_block_hasher = get_request_block_hasher(PAGE, sha256)
 
 
 class ScriptedPlans(Policy):
@@ -41,7 +45,8 @@ class ScriptedPlans(Policy):
 
 def scheduler(plans: list[StepPlan], max_num_seqs: int = 16,
               cls: type[AntiphonScheduler] = AntiphonScheduler,
-              settings: SchedulerSettings | None = None) -> AntiphonScheduler:
+              settings: SchedulerSettings | None = None,
+              prefix_caching: bool = False) -> AntiphonScheduler:
     """vLLM's scheduler as the engine builds it (100 pages of 16 tokens, 2,048 tokens a step),
     with `plans` for its policy; no engine, no model weights loaded."""
     model = ModelConfig(model=str(resolve_model(None)), dtype="float32", max_model_len=2048)
@@ -50,7 +55,7 @@ def scheduler(plans: list[StepPlan], max_num_seqs: int = 16,
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
                                          max_model_len=2048, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=False),
+        cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=prefix_caching),
         additional_config={} if settings is None else settings.to_additional_config())
     config.cache_config.num_gpu_blocks = 100
     pages = KVCacheConfig(num_blocks=100, kv_cache_tensors=[], kv_cache_groups=[
@@ -63,10 +68,14 @@ def scheduler(plans: list[StepPlan], max_num_seqs: int = 16,
     return sched
 
 
-def request(rid: str, num_prompt_tokens: int, request_class: str = "rt") -> Request:
-    return Request(rid, list(range(1, num_prompt_tokens + 1)),
+def request(rid: str, num_prompt_tokens: int | list[int], request_class: str = "rt") -> Request:
+    """A request of `num_prompt_tokens` tokens (1, 2, ...), or of the tokens given; with the
+    page hashes prefix caching needs."""
+    tokens = (num_prompt_tokens if isinstance(num_prompt_tokens, list)
+              else list(range(1, num_prompt_tokens + 1)))
+    return Request(rid, tokens,
                    SamplingParams(max_tokens=8, extra_args={"antiphon_class": request_class}),
-                   None)
+                   None, block_hasher=_block_hasher)
 
 
 def finish_step(sched: AntiphonScheduler, output: SchedulerOutput) -> None:
@@ -152,6 +161,27 @@ def test_reset_counters_zeroes_the_bidirectional_blocks_counters_too() -> None:
     assert sched.antiphon_stats()["biblocks"]["pages_placed"] > 0
     sched.reset_counters()
     assert sched.antiphon_stats()["biblocks"]["pages_placed"] == 0
+
+
+def test_views_count_the_pages_running_requests_share() -> None:
+    # A turn over the system prompt a running one holds allocates only its own pages, and a
+    # preemption of one of two requests over one document gives back only its own: counted
+    # as new and as freed, BE work was preempted for pages a turn did not need, and a plan
+    # seated work on pages still held.
+    system = list(range(1, 65))  # 4 pages
+    sched = scheduler([StepPlan(order=["r0", "b1", "b2"])] * 2, prefix_caching=True)
+    sched.add_request(request("r0", [*system, *range(900, 910)]))
+    sched.add_request(request("b1", [*range(2000, 2064), 5, 6], "be"))
+    sched.add_request(request("b2", [*range(2000, 2064), 7, 8], "be"))
+    for _ in range(2):
+        finish_step(sched, sched.schedule())
+    sched.add_request(request("r1", [*system, *range(800, 806)]))
+    views = {v.request_id: v for v in sched._views()}
+    assert views["r1"].num_shared_pages == 4 and views["r1"].num_computed_tokens == 64
+    assert new_pages(views["r1"], 6, PAGE) == 1
+    assert (views["b1"].num_shared_pages, views["b2"].num_shared_pages) == (4, 4)
+    assert views["r0"].num_shared_pages == 0  # nothing else runs over the system prompt
+    assert freed_pages(views["b1"], PAGE) == 1
 
 
 def test_each_step_trains_the_cost_model_with_its_own_shape_when_scheduled_ahead() -> None:
