@@ -259,6 +259,8 @@ class AntiphonScheduler(Scheduler):
         self._first_token_s.pop(request.request_id, None)
         self._lost_tokens.pop(request.request_id, None)
         self._device_hits.pop(request.request_id, None)
+        if self.pages is not None:
+            self.pages.layout.forget_tails(request.request_id)
         return super()._free_request(request, *args, **kwargs)
 
     def check_integrity(self) -> list[str]:

@@ -51,6 +51,25 @@ def test_an_rt_request_that_grows_into_a_preempted_be_block_takes_its_tail() -> 
     assert pool.layout.counters.collisions == 1
 
 
+def test_a_page_is_a_collision_only_while_its_be_request_waits_to_run_again() -> None:
+    """A preempted BE request's pages stayed tails for ever: an RT request taking one long
+    after the BE request had resumed, or ended, counted a collision."""
+    pool = Pool(9, 8)
+    pool.grow("be", False, 2)  # pages 7, 6
+    pool.layout.preempting("be")
+    pool.finish("be")
+    pool.grow("be", False, 1)  # it resumes (page 7 again, from the prefix cache say)
+    pool.grow("rt", True, 7)  # every other page, 6 among them
+    assert pool.layout.counters.collisions == 0
+    pool.finish("rt")
+    pool.grow("other", False, 1)
+    pool.layout.preempting("other")
+    pool.finish("other")
+    pool.layout.forget_tails("other")  # it ended while it waited (aborted)
+    pool.grow("rt", True, 6)
+    assert pool.layout.counters.collisions == 0
+
+
 def test_placement_prefers_blocks_without_a_request_of_the_same_class() -> None:
     pool = Pool(13, 4)  # blocks [1..3], [4..7], [8..11], [12]
     pool.grow("rt-a", True, 1)
