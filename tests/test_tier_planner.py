@@ -694,6 +694,28 @@ def test_write_through_evicts_other_kv_before_a_checkpoint(tmp_path: Path) -> No
         planner.close()
 
 
+def test_a_checkpoint_a_full_host_tier_evicts_is_cut_where_it_was_evicted(tmp_path: Path
+                                                                          ) -> None:
+    # Host tier alone, 10 slots, 6 of them "be"'s checkpoint. Later turns fill the rest, then
+    # need more: with nothing else to evict the tier takes checkpointed chunks (a full tier
+    # may: the request recomputes them). The preemption table still listed them, and the
+    # idle integrity check logged an error for it.
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=10 * PAGE_BYTES, ssd_tier_bytes=0)
+    try:
+        tokens = [*TURN1, 110]
+        _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10])
+        fake_worker_saves(planner, meta.checkpoints)
+        planner.step_done({meta.step}, set())
+        short = planner.stats()["checkpoint_short_tokens"]
+        run_turn(planner, "other", list(range(500, 509)), [1, 2, 3])
+        run_turn(planner, "third", list(range(600, 613)), [4, 5, 6, 11])
+        assert planner.stored_prefix_tokens(TokenView("be", tokens)) < 10
+        assert planner.check_integrity() == []
+        assert planner.stats()["checkpoint_short_tokens"] > short
+    finally:
+        planner.close()
+
+
 def test_a_finished_request_leaves_the_preemption_table(planner: TierPlanner) -> None:
     tokens = [*TURN1, 110]
     _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10])

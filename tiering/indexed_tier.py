@@ -194,6 +194,8 @@ class IndexedTier(Tier, Generic[Location]):
         for key, entry in evicted:
             self._free(key, entry)
         self.stats.evictions += len(evicted)
+        if self.on_evict is not None:
+            self.on_evict([key for key, _ in evicted])
         return True
 
     def _drop_corrupt(self, key: ChunkKey, entry: IndexEntry[Location]) -> None:

@@ -25,6 +25,7 @@ make a running turn recompute.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -99,6 +100,10 @@ class TierPlanner:
         self._in_flight: dict[int, StepInFlight] = {}
         self._pending_checkpoints: list[PageCopy] = []
         self._checkpoints: dict[str, Checkpoint] = {}  # the preemption table
+        # Checkpointed chunks' keys a tier evicted (only when nothing without a hint was left
+        # to evict), noted by the evicting thread, settled under the lock (`_settle_evictions`)
+        self._checkpointed: set[bytes] = set()  # the prefix hashes of the table's chunks
+        self._evicted: collections.deque[ChunkKey] = collections.deque()
         self._forgetting: dict[str, Future[tuple[int, int]]] = {}  # deleted sessions' erasures
         # Chunks being forgotten: saves of them still in flight are not published (a deleted
         # session's last turn may have copies on their way); cleared once none are.
@@ -108,6 +113,8 @@ class TierPlanner:
         self.counters = TieringCounters()
         self.advisories = AdvisoryBook(self._prefetcher, self.store, host, self.counters,
                                        config.advisory_ttl_s)
+        for tier in self.store.tiers:
+            tier.on_evict = self._note_evicted
 
     @property
     def arena_name(self) -> str:
@@ -278,6 +285,7 @@ class TierPlanner:
     def build_metadata(self, scheduled: Sequence[tuple[str, int]]) -> TieringMetadata:
         """This step's copies; `scheduled` is (request id, tokens computed once the step ran)."""
         with self._lock:
+            self._settle_evictions()
             meta = TieringMetadata(self._step, self.arena_name, self._pending_loads,
                                    self._pending_early, checkpoints=self._pending_checkpoints)
             self._pending_checkpoints = []
@@ -419,6 +427,7 @@ class TierPlanner:
             c.checkpoint_short_tokens += num_computed - held
             self._checkpoints[request_id] = Checkpoint(num_computed, held, tuple(restore))
             kept = {key.prefix_hash for key in restore}  # out of any erasure running
+            self._checkpointed |= kept
             self._forgotten_chunks -= kept
             for wanted in self._erasing:
                 wanted -= kept
@@ -445,6 +454,7 @@ class TierPlanner:
         """The preemption table against the tiers: every chunk a checkpointed request will
         restore is held by a tier (or on its way into the host arena). Returns the problems."""
         with self._lock:
+            self._settle_evictions()
             problems = []
             for request_id, cp in self._checkpoints.items():
                 if request_id not in self._requests:
@@ -843,7 +853,31 @@ class TierPlanner:
         if self._checkpoints.pop(request_id, None) is None:
             return False
         self.store.clear_hint(_checkpoint_hint(request_id))
+        self._checkpointed = {key.prefix_hash for cp in self._checkpoints.values()
+                              for key in cp.chunks}
         return True
+
+    def _note_evicted(self, keys: list[ChunkKey]) -> None:
+        """A tier evicted `keys` (its lock held: only noted here)."""
+        self._evicted.extend(key for key in keys if key.prefix_hash in self._checkpointed)
+
+    def _settle_evictions(self) -> None:
+        """Cut each checkpoint at its first chunk a full tier evicted from every tier (lock
+        held): the request recomputes from there when it runs again (as when the host arena
+        had no room at the checkpoint: `checkpoint_short_tokens`), and the preemption table
+        says what the tiers hold."""
+        while self._evicted:
+            key = self._evicted.popleft()
+            if self._held(key.with_layer(0)):
+                continue
+            for cp_id, cp in self._checkpoints.items():
+                cut = next((i for i, k in enumerate(cp.chunks)
+                            if k.prefix_hash == key.prefix_hash), None)
+                if cut is None:
+                    continue
+                held = min(cp.held_tokens, cp.chunks[cut].chunk_index * self.chunk_tokens)
+                self.counters.checkpoint_short_tokens += cp.held_tokens - held
+                self._checkpoints[cp_id] = Checkpoint(cp.num_tokens, held, cp.chunks[:cut])
 
     def _unpin(self, st: RequestState) -> None:
         self.host.unpin_all(st.pins)

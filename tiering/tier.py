@@ -10,7 +10,7 @@ key names its content.
 from __future__ import annotations
 
 import abc
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from types import TracebackType
 
@@ -44,6 +44,9 @@ class Tier(abc.ABC):
 
     name: str  # label for stats and errors; the manager never branches on it
     stats: TierStats
+    # Told the keys each eviction drops, with the tier's lock held (so it must only note
+    # them); None: nobody listens.
+    on_evict: Callable[[list[ChunkKey]], None] | None = None
 
     @property
     @abc.abstractmethod
