@@ -39,6 +39,7 @@ from antiphon.server.errors import ApiError, ErrorCode, over_limit
 from antiphon.server.metrics import FinishedRequest, ServerMetrics
 from antiphon.server.protocol import SEED_RANGE
 from antiphon.server.tools import ToolUse
+from antiphon.sessions.store import TurnUndo
 
 logger = logging.getLogger(__name__)
 
@@ -86,15 +87,11 @@ class Generation:
     replaces_reply: bool = False  # a session turn: its reply replaces the session's last one
     tool_use: ToolUse | None = None  # a chat completion with tools: how its reply holds calls
     session_claim: str | None = None  # a session turn: its hold on the session (`claim`)
-    # a session turn that had to leave messages out: its reply moves the session's window to
-    # `context_start` (a turn taken back leaves the window where it was)
-    moves_window: bool = False
     # a session turn that committed messages (a user's, or tools' results): their role and
-    # contents, the title they gave the session (if they named it), and its updated_at before
-    # them, to withdraw all of it if the engine refuses the turn
+    # contents, and what else they changed of the session, to withdraw all of it if the
+    # engine refuses the turn
     committed: tuple[str, tuple[str, ...]] | None = None
-    committed_title: str | None = None
-    updated_at_before: float | None = None
+    committed_undo: TurnUndo | None = None
 
     @property
     def text(self) -> str:

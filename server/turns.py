@@ -418,7 +418,7 @@ class SessionTurns:
             gen.context_start = start + cut
             gen.replaces_reply = replaces_reply
             gen.session_claim = hold
-            gen.moves_window = cut > 0  # with the reply: a turn taken back moves nothing
+            window = start + cut if cut else None
             if cut:
                 logger.info("session %s outgrew the model's context: the model sees it from "
                             "message %d on", msg.session_id, start + cut)
@@ -431,12 +431,13 @@ class SessionTurns:
             elif isinstance(msg, protocol.ChatMessage):
                 role, messages = "user", [(msg.content, count(msg.content), None)]
                 title = None if seen.history else title_from(msg.content) or None
-            else:
+            else:  # a regenerate: it adds no message, so the window moves alone
+                if window is not None:
+                    await asyncio.to_thread(self.store.move_window, msg.session_id, window)
                 return gen
-            named, gen.updated_at_before = await asyncio.to_thread(
-                self.store.add_turn_messages, msg.session_id, role, messages, title)
+            gen.committed_undo = await asyncio.to_thread(
+                self.store.add_turn_messages, msg.session_id, role, messages, title, window)
             gen.committed = (role, tuple(content for content, _, _ in messages))
-            gen.committed_title = title if named else None
         except BaseException:
             self.release(msg.session_id, hold)
             raise
@@ -529,6 +530,12 @@ class SessionTurns:
                 **({} if tool_calls is None else {"tool_calls": tool_calls})), is_user_cancel)
         except BaseException:
             # Disconnected or shut down mid-reply: keep what the user already saw.
+            if commit is None and gen.pieces and not settled:  # (no save begun: none was
+                # due unless the reply has pieces; once settled, the session may hold a later
+                # turn's messages)
+                gen.finish_reason = gen.finish_reason or "cancelled"
+                commit = asyncio.ensure_future(
+                    self._commit_reply(session_id, gen, _reply(gen, calls)))
             if commit is not None:  # saved, or being saved: let the save end, whatever
                 try:  # cancels land meanwhile (the session is let go after it, below)
                     while not commit.done():
@@ -538,10 +545,6 @@ class SessionTurns:
                 except Exception:
                     logger.exception("session %s: saving the reply to %s failed", session_id,
                                      rid)
-            elif gen.pieces and not settled:  # (no save begun: none was due unless the reply
-                # has pieces; once settled, the session may hold a later turn's messages)
-                gen.finish_reason = gen.finish_reason or "cancelled"
-                await asyncio.shield(self._commit_reply(session_id, gen, _reply(gen, calls)))
             raise
         finally:
             settle()
@@ -564,8 +567,7 @@ class SessionTurns:
             return False
         try:
             return await asyncio.to_thread(self.store.withdraw_messages, session_id,
-                                           *gen.committed, gen.committed_title,
-                                           gen.updated_at_before)
+                                           *gen.committed, gen.committed_undo)
         except Exception:
             logger.exception("session %s: withdrawing the message of turn %s failed",
                              session_id, gen.request_id)
@@ -659,8 +661,7 @@ class SessionTurns:
         context = self.chat.engine.context_tokens(gen.prompt_token_ids, gen.output_token_ids)
         await asyncio.to_thread(self.store.append_message, session_id, "assistant", content,
                                 gen.num_output_tokens, finish_reason, context,
-                                replaces_reply=gen.replaces_reply, tool_calls=tool_calls,
-                                window=gen.context_start if gen.moves_window else None)
+                                replaces_reply=gen.replaces_reply, tool_calls=tool_calls)
 
 
 class Seen(NamedTuple):

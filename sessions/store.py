@@ -180,6 +180,17 @@ def _unpack_chains(blob: bytes) -> list[tuple[int, ...]]:
     return chains
 
 
+@dataclasses.dataclass(frozen=True)
+class TurnUndo:
+    """What a turn's messages changed of their session besides adding themselves, for
+    `withdraw_messages` to give back (`add_turn_messages`)."""
+
+    updated_at: float  # the session's, before them (orders the listings)
+    title: str | None = None  # the title they gave the session; None: they gave none
+    window: int | None = None  # where the window was, when they moved it
+    context: tuple[int, bytes] | None = None  # the stored context the move dropped
+
+
 def _insert_message(db: sqlite3.Connection, session_id: str, m: Message) -> None:
     """Insert `m` as the session's next message (seq one past its last)."""
     calls = None if m.tool_calls is None else json.dumps(m.tool_calls)
@@ -256,18 +267,27 @@ class SessionStore:
 
     def add_turn_messages(self, session_id: str, role: str,
                           messages: Sequence[tuple[str, int, str | None]],
-                          title: str | None = None, untitled: str = "New chat",
-                          ) -> tuple[bool, float]:
+                          title: str | None = None, window: int | None = None,
+                          untitled: str = "New chat") -> TurnUndo:
         """Append and commit a turn's messages of `role` (a user's, or tools' results), each
-        (content, num_tokens, tool_call_id), bumping updated_at, and with `title` name the
-        session after them unless it was named already: one transaction, durable on return
-        (a crash between the message and its title left the session untitled for good).
-        Returns whether it named the session, and the session's updated_at before: what
-        `withdraw_messages` gives back."""
+        (content, num_tokens, tool_call_id), bumping updated_at; with `title` name the session
+        after them unless it was named already; with `window`, move the window there first
+        (`move_window`: a turn that leaves messages out). One transaction, durable on return:
+        a crash between them left a window moved past a message never added, or a session
+        untitled for good. Returns what `withdraw_messages` gives back."""
         now = time.time()
+        pruned, old_window, old_context = False, None, None
         with self._db.transaction() as db:
             row = db.execute("SELECT updated_at FROM sessions WHERE session_id = ?",
                              (session_id,)).fetchone()
+            if window is not None:
+                at = db.execute("SELECT first_message FROM windows WHERE session_id = ?",
+                                (session_id,)).fetchone()
+                old_window = 0 if at is None else int(at[0])
+                old_context = db.execute(
+                    "SELECT num_messages, token_ids FROM contexts WHERE session_id = ?",
+                    (session_id,)).fetchone()
+                pruned = self._move_window(db, session_id, window)
             for content, num_tokens, tool_call_id in messages:
                 _insert_message(db, session_id, Message(role, content, num_tokens, now,
                                                         tool_call_id=tool_call_id))
@@ -276,16 +296,18 @@ class SessionStore:
             named = title is not None and db.execute(
                 "UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?",
                 (title, session_id, untitled)).rowcount == 1
-        return named, now if row is None else float(row[0])
+        self._erasure_queued(pruned)
+        return TurnUndo(now if row is None else float(row[0]), title if named else None,
+                        old_window, None if old_context is None else tuple(old_context))
 
     def withdraw_messages(self, session_id: str, role: str, contents: Sequence[str],
-                          title: str | None = None, updated_at: float | None = None,
-                          untitled: str = "New chat") -> bool:
+                          undo: TurnUndo | None = None, untitled: str = "New chat") -> bool:
         """Delete the session's last messages if they are `contents`, in order, all of `role`
-        (what a turn the engine refused had committed), give the session back its
-        `updated_at` from before them (the listings' order), and, with `title`, its untitled
-        name if they named it and nothing renamed it since. One transaction; True when the
-        messages were deleted."""
+        (what a turn the engine refused had committed), and give back what `undo` says they
+        changed: the session's updated_at (the listings' order), its untitled name if they
+        named it and nothing renamed it since, and the window and stored context if they
+        moved it (the model saw none of the conversation before them again, for good). One
+        transaction; True when the messages were deleted."""
         with self._db.transaction() as db:
             rows = db.execute("SELECT seq, role, content FROM messages WHERE session_id = ?"
                               " ORDER BY seq DESC LIMIT ?",
@@ -295,14 +317,27 @@ class SessionStore:
                 return False
             db.execute("DELETE FROM messages WHERE session_id = ? AND seq >= ?",
                        (session_id, rows[-1][0]))
-            if updated_at is not None:
-                db.execute("UPDATE sessions SET updated_at = ? WHERE session_id = ?",
-                           (updated_at, session_id))
-            if title is not None:
-                db.execute("UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?"
-                           " AND NOT EXISTS (SELECT 1 FROM messages WHERE session_id = ?)",
-                           (untitled, session_id, title, session_id))
+            if undo is not None:
+                self._undo(db, session_id, undo, untitled)
         return True
+
+    def _undo(self, db: sqlite3.Connection, session_id: str, undo: TurnUndo,
+              untitled: str) -> None:
+        db.execute("UPDATE sessions SET updated_at = ? WHERE session_id = ?",
+                   (undo.updated_at, session_id))
+        if undo.title is not None:
+            db.execute("UPDATE sessions SET title = ? WHERE session_id = ? AND title = ?"
+                       " AND NOT EXISTS (SELECT 1 FROM messages WHERE session_id = ?)",
+                       (untitled, session_id, undo.title, session_id))
+        if undo.window is not None:
+            db.execute("INSERT OR REPLACE INTO windows SELECT session_id, ? FROM sessions"
+                       " WHERE session_id = ?", (undo.window, session_id))
+        if undo.context is not None:  # back, and no longer one of the chains it ran
+            num_messages, token_ids = undo.context
+            db.execute("INSERT OR REPLACE INTO contexts VALUES (?, ?, ?)",
+                       (session_id, num_messages, token_ids))
+            db.execute("DELETE FROM kv_chains WHERE session_id = ? AND token_ids = ?",
+                       (session_id, token_ids))
 
     def rename_session(self, owner: str, session_id: str, title: str) -> bool:
         """Set the title; `updated_at` (the last turn, which orders listings) stays."""
@@ -364,18 +399,15 @@ class SessionStore:
         self, session_id: str, role: str, content: str, num_tokens: int,
         finish_reason: str | None = None, context_ids: Sequence[int] | None = None,
         replaces_reply: bool = False, tool_calls: Sequence[dict[str, Any]] | None = None,
-        window: int | None = None,
     ) -> Message:
         """Append and commit one message (durable on return); bumps the session's updated_at.
         `context_ids`: the conversation's exact tokens through this message (`context`).
         `replaces_reply`: the session's last message, if a reply, is deleted in the same
-        transaction (a regenerated reply). `tool_calls`: an assistant's calls of tools.
-        `window`: the window moves to it in the same transaction (`move_window`): a reply
-        whose turn left messages out."""
+        transaction (a regenerated reply). `tool_calls`: an assistant's calls of tools."""
         now = time.time()
         calls = None if tool_calls is None else tuple(tool_calls)
         with self._db.transaction() as db:
-            pruned = False if window is None else self._move_window(db, session_id, window)
+            pruned = False
             if replaces_reply:
                 db.execute(
                     "DELETE FROM messages WHERE session_id = ? AND role = 'assistant' AND seq ="
@@ -387,7 +419,7 @@ class SessionStore:
                        (now, session_id))
             if context_ids is not None:
                 ids = _ids(context_ids)
-                pruned = self._keep_diverged_chain(db, session_id, ids) or pruned
+                pruned = self._keep_diverged_chain(db, session_id, ids)
                 db.execute(
                     "INSERT OR REPLACE INTO contexts SELECT ?, COUNT(*), ? FROM messages"
                     " WHERE session_id = ?",

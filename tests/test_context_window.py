@@ -5,11 +5,13 @@ cut conversation's exact tokens again. Real websocket clients, a live server, a 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 from websockets.asyncio.client import connect
 
+from antiphon.engine_ext.engine import EngineRequestFailedError
 from antiphon.engine_ext.scripted import ScriptedEngine
 from tests.conftest import scripted_config
 from tests.liveserver import live_server
@@ -192,3 +194,70 @@ async def test_a_turn_taken_back_leaves_the_window_and_the_listing_as_they_were(
             await send(ws, type="regenerate", session_id=sid)
             assert (await recv_until(ws, "done"))[-1]["finish_reason"] == "stop"
         assert "message 0" in engine.decode(engine.request_prompts[-1])
+
+
+class FailAfterPrompt(ScriptedEngine):
+    def __init__(self) -> None:
+        super().__init__(max_model_len=MAX_MODEL_LEN)
+        self.fail = False
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> Any:
+        if self.fail:
+            self.fail = False
+            self.request_prompts.append(list(prompt_token_ids))
+            raise EngineRequestFailedError("engine failed mid-turn")
+        async for d in super().generate(request_id, prompt_token_ids, params):
+            yield d
+
+
+async def test_failed_cut_turn_then_delete_erases_the_prompt_that_ran(tmp_path: Path) -> None:
+    """A turn that cut the window, then failed in the engine after its prompt ran (its KV is
+    in the tiers), then the session deleted: the erasure names the prompt that ran (a review
+    caught a change that moved the window only with the reply: the erasure missed it)."""
+    engine = FailAfterPrompt()
+    config = scripted_config(tmp_path, max_content_chars=500, context_refill_frac=0.5)
+    with live_server(config, engine) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            for i in range(40):
+                engine.fail = True
+                await send(ws, type="message", session_id=sid, content=f"message {i} " + "x" * 30)
+                await recv_until(ws, "error")
+                ran = engine.decode(engine.request_prompts[-1])
+                cut = not ran.startswith("<user>message 0 ")
+                if cut:
+                    break
+                # not a cut yet: answer it properly (regenerate) and go on
+                await send(ws, type="regenerate", session_id=sid)
+                done = (await recv_until(ws, "done"))[-1]
+                assert done["context_start"] == 0
+            assert cut, "no cut happened"
+            await send(ws, type="session.delete", session_id=sid)
+            await recv_until(ws, "session.deleted")
+        for _ in range(100):
+            if engine.forgotten:
+                break
+            await asyncio.sleep(0.02)
+    chains = [engine.decode(c) for c in engine.forgotten[0][1]]
+    assert any(c.startswith(ran) for c in chains), "the failed turn's prompt (its KV) is not erased"
+
+
+async def test_regenerate_cut_cancelled_before_first_token(tmp_path: Path) -> None:
+    """A regenerate that cut the window, stopped before its first token (it keeps the old
+    reply): its `done` reports the window the session has."""
+    engine = ScriptedEngine(max_model_len=1000)
+    config = scripted_config(tmp_path, max_content_chars=500, context_refill_frac=0.5)
+    with live_server(config, engine) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            for i in range(3):
+                await send(ws, type="message", session_id=sid, content=f"message {i} " + "x" * 30)
+                assert (await recv_until(ws, "done"))[-1]["context_start"] == 0
+            engine.token_delay_s = 0.5
+            await send(ws, type="regenerate", session_id=sid, request_id="g", max_tokens=900)
+            accepted = await recv(ws)
+            assert accepted["type"] == "accepted", accepted
+            await send(ws, type="cancel", request_id="g")
+            done = (await recv_until(ws, "done"))[-1]
+            session = (await open_session(ws, sid))["session"]
+    assert done["context_start"] == session["context_start"]

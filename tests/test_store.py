@@ -80,24 +80,32 @@ def test_list_orders_by_update_and_delete_cascades(tmp_path: Path) -> None:
 def test_first_message_names_untitled_session(tmp_path: Path) -> None:
     store = SessionStore(tmp_path / "s.sqlite3")
     s = store.create_session("o")
-    assert store.add_turn_messages(s.session_id, "user", [("What is KV caching?", 5, None)],
-                                   "What is KV caching") == (True, s.updated_at)
-    named, _ = store.add_turn_messages(s.session_id, "user", [("second", 1, None)], "second")
-    assert not named
+    undo = store.add_turn_messages(s.session_id, "user", [("What is KV caching?", 5, None)],
+                                   "What is KV caching")
+    assert (undo.title, undo.updated_at) == ("What is KV caching", s.updated_at)
+    assert store.add_turn_messages(s.session_id, "user", [("second", 1, None)],
+                                   "second").title is None
     assert store.get_session("o", s.session_id).title == "What is KV caching"  # type: ignore[union-attr]
 
 
 def test_withdrawn_messages_leave_the_session_as_it_was(tmp_path: Path) -> None:
-    """A turn the engine refused gives back the title its message gave and the session's
-    place in the listings (its updated_at)."""
+    """A turn the engine refused gives back the title its message gave, the session's place
+    in the listings (its updated_at), and the window and stored context its cut moved."""
     store = SessionStore(tmp_path / "s.sqlite3")
     s = store.create_session("o")
-    named, before = store.add_turn_messages(s.session_id, "user", [("hi there", 2, None)],
-                                            "hi there")
-    assert named and store.withdraw_messages(s.session_id, "user", ["hi there"], "hi there",
-                                             before)
-    again = store.get_session("o", s.session_id)
+    sid = s.session_id
+    undo = store.add_turn_messages(sid, "user", [("hi there", 2, None)], "hi there")
+    assert store.withdraw_messages(sid, "user", ["hi there"], undo)
+    again = store.get_session("o", sid)
     assert again is not None and (again.title, again.updated_at) == ("New chat", s.updated_at)
+    store.add_turn_messages(sid, "user", [("hello", 1, None)])
+    store.append_message(sid, "assistant", "hi", 1, "stop", context_ids=[1, 2, 3])
+    before = (store.window_start(sid), store.context(sid), store.kv_chains(sid))
+    undo = store.add_turn_messages(sid, "user", [("long", 9, None)], window=2)
+    assert (store.window_start(sid), store.context(sid)) == (2, None)
+    assert store.withdraw_messages(sid, "user", ["long"], undo)
+    assert (store.window_start(sid), store.context(sid), store.kv_chains(sid)) == before
+    store.check_integrity()
 
 
 def test_a_reply_stores_the_exact_context_tokens_with_it(tmp_path: Path) -> None:

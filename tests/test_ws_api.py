@@ -15,6 +15,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.server import ws as wsmod
+from antiphon.sessions.store import SessionStore
 from tests.conftest import Scripted, scripted_config
 from tests.liveserver import live_server, running_server
 from tests.wsclient import chat, open_session, recv, recv_until, send
@@ -203,8 +205,6 @@ async def test_cancels_sent_again_and_again_end_the_turn_once(
     cancel cancelled the run again, so with three the turn never sent its `done`, and with
     four the session was let go before the save ended: the next message went in first and
     the cut reply after it."""
-    from antiphon.sessions.store import SessionStore
-
     save = SessionStore.append_message
 
     def slow_save(self: SessionStore, session_id: str, role: str, *args: Any,
@@ -994,3 +994,47 @@ async def test_a_reply_cut_by_a_disconnect_is_kept_before_its_session_is_let_go(
         messages = (await open_session(ws, streaming))["messages"]
     assert [(m["role"], m["finish_reason"]) for m in messages] == [
         ("user", None), ("assistant", "stop")]
+
+
+async def test_disconnect_during_cut_reply_save(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client whose socket fails while a token is sent, then whose connection ends (its
+    runs cancelled) while the cut reply is saved (a slow disk): the run holds the session
+    until the save ends (it let it go, and the client's next message went in first)."""
+    save = SessionStore.append_message
+
+    def slow_save(self: SessionStore, session_id: str, role: str, *args: Any, **kw: Any) -> Any:
+        if role == "assistant" and "cancelled" in args:
+            time.sleep(0.8)
+        return save(self, session_id, role, *args, **kw)
+    monkeypatch.setattr(SessionStore, "append_message", slow_save)
+
+    real_send = wsmod.Connection.send
+    sent = {"n": 0}
+
+    async def failing_send(self: Any, frame: str) -> None:
+        if '"token"' in frame and '"request_id": "r"' in frame.replace('":"', '": "'):
+            sent["n"] += 1
+            if sent["n"] >= 3:
+                raise RuntimeError("the socket is gone (send failed)")
+        await real_send(self, frame)
+    monkeypatch.setattr(wsmod.Connection, "send", failing_send)
+
+    engine = ScriptedEngine(token_delay_s=0.05, max_model_len=4000)
+    with live_server(scripted_config(tmp_path, max_content_chars=1000), engine) as url:
+        wsu = url.replace("http://", "ws://") + "/v1/ws"
+        async with connect(wsu) as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            await send(ws, type="message", session_id=sid, content="first " + "w " * 50,
+                       request_id="r")
+            await recv_until(ws, "token")
+            await asyncio.sleep(0.3)  # the send failed meanwhile: the run saves its cut reply
+        # the socket closed: the connection cancels its runs, while the save is under way
+        await asyncio.sleep(0.1)
+        async with connect(wsu) as ws:
+            await send(ws, type="message", session_id=sid, content="second", request_id="s")
+            await recv_until(ws, "done")
+            await asyncio.sleep(1.0)
+            history = (await open_session(ws, sid))["messages"]
+    got = [(m["role"], m["content"][:6]) for m in history]
+    assert got[:3] == [("user", "first "), ("assistant", got[1][1]), ("user", "second")], got
