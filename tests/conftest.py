@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,3 +49,13 @@ def scripted(tmp_path: Path) -> Iterator[Scripted]:
                              max_frame_bytes=8192, dashboard_interval_s=0.1)
     with live_server(config, engine) as url:
         yield Scripted(url, engine, config)
+
+
+async def erasures(engine: ScriptedEngine, timeout_s: float = 2.0) -> list[Any]:
+    """What the server had `engine` forget (the erasures of deleted sessions' KV), once it
+    has asked (it does so in the background)."""
+    for _ in range(int(timeout_s / 0.02)):
+        if engine.forgotten:
+            break
+        await asyncio.sleep(0.02)
+    return list(engine.forgotten)

@@ -5,7 +5,6 @@ cut conversation's exact tokens again. Real websocket clients, a live server, a 
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ from websockets.asyncio.client import connect
 
 from antiphon.engine_ext.engine import EngineRequestFailedError
 from antiphon.engine_ext.scripted import ScriptedEngine
-from tests.conftest import scripted_config
+from tests.conftest import erasures, scripted_config
 from tests.liveserver import live_server
 from tests.wsclient import open_session, recv, recv_until, send
 
@@ -234,10 +233,7 @@ async def test_failed_cut_turn_then_delete_erases_the_prompt_that_ran(tmp_path: 
             assert cut, "no cut happened"
             await send(ws, type="session.delete", session_id=sid)
             await recv_until(ws, "session.deleted")
-        for _ in range(100):
-            if engine.forgotten:
-                break
-            await asyncio.sleep(0.02)
+        await erasures(engine)
     chains = [engine.decode(c) for c in engine.forgotten[0][1]]
     assert any(c.startswith(ran) for c in chains), "the failed turn's prompt (its KV) is not erased"
 

@@ -16,7 +16,7 @@ from antiphon.tiering.connector_meta import TieringMetadata
 from antiphon.tiering.keys import chain_hashes, prefix_hashes, tail_hashes
 from antiphon.tiering.manager import ErasureIncomplete
 from antiphon.tiering.planner import TierPlanner, TokenView
-from tests.conftest import scripted_config
+from tests.conftest import erasures, scripted_config
 from tests.liveserver import live_server
 from tests.test_tier_planner import CHUNK, LAYERS, TURN1, make_planner, run_turn
 from tests.wsclient import chat, open_session, recv_until, send
@@ -558,10 +558,7 @@ async def test_the_server_erases_a_live_sessions_old_chains_sparing_what_it_runs
                     "messages": [{"role": "user", "content": text}],
                     "vllm_xargs": {"session_id": sid}})
                 assert reply.status_code == 200, reply.text
-        for _ in range(100):
-            if engine.forgotten:
-                break
-            await asyncio.sleep(0.02)
+        await erasures(engine)
     ((session_id, chains, _),) = engine.forgotten
     (keep,) = engine.kept
     assert session_id == sid
@@ -596,10 +593,7 @@ async def test_deleting_a_session_has_the_engine_erase_its_kv_even_after_a_resta
 
     engine = ScriptedEngine()
     with live_server(config, engine) as url:
-        for _ in range(100):
-            if engine.forgotten:
-                break
-            await asyncio.sleep(0.02)
+        await erasures(engine)
     ((session_id, chains, salt),) = engine.forgotten
     assert (session_id, salt) == (sid, None)
     context = "<user>hello\n<assistant>" + first["done"]["text"]
@@ -623,10 +617,7 @@ async def test_the_erasure_names_the_owners_kv(tmp_path: Path, owner_key: str | 
             await recv_until(ws, "done")
             await send(ws, type="session.delete", session_id=sid)
             await recv_until(ws, "session.deleted")
-        for _ in range(100):
-            if engine.forgotten:
-                break
-            await asyncio.sleep(0.02)
+        await erasures(engine)
     ((_, chains, salt),) = engine.forgotten
     assert (salt is None) == (owner_key is None)
     rendered = ["".join(map(chr, c)) for c in chains]
