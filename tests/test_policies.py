@@ -132,6 +132,22 @@ def test_be_order_running_then_preempted_then_least_to_restore_then_arrival() ->
         "stored_prefix"]
 
 
+def test_bros_keeps_fresh_be_work_off_the_pages_a_resuming_request_waits_for() -> None:
+    """Under memory pressure a fresh batch item took the free pages each step, and a
+    preempted request resuming with its whole context (17 pages) never got in."""
+    policy = BrosPolicy(constant_cost(0.01), base_batch_size=64)
+    resumed = view("resumed", BE, prompt=256, computed=256, output=3, num_restore_tokens=256,
+                   num_preemptions=1)
+    running = view("running", BE, prompt=100, computed=110, output=11, running=True)
+    plan = policy.plan([resumed, running, view("fresh", BE, prompt=32, arrival=1.0)],
+                       budget(free_pages=10))
+    assert plan.order == ["running"]  # its 7 pages free when it ends
+    # with nothing running to free pages, the fresh item does start
+    plan = policy.plan([resumed, view("fresh", BE, prompt=32, arrival=1.0)],
+                       budget(free_pages=10))
+    assert plan.order == ["fresh"]
+
+
 def test_echo_resumes_a_preempted_be_request_before_fresh_ones() -> None:
     """Ranked with fresh requests by tokens per second, a resumed request with one token
     left to compute came last, and a batch's fresh items kept it waiting."""

@@ -141,14 +141,14 @@ class BrosPolicy(Policy):
         be_limit = min(be_time, budget.max_be_step_s)
         is_slack_limited = be_time <= budget.max_be_step_s
         is_at_risk = self._add_be(bes, batch, plan, cap, be_limit, is_slack_limited,
-                                  is_admission_blocked) or is_at_risk
+                                  is_admission_blocked, can_pages_free) or is_at_risk
         # A waiting BE request may not start on the pages a waiting RT turn needs, unless the
         # step would be empty without it (not in the paper): an empty step makes no progress,
         # and in the ablation without block preemption it followed when the running BE request
         # the turn waited on preempted itself, short of pages.
         if is_admission_blocked and not batch.ids:
             is_at_risk = self._add_be(bes, batch, plan, cap, be_limit, is_slack_limited,
-                                      False) or is_at_risk
+                                      False, can_pages_free) or is_at_risk
 
         self._adapt_batch_size(is_at_risk, budget.max_num_seqs)
         plan.order = batch.ids
@@ -156,14 +156,20 @@ class BrosPolicy(Policy):
         return plan
 
     def _add_be(self, bes: Sequence[RequestView], batch: StepBatch, plan: StepPlan, cap: int,
-                be_limit: float, is_slack_limited: bool, is_admission_blocked: bool) -> bool:
+                be_limit: float, is_slack_limited: bool, is_admission_blocked: bool,
+                can_pages_free: bool) -> bool:
         """BE requests in order, running first, each its largest chunk within `be_limit` (an
         RT token's slack where `is_slack_limited`, else the arrival guard); returns whether
-        the slack cut a chunk (the step is at risk)."""
+        the slack cut a chunk (the step is at risk). A preempted request short of pages keeps
+        those not yet started from the pages it waits for while running ones can free them
+        (under memory pressure fresh batch items took each page as it freed, and a request
+        resuming with its whole context never got in)."""
         is_at_risk = False
         preempted = set(plan.preempt)
+        is_resume_waiting = False
         for view in bes:
-            if view.request_id in preempted or (is_admission_blocked and not view.is_running):
+            if view.request_id in preempted or (not view.is_running and (
+                    is_admission_blocked or (is_resume_waiting and not view.num_preemptions))):
                 continue  # nor may a BE request start on the pages a waiting RT turn needs
             if len(batch.ids) >= cap or batch.tokens_left <= 0:
                 break
@@ -172,6 +178,8 @@ class BrosPolicy(Policy):
             if is_short_of_pages:
                 if not self.block_preemption and view.is_running:
                     preempt(view, batch, plan)
+                elif not view.is_running and view.num_preemptions:
+                    is_resume_waiting = is_resume_waiting or can_pages_free
                 continue  # a smaller BE request may still fit
             if chunk < min(view.num_new_tokens, batch.tokens_left):
                 # cut by time: by an RT token's slack (at risk), else by the arrival guard
