@@ -402,9 +402,12 @@ def test_foreign_entries_in_the_folder_are_not_followed_or_fatal(tmp_path: Path)
     directory.mkdir()
     (directory / "zz").symlink_to(elsewhere)
     (directory / "ab" / "notes.kv").mkdir(parents=True)
+    (directory / "gx").mkdir()  # not a shard's name (hexadecimal)
+    (directory / "gx" / "index.kv").write_bytes(b"not ours")
     with open_tier(directory) as tier:
         assert tier.scan_report.num_legacy_removed == 0
     assert (elsewhere / "precious.kv").exists() and (directory / "ab" / "notes.kv").is_dir()
+    assert (directory / "gx" / "index.kv").exists()
 
 
 def test_one_tier_per_directory(tmp_path: Path) -> None:

@@ -474,7 +474,8 @@ def _remove_legacy_files(directory: Path) -> int:
     for shard in directory.iterdir():
         # Nothing else is followed or fatal: a link (to a folder elsewhere, whose files are
         # not the tier's) or a folder named like a chunk file is left as it is.
-        if len(shard.name) != 2 or shard.is_symlink() or not shard.is_dir():
+        if (len(shard.name) != 2 or not all(c in "0123456789abcdef" for c in shard.name)
+                or shard.is_symlink() or not shard.is_dir()):
             continue
         try:
             for path in shard.iterdir():
