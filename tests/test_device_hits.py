@@ -107,6 +107,7 @@ def test_a_request_that_reads_no_cached_kv_is_viewed_as_computing_its_whole_prom
     sched._stored_prefix_tokens = lambda request: 62 * PAGE  # the tiers hold it all too
     sched._first_token_s, sched._checkpoint_cost = {}, None
     sched._device_cached_tokens = lambda r: AntiphonScheduler._device_cached_tokens(sched, r)
+    sched._held_prefix_pages = lambda r, num_pages: 0  # no request runs
     for prompt_logprobs, computed in ((None, 62 * PAGE), (1, 0)):
         params = SamplingParams(max_tokens=16, prompt_logprobs=prompt_logprobs)
         request = Request("r", list(range(1000)), params, None)
