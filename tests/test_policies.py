@@ -132,10 +132,11 @@ def test_be_order_running_then_preempted_then_least_to_restore_then_arrival() ->
         "stored_prefix"]
 
 
-def test_bros_keeps_fresh_be_work_off_the_pages_a_resuming_request_waits_for() -> None:
+@pytest.mark.parametrize("name", ["bros", "echo"])
+def test_fresh_be_work_stays_off_the_pages_a_resuming_request_waits_for(name: str) -> None:
     """Under memory pressure a fresh batch item took the free pages each step, and a
     preempted request resuming with its whole context (17 pages) never got in."""
-    policy = BrosPolicy(constant_cost(0.01), base_batch_size=64)
+    policy = make_policy(name, constant_cost(0.01))
     resumed = view("resumed", BE, prompt=256, computed=256, output=3, num_restore_tokens=256,
                    num_preemptions=1)
     running = view("running", BE, prompt=100, computed=110, output=11, running=True)

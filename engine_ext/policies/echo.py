@@ -88,10 +88,16 @@ class EchoPolicy(Policy):
         self._add_be(running, batch, rt_slacks, resident, 0, budget.max_be_step_s)
         # Preempted requests before those not yet started: ranked together by benefit per
         # second, a resumed decode (a token a step) came last, and waited for as long as a
-        # batch had fresh items to start.
+        # batch had fresh items to start. One short of pages keeps the fresh ones off the
+        # pages it waits for while running requests can free them (they took each page as it
+        # freed, and a request resuming with its whole context never got in).
+        can_pages_free = any(v.is_running for v in views)
         for resuming in (True, False):
             waiting = [v for v in bes if not v.is_running and (v.num_preemptions > 0) == resuming]
-            self._add_be(waiting, batch, rt_slacks, resident, reserve, budget.max_be_step_s)
+            is_short = self._add_be(waiting, batch, rt_slacks, resident, reserve,
+                                    budget.max_be_step_s)
+            if resuming and is_short and can_pages_free:
+                break
         plan.order = batch.ids
         plan.token_limits = batch.token_limits
         return plan
@@ -142,11 +148,13 @@ class EchoPolicy(Policy):
             batch.add(view, new, pages)
 
     def _add_be(self, candidates: list[RequestView], batch: StepBatch, rt_slacks: list[float],
-                resident: ResidentPrefixes, reserve: int, limit_s: float) -> None:
+                resident: ResidentPrefixes, reserve: int, limit_s: float) -> bool:
         """Steps 2 and 3: add `candidates` best marginal (benefit - punishment) / time first
         while the net is positive, leaving `reserve` pages free (unless the step is empty), a
-        prefill cut to the chunk that keeps the step within `limit_s` (the arrival guard)."""
+        prefill cut to the chunk that keeps the step within `limit_s` (the arrival guard).
+        Returns whether one of them was left out for want of pages."""
         base_s = batch.time_s()
+        is_short = False
         ranked = []
         for view in candidates:
             cached = resident.num_cached_tokens(view)
@@ -160,11 +168,13 @@ class EchoPolicy(Policy):
         ranked.sort(key=lambda r: r[:3])
         for _, _, _, view, cached in ranked:
             if batch.is_full:
-                return
+                return is_short
             new, pages, is_short_of_pages = batch.max_chunk(view, limit_s, cached,
                                                             first_tokens=batch.page_tokens)
-            if (new <= 0 or is_short_of_pages
-                    or pages > batch.pages_left - (reserve if batch.ids else 0)):
+            if is_short_of_pages or pages > batch.pages_left - (reserve if batch.ids else 0):
+                is_short = is_short or new > 0 or is_short_of_pages
+                continue
+            if new <= 0:
                 continue
             if rt_slacks:  # else nothing is punished: the net is the tokens, positive
                 before_s = batch.time_s()
@@ -173,6 +183,7 @@ class EchoPolicy(Policy):
                 if new + cached - self._punishment(rt_slacks, before_s, after_s) <= 0:
                     continue
             batch.add(view, new, pages, num_cached_tokens=cached)
+        return is_short
 
     def _punishment(self, rt_slacks: list[float], before_s: float, after_s: float) -> float:
         """Benefit tokens lost to RT tokens a step growing from `before_s` to `after_s`
