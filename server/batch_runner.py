@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Any
 
-from antiphon.server.batch_endpoints import ENDPOINTS
+from antiphon.server.batch_endpoints import ENDPOINTS, check_batch_line
 from antiphon.server.batch_input import parse_body, read_items
 from antiphon.server.batch_store import BatchStore
 from antiphon.server.batch_types import (
@@ -294,6 +294,7 @@ class BatchRunner:
         endpoint = ENDPOINTS[batch.endpoint]
         try:
             body: Any = parse_body(item.body, batch.endpoint)  # has `model`
+            check_batch_line(body)  # (an item an older server checked may ask for a session)
             gens = endpoint.prepare(self.chat, body, batch.owner)
             await run_choices(self.chat, gens, api="batch")
         except ApiError as err:

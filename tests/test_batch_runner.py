@@ -329,3 +329,22 @@ async def test_an_item_committed_while_pending_items_are_read_does_not_run_again
         store.close()
     assert batch.counts.completed == 200
     assert len(engine.request_prompts) == 200
+
+
+async def test_an_item_asking_for_a_session_fails_also_when_an_older_server_checked_it(
+        tmp_path: Path) -> None:
+    """Items a server checked before lines naming a session were refused ran as plain BE
+    work, the session unheeded; they fail when they run."""
+    store, files, engine, runner = direct_runner(tmp_path)
+    await engine.start()
+    batch_id = add_input(store, files, 0)
+    body = json.loads(jsonl(1).decode())["body"]
+    assert store.start_batch(batch_id, [
+        InputItem(0, "plain", json.dumps(body)),
+        InputItem(1, "session", json.dumps({**body, "vllm_xargs": {"session_id": "s_x"}}))])
+    try:
+        batch = await run_until_finished(store, runner, batch_id)
+    finally:
+        store.close()
+    assert (batch.counts.completed, batch.counts.failed) == (1, 1)
+    assert len(engine.request_prompts) == 1
