@@ -37,6 +37,7 @@ from antiphon.engine_ext.config import SchedulerSettings
 from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.orphan import watch_parent
 from antiphon.engine_ext.policies import make_policy
+from antiphon.engine_ext.policies.prefix import leading_run
 from antiphon.engine_ext.schedstats import SchedulerStats
 from antiphon.engine_ext.steptrace import StepTrace
 from antiphon.engine_ext.types import TIER_TOKENS_KEY, RequestClass
@@ -364,28 +365,17 @@ class AntiphonScheduler(Scheduler):
         a request holding a page holds the pages before it (the hashes chain), so a
         bisection finds them."""
         hashes, pool = request.block_hashes, self.kv_cache_manager.block_pool
-        lo, hi = 0, min(num_pages, len(hashes))
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            blocks = pool.get_cached_block(hashes[mid - 1], [0])
-            if blocks and blocks[0].ref_cnt > 0:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+
+        def is_held(page: int) -> bool:
+            blocks = pool.get_cached_block(hashes[page], [0])
+            return blocks is not None and blocks[0].ref_cnt > 0
+        return leading_run(min(num_pages, len(hashes)), is_held)
 
     def _shared_pages(self, request: Request) -> int:
         """Pages of running `request` another request holds too (a preemption of it does not
         give them back): its leading pages, as for `_held_prefix_pages`."""
         blocks = self.kv_cache_manager.coordinator.get_blocks(request.request_id)[0]
-        lo, hi = 0, len(blocks)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if blocks[mid - 1].ref_cnt > 1:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return leading_run(len(blocks), lambda page: blocks[page].ref_cnt > 1)
 
     def _device_cached_tokens(self, request: Request) -> int:
         """Prompt tokens of a waiting request in the device's prefix cache: a lookup of its

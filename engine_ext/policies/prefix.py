@@ -6,9 +6,23 @@ exactly when their first k hashes are equal.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from antiphon.engine_ext.views import RequestView
+
+
+def leading_run(num: int, holds: Callable[[int], bool]) -> int:
+    """The longest run of pages `0 .. k-1` (k <= `num`) for which `holds(page)`, where what
+    holds for a page holds for those before it (chained hashes: a request holding a page
+    holds its prefix), found by bisection."""
+    lo, hi = 0, num
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if holds(mid - 1):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def dfs_order(views: Iterable[RequestView]) -> list[RequestView]:
@@ -90,14 +104,7 @@ class ResidentPrefixes:
         hashes = view.prefix_page_hashes
         if view.is_running or not hashes or hashes[0] not in self._num_holders:
             return 0
-        # Page k resident implies pages before it are (chained hashes): bisect the longest run.
-        lo, hi = 1, len(hashes)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in self._num_holders:
-                lo = mid
-            else:
-                hi = mid - 1
+        lo = leading_run(len(hashes), lambda page: hashes[page] in self._num_holders)
         num_tokens = view.num_prompt_tokens + view.num_output_tokens
         max_pages = max(0, num_tokens - 1) // self.page_tokens
         return max(0, min(lo, max_pages) * self.page_tokens - view.num_computed_tokens)
