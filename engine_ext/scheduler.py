@@ -28,6 +28,7 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request
@@ -516,9 +517,25 @@ class AntiphonScheduler(Scheduler):
                 del self._lost_tokens[rid]
 
     def set_policy(self, name: str) -> None:
-        """Switch the policy between steps (the cost model and counters carry over)."""
+        """Switch the policy between steps (the cost model and counters carry over). A
+        policy that runs on another of vLLM's queue disciplines (`priority` on its priority
+        queue, the others on first come first served) gets its queues, with the requests
+        waiting in them: vLLM picks victims by the discipline too."""
         self.step_policy = make_policy(name, self.cost_model)
+        discipline = SchedulingPolicy(self.step_policy.vllm_scheduling_policy)
+        if discipline != self.policy:
+            self.policy = discipline
+            self.waiting = self._requeued(self.waiting)
+            self.kv_holding_waiting = self._requeued(self.kv_holding_waiting)
         logger.info("AntiphonScheduler policy is now %s", name)
+
+    def _requeued(self, queue: Any) -> Any:
+        """A queue of the current discipline holding `queue`'s requests (in arrival order,
+        where the discipline is first come first served)."""
+        fresh = create_request_queue(self.policy)
+        for request in sorted(queue, key=lambda r: r.arrival_time):
+            fresh.add_request(request)
+        return fresh
 
     def use_cost_model(self, form: str, coefficients: list[float],
                        profiled_mape: float | None) -> None:
