@@ -639,7 +639,7 @@ def _engine_core_forget(self: EngineCore, session_id: str, chains: list[list[int
     planner = _tier_planner(self)
     if planner is None:
         return False
-    planner.forget(session_id, chains, salt=salt_bytes(cache_salt), keep=keep)
+    planner.erasure.forget(session_id, chains, salt=salt_bytes(cache_salt), keep=keep)
     return True
 
 
@@ -647,7 +647,7 @@ def _engine_core_forgotten(self: EngineCore, session_id: str) -> int | None:
     """EngineCore utility method: the chunk-layers `antiphon_forget` erased, once every
     erasure is on disk (None until then)."""
     planner = _tier_planner(self)
-    done = None if planner is None else planner.forgotten(session_id)
+    done = None if planner is None else planner.erasure.forgotten(session_id)
     if done is None:
         return None
     erased, kept = done

@@ -64,7 +64,7 @@ def test_kv_still_being_saved_when_its_session_is_deleted_is_not_kept(tmp_path: 
     try:
         meta = step_of_new_turn(planner, chain, 10)  # saves chunks 0 and 1
         assert planner.request_finished("r1", 10, [7, 8, 9])  # the tail goes next step
-        assert planner.forget("s1", [chain]).result(10) == (0, 0)
+        assert planner.erasure.forget("s1", [chain]).result(10) == (0, 0)
         fake_worker_saves(planner, meta.saves)
         planner.step_done({meta.step}, set())
         final = planner.build_metadata([])
@@ -97,7 +97,7 @@ def test_a_deleted_sessions_kv_is_erased_from_every_tier_bytes_and_all(tmp_path:
         ssd_slots = [ssd.slot_of(k) for k in mine]  # type: ignore[attr-defined]
         planner.advise("s1", chain, expected_arrival_s=None)
 
-        erased, kept = planner.forget("s1", [chain]).result(10)
+        erased, kept = planner.erasure.forget("s1", [chain]).result(10)
 
         assert (erased, kept) == (2 * 3 * LAYERS, 0)
         assert session_keys(planner, 0, chain) == [] == session_keys(planner, 1, chain)
@@ -137,12 +137,12 @@ def test_an_erasure_is_not_done_while_an_unopened_slot_file_may_hold_the_kv(
     off = make_planner(tmp_path / "ssd", ssd_tier_bytes=0)
     try:
         with pytest.raises(ErasureIncomplete, match="not open"):
-            off.forget("s1", [chain]).result(10)
+            off.erasure.forget("s1", [chain]).result(10)
     finally:
         off.close()
     again = make_planner(tmp_path / "ssd")  # the erasure, kept queued, runs again
     try:
-        assert again.forget("s1", [chain]).result(10) == (3 * LAYERS, 0)
+        assert again.erasure.forget("s1", [chain]).result(10) == (3 * LAYERS, 0)
         assert again.advise("s1", chain, expected_arrival_s=None) == 0
     finally:
         again.close()
@@ -168,12 +168,12 @@ def test_an_erasure_whose_clear_on_disk_fails_is_not_done_until_a_retry_clears_i
 
         monkeypatch.setattr(ssd._file, "clear", clear_or_fail)  # type: ignore[attr-defined]
         with pytest.raises(ErasureIncomplete, match="clear on disk failed"):
-            planner.forget("s1", [chain]).result(10)
+            planner.erasure.forget("s1", [chain]).result(10)
         assert ssd.uncleared_slots == 3 * LAYERS
         failing[0] = False
         # The erasure runs again (the next one, or the next start): the index no longer has
         # the keys, and the tier clears the slots it failed to clear.
-        assert planner.forget("s1", [chain]).result(10) == (0, 0)
+        assert planner.erasure.forget("s1", [chain]).result(10) == (0, 0)
         assert ssd.uncleared_slots == 0
     finally:
         planner.close()
@@ -194,7 +194,7 @@ def test_kv_computed_past_a_sessions_last_kept_token_is_erased_with_it(tmp_path:
         run_turn(planner, "r2", OTHER, [4, 5, 6], session="s2")
         planner.store.flush()
 
-        erased, kept = planner.forget("s1", [TURN1]).result(10)  # the session kept 100-109
+        erased, kept = planner.erasure.forget("s1", [TURN1]).result(10)  # the session kept 100-109
 
         assert (erased, kept) == (2 * 3 * LAYERS, 0)
         others = set(chain_hashes([OTHER], CHUNK, "test-model"))
@@ -216,7 +216,7 @@ def test_kv_an_earlier_turn_computed_past_what_the_session_kept_is_erased_with_i
         run_turn(planner, "r1", [*TURN1, 110, 111], [7, 8, 9], session="s1")  # tail 108-110
         run_turn(planner, "r2", chain, [4, 5, 6, 7], session="s1")
         planner.store.flush()
-        erased, _ = planner.forget("s1", [chain]).result(10)
+        erased, _ = planner.erasure.forget("s1", [chain]).result(10)
         for tier in planner.store.tiers:
             assert len(tier.keys()) == 0
         assert erased == 2 * (4 + 1) * LAYERS  # 3 full chunks and 2 tails, on both tiers
@@ -239,7 +239,7 @@ def test_kv_a_reply_ran_on_into_past_what_the_session_kept_is_erased_with_it(
             planner.close()
             planner = make_planner(tmp_path / "ssd")
 
-        erased, kept = planner.forget("s1", [TURN1]).result(10)
+        erased, kept = planner.erasure.forget("s1", [TURN1]).result(10)
 
         tiers = 1 if restart else 2  # the host tier starts empty
         assert (erased, kept) == (tiers * 4 * LAYERS, 0)  # 3 full chunks and the tail
@@ -259,7 +259,7 @@ def test_kv_a_deleted_session_ran_on_into_that_is_still_being_saved_is_not_kept(
     tokens = [*TURN1, 110, 111, 112]  # the session kept TURN1
     try:
         meta = step_of_new_turn(planner, tokens, 12)  # saves chunks 0 to 2
-        assert planner.forget("s1", [TURN1]).result(10) == (0, 0)
+        assert planner.erasure.forget("s1", [TURN1]).result(10) == (0, 0)
         fake_worker_saves(planner, meta.saves)
         planner.step_done({meta.step}, set())
         planner.store.flush()
@@ -300,7 +300,7 @@ def test_a_checkpoint_on_its_way_to_ssd_when_its_session_is_deleted_is_erased(
         assert planner.checkpoint("be", 12, [7, 8, 9]) == 12  # all written down, later
         planner.request_finished("be", 12, [7, 8, 9])
         threading.Timer(0.3, gate.set).start()
-        erased, _ = planner.forget("s1", [TURN1[:3]]).result(10)  # no chain names them
+        erased, _ = planner.erasure.forget("s1", [TURN1[:3]]).result(10)  # no chain names them
         planner.store.flush()
         for tier in planner.store.tiers:
             assert tier.keys() == []
@@ -318,7 +318,7 @@ def test_a_live_sessions_pruned_chain_leaves_the_tail_of_one_it_still_runs(
     try:
         run_turn(planner, "r1", [*TURN1, 110, 111], [7, 8, 9], session="s1")  # tail 108-110
         planner.store.flush()
-        assert planner.forget("s1", [old], keep=[current]).result(10) == (0, 0)
+        assert planner.erasure.forget("s1", [old], keep=[current]).result(10) == (0, 0)
         view = TokenView("r2", current)
         planner.add_request(view)
         assert planner.num_new_matched_tokens(view, 0) == 11
@@ -337,7 +337,7 @@ def test_a_live_sessions_old_chain_is_erased_but_what_it_still_runs_is_not(
         planner.store.flush()
         planner.advise("s1", current, expected_arrival_s=None)
 
-        erased, kept = planner.forget("s1", [old], keep=[current]).result(10)
+        erased, kept = planner.erasure.forget("s1", [old], keep=[current]).result(10)
 
         assert (erased, kept) == (2 * LAYERS, 0)  # the old tail, on host and SSD
         assert len(session_keys(planner, 0, current)) == 3 * LAYERS
@@ -363,7 +363,7 @@ def test_a_request_checkpointed_while_an_erasure_waits_keeps_its_chunks(
     try:
         with monkeypatch.context() as patch:
             patch.setattr(threading.Thread, "start", lambda thread: held_back.append(thread))
-            done = planner.forget("old-session", [TURN1[:8]])  # shares 2 chunks with TURN1
+            done = planner.erasure.forget("old-session", [TURN1[:8]])  # shares 2 chunks with TURN1
         _, meta = preempt_after(planner, "be", [*TURN1, 110], [7, 8, 9], [10],
                                 background=True)
         fake_worker_saves(planner, meta.checkpoints)
@@ -403,7 +403,7 @@ def test_an_erasure_waiting_for_the_ssd_writer_does_not_hold_the_planner(
             real_clear(slot)
 
         ssd._file.clear = slow_clear  # type: ignore[attr-defined]
-        done = planner.forget("s1", [chain])
+        done = planner.erasure.forget("s1", [chain])
         assert writer_busy.wait(5)
         time.sleep(0.2)  # the erasure fills the writer's queue meanwhile
         answered = threading.Event()
@@ -426,7 +426,7 @@ def test_two_equal_erasures_each_keep_their_own_guard(tmp_path: Path) -> None:
     from tests.test_tier_planner import fake_worker_saves, preempt_after
 
     planner = make_planner(tmp_path / "ssd")
-    real_erase, first_in, go_on = planner._erase, threading.Event(), threading.Event()
+    real_erase, first_in, go_on = planner.erasure._erase, threading.Event(), threading.Event()
 
     def erase(wanted: set[bytes]) -> tuple[int, int]:
         if not first_in.is_set():
@@ -434,11 +434,11 @@ def test_two_equal_erasures_each_keep_their_own_guard(tmp_path: Path) -> None:
             go_on.wait(10)  # the first erasure is slow (a busy SSD writer)
         return real_erase(wanted)
 
-    planner._erase = erase  # type: ignore[method-assign]
+    planner.erasure._erase = erase  # type: ignore[method-assign]
     try:
-        slow = planner.forget("old-session", [TURN1[:8]])
+        slow = planner.erasure.forget("old-session", [TURN1[:8]])
         assert first_in.wait(5)
-        planner.forget("old-session", [TURN1[:8]]).result(10)  # issued again, done first
+        planner.erasure.forget("old-session", [TURN1[:8]]).result(10)  # issued again, done first
         _, meta = preempt_after(planner, "be", [*TURN1, 110], [7, 8, 9], [10], background=True)
         fake_worker_saves(planner, meta.checkpoints)
         planner.step_done({meta.step}, set())
@@ -461,7 +461,7 @@ def test_a_copy_a_running_turn_loads_from_stays(tmp_path: Path) -> None:
         planner.add_request(follow_up)
         assert planner.num_new_matched_tokens(follow_up, 0) == 10
         planner.plan_load("r2", [1, 2, 3], 10, 13)  # its host copies are pinned now
-        erased, kept = planner.forget("s1", [chain]).result(10)
+        erased, kept = planner.erasure.forget("s1", [chain]).result(10)
         assert (erased, kept) == (3 * LAYERS, 3 * LAYERS)  # the SSD copies went, not those
         assert len(session_keys(planner, 0, chain)) == 3 * LAYERS
         planner.store.check_integrity()
