@@ -5,6 +5,8 @@ and the server has the engine carry it out."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -448,6 +450,37 @@ def test_two_equal_erasures_each_keep_their_own_guard(tmp_path: Path) -> None:
         assert planner.check_integrity() == []
     finally:
         go_on.set()
+        planner.close()
+
+
+def test_a_deleted_sessions_advisory_prefetch_leaves_nothing_in_host_ram(
+        tmp_path: Path) -> None:
+    # After a restart the session's KV is on SSD only; its advisory's prefetch is bringing it
+    # up (slowly) when the session is deleted. The stopped prefetch still held what it had
+    # brought up pinned: the erasure kept 11 chunk-layers in host RAM, bytes readable.
+    tokens = list(range(100, 141))  # 10 full chunks
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "r1", tokens, list(range(1, 12)), session="s1")
+    first.close()
+    planner = make_planner(tmp_path / "ssd")
+    ssd = planner.store.tiers[1]
+    real_get, brought_up = ssd.get, threading.Event()
+
+    def slow_get(key: object) -> object:
+        brought_up.set()
+        time.sleep(0.05)
+        return real_get(key)  # type: ignore[arg-type]
+
+    ssd.get = slow_get  # type: ignore[method-assign]
+    try:
+        assert planner.advise("s1", tokens, None) == 40
+        assert brought_up.wait(5)
+        time.sleep(0.2)  # a few chunk-layers up and pinned
+        assert session_keys(planner, 0, tokens)
+        erased, kept = planner.erasure.forget("s1", [tokens]).result(30)
+        assert kept == 0 and erased > 10 * LAYERS  # what the host held, and all of SSD
+        assert session_keys(planner, 0, tokens) == [] == session_keys(planner, 1, tokens)
+    finally:
         planner.close()
 
 

@@ -63,6 +63,9 @@ class SessionErasure:
             try:
                 if deleted:  # a checkpoint's chunks on their way down to SSD land before
                     p.store.wait_for_write_downs()  # the owners are read
+                    # and its advisory's prefetch, stopped, lets go of what it pinned: kept
+                    # for it, the chunks it had brought up would stay in host RAM
+                    p.settle_retired_prefetches()
                 kept = chain_hashes(kept_chains, p.chunk_tokens, p.model_id, salt=salt)
                 wanted = chain_hashes(chains, p.chunk_tokens, p.model_id, salt=salt) - kept
                 ends = self._chain_ends(chains, salt)

@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 # Fetches from SSD one turn waits for before it takes what the host holds and recomputes the
 # rest (a fetch can lose its host room to others after it starts).
 MAX_FETCH_ATTEMPTS = 3
+# How long an erasure waits for stopped prefetches to let go of their pins (one waiting behind
+# a long fetch in the queue settles only once it is reached).
+PREFETCH_SETTLE_TIMEOUT_S = 10.0
 
 
 class TierPlanner:
@@ -325,6 +328,11 @@ class TierPlanner:
                         self.host.commit(key)
             if not self.has_commits_pending():
                 self.erasure.settle()
+
+    def settle_retired_prefetches(self) -> None:
+        """Wait for the prefetches stopped so far (a released advisory's) to settle and let go
+        of their pins; at most `PREFETCH_SETTLE_TIMEOUT_S`. Call without the lock."""
+        self._prefetcher.settle_retired(PREFETCH_SETTLE_TIMEOUT_S)
 
     def has_commits_pending(self) -> bool:
         """Saves reserved and not yet published (lock held)."""

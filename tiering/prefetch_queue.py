@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 
 from antiphon.tiering.keys import ChunkKey
@@ -62,6 +63,17 @@ class PrefetchQueue:
         for handle in settled:
             handle.release()
 
+    def settle_retired(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s` seconds in all) for the prefetches retired so far to
+        settle, and drop their pins: a key a stopped prefetch still holds pinned would outlive
+        an erasure."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            retiring = list(self._retiring)
+        for handle in retiring:
+            handle.wait(max(0.0, deadline - time.monotonic()))
+        self.reap()
+
     def close(self) -> None:
         """Cancel what has not started and stop the thread."""
         with self._cond:
@@ -89,6 +101,9 @@ class PrefetchQueue:
                         continue
                 handle.cancel()  # closed meanwhile: settle its keys as failed
                 handle.run()
+            # A retired prefetch that has now settled gives its pins back at once, not at the
+            # planner's next call (an idle engine makes none).
+            self.reap()
 
     def _urgent_waiting(self) -> bool:
         with self._cond:
