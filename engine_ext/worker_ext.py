@@ -7,9 +7,11 @@ import os
 import signal
 
 from antiphon.engine_ext.compile_cache import reuse_cpu_compiled_model
+from antiphon.engine_ext.seeded_cpu import rewind_discarded_cpu_generators
 
 # vLLM imports this module in each worker before the model compiles (or loads compiled)
 reuse_cpu_compiled_model()
+rewind_discarded_cpu_generators()
 
 
 class AntiphonWorkerExtension:

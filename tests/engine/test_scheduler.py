@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -99,3 +100,35 @@ async def test_the_step_trace_records_each_step(engine: VllmEngine) -> None:
     assert sum(s["be"][2] for s in steps) >= 6  # then decodes
     assert all(s["lat_s"] > 0 and s["pred_s"] >= 0 and s["rt"] == [0, 0, 0] for s in steps)
     assert all(s["copies"] >= 0 for s in steps)
+
+
+async def collect(engine: VllmEngine, rid: str, content: str, params: GenerationParams) -> str:
+    text = ""
+    async for delta in engine.generate(rid, engine.render_chat([ChatTurn("user", content)]),
+                                       params):
+        text += delta.text
+    return text
+
+
+async def test_a_seeded_prompt_computed_in_chunks_samples_as_in_one(engine: VllmEngine) -> None:
+    """A prompt beside RT streams is computed in chunks, each with a sample vLLM throws
+    away and rewinds the seeded generator for, by an offset a CPU generator lacks: the
+    worker, the engine and the server died (engine_ext.seeded_cpu)."""
+    assert engine.config.step_trace is not None
+    trace = Path(engine.config.step_trace)
+    # a TTFT target it meets in chunks, beside streams whose TPOT leaves steps short
+    params = GenerationParams(max_tokens=8, temperature=1.0, seed=11, ttft_slo_s=60.0)
+    prompt = f"{DOC * 3} Write a title for it."
+    alone = await collect(engine, "seeded-alone", prompt, params)  # (salted: computed anew)
+    params = dataclasses.replace(params, cache_salt="seeded-beside")
+    started = [asyncio.Event() for _ in range(3)]
+    streams = [asyncio.create_task(run(engine, f"seeded-rt-{i}", f"Tell story {i}.", 60,
+                                       RequestClass.RT, ignore_eos=True,
+                                       first_token=started[i])) for i in range(3)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    before = len(trace.read_text().splitlines())
+    beside = await collect(engine, "seeded-beside", prompt, params)
+    await asyncio.gather(*streams)
+    steps = [json.loads(line) for line in trace.read_text().splitlines()[before:]]
+    assert sum(1 for s in steps if s["rt"][1] > 0) >= 2  # its prompt went in chunks
+    assert beside == alone and alone
