@@ -60,6 +60,14 @@ ENGINE_STOP_TIMEOUT_S = 15.0  # for the engine's processes to exit before they a
 FORGET_TIMEOUT_S = 120.0
 PROFILING_SESSION = "antiphon-profiling"  # the session id profiling's KV is erased under
 
+# vLLM ends a request it could not serve with these finish reasons (its own server answers
+# them with a 500): the reply is not one, and a client must not take it for one.
+FAILED_FINISH_REASONS = {
+    "error": "vLLM ended the request with an error (a KV load that failed, or a "
+             "response_format schema whose grammar allows no token)",
+    "abort": "vLLM aborted the request (its engine is stopping)",
+}
+
 # vLLM orders waiting requests by ascending priority value.
 _PRIORITY = {RequestClass.RT: 0, RequestClass.BE: 1}
 
@@ -563,10 +571,14 @@ class VllmEngine(Engine):
             request_id,
             priority=_PRIORITY[params.request_class],
         )
+        failed_as = None
         try:
             async with aclosing(stream):
                 async for out in stream:
                     completion = out.outputs[0]
+                    if out.finished and completion.finish_reason in FAILED_FINISH_REASONS:
+                        failed_as = completion.finish_reason
+                        break
                     yield Delta(
                         text=completion.text,
                         num_new_tokens=len(completion.token_ids),
@@ -589,6 +601,8 @@ class VllmEngine(Engine):
             await self._llm.abort(request_id)
             cause = exc.__cause__ or exc
             raise EngineRequestFailedError(f"{type(cause).__name__}: {cause}") from exc
+        if failed_as is not None:
+            raise EngineRequestFailedError(FAILED_FINISH_REASONS[failed_as])
 
     @property
     def is_dead(self) -> bool:

@@ -127,7 +127,7 @@ class Delta:
     text: str  # detokenised text of the new tokens
     num_new_tokens: int  # tokens generated since the previous delta
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None = None  # "stop" | "length" once finished
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # Of those, loaded from the KV tiers' host arena and from SSD (through it), in the last

@@ -177,6 +177,10 @@ async def test_a_json_schema_constrains_the_reply_beside_free_replies(
     assert any_object.lstrip().startswith("{"), any_object
     with pytest.raises(EngineRequestError, match="Grammar error"):
         await run("json-bad", json.dumps({"type": "nonsense"}))
+    # A schema vLLM accepts whose grammar then allows no token: vLLM ends the request with
+    # finish reason "error", which passed for an (empty) reply
+    with pytest.raises(EngineRequestFailedError, match="ended the request with an error"):
+        await run("json-none", json.dumps({"$ref": "#"}))
 
 
 async def test_parameters_vllm_refuses_are_the_callers_error(engine: VllmEngine) -> None:
