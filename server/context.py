@@ -37,6 +37,7 @@ class AppContext:
     dashboard: Dashboard
     connections_per_key: PerKeyLimit
     inflight_per_key: PerKeyLimit  # chat replies generating (websocket and REST)
+    advisories_per_key: PerKeyLimit  # REST advisories being recorded (each reaches the engine)
     # Per API key: held while an upload is checked against the key's stored bytes and kept.
     upload_locks: defaultdict[str, asyncio.Lock] = dataclasses.field(
         default_factory=lambda: defaultdict(asyncio.Lock))
@@ -71,4 +72,6 @@ class AppContext:
                    PerKeyLimit(server.max_connections_per_key, "open websocket connections",
                                "--max-connections-per-key", applies=auth.is_required),
                    PerKeyLimit(server.max_inflight_per_key, "replies generating",
+                               "--max-inflight-per-key", applies=auth.is_required),
+                   PerKeyLimit(server.max_inflight_per_key, "advisories being recorded",
                                "--max-inflight-per-key", applies=auth.is_required))

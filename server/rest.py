@@ -90,6 +90,7 @@ async def delete_session(session_id: str, request: Request) -> Response:
 @router.post("/v1/advisory", status_code=202)
 async def advisory(request: Request) -> dict[str, Any]:
     ctx, owner = _ctx(request), authorize(request)
+    ctx.chat.check_open()
     body = await read_model(request, Advisory)
     if body.model_id is not None:
         require_served_model(ctx.chat, body.model_id)
@@ -97,8 +98,14 @@ async def advisory(request: Request) -> dict[str, Any]:
     if body.expected_arrival is not None and body.expected_arrival > lead:
         raise ApiError(ErrorCode.BAD_MESSAGE, f"expected_arrival is {body.expected_arrival} s "
                        f"away; the limit is {lead} s")
-    advised = await ctx.turns.record_advisory(owner, body.session_id, "rest",
-                                              body.expected_arrival)
+    # Each one a key records at once is an engine call answered between steps (the
+    # websocket's typing advisories count against --max-inflight-per-connection)
+    slot = ctx.advisories_per_key.take(owner)
+    try:
+        advised = await ctx.turns.record_advisory(owner, body.session_id, "rest",
+                                                  body.expected_arrival)
+    finally:
+        slot.release()
     return {"accepted": True, "session_id": body.session_id,
             "context_tokens_held": advised.context_tokens_held, "repeat": advised.repeat}
 

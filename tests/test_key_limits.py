@@ -74,6 +74,51 @@ async def test_one_key_cannot_flood_the_engine(tmp_path: Path) -> None:
             assert (await client.post(**completion(A))).status_code == 200
 
 
+class SlowAdvise(ScriptedEngine):
+    """An engine that answers an advisory after a step's while (between two steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_advising = self.peak_advising = 0
+
+    async def advise(self, *args: object, **kwargs: object) -> int:
+        self.num_advising += 1
+        self.peak_advising = max(self.peak_advising, self.num_advising)
+        try:
+            await asyncio.sleep(0.5)
+            return await super().advise(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            self.num_advising -= 1
+
+
+async def test_one_key_cannot_flood_the_engine_with_advisories(tmp_path: Path) -> None:
+    # Each REST advisory is an engine call; a key's 12 at once all reached the engine
+    config = scripted_config(tmp_path, api_keys=(A, B), max_inflight_per_key=2)
+    engine = SlowAdvise()
+    with live_server(config, engine) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            sessions = []
+            for key in (A,) * 12 + (B,):
+                auth = {"Authorization": f"Bearer {key}"}
+                sid = (await client.post("/v1/sessions", json={}, headers=auth)).json()[
+                    "session_id"]
+                request = completion(key)
+                request["json"]["vllm_xargs"] = {"session_id": sid}  # type: ignore[index]
+                assert (await client.post(**request)).status_code == 200
+                sessions.append((sid, auth))
+            answers = await asyncio.gather(*(
+                client.post("/v1/advisory", json={"session_id": sid}, headers=auth)
+                for sid, auth in sessions[:12]))
+            codes = sorted(r.status_code for r in answers)
+            assert codes.count(202) >= 2 and codes.count(429) >= 8, codes
+            assert engine.peak_advising <= 2
+            assert all("--max-inflight-per-key" in r.json()["error"]["message"]
+                       for r in answers if r.status_code == 429)
+            sid, auth = sessions[-1]  # another key still advises
+            assert (await client.post("/v1/advisory", json={"session_id": sid},
+                                      headers=auth)).status_code == 202
+
+
 async def test_each_choice_takes_a_slot_of_the_key(tmp_path: Path) -> None:
     """A completion with n choices generates n replies: it takes n of the key's slots, and
     one that would go past the limit is refused whole, the slots it did not take left free."""

@@ -43,11 +43,14 @@ async def test_a_shutdown_lets_live_replies_finish_and_refuses_new_turns(
             await send(late, type="message", session_id=late_sid, content="hello?")
             refused = await recv(late)
             health = await asyncio.to_thread(httpx.get, url + "/healthz")
+            advised = await asyncio.to_thread(httpx.post, url + "/v1/advisory",
+                                              json={"session_id": late_sid})
             done = (await recv_until(ws, "done"))[-1]
             with contextlib.suppress(ConnectionClosed):  # then closed: 1012, service restart
                 await recv(ws, timeout=30)
     assert (refused["type"], refused["code"]) == ("error", "shutting_down")
     assert health.status_code == 503  # a load balancer stops sending traffic here
+    assert advised.json()["error"]["code"] == "shutting_down"  # no KV brought forward now
     assert (done["finish_reason"], done["text"]) == ("stop", "You said: " + LONG)
     db = sqlite3.connect(tmp_path / "sessions.sqlite3")
     rows = db.execute("SELECT session_id, role, finish_reason FROM messages").fetchall()
