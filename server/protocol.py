@@ -91,6 +91,7 @@ Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 
 
 class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is refused, never dropped
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     """As OpenAI's: letters, digits, underscores and dashes."""
     description: str | None = None
@@ -103,6 +104,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
 
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 

@@ -61,6 +61,7 @@ class ToolDefinition(BaseModel):
 
 
 class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     name: str
 
 
