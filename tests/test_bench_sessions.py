@@ -31,6 +31,7 @@ from antiphon.bench.sessions_report import (
     point_rows,
     report,
     ttft_ratio_rows,
+    users_at_tpot,
 )
 
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -273,15 +274,28 @@ def test_report_writes_the_record_and_the_plot(tmp_path: Path) -> None:
     assert cost["all_over_advisory"] == pytest.approx(1.0)
 
 
-def test_capacity_is_the_most_users_at_no_higher_median_tpot() -> None:
-    baseline = {"users": [2, 4, 8], "tpot_p50_s": [0.03, 0.05, None]}
-    system = {"users": [2, 4, 8], "tpot_p50_s": [0.02, 0.03, 0.045]}
-    rows = capacity_rows(system, baseline)
-    assert rows["at_u2_tpot_ratio"] == 2.0  # 4 users at <= 0.03 s
-    assert rows["at_u4_tpot_ratio"] == 2.0  # 8 users at <= 0.05 s
-    assert math.isnan(rows["at_u8_tpot_ratio"])  # the baseline measured no TPOT there
-    assert math.isnan(capacity_rows({"users": [2], "tpot_p50_s": [0.1]}, baseline)[
-        "at_u2_tpot_ratio"])  # slower everywhere
+def test_capacity_is_the_users_sustained_at_the_baselines_tpot() -> None:
+    baseline = {"users": [2, 4, 8, 16], "tpot_p50_s": [0.02, 0.04, 0.08, None]}
+    twice = {"users": [2, 4, 8, 16], "tpot_p50_s": [0.01, 0.02, 0.04, 0.08]}
+    rows = capacity_rows(twice, baseline)
+    assert rows["at_u2_tpot_ratio"] == pytest.approx(2.0)  # TPOT twice as flat: 2x the users
+    assert rows["at_u4_tpot_ratio"] == pytest.approx(2.0)
+    assert math.isnan(rows["at_u16_tpot_ratio"])  # the baseline measured no TPOT there
+    assert users_at_tpot(twice, 0.08) == 16  # capped by the sweep
+
+
+def test_capacity_does_not_count_noise_as_users() -> None:
+    """A reading a hair lower, anywhere in the sweep, counted as users served: curves within
+    2% of each other gave 8 times, the baseline against itself 2 times, and a system 10 times
+    slower at three points of four 8 times."""
+    users = [4, 8, 16, 32]
+    vllm = {"users": users, "tpot_p50_s": [0.0300, 0.0302, 0.0305, 0.0310]}
+    same = {"users": users, "tpot_p50_s": [0.0301, 0.0300, 0.0303, 0.0299]}
+    noisy = {"users": users, "tpot_p50_s": [0.0310, 0.0300, 0.0330, 0.0400]}
+    slow = {"users": users, "tpot_p50_s": [0.30, 0.30, 0.30, 0.0299]}
+    assert set(capacity_rows(same, vllm).values()) == {1.0}
+    assert set(capacity_rows(noisy, noisy).values()) == {1.0}
+    assert all(math.isnan(v) for v in capacity_rows(slow, vllm).values())
 
 
 def test_miss_cost_compares_with_the_advised_system_and_within_the_run() -> None:
