@@ -33,11 +33,12 @@ from antiphon.bench.workload import (
     fit_tokens,
     sharegpt_conversations,
 )
+from antiphon.quantiles import percentile_of_sorted
 
 POLICIES = ("fcfs", "priority", "bros", "hygen", "echo")
 # Printed per run when a benchmark repeats its systems.
 KEY_METRICS = ("rt_ttft_slo_attainment", "rt_tpot_slo_attainment", "rt_normalized_latency_s",
-               "be_tokens_per_s", "be_recomputed_tokens", "cost_model_mape", "host_decode_step_s",
+               "rt_failed", "be_tokens_per_s", "be_recomputed_tokens", "cost_model_mape", "host_decode_step_s",
                "host_step_noise")
 # Decode-only steps of this many requests (inclusive) gauge the host's speed per run.
 HOST_GAUGE_REQUESTS = (8, 12)
@@ -148,21 +149,11 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         unfinished = sum(1 for turn in turns if not turn.done())
         results = await asyncio.gather(*turns)
         await client.post(f"/v1/batches/{batch['id']}/cancel")
-    ttft_ok = [not r["failed"] and r["ttft_s"] <= args.ttft_slo for r in results]
-    tpot_ok = [not r["failed"] and r["tpot_s"] <= args.tpot_slo for r in results]
-    # TTFT percentiles of the turns served: a failed turn's "TTFT" is its time to the error
-    ttfts = sorted(r["ttft_s"] for r in results if not r["failed"]) or [math.nan]
     tokens = "antiphon_generation_tokens_total"
     steps = s1["step_s"] - s0["step_s"]
     errors = s1["cost_model_errors"] - s0["cost_model_errors"]
     return {
-        "rt_ttft_slo_attainment": sum(ttft_ok) / len(results),
-        "rt_tpot_slo_attainment": sum(tpot_ok) / len(results),
-        "rt_normalized_latency_s": statistics.mean(
-            r["latency_s"] / max(1, r["output_tokens"]) for r in results),
-        "rt_ttft_p50_s": statistics.median(ttfts),
-        "rt_ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-        "rt_failed": sum(r["failed"] for r in results),
+        **rt_summary(results, args.ttft_slo, args.tpot_slo),
         # BE tokens between the two counter snapshots, over the time between them
         "be_tokens_per_s": (counter(m1, tokens, 'request_class="be"')
                             - counter(m0, tokens, 'request_class="be"')) / (m1_at - m0_at),
@@ -188,6 +179,30 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         "window_wall": (start_wall, end_wall),
         "timeline": results,
     }
+
+
+def rt_summary(results: list[dict[str, Any]], ttft_slo_s: float, tpot_slo_s: float
+               ) -> dict[str, Any]:
+    """The RT figures of a run's turns (`rt_request`'s results, at least one). A failed turn
+    misses both targets, counts as an infinite TTFT in the percentiles (its time to the error
+    made refusing turns look fast; a percentile among failed turns is None), and is left out
+    of the normalised latency (a turn refused at once added its millisecond to the mean),
+    counted apart in `rt_failed`."""
+    served = [r for r in results if not r["failed"]]
+    ttfts = sorted(math.inf if r["failed"] else r["ttft_s"] for r in results)
+    return {
+        "rt_ttft_slo_attainment": sum(r["ttft_s"] <= ttft_slo_s for r in served) / len(results),
+        "rt_tpot_slo_attainment": sum(r["tpot_s"] <= tpot_slo_s for r in served) / len(results),
+        "rt_normalized_latency_s": statistics.mean(
+            r["latency_s"] / max(1, r["output_tokens"]) for r in served) if served else None,
+        "rt_ttft_p50_s": _finite(percentile_of_sorted(ttfts, 0.5)),
+        "rt_ttft_p99_s": _finite(percentile_of_sorted(ttfts, 0.99)),
+        "rt_failed": len(results) - len(served),
+    }
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 async def metrics_snapshot(client: httpx.AsyncClient) -> tuple[str, float]:

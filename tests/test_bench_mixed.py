@@ -18,6 +18,7 @@ from antiphon.bench.mixed import (
     plain_decode_steps,
     positive_int,
     rt_request,
+    rt_summary,
     summarise_runs,
 )
 from antiphon.bench.workload import RtArrival
@@ -203,3 +204,26 @@ def test_the_record_says_the_trace_length_run() -> None:
                             (["--quick", "--duration", "15"], 15.0)):
         args = parser.parse_args(given)
         assert trace_duration(args) == expected == args.duration
+
+
+def turn(ttft_s: float, failed: bool = False, tokens: int = 10) -> dict[str, object]:
+    return {"ttft_s": ttft_s, "tpot_s": 0.02, "latency_s": ttft_s + 0.02 * tokens,
+            "output_tokens": tokens, "failed": failed}
+
+
+def test_failed_turns_do_not_flatter_the_rt_figures() -> None:
+    """Half the turns refused at once showed as 41% lower normalised latency, and two slow
+    turns whose streams died left the p99, which read as a served turn's."""
+    served = rt_summary([turn(0.3)] * 20, 1.0, 0.1)
+    refused = rt_summary([turn(0.3), turn(0.001, failed=True)] * 10, 1.0, 0.1)
+    assert refused["rt_normalized_latency_s"] == pytest.approx(served["rt_normalized_latency_s"])
+    assert (refused["rt_failed"], refused["rt_ttft_slo_attainment"]) == (10, 0.5)
+    assert refused["rt_ttft_p99_s"] is None and refused["rt_ttft_p50_s"] is None
+    cut = rt_summary([turn(0.3)] * 18 + [turn(3.0, failed=True, tokens=5)] * 2, 1.0, 0.1)
+    assert cut["rt_ttft_p50_s"] == pytest.approx(0.3) and cut["rt_ttft_p99_s"] is None
+    assert rt_summary([turn(0.3)] * 18 + [turn(3.0)] * 2, 1.0, 0.1)["rt_ttft_p99_s"] > 2.9
+
+
+def test_the_p99_interpolates_as_the_sessions_benchmark_does() -> None:
+    turns = [turn(0.05 * (i + 1)) for i in range(100)]  # 0.05 .. 5.00 s
+    assert rt_summary(turns, 1.0, 0.1)["rt_ttft_p99_s"] == pytest.approx(4.9505)  # not the max
