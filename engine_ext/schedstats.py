@@ -18,7 +18,10 @@ class SchedulerStats:
     plan_fallbacks: int = 0  # steps run by vLLM's own logic because the plan stalled
     seat_preemptions: int = 0  # BE requests sitting a step out that gave their seat to RT
     policy_s: float = 0.0  # total time in the policy's plan (seconds)
-    schedule_s: float = 0.0  # total time in schedule(), plan included (seconds)
+    # total time of the scheduler's own work (seconds): schedule(), plan and vLLM's part
+    # included, also when it scheduled nothing, and its bookkeeping after each step (the cost
+    # model's update and refit, first tokens, tier tokens), vLLM's output handling not
+    schedule_s: float = 0.0
     step_s: float = 0.0  # total time from a step's schedule to its output (seconds)
     max_schedule_s: float = 0.0
     num_preemptions: dict[str, int] = dataclasses.field(default_factory=_per_class)
@@ -42,6 +45,11 @@ class SchedulerStats:
         self.policy_s += policy_s
         self.schedule_s += schedule_s
         self.max_schedule_s = max(self.max_schedule_s, schedule_s)
+
+    def record_overhead(self, seconds: float) -> None:
+        """Scheduler time outside a scheduled step's schedule(): one that scheduled nothing,
+        or the bookkeeping after a step."""
+        self.schedule_s += seconds
 
     def record_step_latency(self, step_s: float, kv_usage: float,
                             cost_model_error: float | None) -> None:

@@ -165,6 +165,8 @@ class AntiphonScheduler(Scheduler):
             self.stats.record_step(planned - started, scheduled - started, usage)
             if self._trace is not None:
                 self._trace_step(output, shape, planned - started, preemptions, fallback)
+        else:
+            self.stats.record_overhead(time.perf_counter() - started)
         return output
 
     def _rejoin(self, sat_out: list[Request]) -> None:
@@ -200,12 +202,17 @@ class AntiphonScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
+        started = time.perf_counter()
         if scheduler_output.total_num_scheduled_tokens and self._steps_in_flight:
             self._observe_step(*self._steps_in_flight.popleft())
+        handled = time.perf_counter()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        resumed = time.perf_counter()
         self._note_first_tokens(scheduler_output)
         if self._tier_planner is not None:
             self._say_tier_tokens(outputs)
+        # (the idle check below runs when no request waits: no step's overhead)
+        self.stats.record_overhead(handled - started + time.perf_counter() - resumed)
         if self.pages is not None and not self.running and not self.waiting \
                 and scheduler_output.total_num_scheduled_tokens:
             self._check_when_idle()
