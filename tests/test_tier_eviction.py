@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +57,41 @@ def test_layer_priority_evicts_highest_layers_first() -> None:
         policy.on_insert(k)
     assert [(k.layer, k.chunk_index) for k in drain(policy)] == [
         (2, 1), (2, 0), (1, 1), (1, 0), (0, 1), (0, 0)]
+
+
+def test_layer_priority_takes_whole_chunks_no_tier_below_holds() -> None:
+    """A key no tier below holds is useless once its chunk loses a layer: ranked by layer, a
+    full host tier of KV not written through took the top layer of chunk after chunk and
+    kept lower layers no turn could load."""
+    below = {key("saved", 0, layer) for layer in range(3)}
+    policy = LayerPriorityPolicy()
+    policy.is_backed = below.__contains__
+    for chunk, prefix in ((0, "saved"), (0, "unsaved"), (1, "unsaved")):
+        for layer in range(3):
+            policy.on_insert(key(prefix, chunk, layer))
+    order = [(k.prefix_hash.decode(), k.chunk_index, k.layer) for k in drain(policy)]
+    # the top layers of what a read brings back first, then whole chunks, the later first
+    assert order[:2] == [("saved", 0, 2), ("saved", 0, 1)]
+    unsaved = [(c, layer) for p, c, layer in order if p == "unsaved"]
+    assert unsaved == [(1, 0), (1, 1), (1, 2), (0, 0), (0, 1), (0, 2)]
+
+
+def test_a_host_tier_full_of_kv_without_a_copy_keeps_whole_chunks(tmp_path: Path) -> None:
+    from tests.test_tier_planner import LAYERS, make_planner, run_turn
+
+    planner = make_planner(tmp_path / "ssd")  # 64 host slots, layer_priority above SSD
+    try:
+        for r in range(12):  # turns without a session: not written through to SSD
+            run_turn(planner, f"r{r}", [1000 * (r + 1) + i for i in range(25)],
+                     list(range(1, 8)), session=None)
+        held = planner.host.keys()
+        assert len(held) == 64 and planner.store.tiers[1].keys() == []
+        layers: dict[tuple[bytes, int], set[int]] = {}
+        for k in held:
+            layers.setdefault((k.prefix_hash, k.chunk_index), set()).add(k.layer)
+        assert all(len(found) == LAYERS for found in layers.values())  # every chunk whole
+    finally:
+        planner.close()
 
 
 def test_layer_priority_likelihood_then_size() -> None:

@@ -44,7 +44,12 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int,
     ssd_dir = config.ssd_dir if config.is_ssd_tier_enabled else None
 
     def policy(is_lowest: bool) -> EvictionPolicy:
-        return SessionLruPolicy() if is_lowest else get_eviction_policy(config.eviction_policy)
+        if is_lowest:
+            return SessionLruPolicy()
+        chosen = get_eviction_policy(config.eviction_policy)
+        if ssd is not None:  # what it holds, a tier above can drop by layer
+            chosen.is_backed = ssd.contains
+        return chosen
 
     ssd: SsdTier | None = None
     if ssd_dir is not None:

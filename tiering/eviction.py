@@ -11,7 +11,11 @@ name with `get_eviction_policy`; each tier owns its own instance.
   prefix is useless without its start), then least recently used. Likelihoods are hints, for
   example 1.0 for a session with a pending advisory. Symphony orders this way only the tiers
   above one that holds a copy of everything: dropping a chunk's top layers there costs a read
-  from below, not a recompute.
+  from below, not a recompute. So a key no tier below holds (`is_backed`: KV not written
+  through, BE work's or a turn's without a session) is ranked as if in layer 0, and its chunk
+  goes whole, after the top layers of those below hold: ranked by layer, a host tier full of
+  such KV kept the lower layers of 26 chunks whose top layers it had dropped, and no chunk a
+  turn could load.
 - `session_lru`: the lowest tier's order, where an evicted layer is gone (`build_tiered_store`
   gives it to the lowest tier, whatever `eviction_policy` says): the least likely session first, then
   the least recently stored or read. A chunk's layers are stored and read together, so whole
@@ -26,7 +30,7 @@ import abc
 import dataclasses
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence, Set
+from collections.abc import Callable, Hashable, Sequence, Set
 from typing import ClassVar
 
 from antiphon.tiering.keys import ChunkKey
@@ -36,6 +40,9 @@ class EvictionPolicy(abc.ABC):
     """Orders the evictable keys of one tier. Not thread-safe: the tier's lock covers it."""
 
     name: ClassVar[str]
+    # Whether a tier below holds a copy of a key (`build_tiered_store` sets it for a tier above
+    # the lowest); None: every key is held below.
+    is_backed: Callable[[ChunkKey], bool] | None = None
 
     @abc.abstractmethod
     def on_insert(self, key: ChunkKey) -> None:
@@ -142,12 +149,15 @@ class LayerPriorityPolicy(EvictionPolicy):
         # `_session_rank` per prefix: a prefix every session shares (a system prompt) has one
         # hint per session, and each of its keys' priorities would otherwise scan them all.
         self._ranks: dict[bytes, tuple[float, int]] = {}
+        self._unbacked: set[ChunkKey] = set()  # tracked keys no tier below held when last used
 
     def priority(self, key: ChunkKey) -> Priority:
         """Eviction rank of a tracked key, smallest evicted first:
-        `(likelihood, -layer, session_chunks, -chunk_index, last_use_tick)`."""
+        `(likelihood, -layer, session_chunks, -chunk_index, last_use_tick)`, with layer 0
+        for a key no tier below holds."""
         likelihood, num_chunks = self._session_rank(key.prefix_hash)
-        return (likelihood, -key.layer, num_chunks, -key.chunk_index, self._last_use[key])
+        layer = 0 if key in self._unbacked else key.layer
+        return (likelihood, -layer, num_chunks, -key.chunk_index, self._last_use[key])
 
     def on_insert(self, key: ChunkKey) -> None:
         self._keys_by_prefix.setdefault(key.prefix_hash, set()).add(key)
@@ -161,6 +171,7 @@ class LayerPriorityPolicy(EvictionPolicy):
         if self._priority.pop(key, None) is None:
             return
         del self._last_use[key]
+        self._unbacked.discard(key)
         siblings = self._keys_by_prefix[key.prefix_hash]
         siblings.discard(key)
         if not siblings:
@@ -214,6 +225,7 @@ class LayerPriorityPolicy(EvictionPolicy):
         assert live == self._priority.keys(), "a tracked key has no live heap entry"
         indexed = {key for keys in self._keys_by_prefix.values() for key in keys}
         assert indexed == self._priority.keys(), "prefix index disagrees with tracked keys"
+        assert self._unbacked <= self._priority.keys(), "an untracked key is ranked unbacked"
         for session, hint in self._sessions.items():
             for prefix in hint.prefix_hashes:
                 assert session in self._sessions_by_prefix[prefix], "session index broken"
@@ -235,6 +247,12 @@ class LayerPriorityPolicy(EvictionPolicy):
     def _touch(self, key: ChunkKey) -> None:
         self._tick += 1
         self._last_use[key] = self._tick
+        # (looked at when the key is stored, used or unpinned: a write-through keeps it pinned
+        # until it is below, and a write-down pins it meanwhile)
+        if self.is_backed is not None and not self.is_backed(key):
+            self._unbacked.add(key)
+        else:
+            self._unbacked.discard(key)
         self._push(key)
 
     def _push(self, key: ChunkKey) -> None:
