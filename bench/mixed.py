@@ -32,6 +32,7 @@ from antiphon.bench.workload import (
     document_chunks,
     fit_tokens,
     sharegpt_conversations,
+    workload_summary,
 )
 from antiphon.quantiles import percentile_of_sorted
 
@@ -258,6 +259,7 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     tokenizer.model_max_length = int(1e30)  # documents are cut to size here, not by it
     prompts = [fit_tokens(c[0][1], a.prompt_tokens, c[-1][1], tokenizer)
                for c, a in zip(conversations, arrivals, strict=False)]
+    config = {**args_config(args), **workload_summary(arrivals, duration)}  # what ran
     out = Path(args.out)
     batch_path = out.with_suffix(".batch.jsonl")
     be_batch_file(batch_path, "SmolLM2-135M-Instruct" if args.model is None else model_dir.name,
@@ -273,7 +275,7 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
 
     def record(runs: Runs, failures: list[dict[str, Any]]) -> None:
         # Written after every run, so a run stopped part way keeps what it measured.
-        write_json(out, {"benchmark": benchmark, "config": args_config(args),
+        write_json(out, {"benchmark": benchmark, "config": config,
                          "systems": {n: summarise_runs(r) for n, r in runs.items() if r},
                          "timelines": timelines, "failures": failures})
 
@@ -306,14 +308,16 @@ def interleaved_runs(repeats: int, names: list[str],
                      run_one: Callable[[str, int], dict[str, Any]],
                      record: Callable[[Runs, list[dict[str, Any]]], None]
                      ) -> tuple[Runs, list[dict[str, Any]]]:
-    """Run each system `repeats` times, interleaved so the host's drift hits each alike:
+    """Run each system `repeats` times, interleaved so the host's drift hits each alike,
+    the order rotated each repeat (a steady drift would always land on the same system):
     `run_one(name, repeat)` for its metrics, then `record(runs so far, failures)`. A run that
     raises is recorded as failed and the runs after it go on: one lost turn must not cost
     the systems still to run. Returns each system's runs and the failures."""
     runs: Runs = {name: [] for name in names}
     failures: list[dict[str, Any]] = []
     for repeat in range(repeats):
-        for name in names:
+        first = repeat % len(names)
+        for name in names[first:] + names[:first]:
             try:
                 runs[name].append(run_one(name, repeat))
             except Exception as exc:  # any failure of the run: server, engine or client

@@ -184,13 +184,14 @@ def test_a_failed_run_is_recorded_and_the_runs_after_it_go_on() -> None:
         recorded.append(({n: len(r) for n, r in runs.items()}, len(failures)))
 
     runs, failures = interleaved_runs(2, ["fcfs", "echo"], run_one, record)
-    assert order == [("fcfs", 0), ("echo", 0), ("fcfs", 1), ("echo", 1)]  # interleaved
+    # interleaved, the order rotated each repeat
+    assert order == [("fcfs", 0), ("echo", 0), ("echo", 1), ("fcfs", 1)]
     assert runs == {"fcfs": [{"be_tokens_per_s": 10.0}, {"be_tokens_per_s": 20.0}],
                     "echo": [{"be_tokens_per_s": 20.0}]}
     assert failures == [{"system": "echo", "repeat": 1,
                          "error": "ConnectionError('server closed the connection')"}]
     assert recorded == [({"fcfs": 1, "echo": 0}, 0), ({"fcfs": 1, "echo": 0}, 1),
-                        ({"fcfs": 2, "echo": 0}, 1), ({"fcfs": 2, "echo": 1}, 1)]
+                        ({"fcfs": 1, "echo": 1}, 1), ({"fcfs": 2, "echo": 1}, 1)]
 
 
 def test_the_record_says_the_trace_length_run() -> None:
