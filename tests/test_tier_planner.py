@@ -821,3 +821,25 @@ def test_an_advisory_with_nothing_to_fetch_is_not_counted_late(tmp_path: Path) -
         assert stats["prefetches_timed"] == 0, stats
     finally:
         planner.close()
+
+
+def test_a_request_that_reads_no_cached_kv_starts_no_fetch() -> None:
+    """vLLM asks the connector about a request asking for its prompt's logprobs, then reads
+    none of what it answers: the planner started SSD fetches whose pins held host slots."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from antiphon.tiering.connector import AntiphonKVConnector
+
+    asked: list[str] = []
+    connector = object.__new__(AntiphonKVConnector)
+    connector._planner = SimpleNamespace(  # type: ignore[assignment]
+        num_new_matched_tokens=lambda view, num_computed: asked.append(view.request_id) or 64)
+    for rid, prompt_logprobs in (("scored", 1), ("chat", None)):
+        request = Request(rid, list(range(100)), SamplingParams(
+            max_tokens=4, prompt_logprobs=prompt_logprobs), None)
+        found = connector.get_num_new_matched_tokens(request, 0)
+        assert found == ((0, False) if prompt_logprobs else (64, False))
+    assert asked == ["chat"]

@@ -154,6 +154,10 @@ class AntiphonKVConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        if request.skip_reading_prefix_cache:
+            # vLLM reads no cached KV for it (prompt logprobs) and sets the answer to 0: a
+            # match would start SSD fetches it never loads, holding host slots meanwhile
+            return 0, False
         return self.planner.num_new_matched_tokens(_token_view(request), num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
