@@ -92,8 +92,10 @@ class ChatReply:
 
 @dataclasses.dataclass
 class _Turn:
-    queue: asyncio.Queue[dict[str, Any]]
+    # (the socket it came on, the frame): a turn reads only its socket's frames (`ws`)
+    queue: asyncio.Queue[tuple[ClientConnection, dict[str, Any]]]
     text: list[str] = dataclasses.field(default_factory=list)
+    ws: ClientConnection | None = None  # the socket it was last sent on
 
 
 class AsyncAntiphon:
@@ -124,6 +126,9 @@ class AsyncAntiphon:
         self._connect_lock = asyncio.Lock()
         self._turns: dict[str, _Turn] = {}
         self._inflight = asyncio.Semaphore(max_inflight)
+        # Turns given up on (cancelled, timed out) that hold their place in flight until the
+        # server has ended them: it counts them until then (`_settle`)
+        self._settling: set[asyncio.Task[None]] = set()
         self._is_closed = False
         self._model: str | None = None  # the served model's name, once asked (`complete`)
         self.num_reconnects = 0
@@ -142,6 +147,7 @@ class AsyncAntiphon:
         if self._reader is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
+        await asyncio.gather(*self._settling, return_exceptions=True)  # ended by the close
         await self._http.aclose()
 
     # -- REST ------------------------------------------------------------------------------
@@ -363,7 +369,7 @@ class AsyncAntiphon:
                 turn = self._turns.get(frame.get("request_id") or "")
                 refusal = None
                 if turn is not None:
-                    turn.queue.put_nowait(frame)
+                    turn.queue.put_nowait((ws, frame))
                 elif frame.get("type") == "error" and frame.get("code") in CONNECTION_ERRORS:
                     refusal = frame
         except ConnectionClosed as exc:
@@ -377,21 +383,28 @@ class AsyncAntiphon:
                     closed.update(code=refusal["code"], message=str(refusal.get("message")))
         finally:
             for turn in self._turns.values():
-                turn.queue.put_nowait(closed)
+                if turn.ws is ws:  # (one sent on a newer socket since goes on there)
+                    turn.queue.put_nowait((ws, closed))
 
-    async def _send(self, payload: dict[str, Any]) -> None:
+    async def _send(self, payload: dict[str, Any], turn: _Turn | None = None) -> None:
+        """Send `payload` (for `turn`, whose frames are then read from the socket it went
+        on)."""
         frame = _encode(payload)
         if len(frame) > self.max_send_bytes // 4 and len(frame.encode()) > self.max_send_bytes:
             raise InvalidRequestError("too_large", f"the message is over {self.max_send_bytes} "
                                       "bytes (max_send_bytes)")
         ws = await self._socket()
         try:
+            if turn is not None:
+                turn.ws = ws
             await ws.send(frame)
         except ConnectionClosed as exc:
             _raise_if_refused(exc)
             # The socket died between use and send: one fresh socket, then give up.
             ws = await self._socket()
             try:
+                if turn is not None:
+                    turn.ws = ws
                 await ws.send(frame)
             except ConnectionClosed as exc:
                 _raise_if_refused(exc)
@@ -446,22 +459,25 @@ class AsyncAntiphon:
         """Run one turn: `payload` with the `fields` set (not None) and a request id."""
         request_id = request_id or "sdk_" + secrets.token_hex(8)
         payload = {**payload, **{k: v for k, v in fields.items() if v is not None}}
-        async with self._inflight:
-            return await self._chat(payload, request_id, on_token)
-
-    async def _chat(self, payload: dict[str, Any], request_id: str,
-                    on_token: Callable[[str], Any] | None) -> ChatReply:
+        await self._inflight.acquire()  # given back once the server has ended the turn
         if request_id in self._turns:
+            self._inflight.release()
             raise InvalidRequestError("duplicate_request",
                                       f"request {request_id} is in flight on this client")
-        turn = _Turn(asyncio.Queue())
-        self._turns[request_id] = turn
+        turn = self._turns[request_id] = _Turn(asyncio.Queue())
+        return await self._chat(payload, request_id, turn, on_token)
+
+    async def _chat(self, payload: dict[str, Any], request_id: str, turn: _Turn,
+                    on_token: Callable[[str], Any] | None) -> ChatReply:
+        """Run the registered `turn`; unregisters it and gives its place in flight back once
+        the server has ended it (at once, or after a cancel: `_settle`)."""
         session_id = payload["session_id"]
         payload = {**payload, "request_id": request_id}
         sent = ended = accepted = False  # the message went out; the turn ended; the server took it
+        settling = False  # given up on, and left to `_settle`
         try:
             sent_at = time.perf_counter()
-            await self._send(payload)
+            await self._send(payload, turn)
             sent = True
             first_token_at: float | None = None
             prompt_tokens = 0
@@ -470,10 +486,12 @@ class AsyncAntiphon:
                     # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel
                     # that lands as the frame arrives, and the turn would run on.
                     async with asyncio.timeout(self.timeout_s):
-                        frame = await turn.queue.get()
+                        source, frame = await turn.queue.get()
                 except TimeoutError:
                     raise RequestTimeoutError(f"no reply frame for {self.timeout_s} s "
                                               f"(request {request_id})") from None
+                if source is not turn.ws:
+                    continue  # an older socket's, closing as the turn went out on a new one
                 kind = frame["type"]
                 ended = kind in ("done", "error", "_closed")
                 if kind == "accepted":
@@ -506,9 +524,34 @@ class AsyncAntiphon:
             # it runs on, keeps a reply nobody read and holds the session (harmless if done).
             if not ended and (sent or isinstance(exc, asyncio.CancelledError)):
                 await asyncio.shield(self._cancel_quietly(request_id))
+                if sent:  # the server counts it in flight until the cancel has ended it
+                    task = asyncio.create_task(self._settle(request_id, turn))
+                    self._settling.add(task)
+                    task.add_done_callback(self._settling.discard)
+                    settling = True
             raise
         finally:
-            self._turns.pop(request_id, None)
+            if not settling:
+                self._end(request_id)
+
+    async def _settle(self, request_id: str, turn: _Turn) -> None:
+        """Wait for the server to end a turn given up on (its `done` or `error`, or its
+        socket closing; at most `timeout_s`), then give its place in flight back: given back
+        at once, the next turn waiting for one was refused (too many in flight)."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    source, frame = await turn.queue.get()
+                    if source is turn.ws and frame["type"] in ("done", "error", "_closed"):
+                        return
+        except TimeoutError:
+            pass
+        finally:
+            self._end(request_id)
+
+    def _end(self, request_id: str) -> None:
+        self._turns.pop(request_id, None)
+        self._inflight.release()
 
     async def _cancel_quietly(self, request_id: str) -> None:
         with contextlib.suppress(AntiphonError):

@@ -434,3 +434,38 @@ async def test_text_in_any_script_counts_as_utf8_and_errors_are_typed_alike(
 
     for code, status in HTTP_STATUS.items():  # websocket frames carry no status; REST does
         assert type(error_for(code.value, "x")) is type(error_for(code.value, "x", status)), code
+
+
+async def test_a_turn_sent_as_the_socket_closes_goes_on_the_new_one(scripted: Scripted) -> None:
+    """The closing socket's reader told the turn the connection was lost, after the turn
+    had gone out on a fresh socket and the server had run it: `accepted=False` said "send it
+    again", and the session got the message twice."""
+    async with AsyncAntiphon(scripted.url) as client:
+        sid = (await client.create_session()).session_id
+        await client.chat(sid, "one")
+        assert client._ws is not None
+        closing = asyncio.create_task(client._ws.close())  # a close handshake under way
+        await asyncio.sleep(0)
+        reply = await client.chat(sid, "two")
+        await closing
+        assert reply.text == "You said: two" and client.num_reconnects == 1
+        _, messages = await client.get_session(sid)
+        assert [m["content"] for m in messages if m["role"] == "user"] == ["one", "two"]
+
+
+async def test_a_turn_given_up_on_holds_its_place_until_the_server_ends_it(
+        tmp_path: Path) -> None:
+    """Given back as soon as the cancel was sent, the place went to the next turn waiting,
+    which the server, still counting the one cancelled, refused (BusyError)."""
+    config = scripted_config(tmp_path, max_inflight_per_connection=4)
+    with live_server(config, ScriptedEngine(token_delay_s=0.02)) as url:
+        async with AsyncAntiphon(url, max_inflight=4) as client:
+            sids = [(await client.create_session()).session_id for _ in range(5)]
+            slow = [asyncio.create_task(asyncio.wait_for(client.chat(sid, "w " * 60), 0.3))
+                    for sid in sids[:4]]
+            await asyncio.sleep(0.05)
+            queued = asyncio.create_task(client.chat(sids[4], "the next node"))
+            for task in slow:
+                with pytest.raises(TimeoutError):
+                    await task
+            assert (await queued).text == "You said: the next node"
