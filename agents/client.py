@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import json
+import logging
 import math
 import os
 import secrets
@@ -28,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
@@ -42,6 +44,23 @@ from antiphon.agents.errors import (
     RequestTimeoutError,
     error_for,
 )
+
+
+class _RedactAuthorization(logging.Filter):
+    """Logs the websocket handshake's headers (at debug level) with the API key left out."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 2 and \
+                str(args[0]).lower() == "authorization":
+            record.args = (args[0], "[redacted]")
+        return True
+
+
+# The websocket connection's log (websockets logs every handshake header at debug level);
+# the API key never appears in it.
+WS_LOGGER = logging.getLogger("antiphon.agents.websocket")
+WS_LOGGER.addFilter(_RedactAuthorization())
 
 FINAL_BATCH_STATUSES = frozenset({"completed", "failed", "cancelled", "expired"})
 CLOSE_UNAUTHORIZED = 4401  # the server's close code for a missing or wrong API key
@@ -109,7 +128,8 @@ class AsyncAntiphon:
         default), and more wait here for their turn. A message over `max_send_bytes` is
         refused here (`InvalidRequestError` too_large): the server closes the connection on
         one over four times its --max-frame-bytes (256 KiB by default), failing every turn
-        on it. Callbacks (`on_token`) run on the client's event loop."""
+        on it. Callbacks (`on_token`) run on the client's event loop; an async one is awaited
+        before the next piece is read."""
         if connect_attempts < 1 or max_inflight < 1:
             raise ValueError("connect_attempts and max_inflight must be at least 1")
         self.base_url = base_url.rstrip("/")
@@ -212,11 +232,11 @@ class AsyncAntiphon:
 
     async def get_session(self, session_id: str) -> tuple[Session, list[dict[str, Any]]]:
         """The session and its messages (`role`, `content`, `finish_reason`, ...)."""
-        data = await self._json("GET", f"/v1/sessions/{session_id}")
+        data = await self._json("GET", f"/v1/sessions/{_segment(session_id)}")
         return Session.from_json(data["session"]), data["messages"]
 
     async def delete_session(self, session_id: str) -> None:
-        await self._request("DELETE", f"/v1/sessions/{session_id}")
+        await self._request("DELETE", f"/v1/sessions/{_segment(session_id)}")
 
     async def advise(self, session_id: str, expected_arrival: float | None = None, *,
                      ordered: bool = False, priority: int = 0) -> int | None:
@@ -295,10 +315,10 @@ class AsyncAntiphon:
             "completion_window": "24h", "metadata": metadata})
 
     async def get_batch(self, batch_id: str) -> dict[str, Any]:
-        return await self._json("GET", f"/v1/batches/{batch_id}")
+        return await self._json("GET", f"/v1/batches/{_segment(batch_id)}")
 
     async def cancel_batch(self, batch_id: str) -> dict[str, Any]:
-        return await self._json("POST", f"/v1/batches/{batch_id}/cancel")
+        return await self._json("POST", f"/v1/batches/{_segment(batch_id)}/cancel")
 
     async def wait_batch(self, batch_id: str, poll_s: float = 1.0,
                          on_progress: Callable[[dict[str, Any]], None] | None = None
@@ -317,7 +337,7 @@ class AsyncAntiphon:
         rows: list[dict[str, Any]] = []
         for file_id in (batch.get("output_file_id"), batch.get("error_file_id")):
             if file_id:
-                text = (await self._request("GET", f"/v1/files/{file_id}/content")).text
+                text = (await self._request("GET", f"/v1/files/{_segment(file_id)}/content")).text
                 rows += [json.loads(line) for line in text.splitlines() if line.strip()]
         return rows
 
@@ -342,7 +362,8 @@ class AsyncAntiphon:
                 try:
                     ws = await asyncio.wait_for(
                         connect(self.ws_url, additional_headers=headers, compression=None,
-                                max_size=self.max_frame_bytes), self.timeout_s)
+                                max_size=self.max_frame_bytes, logger=WS_LOGGER),
+                        self.timeout_s)
                 except (OSError, TimeoutError, InvalidStatus, WebSocketException) as exc:
                     last = exc
                     continue
@@ -502,7 +523,9 @@ class AsyncAntiphon:
                         first_token_at = time.perf_counter()
                     turn.text.append(frame["text"])
                     if on_token is not None:
-                        on_token(frame["text"])
+                        called = on_token(frame["text"])
+                        if inspect.isawaitable(called):  # an async callback
+                            await called
                 elif kind == "done":
                     end = time.perf_counter()
                     timings, usage = frame["timings"], frame["usage"]
@@ -573,6 +596,14 @@ def _raise_if_refused(exc: ConnectionClosed) -> None:
     if exc.rcvd is not None and exc.rcvd.code in REFUSALS:
         code, default = REFUSALS[exc.rcvd.code]
         raise error_for(code, exc.rcvd.reason or default)
+
+
+def _segment(identifier: str) -> str:
+    """An id as one path segment: unencoded, `a/../b` named another session, and
+    `../files/x` a file (httpx resolves dot segments)."""
+    if identifier in ("", ".", ".."):
+        raise InvalidRequestError("bad_message", f"{identifier!r} is not an id")
+    return quote(str(identifier), safe="")
 
 
 def _encode(payload: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -469,3 +470,44 @@ async def test_a_turn_given_up_on_holds_its_place_until_the_server_ends_it(
                 with pytest.raises(TimeoutError):
                     await task
             assert (await queued).text == "You said: the next node"
+
+
+async def test_an_id_is_one_path_segment(scripted: Scripted) -> None:
+    """Put in the path as it was, the id `a/../b` deleted session b (httpx resolves dot
+    segments), and `../files/x` named a file."""
+    async with AsyncAntiphon(scripted.url) as client:
+        a = (await client.create_session("a")).session_id
+        b = (await client.create_session("b")).session_id
+        with pytest.raises(NotFoundError):
+            await client.delete_session(f"{a}/../{b}")
+        with pytest.raises(NotFoundError):
+            await client.get_batch("../files/file-x")
+        for bad in ("", ".", ".."):
+            with pytest.raises(InvalidRequestError):
+                await client.delete_session(bad)
+        assert {a, b} <= {s.session_id for s in await client.list_sessions()}
+
+
+async def test_an_async_on_token_is_awaited(scripted: Scripted) -> None:
+    pieces: list[str] = []
+
+    async def on_token(piece: str) -> None:  # called, its coroutine was never awaited
+        await asyncio.sleep(0)
+        pieces.append(piece)
+
+    async with AsyncAntiphon(scripted.url) as client:
+        sid = (await client.create_session()).session_id
+        reply = await client.chat(sid, "hello there", on_token=on_token)
+    assert "".join(pieces) == reply.text == "You said: hello there"
+
+
+async def test_the_api_key_stays_out_of_the_websocket_log(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    key = "sdk-secret-key-123456"
+    with live_server(scripted_config(tmp_path, api_keys=(key,)), ScriptedEngine()) as url, \
+            caplog.at_level(logging.DEBUG):
+        async with AsyncAntiphon(url, api_key=key) as client:
+            sid = (await client.create_session()).session_id
+            await client.chat(sid, "hi")
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "Authorization: [redacted]" in logged and key not in logged
