@@ -203,7 +203,8 @@ class Environment:
 
     async def run(self, requirement: str, max_rounds: int = 20) -> list[Message]:
         """Publish `requirement` and let roles react, round by round (roles with mail in the
-        same round run concurrently), until no role has mail or `max_rounds` pass."""
+        same round run concurrently), until no role has mail or `max_rounds` pass. A role's
+        failure stops the other roles of its round and is raised."""
         await self.open_sessions()
         self.publish_message(Message(requirement, USER_REQUIREMENT, "user"))
         for _ in range(max_rounds):
@@ -212,7 +213,17 @@ class Environment:
                 break
             for role, _mail in ready:
                 self._inbox[role.name] = []
-            for message in await asyncio.gather(*(self._react(r, m) for r, m in ready)):
+            reactions = [asyncio.ensure_future(self._react(r, m)) for r, m in ready]
+            try:
+                messages = await asyncio.gather(*reactions)
+            except BaseException:
+                # A role that fails stops the others of its round (their turns are cancelled
+                # on the server too): they ran on with nothing awaiting them.
+                for reaction in reactions:
+                    reaction.cancel()
+                await asyncio.gather(*reactions, return_exceptions=True)
+                raise
+            for message in messages:
                 self.publish_message(message)
         return self.history
 

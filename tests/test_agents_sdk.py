@@ -511,3 +511,22 @@ async def test_the_api_key_stays_out_of_the_websocket_log(
             await client.chat(sid, "hi")
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "Authorization: [redacted]" in logged and key not in logged
+
+
+async def test_a_role_that_fails_stops_the_others_of_its_round(tmp_path: Path) -> None:
+    """The round's other roles ran on with nothing awaiting them, their replies kept."""
+    from antiphon.agents.team import USER_REQUIREMENT, Action, Environment, Role
+
+    engine = ScriptedEngine(token_delay_s=0.02)
+    with live_server(scripted_config(tmp_path), engine) as url:
+        async with AsyncAntiphon(url) as client:
+            writer = Role("writer", "writer", [Action("Write", " ".join(["w"] * 60), 100)],
+                          [USER_REQUIREMENT])
+            broken = Role("broken", "broken", [Action("Fail", "x", 10)], [USER_REQUIREMENT])
+            env = Environment(client, [writer, broken])
+            await env.open_sessions()
+            broken.session_id = "s_deleted"
+            with pytest.raises(NotFoundError):
+                await env.run("the task")
+            await asyncio.sleep(0.3)
+            assert not engine.active_request_ids  # stopped: it had 2 s of tokens left
