@@ -32,6 +32,8 @@ from typing import Any
 from antiphon.agents.client import AsyncAntiphon
 from antiphon.agents.team import CallGraphHooks
 
+ROUTE_TO_ALL = "<all>"  # MetaGPT's MESSAGE_ROUTE_TO_ALL: a message for every role
+
 
 @dataclasses.dataclass(eq=False)
 class TeamRole:
@@ -41,6 +43,8 @@ class TeamRole:
     watch: frozenset[str]
     """The actions it reacts to, as MetaGPT names them (`module.ClassName`)."""
     session_id: str | None = None
+    addresses: frozenset[str] = frozenset()
+    """Where MetaGPT delivers messages to it (`Role.addresses`; its name where none)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +72,13 @@ class TeamGraph:
         return [r for r in self.roles if action_name in r.watch]
 
     def recipients(self, cause_by: str, send_to: Collection[str]) -> list[TeamRole]:
-        """The roles a published message makes act (MetaGPT's `Role._observe` filter)."""
-        return [r for r in self.roles if cause_by in r.watch or r.name in send_to]
+        """The roles a published message makes act: those MetaGPT delivers it to
+        (`Environment.publish_message`: `send_to` holds "<all>" or one of the role's
+        addresses), and of those, the ones its `Role._observe` filter keeps (they watch
+        `cause_by`, or `send_to` names them)."""
+        return [r for r in self.roles
+                if (ROUTE_TO_ALL in send_to or not r.addresses.isdisjoint(send_to))
+                and (cause_by in r.watch or r.name in send_to)]
 
 
 def action_name(action: object) -> str:
@@ -106,7 +115,8 @@ class MetaGPTAdvisor:
         """Open a session for each of `env`'s roles and hook their model calls and
         `env.publish_message`."""
         for role in env.roles.values():
-            view = TeamRole(role.name, frozenset(role.rc.watch))
+            view = TeamRole(role.name, frozenset(role.rc.watch),
+                            addresses=frozenset(getattr(role, "addresses", None) or {role.name}))
             session = await self.client.create_session(f"{self.session_prefix}{role.name}")
             view.session_id = session.session_id
             self.graph.roles.append(view)

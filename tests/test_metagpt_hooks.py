@@ -78,6 +78,7 @@ async def test_calls_run_in_role_sessions_and_advise_the_watchers(scripted: Scri
     architect = role(url, "architect", UserRequirement)
     engineer = role(url, "engineer", WriteDesign)
     reviewer = role(url, "reviewer", WriteCode)
+    reviewer.addresses = {"qa", "reviewer"}
     env = Environment([architect, engineer, reviewer])
     async with AsyncAntiphon(url) as client:
         advisor = MetaGPTAdvisor(client)
@@ -109,8 +110,11 @@ async def test_calls_run_in_role_sessions_and_advise_the_watchers(scripted: Scri
             "<system>You are the engineer.\n<user>code it\n<assistant>You said: code it"
         assert arrival == advisor.calls[0].client_ttft_s
 
-        # Publishing wakes roles by watch (the engineer) or by name (the architect), due now.
-        env.publish_message(Message("done", action_name(WriteDesign), {"architect"}))
+        # Publishing wakes the roles it is sent to, by watch (the engineer) or by name (the
+        # architect), due now; not the reviewer, to whose address it goes but who neither
+        # watches it nor is named.
+        env.publish_message(Message("done", action_name(WriteDesign),
+                                    {"architect", "engineer", "qa"}))
         await advisor.drain()
         assert len(env.published) == 1
         # The engineer's conversation has not changed since its advisory during the
@@ -184,3 +188,24 @@ async def test_measuring_only_sends_no_advisory_on_publish(scripted: Scripted) -
         await advisor.drain()
         assert advisories_counted(url, "rest") == 0
         assert advisor.hooks.num_advisories == 0
+
+
+async def test_a_message_advises_only_the_roles_metagpt_delivers_it_to(
+        scripted: Scripted) -> None:
+    """A message for Bob advised Alice too, who watches its action but never gets it
+    (MetaGPT's environment delivers by `send_to` and the role's addresses first)."""
+    alice, bob = role(scripted.url, "Alice", WriteDesign), role(scripted.url, "Bob", WriteDesign)
+    carol = role(scripted.url, "Carol", WriteDesign)
+    carol.addresses = {"reviewers", "Carol"}
+    env = Environment([alice, bob, carol])
+    advised = []
+    async with AsyncAntiphon(scripted.url) as client:
+        advisor = MetaGPTAdvisor(client)
+        graph = await advisor.attach(env)
+        names = {r.session_id: r.name for r in graph.roles}
+        for send_to in ({"Bob"}, {"reviewers"}, {"<all>"}):
+            advisor.hooks.advised_at.clear()
+            env.publish_message(Message("news", action_name(WriteDesign), send_to))
+            await advisor.drain()
+            advised.append(sorted(names[s] for s in advisor.hooks.advised_at))
+    assert advised == [["Bob"], ["Carol"], ["Alice", "Bob", "Carol"]]
