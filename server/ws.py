@@ -15,6 +15,7 @@ import secrets
 from collections.abc import Callable
 
 from fastapi import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocketDisconnected
 
 from antiphon.server import protocol
 from antiphon.server.auth import key_from_headers
@@ -37,6 +38,11 @@ def frame_bytes(data: str | bytes) -> int:
 
 
 TurnMessage = protocol.ChatMessage | protocol.Regenerate | protocol.ToolResults
+
+
+# What a send raises once the client has gone: starlette's for a socket it saw close, and for
+# one closed meanwhile (a send after the close), which is no error of the server's either.
+CLIENT_GONE = (WebSocketDisconnect, WebSocketDisconnected)
 
 
 @dataclasses.dataclass(eq=False)
@@ -287,7 +293,7 @@ class Connection:
                 self.ctx.turns.release(msg.session_id, gen.session_claim)
             if not isinstance(exc, Exception):
                 raise
-            if not isinstance(exc, WebSocketDisconnect):
+            if not isinstance(exc, CLIENT_GONE):
                 logger.error("websocket: sending accepted for %s failed", request_id,
                              exc_info=exc)
             with contextlib.suppress(Exception):  # (a socket that cannot send is done for)
@@ -323,7 +329,7 @@ class Connection:
     def _finish_turn(self, task: asyncio.Task[None], session_id: str, request_id: str,
                      gen: Generation, finished: Callable[[], None]) -> None:
         exc = None if task.cancelled() else task.exception()
-        if exc is not None and not isinstance(exc, WebSocketDisconnect):
+        if exc is not None and not isinstance(exc, CLIENT_GONE):
             logger.error("session %s: turn %s ended with an error", session_id, request_id,
                          exc_info=exc)
         finished()  # (again: safe; its place on the connection, whatever way the turn ended)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -1038,3 +1039,25 @@ async def test_disconnect_during_cut_reply_save(tmp_path: Path,
             history = (await open_session(ws, sid))["messages"]
     got = [(m["role"], m["content"][:6]) for m in history]
     assert got[:3] == [("user", "first "), ("assistant", got[1][1]), ("user", "second")], got
+
+
+async def test_a_turn_whose_client_left_ends_without_an_error_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A token sent after the socket closed raises starlette's WebSocketDisconnected (not
+    WebSocketDisconnect): the turn was logged as ending with an error, with a traceback."""
+    from types import SimpleNamespace
+
+    from starlette.websockets import WebSocketDisconnected
+
+    async def sending_after_the_close() -> None:
+        raise WebSocketDisconnected('Cannot call "send" once a close message has been sent.')
+
+    connection = object.__new__(wsmod.Connection)
+    connection._tasks = set()
+    connection.ctx = SimpleNamespace(turns=SimpleNamespace(release=lambda *_: None))
+    task = asyncio.ensure_future(sending_after_the_close())
+    await asyncio.gather(task, return_exceptions=True)
+    with caplog.at_level(logging.ERROR):
+        connection._finish_turn(task, "s_1", "r_1", SimpleNamespace(session_claim=None),
+                                lambda: None)
+    assert not caplog.records
