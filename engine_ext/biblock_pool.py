@@ -59,7 +59,7 @@ class PositionalPages:
                 request_id, is_rt = self._current
                 for block in taken:
                     if self.layout.owner(block.block_id) is None:
-                        self.layout.take(request_id, is_rt, block.block_id)
+                        self.layout.take(request_id, is_rt, block.block_id, from_cache=True)
 
         def free(ordered_blocks: Iterable[KVCacheBlock]) -> None:
             blocks = list(ordered_blocks)
