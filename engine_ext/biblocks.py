@@ -339,14 +339,9 @@ class SharedBlockLayout:
         return [page for page in window if self._is_free(page)]
 
     def _page_in(self, index: int, is_rt: bool) -> int | None:
-        """The block's next page for the class, among its free pages below every BE page (RT)
-        or above every RT page (BE): one holding no cached KV first, else the one freed
-        longest ago (as vLLM's free queue evicts: a request's last page goes first, a
-        preempted BE request's newest, and its prefix stays), then RT the lowest, BE the
-        highest. Taking the lowest page whatever it held, an RT turn took the first page of
-        the turn that had just ended there, and that turn's follow-up found no prefix."""
+        """The block's next page for the class: RT the lowest free page below every BE page,
+        BE the highest free page above every RT page."""
         window = self._free_window(index, is_rt)
         if not window:
             return None
-        ordered = window if is_rt else reversed(window)
-        return min(ordered, key=lambda page: self._cost.get(page, 0))
+        return window[0] if is_rt else window[-1]

