@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -407,5 +408,42 @@ def test_a_retired_prefetch_settling_while_it_is_reaped_gives_its_pins_back() ->
         queue.retire(handle)  # type: ignore[arg-type]
         queue.reap()
         assert handle.released == 1
+    finally:
+        queue.close()
+
+
+def test_settling_retired_prefetches_waits_for_pins_another_thread_is_dropping() -> None:
+    """The prefetch thread drops a stopped prefetch's pins itself once it settles; an
+    erasure's `settle_retired` meanwhile found nothing left to wait for and returned with the
+    pins still held, and the erasure kept those chunks."""
+    class SlowUnpinTier:
+        def __init__(self) -> None:
+            self.pins: dict[ChunkKey, int] = {}
+            self.go_on, self.unpinning = threading.Event(), threading.Event()
+
+        def pin(self, key: ChunkKey) -> bool:
+            if key.chunk_index == 1:
+                self.go_on.wait(5)  # the prefetch is part way through
+            self.pins[key] = self.pins.get(key, 0) + 1
+            return True
+
+        def unpin(self, key: ChunkKey) -> None:
+            self.unpinning.set()
+            time.sleep(0.2)  # giving a pin back waits for the tier's lock
+            self.pins[key] -= 1
+
+    from antiphon.tiering.prefetch_queue import PrefetchQueue
+
+    tier = SlowUnpinTier()
+    queue = PrefetchQueue([tier])  # type: ignore[list-item]
+    try:
+        handle = queue.submit([ChunkKey("m", b"h%d" % i, i, 0) for i in range(4)],
+                              due=time.monotonic())
+        time.sleep(0.1)
+        queue.retire(handle)  # its session deleted
+        tier.go_on.set()  # the prefetch thread settles it and drops its pins
+        assert tier.unpinning.wait(5)
+        queue.settle_retired(10.0)
+        assert sum(tier.pins.values()) == 0
     finally:
         queue.close()

@@ -29,6 +29,7 @@ class PrefetchQueue:
         self._cond = threading.Condition()
         self._closed = False
         self._retiring: list[PrefetchHandle] = []  # stopped, their pins dropped once settled
+        self._releasing = 0  # settled retired prefetches whose pins are being dropped now
         self._thread = threading.Thread(target=self._run, name="kv-prefetch", daemon=True)
         self._thread.start()
 
@@ -60,8 +61,14 @@ class PrefetchQueue:
             retiring, self._retiring = self._retiring, []
             for handle in retiring:  # each looked at once: the prefetch thread settles them
                 (settled if handle.is_done else self._retiring).append(handle)
-        for handle in settled:
-            handle.release()
+            self._releasing += len(settled)
+        try:
+            for handle in settled:
+                handle.release()
+        finally:
+            with self._cond:
+                self._releasing -= len(settled)
+                self._cond.notify_all()
 
     def settle_retired(self, timeout_s: float) -> None:
         """Wait (at most `timeout_s` seconds in all) for the prefetches retired so far to
@@ -73,6 +80,9 @@ class PrefetchQueue:
         for handle in retiring:
             handle.wait(max(0.0, deadline - time.monotonic()))
         self.reap()
+        with self._cond:  # and those another thread's `reap` is letting go of now
+            self._cond.wait_for(lambda: not self._releasing,
+                                max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Cancel what has not started and stop the thread."""
