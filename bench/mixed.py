@@ -41,6 +41,9 @@ POLICIES = ("fcfs", "priority", "bros", "hygen", "echo")
 KEY_METRICS = ("rt_ttft_slo_attainment", "rt_tpot_slo_attainment", "rt_normalized_latency_s",
                "rt_failed", "be_tokens_per_s", "be_recomputed_tokens", "cost_model_mape", "host_decode_step_s",
                "host_step_noise")
+# Metrics whose None means "beyond every served turn" (a percentile among failed turns), not
+# "not measured": averaged with other runs' values it made failures flatter the figure.
+UNBOUNDED_WHEN_NONE = frozenset({"rt_ttft_p50_s", "rt_ttft_p99_s"})
 # Decode-only steps of this many requests (inclusive) gauge the host's speed per run.
 HOST_GAUGE_REQUESTS = (8, 12)
 # A spread of host gauges between runs beyond which the table is flagged as confounded.
@@ -196,13 +199,19 @@ def rt_summary(results: list[dict[str, Any]], ttft_slo_s: float, tpot_slo_s: flo
         "rt_tpot_slo_attainment": sum(r["tpot_s"] <= tpot_slo_s for r in served) / len(results),
         "rt_normalized_latency_s": statistics.mean(
             r["latency_s"] / max(1, r["output_tokens"]) for r in served) if served else None,
-        "rt_ttft_p50_s": _finite(percentile_of_sorted(ttfts, 0.5)),
-        "rt_ttft_p99_s": _finite(percentile_of_sorted(ttfts, 0.99)),
+        "rt_ttft_p50_s": _finite_percentile(ttfts, 0.5),
+        "rt_ttft_p99_s": _finite_percentile(ttfts, 0.99),
         "rt_failed": len(results) - len(served),
     }
 
 
-def _finite(value: float) -> float | None:
+def _finite_percentile(ordered: list[float], q: float) -> float | None:
+    """`percentile_of_sorted`, None where it falls among (or next to) infinite values; a
+    value it lands on exactly is taken as it is (interpolated with an infinite neighbour at
+    weight 0, a served turn's TTFT came out NaN)."""
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    value = ordered[low] if pos == low else percentile_of_sorted(ordered, q)
     return value if math.isfinite(value) else None
 
 
@@ -413,6 +422,8 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     mean = {}
     for key in runs[0]:
         values = [r[key] for r in runs if r.get(key) is not None]
+        if key in UNBOUNDED_WHEN_NONE and any(key in r and r[key] is None for r in runs):
+            values = []  # one run's percentile among failed turns: the mean is unbounded
         mean[key] = statistics.mean(values) if values else None
     return {**mean, "runs": runs} if len(runs) > 1 else mean
 

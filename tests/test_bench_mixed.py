@@ -225,6 +225,22 @@ def test_failed_turns_do_not_flatter_the_rt_figures() -> None:
     assert rt_summary([turn(0.3)] * 18 + [turn(3.0)] * 2, 1.0, 0.1)["rt_ttft_p99_s"] > 2.9
 
 
+def test_a_percentile_on_a_served_turn_is_not_lost_to_a_failed_neighbour() -> None:
+    assert rt_summary([turn(0.1), turn(0.2), turn(0.0, failed=True)], 1.0, 0.1)[
+        "rt_ttft_p50_s"] == pytest.approx(0.2)
+    many = [turn(0.01 * (i + 1)) for i in range(100)] + [turn(0.0, failed=True)]
+    assert rt_summary(many, 1.0, 0.1)["rt_ttft_p99_s"] == pytest.approx(1.0)
+
+
+def test_a_run_whose_p99_is_among_failed_turns_leaves_the_mean_unbounded() -> None:
+    """Averaged over the runs that had a value, one clean run and one with 3% of its turns
+    failed gave the clean run's p99."""
+    clean = rt_summary([turn(0.5)] * 100, 1.0, 0.1)
+    failing = rt_summary([turn(0.5)] * 97 + [turn(0.0, failed=True)] * 3, 1.0, 0.1)
+    summary = summarise_runs([clean, failing])
+    assert summary["rt_ttft_p99_s"] is None and summary["rt_ttft_p50_s"] == pytest.approx(0.5)
+
+
 def test_the_p99_interpolates_as_the_sessions_benchmark_does() -> None:
     turns = [turn(0.05 * (i + 1)) for i in range(100)]  # 0.05 .. 5.00 s
     assert rt_summary(turns, 1.0, 0.1)["rt_ttft_p99_s"] == pytest.approx(4.9505)  # not the max
