@@ -97,7 +97,7 @@ class Connection:
                     return
                 data = raw.get("text") if raw.get("text") is not None else raw.get("bytes")
                 await self._handle_frame(data or "")
-        except WebSocketDisconnect:
+        except CLIENT_GONE:
             return
         finally:
             cutter.cancel()
@@ -125,7 +125,7 @@ class Connection:
             if isinstance(msg, (protocol.TurnRequest, protocol.Cancel)):
                 request_id = msg.request_id
             await self._dispatch(msg)
-        except WebSocketDisconnect:
+        except CLIENT_GONE:
             raise  # the client left: nobody to tell, and no error of the server's
         except Exception as exc:
             if msg is None:  # the frame did not decode: name the request its text carries

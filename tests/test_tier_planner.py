@@ -843,3 +843,18 @@ def test_a_request_that_reads_no_cached_kv_starts_no_fetch() -> None:
         found = connector.get_num_new_matched_tokens(request, 0)
         assert found == ((0, False) if prompt_logprobs else (64, False))
     assert asked == ["chat"]
+
+
+def test_a_chunk_cut_from_a_checkpoint_is_no_longer_kept_from_an_erasure() -> None:
+    """Cut from its checkpoint (evicted from every tier), a chunk's remaining layers were
+    still kept out of a deleted session's erasure."""
+    from antiphon.tiering.keys import ChunkKey
+    from antiphon.tiering.plan_state import Checkpoint
+    from antiphon.tiering.preemption import PreemptionTable
+
+    table = PreemptionTable(chunk_tokens=16)
+    first, second = ChunkKey("m", b"A", 0, 0), ChunkKey("m", b"B", 1, 0)
+    table.record("be", Checkpoint(32, 32, (first, second)))
+    table.note_evicted([second.with_layer(0)])
+    assert table.settle_evictions(lambda key: key.prefix_hash == b"A") == 16
+    assert table.chunk_hashes == {b"A"}

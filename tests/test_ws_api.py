@@ -1061,3 +1061,32 @@ async def test_a_turn_whose_client_left_ends_without_an_error_logged(
         connection._finish_turn(task, "s_1", "r_1", SimpleNamespace(session_claim=None),
                                 lambda: None)
     assert not caplog.records
+
+
+async def test_a_frame_answered_after_the_client_left_is_no_server_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Its answer's send raised WebSocketDisconnected: logged as an internal error with a
+    traceback, counted, and let out of the connection's loop."""
+    from types import SimpleNamespace
+
+    from starlette.websockets import WebSocketDisconnected
+
+    class GoneSocket:
+        async def send_text(self, text: str) -> None:
+            raise WebSocketDisconnected('Cannot call "send" once a close message has been sent.')
+
+    errors: list[str] = []
+    connection = object.__new__(wsmod.Connection)
+    connection.ws, connection._send_lock = GoneSocket(), asyncio.Lock()
+    connection.ctx = SimpleNamespace(
+        config=SimpleNamespace(server=SimpleNamespace(max_frame_bytes=1 << 20)),
+        metrics=SimpleNamespace(errors=SimpleNamespace(
+            labels=lambda code: SimpleNamespace(inc=lambda: errors.append(code)))))
+
+    async def answer(_msg: object) -> None:
+        await connection.send('{"type": "sessions", "sessions": []}')
+
+    connection._dispatch = answer  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR), pytest.raises(WebSocketDisconnected):
+        await connection._handle_frame('{"type": "session.list"}')  # serve() returns on it
+    assert not caplog.records and errors == []

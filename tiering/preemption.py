@@ -34,15 +34,18 @@ class PreemptionTable:
 
     def record(self, request_id: str, checkpoint: Checkpoint) -> None:
         self._checkpoints[request_id] = checkpoint
-        self._chunk_hashes |= {key.prefix_hash for key in checkpoint.chunks}
+        self._index_chunks()
 
     def drop(self, request_id: str) -> bool:
         """Take the request out of the table; False if it was not in it."""
         if self._checkpoints.pop(request_id, None) is None:
             return False
+        self._index_chunks()
+        return True
+
+    def _index_chunks(self) -> None:
         self._chunk_hashes = {key.prefix_hash for cp in self._checkpoints.values()
                               for key in cp.chunks}
-        return True
 
     @property
     def chunk_hashes(self) -> set[bytes]:
@@ -70,6 +73,8 @@ class PreemptionTable:
                 held = min(cp.held_tokens, cp.chunks[cut].chunk_index * self.chunk_tokens)
                 cut_tokens += cp.held_tokens - held
                 self._checkpoints[request_id] = Checkpoint(cp.num_tokens, held, cp.chunks[:cut])
+        if cut_tokens:
+            self._index_chunks()  # what was cut off is no checkpoint's: an erasure takes it
         return cut_tokens
 
     def problems(self, tracked: Container[str], is_held: Callable[[ChunkKey], bool]
