@@ -120,7 +120,9 @@ def users_at_tpot(system: dict[str, Any], tpot_s: float) -> float | None:
 def capacity_rows(system: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float]:
     """Per baseline sweep point: the users `system` sustains at the baseline's median TPOT
     there, over the users the baseline itself sustains at it (`users_at_tpot`; 1.0 for the
-    baseline, 4.0: four times as many)."""
+    baseline, 4.0: four times as many). NaN where either sustains none: also where the
+    baseline had a point at fewer users more than `TPOT_TOLERANCE` slower (a noisy curve
+    there says nothing about users at equal TPOT)."""
     rows = {}
     for users, tpot in zip(baseline["users"], baseline["tpot_p50_s"], strict=True):
         mine = None if tpot is None else users_at_tpot(system, tpot)

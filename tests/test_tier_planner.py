@@ -836,13 +836,25 @@ def test_a_request_that_reads_no_cached_kv_starts_no_fetch() -> None:
     asked: list[str] = []
     connector = object.__new__(AntiphonKVConnector)
     connector._planner = SimpleNamespace(  # type: ignore[assignment]
-        num_new_matched_tokens=lambda view, num_computed: asked.append(view.request_id) or 64)
+        num_new_matched_tokens=lambda view, num_computed: asked.append(view.request_id) or 64,
+        admit_without_match=lambda view: asked.append(f"{view.request_id} unmatched"))
     for rid, prompt_logprobs in (("scored", 1), ("chat", None)):
         request = Request(rid, list(range(100)), SamplingParams(
             max_tokens=4, prompt_logprobs=prompt_logprobs), None)
         found = connector.get_num_new_matched_tokens(request, 0)
         assert found == ((0, False) if prompt_logprobs else (64, False))
-    assert asked == ["chat"]
+    assert asked == ["scored unmatched", "chat"]
+
+
+def test_a_turn_that_reads_no_stored_kv_still_uses_its_sessions_advisory(
+        planner: TierPlanner) -> None:
+    """Skipped before the planner, its session's advisory held its pins until it expired."""
+    run_turn(planner, "r1", TURN1, [7, 8, 9], session="s1")
+    planner.advise("s1", TURN1, 5.0)
+    assert planner.advisories.get("s1") is not None
+    planner.admit_without_match(TokenView("r2", [*TURN1, 120], "s1"))
+    assert planner.advisories.get("s1") is None
+    assert planner.counters.advisories_used == 1
 
 
 def test_a_chunk_cut_from_a_checkpoint_is_no_longer_kept_from_an_erasure() -> None:

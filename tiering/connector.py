@@ -157,6 +157,7 @@ class AntiphonKVConnector(KVConnectorBase_V1):
         if request.skip_reading_prefix_cache:
             # vLLM reads no cached KV for it (prompt logprobs) and sets the answer to 0: a
             # match would start SSD fetches it never loads, holding host slots meanwhile
+            self.planner.admit_without_match(_token_view(request))
             return 0, False
         return self.planner.num_new_matched_tokens(_token_view(request), num_computed_tokens), False
 

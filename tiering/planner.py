@@ -168,6 +168,15 @@ class TierPlanner:
             self._note_admitted(st, view, num_computed, matched)
             return matched
 
+    def admit_without_match(self, view: TokenView) -> None:
+        """The turn reads no stored KV (vLLM's `skip_reading_prefix_cache`): nothing is
+        matched or fetched for it, but its session's advisory is used (its pins go)."""
+        with self.lock:
+            self.advisories.expire()
+            st = self._requests.setdefault(view.request_id, RequestState(view))
+            st.view = view
+            self._use_advisory(st)
+
     @staticmethod
     def _note_admitted(st: RequestState, view: TokenView, num_computed: int,
                        matched: int | None) -> None:
