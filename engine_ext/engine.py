@@ -63,10 +63,13 @@ PROFILING_SESSION = "antiphon-profiling"  # the session id profiling's KV is era
 # vLLM ends a request it could not serve with these finish reasons (its own server answers
 # them with a 500): the reply is not one, and a client must not take it for one.
 FAILED_FINISH_REASONS = {
-    "error": "vLLM ended the request with an error (a KV load that failed, or a "
-             "response_format schema whose grammar allows no token)",
+    "error": "vLLM ended the request with an error (a KV load that failed)",
     "abort": "vLLM aborted the request (its engine is stopping)",
 }
+# ...and where the request constrains its reply to a schema, an error is the schema's: vLLM
+# ends it so when the schema's grammar allows no token (run again, it fails again).
+SCHEMA_ERROR = ("the reply cannot follow the response_format schema: its grammar allows no "
+                "token (vLLM ended the request with an error)")
 
 # vLLM orders waiting requests by ascending priority value.
 _PRIORITY = {RequestClass.RT: 0, RequestClass.BE: 1}
@@ -601,6 +604,8 @@ class VllmEngine(Engine):
             await self._llm.abort(request_id)
             cause = exc.__cause__ or exc
             raise EngineRequestFailedError(f"{type(cause).__name__}: {cause}") from exc
+        if failed_as == "error" and params.json_schema is not None:
+            raise EngineRequestError(SCHEMA_ERROR)
         if failed_as is not None:
             raise EngineRequestFailedError(FAILED_FINISH_REASONS[failed_as])
 
