@@ -71,6 +71,8 @@ REFUSALS = {CLOSE_UNAUTHORIZED: ("unauthorized", "missing or wrong API key"),
                               "the server is at its connection limit: try again later")}
 # Error frames without a request id that refuse the connection itself.
 CONNECTION_ERRORS = frozenset({"unauthorized", "too_many_requests", "shutting_down"})
+# The frames that end a turn (`_closed`: its socket closed).
+FINAL_FRAMES = frozenset({"done", "error", "_closed"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,7 +516,7 @@ class AsyncAntiphon:
                 if source is not turn.ws:
                     continue  # an older socket's, closing as the turn went out on a new one
                 kind = frame["type"]
-                ended = kind in ("done", "error", "_closed")
+                ended = kind in FINAL_FRAMES
                 if kind == "accepted":
                     accepted = True
                     prompt_tokens = frame["prompt_tokens"]
@@ -565,7 +567,7 @@ class AsyncAntiphon:
             async with asyncio.timeout(self.timeout_s):
                 while True:
                     source, frame = await turn.queue.get()
-                    if source is turn.ws and frame["type"] in ("done", "error", "_closed"):
+                    if source is turn.ws and frame["type"] in FINAL_FRAMES:
                         return
         except TimeoutError:
             pass

@@ -206,12 +206,8 @@ def rt_summary(results: list[dict[str, Any]], ttft_slo_s: float, tpot_slo_s: flo
 
 
 def _finite_percentile(ordered: list[float], q: float) -> float | None:
-    """`percentile_of_sorted`, None where it falls among (or next to) infinite values; a
-    value it lands on exactly is taken as it is (interpolated with an infinite neighbour at
-    weight 0, a served turn's TTFT came out NaN)."""
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    value = ordered[low] if pos == low else percentile_of_sorted(ordered, q)
+    """`percentile_of_sorted`, None where it falls among (or next to) infinite values."""
+    value = percentile_of_sorted(ordered, q)
     return value if math.isfinite(value) else None
 
 

@@ -46,9 +46,9 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int,
     def policy(is_lowest: bool) -> EvictionPolicy:
         if is_lowest:
             return SessionLruPolicy()
+        assert ssd is not None  # a tier above the lowest: the SSD tier is below it
         chosen = get_eviction_policy(config.eviction_policy)
-        if ssd is not None:  # what it holds, a tier above can drop by layer
-            chosen.is_backed = ssd.contains
+        chosen.is_backed = ssd.contains  # what it holds, a tier above can drop by layer
         return chosen
 
     ssd: SsdTier | None = None

@@ -161,6 +161,12 @@ class LayerPriorityPolicy(EvictionPolicy):
 
     def on_insert(self, key: ChunkKey) -> None:
         self._keys_by_prefix.setdefault(key.prefix_hash, set()).add(key)
+        # Looked at when the key is stored or unpinned, not on each read: a write-through
+        # keeps it pinned until it is below, and a write-down pins it meanwhile.
+        if self.is_backed is not None and not self.is_backed(key):
+            self._unbacked.add(key)
+        else:
+            self._unbacked.discard(key)
         self._touch(key)
 
     def on_access(self, key: ChunkKey) -> None:
@@ -247,12 +253,6 @@ class LayerPriorityPolicy(EvictionPolicy):
     def _touch(self, key: ChunkKey) -> None:
         self._tick += 1
         self._last_use[key] = self._tick
-        # (looked at when the key is stored, used or unpinned: a write-through keeps it pinned
-        # until it is below, and a write-down pins it meanwhile)
-        if self.is_backed is not None and not self.is_backed(key):
-            self._unbacked.add(key)
-        else:
-            self._unbacked.discard(key)
         self._push(key)
 
     def _push(self, key: ChunkKey) -> None:

@@ -23,7 +23,9 @@ class PreemptionTable:
     def __init__(self, chunk_tokens: int) -> None:
         self.chunk_tokens = chunk_tokens
         self._checkpoints: dict[str, Checkpoint] = {}
-        self._chunk_hashes: set[bytes] = set()  # the prefix hashes of every checkpoint's chunks
+        # the prefix hashes of every checkpoint's chunks, replaced whole on each change (a
+        # tier's evicting thread reads it)
+        self._chunk_hashes: frozenset[bytes] = frozenset()
         self._evicted: collections.deque[ChunkKey] = collections.deque()
 
     def __len__(self) -> int:
@@ -44,13 +46,13 @@ class PreemptionTable:
         return True
 
     def _index_chunks(self) -> None:
-        self._chunk_hashes = {key.prefix_hash for cp in self._checkpoints.values()
-                              for key in cp.chunks}
+        self._chunk_hashes = frozenset(key.prefix_hash for cp in self._checkpoints.values()
+                                       for key in cp.chunks)
 
     @property
-    def chunk_hashes(self) -> set[bytes]:
-        """The prefix hashes of the chunks some checkpointed request will restore (a copy)."""
-        return set(self._chunk_hashes)
+    def chunk_hashes(self) -> frozenset[bytes]:
+        """The prefix hashes of the chunks some checkpointed request will restore."""
+        return self._chunk_hashes
 
     def note_evicted(self, keys: list[ChunkKey]) -> None:
         """A tier evicted `keys` (its lock held: only noted here)."""
