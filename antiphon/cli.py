@@ -78,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
         check_ssd_dir_free,
         lock_data_dir,
     )
-    from antiphon.engine_ext.engine import VllmEngine
+    from antiphon.engine_ext.vllm_engine import VllmEngine
     from antiphon.model import DEFAULT_MODEL_NAME, ModelPrepareError, resolve_model
     from antiphon.server.app import DrainingServer, create_app
     from antiphon.sqlite import DatabaseDamaged, DatabaseUnavailable

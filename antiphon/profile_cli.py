@@ -52,8 +52,8 @@ def _report(fit: CostFit, steps: list[ProfiledStep], wall_s: float) -> dict[str,
 
 async def _profile(config: EngineConfig, quick: bool) -> tuple[CostFit, list[ProfiledStep],
                                                                 Path | None]:
-    from antiphon.engine_ext.engine import VllmEngine
     from antiphon.engine_ext.profiler import FULL, QUICK, profile
+    from antiphon.engine_ext.vllm_engine import VllmEngine
     from antiphon.model import resolve_model
 
     engine = VllmEngine(config, resolve_model(config.model))

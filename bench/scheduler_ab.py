@@ -15,7 +15,7 @@ from typing import Any
 
 from antiphon.bench.serving import run_direct
 from antiphon.engine_ext.config import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS, SchedulerSettings
-from antiphon.engine_ext.engine import resolve_dtype
+from antiphon.engine_ext.model_defaults import resolve_dtype
 from antiphon.model import resolve_model
 
 # Eager engines start in seconds; compiled ones run faster, but every variant alike. The dtype

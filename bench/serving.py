@@ -128,7 +128,7 @@ async def run_server(ws_url: str, **workload: Any) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from antiphon.engine_ext.engine import resolve_dtype
+    from antiphon.engine_ext.model_defaults import resolve_dtype
     from antiphon.model import resolve_model
 
     model_dir = resolve_model(args.model)

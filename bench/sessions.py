@@ -328,7 +328,7 @@ def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from antiphon.engine_ext.engine import resolve_dtype
+    from antiphon.engine_ext.model_defaults import resolve_dtype
     from antiphon.model import resolve_model
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per chat turn otherwise

@@ -39,7 +39,7 @@ def spread(latencies_s: list[float]) -> dict[str, float]:
 
 
 async def measure(config: EngineConfig, tiering_dir: Path | None) -> list[dict[str, float]]:
-    from antiphon.engine_ext.engine import VllmEngine
+    from antiphon.engine_ext.vllm_engine import VllmEngine
     from antiphon.tiering.config import TieringConfig
 
     tiering = TieringConfig(ssd_dir=tiering_dir) if tiering_dir is not None else None

@@ -40,7 +40,7 @@ class Load:
 
 async def decode_ms_per_token(system: str, load: Load, ssd_dir: Path) -> float:
     """The decoders' wall time over their tokens (ms) on a fresh engine with `system`."""
-    from antiphon.engine_ext.engine import VllmEngine
+    from antiphon.engine_ext.vllm_engine import VllmEngine
     from antiphon.tiering.config import TieringConfig
 
     config = EngineConfig(model=env.model(), enforce_eager=True, cost_model="online")

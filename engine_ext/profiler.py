@@ -41,7 +41,7 @@ from antiphon.engine_ext.stepshape import StepShape
 from antiphon.engine_ext.types import GenerationParams, RequestClass
 
 if TYPE_CHECKING:
-    from antiphon.engine_ext.engine import VllmEngine
+    from antiphon.engine_ext.vllm_engine import VllmEngine
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from antiphon.engine_ext.config import EngineConfig
-from antiphon.engine_ext.engine import VllmEngine
 from antiphon.engine_ext.scripted import ScriptedEngine
 from antiphon.engine_ext.types import ChatContext, ChatTurn
+from antiphon.engine_ext.vllm_engine import VllmEngine
 from tests.conftest import default_model_or_skip
 
 HISTORY = [ChatTurn("user", "Write two short paragraphs."),
@@ -31,7 +31,7 @@ def engine() -> VllmEngine:
 
 def generated_as(engine: VllmEngine, pieces: list[str]) -> list[int]:
     """Token ids of a reply generated one token per piece (a vocabulary token each)."""
-    ids = [engine._tokenizer.convert_tokens_to_ids(engine._tokenizer.tokenize(p)) for p in pieces]
+    ids = [engine.tokenizer.hf.convert_tokens_to_ids(engine.tokenizer.hf.tokenize(p)) for p in pieces]
     assert all(len(i) == 1 for i in ids[1:2]), "the middle piece must be a single token"
     return [t for i in ids for t in i]
 
@@ -44,7 +44,7 @@ def test_the_follow_up_extends_the_generated_tokens_not_their_text(engine: VllmE
     rendered = engine.render_chat([*HISTORY, NEXT])
     assert rendered[:len(prompt) + len(reply)] != [*prompt, *reply]  # text drifts off them
 
-    end_of_turn = engine._tokenizer.convert_tokens_to_ids("<|im_end|>")
+    end_of_turn = engine.tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
     context = ChatContext(2, engine.context_tokens(prompt, [*reply, end_of_turn]))
     assert context.token_ids == (*prompt, *reply)  # the stop token is not context
     follow_up = engine.continue_chat([*HISTORY, NEXT], context)
@@ -92,7 +92,7 @@ def test_a_template_that_wants_roles_to_alternate_sees_a_run_of_user_messages_as
     refuse: the model sees them as one message, and the previous turn's KV is still reused."""
     strict = VllmEngine(EngineConfig(), default_model_or_skip())
     strict.load_tokenizer()
-    strict._tokenizer.chat_template = ALTERNATING_TEMPLATE
+    strict.tokenizer.hf.chat_template = ALTERNATING_TEMPLATE
     unanswered, latest = ChatTurn("user", "Are you there?"), ChatTurn("user", "Hello?")
     turns = [*HISTORY, unanswered, latest]
     assert strict.decode(strict.render_chat(turns)) == (
@@ -116,5 +116,5 @@ def test_a_text_longer_than_the_model_counts_without_a_warning(engine: VllmEngin
     """The server refuses such a message itself; transformers' tokenizer logged that its
     length "will result in indexing errors" on the way."""
     assert engine.count_tokens("word " * 20_000) > 10_000
-    warned = engine._tokenizer.deprecation_warnings
+    warned = engine.tokenizer.hf.deprecation_warnings
     assert not warned.get("sequence-length-is-longer-than-the-specified-maximum")

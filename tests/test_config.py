@@ -13,7 +13,7 @@ from antiphon.engine_ext.config import (
     cpu_threading_env,
     set_cpu_threading,
 )
-from antiphon.engine_ext.engine import cpu_computes_bf16, resolve_dtype
+from antiphon.engine_ext.model_defaults import cpu_computes_bf16, resolve_dtype
 from antiphon.server.auth import Authenticator
 from antiphon.server.config import ServerConfig
 from antiphon.server.errors import ApiError, ErrorCode

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from antiphon.engine_ext.engine import model_sampling_defaults
+from antiphon.engine_ext.model_defaults import model_sampling_defaults
 from antiphon.engine_ext.scripted import ScriptedEngine
 from antiphon.server.config import ServerConfig
 from tests.conftest import Scripted, scripted_config

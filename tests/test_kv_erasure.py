@@ -665,7 +665,7 @@ async def test_an_engine_without_kv_tiering_keeps_erasures_while_a_slot_file_is_
     """With KV tiering off, `forget` reported nothing to erase and the server finished the
     erasure; a later start with tiering served the deleted session's KV from the SSD file."""
     from antiphon.engine_ext.config import EngineConfig
-    from antiphon.engine_ext.engine import VllmEngine
+    from antiphon.engine_ext.vllm_engine import VllmEngine
     from antiphon.tiering.config import TieringConfig
     from antiphon.tiering.slot_file import FILE_NAME
     from tests.test_model_fingerprint import make_model

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from antiphon.engine_ext.config import EngineConfig
-from antiphon.engine_ext.engine import VllmEngine
+from antiphon.engine_ext.vllm_engine import VllmEngine
 from antiphon.model import weights_fingerprint
 
 

@@ -777,13 +777,13 @@ def test_logprobs_of_tokens_structured_output_masked_are_finite() -> None:
     server clamps them."""
     from types import SimpleNamespace
 
-    from antiphon.engine_ext.engine import MIN_LOGPROB, _ranked
+    from antiphon.engine_ext.logprobs import MIN_LOGPROB, ranked
 
     candidates = {7: SimpleNamespace(logprob=0.0, rank=1, decoded_token="{"),
                   9: SimpleNamespace(logprob=float("-inf"), rank=2, decoded_token="x")}
-    chosen = _ranked(candidates, 7, 2)
+    chosen = ranked(candidates, 7, 2)
     assert chosen.top == (("{", 0.0), ("x", MIN_LOGPROB))
-    assert _ranked(candidates, 9, 0).logprob == MIN_LOGPROB
+    assert ranked(candidates, 9, 0).logprob == MIN_LOGPROB
 
 
 def test_a_refused_field_is_named_in_param_without_pydantic_union_tags(

@@ -208,7 +208,7 @@ def test_a_stop_during_the_model_load_kills_the_engine_processes(tmp_path: Path)
     import psutil
 
     from antiphon.engine_ext.config import EngineConfig
-    from antiphon.engine_ext.engine import VllmEngine
+    from antiphon.engine_ext.vllm_engine import VllmEngine
 
     spawn = multiprocessing.get_context("spawn")
     pids = spawn.Queue()
@@ -273,7 +273,7 @@ async def test_a_stop_asked_before_vllms_start_loads_nothing(tmp_path: Path) -> 
     event loop blocked): the start ends before vLLM's engine starts, not after its load; and
     one before the start begins starts nothing."""
     from antiphon.engine_ext.config import EngineConfig
-    from antiphon.engine_ext.engine import VllmEngine
+    from antiphon.engine_ext.vllm_engine import VllmEngine
     from antiphon.server.app import _start_engine
     from antiphon.server.context import AppContext
     from tests.conftest import default_model_or_skip

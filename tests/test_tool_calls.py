@@ -220,7 +220,8 @@ def test_the_models_template_renders_tools_where_it_knows_them() -> None:
     """SmolLM2's template knows no tools, so they are written in the Hermes format; a template
     that knows them gets them, and the calls (arguments as an object), as it expects."""
     from antiphon.engine_ext.config import EngineConfig
-    from antiphon.engine_ext.engine import EngineRequestError, VllmEngine
+    from antiphon.engine_ext.engine import EngineRequestError
+    from antiphon.engine_ext.vllm_engine import VllmEngine
     from tests.conftest import default_model_or_skip
 
     turns = [ChatTurn("user", "Weather in Paris?"),
@@ -234,7 +235,7 @@ def test_the_models_template_renders_tools_where_it_knows_them() -> None:
 
     native = VllmEngine(EngineConfig(), default_model_or_skip())
     native.load_tokenizer()
-    native._tokenizer.chat_template = NATIVE_TEMPLATE
+    native.tokenizer.hf.chat_template = NATIVE_TEMPLATE
     call_id = template_call_id("c1")
     assert native.decode(native.render_chat(turns, tools=[WEATHER])) == (
         "<|im_start|>system\nTOOLS get_weather<|im_end|>\n"
@@ -244,13 +245,13 @@ def test_the_models_template_renders_tools_where_it_knows_them() -> None:
     # a template's own refusal is the request's fault
     strict = VllmEngine(EngineConfig(), default_model_or_skip())
     strict.load_tokenizer()
-    strict._tokenizer.chat_template = (
+    strict.tokenizer.hf.chat_template = (
         "{% if tools %}{{ raise_exception('one tool call at a time') }}{% endif %}"
         + NATIVE_TEMPLATE)
     with pytest.raises(EngineRequestError, match="refused the conversation: one tool call"):
         strict.render_chat(turns, tools=[WEATHER])
     # a filter given what it cannot take (arguments that are not an object, to `items`)
-    strict._tokenizer.chat_template = NATIVE_TEMPLATE.replace(
+    strict.tokenizer.hf.chat_template = NATIVE_TEMPLATE.replace(
         "c.function.arguments | tojson", "c.function.arguments | items | list")
     cut_short = [turns[0], ChatTurn("assistant", "", (ToolCall("c1", "get_weather", '{"ci'),))]
     with pytest.raises(EngineRequestError, match="refused the conversation"):

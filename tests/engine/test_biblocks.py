@@ -11,8 +11,8 @@ import pytest
 import pytest_asyncio
 
 from antiphon.engine_ext.config import EngineConfig
-from antiphon.engine_ext.engine import VllmEngine
 from antiphon.engine_ext.types import ChatTurn, GenerationParams, RequestClass
+from antiphon.engine_ext.vllm_engine import VllmEngine
 from antiphon.model import resolve_model
 from antiphon.tiering.config import MiB, TieringConfig
 from tests.engine import TEST_DTYPE

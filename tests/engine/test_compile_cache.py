@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from antiphon.engine_ext.config import EngineConfig
-from antiphon.engine_ext.engine import VllmEngine
 from antiphon.engine_ext.types import ChatTurn, GenerationParams
+from antiphon.engine_ext.vllm_engine import VllmEngine
 from antiphon.model import resolve_model
 from tests.engine import TEST_DTYPE
 

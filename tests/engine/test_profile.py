@@ -9,8 +9,8 @@ import pytest
 
 from antiphon.engine_ext.costfit import fit_path, load_fit, save_fit
 from antiphon.engine_ext.costforms import FORMS
-from antiphon.engine_ext.engine import VllmEngine
 from antiphon.engine_ext.profiler import TINY, grid_points, profile
+from antiphon.engine_ext.vllm_engine import VllmEngine
 
 pytestmark = pytest.mark.engine
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from antiphon.engine_ext.engine import VllmEngine
 from antiphon.engine_ext.types import ChatTurn, GenerationParams, RequestClass
+from antiphon.engine_ext.vllm_engine import VllmEngine
 
 pytestmark = pytest.mark.engine
 

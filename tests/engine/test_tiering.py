@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from antiphon.engine_ext.config import EngineConfig
-from antiphon.engine_ext.engine import VllmEngine
 from antiphon.engine_ext.types import ChatTurn, GenerationParams
+from antiphon.engine_ext.vllm_engine import VllmEngine
 from antiphon.model import resolve_model
 from antiphon.tiering.config import MiB, TieringConfig
 from antiphon.tiering.keys import chain_hashes

@@ -8,8 +8,9 @@ from contextlib import aclosing
 
 import pytest
 
-from antiphon.engine_ext.engine import EngineRequestError, EngineRequestFailedError, VllmEngine
+from antiphon.engine_ext.engine import EngineRequestError, EngineRequestFailedError
 from antiphon.engine_ext.types import ChatTurn, GenerationParams, ToolSpec
+from antiphon.engine_ext.vllm_engine import VllmEngine
 from antiphon.server.tools import ToolUse, reply_schema
 
 pytestmark = pytest.mark.engine
@@ -29,7 +30,7 @@ async def generate_text(engine: VllmEngine, request_id: str, turns: list[ChatTur
 
 async def test_chat_template_comes_from_the_model(engine: VllmEngine) -> None:
     ids = engine.render_chat(QUESTION)
-    text = engine._tokenizer.decode(ids)
+    text = engine.tokenizer.hf.decode(ids)
     assert "<|im_start|>user\nWhat is the capital of France?" in text
     assert text.rstrip().endswith("<|im_start|>assistant")
 
@@ -113,7 +114,7 @@ async def test_logit_bias_bans_and_forces_tokens(engine: VllmEngine) -> None:
     assert await first_tokens("bias-1", ()) == greedy  # ("The capital of": greedy)
     banned = await first_tokens("bias-ban", ((greedy[0], -100.0),))
     assert banned[0] != greedy[0]
-    london = engine._tokenizer.encode("London", add_special_tokens=False)[0]
+    london = engine.tokenizer.hf.encode("London", add_special_tokens=False)[0]
     forced = await first_tokens("bias-force", ((london, 100.0),))
     assert forced[0] == london != greedy[0]
     assert engine.vocab_size is not None and london < engine.vocab_size
