@@ -52,7 +52,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
             return
         segments.remember(before)
         await ctx.batches.start()
-        ctx.turns.start_erasing()
+        ctx.turns.eraser.start()
         sampler = asyncio.create_task(ctx.dashboard.run())
         watchdog = asyncio.create_task(watch_engine(ctx))
         ctx.is_ready = True
@@ -67,7 +67,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await ctx.batches.stop()
-            await ctx.turns.stop_erasing()  # what is left, the next start erases
+            await ctx.turns.eraser.stop()  # what is left, the next start erases
             await engine.shutdown()
             segments.forget()
             ctx.store.close()

@@ -79,7 +79,7 @@ async def chat_completions(request: Request) -> Response:
     slot = ctx.inflight_per_key.take(owner, len(gens))
     if session_id is not None:
         try:
-            gens[0].session_claim = await ctx.turns.claim_soon(session_id)
+            gens[0].session_claim = await ctx.turns.claims.claim_soon(session_id)
         except BaseException:  # refused, or the client gone while it waited
             slot.release()
             raise
@@ -160,7 +160,7 @@ async def _release(ctx: AppContext, gen: Generation, slot: Slot) -> None:
     run twice)."""
     slot.release()
     if gen.params.session_id is not None:
-        ctx.turns.release(gen.params.session_id, gen.session_claim)
+        ctx.turns.claims.release(gen.params.session_id, gen.session_claim)
 
 
 async def _complete_unless_gone(ctx: AppContext, gens: list[Generation],
@@ -169,7 +169,7 @@ async def _complete_unless_gone(ctx: AppContext, gens: list[Generation],
     aborted, if the client disconnected first."""
     async def run() -> None:
         if gens[0].params.session_id is not None:  # a client that left and asks again waits
-            ctx.turns.held_by_this_task(gens[0].params.session_id, gens[0].session_claim)
+            ctx.turns.claims.held_by_this_task(gens[0].params.session_id, gens[0].session_claim)
         await run_choices(ctx.chat, gens, "openai")
         for gen in gens:
             await ctx.turns.record_exchange(gen)
@@ -280,7 +280,7 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
         for gen in gens:
             await ctx.turns.record_exchange(gen)
     except (asyncio.CancelledError, GeneratorExit):  # the client left: a turn of the
-        ctx.turns.mark_ending(gens[0].session_claim)  # session it sends again waits for this
+        ctx.turns.claims.mark_ending(gens[0].session_claim)  # session it sends again waits for this
         raise
     except ApiError as err:
         if not started:

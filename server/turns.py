@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import re
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
@@ -23,59 +20,16 @@ from antiphon.server import protocol
 from antiphon.server.advisories import Advised, AdvisoryFilter
 from antiphon.server.chat import ChatService, Generation
 from antiphon.server.errors import ApiError, ErrorCode, unexpected_error
+from antiphon.server.kv_eraser import KvEraser
 from antiphon.server.metrics import ServerMetrics
+from antiphon.server.session_claims import SessionClaims
+from antiphon.server.session_fields import clean_title, parse_cursor, session_cursor, title_from
 from antiphon.server.tools import ToolStream, reply_message
 from antiphon.sessions.store import Message, Session, SessionStore
 
 logger = logging.getLogger(__name__)
 
 Emit = Callable[[str], Awaitable[None]]
-
-
-def title_text(text: str) -> str:
-    """`text` as a session title shows it: whitespace runs as single spaces, no control
-    characters."""
-    return " ".join("".join(ch for ch in text if ch.isprintable() or ch.isspace()).split())
-
-
-TITLE_CHARS = 60  # of a title taken from a session's first message
-
-
-def title_from(message: str) -> str:
-    """The title a session's first message gives it: its start, cut after a whole word
-    (with "…") where it runs past `TITLE_CHARS`."""
-    text = title_text(message)
-    if len(text) <= TITLE_CHARS:
-        return text
-    cut = text[:TITLE_CHARS - 1]
-    words = cut.rsplit(" ", 1)[0] if " " in cut[TITLE_CHARS // 2:] else cut
-    return words.rstrip(" ,.;:-") + "…"
-
-
-def clean_title(title: str) -> str:
-    """A title a client gave, as stored (`title_text`); raises `bad_message` when nothing is
-    left."""
-    title = title_text(title)
-    if not title:
-        raise ApiError(ErrorCode.BAD_MESSAGE, "title is empty")
-    return title
-
-
-def session_cursor(session: Session) -> str:
-    """Where a listing goes on after `session`: `<updated_at>|<session_id>`."""
-    return f"{session.updated_at!r}|{session.session_id}"
-
-
-def parse_cursor(cursor: str) -> tuple[float, str]:
-    """A `session_cursor`'s (updated_at, session_id); raises `bad_message`."""
-    updated_at, _, session_id = cursor.partition("|")
-    try:
-        value = float(updated_at)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and re.fullmatch(protocol.ID_PATTERN, session_id)):
-        raise ApiError(ErrorCode.BAD_MESSAGE, f"not a session listing cursor: {cursor[:80]!r}")
-    return value, session_id
 
 
 async def _through_user_cancel(work: asyncio.Future[None],
@@ -106,18 +60,13 @@ class SessionTurns:
         self.store = store
         self.chat = chat
         self.metrics = metrics
-        # session id -> the hold of the turn (or deletion) using it: a token of the server's,
-        # never a client's request id, so that no other request can let go of it
-        self._busy: dict[str, str] = {}
-        # holds of turns being cut short (cancelled, or their client gone), the task running
-        # each turn, and what `claim_soon` waits on: set when the hold is let go
-        self._ending: set[str] = set()
-        self._holder_tasks: dict[str, asyncio.Task[Any]] = {}
-        self._let_go: dict[str, asyncio.Event] = {}
         self.advisories = AdvisoryFilter(chat.config.typing_interval_s,
                                          chat.config.advisory_repeat_interval_s, advisory_ttl_s)
-        self._eraser: asyncio.Task[None] | None = None  # erasing deleted sessions' KV
-        self._erase_wanted = False  # a session was deleted since the eraser read the queue
+        # A turn uses the session's advisory in the engine, whether or not it changes the
+        # conversation (one that commits at its end, or fails): the next is no repeat.
+        self.claims = SessionClaims(chat.config.session_free_wait_s, chat.check_open,
+                                    self.advisories.forget)
+        self.eraser = KvEraser(store, chat)
 
     async def open(self, owner: str, session_id: str | None, title: str | None = None,
                    system: str | None = None) -> tuple[Session, list[Message]]:
@@ -165,7 +114,7 @@ class SessionTurns:
     def is_replying(self, session_id: str) -> bool:
         """A turn of the session is running (from any connection or API): its last message
         is being answered."""
-        return session_id in self._busy
+        return self.claims.is_held(session_id)
 
     async def list_recent(self, owner: str,
                           before: str | None = None) -> tuple[list[Session], str | None]:
@@ -194,64 +143,19 @@ class SessionTurns:
         """Delete one of `owner`'s sessions with its messages. Refused (`session_busy`, nothing
         changed) while a reply of it is streaming: stop that first."""
         session = await self.get(owner, session_id)  # another's stays "not found"
-        await self._wait_for_ending_turn(session_id)
-        if session_id in self._busy:
+        await self.claims.wait_for_ending_turn(session_id)
+        if self.claims.is_held(session_id):
             raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is answering a "
                            "message; stop the reply before deleting the session")
-        hold = self.claim(session_id)  # no turn starts while the deletion runs
+        hold = self.claims.claim(session_id)  # no turn starts while the deletion runs
         try:
             last_prompt = await asyncio.to_thread(self._last_prompt, session)
             if not await asyncio.to_thread(self.store.delete_session, owner, session_id,
                                            last_prompt):
                 raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
         finally:
-            self.release(session_id, hold)
-        self.erase_deleted_kv()
-
-    def start_erasing(self) -> None:
-        """Erase what the store has queued (from before a restart, if any is left), and from
-        now on what it queues as sessions run (their chains past `kv_chains_kept`)."""
-        loop = asyncio.get_running_loop()
-
-        def queued() -> None:  # in the thread that wrote
-            loop.call_soon_threadsafe(self.erase_deleted_kv)
-        self.store.on_erasure_queued = queued
-        self.erase_deleted_kv()
-
-    def erase_deleted_kv(self) -> None:
-        """Have the engine erase the KV the store has queued from its tiers, in the
-        background: that of deleted sessions, and live sessions' oldest chains."""
-        self._erase_wanted = True  # a running eraser reads the queue again before it ends
-        if self._eraser is None or self._eraser.done():
-            self._eraser = asyncio.create_task(self._erase_deleted_kv())
-
-    async def stop_erasing(self) -> None:
-        self.store.on_erasure_queued = None
-        if self._eraser is not None:
-            self._eraser.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._eraser
-
-    async def _erase_deleted_kv(self) -> None:
-        while self._erase_wanted:
-            self._erase_wanted = False
-            for erasure_id, session_id, owner, chains in await asyncio.to_thread(
-                    self.store.pending_erasures):
-                # A live session's old chains spare what it still runs (None: deleted).
-                keep = await asyncio.to_thread(self.store.kept_chains, session_id)
-                try:
-                    erased = await self.chat.engine.forget(
-                        session_id, chains, self.chat.cache_salt(owner), keep=keep)
-                except Exception as exc:  # the engine is down, or the KV may not all be off
-                    # the disk: the erasure stays queued; the next one, or the next start,
-                    # runs it again
-                    logger.warning("session %s: its KV could not be erased yet (kept queued): "
-                                   "%s", session_id, exc)
-                    return
-                logger.info("session %s %s: %d chunk-layers of its KV erased", session_id,
-                            "deleted" if keep is None else "ran on past its kept chains",
-                            erased or 0)
-                await asyncio.to_thread(self.store.finish_erasure, erasure_id)
+            self.claims.release(session_id, hold)
+        self.eraser.erase_queued()
 
     def _last_prompt(self, session: Session) -> list[int] | None:
         """The prompt the session's conversation renders to now (that of a turn whose reply
@@ -302,67 +206,6 @@ class SessionTurns:
         self.advisories.sent(session_id, revision, expected_arrival_s, held)
         return Advised(held)
 
-    def claim(self, session_id: str) -> str:
-        """Mark `session_id` busy; returns the hold that `release` takes. Raises
-        `session_busy` if it is busy already: one turn per session keeps the conversation in
-        a single order."""
-        if session_id in self._busy:
-            raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is busy (answering "
-                           "a message, or being deleted)")
-        hold = self._busy[session_id] = "hold_" + secrets.token_urlsafe(12)
-        # The turn uses the session's advisory in the engine, whether or not it changes the
-        # conversation (one that commits at its end, or fails): the next is no repeat.
-        self.advisories.forget(session_id)
-        return hold
-
-    async def claim_soon(self, session_id: str) -> str:
-        """`claim`, once a turn of the session being cut short (cancelled, or its client gone)
-        has kept what it has and let go, waiting at most `--session-free-wait-s` for it."""
-        await self._wait_for_ending_turn(session_id)
-        self.chat.check_open()  # (a shutdown may have begun meanwhile)
-        return self.claim(session_id)
-
-    async def _wait_for_ending_turn(self, session_id: str) -> None:
-        deadline = time.monotonic() + self.chat.config.session_free_wait_s
-        while (hold := self._busy.get(session_id)) is not None and self._is_ending(hold):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            let_go = self._let_go.setdefault(hold, asyncio.Event())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(let_go.wait(), remaining)
-
-    def _is_ending(self, hold: str) -> bool:
-        """The turn holding `hold` is being cut short: marked so, or its task is being
-        cancelled (at once, before the task has run to where it marks itself)."""
-        task = self._holder_tasks.get(hold)
-        return hold in self._ending or (task is not None and task.cancelling() > 0)
-
-    def release(self, session_id: str, hold: str | None) -> None:
-        """Clear `claim`'s mark, if `hold` still holds it (safe to call twice)."""
-        if hold is not None and self._busy.get(session_id) == hold:
-            del self._busy[session_id]
-        if hold is not None:
-            self._ending.discard(hold)
-            self._holder_tasks.pop(hold, None)
-            let_go = self._let_go.pop(hold, None)
-            if let_go is not None:
-                let_go.set()
-
-    def mark_ending(self, hold: str | None) -> None:
-        """The turn holding `hold` is being cut short: a turn or deletion that asks for its
-        session waits for it to let go (`claim_soon`)."""
-        if hold is not None and hold in self._busy.values():
-            self._ending.add(hold)
-
-    def held_by_this_task(self, session_id: str, hold: str | None) -> None:
-        """The current task runs the turn holding `session_id` with `hold`: a turn or deletion
-        that asks for the session while this task is being cancelled waits for it to let go
-        (`claim_soon`)."""
-        task = asyncio.current_task()
-        if hold is not None and task is not None and self._busy.get(session_id) == hold:
-            self._holder_tasks[hold] = task
-
     async def record_exchange(self, gen: Generation) -> None:
         """Keep a finished chat completion of a session (`/v1/chat/completions` with
         `vllm_xargs.session_id`) as the session's context; the client keeps the messages."""
@@ -390,7 +233,7 @@ class SessionTurns:
                 self.chat.check_content(result.content, may_be_empty=True)
         self.chat.check_tools(len(msg.tools or ()))
         session = await self.get(owner, msg.session_id)
-        hold = await self.claim_soon(msg.session_id)
+        hold = await self.claims.claim_soon(msg.session_id)
         try:
             seen = await asyncio.to_thread(self._history, session)
             turns, start = seen.turns, seen.start
@@ -439,7 +282,7 @@ class SessionTurns:
                 self.store.add_turn_messages, msg.session_id, role, messages, title, window)
             gen.committed = (role, tuple(content for content, _, _ in messages))
         except BaseException:
-            self.release(msg.session_id, hold)
+            self.claims.release(msg.session_id, hold)
             raise
         return gen
 
@@ -453,7 +296,7 @@ class SessionTurns:
         The session is free again, and `finished` called, before the last frame goes out: a
         client that sends its next turn the moment it reads `done` finds the session free.
         """
-        self.held_by_this_task(session_id, gen.session_claim)
+        self.claims.held_by_this_task(session_id, gen.session_claim)
         with self.chat.live(gen):  # a shutdown waits for the `done` frame, not only the tokens
             await self._run(session_id, gen, emit, is_user_cancel, finished)
 
@@ -467,7 +310,7 @@ class SessionTurns:
         def settle() -> None:  # the turn's work is over (safe to call twice)
             nonlocal settled
             settled = True
-            self.release(session_id, gen.session_claim)
+            self.claims.release(session_id, gen.session_claim)
             if finished is not None:
                 finished()
         # A reply that may call tools streams its content alone; the calls come with `done`.
@@ -487,7 +330,7 @@ class SessionTurns:
                                           _contents(calls.feed(text)))
                         emitting = False
             except asyncio.CancelledError:
-                self.mark_ending(gen.session_claim)  # cut short: what it has is kept below
+                self.claims.mark_ending(gen.session_claim)  # cut short: what it has is kept below
                 if not is_user_cancel():
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]

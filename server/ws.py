@@ -290,7 +290,7 @@ class Connection:
             try:
                 await asyncio.shield(self.ctx.turns.take_back(msg.session_id, gen))
             finally:
-                self.ctx.turns.release(msg.session_id, gen.session_claim)
+                self.ctx.turns.claims.release(msg.session_id, gen.session_claim)
             if not isinstance(exc, Exception):
                 raise
             if not isinstance(exc, CLIENT_GONE):
@@ -334,7 +334,7 @@ class Connection:
                          exc_info=exc)
         finished()  # (again: safe; its place on the connection, whatever way the turn ended)
         self._tasks.discard(task)
-        self.ctx.turns.release(session_id, gen.session_claim)  # whatever way the turn ended
+        self.ctx.turns.claims.release(session_id, gen.session_claim)  # whatever way the turn ended
 
     async def _cancel_all(self) -> None:
         """Cancel the connection's turns; its typing advisories run to their end (short, and

@@ -719,17 +719,17 @@ def test_a_session_turn_whose_client_left_lets_the_retry_in(
     where it got a 409 session_busy."""
     import asyncio
 
-    from antiphon.server.turns import SessionTurns
+    from antiphon.server.session_claims import SessionClaims
 
-    release = SessionTurns.release
+    release = SessionClaims.release
 
-    def slow_release(self: SessionTurns, session_id: str, hold: str | None) -> None:
+    def slow_release(self: SessionClaims, session_id: str, hold: str | None) -> None:
         asyncio.get_running_loop().call_later(0.5, release, self, session_id, hold)
 
     url = scripted.url
     sid = httpx.post(url + "/v1/sessions", json={}).json()["session_id"]
     scripted.engine.token_delay_s = 0.05
-    monkeypatch.setattr(SessionTurns, "release", slow_release)
+    monkeypatch.setattr(SessionClaims, "release", slow_release)
     body = {"model": "scripted", "messages": [{"role": "user", "content": "w " * 60}],
             "vllm_xargs": {"session_id": sid}, "stream": stream}
     if stream:

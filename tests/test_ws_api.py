@@ -658,7 +658,7 @@ async def test_a_failed_turn_does_not_save_its_partial_reply_once_the_session_mo
         task.cancel()  # the first client leaves while its error frame waits
         await asyncio.gather(task, return_exceptions=True)
         rows = [(m.role, m.content) for m in ctx.store.messages(sid)]
-        ctx.turns.release(sid, second.session_claim)
+        ctx.turns.claims.release(sid, second.session_claim)
         assert rows == [("user", "one two three four"), ("user", "second")]
     finally:
         ctx.store.close()
@@ -829,7 +829,7 @@ async def test_errors_name_the_cancel_they_answer_and_a_client_gone_is_no_error(
 
 
 def test_a_title_from_a_long_first_message_ends_at_a_word() -> None:
-    from antiphon.server.turns import TITLE_CHARS, title_from
+    from antiphon.server.session_fields import TITLE_CHARS, title_from
 
     assert title_from("  What is   the capital\nof France? ") == "What is the capital of France?"
     long = "Please summarise the following meeting notes, keeping every decision and owner"
@@ -843,14 +843,14 @@ def test_a_title_from_a_long_first_message_ends_at_a_word() -> None:
 
 def slow_release(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
     """Make each turn let go of its session `delay_s` late (a slow cut-short turn)."""
-    from antiphon.server.turns import SessionTurns
+    from antiphon.server.session_claims import SessionClaims
 
-    release = SessionTurns.release
+    release = SessionClaims.release
 
-    def late(self: SessionTurns, session_id: str, hold: str | None) -> None:
+    def late(self: SessionClaims, session_id: str, hold: str | None) -> None:
         asyncio.get_running_loop().call_later(delay_s, release, self, session_id, hold)
 
-    monkeypatch.setattr(SessionTurns, "release", late)
+    monkeypatch.setattr(SessionClaims, "release", late)
 
 
 async def cut_short_turn(ws: Any, session_id: str) -> None:
@@ -1054,7 +1054,8 @@ async def test_a_turn_whose_client_left_ends_without_an_error_logged(
 
     connection = object.__new__(wsmod.Connection)
     connection._tasks = set()
-    connection.ctx = SimpleNamespace(turns=SimpleNamespace(release=lambda *_: None))
+    connection.ctx = SimpleNamespace(turns=SimpleNamespace(
+        claims=SimpleNamespace(release=lambda *_: None)))
     task = asyncio.ensure_future(sending_after_the_close())
     await asyncio.gather(task, return_exceptions=True)
     with caplog.at_level(logging.ERROR):

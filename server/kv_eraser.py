@@ -1,0 +1,67 @@
+"""The KV of deleted sessions (and live sessions' oldest chains) erased from the engine's tiers,
+in the background, from the queue the session store keeps across restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from antiphon.server.chat import ChatService
+from antiphon.sessions.store import SessionStore
+
+logger = logging.getLogger(__name__)
+
+
+class KvEraser:
+    def __init__(self, store: SessionStore, chat: ChatService) -> None:
+        self.store = store
+        self.chat = chat
+        self._task: asyncio.Task[None] | None = None
+        self._wanted = False  # an erasure was queued since the task read the queue
+
+    def start(self) -> None:
+        """Erase what the store has queued (from before a restart, if any is left), and from
+        now on what it queues as sessions run (their chains past `kv_chains_kept`)."""
+        loop = asyncio.get_running_loop()
+
+        def queued() -> None:  # in the thread that wrote
+            loop.call_soon_threadsafe(self.erase_queued)
+        self.store.on_erasure_queued = queued
+        self.erase_queued()
+
+    def erase_queued(self) -> None:
+        """Have the engine erase the KV the store has queued from its tiers, in the
+        background: that of deleted sessions, and live sessions' oldest chains."""
+        self._wanted = True  # a running task reads the queue again before it ends
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._erase())
+
+    async def stop(self) -> None:
+        """Stop erasing; what is left stays queued, for the next start."""
+        self.store.on_erasure_queued = None
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _erase(self) -> None:
+        while self._wanted:
+            self._wanted = False
+            for erasure_id, session_id, owner, chains in await asyncio.to_thread(
+                    self.store.pending_erasures):
+                # A live session's old chains spare what it still runs (None: deleted).
+                keep = await asyncio.to_thread(self.store.kept_chains, session_id)
+                try:
+                    erased = await self.chat.engine.forget(
+                        session_id, chains, self.chat.cache_salt(owner), keep=keep)
+                except Exception as exc:  # the engine is down, or the KV may not all be off
+                    # the disk: the erasure stays queued; the next one, or the next start,
+                    # runs it again
+                    logger.warning("session %s: its KV could not be erased yet (kept queued): "
+                                   "%s", session_id, exc)
+                    return
+                logger.info("session %s %s: %d chunk-layers of its KV erased", session_id,
+                            "deleted" if keep is None else "ran on past its kept chains",
+                            erased or 0)
+                await asyncio.to_thread(self.store.finish_erasure, erasure_id)
