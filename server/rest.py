@@ -236,6 +236,9 @@ _TIERING_COUNTERS = (
      "Advisories whose prefetched KV was given up for a running turn's host room"),
     ("chunk_layers_forgotten", "antiphon_kv_chunk_layers_forgotten_total",
      "Chunk-layers of KV erased from the tiers because their session was deleted"),
+    ("tail_layers_retired", "antiphon_kv_tail_layers_retired_total",
+     "Copies of partial-chunk KV layers erased from a tier because a later save holds their "
+     "tokens (a turn's tail, covered by its follow-up's chunk or tail)"),
     ("turns_held", "antiphon_kv_turns_held_total",
      "Turns held to a later step for their SSD fetch"),
     ("turns_fetched_in_step", "antiphon_kv_turns_fetched_in_step_total",
@@ -285,9 +288,9 @@ def tiering_metrics_text(stats: dict[str, Any]) -> bytes:
     for tier, t in stats["tiers"].items():
         lines += [f'antiphon_kv_tier_bytes{{tier="{tier}",kind="used"}} {t["used_bytes"]}',
                   f'antiphon_kv_tier_bytes{{tier="{tier}",kind="capacity"}} {t["capacity_bytes"]}']
-    lines += ["# HELP antiphon_kv_tier_reads_total Chunk-layer reads of each tier by the engine "
-              "core process (prefetches), by outcome; the worker's loads under the forward pass "
-              "are counted as tokens in antiphon_kv_tokens_total",
+    lines += ["# HELP antiphon_kv_tier_reads_total Chunk-layer reads of each tier, by outcome: "
+              "the host tier's by turns' loads under the forward pass (a miss: a chunk-layer a "
+              "turn had to fetch from below), the SSD tier's by fetches into the host tier",
               "# TYPE antiphon_kv_tier_reads_total counter"]
     for tier, t in stats["tiers"].items():
         lines += [f'antiphon_kv_tier_reads_total{{tier="{tier}",outcome="hit"}} {t["hits"]}',

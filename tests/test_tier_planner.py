@@ -123,6 +123,8 @@ def test_a_follow_up_loads_its_whole_prior_context(planner: TierPlanner) -> None
     stats = planner.stats()
     assert stats["tokens_from_host"] == 10
     assert stats["computed_prompt_tokens"] == 11 + 5  # the first turn's prompt, then 5 new
+    # the worker's reads of the host tier: 2 chunks and the tail, each layer, none missed
+    assert (stats["tiers"]["host"]["hits"], stats["tiers"]["host"]["misses"]) == (3 * LAYERS, 0)
     planner.store.check_integrity()
 
 
@@ -251,6 +253,10 @@ def test_after_a_restart_a_turn_loads_its_context_from_ssd(
         planner.plan_load("r2", [1, 2, 3], 10, 12)
         stats = planner.stats()
         assert stats["tokens_from_ssd"] == 10
+        # fetched from below, then loaded from the host tier: 2 chunks and the tail, each layer
+        host = stats["tiers"]["host"]
+        assert (host["misses"], host["hits"]) == (3 * LAYERS, 3 * LAYERS)
+        assert host["bytes_out"] == 3 * LAYERS * PAGE_BYTES
         assert (stats["turns_fetched_in_step"], stats["turns_held"]) == fetched_in_step_and_held
         planner.store.check_integrity()
     finally:

@@ -58,3 +58,15 @@ def test_common_prefix() -> None:
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix([1, 2], [1, 2, 3]) == 2
     assert common_prefix([], [1]) == 0
+
+
+def test_the_chunks_a_longer_one_covers() -> None:
+    index = TailIndex(8)
+    index.add(b"p", key(b"a"), [1, 2])
+    index.add(b"p", key(b"b"), [1, 3])
+    index.add(b"p", key(b"c"), [1, 2, 5, 6])
+    index.add(b"q", key(b"d"), [1])
+    assert index.covered_by(b"p", [1, 2, 5, 6]) == [key(b"a"), key(b"c")]  # itself included
+    assert index.covered_by(b"p", [1, 2]) == [key(b"a")]
+    assert index.covered_by(b"p", [1]) == []
+    assert index.covered_by(b"x", [1, 2]) == []

@@ -60,6 +60,7 @@ class RequestState:
     admitted: tuple[int, int] | None = None
     # (host, SSD) prompt tokens its first admission loaded from the tiers (`served_from`)
     first_loads: tuple[int, int] | None = None
+    start_tokens: int = 0  # tokens its first admission found stored (device and tiers)
     # its session's advisory was settled by its first admission (a preempted request's
     # later ones leave the next turn's advisory alone)
     advisory_settled: bool = False
@@ -101,6 +102,7 @@ class TieringCounters:
     saves_refused: int = 0  # chunks not saved: no host slot, every one pinned (recomputed later)
     advisories_received: int = 0
     chunk_layers_forgotten: int = 0  # erased from the tiers when their session was deleted
+    tail_layers_retired: int = 0  # copies of partial chunk-layers a later save covered, erased
     advisories_used: int = 0  # a turn of the session arrived while the advisory was live
     advisories_expired: int = 0
     prefetches_timed: int = 0  # used advisories whose prefetch finished before the turn came

@@ -24,7 +24,8 @@ make a running turn recompute.
 
 Beside it: `PrefixMatcher` (matching.py) finds what the tiers hold of a prompt,
 `PreemptionTable` (preemption.py) keeps the checkpoints of preempted requests, and
-`SessionErasure` (erasure.py) erases a deleted session's KV.
+`SessionErasure` (erasure.py) erases a deleted session's KV, and `TailRetirement`
+(retirement.py) the partial chunks a later turn's saves cover.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from antiphon.tiering.plan_state import (
 )
 from antiphon.tiering.preemption import PreemptionTable
 from antiphon.tiering.prefetch_queue import URGENT, PrefetchQueue
+from antiphon.tiering.retirement import TailRetirement
 from antiphon.tiering.tails import TailIndex
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class TierPlanner:
         self.chunk_tokens = config.chunk_tokens
         self.page_tokens = config.page_tokens
         self.pages_per_chunk = config.pages_per_chunk
+        self.page_bytes = page_bytes  # of one layer's page
         self.store = build_tiered_store(config, slot_bytes=page_bytes * self.pages_per_chunk,
                                         model_id=model_id)
         host = self.store.tiers[0]
@@ -108,6 +111,7 @@ class TierPlanner:
         self.advisories = AdvisoryBook(self._prefetcher, self.store, host, self.counters,
                                        config.advisory_ttl_s)
         self.erasure = SessionErasure(self)
+        self.retirement = TailRetirement(self)
         self.matcher = PrefixMatcher(self.store, self.tails, model_id=model_id,
                                      chunk_tokens=self.chunk_tokens, num_layers=num_layers)
         for tier in self.store.tiers:
@@ -210,6 +214,7 @@ class TierPlanner:
             st.pins = [key for key in wanted if key not in missing and self.host.pin(key)]
             self._drop_prefetch(st)
             st.fetch_attempts += 1
+            self.host.stats.misses += len(absent)  # (read from the host tier: misses)
             self.advisories.make_room(len(absent), view.session)
             absent = self._leading_chunks_with_room(absent)
             if absent:
@@ -274,6 +279,9 @@ class TierPlanner:
                               min(end_page, chunk_first + self.pages_per_chunk))
                 slots = tuple(self._slot(key.with_layer(layer))
                               for layer in range(self.num_layers))
+                # the worker reads these slots straight from the arena: its reads, counted here
+                self.host.stats.hits += self.num_layers
+                self.host.stats.bytes_out += self.num_layers * len(pages) * self.page_bytes
                 whole = pages
                 if pages.stop == end_page and end % self.page_tokens:
                     whole = pages[:-1]
@@ -379,11 +387,14 @@ class TierPlanner:
             num_computed = known_tokens(st, num_computed)
             full = num_computed // self.chunk_tokens
             if num_computed == full * self.chunk_tokens or st.saved_chunks != full:
+                self.retirement.request_finished(st, num_computed, None)
                 return False  # nothing partial, or the full chunks were not all saved
             tail = self.matcher.tail_key(st, num_computed)
             copy, keys = self._reserve(tail, self._tail_pages(block_ids, num_computed))
-            if copy is not None or self._held(tail):  # (a tier may hold it: a restart's)
+            is_indexed = copy is not None or self.held(tail)  # (a tier may hold it: a restart's)
+            if is_indexed:
                 self.matcher.index_tail(st, num_computed, tail)
+            self.retirement.request_finished(st, num_computed, tail if is_indexed else None)
             if copy is None:
                 return False
             self._final_saves[request_id] = [copy]
@@ -424,7 +435,7 @@ class TierPlanner:
             copies: list[PageCopy] = []
             reserved: list[ChunkKey] = []
             for key, pages, key_end in spans:
-                if not self._held(key):
+                if not self.held(key):
                     copy, keys = self._reserve(key, pages)
                     if copy is None:
                         break  # no host room: recompute from here
@@ -471,7 +482,7 @@ class TierPlanner:
         restore is held by a tier (or on its way into the host arena). Returns the problems."""
         with self.lock:
             self._settle_evictions()
-            return self.preemption.problems(self._requests, self._held)
+            return self.preemption.problems(self._requests, self.held)
 
     # -- advisories --------------------------------------------------------------------------
 
@@ -509,6 +520,7 @@ class TierPlanner:
                     "requests_tracked": len(self._requests)}
 
     def close(self) -> None:
+        self.retirement.close()
         self._prefetcher.close()
         self.store.close()
 
@@ -628,7 +640,7 @@ class TierPlanner:
         """The tag the tiers keep with what the request saves: its session's, if any."""
         return owner_tag(st.view.session)
 
-    def _held(self, key: ChunkKey) -> bool:
+    def held(self, key: ChunkKey) -> bool:
         """Every layer of the chunk is in a tier or reserved in the host arena."""
         return all(self.store.contains(k) or self.host.is_reserved(k)
                    for k in (key.with_layer(layer) for layer in range(self.num_layers)))
@@ -656,7 +668,7 @@ class TierPlanner:
     def _settle_evictions(self) -> None:
         """Cut the checkpoints whose chunks a full tier evicted (lock held): those requests
         recompute from there, as when the host arena had no room at the checkpoint."""
-        self.counters.checkpoint_short_tokens += self.preemption.settle_evictions(self._held)
+        self.counters.checkpoint_short_tokens += self.preemption.settle_evictions(self.held)
 
     def _unpin(self, st: RequestState) -> None:
         self.host.unpin_all(st.pins)
@@ -683,6 +695,7 @@ class TierPlanner:
         c.tokens_from_host += num_external - from_ssd
         if st.first_loads is None:  # a preempted request's reloads are not its prompt's
             st.first_loads = (num_external - from_ssd, from_ssd)
+            st.start_tokens = st.local_tokens + num_external
         c.computed_prompt_tokens += max(0, num_prompt_tokens - st.local_tokens - num_external)
         st.ssd_chunks, st.fetch_attempts = set(), 0
 

@@ -9,10 +9,12 @@ import dataclasses
 class TierStats:
     """Monotonic counters of one tier since it was opened (chunk-layers and bytes)."""
 
-    hits: int = 0  # `get` calls that returned data
-    misses: int = 0  # `get` calls that returned None (absent, or dropped as corrupt)
+    # `get` calls that returned data or None (absent, or dropped as corrupt); the host tier's
+    # are the chunk-layers turns load from it, and those they fetch from below first
+    hits: int = 0
+    misses: int = 0
     bytes_in: int = 0  # payload bytes stored by `put` (not counting no-op re-puts)
-    bytes_out: int = 0  # payload bytes returned by `get`
+    bytes_out: int = 0  # payload bytes returned by `get` (the host tier: loaded by turns)
     evictions: int = 0  # chunk-layers evicted to make room
     refused: int = 0  # `put` calls refused for capacity (everything left is pinned)
     corrupt_dropped: int = 0  # chunk-layers dropped because they failed verification

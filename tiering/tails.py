@@ -117,6 +117,16 @@ class TailIndex:
         return [key for key in self._after.get(previous, ())
                 if common_prefix(self._entries[key].tokens, tokens) == len(tokens)]
 
+    def covered_by(self, previous: bytes, tokens: Sequence[int]) -> list[ChunkKey]:
+        """The chunks after `previous` whose tokens are all a prefix of `tokens`: KV that a
+        chunk of `tokens` after `previous` holds too."""
+        found = []
+        for key in self._after.get(previous, ()):
+            own = self._entries[key].tokens
+            if len(own) <= len(tokens) and common_prefix(own, tokens) == len(own):
+                found.append(key)
+        return found
+
     def after(self, prefix_hashes: set[bytes]) -> list[ChunkKey]:
         """The partial chunks that continue any of the chains `prefix_hashes` (full chunks)."""
         return [key for previous, chain in self._after.items() if previous in prefix_hashes
