@@ -289,8 +289,8 @@ def tiering_metrics_text(stats: dict[str, Any]) -> bytes:
         lines += [f'antiphon_kv_tier_bytes{{tier="{tier}",kind="used"}} {t["used_bytes"]}',
                   f'antiphon_kv_tier_bytes{{tier="{tier}",kind="capacity"}} {t["capacity_bytes"]}']
     lines += ["# HELP antiphon_kv_tier_reads_total Chunk-layer reads of each tier, by outcome: "
-              "the host tier's by turns' loads under the forward pass (a miss: a chunk-layer a "
-              "turn had to fetch from below), the SSD tier's by fetches into the host tier",
+              "the host tier's by turns' loads (a hit: found there when the turn was admitted; a "
+              "miss: fetched from below first), the SSD tier's by fetches into the host tier",
               "# TYPE antiphon_kv_tier_reads_total counter"]
     for tier, t in stats["tiers"].items():
         lines += [f'antiphon_kv_tier_reads_total{{tier="{tier}",outcome="hit"}} {t["hits"]}',

@@ -3,6 +3,7 @@ held is still found: the KV connector's scheduler side without vLLM, as in test_
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,8 +11,10 @@ import pytest
 
 from antiphon.tiering.keys import ChunkKey
 from antiphon.tiering.planner import TierPlanner, TokenView
+from antiphon.tiering.tails import TAILS_PER_CHAIN
 from tests.test_tier_planner import (
     LAYERS,
+    PAGE_BYTES,
     TURN1,
     fake_worker_saves,
     make_planner,
@@ -39,6 +42,14 @@ def tail_keys(planner: TierPlanner) -> list[ChunkKey]:
     key = planner.matcher.tail_key(st, len(TURN1))
     del planner._requests["probe"]
     return [key.with_layer(layer) for layer in range(LAYERS)]
+
+
+def hold_the_eraser(planner: TierPlanner) -> threading.Event:
+    """Keep the retirements' background thread busy until the event returned is set."""
+    started, release = threading.Event(), threading.Event()
+    planner.retirement._eraser.submit(lambda: (started.set(), release.wait(10)))
+    assert started.wait(10)
+    return release
 
 
 def stored_anywhere(planner: TierPlanner, keys: list[ChunkKey]) -> list[bool]:
@@ -100,3 +111,69 @@ def test_a_tail_a_checkpoint_restores_is_not_retired(planner: TierPlanner) -> No
     assert stored_anywhere(planner, old_tail) == [True] * LAYERS
     assert planner.check_integrity() == []
     assert matched(planner, "be", FIRST) == 10  # its restore loads all of it
+
+
+def test_a_tail_stays_when_the_save_that_covers_it_fails(planner: TierPlanner) -> None:
+    """vLLM reports a step's copies in a later step: the request finishes with the save of
+    its covering chunk in flight. The copy step fails: the old tail is all there is."""
+    run_turn(planner, "r1", FIRST, [7, 8, 9])
+    old_tail = tail_keys(planner)
+    release = hold_the_eraser(planner)  # (an erasure queued now runs after the step's end)
+    second = [*FIRST, 111, 112, 113, 114]
+    view = TokenView("r2", second, "s1")
+    planner.add_request(view)
+    planner.test_blocks["r2"] = [1, 2, 3, 4]  # type: ignore[attr-defined]
+    planner.plan_load("r2", [1, 2, 3, 4], planner.num_new_matched_tokens(view, 0) or 0,
+                      len(second))
+    meta = planner.build_metadata([("r2", len(second) - 1)])
+    planner.request_finished("r2", len(second) - 1, [1, 2, 3, 4])
+    final = planner.build_metadata([])
+    planner.step_done({meta.step, final.step}, {meta.step, final.step})
+    release.set()
+    assert stored_anywhere(planner, old_tail) == [True] * LAYERS
+    assert matched(planner, "again", [*FIRST, 999, 998]) == 10
+
+
+def test_a_save_that_stays_in_host_ram_retires_nothing(tmp_path: Path) -> None:
+    """BE work (its KV is written through only once checkpointed) covers a session's tail:
+    the tail's SSD copy stays, and the session's next turn finds it after a restart."""
+    planner = make_planner(tmp_path / "ssd")
+    run_turn(planner, "r1", FIRST, [7, 8, 9])
+    run_turn(planner, "be", [*FIRST, 111, 112, 113, 114], [1, 2, 3, 4], session=None,
+             background=True)
+    assert stored_anywhere(planner, tail_keys(planner)) == [True] * LAYERS
+    planner.close()
+    restarted = make_planner(tmp_path / "ssd")
+    try:
+        assert matched(restarted, "next", [*FIRST, 555, 556]) == 10
+    finally:
+        restarted.close()
+
+
+def test_a_tail_handed_to_a_checkpoint_before_its_erasure_runs_stays(
+        planner: TierPlanner) -> None:
+    """The erasure runs later, in the background: a BE request checkpointed onto the tail
+    meanwhile (a tier holds it: handed over, not copied) keeps it."""
+    run_turn(planner, "r1", FIRST, [7, 8, 9])
+    old_tail = tail_keys(planner)
+    release = hold_the_eraser(planner)
+    run_turn(planner, "r2", [*FIRST, 111, 112, 113, 114], [1, 2, 3, 4])  # retires the tail
+    _, meta = preempt_after(planner, "be", FIRST, [7, 8, 9], [10], background=True)
+    fake_worker_saves(planner, meta.checkpoints)
+    planner.step_done({meta.step}, set())
+    release.set()
+    assert stored_anywhere(planner, old_tail) == [True] * LAYERS
+    assert planner.check_integrity() == []
+
+
+def test_a_covering_chunk_pushes_no_other_tail_out_of_a_full_chain(tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=256 * PAGE_BYTES)
+    try:
+        run_turn(planner, "u", [*TURN1[:8], 200, 201, 202, 203], [1, 2, 3])  # [200, 201, 202]
+        run_turn(planner, "t", FIRST, [4, 5, 6])  # [108, 109]
+        for i in range(TAILS_PER_CHAIN - 2):  # the chain after chunk 1 full
+            run_turn(planner, f"o{i}", [*TURN1[:8], 300 + i, 400, 401], [7, 8, 9])
+        run_turn(planner, "t2", [*FIRST, 111, 112, 113, 114], [10, 11, 12, 13])
+        assert matched(planner, "q", [*TURN1[:8], 200, 201, 999, 998]) == 10
+    finally:
+        planner.close()

@@ -42,7 +42,9 @@ class TieringConfig:
         "Partial chunks whose tokens the engine keeps in memory (about 1 KiB each with "
         "128-token chunks), so a turn that shares only part of one (a reply a stop string "
         "ended or a user cancelled ran on in the engine) loads that part, and deleting a "
-        "session erases it; 0 turns this off (tails are then matched by their exact tokens)",
+        "session erases it; a full chunk that covers a turn's partial one takes its place, "
+        "which then leaves the KV tiers; 0 turns this off (tails are then matched by their "
+        "exact tokens, and kept until evicted)",
         default=16384)
     # Tokens per KV page of the engine: the connector sets it to vLLM's block size (128 on the
     # CPU backend), so it is no command-line option.

@@ -214,9 +214,9 @@ class TierPlanner:
             st.pins = [key for key in wanted if key not in missing and self.host.pin(key)]
             self._drop_prefetch(st)
             st.fetch_attempts += 1
-            self.host.stats.misses += len(absent)  # (read from the host tier: misses)
             self.advisories.make_room(len(absent), view.session)
             absent = self._leading_chunks_with_room(absent)
+            self.host.stats.misses += len(absent)  # fetched from below before they load
             if absent:
                 st.ssd_chunks |= {key.chunk_index for key in absent}
                 # Whole chunks in order: the turn waits for all of it, so lower layers first
@@ -259,6 +259,7 @@ class TierPlanner:
             st = self._requests.get(request_id)
             if st is None:
                 return
+            fetched = st.ssd_chunks  # (`_count_admission` starts the next admission's set)
             self._count_admission(st, num_external, num_tokens)
             if self._drop_checkpoint(request_id):
                 self.counters.restores += 1
@@ -279,8 +280,9 @@ class TierPlanner:
                               min(end_page, chunk_first + self.pages_per_chunk))
                 slots = tuple(self._slot(key.with_layer(layer))
                               for layer in range(self.num_layers))
-                # the worker reads these slots straight from the arena: its reads, counted here
-                self.host.stats.hits += self.num_layers
+                # The worker reads these slots straight from the arena: the host tier's reads,
+                # counted here (a hit: found there at admission, not fetched from below).
+                self.host.stats.hits += 0 if index in fetched else self.num_layers
                 self.host.stats.bytes_out += self.num_layers * len(pages) * self.page_bytes
                 whole = pages
                 if pages.stop == end_page and end % self.page_tokens:
@@ -345,6 +347,7 @@ class TierPlanner:
                         self.host.commit(key)
             if not self.has_commits_pending():
                 self.erasure.settle()
+            self.retirement.step_done()
 
     def settle_retired_prefetches(self) -> None:
         """Wait for the prefetches stopped so far (a released advisory's) to settle and let go
@@ -394,13 +397,12 @@ class TierPlanner:
             is_indexed = copy is not None or self.held(tail)  # (a tier may hold it: a restart's)
             if is_indexed:
                 self.matcher.index_tail(st, num_computed, tail)
+            if copy is not None:
+                self._final_saves[request_id] = [copy]
+                durable, owner = self.durable(st), self._owner(st)
+                self._final_keys.extend(SlotCommit(key, durable, owner) for key in keys)
             self.retirement.request_finished(st, num_computed, tail if is_indexed else None)
-            if copy is None:
-                return False
-            self._final_saves[request_id] = [copy]
-            durable, owner = self._durable(st), self._owner(st)
-            self._final_keys.extend(SlotCommit(key, durable, owner) for key in keys)
-            return True
+            return copy is not None
 
     def checkpoint(self, request_id: str, num_computed: int, block_ids: Sequence[int]) -> int:
         """Lazy checkpointing: the request is preempted and its pages go back to vLLM, where
@@ -458,7 +460,7 @@ class TierPlanner:
             c.checkpoint_short_tokens += num_computed - held
             self.preemption.record(request_id, Checkpoint(num_computed, held, tuple(restore)))
             self.erasure.keep({key.prefix_hash for key in restore})
-            if not self._durable(st):  # down to the SSD tier, so a full host tier keeps it
+            if not self.durable(st):  # down to the SSD tier, so a full host tier keeps it
                 self._write_down(restore, owner)
             # The tiers keep the checkpoint until the restore: its chunks are evicted after
             # everything no checkpoint or advisory holds (a host tier full of write-through
@@ -578,7 +580,7 @@ class TierPlanner:
             return
         hashes = self.matcher.hashes(st, full)
         block_ids = self._block_ids_of(st.view.request_id)
-        durable, owner = self._durable(st), self._owner(st)
+        durable, owner = self.durable(st), self._owner(st)
         for index in range(st.saved_chunks, full):
             first_page = index * self.pages_per_chunk
             pages = tuple(block_ids[first_page:first_page + self.pages_per_chunk])
@@ -615,7 +617,7 @@ class TierPlanner:
             return None, []
         return PageCopy(pages, tuple(slots)), reserved
 
-    def _durable(self, st: RequestState) -> bool:
+    def durable(self, st: RequestState) -> bool:
         """Whether the request's KV is written through to the slowest tier as it is saved
         (`ssd_write_through`); if not, only once it is checkpointed."""
         mode = self.config.ssd_write_through

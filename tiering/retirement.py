@@ -16,10 +16,13 @@ deleted session's are. A full chunk that covers a tail joins the tail index in i
 prompt that shares only part of it (a regenerate of the turn that filled it) still finds that
 part in this run.
 
-Not retired: a tail a checkpointed request will restore, one whose save is still in flight, and
-copies pinned by a load or a prefetch (they stay until evicted). After a restart the tail index
-is empty and tails are found by their exact tokens alone: a prompt that stops inside a retired
-tail's covering chunk (a regenerate) then recomputes up to one chunk.
+A tail retires only once the save that covers it has landed (a failed copy step keeps it), and
+only where that save is written through to the lowest tier, as a session's are (a tail the SSD
+tier holds is not left in host RAM alone). Not retired, and not looked at again: a tail a
+checkpointed request will restore, one being saved again, copies pinned by a load or a prefetch
+(they stay until evicted), and a tail saved after the chunk that covers it. After a restart the
+tail index is empty and tails are found by their exact tokens alone: a prompt that stops inside
+a retired tail's covering chunk (a regenerate) then recomputes up to one chunk.
 """
 
 from __future__ import annotations
@@ -39,69 +42,105 @@ log = logging.getLogger(__name__)
 
 
 class TailRetirement:
+    """The planner's retirements: waiting for their covering saves, then running. Called with
+    the planner's lock held, but for `settle` and `close`."""
+
     def __init__(self, planner: TierPlanner) -> None:
         self._planner = planner
+        # Covering saves not yet known to have landed: (the covering chunk's layer-0 key, the
+        # chain it continues, its tokens when it is a full chunk that joins the tail index,
+        # the session, the tails it covers).
+        self._waiting: list[tuple[ChunkKey, bytes, Sequence[int] | None, str | None,
+                                  list[ChunkKey]]] = []
         self._eraser = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="antiphon-retire")
 
     def request_finished(self, st: RequestState, num_computed: int,
                          tail: ChunkKey | None) -> None:
         """The request `st` finished with `num_computed` known tokens, its full chunks saved
-        up to `st.saved_chunks` and its own partial chunk `tail` indexed (None: none). Retire
-        the tails its saves cover (lock held)."""
+        up to `st.saved_chunks` and its own partial chunk `tail` indexed (None: none): the
+        tails its saves cover retire once those saves have landed. Only a request whose saves
+        are written through to the lowest tier retires (a tail that is there stays there)."""
         p = self._planner
+        if not p.durable(st):
+            return
         chunk = p.chunk_tokens
         tokens = st.view.token_ids
         full = min(num_computed // chunk, st.saved_chunks)
         hashes = p.matcher.hashes(st, full)
         seed = prefix_seed(p.model_id, st.view.salt)
-        retired: list[ChunkKey] = []
         # Chunks before the one it started computing in were stored before it: a tail they
         # cover was retired when they were saved.
         for index in range(min(st.start_tokens // chunk, full), full):
             previous = hashes[index - 1] if index else seed
             key = ChunkKey(p.model_id, hashes[index], index, 0)
-            covered = p.tails.covered_by(previous, tokens[index * chunk:(index + 1) * chunk])
-            covered = [c for c in covered if c != key]
-            if covered and p.held(key):
-                retired += covered
-                p.tails.add(previous, key, tokens[index * chunk:(index + 1) * chunk],
-                            st.view.session)
+            chunk_ids = tokens[index * chunk:(index + 1) * chunk]
+            covered = [c for c in p.tails.covered_by(previous, chunk_ids) if c != key]
+            if covered:
+                self._waiting.append((key, previous, chunk_ids, st.view.session, covered))
         if tail is not None and full == num_computed // chunk:
             previous = hashes[-1] if hashes else seed
-            retired += [c for c in p.tails.covered_by(previous, tokens[full * chunk:num_computed])
-                        if c != tail]
-        self._retire(retired)
+            covered = [c for c in p.tails.covered_by(previous, tokens[full * chunk:num_computed])
+                       if c != tail]
+            if covered:
+                self._waiting.append((tail, previous, None, st.view.session, covered))
+        self.step_done()
+
+    def step_done(self) -> None:
+        """Retire the tails whose covering saves have landed in the tiers; forget those whose
+        covering save failed or was dropped (the tails stay)."""
+        p = self._planner
+        waiting, self._waiting = self._waiting, []
+        for entry in waiting:
+            cover = entry[0]
+            layers = [cover.with_layer(layer) for layer in range(p.num_layers)]
+            if any(p.host.is_reserved(key) for key in layers):
+                self._waiting.append(entry)  # its copy is still on its way
+            elif all(p.store.contains(key) for key in layers):
+                self._retire(*entry)
 
     def settle(self) -> None:
-        """Wait until the retirements queued so far are done (call without the lock)."""
+        """Wait until the erasures queued so far are done (call without the lock)."""
         self._eraser.submit(lambda: None).result()
 
     def close(self) -> None:
         self._eraser.shutdown(wait=True)
 
-    def _retire(self, keys: Sequence[ChunkKey]) -> None:
-        """Out of the tail index, and out of every tier in the background (lock held)."""
+    def _kept(self) -> set[bytes]:
+        """Prefix hashes no retirement may erase now: a checkpoint's, and saves in flight."""
         p = self._planner
-        keep = p.preemption.chunk_hashes | {c.key.prefix_hash for c in p.commits_pending()}
-        keys = [key for key in keys if key.prefix_hash not in keep]
-        for key in keys:
-            p.tails.discard(key)
-        if keys:
-            self._eraser.submit(self._erase, [key.with_layer(layer) for key in keys
-                                              for layer in range(p.num_layers)])
+        return set(p.preemption.chunk_hashes) | {c.key.prefix_hash for c in p.commits_pending()}
 
-    def _erase(self, layer_keys: list[ChunkKey]) -> None:
-        """Remove `layer_keys` from every tier, their slots cleared (pinned copies stay)."""
+    def _retire(self, cover: ChunkKey, previous: bytes, chunk_ids: Sequence[int] | None,
+                session: str | None, covered: list[ChunkKey]) -> None:
+        """Out of the tail index, then out of every tier in the background; a full chunk
+        that covers them takes their place in the index."""
+        p = self._planner
+        kept = self._kept()
+        covered = [key for key in covered if key.prefix_hash not in kept and key in p.tails]
+        for key in covered:
+            p.tails.discard(key)
+        if chunk_ids is not None and covered:  # (after the discards: the chain has room)
+            p.tails.add(previous, cover, chunk_ids, session)
+        if covered:
+            self._eraser.submit(self._erase, covered)
+
+    def _erase(self, tails: list[ChunkKey]) -> None:
+        """Remove every layer of `tails` from every tier, their slots cleared (pinned copies
+        stay). Each is looked at again under the lock: since it was retired, a checkpoint
+        may have been handed it, or a request saved it again."""
         p = self._planner
         try:
             for tier in p.store.tiers:
                 clears: list[int] = []
-                for key in layer_keys:
-                    with p.lock:  # (as an erasure: not while the key's save is published)
-                        removed, slot = tier.remove_later(key)
-                        p.counters.tail_layers_retired += removed
-                    clears += [] if slot is None else [slot]
+                for tail in tails:
+                    with p.lock:
+                        if tail.prefix_hash in self._kept() or tail in p.tails:
+                            continue
+                        for layer in range(p.num_layers):
+                            removed, slot = tier.remove_later(tail.with_layer(layer))
+                            p.counters.tail_layers_retired += removed
+                            clears += [] if slot is None else [slot]
                 tier.clear_slots(clears)  # (may wait for the writer: not under the lock)
         except Exception:  # a tier that failed keeps its copies: a cost in room, not in KV
-            log.exception("retiring %d covered chunk-layers failed", len(layer_keys))
+            log.exception("retiring %d covered partial chunks failed", len(tails))

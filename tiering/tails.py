@@ -48,8 +48,10 @@ class _Tail:
 class TailIndex:
     """Partial chunks by the chain they continue (`previous`: the hash of the full chunks
     before them, or the salted seed), with their tokens and the session whose request saved
-    them: at most `capacity` (one is at most `chunk_tokens - 1` token ids, 4 bytes each) and
-    `TAILS_PER_CHAIN` per chain, the least recently saved or used leaving first."""
+    them: at most `capacity` (one is at most `chunk_tokens` token ids, 4 bytes each) and
+    `TAILS_PER_CHAIN` per chain, the least recently saved or used leaving first. A full chunk
+    that took the place of the partial ones it covers (`retirement.py`) is one too: its first
+    tokens serve the same prompts."""
 
     def __init__(self, capacity: int, per_chain: int = TAILS_PER_CHAIN) -> None:
         if capacity < 0 or per_chain < 1:
@@ -62,6 +64,9 @@ class TailIndex:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
 
     def add(self, previous: bytes, key: ChunkKey, tokens: Sequence[int],
             session: str | None = None) -> None:
