@@ -177,3 +177,48 @@ def test_a_covering_chunk_pushes_no_other_tail_out_of_a_full_chain(tmp_path: Pat
         assert matched(planner, "q", [*TURN1[:8], 200, 201, 999, 998]) == 10
     finally:
         planner.close()
+
+
+def test_a_session_tail_stays_on_ssd_when_the_ssd_tier_refuses_its_cover(
+        tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd")
+    run_turn(planner, "r1", FIRST, [7, 8, 9])
+    ssd = planner.store.tiers[1]
+    put = ssd.put
+    ssd.put = lambda *args, **kwargs: False  # type: ignore[method-assign]  # no room below
+    run_turn(planner, "r2", [*FIRST, 111, 112, 113, 114], [1, 2, 3, 4])
+    ssd.put = put  # type: ignore[method-assign]
+    assert [ssd.contains(key) for key in tail_keys(planner)] == [True] * LAYERS
+    planner.close()
+    restarted = make_planner(tmp_path / "ssd")
+    try:
+        assert matched(restarted, "next", [*FIRST, 555]) == 10
+    finally:
+        restarted.close()
+
+
+@pytest.mark.parametrize("ssd_tier_bytes", [1 << 20, 0])
+def test_tails_that_stay_in_host_ram_retire_there(tmp_path: Path, ssd_tier_bytes: int) -> None:
+    """A chat without a session (an OpenAI client's) keeps its KV in host RAM, as every
+    turn does without an SSD tier: its covered tails leave host RAM all the same."""
+    planner = make_planner(tmp_path / "ssd", ssd_tier_bytes=ssd_tier_bytes)
+    try:
+        run_turn(planner, "r1", FIRST, [7, 8, 9], session=None)
+        old_tail = tail_keys(planner)
+        run_turn(planner, "r2", [*FIRST, 111, 112, 113, 114], [1, 2, 3, 4], session=None)
+        assert stored_anywhere(planner, old_tail) == [False] * LAYERS
+    finally:
+        planner.close()
+
+
+def test_deleting_a_session_spares_the_chunk_that_covered_its_tail(planner: TierPlanner
+                                                                   ) -> None:
+    """Session B's conversation began with all of session A's: B's first chunk took the
+    place of A's tail in the index. Deleting A erases A's KV, not B's chunk."""
+    a = [100, 101, 102]  # 2 tokens with KV: a tail after the seed
+    run_turn(planner, "a1", a, [1], session="A")
+    b = [100, 101, 102, 103, 104, 105, 106]  # chunk 0 [100..103] covers A's tail
+    run_turn(planner, "b1", b, [2, 3], session="B")
+    planner.retirement.settle()
+    planner.erasure.forget("A", [a[:2]]).result(10)
+    assert matched(planner, "b2", [*b, 107]) == 6

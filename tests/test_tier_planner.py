@@ -876,3 +876,22 @@ def test_a_chunk_cut_from_a_checkpoint_is_no_longer_kept_from_an_erasure() -> No
     table.note_evicted([second.with_layer(0)])
     assert table.settle_evictions(lambda key: key.prefix_hash == b"A") == 16
     assert table.chunk_hashes == {b"A"}
+
+
+def test_the_host_tier_counts_a_turns_loads_by_layer(tmp_path: Path) -> None:
+    """One layer of a chunk had left host RAM: the turn fetches that layer from SSD (a miss)
+    and loads the rest from the host tier (hits)."""
+    planner = make_planner(tmp_path / "ssd", ssd_fetch_wait_s=5.0)
+    try:
+        run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9])
+        planner.store.flush()
+        gone = next(k for k in list(planner.host.keys()) if k.chunk_index == 0 and k.layer == 1)
+        assert planner.host.remove(gone)
+        planner.reset_counters()
+        view = follow_up(planner)
+        assert wait_for_admission(planner, view) == 10
+        planner.plan_load("r2", [1, 2, 3], 10, 12)
+        host = planner.stats()["tiers"]["host"]
+        assert (host["hits"], host["misses"]) == (3 * LAYERS - 1, 1)
+    finally:
+        planner.close()

@@ -219,6 +219,9 @@ class TierPlanner:
             self.host.stats.misses += len(absent)  # fetched from below before they load
             if absent:
                 st.ssd_chunks |= {key.chunk_index for key in absent}
+                for key in absent:
+                    st.fetched_layers[key.chunk_index] = min(
+                        self.num_layers, st.fetched_layers.get(key.chunk_index, 0) + 1)
                 # Whole chunks in order: the turn waits for all of it, so lower layers first
                 # would gain nothing, and would leave no chunk whole if other fetches took the
                 # host room meanwhile.
@@ -259,7 +262,7 @@ class TierPlanner:
             st = self._requests.get(request_id)
             if st is None:
                 return
-            fetched = st.ssd_chunks  # (`_count_admission` starts the next admission's set)
+            fetched = st.fetched_layers  # (`_count_admission` starts the next admission's)
             self._count_admission(st, num_external, num_tokens)
             if self._drop_checkpoint(request_id):
                 self.counters.restores += 1
@@ -282,7 +285,7 @@ class TierPlanner:
                               for layer in range(self.num_layers))
                 # The worker reads these slots straight from the arena: the host tier's reads,
                 # counted here (a hit: found there at admission, not fetched from below).
-                self.host.stats.hits += 0 if index in fetched else self.num_layers
+                self.host.stats.hits += self.num_layers - fetched.get(index, 0)
                 self.host.stats.bytes_out += self.num_layers * len(pages) * self.page_bytes
                 whole = pages
                 if pages.stop == end_page and end % self.page_tokens:
@@ -358,6 +361,13 @@ class TierPlanner:
         """Saves reserved and not yet published (lock held)."""
         return bool(self._in_flight or self._final_keys)
 
+    def is_saving(self, prefix_hash: bytes) -> bool:
+        """A save of a chunk-layer under `prefix_hash` is reserved and not yet published
+        (lock held)."""
+        return (any(c.key.prefix_hash == prefix_hash for c in self._final_keys)
+                or any(c.key.prefix_hash == prefix_hash for in_flight in self._in_flight.values()
+                       for c in in_flight.commits))
+
     def commits_pending(self) -> list[SlotCommit]:
         """The saves reserved and not yet published (lock held)."""
         return [*self._final_keys,
@@ -399,7 +409,7 @@ class TierPlanner:
                 self.matcher.index_tail(st, num_computed, tail)
             if copy is not None:
                 self._final_saves[request_id] = [copy]
-                durable, owner = self.durable(st), self._owner(st)
+                durable, owner = self._durable(st), self._owner(st)
                 self._final_keys.extend(SlotCommit(key, durable, owner) for key in keys)
             self.retirement.request_finished(st, num_computed, tail if is_indexed else None)
             return copy is not None
@@ -460,7 +470,7 @@ class TierPlanner:
             c.checkpoint_short_tokens += num_computed - held
             self.preemption.record(request_id, Checkpoint(num_computed, held, tuple(restore)))
             self.erasure.keep({key.prefix_hash for key in restore})
-            if not self.durable(st):  # down to the SSD tier, so a full host tier keeps it
+            if not self._durable(st):  # down to the SSD tier, so a full host tier keeps it
                 self._write_down(restore, owner)
             # The tiers keep the checkpoint until the restore: its chunks are evicted after
             # everything no checkpoint or advisory holds (a host tier full of write-through
@@ -580,7 +590,7 @@ class TierPlanner:
             return
         hashes = self.matcher.hashes(st, full)
         block_ids = self._block_ids_of(st.view.request_id)
-        durable, owner = self.durable(st), self._owner(st)
+        durable, owner = self._durable(st), self._owner(st)
         for index in range(st.saved_chunks, full):
             first_page = index * self.pages_per_chunk
             pages = tuple(block_ids[first_page:first_page + self.pages_per_chunk])
@@ -617,7 +627,7 @@ class TierPlanner:
             return None, []
         return PageCopy(pages, tuple(slots)), reserved
 
-    def durable(self, st: RequestState) -> bool:
+    def _durable(self, st: RequestState) -> bool:
         """Whether the request's KV is written through to the slowest tier as it is saved
         (`ssd_write_through`); if not, only once it is checkpointed."""
         mode = self.config.ssd_write_through
@@ -699,7 +709,7 @@ class TierPlanner:
             st.first_loads = (num_external - from_ssd, from_ssd)
             st.start_tokens = st.local_tokens + num_external
         c.computed_prompt_tokens += max(0, num_prompt_tokens - st.local_tokens - num_external)
-        st.ssd_chunks, st.fetch_attempts = set(), 0
+        st.ssd_chunks, st.fetched_layers, st.fetch_attempts = set(), {}, 0
 
     def _use_advisory(self, st: RequestState) -> None:
         """The turn `st` came: its session's advisory is used. Once per request: a preempted

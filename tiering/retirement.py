@@ -16,13 +16,16 @@ deleted session's are. A full chunk that covers a tail joins the tail index in i
 prompt that shares only part of it (a regenerate of the turn that filled it) still finds that
 part in this run.
 
-A tail retires only once the save that covers it has landed (a failed copy step keeps it), and
-only where that save is written through to the lowest tier, as a session's are (a tail the SSD
-tier holds is not left in host RAM alone). Not retired, and not looked at again: a tail a
+A tail retires only once the save that covers it has landed (a failed copy step keeps it), and a
+tail the lowest tier holds (a session's, written through to SSD) only if that tier holds the cover
+too (not a save of BE work, nor one the SSD tier refused). Known gap: an SSD write of the cover
+that fails after the tier took it (a disk error) leaves that KV in host RAM alone. The covering
+full chunk in the tail index is no partial chunk a session ran on into: deleting a session whose
+tokens it begins with does not erase it. Not retired, and not looked at again: a tail a
 checkpointed request will restore, one being saved again, copies pinned by a load or a prefetch
 (they stay until evicted), and a tail saved after the chunk that covers it. After a restart the
-tail index is empty and tails are found by their exact tokens alone: a prompt that stops inside
-a retired tail's covering chunk (a regenerate) then recomputes up to one chunk.
+tail index is empty and tails are found by their exact tokens alone: a prompt that stops inside a
+retired tail's covering chunk (a regenerate) then recomputes up to one chunk.
 """
 
 from __future__ import annotations
@@ -59,11 +62,8 @@ class TailRetirement:
                          tail: ChunkKey | None) -> None:
         """The request `st` finished with `num_computed` known tokens, its full chunks saved
         up to `st.saved_chunks` and its own partial chunk `tail` indexed (None: none): the
-        tails its saves cover retire once those saves have landed. Only a request whose saves
-        are written through to the lowest tier retires (a tail that is there stays there)."""
+        tails its saves cover retire once those saves have landed."""
         p = self._planner
-        if not p.durable(st):
-            return
         chunk = p.chunk_tokens
         tokens = st.view.token_ids
         full = min(num_computed // chunk, st.saved_chunks)
@@ -106,24 +106,34 @@ class TailRetirement:
     def close(self) -> None:
         self._eraser.shutdown(wait=True)
 
-    def _kept(self) -> set[bytes]:
-        """Prefix hashes no retirement may erase now: a checkpoint's, and saves in flight."""
-        p = self._planner
-        return set(p.preemption.chunk_hashes) | {c.key.prefix_hash for c in p.commits_pending()}
-
     def _retire(self, cover: ChunkKey, previous: bytes, chunk_ids: Sequence[int] | None,
                 session: str | None, covered: list[ChunkKey]) -> None:
         """Out of the tail index, then out of every tier in the background; a full chunk
-        that covers them takes their place in the index."""
+        that covers them takes their place in the index. A tail the lowest tier holds (the
+        SSD tier's copy of a session's) stays unless that tier holds the cover too: a save of
+        BE work, or one the SSD tier refused, stays above it."""
         p = self._planner
-        kept = self._kept()
-        covered = [key for key in covered if key.prefix_hash not in kept and key in p.tails]
+        lowest = p.store.tiers[-1]
+
+        def in_lowest(key: ChunkKey) -> bool:
+            return any(lowest.contains(key.with_layer(layer)) for layer in range(p.num_layers))
+
+        cover_below = all(lowest.contains(cover.with_layer(layer))
+                          for layer in range(p.num_layers))
+        covered = [key for key in covered if key in p.tails and not self._is_kept(key)
+                   and (cover_below or not in_lowest(key))]
         for key in covered:
             p.tails.discard(key)
         if chunk_ids is not None and covered:  # (after the discards: the chain has room)
-            p.tails.add(previous, cover, chunk_ids, session)
+            p.tails.add(previous, cover, chunk_ids, session, is_full=True)
         if covered:
             self._eraser.submit(self._erase, covered)
+
+    def _is_kept(self, tail: ChunkKey) -> bool:
+        """No retirement may erase `tail` now: a checkpoint will restore it, or it is being
+        saved (again)."""
+        p = self._planner
+        return tail.prefix_hash in p.preemption.chunk_hashes or p.is_saving(tail.prefix_hash)
 
     def _erase(self, tails: list[ChunkKey]) -> None:
         """Remove every layer of `tails` from every tier, their slots cleared (pinned copies
@@ -134,8 +144,8 @@ class TailRetirement:
             for tier in p.store.tiers:
                 clears: list[int] = []
                 for tail in tails:
-                    with p.lock:
-                        if tail.prefix_hash in self._kept() or tail in p.tails:
+                    with p.lock:  # (back in the index: saved again since it retired)
+                        if tail in p.tails or self._is_kept(tail):
                             continue
                         for layer in range(p.num_layers):
                             removed, slot = tier.remove_later(tail.with_layer(layer))

@@ -43,6 +43,7 @@ class _Tail:
     previous: bytes
     tokens: array.array[int]
     session: str | None
+    is_full: bool  # a full chunk in the place of the partial ones it covers
 
 
 class TailIndex:
@@ -69,14 +70,15 @@ class TailIndex:
         return key in self._entries
 
     def add(self, previous: bytes, key: ChunkKey, tokens: Sequence[int],
-            session: str | None = None) -> None:
-        """`key` (layer 0) is the partial chunk of `tokens` after `previous`."""
+            session: str | None = None, *, is_full: bool = False) -> None:
+        """`key` (layer 0) is the partial chunk of `tokens` after `previous` (`is_full`: the
+        full chunk that covers the partial ones there were)."""
         if self.capacity == 0 or not tokens:
             return
         if key in self._entries:
             self.touch(key)
             return
-        self._entries[key] = _Tail(previous, array.array("I", tokens), session)
+        self._entries[key] = _Tail(previous, array.array("I", tokens), session, is_full)
         chain = self._after.setdefault(previous, OrderedDict())
         chain[key] = None
         if len(chain) > self.per_chain:
@@ -118,9 +120,11 @@ class TailIndex:
 
     def extending(self, previous: bytes, tokens: Sequence[int]) -> list[ChunkKey]:
         """The partial chunks after `previous` whose tokens begin with all of `tokens`: KV
-        computed past where a session's known tokens end."""
+        computed past where a session's known tokens end (not a full chunk: one that covers
+        them is another conversation's, which began with these tokens)."""
         return [key for key in self._after.get(previous, ())
-                if common_prefix(self._entries[key].tokens, tokens) == len(tokens)]
+                if not self._entries[key].is_full
+                and common_prefix(self._entries[key].tokens, tokens) == len(tokens)]
 
     def covered_by(self, previous: bytes, tokens: Sequence[int]) -> list[ChunkKey]:
         """The chunks after `previous` whose tokens are all a prefix of `tokens`: KV that a
