@@ -4,6 +4,7 @@ held is still found: the KV connector's scheduler side without vLLM, as in test_
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,3 +223,41 @@ def test_deleting_a_session_spares_the_chunk_that_covered_its_tail(planner: Tier
     planner.retirement.settle()
     planner.erasure.forget("A", [a[:2]]).result(10)
     assert matched(planner, "b2", [*b, 107]) == 6
+
+
+def test_a_tail_an_advisory_holds_leaves_host_ram_once_let_go(planner: TierPlanner) -> None:
+    """The user types while the follow-up streams: the advisory's prefetch of the
+    conversation, which still ends inside the tail, pins it in host RAM when the follow-up's
+    chunk covers it. The copy goes once the next turn has used the advisory."""
+    run_turn(planner, "r1", FIRST, [7, 8, 9])
+    old_tail = tail_keys(planner)
+    tokens = [*FIRST, 111]
+    view = TokenView("r2", tokens, "s1")
+    planner.add_request(view)
+    planner.test_blocks["r2"] = [1, 2, 3, 4]  # type: ignore[attr-defined]
+    planner.plan_load("r2", [1, 2, 3, 4], planner.num_new_matched_tokens(view, 0) or 0,
+                      len(tokens))
+    meta = planner.build_metadata([("r2", 11)])  # the prompt: chunk 2 not yet full
+    fake_worker_saves(planner, meta.saves)
+    planner.step_done({meta.step}, set())
+    assert planner.advise("s1", [*FIRST, 111], None) == 10  # typing: the old tail, pinned
+    deadline = time.monotonic() + 10
+    while any(not planner.host.contains(key) for key in old_tail) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tokens.append(200)  # a decode step fills chunk 2, which covers the old tail
+    meta = planner.build_metadata([("r2", 12)])
+    fake_worker_saves(planner, meta.saves)
+    planner.step_done({meta.step}, set())
+    tokens.append(201)
+    if planner.request_finished("r2", 13, [1, 2, 3, 4]):
+        final = planner.build_metadata([])
+        fake_worker_saves(planner, final.final_saves["r2"])
+        planner.step_done({final.step}, set())
+    planner.retirement.settle()
+    assert [planner.host.contains(key) for key in old_tail] == [True] * LAYERS  # pinned
+    next_turn = TokenView("r3", [*tokens, 115, 116], "s1")  # the session's: it uses the advisory
+    planner.add_request(next_turn)
+    assert planner.num_new_matched_tokens(next_turn, 0) == 13
+    planner.settle_retired_prefetches()  # (its prefetch lets go of its pins in its thread)
+    planner.step_done(set(), set())
+    assert stored_anywhere(planner, old_tail) == [False] * LAYERS

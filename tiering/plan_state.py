@@ -55,8 +55,8 @@ class RequestState:
     prefetch: PrefetchHandle | None = None
     fetch_attempts: int = 0  # fetches from SSD this turn waited for
     ssd_chunks: set[int] = dataclasses.field(default_factory=set)  # chunks that came from SSD
-    # of those, by chunk index, how many of its layers the fetches brought up
-    fetched_layers: dict[int, int] = dataclasses.field(default_factory=dict)
+    # of those, by chunk index, the layers the fetches brought up
+    fetched_layers: dict[int, set[int]] = dataclasses.field(default_factory=dict)
     stored_tokens: tuple[int, int] | None = None  # `stored_prefix_tokens`: (of tokens, found)
     # (tokens, device hit) of the last admission that pinned `match` (stands while it is set)
     admitted: tuple[int, int] | None = None

@@ -216,12 +216,12 @@ class TierPlanner:
             st.fetch_attempts += 1
             self.advisories.make_room(len(absent), view.session)
             absent = self._leading_chunks_with_room(absent)
-            self.host.stats.misses += len(absent)  # fetched from below before they load
             if absent:
                 st.ssd_chunks |= {key.chunk_index for key in absent}
-                for key in absent:
-                    st.fetched_layers[key.chunk_index] = min(
-                        self.num_layers, st.fetched_layers.get(key.chunk_index, 0) + 1)
+                for key in absent:  # (the host tier's misses: fetched from below first)
+                    layers = st.fetched_layers.setdefault(key.chunk_index, set())
+                    self.host.stats.misses += key.layer not in layers  # (once, if fetched again)
+                    layers.add(key.layer)
                 # Whole chunks in order: the turn waits for all of it, so lower layers first
                 # would gain nothing, and would leave no chunk whole if other fetches took the
                 # host room meanwhile.
@@ -285,7 +285,7 @@ class TierPlanner:
                               for layer in range(self.num_layers))
                 # The worker reads these slots straight from the arena: the host tier's reads,
                 # counted here (a hit: found there at admission, not fetched from below).
-                self.host.stats.hits += self.num_layers - fetched.get(index, 0)
+                self.host.stats.hits += self.num_layers - len(fetched.get(index, ()))
                 self.host.stats.bytes_out += self.num_layers * len(pages) * self.page_bytes
                 whole = pages
                 if pages.stop == end_page and end % self.page_tokens:

@@ -21,11 +21,11 @@ tail the lowest tier holds (a session's, written through to SSD) only if that ti
 too (not a save of BE work, nor one the SSD tier refused). Known gap: an SSD write of the cover
 that fails after the tier took it (a disk error) leaves that KV in host RAM alone. The covering
 full chunk in the tail index is no partial chunk a session ran on into: deleting a session whose
-tokens it begins with does not erase it. Not retired, and not looked at again: a tail a
-checkpointed request will restore, one being saved again, copies pinned by a load or a prefetch
-(they stay until evicted), and a tail saved after the chunk that covers it. After a restart the
-tail index is empty and tails are found by their exact tokens alone: a prompt that stops inside a
-retired tail's covering chunk (a regenerate) then recomputes up to one chunk.
+tokens it begins with does not erase it. A copy a pin keeps (an advisory's prefetch) is erased once
+let go. Not retired, and not looked at again: a tail a checkpointed request will restore, one being
+saved again, and a tail saved after the chunk that covers it. After a restart the tail index is
+empty and tails are found by their exact tokens alone: a prompt that stops inside a retired tail's
+covering chunk (a regenerate) then recomputes up to one chunk.
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ class TailRetirement:
         # the session, the tails it covers).
         self._waiting: list[tuple[ChunkKey, bytes, Sequence[int] | None, str | None,
                                   list[ChunkKey]]] = []
+        # Retired tails whose copies a pin kept (an advisory's prefetch of a conversation
+        # that still ends in the tail: a user typing while the follow-up streams), by tier
+        # index: erased once let go (`step_done`).
+        self._deferred: dict[ChunkKey, set[int]] = {}
         self._eraser = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="antiphon-retire")
 
@@ -88,8 +92,11 @@ class TailRetirement:
 
     def step_done(self) -> None:
         """Retire the tails whose covering saves have landed in the tiers; forget those whose
-        covering save failed or was dropped (the tails stay)."""
+        covering save failed or was dropped (the tails stay). Erase the copies of retired
+        tails that pins have let go of since."""
         p = self._planner
+        if self._deferred:
+            self._erase_deferred()
         waiting, self._waiting = self._waiting, []
         for entry in waiting:
             cover = entry[0]
@@ -141,16 +148,43 @@ class TailRetirement:
         may have been handed it, or a request saved it again."""
         p = self._planner
         try:
-            for tier in p.store.tiers:
+            for index, tier in enumerate(p.store.tiers):
                 clears: list[int] = []
                 for tail in tails:
-                    with p.lock:  # (back in the index: saved again since it retired)
-                        if tail in p.tails or self._is_kept(tail):
-                            continue
-                        for layer in range(p.num_layers):
-                            removed, slot = tier.remove_later(tail.with_layer(layer))
-                            p.counters.tail_layers_retired += removed
-                            clears += [] if slot is None else [slot]
+                    with p.lock:
+                        clears += self._remove(tail, index)
                 tier.clear_slots(clears)  # (may wait for the writer: not under the lock)
         except Exception:  # a tier that failed keeps its copies: a cost in room, not in KV
             log.exception("retiring %d covered partial chunks failed", len(tails))
+
+    def _remove(self, tail: ChunkKey, index: int) -> list[int]:
+        """Remove every layer of `tail` from tier `index` (lock held), unless it is back in
+        the tail index (saved again since it retired) or kept; a layer a pin keeps is left
+        to `_erase_deferred`. Returns the slots to clear."""
+        p = self._planner
+        tier = p.store.tiers[index]
+        if tail in p.tails or self._is_kept(tail):
+            self._deferred.pop(tail, None)
+            return []
+        clears = []
+        for layer in range(p.num_layers):
+            key = tail.with_layer(layer)
+            removed, slot = tier.remove_later(key)
+            p.counters.tail_layers_retired += removed
+            clears += [] if slot is None else [slot]
+            if not removed and tier.contains(key):  # pinned
+                self._deferred.setdefault(tail, set()).add(index)
+        return clears
+
+    def _erase_deferred(self) -> None:
+        """Try again the removals pins refused (lock held); slots are cleared in the
+        background."""
+        p = self._planner
+        clears: dict[int, list[int]] = {}
+        for tail, indexes in list(self._deferred.items()):
+            del self._deferred[tail]
+            for index in indexes:
+                clears.setdefault(index, []).extend(self._remove(tail, index))
+        for index, slots in clears.items():
+            if slots:
+                self._eraser.submit(p.store.tiers[index].clear_slots, slots)
