@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from antiphon.tiering.advisory_book import AdvisoryBook
@@ -364,14 +364,16 @@ class TierPlanner:
     def is_saving(self, prefix_hash: bytes) -> bool:
         """A save of a chunk-layer under `prefix_hash` is reserved and not yet published
         (lock held)."""
-        return (any(c.key.prefix_hash == prefix_hash for c in self._final_keys)
-                or any(c.key.prefix_hash == prefix_hash for in_flight in self._in_flight.values()
-                       for c in in_flight.commits))
+        return any(c.key.prefix_hash == prefix_hash for c in self._commits())
 
     def commits_pending(self) -> list[SlotCommit]:
         """The saves reserved and not yet published (lock held)."""
-        return [*self._final_keys,
-                *(c for in_flight in self._in_flight.values() for c in in_flight.commits)]
+        return list(self._commits())
+
+    def _commits(self) -> Iterator[SlotCommit]:
+        yield from self._final_keys
+        for in_flight in self._in_flight.values():
+            yield from in_flight.commits
 
     def has_steps_in_flight(self) -> bool:
         """Steps whose copies the worker has yet to report done (their load pins and saves

@@ -33,7 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from antiphon.tiering.keys import ChunkKey, prefix_seed
 
@@ -44,17 +44,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class _Cover(NamedTuple):
+    """A save that covers partial chunks, waiting to land before they retire."""
+
+    cover: ChunkKey  # its layer-0 key
+    previous: bytes  # the chain it continues
+    chunk_ids: Sequence[int] | None  # its tokens, where it is a full chunk (joins the index)
+    session: str | None
+    covered: list[ChunkKey]  # the partial chunks it covers
+
+
 class TailRetirement:
     """The planner's retirements: waiting for their covering saves, then running. Called with
     the planner's lock held, but for `settle` and `close`."""
 
     def __init__(self, planner: TierPlanner) -> None:
         self._planner = planner
-        # Covering saves not yet known to have landed: (the covering chunk's layer-0 key, the
-        # chain it continues, its tokens when it is a full chunk that joins the tail index,
-        # the session, the tails it covers).
-        self._waiting: list[tuple[ChunkKey, bytes, Sequence[int] | None, str | None,
-                                  list[ChunkKey]]] = []
+        self._waiting: list[_Cover] = []  # covering saves not yet known to have landed
         # Retired tails whose copies a pin kept (an advisory's prefetch of a conversation
         # that still ends in the tail: a user typing while the follow-up streams), by tier
         # index: erased once let go (`step_done`).
@@ -81,30 +87,33 @@ class TailRetirement:
             chunk_ids = tokens[index * chunk:(index + 1) * chunk]
             covered = [c for c in p.tails.covered_by(previous, chunk_ids) if c != key]
             if covered:
-                self._waiting.append((key, previous, chunk_ids, st.view.session, covered))
+                self._waiting.append(_Cover(key, previous, chunk_ids, st.view.session, covered))
         if tail is not None and full == num_computed // chunk:
             previous = hashes[-1] if hashes else seed
             covered = [c for c in p.tails.covered_by(previous, tokens[full * chunk:num_computed])
                        if c != tail]
             if covered:
-                self._waiting.append((tail, previous, None, st.view.session, covered))
-        self.step_done()
+                self._waiting.append(_Cover(tail, previous, None, st.view.session, covered))
+        self._settle_waiting()
 
     def step_done(self) -> None:
         """Retire the tails whose covering saves have landed in the tiers; forget those whose
         covering save failed or was dropped (the tails stay). Erase the copies of retired
         tails that pins have let go of since."""
-        p = self._planner
         if self._deferred:
             self._erase_deferred()
+        if self._waiting:
+            self._settle_waiting()
+
+    def _settle_waiting(self) -> None:
+        p = self._planner
         waiting, self._waiting = self._waiting, []
         for entry in waiting:
-            cover = entry[0]
-            layers = [cover.with_layer(layer) for layer in range(p.num_layers)]
+            layers = [entry.cover.with_layer(layer) for layer in range(p.num_layers)]
             if any(p.host.is_reserved(key) for key in layers):
                 self._waiting.append(entry)  # its copy is still on its way
             elif all(p.store.contains(key) for key in layers):
-                self._retire(*entry)
+                self._retire(entry)
 
     def settle(self) -> None:
         """Wait until the erasures queued so far are done (call without the lock)."""
@@ -113,13 +122,13 @@ class TailRetirement:
     def close(self) -> None:
         self._eraser.shutdown(wait=True)
 
-    def _retire(self, cover: ChunkKey, previous: bytes, chunk_ids: Sequence[int] | None,
-                session: str | None, covered: list[ChunkKey]) -> None:
+    def _retire(self, entry: _Cover) -> None:
         """Out of the tail index, then out of every tier in the background; a full chunk
         that covers them takes their place in the index. A tail the lowest tier holds (the
         SSD tier's copy of a session's) stays unless that tier holds the cover too: a save of
         BE work, or one the SSD tier refused, stays above it."""
         p = self._planner
+        cover = entry.cover
         lowest = p.store.tiers[-1]
 
         def in_lowest(key: ChunkKey) -> bool:
@@ -127,12 +136,12 @@ class TailRetirement:
 
         cover_below = all(lowest.contains(cover.with_layer(layer))
                           for layer in range(p.num_layers))
-        covered = [key for key in covered if key in p.tails and not self._is_kept(key)
+        covered = [key for key in entry.covered if key in p.tails and not self._is_kept(key)
                    and (cover_below or not in_lowest(key))]
         for key in covered:
             p.tails.discard(key)
-        if chunk_ids is not None and covered:  # (after the discards: the chain has room)
-            p.tails.add(previous, cover, chunk_ids, session, is_full=True)
+        if entry.chunk_ids is not None and covered:  # (after the discards: the chain has room)
+            p.tails.add(entry.previous, cover, entry.chunk_ids, entry.session, is_full=True)
         if covered:
             self._eraser.submit(self._erase, covered)
 
