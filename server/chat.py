@@ -85,6 +85,9 @@ class Generation:
     echo: Echo | None = None  # a text completion that gives its prompt before its reply
     context_start: int = 0  # a session turn: the session's first message its prompt renders
     replaces_reply: bool = False  # a session turn: its reply replaces the session's last one
+    # a regenerate that leaves messages out: the session's first message the model sees from
+    # its reply on (the window moves when the reply is committed; None: it does not move)
+    window_moves_to: int | None = None
     tool_use: ToolUse | None = None  # a chat completion with tools: how its reply holds calls
     session_claim: str | None = None  # a session turn: its hold on the session (`claim`)
     # a session turn that committed messages (a user's, or tools' results): their role and

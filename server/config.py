@@ -95,6 +95,11 @@ class ServerConfig:
     max_sessions_per_key: int = doc(
         "Most chat sessions one API key keeps, all keys together without keys; creating one "
         "past it is refused until sessions are deleted", default=100_000)
+    max_session_messages: int = doc(
+        "Most messages one chat session keeps (users', replies, tools' results); a turn that "
+        "would take it past is refused with session_full, and the conversation goes on in a "
+        "new session (the model sees the latest messages of a long one only, and opening a "
+        "session sends all of them)", default=10_000)
     typing_interval_s: float = doc(
         "A session's typing advisories closer together than this many seconds count once: "
         "the rest are dropped unrecorded (a client that sends one per keystroke)", default=1.0)
@@ -183,7 +188,7 @@ class ServerConfig:
                      "max_choices", "max_tools", "max_prompt_logprobs_tokens",
                      "max_inflight_per_connection", "max_connections", "max_connections_per_key",
                      "max_inflight_per_key", "max_sessions_listed", "max_sessions_per_key",
-                     "max_batch_file_bytes", "max_stored_file_bytes", "max_batch_items",
+                     "max_session_messages", "max_batch_file_bytes", "max_stored_file_bytes", "max_batch_items",
                      "max_custom_id_chars", "max_unfinished_batches", "max_batch_item_attempts",
                      "max_batch_concurrency", "dashboard_history", "dashboard_max_requests"):
             value = getattr(self, name)

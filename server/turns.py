@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from antiphon.engine_ext.engine import EngineRequestError
 from antiphon.engine_ext.types import ChatContext, ChatTurn, ToolCall, ToolSpec
@@ -30,26 +30,41 @@ from antiphon.sessions.store import Message, Session, SessionStore
 logger = logging.getLogger(__name__)
 
 Emit = Callable[[str], Awaitable[None]]
+T = TypeVar("T")
 
 
-async def _through_user_cancel(work: asyncio.Future[None],
-                               is_user_cancel: Callable[[], bool]) -> None:
+async def _through_user_cancel(work: asyncio.Future[T], is_user_cancel: Callable[[], bool],
+                               on_user_cancel: Callable[[], None] | None = None) -> T:
     """Wait for `work`, which a user's cancel landing meanwhile does not stop (nor this wait):
-    the turn's last steps (its save, its last frame) run once, and the client that cancelled
-    gets its `done`. Any other cancel (a disconnect, a shutdown) stops the wait, not `work`."""
+    the turn's last steps (the content it held back, its save or withdrawal, its last frame)
+    run once, and the client that cancelled gets its `done`; `on_user_cancel` is called for
+    each such cancel. Any other cancel (a disconnect, a shutdown) stops the wait, not
+    `work`."""
+    while True:
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            if not is_user_cancel():
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            if on_user_cancel is not None:
+                on_user_cancel()
+
+
+async def _send_through_user_cancel(sending: Awaitable[None], is_user_cancel: Callable[[], bool],
+                                    on_user_cancel: Callable[[], None] | None = None) -> None:
+    """Send a turn's last frames through a user's cancel that lands while they wait to be sent
+    (a slow reader, another turn's frames ahead of them); any other cancel stops the send."""
+    task = asyncio.ensure_future(sending)
     try:
-        await asyncio.shield(work)
-    except asyncio.CancelledError:
-        if not is_user_cancel():
-            raise
-        asyncio.current_task().uncancel()  # type: ignore[union-attr]
-        await asyncio.shield(work)
+        await _through_user_cancel(task, is_user_cancel, on_user_cancel)
+    finally:
+        task.cancel()  # (done already, unless the wait was stopped)
 
 
 async def _emit_final(emit: Emit, frame: str, is_user_cancel: Callable[[], bool]) -> None:
-    """Send a turn's last frame (`done`, or its error), through a user's cancel that lands
-    while it waits to be sent (a slow reader, another turn's frames ahead of it)."""
-    await _through_user_cancel(asyncio.ensure_future(emit(frame)), is_user_cancel)
+    """Send a turn's last frame (`done`, or its error), through a user's cancel."""
+    await _send_through_user_cancel(emit(frame), is_user_cancel)
 
 
 class SessionTurns:
@@ -232,9 +247,12 @@ class SessionTurns:
             for result in msg.results:
                 self.chat.check_content(result.content, may_be_empty=True)
         self.chat.check_tools(len(msg.tools or ()))
-        session = await self.get(owner, msg.session_id)
+        await self.get(owner, msg.session_id)  # (before the claim: not another's, busy)
         hold = await self.claims.claim_soon(msg.session_id)
         try:
+            # Read again once claimed: a deletion from another connection may have run while
+            # this turn waited for the session (the claim keeps it from running now).
+            session = await self.get(owner, msg.session_id)
             seen = await asyncio.to_thread(self._history, session)
             turns, start = seen.turns, seen.start
             calls = unanswered_calls(seen.history)
@@ -255,6 +273,7 @@ class SessionTurns:
             if len(turns) == seen.lead:
                 raise ApiError(ErrorCode.BAD_MESSAGE, f"session {msg.session_id} has no "
                                "message to answer again")
+            self._check_room(session, len(turns) - seen.lead - len(seen.history) + 1)
             gen, cut = self._prepare_in_window(owner, msg, request_id, turns, seen.lead,
                                                seen.context)
             gen.tool_use = msg.tool_use()
@@ -274,9 +293,9 @@ class SessionTurns:
             elif isinstance(msg, protocol.ChatMessage):
                 role, messages = "user", [(msg.content, count(msg.content), None)]
                 title = None if seen.history else title_from(msg.content) or None
-            else:  # a regenerate: it adds no message, so the window moves alone
-                if window is not None:
-                    await asyncio.to_thread(self.store.move_window, msg.session_id, window)
+            else:  # a regenerate adds no message: the window moves with its reply, if the
+                # engine takes the turn and it has one (a refused turn changes nothing)
+                gen.window_moves_to = window
                 return gen
             gen.committed_undo = await asyncio.to_thread(
                 self.store.add_turn_messages, msg.session_id, role, messages, title, window)
@@ -304,7 +323,9 @@ class SessionTurns:
                    is_user_cancel: Callable[[], bool],
                    finished: Callable[[], None] | None) -> None:
         rid = gen.request_id
-        commit: asyncio.Future[None] | None = None  # the reply's save, once begun
+        # the reply's save, or the refused turn's withdrawal of its message, once begun: it
+        # runs to its end whatever cancels land meanwhile, and holds the session until then
+        store_work: asyncio.Future[Any] | None = None
         settled = False
 
         def settle() -> None:  # the turn's work is over (safe to call twice)
@@ -313,6 +334,9 @@ class SessionTurns:
             self.claims.release(session_id, gen.session_claim)
             if finished is not None:
                 finished()
+
+        def cut_short() -> None:  # a user's cancel: a turn asking for the session waits
+            self.claims.mark_ending(gen.session_claim)
         # A reply that may call tools streams its content alone; the calls come with `done`.
         calls = None if gen.tool_use is None else ToolStream(gen.tool_use)
 
@@ -330,7 +354,7 @@ class SessionTurns:
                                           _contents(calls.feed(text)))
                         emitting = False
             except asyncio.CancelledError:
-                self.claims.mark_ending(gen.session_claim)  # cut short: what it has is kept below
+                cut_short()  # what it has is kept below
                 if not is_user_cancel():
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
@@ -340,23 +364,26 @@ class SessionTurns:
                 err = exc if isinstance(exc, ApiError) else unexpected_error(
                     exc, f"session {session_id}: answering {rid}",
                     "the message was kept (regenerate asks for its reply again)")
-                if await self._withdraw_refused(session_id, gen, err):
+                store_work = asyncio.ensure_future(self._withdraw_refused(session_id, gen, err))
+                if await _through_user_cancel(store_work, is_user_cancel, cut_short):
                     err = ApiError(err.code, f"{err.message} (the message was not kept)")
                 settle()
                 await _emit_final(emit, protocol.error_frame(err, rid), is_user_cancel)
                 return
             if calls is not None:  # what it held back, while it might have been calls (a
                 # reply cut short drops it: the session keeps what the client was given)
-                await send_tokens(_contents(calls.finish(
-                    gen.finish_reason, cut=gen.finish_reason == "cancelled")[0]))
+                await _send_through_user_cancel(send_tokens(_contents(calls.finish(
+                    gen.finish_reason, cut=gen.finish_reason == "cancelled")[0])),
+                    is_user_cancel, cut_short)
             reply = _reply(gen, calls)
             try:
                 if gen.pieces or not gen.replaces_reply:  # a regenerate stopped before its
                     # first token keeps the old. Shielded: a disconnect while it runs must
                     # not save the reply a second time below.
                     # A cancel of a reply already whole: it is saved, and `done` says so.
-                    commit = asyncio.ensure_future(self._commit_reply(session_id, gen, reply))
-                    await _through_user_cancel(commit, is_user_cancel)
+                    store_work = asyncio.ensure_future(
+                        self._commit_reply(session_id, gen, reply))
+                    await _through_user_cancel(store_work, is_user_cancel, cut_short)
             except Exception as exc:  # the store failed (a full disk): say so, do not hang
                 settle()
                 await _emit_final(emit, protocol.error_frame(unexpected_error(
@@ -373,18 +400,18 @@ class SessionTurns:
                 **({} if tool_calls is None else {"tool_calls": tool_calls})), is_user_cancel)
         except BaseException:
             # Disconnected or shut down mid-reply: keep what the user already saw.
-            if commit is None and gen.pieces and not settled:  # (no save begun: none was
-                # due unless the reply has pieces; once settled, the session may hold a later
-                # turn's messages)
+            if store_work is None and gen.pieces and not settled:  # (no save begun: none
+                # was due unless the reply has pieces; once settled, the session may hold a
+                # later turn's messages)
                 gen.finish_reason = gen.finish_reason or "cancelled"
-                commit = asyncio.ensure_future(
+                store_work = asyncio.ensure_future(
                     self._commit_reply(session_id, gen, _reply(gen, calls)))
-            if commit is not None:  # saved, or being saved: let the save end, whatever
-                try:  # cancels land meanwhile (the session is let go after it, below)
-                    while not commit.done():
+            if store_work is not None:  # done, or being done: let it end, whatever cancels
+                try:  # land meanwhile (the session is let go after it, below)
+                    while not store_work.done():
                         with contextlib.suppress(asyncio.CancelledError):
-                            await asyncio.shield(commit)
-                    commit.result()
+                            await asyncio.shield(store_work)
+                    store_work.result()
                 except Exception:
                     logger.exception("session %s: saving the reply to %s failed", session_id,
                                      rid)
@@ -478,6 +505,16 @@ class SessionTurns:
         except EngineRequestError:
             return 0
 
+    def _check_room(self, session: Session, adding: int) -> None:
+        """Refuse (`session_full`) a turn that would take the session past
+        `max_session_messages` with its messages and reply, `adding` in all (a regenerate's
+        reply replaces one)."""
+        limit = self.chat.config.max_session_messages
+        if session.num_messages + adding > limit:
+            raise ApiError(ErrorCode.SESSION_FULL, (
+                f"session {session.session_id} holds {session.num_messages} messages and may "
+                f"keep {limit} (--max-session-messages): go on in a new session"))
+
     def _render_lead(self, lead: list[ChatTurn], tools: Sequence[ToolSpec]) -> int:
         """The tokens of `lead` (the system message) with an empty user message after it;
         raises `EngineRequestError` where the chat template refuses it."""
@@ -489,7 +526,7 @@ class SessionTurns:
         creation, as `session` has it)."""
         session_id = session.session_id
         start = self.store.window_start(session_id)
-        history = self.store.messages(session_id)[start:]
+        history = self.store.messages(session_id, start)
         lead = [] if session.system is None else [ChatTurn("system", session.system)]
         turns = [*lead, *(_turn(m) for m in history)]
         stored = self.store.context(session_id)
@@ -504,7 +541,8 @@ class SessionTurns:
         context = self.chat.engine.context_tokens(gen.prompt_token_ids, gen.output_token_ids)
         await asyncio.to_thread(self.store.append_message, session_id, "assistant", content,
                                 gen.num_output_tokens, finish_reason, context,
-                                replaces_reply=gen.replaces_reply, tool_calls=tool_calls)
+                                replaces_reply=gen.replaces_reply, tool_calls=tool_calls,
+                                window=gen.window_moves_to)
 
 
 class Seen(NamedTuple):

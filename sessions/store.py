@@ -387,11 +387,12 @@ class SessionStore:
                               (session_id,)).fetchall()
         return [_unpack_ids(r[0]) for r in rows]
 
-    def messages(self, session_id: str) -> list[Message]:
+    def messages(self, session_id: str, start: int = 0) -> list[Message]:
+        """The session's messages from its `start`-th on (a message's seq is its index)."""
         with self._db.locked() as db:
             rows = db.execute(
-                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE session_id = ? ORDER BY seq",
-                (session_id,),
+                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE session_id = ? AND seq >= ?"
+                " ORDER BY seq", (session_id, start),
             ).fetchall()
         return [_message(r) for r in rows]
 
@@ -399,15 +400,18 @@ class SessionStore:
         self, session_id: str, role: str, content: str, num_tokens: int,
         finish_reason: str | None = None, context_ids: Sequence[int] | None = None,
         replaces_reply: bool = False, tool_calls: Sequence[dict[str, Any]] | None = None,
+        window: int | None = None,
     ) -> Message:
         """Append and commit one message (durable on return); bumps the session's updated_at.
         `context_ids`: the conversation's exact tokens through this message (`context`).
         `replaces_reply`: the session's last message, if a reply, is deleted in the same
-        transaction (a regenerated reply). `tool_calls`: an assistant's calls of tools."""
+        transaction (a regenerated reply). `tool_calls`: an assistant's calls of tools.
+        `window`: the window moves there first (`move_window`: a regenerated reply that left
+        messages out)."""
         now = time.time()
         calls = None if tool_calls is None else tuple(tool_calls)
         with self._db.transaction() as db:
-            pruned = False
+            pruned = window is not None and self._move_window(db, session_id, window)
             if replaces_reply:
                 db.execute(
                     "DELETE FROM messages WHERE session_id = ? AND role = 'assistant' AND seq ="
@@ -419,7 +423,7 @@ class SessionStore:
                        (now, session_id))
             if context_ids is not None:
                 ids = _ids(context_ids)
-                pruned = self._keep_diverged_chain(db, session_id, ids)
+                pruned = self._keep_diverged_chain(db, session_id, ids) or pruned
                 db.execute(
                     "INSERT OR REPLACE INTO contexts SELECT ?, COUNT(*), ? FROM messages"
                     " WHERE session_id = ?",
