@@ -229,6 +229,15 @@ def test_a_checkpoint_after_the_forward_pass_began_fails_its_step(
                 saves=[PageCopy((4, 5), slots=(3, 4, 5))])
     copier.save_layer(meta, LAYERS[0])
     copier.load_early(meta)  # vLLM calls it after the forward when nothing loads stored KV
+    # The saves queued before it (on a GPU, still in flight) land before the step is
+    # reported: the scheduler frees its slots then, and a late copy would write over the
+    # next put's KV. The step's end waits for them.
+    waited: list[object] = []
+    ended = copier._mover.end_step
+    copier._mover.end_step = lambda: ("end of step 1", ended())  # type: ignore[method-assign]
+    copier._mover.wait = waited.append  # type: ignore[method-assign,assignment]
+    copier.finish_step(meta)
+    assert [handle[0] for handle in waited] == ["end of step 1"]  # type: ignore[index]
     settle(copier)
     assert arena.read(0) == bytes(arena.slot_bytes)
     done = copier.take_worker_meta()

@@ -299,6 +299,30 @@ def test_restart_rebuilds_index_newest_record_first(tmp_path: Path) -> None:
     assert (tmp_path / "README").exists()
 
 
+@pytest.mark.parametrize("newer_first", [False, True])
+def test_a_torn_newer_copy_leaves_the_older_whole_one_served(tmp_path: Path,
+                                                              newer_first: bool) -> None:
+    """A key stored twice (evicted, then saved again into another slot), its newer write torn
+    by a crash: the start-up scan, which reads headers only, kept the torn copy and erased
+    the whole one as superseded, and the first read then dropped the torn one."""
+    old_slot, new_slot = (5, 2) if newer_first else (2, 5)
+    slot_file = SlotFile(tmp_path, SLOT)
+    slot_file.write(old_slot, key(2, 2), memoryview(payload(2, 2)), sequence=10)
+    slot_file.write(new_slot, key(2, 2), memoryview(payload(2, 2)), sequence=20)
+    slot_file.close()
+    damage(tmp_path, new_slot, RECORD_HEADER_BYTES + 10)  # its payload, torn
+    with open_tier(tmp_path) as tier:
+        report = tier.scan_report
+        assert (report.num_loaded, report.num_corrupt_removed, report.num_superseded) == (
+            1, 1, 0)
+        assert tier.slot_of(key(2, 2)) == old_slot
+        assert tier.get(key(2, 2)) == payload(2, 2)
+        assert tier._file.read_header(new_slot) is None  # the torn copy was cleared
+        tier.check_integrity()
+    with open_tier(tmp_path) as again:
+        assert again.get(key(2, 2)) == payload(2, 2)
+
+
 def test_restart_with_smaller_budget_and_payload_verification(tmp_path: Path) -> None:
     with open_tier(tmp_path) as tier:
         for layer in range(6):
@@ -373,6 +397,32 @@ def test_records_that_can_never_be_served_are_erased_bytes_and_all(
                 held = f.read(STRIDE)  # (the file may end inside the last slot)
                 assert held and held == bytes(len(held)), slot
         tier.check_integrity()
+
+
+def test_a_clear_the_disk_cannot_take_fails_and_the_tier_still_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk: a clear whose zeros were written short counted as done (the payload's
+    bytes left behind), and a damaged header the start-up scan could not clear kept the SSD
+    tier from starting at all."""
+    with open_tier(tmp_path) as tier:
+        tier.put(key(0, 0), payload(0, 0))
+        tier.put(key(1, 0), payload(1, 0))
+    damage(tmp_path, 1, 20)  # key(1, 0)'s header
+    monkeypatch.setattr(slot_file_module, "_zero_range", lambda *_: False)
+    monkeypatch.setattr(slot_file_module.os, "pwrite", lambda fd, data, offset: 100)
+    with pytest.raises(OSError, match="short write"):
+        slot_file = SlotFile(tmp_path, SLOT)
+        try:
+            slot_file.clear(0)
+        finally:
+            slot_file.close()
+    with open_tier(tmp_path) as tier:  # starts, the damaged record left to a later clear
+        assert tier.scan_report.num_corrupt_removed == 1 and tier.uncleared_slots == 1
+        assert tier.get(key(0, 0)) == payload(0, 0)
+        monkeypatch.undo()
+        tier.clear_slots([])  # (an erasure's retry)
+        tier.barrier().result(5)
+        assert tier.uncleared_slots == 0 and tier._file.read_header(1) is None
 
 
 def test_runs_of_neighbouring_slots() -> None:

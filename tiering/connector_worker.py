@@ -416,10 +416,17 @@ class KvPageCopier:
         for copies in meta.final_saves.values():
             for layer in range(len(self._layer_names)):
                 self._save(meta, copies, layer)
-        if not meta.has_work or meta.step in self._failed_steps:
+        if not meta.has_work:
             self._finished_sending.update(meta.final_saves)
             return
         handle = self._mover.end_step()
+        if meta.step in self._failed_steps:
+            # Its saves are dropped, and their slots freed once it is reported: the copies
+            # already queued (on a GPU's side stream) must land first, or one could write
+            # over a slot the next put took.
+            self._mover.wait(handle)
+            self._finished_sending.update(meta.final_saves)
+            return
         if meta.final_saves:  # vLLM holds their pages until they are reported: don't delay
             self._mover.wait(handle)
         self._pending.append((meta.step, handle, set(meta.final_saves)))

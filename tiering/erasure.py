@@ -142,7 +142,9 @@ class SessionErasure:
                     kept += 1
             tier.clear_slots(clears)
         for tier in p.store.tiers:
-            tier.barrier().result()  # its queued erasures, on disk
+            # its queued erasures, on disk (on the device: a power loss must not bring the
+            # records back, whether or not every write is synced, `ssd_fsync`)
+            tier.barrier(sync=True).result()
         with p.lock:
             p.counters.chunk_layers_forgotten += erased
         p.store.check_erasures_durable()

@@ -188,15 +188,22 @@ class SlotFile:
         if self.fsync:
             os.fdatasync(self._fd)
 
+    def sync(self) -> None:
+        """Everything written so far, on the device (`fsync` does this after each write)."""
+        os.fdatasync(self._fd)
+
     def clear(self, slot: int) -> None:
         """Erase `slot`, if the file reaches it: its header and payload zeroed, so neither a
-        restart nor a reader of the file finds what it held."""
-        if slot < self.num_slots_on_disk:
-            if not self._zero_slot:
-                self._zero_slot = bytes(self.stride)
-            os.pwrite(self._fd, self._zero_slot, self.offset(slot))
-            if self.fsync:
-                os.fdatasync(self._fd)
+        restart nor a reader of the file finds what it held. Raises OSError where it could
+        not (a full disk: zeros written over a torn write's holes need blocks)."""
+        self.erase((slot,))
+
+    def _write_zeros(self, slot: int) -> None:
+        if not self._zero_slot:
+            self._zero_slot = bytes(self.stride)
+        written = os.pwrite(self._fd, self._zero_slot, self.offset(slot))
+        if written != self.stride:  # (a short write: the disk is full)
+            raise OSError(f"short write clearing slot {slot}: {written} bytes")
 
     def erase(self, slots: Iterable[int]) -> None:
         """Erase many `slots` at once, as `clear` does one: each run of neighbouring slots
@@ -211,7 +218,7 @@ class SlotFile:
             offset = self.offset(start)
             if not _zero_range(self._fd, offset, min(count * self.stride, size - offset)):
                 for slot in range(start, start + count):
-                    self.clear(slot)
+                    self._write_zeros(slot)
         if self.fsync:
             os.fdatasync(self._fd)
 

@@ -208,10 +208,15 @@ class SsdTier(IndexedTier[SsdSlot]):
         with self._lock:
             return len(self._uncleared)
 
-    def barrier(self) -> Future[bool]:
+    def barrier(self, *, sync: bool = False) -> Future[bool]:
         if self._writer is None:
             return done_future(True)
-        return self._writer.submit(lambda: True)  # jobs run in order: those before it first
+
+        def reached() -> bool:  # jobs run in order: those before it are done
+            if sync:
+                self._file.sync()  # (an OSError fails the future)
+            return True
+        return self._writer.submit(reached)
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -428,7 +433,7 @@ class SsdTier(IndexedTier[SsdSlot]):
             except CorruptChunk as e:
                 if slot < num_slots:  # (the slots past the budget are cut off below)
                     log.warning("%s: clearing slot %d: %s", self.name, slot, e)
-                    self._file.clear(slot)
+                    self._clear_found(slot)
                 report.num_corrupt_removed += 1
                 continue
             if record is None:
@@ -441,14 +446,22 @@ class SsdTier(IndexedTier[SsdSlot]):
                 report.num_other_model += 1
                 stale.append(slot)
                 continue
+            found = (record.sequence, slot, record.owner)
             previous = newest.get(record.key)
-            if previous is not None:
-                report.num_superseded += 1
-                if previous[0] > record.sequence:
-                    stale.append(slot)
-                    continue
-                stale.append(previous[1])
-            newest[record.key] = (record.sequence, slot, record.owner)
+            if previous is not None:  # two copies of the key: the newer is served
+                newer, older = (previous, found) if previous[0] > found[0] else (found, previous)
+                if not verify_payload and not self._is_intact(newer[1]):
+                    # Torn (a crash as it was written): the older copy, whole, is kept.
+                    log.warning("%s: clearing slot %d: its payload fails its checksum",
+                                self.name, newer[1])
+                    self._clear_found(newer[1])
+                    report.num_corrupt_removed += 1
+                    newer = older
+                else:
+                    report.num_superseded += 1
+                    stale.append(older[1])
+                found = newer
+            newest[record.key] = found
         if report.num_other_model:
             log.warning("%s: %d chunk-layers of KV stored for another model, its weights or "
                         "dtype changed since, can never be used: erasing them",
@@ -465,6 +478,22 @@ class SsdTier(IndexedTier[SsdSlot]):
                                             self._own(key, owner)), self.stride)
             report.num_loaded += 1
         return report
+
+    def _clear_found(self, slot: int) -> None:
+        """Clear a damaged record the start-up scan found; one that cannot be cleared now (a
+        full disk) is left to the next erasure's retry, and the tier starts all the same."""
+        try:
+            self._file.clear(slot)
+        except OSError as e:
+            log.warning("%s: cannot clear slot %d yet (%s)", self.name, slot, e)
+            self._uncleared.add(slot)
+
+    def _is_intact(self, slot: int) -> bool:
+        """The record in `slot` passes its payload's checksum too."""
+        try:
+            return self._file.read_record(slot) is not None
+        except CorruptChunk:
+            return False
 
 
 def _remove_legacy_files(directory: Path) -> int:

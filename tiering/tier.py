@@ -165,9 +165,10 @@ class Tier(abc.ABC):
         """
         return done_future(self.put(key, data))
 
-    def barrier(self) -> Future[bool]:
+    def barrier(self, *, sync: bool = False) -> Future[bool]:
         """A future that resolves once every write and erasure queued before it is done
-        (at once where nothing is queued)."""
+        (at once where nothing is queued); with `sync`, on the device, not only handed to the
+        operating system (an erasure's clears must hold across a power loss)."""
         return done_future(True)
 
     def flush(self) -> None:
