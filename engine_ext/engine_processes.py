@@ -1,11 +1,15 @@
-"""The vLLM engine processes this process started: found, and killed where a stop cannot wait."""
+"""The vLLM engine processes this process started: found, killed where a stop cannot wait, and
+the folder of the socket files they talk through."""
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 
 def engine_process_ids() -> set[int]:
@@ -31,3 +35,42 @@ def kill_engine_processes() -> None:
                     worker.kill()
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+RPC_DIR_PREFIX = "antiphon-vllm-rpc-"
+RPC_DIR_VARIABLE = "VLLM_RPC_BASE_PATH"
+
+
+def use_private_rpc_dir() -> Path | None:
+    """Have the vLLM engine started next put the socket files its processes talk through in
+    a folder of this process's own (`VLLM_RPC_BASE_PATH`), for `remove_rpc_dir` to remove
+    once it stops: vLLM leaves them in the temporary folder, seven an engine start, for good.
+    The folders of processes no longer running (killed) are removed first. None where the
+    user named the folder."""
+    current = os.environ.get(RPC_DIR_VARIABLE)
+    if current is not None and not Path(current).name.startswith(RPC_DIR_PREFIX):
+        return None
+    base = Path(tempfile.gettempdir())
+    for old in base.glob(RPC_DIR_PREFIX + "*"):
+        pid = old.name[len(RPC_DIR_PREFIX):].partition("-")[0]
+        if pid.isdigit() and not _is_running(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)  # (another user's stays)
+    folder = Path(tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{os.getpid()}-", dir=base))
+    os.environ[RPC_DIR_VARIABLE] = str(folder)
+    return folder
+
+
+def remove_rpc_dir(folder: Path | None) -> None:
+    """Remove a folder `use_private_rpc_dir` made, once its engine has stopped."""
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True

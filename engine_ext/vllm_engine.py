@@ -31,7 +31,12 @@ from antiphon.engine_ext.engine import (
     EngineRequestError,
     EngineRequestFailedError,
 )
-from antiphon.engine_ext.engine_processes import engine_process_ids, kill_engine_processes
+from antiphon.engine_ext.engine_processes import (
+    engine_process_ids,
+    kill_engine_processes,
+    remove_rpc_dir,
+    use_private_rpc_dir,
+)
 from antiphon.engine_ext.logprobs import prompt_logprobs, token_logprobs
 from antiphon.engine_ext.model_defaults import model_sampling_defaults, resolve_dtype
 from antiphon.engine_ext.policies import policy_class
@@ -123,6 +128,7 @@ class VllmEngine(Engine):
         self._tokenizer: ChatTokenizer | None = None  # `load_tokenizer`
         self._loading = False  # in `start`, until vLLM's engine is up
         self._stop_asked = False  # `stop_starting`
+        self._rpc_dir: Path | None = None  # `use_private_rpc_dir`'s, while the engine runs
 
     async def start(self) -> None:
         started = time.monotonic()
@@ -169,7 +175,12 @@ class VllmEngine(Engine):
         # once a stop is asked for, its processes are killed and the load fails at once.
         threading.Thread(target=self._kill_engine_once_stopped, name="antiphon-stop-start",
                          daemon=True).start()
-        self._llm = AsyncLLM.from_engine_args(args)  # blocks until the model has loaded
+        self._rpc_dir = use_private_rpc_dir()
+        try:
+            self._llm = AsyncLLM.from_engine_args(args)  # blocks until the model has loaded
+        except BaseException:
+            remove_rpc_dir(self._rpc_dir)
+            raise
         self.vocab_size = self._llm.model_config.get_vocab_size()
         if self._llm.vllm_config.parallel_config.distributed_executor_backend == "mp":
             # workers in processes of their own: they stop with the engine, not on a signal
@@ -445,6 +456,7 @@ class VllmEngine(Engine):
             # 4 s, then the engine core's teardown): every stop ended in a force kill.
             self._llm.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
             self._llm = None
+            remove_rpc_dir(self._rpc_dir)
             if self.tiering is not None:  # the host tier's arena, which the engine left
                 from antiphon.tiering.host_arena import remove_arenas_of
 
