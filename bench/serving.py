@@ -23,6 +23,7 @@ from typing import Any
 from antiphon.bench.report import print_table, write_json
 from antiphon.bench.serverproc import ServerProcess, scratch_data_dir
 from antiphon.engine_ext.config import WORKER_EXTENSION_CLS, set_cpu_threading
+from antiphon.engine_ext.engine_processes import remove_rpc_dir, use_private_rpc_dir
 
 SHORT_PROMPT = "What is the capital of France? Answer in one word."
 TOPICS = ["a lighthouse keeper", "a lost robot", "the first city on Mars", "a chess prodigy",
@@ -75,7 +76,12 @@ async def run_direct(model_dir: Path, engine_args: dict[str, Any],
     set_cpu_threading()  # as `antiphon serve` does
     # the compiled model's reuse on CPU, as `antiphon serve` has it (WORKER_EXTENSION_CLS)
     engine_args = {"worker_extension_cls": WORKER_EXTENSION_CLS, **engine_args}
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), **engine_args))
+    rpc_dir = use_private_rpc_dir()  # (as `antiphon serve` has it: no socket files left)
+    try:
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), **engine_args))
+    except BaseException:
+        remove_rpc_dir(rpc_dir)
+        raise
     counter = iter(range(1 << 30))
     extra_args = {"antiphon_class": request_class} if request_class else None
 
@@ -98,6 +104,7 @@ async def run_direct(model_dir: Path, engine_args: dict[str, Any],
         return await measure(run, **workload)
     finally:
         llm.shutdown()
+        remove_rpc_dir(rpc_dir)
 
 
 async def run_server(ws_url: str, **workload: Any) -> dict:
