@@ -185,6 +185,20 @@ def first_url(path: Path) -> str | None:
     return None
 
 
+def _lost_create(client: BatchClient, file_id: str, exc: ServerUnreachableError) -> str:
+    """What became of a batch whose creation got no answer (a reset, a timeout): deleting its
+    upload tells, refused while a batch reads it. A retry must not run every item twice."""
+    try:
+        client.delete_file(file_id)
+    except BatchCliError as refused:
+        if not isinstance(refused, ServerUnreachableError) and "file_in_use" in str(refused):
+            return (f"{exc}; the batch was created and runs (its input {file_id} is in use: "
+                    "GET /v1/batches lists it): do not submit it again")
+        return (f"{exc}; the batch may have been created and may run (its input is {file_id}): "
+                "GET /v1/batches lists the key's batches, look before submitting again")
+    return f"{exc}; no batch was created (its upload was deleted)"
+
+
 def _submit(client: BatchClient, args: argparse.Namespace) -> int:
     path = Path(args.file)
     if not path.is_file():
@@ -198,6 +212,8 @@ def _submit(client: BatchClient, args: argparse.Namespace) -> int:
         return EXIT_STOPPED
     try:
         batch = client.create(uploaded["id"], endpoint)
+    except ServerUnreachableError as exc:  # the server may have created it, its answer lost
+        raise BatchCliError(_lost_create(client, uploaded["id"], exc)) from None
     except BatchCliError:
         # Kept, the upload would count against the key's stored bytes with no batch to use it.
         with contextlib.suppress(BatchCliError):

@@ -140,3 +140,39 @@ def test_ctrl_c_while_submitting_says_what_the_server_may_keep(
 
         assert _submit(_client(handler), args) == EXIT_STOPPED
         assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("delete", "said"), [
+    (409, "the batch was created and runs"),
+    (200, "no batch was created"),
+    (None, "the batch may have been created and may run")])
+def test_a_batch_created_whose_answer_was_lost_is_not_called_a_failure(
+        tmp_path: Any, delete: int | None, said: str) -> None:
+    """The server created the batch and its answer was lost (a reset, a timeout): the CLI
+    said only "cannot reach the server", and a user who submitted again ran every item
+    twice. Deleting the upload tells whether a batch reads it."""
+    import argparse
+
+    import httpx
+
+    from antiphon.batch_cli import _submit
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"custom_id": "a", "url": "/v1/chat/completions"}\n')
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/batches":  # committed on the server; the answer lost
+            raise httpx.ReadError("connection reset by peer")
+        if request.method == "DELETE":
+            if delete is None:
+                raise httpx.ConnectError("connection refused")
+            if delete == 409:
+                return httpx.Response(409, json={"error": {"code": "file_in_use",
+                                                           "message": "a batch reads it"}})
+            return httpx.Response(200, json={"id": "file-" + "0" * 24, "deleted": True})
+        return httpx.Response(200, json={"id": "file-" + "0" * 24, "bytes": 10})
+
+    with pytest.raises(BatchCliError) as failed:
+        _submit(_client(handler), argparse.Namespace(file=str(path), endpoint=None,
+                                                     wait=False))
+    assert "cannot reach the server" in str(failed.value) and said in str(failed.value)
