@@ -41,7 +41,7 @@ def check_batch_line(body: ChatCompletionRequest | TextCompletionRequest) -> Non
     session (a line runs on its own, and its reply would not be kept in one) and RT work
     (batch items run as BE). Raises `ApiError` (either would otherwise go unheeded)."""
     xargs = body.vllm_xargs or {}
-    if "session_id" in xargs:
+    if xargs.get("session_id") is not None:
         raise ApiError(ErrorCode.BAD_MESSAGE, "vllm_xargs.session_id: a batch line runs on its "
                        "own, in no session; send a session's turn alone",
                        param="vllm_xargs.session_id")

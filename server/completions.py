@@ -57,7 +57,7 @@ class OpenAIMessage(BaseModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)  # (as vLLM's server joins them)
 
 
 class StreamOptions(BaseModel):
@@ -193,7 +193,7 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
                          "messages")
     check_request(chat, body, body.requested_max_tokens, body.vllm_xargs or {})
     chat.check_choices(body.num_choices)
-    if body.num_choices > 1 and "session_id" in (body.vllm_xargs or {}):
+    if body.num_choices > 1 and (body.vllm_xargs or {}).get("session_id") is not None:
         raise ApiError(ErrorCode.BAD_MESSAGE, "n must be 1 in a session turn: the session "
                        "keeps one reply per turn")
     chat.check_tools(len(body.tools or ()))

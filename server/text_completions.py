@@ -178,14 +178,14 @@ def check_text_completion(chat: ChatService, body: TextCompletionRequest) -> Non
     sizes and token ids, max_tokens, stop sequences, logit_bias); raises `ApiError`."""
     require_served_model(chat, body.model)
     xargs = body.vllm_xargs or {}
-    if "session_id" in xargs:
+    if xargs.get("session_id") is not None:
         raise ApiError(ErrorCode.BAD_MESSAGE, "vllm_xargs.session_id: sessions are chat "
                        "conversations; use /v1/chat/completions")
     check_request(chat, body, body.max_tokens, xargs)
     chat.check_choices(body.num_choices)
     for prompt in body.prompts():
-        if isinstance(prompt, str):
-            chat.check_content(prompt)
+        if isinstance(prompt, str):  # (blank is a prompt, as OpenAI's; none is refused below)
+            chat.check_content(prompt, may_be_empty=True, what="the prompt", param="prompt")
         else:
             chat.check_in_vocabulary(prompt, "prompt")
 

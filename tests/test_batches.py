@@ -617,14 +617,15 @@ def test_lines_asking_for_a_session_or_rt_work_are_refused(tmp_path: Path) -> No
     as a plain BE request (a session that did not exist, too), its ask unheeded."""
     lines = [request_line("session", "x", vllm_xargs={"session_id": "s_nowhere"}),
              request_line("rt", "x", vllm_xargs={"request_class": "rt"}),
-             request_line("be", "x", vllm_xargs={"request_class": "be"})]
+             request_line("be", "x", vllm_xargs={"request_class": "be"}),
+             request_line("none", "x", vllm_xargs={"session_id": None})]  # (no session)
     text = json.dumps({"custom_id": "text-rt", "method": "POST", "url": "/v1/completions",
                        "body": {"model": "scripted", "prompt": "x",
                                 "vllm_xargs": {"request_class": "rt"}}})
     with batch_server(tmp_path) as live:
         client = live.client()
         batch = wait_finished(live.url, submit(client, ("\n".join(lines) + "\n").encode()))
-        assert batch["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+        assert batch["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
         assert [(r["custom_id"], r["error"]["code"], r["error"]["message"].split(":")[1])
                 for r in lines_of(client, batch["error_file_id"])] == [
             ("session", "bad_message", " vllm_xargs.session_id"),

@@ -496,6 +496,31 @@ def test_text_completions_refuse_what_they_cannot_do(
     assert not scripted.engine.finished_request_ids  # nothing reached the engine
 
 
+@pytest.mark.parametrize(("path", "fields"), [
+    ("/v1/completions", {"prompt": " "}),
+    ("/v1/completions", {"prompt": ["fine", "\n"]}),
+    ("/v1/completions", {"prompt": "hello", "vllm_xargs": {"session_id": None}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 2,
+                              "vllm_xargs": {"session_id": None}})])
+def test_blank_prompts_and_no_session_are_taken_as_openai_takes_them(
+        scripted: Scripted, path: str, fields: dict[str, object]) -> None:
+    """A blank text prompt is a prompt (it was refused: "message content is empty"), and a
+    session_id of null names no session (n=2 was refused as a session turn)."""
+    r = httpx.post(scripted.url + path, json={"model": "scripted", "max_tokens": 2, **fields})
+    assert r.status_code == 200, r.text
+
+
+def test_a_message_in_text_parts_reads_as_vllm_joins_them(scripted: Scripted) -> None:
+    """Text parts were joined with nothing between them ("a", "b" read "ab"); vLLM's server
+    puts a line break between them."""
+    r = httpx.post(scripted.url + "/v1/chat/completions", json={
+        "model": "scripted", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "first part"}, {"type": "text", "text": "second"}]}]})
+    assert r.status_code == 200, r.text
+    prompt = "".join(map(chr, scripted.engine.request_prompts[-1]))  # (a token a character)
+    assert "first part\nsecond" in prompt
+
+
 def test_a_chat_stream_opens_with_its_first_token(scripted: Scripted) -> None:
     """The role chunk goes out with the first token, not before the engine has one (as vLLM's
     and OpenAI's streams): a client timing its first chunk (vllm bench serve's TTFT) times the
