@@ -2,11 +2,13 @@
 
 Client to server::
 
-    {"type": "session.open", "session_id": null | str, "title": str?, "system": str?}
+    {"type": "session.open", "session_id": null | str, "title": str?, "system": str?,
+     "request_id": str?}
     # `system`: a new session's system message, which the model sees first at every turn
     {"type": "session.list", "before": str?}
-    {"type": "session.rename", "session_id": str, "title": str}
-    {"type": "session.delete", "session_id": str}
+    {"type": "session.rename", "session_id": str, "title": str, "request_id": str?}
+    {"type": "session.delete", "session_id": str, "request_id": str?}
+    # a session frame's `request_id` is named by the frame answering it, or by its error
     {"type": "message", "session_id": str, "content": str, "request_id": str?,
      "max_tokens": int?, <sampling>}
     {"type": "regenerate", "session_id": str, "request_id": str?, "max_tokens": int?,
@@ -25,13 +27,14 @@ Client to server::
 
 Server to client::
 
-    {"type": "session", "session": {...}, "messages": [...], "replying": bool}
+    {"type": "session", "session": {...}, "messages": [...], "replying": bool,
+     "request_id": str?}
     # `replying`: a turn of the session is running (from another connection, or the REST
     # API): its last message is being answered, and the session is busy until it is done
     {"type": "sessions", "sessions": [...], "has_more": bool, "before": str | null,
      "next_before": str | null}  # most recent first, up to a limit; `next_before` pages on
-    {"type": "session.renamed", "session": {...}}
-    {"type": "session.deleted", "session_id": str}
+    {"type": "session.renamed", "session": {...}, "request_id": str?}
+    {"type": "session.deleted", "session_id": str, "request_id": str?}
     {"type": "accepted", "request_id": str, "session_id": str, "prompt_tokens": int}
     {"type": "token", "request_id": str, "session_id": str, "text": str}
     {"type": "done", "request_id": str, "session_id": str, "finish_reason": str, "text": str,
@@ -240,7 +243,13 @@ class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class SessionOpen(_Msg):
+class _Answered(_Msg):
+    request_id: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
+    """Client-chosen, named by the frame that answers this one, or by its error (which
+    session a `session` frame opened, when several opens are in flight)."""
+
+
+class SessionOpen(_Answered):
     type: Literal["session.open"]
     session_id: Annotated[str, Field(pattern=ID_PATTERN)] | None = None
     """Existing session to resume; null opens a new one."""
@@ -256,13 +265,13 @@ class SessionList(_Msg):
     """A listing's `next_before`: the page after it; null lists the most recent."""
 
 
-class SessionRename(_Msg):
+class SessionRename(_Answered):
     type: Literal["session.rename"]
     session_id: Annotated[str, Field(pattern=ID_PATTERN)]
     title: Annotated[str, Field(min_length=1, max_length=200)]
 
 
-class SessionDelete(_Msg):
+class SessionDelete(_Answered):
     type: Literal["session.delete"]
     session_id: Annotated[str, Field(pattern=ID_PATTERN)]
     """Deletes the session and its messages (and erases its KV); refused with `session_busy`

@@ -40,6 +40,12 @@ def frame_bytes(data: str | bytes) -> int:
 TurnMessage = protocol.ChatMessage | protocol.Regenerate | protocol.ToolResults
 
 
+def _answering(msg: protocol.SessionOpen | protocol.SessionRename | protocol.SessionDelete
+               ) -> dict[str, str]:
+    """The field that names the frame an answer answers, where it named itself."""
+    return {} if msg.request_id is None else {"request_id": msg.request_id}
+
+
 # What a send raises once the client has gone: starlette's for a socket it saw close, and for
 # one closed meanwhile (a send after the close), which is no error of the server's either.
 CLIENT_GONE = (WebSocketDisconnect, WebSocketDisconnected)
@@ -122,8 +128,7 @@ class Connection:
                 raise ApiError(ErrorCode.TOO_LARGE, f"message of {size} bytes exceeds the "
                                f"limit of {self.ctx.config.server.max_frame_bytes}")
             msg = protocol.decode_client_message(data)
-            if isinstance(msg, (protocol.TurnRequest, protocol.Cancel)):
-                request_id = msg.request_id
+            request_id = getattr(msg, "request_id", None)
             await self._dispatch(msg)
         except CLIENT_GONE:
             raise  # the client left: nobody to tell, and no error of the server's
@@ -146,7 +151,8 @@ class Connection:
                                                  msg.system)
             await self.send(protocol.encode("session", session=session.to_json(),
                                             messages=[m.to_json() for m in messages],
-                                            replying=turns.is_replying(session.session_id)))
+                                            replying=turns.is_replying(session.session_id),
+                                            **_answering(msg)))
         elif isinstance(msg, protocol.SessionList):
             sessions, next_before = await turns.list_recent(self.owner, msg.before)
             await self.send(protocol.encode(
@@ -154,9 +160,10 @@ class Connection:
                 has_more=next_before is not None, next_before=next_before))
         elif isinstance(msg, protocol.SessionRename):
             session = await turns.rename(self.owner, msg.session_id, msg.title)
-            await self.send(protocol.encode("session.renamed", session=session.to_json()))
+            await self.send(protocol.encode("session.renamed", session=session.to_json(),
+                                            **_answering(msg)))
         elif isinstance(msg, protocol.SessionDelete):
-            self._start_deletion(msg.session_id)
+            self._start_deletion(msg)
         elif isinstance(msg, protocol.Typing):
             self._advise(msg.session_id)
         elif isinstance(msg, protocol.Cancel):
@@ -168,19 +175,20 @@ class Connection:
         else:
             self._start_turn(msg)
 
-    def _start_deletion(self, session_id: str) -> None:
+    def _start_deletion(self, msg: protocol.SessionDelete) -> None:
         """Delete the session in a task of its own: it waits for what the connection sent
         about the session before it (a typing advisory, which would else bring forward the KV
         the deletion erases; a turn being accepted, whose message would else land in a
         session gone), then for a turn of it being cut short (up to `--session-free-wait-s`),
         and the frames behind it, for other sessions or a `cancel`, must not wait."""
+        session_id = msg.session_id
         limit = self.ctx.config.server.max_inflight_per_connection
         if len(self._deletions) >= limit:
             raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many session deletions in flight "
                            f"on this connection (--max-inflight-per-connection: {limit})")
         ahead = [t for t in (self._advising.get(session_id), self._ahead.get(session_id))
                  if t is not None]
-        task = asyncio.create_task(self._delete(session_id, ahead))
+        task = asyncio.create_task(self._delete(msg, ahead))
         self._ahead[session_id] = self._deleting[session_id] = task
         self._deletions.add(task)
 
@@ -191,15 +199,17 @@ class Connection:
                     del pending[session_id]
         task.add_done_callback(answered)
 
-    async def _delete(self, session_id: str, ahead: list[asyncio.Task[None]]) -> None:
+    async def _delete(self, msg: protocol.SessionDelete, ahead: list[asyncio.Task[None]]
+                      ) -> None:
         try:
             if ahead:
                 await asyncio.wait(ahead)
-            await self.ctx.turns.delete(self.owner, session_id)
-            await self.send(protocol.encode("session.deleted", session_id=session_id))
+            await self.ctx.turns.delete(self.owner, msg.session_id)
+            await self.send(protocol.encode("session.deleted", session_id=msg.session_id,
+                                            **_answering(msg)))
         except Exception as exc:
             with contextlib.suppress(Exception):  # the client may have left meanwhile
-                await self._send_error(exc, None, "session.delete")
+                await self._send_error(exc, msg.request_id, "session.delete")
 
     def _advise(self, session_id: str) -> None:
         """Record a typing advisory in a task of its own: the engine answers it between two

@@ -37,6 +37,30 @@ async def test_streams_tokens_then_done(scripted: Scripted) -> None:
     assert done["timings"]["tpot_s"] > 0
 
 
+async def test_session_frames_name_the_request_they_answer(scripted: Scripted) -> None:
+    """An open, rename or deletion given a request_id is answered, or refused, naming it: a
+    page with several in flight told which `session` frame was its new chat's (it took the
+    one opened just before), and which error was a rename's (it blanked the chat shown)."""
+    async with connect(scripted.ws_url) as ws:
+        opened = await open_session(ws, request_id="open-1")
+        sid = opened["session"]["session_id"]
+        assert opened["request_id"] == "open-1"
+        assert "request_id" not in await open_session(ws, sid)  # (none given, none named)
+        await send(ws, type="session.rename", session_id=sid, title="t", request_id="rn-1")
+        assert (await recv(ws))["request_id"] == "rn-1"
+        await send(ws, type="session.delete", session_id=sid, request_id="del-1")
+        assert await recv(ws) == {"type": "session.deleted", "session_id": sid,
+                                  "request_id": "del-1"}
+        for kind, extra in (("rename", {"title": "t"}), ("delete", {})):
+            await send(ws, type=f"session.{kind}", session_id=sid, request_id=f"{kind}-2",
+                       **extra)
+            refused = await recv(ws)
+            assert (refused["type"], refused["code"], refused["request_id"]) == (
+                "error", "session_not_found", f"{kind}-2")
+        await send(ws, type="session.open", session_id=sid, request_id="open-2")
+        assert (await recv(ws))["request_id"] == "open-2"
+
+
 async def test_follow_up_sees_history_and_reopen_returns_it(scripted: Scripted) -> None:
     scripted.engine.reply = lambda turns: " ".join(t.content for t in turns if t.role == "user")
     async with connect(scripted.ws_url) as ws:

@@ -23,6 +23,9 @@ const state = {
   pending: new Map(), // request_id -> {sessionId, root, body, raw, streamed, cancelling, frame}
   queued: null, // message content waiting for a freshly opened session
   queuedSystem: null, // the system message that session is opened with
+  queuedOpen: null, // the request id of that session's open (its `session` frame names it)
+  // Renames and deletions sent: request id -> {kind, sessionId} (an error names its frame).
+  sessionOps: new Map(),
   blankAfterQueued: false, // "New chat" was clicked while the queued message's session opened
   sentAt: -Infinity, // performance.now() of the last send (see STOP_GRACE_MS)
   stick: true, // keep the conversation scrolled to the bottom while streaming
@@ -204,9 +207,25 @@ function pickSession(id) {
 }
 
 function renameSession(id, title) {
-  if (!client.send({ type: "session.rename", session_id: id, title })) {
+  if (!sessionOp("rename", id, { title })) {
     showError("disconnected", "Not connected to the server; the title was not changed.");
   }
+}
+
+/** Send a session's rename or deletion, named so that an error about it is known as such. */
+function sessionOp(kind, sessionId, fields = {}) {
+  const requestId = newRequestId();
+  const sent = client.send({ type: `session.${kind}`, session_id: sessionId, ...fields,
+                             request_id: requestId });
+  if (sent) state.sessionOps.set(requestId, { kind, sessionId });
+  return sent;
+}
+
+/** Open a new session for the queued first message: only the frame answering this open
+ * takes it (one opened just before, from the sidebar, got it, and a refusal deleted it). */
+function openForQueued() {
+  state.queuedOpen = newRequestId();
+  client.openSession(null, state.queuedSystem, state.queuedOpen);
 }
 
 function deleteSession(id) {
@@ -218,7 +237,7 @@ function deleteSession(id) {
   }
   // The server keeps a session while it answers: stop the reply, delete when it has stopped.
   if (cancelReplies(id) > 0) state.deleteWhenDone.add(id);
-  else client.send({ type: "session.delete", session_id: id });
+  else sessionOp("delete", id);
 }
 
 function newSession() {
@@ -289,7 +308,7 @@ function submit() {
     state.queuedSystem = ui.systemInput.value.trim() || null;
     state.blankAfterQueued = false;
     markSent();
-    client.openSession(null, state.queuedSystem);
+    openForQueued();
   }
   refreshControls();
 }
@@ -347,7 +366,12 @@ const handlers = {
     const polled = answeredElsewhere() && s.session_id === state.currentId;
     setCurrentSession(s.session_id || null);
     ui.title.textContent = sessionTitle(s);
-    const bubbles = (Array.isArray(msg.messages) ? msg.messages : []).map((m) => {
+    // Replies still streaming for this session stay visible after a re-open; the reply a
+    // regenerate is replacing, which the server keeps until the new one is in, does not.
+    const mine = [...state.pending.values()].filter((p) => p.sessionId === s.session_id);
+    const kept = Array.isArray(msg.messages) ? [...msg.messages] : [];
+    if (mine.some((p) => p.regenerate) && kept.at(-1)?.role === "assistant") kept.pop();
+    const bubbles = kept.map((m) => {
       const { root } = makeBubble(m.role, m.content ?? "");
       if (m.finish_reason === "cancelled") root.classList.add("cancelled"); // cut short
       // How a reply ended, as its live timings line says it: cut at max_tokens, or cancelled.
@@ -364,8 +388,6 @@ const handlers = {
       }
       return root;
     });
-    // Replies still streaming for this session stay visible after a re-open.
-    const mine = [...state.pending.values()].filter((p) => p.sessionId === s.session_id);
     bubbles.push(...mine.map((p) => p.root));
     // The session's system message, which the model sees first (set when it was created).
     if (typeof s.system === "string" && s.system) {
@@ -394,7 +416,7 @@ const handlers = {
     renderSessions();
     refreshControls();
     scrollToBottom(stick); // with the Regenerate row refreshControls drew
-    if (state.queued !== null && s.session_id) {
+    if (state.queued !== null && s.session_id && msg.request_id === state.queuedOpen) {
       const content = state.queued;
       state.queued = null;
       sendMessage(content, { opened: true });
@@ -444,13 +466,12 @@ const handlers = {
     }
     if (msg.session_id === state.currentId) markContextStart(ui.messages, msg.context_start);
     scrollToBottom();
-    if (state.deleteWhenDone.delete(msg.session_id)) {
-      client.send({ type: "session.delete", session_id: msg.session_id });
-    }
+    if (state.deleteWhenDone.delete(msg.session_id)) sessionOp("delete", msg.session_id);
     client.listSessions();
   },
 
   "session.renamed"(msg) {
+    state.sessionOps.delete(msg.request_id);
     const s = msg.session || {};
     upsertSession(s);
     if (s.session_id === state.currentId) ui.title.textContent = sessionTitle(s);
@@ -458,6 +479,7 @@ const handlers = {
   },
 
   "session.deleted"(msg) {
+    state.sessionOps.delete(msg.request_id);
     state.sessions = state.sessions.filter((s) => s.session_id !== msg.session_id);
     if (msg.session_id === state.currentId) showBlankChat();
     else renderSessions();
@@ -466,9 +488,24 @@ const handlers = {
   error(msg) {
     // Cancelling a reply that finished meanwhile is not worth a banner.
     if (msg.code === "request_not_found" && state.cancelled.delete(msg.request_id)) return;
+    const op = state.sessionOps.get(msg.request_id);
+    if (op !== undefined) {
+      state.sessionOps.delete(msg.request_id);
+      if (msg.code !== "session_not_found") {
+        showError(msg.code, msg.message);
+        return;
+      }
+      // Deleted meanwhile (another tab): gone from the list; the chat shown is left alone
+      // unless it was that one (a deletion of it wanted no more).
+      if (op.kind !== "delete") showError(msg.code, msg.message);
+      state.sessions = state.sessions.filter((x) => x.session_id !== op.sessionId);
+      if (op.sessionId === state.currentId) showBlankChat();
+      else renderSessions();
+      return;
+    }
     const silent = msg.code === "session_not_found" && !msg.request_id && state.restoring;
     if (!silent) showError(msg.code, msg.message);
-    if (!msg.request_id && state.queued !== null) {
+    if (state.queued !== null && msg.request_id === state.queuedOpen) {
       // The session a new chat's first message waited for was refused (the key's sessions at
       // their limit, a system message too long): the message goes back to the composer.
       if (composer.isBlank()) composer.value = state.queued;
@@ -534,7 +571,7 @@ client.addEventListener("open", () => {
   client.listSessions();
   state.restoring = Boolean(state.currentId);
   if (state.currentId) client.openSession(state.currentId);
-  else if (state.queued !== null) client.openSession(null, state.queuedSystem);
+  else if (state.queued !== null) openForQueued();
   refreshControls();
 });
 
@@ -545,7 +582,12 @@ client.addEventListener("close", (ev) => {
   if (client.authRequired) ui.status.textContent = "API key required";
   else if (retryInMs === null) ui.status.textContent = "Disconnected";
   else showReconnecting(retryInMs);
-  for (const rid of [...state.pending.keys()]) {
+  for (const [rid, entry] of [...state.pending.entries()]) {
+    // A message the server never said it kept goes back to the composer (the session, opened
+    // again once connected, shows what the server kept): it was lost.
+    if (entry.content && entry.root.dataset.accepted !== "true" && composer.isBlank()) {
+      composer.value = entry.content;
+    }
     finishEntry(rid, { cls: "failed", note: "Connection lost before the reply finished." });
   }
   refreshControls();

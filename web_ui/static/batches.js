@@ -80,6 +80,9 @@ async function renderDetail() {
 
 async function refresh() {
   clearTimeout(state.timer);
+  // One poll at a time: a refresh while another awaits the server (an upload, a cancel, a
+  // key) started a second polling loop.
+  const run = state.refreshRun = (state.refreshRun || 0) + 1;
   try {
     state.batches = (await api("/v1/batches?limit=50")).data;
     if ($("#error").dataset.code === "disconnected") hideError(); // reached it again
@@ -88,6 +91,7 @@ async function refresh() {
   } catch (err) {
     showError(err.code || "error", err.message);
   }
+  if (run !== state.refreshRun) return; // a later refresh polls on
   if (state.batches.some((b) => !FINISHED.has(b.status))) state.timer = setTimeout(refresh, POLL_MS);
 }
 

@@ -125,10 +125,12 @@ export class ChatClient extends EventTarget {
     return this.send(before === null ? { type: "session.list" } : { type: "session.list", before });
   }
 
-  /** Open `sessionId`, or a new session (null) whose model sees `system` first, if given. */
-  openSession(sessionId = null, system = null) {
+  /** Open `sessionId`, or a new session (null) whose model sees `system` first, if given;
+   * the `session` frame (or error) answering it names `requestId`, if given. */
+  openSession(sessionId = null, system = null, requestId = null) {
     const frame = { type: "session.open", session_id: sessionId };
     if (sessionId === null && system) frame.system = system;
+    if (requestId !== null) frame.request_id = requestId;
     return this.send(frame);
   }
 
