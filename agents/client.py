@@ -35,6 +35,7 @@ from urllib.parse import quote, urlencode
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+from websockets.protocol import State
 
 from antiphon.agents.errors import (
     AntiphonError,
@@ -323,11 +324,24 @@ class AsyncAntiphon:
         return await self._json("POST", f"/v1/batches/{_segment(batch_id)}/cancel")
 
     async def wait_batch(self, batch_id: str, poll_s: float = 1.0,
-                         on_progress: Callable[[dict[str, Any]], None] | None = None
-                         ) -> dict[str, Any]:
-        """Poll until the batch is completed, failed, cancelled or expired; returns it."""
+                         on_progress: Callable[[dict[str, Any]], None] | None = None,
+                         max_unreachable_s: float = 600.0) -> dict[str, Any]:
+        """Poll until the batch is completed, failed, cancelled or expired; returns it. A
+        server out of reach (restarting: its batches go on after it) is polled again, for at
+        most `max_unreachable_s` in a row, as `antiphon batch status --wait` does; then
+        `ConnectionLostError`."""
+        out_of_reach_since: float | None = None
         while True:
-            batch = await self.get_batch(batch_id)
+            try:
+                batch = await self.get_batch(batch_id)
+            except ConnectionLostError:
+                now = time.monotonic()
+                out_of_reach_since = out_of_reach_since or now
+                if now - out_of_reach_since >= max_unreachable_s:
+                    raise
+                await asyncio.sleep(poll_s)
+                continue
+            out_of_reach_since = None
             if on_progress is not None:
                 on_progress(batch)
             if batch["status"] in FINAL_BATCH_STATUSES:
@@ -548,7 +562,7 @@ class AsyncAntiphon:
             # Cancelled, timed out, or `on_token` raised: stop the turn on the server too, or
             # it runs on, keeps a reply nobody read and holds the session (harmless if done).
             if not ended and (sent or isinstance(exc, asyncio.CancelledError)):
-                await asyncio.shield(self._cancel_quietly(request_id))
+                await asyncio.shield(self._cancel_on_its_socket(request_id, turn))
                 if sent:  # the server counts it in flight until the cancel has ended it
                     task = asyncio.create_task(self._settle(request_id, turn))
                     self._settling.add(task)
@@ -578,18 +592,26 @@ class AsyncAntiphon:
         self._turns.pop(request_id, None)
         self._inflight.release()
 
-    async def _cancel_quietly(self, request_id: str) -> None:
-        with contextlib.suppress(AntiphonError):
-            await self._send({"type": "cancel", "request_id": request_id})
+    @staticmethod
+    async def _cancel_on_its_socket(request_id: str, turn: _Turn) -> None:
+        """Stop the turn on the server, over the socket it was sent on, if still open: a
+        request id is its connection's, so a cancel on a new socket stops nothing (and
+        opening one, against a server gone, took minutes of reconnects)."""
+        ws = turn.ws
+        if ws is None or ws.state is not State.OPEN:
+            return  # never sent, or the server already ended it with its socket
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send(_encode({"type": "cancel", "request_id": request_id}))
 
     async def cancel(self, request_id: str) -> None:
         """Stop a turn in flight on this client; its `chat` returns finish_reason
         "cancelled" with the text so far. Raises `NotFoundError` when no turn of this
         client's has that request id (finished, or never sent)."""
-        if request_id not in self._turns:
+        turn = self._turns.get(request_id)
+        if turn is None:
             raise NotFoundError("request_not_found", f"no request {request_id} in flight on "
                                 "this client")
-        await self._send({"type": "cancel", "request_id": request_id})
+        await self._cancel_on_its_socket(request_id, turn)
 
 
 def _raise_if_refused(exc: ConnectionClosed) -> None:

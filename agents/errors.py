@@ -43,8 +43,10 @@ class ConnectionLostError(AntiphonError):
     `accepted` says whether the server had taken the message: if so it keeps it, with
     `partial` (the text received so far) as its reply where there is some (unless the server
     itself went down: then the message is kept without a reply), and
-    `regenerate(session_id)` asks for a whole reply; if not, the session has nothing of it
-    and the message can be sent again. The next call reconnects."""
+    `regenerate(session_id)` asks for a whole reply; if not, the server did not say it had
+    taken it, which it may still have done (it kept the message and went down before its
+    answer reached the client): `get_session` tells, before the message is sent again. The
+    next call reconnects."""
 
     def __init__(self, message: str, partial: str = "", request_id: str | None = None, *,
                  accepted: bool = False) -> None:

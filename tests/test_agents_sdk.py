@@ -530,3 +530,46 @@ async def test_a_role_that_fails_stops_the_others_of_its_round(tmp_path: Path) -
                 await env.run("the task")
             await asyncio.sleep(0.3)
             assert not engine.active_request_ids  # stopped: it had 2 s of tokens left
+
+
+async def test_cancelling_a_call_whose_server_is_gone_returns_at_once() -> None:
+    """A call given up on (cancelled, timed out) while its server is gone reconnected, up to
+    `connect_attempts` times, to send a cancel no socket but the turn's could deliver: a
+    Ctrl-C took seconds, and minutes with the defaults."""
+    import time
+
+    from antiphon.bench.serverproc import free_port
+
+    async with AsyncAntiphon(f"http://127.0.0.1:{free_port()}", timeout_s=30,
+                             connect_attempts=3) as client:
+        call = asyncio.create_task(client.chat("s_nowhere", "hi"))
+        await asyncio.sleep(0.3)  # trying to connect
+        started = time.monotonic()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert time.monotonic() - started < 1.0
+
+
+async def test_waiting_for_a_batch_rides_out_a_server_restart(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poll that found the server restarting ended the wait with ConnectionLostError, where
+    the batch went on after the restart (the CLI's wait keeps polling)."""
+    async with AsyncAntiphon(scripted.url) as client:
+        line = {"custom_id": "t", "method": "POST", "url": "/v1/completions",
+                "body": {"model": "scripted", "prompt": "hi", "max_tokens": 3}}
+        uploaded = await client.upload_batch_file((json.dumps(line) + "\n").encode())
+        batch = await client.create_batch(uploaded["id"], endpoint="/v1/completions")
+        get_batch, failures = client.get_batch, [2]
+
+        async def restarting(batch_id: str) -> dict[str, object]:
+            if failures[0]:
+                failures[0] -= 1
+                raise ConnectionLostError("cannot reach the server")
+            return await get_batch(batch_id)
+        monkeypatch.setattr(client, "get_batch", restarting)
+        done = await client.wait_batch(batch["id"], poll_s=0.05)
+        assert done["status"] == "completed" and failures == [0]
+        failures[0] = 100
+        with pytest.raises(ConnectionLostError):
+            await client.wait_batch(batch["id"], poll_s=0.05, max_unreachable_s=0.2)
