@@ -291,12 +291,18 @@ def test_an_unusable_ssd_folder_leaves_the_host_tier_serving(tmp_path: Path,
         build_tiered_store(dataclasses.replace(config, host_tier_bytes=0), slot_bytes=64)
 
 
-def test_a_turns_fetch_goes_ahead_of_an_advisorys_fetch_already_running() -> None:
+@pytest.mark.parametrize(("running", "coming"), [("advisory", "chat"), ("advisory", "batch"),
+                                                 ("batch", "chat")])
+def test_a_turns_fetch_goes_ahead_of_a_lower_fetch_already_running(running: str,
+                                                                  coming: str) -> None:
     # An advisory's prefetch (a long context: thousands of chunk-layers) used to run to its
-    # end before a turn's urgent fetch started: the turn waited step after step.
+    # end before a turn's urgent fetch started: the turn waited step after step; a chat turn
+    # waited so for a batch item's restore.
     import time
 
-    from antiphon.tiering.prefetch_queue import URGENT, PrefetchQueue
+    from antiphon.tiering.prefetch_queue import BACKGROUND_URGENT, URGENT, PrefetchQueue
+
+    due = {"advisory": time.monotonic() + 60, "batch": BACKGROUND_URGENT, "chat": URGENT}
 
     fast = MemoryTier(10_000, name="fast")
     slow = RecordingTier(10_000, name="slow", hold_layers=frozenset({1}))
@@ -305,11 +311,10 @@ def test_a_turns_fetch_goes_ahead_of_an_advisorys_fetch_already_running() -> Non
             slow.put(k, data(k))
     queue = PrefetchQueue([fast, slow])
     try:
-        advisory = queue.submit([k for chunk in GRID[:4] for k in chunk],
-                                due=time.monotonic() + 60)
+        advisory = queue.submit([k for chunk in GRID[:4] for k in chunk], due=due[running])
         time.sleep(0.2)  # it moves layer 0, then waits on the gate in layer 1
         assert advisory.num_ready_layers() == 1 and not advisory.is_done
-        turn = queue.submit(GRID[4], due=URGENT, layer_first=False)
+        turn = queue.submit(GRID[4], due=due[coming], layer_first=False)
         slow.gate.set()
         assert turn.wait(10) and advisory.wait(10)
         assert turn.finished_at is not None and advisory.finished_at is not None

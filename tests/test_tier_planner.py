@@ -6,6 +6,7 @@ The worker is played by writing slot bytes straight into the host arena, as `KvP
 from __future__ import annotations
 
 import collections
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import pytest
 
 from antiphon.tiering.config import TieringConfig
 from antiphon.tiering.connector_meta import PageCopy, TieringMetadata
+from antiphon.tiering.keys import ChunkKey
 from antiphon.tiering.planner import NO_SLOT, TierPlanner, TokenView
 
 LAYERS = 2
@@ -893,5 +895,92 @@ def test_the_host_tier_counts_a_turns_loads_by_layer(tmp_path: Path) -> None:
         planner.plan_load("r2", [1, 2, 3], 10, 12)
         host = planner.stats()["tiers"]["host"]
         assert (host["hits"], host["misses"]) == (3 * LAYERS - 1, 1)
+    finally:
+        planner.close()
+
+
+def held_ssd_reads(planner: TierPlanner) -> threading.Event:
+    """Hold every read of the SSD tier until the event returned is set."""
+    gate = threading.Event()
+    ssd = planner.store.tiers[1]
+    read = ssd.get
+
+    def held(key: ChunkKey) -> bytes | None:
+        gate.wait(10)
+        return read(key)
+    ssd.get = held  # type: ignore[method-assign]
+    return gate
+
+
+def test_a_preempted_turn_admitted_again_leaves_the_next_turns_prefetch_running(
+        tmp_path: Path) -> None:
+    """Admitted again, the preempted reply's request stopped the prefetch of the advisory the
+    user's typing of the next message had sent (still queued behind another session's), and
+    the next turn loaded its context from SSD on its critical path."""
+    other = [t + 500 for t in TURN1] + [610]
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        run_turn(planner, "r9", other, [20, 21, 22], session="s9")
+        run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9], session="s1")
+        planner.store.flush()
+        mine = set(planner.matcher.match([*TURN1, 110], 11, b"", None).layer_keys())
+        stored = planner.host.keys()  # a snapshot, not a dict's view
+        for key in [k for k in stored if k not in mine]:  # s9's: on SSD only
+            assert planner.host.remove(key)
+        gate = held_ssd_reads(planner)
+        planner.advise("s9", other, expected_arrival_s=0.0)  # its fetch holds the queue
+        tokens = [*TURN1, 110, 111, 112, 113, 114, 115]
+        view = TokenView("r2", tokens, session="s1")
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) == 10
+        planner.test_blocks["r2"] = [1, 2, 3, 4]  # type: ignore[attr-defined]
+        planner.plan_load("r2", [1, 2, 3, 4], 10, len(tokens))
+        meta = planner.build_metadata([("r2", 14)])
+        fake_worker_saves(planner, meta.saves)
+        planner.step_done({meta.step}, set())
+        planner.advise("s1", tokens, expected_arrival_s=5.0)  # the next turn's, typed meanwhile
+        planner.checkpoint("r2", 14, [1, 2, 3, 4])  # preempted
+        meta = planner.build_metadata([])
+        fake_worker_saves(planner, meta.checkpoints)
+        planner.step_done({meta.step}, set())
+        assert planner.num_new_matched_tokens(TokenView("r2", [*tokens, 116], session="s1"),
+                                              0) == 14
+        advisory = planner.advisories.get("s1")
+        gate.set()
+        assert advisory is not None and advisory.handle is not None
+    finally:
+        planner.close()
+
+
+def test_a_turn_that_overtakes_its_advisorys_prefetch_is_counted_late(tmp_path: Path) -> None:
+    """The turn's admission stopped the prefetch and dropped its handle before the advisory
+    was used, so `advisories_late` never counted (its metric read 0 for good)."""
+    planner = restarted_planner(tmp_path, ssd_fetch_wait_s=0)  # the KV on SSD only
+    try:
+        gate = held_ssd_reads(planner)
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0)
+        view = TokenView("r2", [*TURN1, 110, 111], session="s1")
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) is None  # its prefetch still running
+        gate.set()
+        assert wait_for_admission(planner, view) == 10
+        stats = planner.stats()
+        assert (stats["advisories_used"], stats["advisories_late"]) == (1, 1), stats
+    finally:
+        planner.close()
+
+
+def test_a_checkpoint_whose_copies_failed_is_cut(tmp_path: Path) -> None:
+    """The worker fails a step whose checkpoint copies came too late (the forward pass had
+    begun): its slots were given up, but the preemption table still listed the chunks, and
+    `check_integrity` reported them in no tier."""
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        held, meta = preempt_after(planner, "be", [*TURN1, 110], [7, 8, 9], [10],
+                                   background=True)
+        assert held == 10 and meta.checkpoints
+        planner.step_done(set(), {meta.step})
+        assert planner.check_integrity() == []
+        assert planner.stats()["checkpoint_short_tokens"] == 2  # its tail, recomputed
     finally:
         planner.close()

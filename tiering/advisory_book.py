@@ -29,6 +29,7 @@ class Advisory:
     handle: PrefetchHandle | None  # its prefetch, None once retired or with nothing to fetch
     num_tokens: int  # context tokens the tiers held when it arrived
     reclaimed: bool = False  # its pins went to a running turn before the session spoke
+    overtaken: bool = False  # the turn came before its prefetch was done (`overtake`)
 
 
 class AdvisoryBook:
@@ -77,7 +78,7 @@ class AdvisoryBook:
         if advisory is not None and advisory.handle is not None \
                 and not advisory.handle.is_done:
             self._prefetcher.retire(advisory.handle)
-            advisory.handle = None
+            advisory.handle, advisory.overtaken = None, True
 
     def use(self, session: str) -> None:
         """A turn of `session` came: its advisory, if any, is used (counted, released)."""
@@ -91,6 +92,9 @@ class AdvisoryBook:
         self._store.clear_hint(advisory.session)
         if advisory.reclaimed:
             return  # its KV went back to the tiers below; the turn loaded what it needed
+        if advisory.overtaken:
+            c.advisories_late += 1  # (its prefetch was stopped when the turn came)
+            return
         handle = advisory.handle
         if handle is None:
             return  # nothing to prefetch: the tiers held nothing, or the host had no room

@@ -58,7 +58,7 @@ from antiphon.tiering.plan_state import (
     known_tokens,
 )
 from antiphon.tiering.preemption import PreemptionTable
-from antiphon.tiering.prefetch_queue import URGENT, PrefetchQueue
+from antiphon.tiering.prefetch_queue import BACKGROUND_URGENT, URGENT, PrefetchQueue
 from antiphon.tiering.retirement import TailRetirement
 from antiphon.tiering.tails import TailIndex
 
@@ -134,7 +134,9 @@ class TierPlanner:
             self.advisories.expire()
             st = self._requests.setdefault(view.request_id, RequestState(view))
             st.view = view
-            self.advisories.overtake(view.session or "")
+            if not st.advisory_settled:  # (a turn admitted again after a preemption: the
+                # session's advisory now is the next turn's, typed meanwhile)
+                self.advisories.overtake(view.session or "")
             if st.prefetch is not None and not st.prefetch.is_done:
                 return None
             checkpoint = self.preemption.get(view.request_id)
@@ -225,7 +227,8 @@ class TierPlanner:
                 # Whole chunks in order: the turn waits for all of it, so lower layers first
                 # would gain nothing, and would leave no chunk whole if other fetches took the
                 # host room meanwhile.
-                st.prefetch = self._prefetcher.submit(absent, URGENT, layer_first=False)
+                st.prefetch = self._prefetcher.submit(
+                    absent, BACKGROUND_URGENT if view.background else URGENT, layer_first=False)
                 if st.fetch_attempts > 1:
                     self.counters.fetch_retries += 1
                 return None
@@ -332,11 +335,14 @@ class TierPlanner:
                 self.counters.copy_steps_failed += step in failed_steps
                 for key in in_flight.pins:
                     self.host.unpin(key)
+                aborted: list[ChunkKey] = []  # (a checkpoint holding one is cut, as if evicted)
                 for key, durable, owner in in_flight.commits:
                     if self.erasure.drops(key.prefix_hash):
                         self.host.abort(key, erase=True)
+                        aborted.append(key)
                     elif step in failed_steps:
                         self.host.abort(key)
+                        aborted.append(key)
                     elif durable:
                         # Pinned until it is on SSD: published unpinned, a put from the
                         # prefetch thread could evict it first, and a checkpoint's only copy
@@ -348,6 +354,7 @@ class TierPlanner:
                                 self.host.unpin(key)
                     else:
                         self.host.commit(key)
+                self.preemption.note_evicted(aborted)
             if not self.has_commits_pending():
                 self.erasure.settle()
             self.retirement.step_done()

@@ -1,15 +1,18 @@
 """One background thread that runs prefetches in order of need, not of arrival.
 
-A turn waiting in the engine goes first, also ahead of an advisory's prefetch already running
-(which stops between keys and goes on after it); advisories follow in order of their expected
+A chat turn waiting in the engine goes first, then a best-effort turn (a batch item restoring
+its checkpoint), each also ahead of a prefetch of lower rank already running (which stops
+between keys and goes on after it); advisories follow in order of their expected
 arrival (Symphony: the session expected soonest gets the bandwidth first). Each prefetch
 copies its keys lowest layer first (`PrefetchHandle`).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -18,7 +21,10 @@ from antiphon.tiering.keys import ChunkKey
 from antiphon.tiering.prefetch import PrefetchHandle
 from antiphon.tiering.tier import Tier
 
-URGENT = float("-inf")  # the `due` of a prefetch a scheduled turn is waiting for
+URGENT = float("-inf")  # the `due` of a prefetch a scheduled chat turn is waiting for
+# That of one a best-effort turn waits for (a batch item's restore): after every chat turn's,
+# before every advisory's.
+BACKGROUND_URGENT = -sys.float_info.max
 
 
 class PrefetchQueue:
@@ -103,8 +109,9 @@ class PrefetchQueue:
                     return
                 due, seq, handle = heapq.heappop(self._heap)
             # A turn's fetch does not wait for an advisory's (a long context's thousands of
-            # chunk-layers): the advisory stops between keys and goes on after it.
-            if not handle.run(None if due == URGENT else self._urgent_waiting):
+            # chunk-layers), nor a chat turn's for a batch item's restore: the one running
+            # stops between keys and goes on after it.
+            if not handle.run(None if due == URGENT else functools.partial(self._overtaken, due)):
                 with self._cond:
                     if not self._closed:
                         heapq.heappush(self._heap, (due, seq, handle))
@@ -115,6 +122,8 @@ class PrefetchQueue:
             # planner's next call (an idle engine makes none).
             self.reap()
 
-    def _urgent_waiting(self) -> bool:
+    def _overtaken(self, due: float) -> bool:
+        """A turn's fetch that goes before the prefetch running, due at `due`, is waiting."""
         with self._cond:
-            return bool(self._heap) and self._heap[0][0] == URGENT
+            return bool(self._heap) and self._heap[0][0] <= BACKGROUND_URGENT \
+                and self._heap[0][0] < due
