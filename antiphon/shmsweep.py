@@ -83,14 +83,23 @@ class EngineSegments:
 
     def remember(self, before: set[str]) -> None:
         """Record the segments that appeared since `before` (taken before the engine
-        started), written atomically."""
+        started), written atomically. A record that cannot be written (a full disk) is
+        logged, not raised: the server serves without it (a kill then leaves the segments
+        for the operator to remove)."""
         present = self.names()
         new = sorted((present - before) | (self._still_mapped & present))
         tmp = self.record.with_suffix(".tmp")
-        tmp.unlink(missing_ok=True)
-        with os.fdopen(open_private(tmp), "w") as f:
-            f.write(json.dumps({"pid": os.getpid(), "segments": new}))
-        os.replace(tmp, self.record)
+        try:
+            tmp.unlink(missing_ok=True)
+            with os.fdopen(open_private(tmp), "w") as f:
+                f.write(json.dumps({"pid": os.getpid(), "segments": new}))
+            os.replace(tmp, self.record)
+        except OSError as exc:
+            logger.warning("could not record the engine's shared memory in %s (%s): a kill "
+                           "of this server would leave %s in %s", self.record, exc,
+                           ", ".join(new) or "none", self.shm_dir)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
     def forget(self) -> None:
         """A clean shutdown: the engine unlinked its own segments."""

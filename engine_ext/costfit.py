@@ -211,8 +211,12 @@ def save_fit(fit: CostFit, path: Path) -> None:
     """Write `fit` to `path` atomically (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(fit.to_json(), indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(fit.to_json(), indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # (a full disk: no part file left behind)
+        raise
 
 
 def read_fit(path: Path) -> CostFit:

@@ -253,8 +253,12 @@ async def prepare_cost_model(engine: VllmEngine) -> CostFit | None:
         finally:  # served traffic starts from clean tiers and counters
             await engine.forget_profiling(ran)
         if is_storable(fit):
-            save_fit(fit, path)
-            logger.info("Cost-model fit stored in %s", path)
+            try:
+                save_fit(fit, path)
+                logger.info("Cost-model fit stored in %s", path)
+            except OSError as exc:  # (a read-only or full cache: serve with it all the same)
+                logger.warning("Cost-model fit not stored in %s (%s): used for this run, and "
+                               "the next start profiles again", path, exc)
         else:  # this engine's own measurements, for this run only
             logger.warning("Cost-model fit from %d steps, fewer than %d: used, not stored",
                            fit.num_steps, MIN_STORED_FIT_STEPS)

@@ -50,19 +50,20 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
             ctx.store.close()
             ctx.batch_store.close()
             return
-        segments.remember(before)
-        await ctx.batches.start()
-        ctx.turns.eraser.start()
-        sampler = asyncio.create_task(ctx.dashboard.run())
-        watchdog = asyncio.create_task(watch_engine(ctx))
-        ctx.is_ready = True
-        logger.info("Antiphon serving %s on http://%s:%d", engine.model_name,
-                    config.server.host, config.server.port)
-        try:
+        tasks: list[asyncio.Task[None]] = []
+        try:  # (from here on, whatever fails, the engine started is stopped)
+            segments.remember(before)
+            await ctx.batches.start()
+            ctx.turns.eraser.start()
+            tasks += [asyncio.create_task(ctx.dashboard.run()),
+                      asyncio.create_task(watch_engine(ctx))]
+            ctx.is_ready = True
+            logger.info("Antiphon serving %s on http://%s:%d", engine.model_name,
+                        config.server.host, config.server.port)
             yield
         finally:
             ctx.is_ready = False
-            for task in (sampler, watchdog):
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -229,8 +230,12 @@ class DrainingServer(uvicorn.Server):
             timeout_s = ctx.config.server.drain_timeout_s
             logger.info("shutting down: waiting up to %.0f s for the replies streaming now",
                         timeout_s)
-            left = await ctx.chat.drain(timeout_s)
-            if left:
+            left = await self._unless_forced(ctx.chat.drain(timeout_s))
+            if left is None:  # a second Ctrl-C: the replies streaming are cut short now
+                logger.warning("second stop: the replies streaming are cut short")
+                ctx.chat.cut_short.set()
+                await ctx.chat.wait_for_replies(CUT_SHORT_WAIT_S)  # (each kept, as below)
+            elif left:
                 logger.warning("%d replies still streaming after %.0f s are cut short", left,
                                timeout_s)
                 # each kept as it is, and a websocket turn's `done` sent, before uvicorn
@@ -238,6 +243,18 @@ class DrainingServer(uvicorn.Server):
                 await ctx.chat.wait_for_replies(CUT_SHORT_WAIT_S)
         self._mark_closing_websockets()  # no await from here to uvicorn's loop over them
         await super().shutdown(sockets)
+        if self.force_exit:  # uvicorn skips the app's own shutdown then: the engine, the
+            await self.lifespan.shutdown()  # stores and the batch runner stop all the same
+
+    async def _unless_forced(self, draining: Awaitable[int]) -> int | None:
+        """`draining`'s result, or None once a second Ctrl-C asks to stop waiting."""
+        task = asyncio.ensure_future(draining)
+        while not self.force_exit:
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if done:
+                return task.result()
+        task.cancel()
+        return None
 
     def _mark_closing_websockets(self) -> None:
         """uvicorn's shutdown sends a close (1012) on every websocket, and its websockets

@@ -95,6 +95,24 @@ async def test_stored_without_a_fit_keeps_the_prior(cache: Path,
     assert engine.installed == [] and profiled == []
 
 
+async def test_a_fit_the_cache_cannot_keep_is_still_installed(
+        cache: Path, profiled: list[CostFit], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only or full cache folder: the fit profiled at start failed to save, and the
+    start failed with it, after minutes of profiling, again at every restart."""
+    from antiphon.engine_ext import costfit
+
+    def full(self: Path, data: str, *args: Any, **kwargs: Any) -> int:
+        Path.write_bytes(self, data[:10].encode())  # (part of it lands)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(costfit.Path, "write_text", full)
+    engine = StandInEngine("auto")
+    fit = await prepare_cost_model(engine)  # type: ignore[arg-type]
+    assert fit is not None and engine.installed == [
+        ("hygen", fit.coefficients, fit.heldout_mape)]
+    assert [p.name for p in cache.rglob("*") if p.is_file()] == []  # no part file left
+
+
 @pytest.mark.parametrize("existing", [None, "{corrupt", "other machine"])
 async def test_auto_profiles_stores_and_installs_when_no_usable_fit_is_stored(
         cache: Path, profiled: list[CostFit], existing: str | None) -> None:

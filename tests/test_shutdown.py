@@ -297,3 +297,69 @@ def multiprocessing_children() -> list[str]:
     import multiprocessing
 
     return [p.name for p in multiprocessing.active_children()]
+
+
+def test_a_failure_after_the_engine_started_stops_the_engine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What runs after the engine's start (the shared-memory record, the batch runner) failed
+    outside the lifespan's cleanup: the start failed with the engine left running. A record
+    the disk cannot take no longer fails it at all."""
+    import errno
+
+    from antiphon import shmsweep
+    from antiphon.bench.serverproc import free_port
+
+    def full(path: Path) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(shmsweep, "open_private", full)
+    config = scripted_config(tmp_path)
+    engine = ScriptedEngine()
+    app = create_app(config, engine)
+    ctx = app.state.ctx
+
+    async def broken_start() -> None:
+        assert engine._is_running  # (the shared-memory record's failure did not stop it)
+        raise RuntimeError("the batch runner could not start")
+
+    monkeypatch.setattr(ctx.batches, "start", broken_start)
+    server = DrainingServer(app, log_level="critical",
+                            **{**config.server.uvicorn_options(), "port": free_port()})
+    with pytest.raises(SystemExit):
+        server.run()
+    assert not engine._is_running
+
+
+async def test_a_second_ctrl_c_cuts_the_drain_short_and_still_stops_cleanly(
+        tmp_path: Path) -> None:
+    """A second Ctrl-C during the drain neither shortened it (the server waited the whole
+    --drain-timeout-s) nor let the app shut down: uvicorn skips the lifespan's end once told
+    to force its exit, so the engine and stores were never stopped."""
+    from antiphon.bench.serverproc import free_port
+
+    config = scripted_config(tmp_path, drain_timeout_s=30)
+    engine = ScriptedEngine(token_delay_s=0.2)
+    port = free_port()
+    app = create_app(config, engine)
+    server = DrainingServer(app, log_level="critical",
+                            **{**config.server.uvicorn_options(), "port": port})
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        await asyncio.sleep(0.05)
+    async with connect(f"ws://127.0.0.1:{port}/v1/ws") as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="w " * 200)
+        await recv_until(ws, "token")
+        started = time.monotonic()
+        server.handle_exit(signal.SIGINT, None)
+        await asyncio.sleep(0.5)
+        server.handle_exit(signal.SIGINT, None)
+        done = (await recv_until(ws, "done"))[-1]
+        await asyncio.to_thread(thread.join, 20)
+    assert not thread.is_alive() and time.monotonic() - started < 10
+    assert done["finish_reason"] == "cancelled"
+    assert not engine._is_running  # the app's own shutdown ran
+    with sqlite3.connect(tmp_path / "sessions.sqlite3") as db:
+        roles = [r[0] for r in db.execute("SELECT role FROM messages ORDER BY seq")]
+    assert roles == ["user", "assistant"]  # the reply cut short is kept
