@@ -292,6 +292,23 @@ def test_bros_keeps_a_late_turn_ahead_of_newer_ones() -> None:
     assert plan.order == ["old", "new"]
 
 
+@pytest.mark.parametrize("name", ["bros", "hygen"])
+def test_a_chunked_admission_preempts_for_the_whole_prompt(name: str) -> None:
+    """vLLM admits a waiting request only where its whole sequence fits the free pages
+    (`scheduler_reserve_full_isl`, on by default): planned with its first chunk's pages
+    alone, a 30-page turn with 20 pages free was refused by vLLM step after step while the BE
+    work holding 18 ran on."""
+    cost = CostModel("hygen", {"prefill_token_s": 1e-3, "decode_request_s": 0.01,
+                               "intercept_s": 0.02})
+    streams = [decoding(f"d{i}", first_token_s=99.95, arrival=98.0) for i in range(4)]
+    bes = [view(f"be{i}", BE, prompt=80, computed=84, output=5, running=True) for i in range(3)]
+    turn = view("turn", prompt=16 * 30, arrival=99.9, ttft_slo_s=3.0)
+    plan = make_policy(name, cost).plan([*streams, *bes, turn], budget(now=100.0,
+                                                                        free_pages=20))
+    assert "turn" in plan.order
+    assert 20 + 6 * len(plan.preempt) >= 30, plan  # each BE request frees its 6 pages
+
+
 def test_a_turn_waiting_for_pages_is_not_overtaken_by_smaller_ones() -> None:
     # 2 free pages: "follow_up" (earliest deadline) needs 5, "fresh" 1. Fresh would take the
     # page the follow-up waits for; the running decode still runs.

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from antiphon.engine_ext.costforms import BrosForm, EchoForm
 from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.policies import POLICIES, make_policy, policy_class
-from antiphon.engine_ext.policies.base import new_pages
+from antiphon.engine_ext.policies.base import admission_pages, new_pages
 from antiphon.engine_ext.policies.echo import EchoPolicy
 from antiphon.engine_ext.policies.hygen import HygenPolicy
 from antiphon.engine_ext.policies.larry import LarryPolicy
@@ -478,9 +478,11 @@ def scenarios(draw: st.DrawFn) -> tuple[list[RequestView], StepBudget, CostModel
 
 
 def could_run(v: RequestView, step: StepBudget) -> bool:
-    """`v` could compute its next chunk in free pages, preempting nothing."""
+    """`v` could compute its next chunk in free pages, preempting nothing, as vLLM admits it
+    (a waiting request's whole sequence must fit)."""
     chunk = min(v.num_new_tokens, step.max_num_tokens)
-    return new_pages(v, chunk, step.page_tokens) <= step.num_free_pages
+    pages = new_pages(v, chunk, step.page_tokens)
+    return admission_pages(v, pages, step.page_tokens) <= step.num_free_pages
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

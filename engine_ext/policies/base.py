@@ -43,3 +43,12 @@ def new_pages(view: RequestView, num_new_tokens: int, page_tokens: int) -> int:
     """KV pages `view` must allocate to compute `num_new_tokens` more tokens."""
     return (pages_for(view.num_computed_tokens + num_new_tokens, page_tokens)
             - held_pages(view, page_tokens))
+
+
+def admission_pages(view: RequestView, pages: int, page_tokens: int) -> int:
+    """Free pages vLLM needs to run `view` with a chunk of `pages` new pages: a waiting
+    request is admitted only where its whole sequence fits (`scheduler_reserve_full_isl`,
+    on by default), not its first chunk alone; a running one needs its chunk's."""
+    if view.is_running:
+        return pages
+    return max(pages, new_pages(view, view.num_new_tokens, page_tokens))

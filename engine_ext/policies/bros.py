@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from antiphon.engine_ext.costmodel import CostModel, StepShape
-from antiphon.engine_ext.policies.base import Policy, new_pages
+from antiphon.engine_ext.policies.base import Policy, admission_pages, new_pages
 from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims, preempt, ttft_floor
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
@@ -122,7 +122,8 @@ class BrosPolicy(Policy):
             pages = new_pages(view, new, budget.page_tokens)
             if not view.is_running and is_admission_blocked:
                 continue
-            if pages > batch.pages_left + victims.num_pages:
+            needed = admission_pages(view, pages, budget.page_tokens)
+            if needed > batch.pages_left + victims.num_pages:
                 if not self.block_preemption and view.is_running:
                     preempt(view, batch, plan)
                     continue
@@ -134,7 +135,7 @@ class BrosPolicy(Policy):
                 is_admission_blocked = is_admission_blocked or (
                     not view.is_running and can_pages_free)
                 continue
-            victims.take_until(pages, batch, plan)
+            victims.take_until(needed, batch, plan)
             batch.add(view, new, pages)
 
         be_time = be_time_s(rts, now)

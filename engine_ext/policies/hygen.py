@@ -36,7 +36,7 @@ import math
 from collections.abc import Sequence
 
 from antiphon.engine_ext.costmodel import CostModel
-from antiphon.engine_ext.policies.base import Policy, new_pages
+from antiphon.engine_ext.policies.base import Policy, admission_pages, new_pages
 from antiphon.engine_ext.policies.prefix import ResidentPrefixes, dfs_order
 from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims, ttft_floor
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
@@ -123,10 +123,17 @@ class HygenPolicy(Policy):
             floor = max(self.min_prefill_tokens if i == 0 else 0,
                         ttft_floor(view, batch, limit_s, now_s))
             chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s, min_tokens=floor)
-            while is_short_of_pages and victims:
+            needed = admission_pages(view, pages, batch.page_tokens)
+            # vLLM admits a waiting request only where its whole sequence fits: where it would
+            # not even with every BE request preempted, none is, and it waits for pages
+            admissible = needed <= batch.pages_left + victims.num_pages
+            while admissible and (is_short_of_pages or needed > batch.pages_left) and victims:
                 victims.take_one(batch, plan)
                 chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s,
                                                                   min_tokens=floor)
+                needed = admission_pages(view, pages, batch.page_tokens)
+            if needed > batch.pages_left:
+                chunk = 0
             if chunk > 0:
                 batch.add(view, chunk, pages)
             elif batch.ids:
