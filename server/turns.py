@@ -294,8 +294,10 @@ class SessionTurns:
                 role, messages = "user", [(msg.content, count(msg.content), None)]
                 title = None if seen.history else title_from(msg.content) or None
             else:  # a regenerate adds no message: the window moves with its reply, if the
-                # engine takes the turn and it has one (a refused turn changes nothing)
+                # engine takes the turn and it has one (a refused turn changes nothing, and
+                # one stopped before its first token keeps the old reply and window)
                 gen.window_moves_to = window
+                gen.context_start = start  # (until the reply is committed)
                 return gen
             gen.committed_undo = await asyncio.to_thread(
                 self.store.add_turn_messages, msg.session_id, role, messages, title, window)
@@ -543,6 +545,8 @@ class SessionTurns:
                                 gen.num_output_tokens, finish_reason, context,
                                 replaces_reply=gen.replaces_reply, tool_calls=tool_calls,
                                 window=gen.window_moves_to)
+        if gen.window_moves_to is not None:
+            gen.context_start = gen.window_moves_to  # (what `done` reports)
 
 
 class Seen(NamedTuple):

@@ -206,7 +206,7 @@ async def test_a_refused_regenerate_leaves_the_sessions_window_where_it_was(
     before = (ctx.store.window_start(sid), ctx.store.context(sid))
     engine.refuse = True
     gen = await accept(ctx, sid, "regenerate", max_tokens=250)
-    assert gen.context_start > before[0]  # the turn's window leaves messages out
+    assert (gen.window_moves_to or 0) > before[0]  # the turn's window leaves messages out
     frames = await run(ctx, sid, gen)
     assert [(f["type"], f.get("code")) for f in frames] == [("error", "bad_message")]
     assert (ctx.store.window_start(sid), ctx.store.context(sid)) == before
@@ -219,8 +219,8 @@ async def test_a_regenerate_that_leaves_messages_out_moves_the_window_with_its_r
     ctx = build(tmp_path, engine, max_tokens_limit=300, default_max_tokens=20)
     sid = await long_session(ctx, engine)
     gen = await accept(ctx, sid, "regenerate", max_tokens=250)
-    start = gen.context_start
-    assert ctx.store.window_start(sid) < start  # not moved before the reply
+    start = gen.window_moves_to
+    assert start is not None and ctx.store.window_start(sid) < start  # not moved before it
     frames = await run(ctx, sid, gen)
     assert frames[-1]["type"] == "done" and frames[-1]["context_start"] == start
     assert ctx.store.window_start(sid) == start
