@@ -4,7 +4,6 @@ held is still found: the KV connector's scheduler side without vLLM, as in test_
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -241,9 +240,9 @@ def test_a_tail_an_advisory_holds_leaves_host_ram_once_let_go(planner: TierPlann
     fake_worker_saves(planner, meta.saves)
     planner.step_done({meta.step}, set())
     assert planner.advise("s1", [*FIRST, 111], None) == 10  # typing: the old tail, pinned
-    deadline = time.monotonic() + 10
-    while any(not planner.host.contains(key) for key in old_tail) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    advisory = planner.advisories.get("s1")  # pinned once its prefetch is done (the tail is in
+    # host RAM already: waiting for it to be there raced the prefetch thread's pin)
+    assert advisory is not None and advisory.handle is not None and advisory.handle.wait(10)
     tokens.append(200)  # a decode step fills chunk 2, which covers the old tail
     meta = planner.build_metadata([("r2", 12)])
     fake_worker_saves(planner, meta.saves)
