@@ -590,6 +590,8 @@ client.addEventListener("close", (ev) => {
     }
     finishEntry(rid, { cls: "failed", note: "Connection lost before the reply finished." });
   }
+  // A rename or deletion in flight is answered on this socket or not at all.
+  state.sessionOps.clear();
   refreshControls();
 });
 
