@@ -386,3 +386,21 @@ def test_bros_tries_the_rt_requests_behind_an_on_time_decode_that_does_not_fit()
     plan = make_policy("bros", cost).plan([urgent, long_context, turn, view("doc", BE, prompt=500)],
                                           budget(now=now))
     assert plan.order[:2] == ["urgent", "turn"] and "long" not in plan.order
+
+
+@pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
+def test_rt_takes_pages_only_be_requests_share(name: str) -> None:
+    # Two batch items over one 4-page document hold 5 pages each, 4 of them shared: preempting
+    # both frees 6 pages, though each alone frees 1. A turn needing 4 pages, 1 free, gets in.
+    doc = [bytes([i]) for i in range(4)]
+    items = [view(f"b{i}", BE, prompt=66, computed=67, output=2, running=True,
+                  num_shared_pages=4, prefix_page_hashes=doc) for i in (1, 2)]
+    plan = make_policy(name, constant_cost(0.01)).plan([*items, view("r", prompt=56)],
+                                                       budget(free_pages=1))
+    assert "r" in plan.order and sorted(plan.preempt) == ["b1", "b2"], plan
+    # A running turn sharing the document keeps those pages: preempting both items frees 2.
+    turn = view("t", prompt=66, computed=66, output=1, running=True, num_shared_pages=4,
+                prefix_page_hashes=doc)
+    plan = make_policy(name, constant_cost(0.01)).plan([*items, turn, view("r", prompt=56)],
+                                                       budget(free_pages=1))
+    assert "r" not in plan.order and plan.preempt == [], plan

@@ -134,7 +134,8 @@ class EchoPolicy(Policy):
                 plan: StepPlan) -> None:
         """Step 1: RT requests in FCFS order, evicting the cheapest running BE for pages."""
         victims = Victims(sorted((v for v in bes if v.is_running),
-                                 key=lambda v: v.num_computed_tokens), batch.page_tokens)
+                                 key=lambda v: v.num_computed_tokens), batch.page_tokens,
+                          kept=rts)
         for view in rts:
             if batch.is_full:
                 return

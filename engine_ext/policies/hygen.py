@@ -70,7 +70,7 @@ class HygenPolicy(Policy):
         # Running BE requests RT may take pages from: the least important, newest first.
         victims = Victims(sorted((v for v in bes if v.is_running),
                                  key=lambda v: (v.priority, v.arrival_s), reverse=True),
-                          budget.page_tokens)
+                          budget.page_tokens, kept=rts)
         be_decodes = [v for v in bes if v.is_running and not v.is_prefill]
         self._online_phase(rts, batch, limit_s, victims, plan, budget.now_s, be_decodes)
         preempted = set(plan.preempt)

@@ -6,8 +6,9 @@ cost-model call, not a walk over the batch.
 
 from __future__ import annotations
 
+import collections
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.policies.base import freed_pages, held_pages, pages_for
@@ -116,24 +117,49 @@ def ttft_floor(view: RequestView, batch: StepBatch, limit_s: float, now_s: float
 
 
 class Victims:
-    """Running BE requests whose pages RT requests may take, in the order they are taken."""
+    """Running BE requests whose pages RT requests may take, in the order they are taken.
 
-    def __init__(self, views: Iterable[RequestView], page_tokens: int) -> None:
+    A page that only victims share (one document's batch items) frees when the last of them
+    goes: counted once, then (without it, a turn that needed those pages waited while the
+    items holding them ran on). Requests in `kept` (running RT ones) keep what they share."""
+
+    def __init__(self, views: Iterable[RequestView], page_tokens: int,
+                 kept: Iterable[RequestView] = ()) -> None:
         self._stack = list(views)[::-1]  # pop() takes the next victim
-        self.num_pages = sum(freed_pages(v, page_tokens) for v in self._stack)
+        held = {h for v in kept if v.is_running for h in _shared_hashes(v)}
+        # shared pages no kept request holds: how many victims hold each
+        self._holders = collections.Counter(
+            h for v in self._stack for h in _shared_hashes(v) if h not in held)
+        self.num_pages = sum(freed_pages(v, page_tokens) for v in self._stack) + len(
+            self._holders)
 
     def __bool__(self) -> bool:
         return bool(self._stack)
 
     def take_one(self, batch: StepBatch, plan: StepPlan) -> None:
         """Preempt the next victim: its pages go to `batch`, its id to `plan.preempt`."""
-        self.num_pages -= preempt(self._stack.pop(), batch, plan)
+        view = self._stack.pop()
+        freed = preempt(view, batch, plan)
+        for h in _shared_hashes(view):
+            if h in self._holders:
+                self._holders[h] -= 1
+                if not self._holders[h]:  # its last holder: the page frees
+                    del self._holders[h]
+                    batch.pages_left += 1
+                    freed += 1
+        self.num_pages -= freed
 
     def take_until(self, num_pages: int, batch: StepBatch, plan: StepPlan) -> bool:
         """Take victims until `batch` has `num_pages` free; False if they run out first."""
         while num_pages > batch.pages_left and self._stack:
             self.take_one(batch, plan)
         return num_pages <= batch.pages_left
+
+
+def _shared_hashes(view: RequestView) -> Sequence[bytes]:
+    """The page hashes of the pages running `view` shares with other running requests (its
+    leading ones); fewer where the view carries no hashes (those pages are not counted)."""
+    return view.prefix_page_hashes[:view.num_shared_pages]
 
 
 def preempt(view: RequestView, batch: StepBatch, plan: StepPlan) -> int:
