@@ -404,3 +404,47 @@ def test_rt_takes_pages_only_be_requests_share(name: str) -> None:
     plan = make_policy(name, constant_cost(0.01)).plan([*items, turn, view("r", prompt=56)],
                                                        budget(free_pages=1))
     assert "r" not in plan.order and plan.preempt == [], plan
+
+
+@pytest.mark.parametrize("name", ["bros", "echo", "hygen"])
+def test_running_rt_prefill_takes_the_chunk_the_pages_allow(name: str) -> None:
+    # Two turns mid-prefill need 5 more pages each; 1 page is free and a decoding batch item
+    # holds 3. Left out for want of all 5, they waited while the item, needing no new page,
+    # ran every step (the engine never stalled, so vLLM's own preemption never came).
+    turns = [view(t, prompt=200, computed=128, running=True, arrival=i * 0.1)
+             for i, t in enumerate("AB")]
+    item = view("C", BE, prompt=32, computed=36, output=5, running=True)
+    plan = make_policy(name, constant_cost(0.01)).plan([*turns, item], budget(free_pages=1))
+    assert plan.order[:1] == ["A"] and plan.preempt == ["C"], plan
+    assert plan.token_limits["A"] == 4 * PAGE, plan
+
+
+def test_echo_admits_a_turn_only_where_its_whole_prompt_fits() -> None:
+    # A 3,000-token prompt (188 pages) under a 2,048-token step budget: its first chunk needs
+    # 128 pages, but vLLM admits it only with all 188 free (`scheduler_reserve_full_isl`).
+    items = [view(f"b{i}", BE, prompt=16 * 30, computed=16 * 30 + 1, output=2, running=True)
+             for i in range(2)]
+    tight = StepBudget(now_s=0.0, max_num_seqs=64, max_num_tokens=2048, num_free_pages=130,
+                       page_tokens=PAGE)
+    turn = view("r", prompt=3000)
+    plan = make_policy("echo", constant_cost(0.01)).plan([*items, turn], tight)
+    assert "r" in plan.order and len(plan.preempt) == 2, plan  # 130 + 2 * 31 >= 188
+    plan = make_policy("echo", constant_cost(0.01)).plan([items[0], turn], tight)
+    assert "r" not in plan.order and plan.preempt == [], plan  # 161 < 188: no item preempted
+
+
+def test_hygen_seats_a_late_long_context_decode_past_the_budget() -> None:
+    # 20 ms a step, 15 ms a decode, 1 us a context token; L = TPOT = 0.1 s. Four streams fill
+    # 80 ms; a 9,000-token stream's decode (24 ms) does not fit beside them, a short BE
+    # decode (15 ms) does. Left out every step, the long stream waited for the four to end.
+    cost = CostModel("hygen", {"intercept_s": 0.02, "decode_request_s": 0.015,
+                               "decode_context_s": 1e-6})
+    streams = [view(f"rt{i}", prompt=32, computed=40, output=9, running=True,
+                    arrival=90.0 + i, first_token_s=99.95) for i in range(4)]
+    long_one = view("long", prompt=9000, computed=9010, output=11, running=True,
+                    arrival=95.0, first_token_s=99.0)  # its next token was due at 100.1
+    item = view("be", BE, prompt=32, computed=36, output=5, running=True)
+    plan = make_policy("hygen", cost).plan([*streams, long_one, item], budget(now=99.5))
+    assert "long" not in plan.order and "be" in plan.order, plan  # 0.6 s to go: it waits
+    plan = make_policy("hygen", cost).plan([*streams, long_one, item], budget(now=100.2))
+    assert "long" in plan.order and "be" not in plan.order, plan  # late: it goes in

@@ -3,6 +3,7 @@ request views, no engine, no torch."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import math
@@ -469,12 +470,27 @@ def request_views(draw: st.DrawFn, index: int) -> RequestView:
 
 @st.composite
 def scenarios(draw: st.DrawFn) -> tuple[list[RequestView], StepBudget, CostModel]:
-    views = [draw(request_views(i)) for i in range(draw(st.integers(0, 12)))]
+    views = with_shared_pages([draw(request_views(i)) for i in range(draw(st.integers(0, 12)))])
     step = StepBudget(now_s=draw(st.floats(0.0, 12.0)), max_num_seqs=draw(st.integers(1, 8)),
                       max_num_tokens=draw(st.integers(1, 300)),
                       num_free_pages=draw(st.integers(0, 40)), page_tokens=PAGE,
                       max_be_step_s=draw(st.sampled_from([math.inf, 0.5, 0.02])))
     return views, step, CostModel(*draw(st.sampled_from(COSTS)))
+
+
+def with_shared_pages(views: list[RequestView]) -> list[RequestView]:
+    """`views` with each running one's `num_shared_pages` as the scheduler counts them: its
+    leading pages another running request holds too (equal hashes: the same page)."""
+    def held(v: RequestView) -> tuple[bytes, ...]:
+        return tuple(v.prefix_page_hashes[:v.num_computed_tokens // PAGE])
+    holders = collections.Counter(h for v in views if v.is_running for h in held(v))
+    out = []
+    for v in views:
+        if v.is_running:
+            shared = next((i for i, h in enumerate(held(v)) if holders[h] < 2), len(held(v)))
+            v = dataclasses.replace(v, num_shared_pages=shared)
+        out.append(v)
+    return out
 
 
 def could_run(v: RequestView, step: StepBudget) -> bool:

@@ -45,6 +45,13 @@ def new_pages(view: RequestView, num_new_tokens: int, page_tokens: int) -> int:
             - held_pages(view, page_tokens))
 
 
+def tokens_within_pages(view: RequestView, num_new_tokens: int, num_pages: int,
+                        page_tokens: int) -> int:
+    """The most of `num_new_tokens` running `view` can compute with `num_pages` new pages."""
+    fit = (held_pages(view, page_tokens) + num_pages) * page_tokens - view.num_computed_tokens
+    return max(0, min(num_new_tokens, fit))
+
+
 def admission_pages(view: RequestView, pages: int, page_tokens: int) -> int:
     """Free pages vLLM needs to run `view` with a chunk of `pages` new pages: a waiting
     request is admitted only where its whole sequence fits (`scheduler_reserve_full_isl`,

@@ -32,7 +32,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from antiphon.engine_ext.costmodel import CostModel, StepShape
-from antiphon.engine_ext.policies.base import Policy, admission_pages, new_pages
+from antiphon.engine_ext.policies.base import (
+    Policy,
+    admission_pages,
+    new_pages,
+    tokens_within_pages,
+)
 from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims, preempt, ttft_floor
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
@@ -123,7 +128,14 @@ class BrosPolicy(Policy):
             if not view.is_running and is_admission_blocked:
                 continue
             needed = admission_pages(view, pages, budget.page_tokens)
-            if needed > batch.pages_left + victims.num_pages:
+            if needed > batch.pages_left + victims.num_pages and self.block_preemption \
+                    and view.is_running and view.is_prefill:
+                # A running prefill computes the chunk the pages allow (not in the paper):
+                # left out, it waited while BE work that needed no new page ran every step.
+                new = tokens_within_pages(view, new, batch.pages_left + victims.num_pages,
+                                          budget.page_tokens)
+                pages = needed = new_pages(view, new, budget.page_tokens)
+            if new <= 0 or needed > batch.pages_left + victims.num_pages:
                 if not self.block_preemption and view.is_running:
                     preempt(view, batch, plan)
                     continue

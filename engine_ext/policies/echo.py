@@ -39,7 +39,13 @@ import math
 from collections.abc import Sequence
 
 from antiphon.engine_ext.costmodel import CostModel
-from antiphon.engine_ext.policies.base import Policy, new_pages, pages_for
+from antiphon.engine_ext.policies.base import (
+    Policy,
+    admission_pages,
+    new_pages,
+    pages_for,
+    tokens_within_pages,
+)
 from antiphon.engine_ext.policies.prefix import ResidentPrefixes
 from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
@@ -141,11 +147,19 @@ class EchoPolicy(Policy):
                 return
             new = min(view.num_new_tokens, batch.tokens_left)
             pages = new_pages(view, new, batch.page_tokens)
-            if pages > batch.pages_left + victims.num_pages:  # evicting all BE would not do
+            # vLLM admits a waiting request only where its whole sequence fits
+            needed = admission_pages(view, pages, batch.page_tokens)
+            available = batch.pages_left + victims.num_pages
+            if needed > available and view.is_running and view.is_prefill:
+                # a running prefill computes the chunk the pages allow (left out, it waited
+                # while BE work that needed no new page ran every step)
+                new = tokens_within_pages(view, new, available, batch.page_tokens)
+                pages = needed = new_pages(view, new, batch.page_tokens)
+            if new <= 0 or needed > available:  # evicting all BE would not do
                 if not view.is_running and batch.ids:
                     return  # FCFS: a waiting RT request that cannot start holds those behind
                 continue
-            victims.take_until(pages, batch, plan)
+            victims.take_until(needed, batch, plan)
             batch.add(view, new, pages)
 
     def _add_be(self, candidates: list[RequestView], batch: StepBatch, rt_slacks: list[float],

@@ -4,7 +4,7 @@ Each step has one latency budget `L`: a profiled `latency_budget_s`, or else the
 among RT requests times `budget_fraction` (no RT request: no time limit). The cost model
 predicts the step as it grows.
 1. Online phase (Algorithm 1), RT requests in arrival order: running decodes join while the step
-   stays within `L`; then prefills (running, then waiting) each get the largest chunk within `L`,
+   stays within `L` (a late one past it, not in the paper); then prefills (running, then waiting) each get the largest chunk within `L`,
    the token budget and memory (`get_max_prefill`), but at least the chunk that still meets its
    TTFT (`ttft_floor`, not in the paper). An RT request short of pages takes them from
    running BE requests, least important (highest `priority`) and newest first. A prefill that
@@ -102,8 +102,12 @@ class HygenPolicy(Policy):
         for view in (v for v in rts if v.is_running and not v.is_prefill):
             if batch.is_full:
                 return
-            if batch.ids and batch.time_s(1, view.num_computed_tokens + 1, False) > limit_s:
-                continue
+            if batch.ids and batch.time_s(1, view.num_computed_tokens + 1, False) > limit_s \
+                    and view.slack_s(now_s) > 0:
+                continue  # it can wait a step
+            # A decode already late goes in past `L` (not in the paper): a long context's
+            # decode that never fit beside the streams before it waited for all of them to
+            # finish, while shorter BE decodes took the time it could not.
             pages = new_pages(view, 1, page_tokens)
             if victims.take_until(pages, batch, plan):
                 batch.add(view, 1, pages)
