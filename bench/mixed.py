@@ -37,19 +37,29 @@ from antiphon.bench.workload import (
 from antiphon.quantiles import percentile_of_sorted
 
 POLICIES = ("fcfs", "priority", "bros", "hygen", "echo")
+# The stock baselines run on stock vLLM's memory management too: a preempted request
+# recomputes, and KV lives only in the device's prefix cache (with Antiphon's, fcfs's BE work
+# was checkpointed to host RAM, and its write-through cost was in the baseline's figures).
+STOCK_POLICIES = ("fcfs", "priority")
+STOCK_MEMORY = ["--no-biblocks", "--no-kv-tiering"]
 # Printed per run when a benchmark repeats its systems.
 KEY_METRICS = ("rt_ttft_slo_attainment", "rt_tpot_slo_attainment", "rt_normalized_latency_s",
                "rt_failed", "be_tokens_per_s", "be_recomputed_tokens", "cost_model_mape", "host_decode_step_s",
                "host_step_noise")
-# Metrics whose None means "beyond every served turn" (a percentile among failed turns), not
-# "not measured": averaged with other runs' values it made failures flatter the figure.
-UNBOUNDED_WHEN_NONE = frozenset({"rt_ttft_p50_s", "rt_ttft_p99_s"})
+# Metrics whose None means "beyond every served turn" (a percentile among failed turns, a
+# mean over turns one of which failed), not "not measured": averaged with other runs' values it made failures flatter the figure.
+UNBOUNDED_WHEN_NONE = frozenset({"rt_ttft_p50_s", "rt_ttft_p99_s", "rt_normalized_latency_s"})
 # Decode-only steps of this many requests (inclusive) gauge the host's speed per run.
 HOST_GAUGE_REQUESTS = (8, 12)
 # A spread of host gauges between runs beyond which the table is flagged as confounded.
 HOST_DRIFT_WARNING = 0.05
 # Each system's runs: their metrics, by system name.
 Runs = dict[str, list[dict[str, Any]]]
+# A run over time: its RT turns ("rt", `rt_request`'s results) and BE rate samples ("be").
+Timeline = dict[str, list[dict[str, Any]]]
+# Seconds between the /metrics samples of the BE token rate over time (the plot's).
+BE_SAMPLE_S = 2.0
+GENERATION_TOKENS = "antiphon_generation_tokens_total"
 # Seconds an idle client connection is kept open, under the server's keep-alive.
 CLIENT_KEEPALIVE_S = 1.0
 # Steps of one batch size on either side whose median a step's noise is measured from.
@@ -100,8 +110,10 @@ async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival
 
 
 def be_batch_file(path: Path, model: str, num_items: int, max_tokens: tuple[int, int],
-                  seed: int) -> None:
-    chunks = document_chunks(512, 1024, seed=seed)
+                  tokenizer: Any, seed: int) -> None:
+    """The BE batch job: `num_items` LEval chunks of 512 to 1024 tokens (as in BROS), each
+    answered with `max_tokens` (a range) tokens."""
+    chunks = document_chunks(512, 1024, tokenizer, seed=seed)
     with path.open("w") as f:
         for i in range(num_items):
             instruction, text = chunks[i % len(chunks)]
@@ -141,6 +153,8 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         start, start_wall = time.perf_counter(), time.time()
         turns = [asyncio.create_task(rt_request(client, model, prompts[i % len(prompts)], a,
                                                 start)) for i, a in enumerate(arrivals)]
+        be_rates: list[dict[str, float]] = []
+        sampler = asyncio.create_task(sample_be_rate(client, start, be_rates))
         # Every system is measured over the same window, whenever its RT turns finish: a
         # window ending with a system's last turn let a system that delays turns (fcfs) count
         # BE tokens from a tail where no RT turn was arriving, and one that serves turns
@@ -150,10 +164,16 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         window, end_wall = time.perf_counter() - start, time.time()
         m1, m1_at = await metrics_snapshot(client)
         s1 = (await client.get("/v1/engine/stats")).json()
+        sampler.cancel()
         unfinished = sum(1 for turn in turns if not turn.done())
+        # A job that ran out of items inside the window measured the job's size, not the
+        # system's BE throughput: the figure is then flagged, not trusted.
+        job = (await client.get(f"/v1/batches/{batch['id']}")).json()
+        be_items_left = job["request_counts"]["total"] - job["request_counts"]["completed"] \
+            - job["request_counts"]["failed"]
         results = await asyncio.gather(*turns)
         await client.post(f"/v1/batches/{batch['id']}/cancel")
-    tokens = "antiphon_generation_tokens_total"
+    tokens = GENERATION_TOKENS
     steps = s1["step_s"] - s0["step_s"]
     errors = s1["cost_model_errors"] - s0["cost_model_errors"]
     return {
@@ -179,26 +199,44 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         "saves_refused": _tier_delta(s0, s1, "saves_refused"),
         "rt_requests": len(results),
         "rt_unfinished_at_window_end": unfinished,
+        "be_items_left_at_window_end": be_items_left,
         "window_s": window,
         "window_wall": (start_wall, end_wall),
-        "timeline": results,
+        "timeline": {"rt": results, "be": be_rates},
     }
+
+
+async def sample_be_rate(client: httpx.AsyncClient, start: float,
+                         samples: list[dict[str, float]], every_s: float = BE_SAMPLE_S) -> None:
+    """Append the BE token rate between successive /metrics snapshots to `samples` (`at_s`,
+    seconds after `start`, and `be_tokens_per_s`) until cancelled: the plot's BE curve."""
+    last: tuple[float, float] | None = None
+    while True:
+        text, at = await metrics_snapshot(client)
+        tokens = counter(text, GENERATION_TOKENS, 'request_class="be"')
+        if last is not None:
+            samples.append({"at_s": (last[1] + at) / 2 - start,
+                            "be_tokens_per_s": (tokens - last[0]) / (at - last[1])})
+        last = (tokens, at)
+        await asyncio.sleep(every_s)
 
 
 def rt_summary(results: list[dict[str, Any]], ttft_slo_s: float, tpot_slo_s: float
                ) -> dict[str, Any]:
     """The RT figures of a run's turns (`rt_request`'s results, at least one). A failed turn
     misses both targets, counts as an infinite TTFT in the percentiles (its time to the error
-    made refusing turns look fast; a percentile among failed turns is None), and is left out
-    of the normalised latency (a turn refused at once added its millisecond to the mean),
-    counted apart in `rt_failed`."""
+    made refusing turns look fast; a percentile among failed turns is None), and makes the
+    normalised latency, a mean over every turn, None: a turn refused at once added its
+    millisecond to the mean, and left out, a turn that failed after minutes made the figure
+    better than serving it. Failed turns are counted in `rt_failed`."""
     served = [r for r in results if not r["failed"]]
     ttfts = sorted(math.inf if r["failed"] else r["ttft_s"] for r in results)
     return {
         "rt_ttft_slo_attainment": sum(r["ttft_s"] <= ttft_slo_s for r in served) / len(results),
         "rt_tpot_slo_attainment": sum(r["tpot_s"] <= tpot_slo_s for r in served) / len(results),
         "rt_normalized_latency_s": statistics.mean(
-            r["latency_s"] / max(1, r["output_tokens"]) for r in served) if served else None,
+            r["latency_s"] / max(1, r["output_tokens"]) for r in served)
+        if len(served) == len(results) else None,
         "rt_ttft_p50_s": _finite_percentile(ttfts, 0.5),
         "rt_ttft_p99_s": _finite_percentile(ttfts, 0.99),
         "rt_failed": len(results) - len(served),
@@ -233,7 +271,8 @@ def main(args: argparse.Namespace) -> int:
     systems = {}
     for entry in args.policies.split(","):
         policy, _, guard = entry.partition("@")
-        systems[entry] = ["--policy", policy, *(["--be-step-limit-s", guard] if guard else [])]
+        systems[entry] = ["--policy", policy, *(["--be-step-limit-s", guard] if guard else []),
+                          *(STOCK_MEMORY if policy in STOCK_POLICIES else [])]
     return run_systems(args, "mixed", systems, baseline="fcfs")
 
 
@@ -268,8 +307,8 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     out = Path(args.out)
     batch_path = out.with_suffix(".batch.jsonl")
     be_batch_file(batch_path, "SmolLM2-135M-Instruct" if args.model is None else model_dir.name,
-                  args.be_items, (32, 128), args.seed)
-    timelines: dict[str, list[dict[str, float]]] = {}  # of each system's last run
+                  args.be_items, (32, 128), tokenizer, args.seed)
+    timelines: dict[str, Timeline] = {}  # of each system's last run
 
     def run_one(name: str, repeat: int) -> dict[str, Any]:
         print(f"[{name}] run {repeat + 1}/{args.repeats}: {len(arrivals)} RT turns over "
@@ -294,6 +333,12 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     print_table({p: {k: None if v is None else float(v) for k, v in s.items() if k != "runs"}
                  for p, s in results.items()},
                 baseline=baseline if baseline in results else None)
+    ran_out = sorted({n for n, rs in runs.items() for r in rs
+                      if r.get("be_items_left_at_window_end") == 0})
+    if ran_out:
+        print(f"warning: the BE job ran out of items inside the window ({', '.join(ran_out)}):"
+              " its be_tokens_per_s is the job's size, not the system's throughput; "
+              "raise --be-items")
     drift = host_drift(runs)
     if drift > HOST_DRIFT_WARNING:
         print(f"warning: the host's speed differed by {drift:.0%} between runs "
@@ -424,7 +469,7 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**mean, "runs": runs} if len(runs) > 1 else mean
 
 
-def _plot(timelines: dict[str, list[dict[str, float]]], path: Path) -> None:
+def _plot(timelines: dict[str, Timeline], path: Path) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -432,14 +477,18 @@ def _plot(timelines: dict[str, list[dict[str, float]]], path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for policy, rows in timelines.items():
-        ax.plot([r["at_s"] for r in rows], [r["ttft_s"] for r in rows], ".-", label=policy,
+    fig, (rt, be) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for policy, timeline in timelines.items():
+        rows = timeline["rt"]
+        rt.plot([r["at_s"] for r in rows], [r["ttft_s"] for r in rows], ".-", label=policy,
                 alpha=0.7)
-    ax.set_xlabel("arrival (s)")
-    ax.set_ylabel("RT TTFT (s)")
-    ax.set_yscale("log")
-    ax.legend()
+        be.plot([r["at_s"] for r in timeline["be"]],
+                [r["be_tokens_per_s"] for r in timeline["be"]], "-", label=policy, alpha=0.7)
+    rt.set_ylabel("RT TTFT (s)")
+    rt.set_yscale("log")
+    rt.legend()
+    be.set_xlabel("seconds into the run (RT: arrival)")
+    be.set_ylabel("BE tokens/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

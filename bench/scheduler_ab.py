@@ -46,8 +46,10 @@ def main(repeats: int = 2, names: list[str] | None = None) -> None:
     model = resolve_model(None)
     engine = {**ENGINE, "dtype": resolve_dtype("auto")}
     workload = {"concurrency": (1, 16), "max_tokens": 128, "rounds": 2, "ttft_repeats": 3}
+    names = names or list(VARIANTS)
     for rep in range(repeats):
-        for name in names or VARIANTS:
+        first = rep % len(names)  # rotated, so a host that drifts favours no variant
+        for name in names[first:] + names[:first]:
             extra, request_class = VARIANTS[name]
             result = asyncio.run(run_direct(model, {**engine, **extra}, request_class,
                                             **workload))

@@ -150,20 +150,26 @@ def main(args: argparse.Namespace) -> int:
                 "ttft_repeats": 5 if args.quick else 10}
     results: dict[str, Any] = {}
     data_dir = Path(args.out).with_suffix(".data")
+    cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
+           "--max-model-len", "2048", "--kv-cache-gib", "2", "--max-num-seqs", "64",
+           "--dtype", dtype, "--data-dir", str(data_dir)]
+    cmd += ["--enforce-eager"] if args.enforce_eager else ["--no-enforce-eager"]
+
+    def run_vllm() -> dict[str, float]:
+        return asyncio.run(run_direct(model_dir, engine, **workload))
+
+    def run_antiphon() -> dict[str, float]:
+        with scratch_data_dir(data_dir), ServerProcess(cmd) as server:
+            return asyncio.run(run_server(server.ws_url, **workload))
+
+    to_run = {"vllm": (run_vllm, "vLLM AsyncLLM directly"),
+            "antiphon": (run_antiphon, "antiphon serve over websockets")}
     for repeat in range(args.repeats):
-        print(f"[repeat {repeat + 1}/{args.repeats}] vLLM AsyncLLM directly ...", flush=True)
-        direct = asyncio.run(run_direct(model_dir, engine, **workload))
-        print(f"[repeat {repeat + 1}/{args.repeats}] antiphon serve over websockets ...",
-              flush=True)
-        cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
-               "--max-model-len", "2048", "--kv-cache-gib", "2", "--max-num-seqs", "64",
-               "--dtype", dtype, "--data-dir", str(data_dir)]
-        cmd += ["--enforce-eager"] if args.enforce_eager else ["--no-enforce-eager"]
-        with scratch_data_dir(data_dir), \
-                ServerProcess(cmd) as server:
-            served = asyncio.run(run_server(server.ws_url, **workload))
-        for name, value in (("vllm", direct), ("antiphon", served)):
-            results.setdefault(name, []).append(value)
+        # the order alternates, so a host that drifts does not always favour the same one
+        for name in (("vllm", "antiphon") if repeat % 2 == 0 else ("antiphon", "vllm")):
+            run, what = to_run[name]
+            print(f"[repeat {repeat + 1}/{args.repeats}] {what} ...", flush=True)
+            results.setdefault(name, []).append(run())
     systems = {name: _median_of(runs) for name, runs in results.items()}
     record = {"benchmark": "serve", "config": {"model": str(model_dir), "engine": engine,
                                               "workload": workload, "repeats": args.repeats,

@@ -217,12 +217,26 @@ def test_failed_turns_do_not_flatter_the_rt_figures() -> None:
     turns whose streams died left the p99, which read as a served turn's."""
     served = rt_summary([turn(0.3)] * 20, 1.0, 0.1)
     refused = rt_summary([turn(0.3), turn(0.001, failed=True)] * 10, 1.0, 0.1)
-    assert refused["rt_normalized_latency_s"] == pytest.approx(served["rt_normalized_latency_s"])
+    assert served["rt_normalized_latency_s"] == pytest.approx(0.05)
+    assert refused["rt_normalized_latency_s"] is None  # not a mean over the served half
     assert (refused["rt_failed"], refused["rt_ttft_slo_attainment"]) == (10, 0.5)
     assert refused["rt_ttft_p99_s"] is None and refused["rt_ttft_p50_s"] is None
     cut = rt_summary([turn(0.3)] * 18 + [turn(3.0, failed=True, tokens=5)] * 2, 1.0, 0.1)
     assert cut["rt_ttft_p50_s"] == pytest.approx(0.3) and cut["rt_ttft_p99_s"] is None
     assert rt_summary([turn(0.3)] * 18 + [turn(3.0)] * 2, 1.0, 0.1)["rt_ttft_p99_s"] > 2.9
+
+
+def test_a_turn_failing_after_minutes_does_not_make_the_normalised_latency_better() -> None:
+    """Averaged over the turns served, a turn that ran for 600 s and then failed left the
+    figure at a tenth of what serving it gave."""
+    fast = [turn(0.3)] * 9
+    slow = {"ttft_s": 599.0, "tpot_s": 0.02, "latency_s": 600.0, "output_tokens": 3}
+    assert rt_summary([*fast, {**slow, "failed": False}], 1.0, 0.1)[
+        "rt_normalized_latency_s"] > 6.0
+    failing = rt_summary([*fast, {**slow, "failed": True}], 1.0, 0.1)
+    assert failing["rt_normalized_latency_s"] is None
+    assert summarise_runs([rt_summary(fast, 1.0, 0.1), failing])[
+        "rt_normalized_latency_s"] is None  # unbounded, not the clean run's
 
 
 def test_a_percentile_on_a_served_turn_is_not_lost_to_a_failed_neighbour() -> None:
@@ -244,3 +258,48 @@ def test_a_run_whose_p99_is_among_failed_turns_leaves_the_mean_unbounded() -> No
 def test_the_p99_interpolates_as_the_sessions_benchmark_does() -> None:
     turns = [turn(0.05 * (i + 1)) for i in range(100)]  # 0.05 .. 5.00 s
     assert rt_summary(turns, 1.0, 0.1)["rt_ttft_p99_s"] == pytest.approx(4.9505)  # not the max
+
+
+def test_the_stock_baselines_run_on_stock_memory_management(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` turns bidirectional blocks and KV tiering on by default: the fcfs baseline
+    checkpointed its preempted BE work to host RAM and paid the write-through."""
+    from antiphon.bench import mixed
+
+    ran: dict[str, list[str]] = {}
+    monkeypatch.setattr(mixed, "run_systems", lambda args, bench, systems, baseline: (
+        ran.update(systems), 0)[1])
+    mixed.main(argparse.Namespace(policies="fcfs,priority,echo,bros@inf"))
+    for name in ("fcfs", "priority"):
+        assert "--no-biblocks" in ran[name] and "--no-kv-tiering" in ran[name], ran
+    assert ran["echo"] == ["--policy", "echo"]
+    assert ran["bros@inf"] == ["--policy", "bros", "--be-step-limit-s", "inf"]
+
+
+async def test_the_be_rate_is_sampled_over_the_run() -> None:
+    """The plot showed RT TTFT alone; issue 3 asks for BE throughput over time beside it."""
+    import asyncio
+    import time
+
+    import httpx
+
+    from antiphon.bench.mixed import sample_be_rate
+
+    calls = 0
+
+    def metrics(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return httpx.Response(200, text=(
+            f'antiphon_generation_tokens_total{{request_class="be"}} {100.0 * calls}\n'
+            f'antiphon_generation_tokens_total{{request_class="rt"}} {7.0 * calls}\n'))
+
+    samples: list[dict[str, float]] = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(metrics),
+                                 base_url="http://x") as client:
+        task = asyncio.create_task(sample_be_rate(client, time.perf_counter(), samples, 0.05))
+        await asyncio.sleep(0.3)
+        task.cancel()
+    assert len(samples) >= 3
+    assert all(0 < s["be_tokens_per_s"] <= 100 / 0.05 for s in samples)  # 100 a sample
+    assert [s["at_s"] for s in samples] == sorted(s["at_s"] for s in samples)

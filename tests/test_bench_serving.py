@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from antiphon.bench.serving import run_server
 from tests.conftest import Scripted
@@ -48,3 +51,51 @@ def test_a_server_stops_with_every_process_of_its_group() -> None:
     started = time.monotonic()
     server.stop(timeout_s=8)
     assert not group_alive(server.proc.pid) and time.monotonic() - started < 4
+
+
+def test_bench_serve_alternates_which_system_runs_first(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """vLLM ran first in every repeat: a host that drifts always favoured the same system."""
+    import argparse
+    import contextlib
+
+    import antiphon.model
+    from antiphon.bench import serving
+
+    order: list[str] = []
+
+    async def direct(*args: Any, **kwargs: Any) -> dict[str, float]:
+        order.append("vllm")
+        return {"x": 1.0}
+
+    async def served(*args: Any, **kwargs: Any) -> dict[str, float]:
+        order.append("antiphon")
+        return {"x": 1.0}
+
+    monkeypatch.setattr(serving, "run_direct", direct)
+    monkeypatch.setattr(serving, "run_server", served)
+    monkeypatch.setattr(serving, "ServerProcess",
+                        lambda cmd: contextlib.nullcontext(argparse.Namespace(ws_url="ws://x")))
+    monkeypatch.setattr(serving, "scratch_data_dir", contextlib.nullcontext)
+    monkeypatch.setattr(serving, "write_json", lambda *args: None)
+    monkeypatch.setattr(antiphon.model, "resolve_model", lambda model: tmp_path)
+    serving.main(argparse.Namespace(model=None, quick=True, rounds=1, repeats=2, max_tokens=4,
+                                    enforce_eager=True, out=str(tmp_path / "s.json")))
+    assert order == ["vllm", "antiphon", "antiphon", "vllm"]
+
+
+def test_scheduler_ab_rotates_which_variant_runs_first(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from antiphon.bench import scheduler_ab
+
+    order: list[object] = []
+
+    async def direct(model: Any, engine: dict[str, Any], request_class: Any,
+                     **kwargs: Any) -> dict[str, float]:
+        order.append(request_class)
+        return {"c1_output_tokens_per_s": 1.0}
+
+    monkeypatch.setattr(scheduler_ab, "run_direct", direct)
+    monkeypatch.setattr(scheduler_ab, "resolve_model", lambda model: tmp_path)
+    scheduler_ab.main(2, ["stock", "echo_rt_only"])
+    assert order == [None, "rt", "rt", None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -9,7 +10,13 @@ from typing import Any
 
 import pytest
 
-from antiphon.bench.workload import azure_arrivals, fit_tokens, workload_summary
+from antiphon.bench.workload import (
+    LEVAL_FILES,
+    azure_arrivals,
+    document_chunks,
+    fit_tokens,
+    workload_summary,
+)
 from tests.conftest import default_model_or_skip
 
 
@@ -50,3 +57,19 @@ def test_a_trace_window_runs_at_the_rate_and_lengths_asked_for(
         assert arrivals[0].at_s == 0.0 and arrivals[-1].at_s == pytest.approx(119 / 3)
         assert summary["rt_mean_prompt_tokens"] == pytest.approx(300, rel=0.02)
         assert summary["rt_mean_output_tokens"] == pytest.approx(48, rel=0.05)
+
+
+def test_document_chunks_are_512_to_1024_tokens(tokenizer: Any, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sized by words, BE chunks ran from 300 to 2,900 tokens (those past the benchmark's
+    2,048-token context failed), and each document's short tail was a chunk too."""
+    texts = ["The committee reviewed the budget. " * 600, "def f(x):\n    return x * 2\n" * 500,
+             "短い文章です。" * 900, "Too short to chunk."]
+    for name, text in zip(LEVAL_FILES, texts, strict=True):
+        (tmp_path / name).write_text(json.dumps({"instructions": ["Summarise."],
+                                                 "input": text}) + "\n")
+    (tmp_path / "AzureLLMInferenceTrace_conv.csv").write_text("")  # marks the data folder
+    monkeypatch.setenv("ANTIPHON_BENCH_DATA", str(tmp_path))
+    chunks = document_chunks(512, 1024, tokenizer, seed=0)
+    sizes = [len(tokenizer.encode(text, add_special_tokens=False)) for _, text in chunks]
+    assert len(sizes) >= 6 and all(500 <= n <= 1040 for n in sizes), sizes
