@@ -41,6 +41,18 @@ RPC_DIR_PREFIX = "antiphon-vllm-rpc-"
 RPC_DIR_VARIABLE = "VLLM_RPC_BASE_PATH"
 
 
+START_METHOD_VARIABLE = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def use_spawned_engine() -> None:
+    """Have vLLM start the engine's processes by spawning, not forking (unless the user chose):
+    a forked engine process inherits every file the server holds open, the data folder's lock
+    and the listening socket among them, so after a `kill -9` of the server its restart was
+    refused until the orphaned engine noticed and stopped (11 s). vLLM forks by default where
+    no GPU context exists yet; on CPUs it spawns already."""
+    os.environ.setdefault(START_METHOD_VARIABLE, "spawn")
+
+
 def use_private_rpc_dir() -> Path | None:
     """Have the vLLM engine started next put the socket files its processes talk through in
     a folder of this process's own (`VLLM_RPC_BASE_PATH`), for `remove_rpc_dir` to remove

@@ -36,6 +36,7 @@ from antiphon.engine_ext.engine_processes import (
     kill_engine_processes,
     remove_rpc_dir,
     use_private_rpc_dir,
+    use_spawned_engine,
 )
 from antiphon.engine_ext.logprobs import prompt_logprobs, token_logprobs
 from antiphon.engine_ext.model_defaults import model_sampling_defaults, resolve_dtype
@@ -175,6 +176,7 @@ class VllmEngine(Engine):
         # once a stop is asked for, its processes are killed and the load fails at once.
         threading.Thread(target=self._kill_engine_once_stopped, name="antiphon-stop-start",
                          daemon=True).start()
+        use_spawned_engine()
         self._rpc_dir = use_private_rpc_dir()
         try:
             self._llm = AsyncLLM.from_engine_args(args)  # blocks until the model has loaded

@@ -14,8 +14,10 @@ import pytest
 from antiphon.engine_ext.engine_processes import (
     RPC_DIR_PREFIX,
     RPC_DIR_VARIABLE,
+    START_METHOD_VARIABLE,
     remove_rpc_dir,
     use_private_rpc_dir,
+    use_spawned_engine,
 )
 
 
@@ -56,3 +58,19 @@ def test_a_folder_the_user_names_is_left_alone(tmp_dir: Path,
     monkeypatch.setenv(RPC_DIR_VARIABLE, str(named))
     assert use_private_rpc_dir() is None
     assert os.environ[RPC_DIR_VARIABLE] == str(named)
+
+
+def test_the_engine_is_spawned_not_forked_unless_the_user_chose(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no GPU context exists yet vLLM forks its engine process, which then held the data
+    folder's lock and the listening socket: a server killed with -9 could not restart until
+    the orphaned engine stopped."""
+    from vllm.utils.system_utils import get_mp_context
+
+    monkeypatch.setenv(START_METHOD_VARIABLE, "")
+    monkeypatch.delenv(START_METHOD_VARIABLE)
+    use_spawned_engine()
+    assert get_mp_context().get_start_method() == "spawn"  # vLLM's own choice, as it starts
+    monkeypatch.setenv(START_METHOD_VARIABLE, "fork")
+    use_spawned_engine()
+    assert get_mp_context().get_start_method() == "fork"
