@@ -22,7 +22,7 @@ import string
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
-from antiphon.engine_ext.types import ChatTurn, ToolCall, ToolSpec
+from antiphon.engine_ext.types import ChatTurn, ToolCall, ToolSpec, strict_json
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -159,7 +159,7 @@ def parse_calls(body: str, names: Collection[str] | None = None) -> list[tuple[s
     given). A call is `{"name": ..., "arguments": {...}}`; "parameters" (Llama 3.1's word) is
     read as "arguments", and arguments may be JSON text of an object (as OpenAI gives them)."""
     try:
-        value = json.loads(body)
+        value = strict_json(body)
     except ValueError:
         return None
     calls = []
@@ -170,7 +170,7 @@ def parse_calls(body: str, names: Collection[str] | None = None) -> list[tuple[s
         arguments = item.get("arguments", item.get("parameters"))
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
+                arguments = strict_json(arguments)
             except ValueError:
                 return None
         if arguments is None:

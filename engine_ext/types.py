@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,21 @@ class ToolSpec:
         return {"type": "function", "function": function}
 
 
+def strict_json(text: str) -> Any:
+    """`text` parsed as JSON as the standard has it: Python's parser also takes `NaN`,
+    `Infinity` and numbers too large for a float (`1e999`), which, written back as a call's
+    arguments, made text JavaScript's and Go's parsers refuse. Raises ValueError."""
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    def finite(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):
+            raise ValueError(f"{number} is out of range")
+        return value
+    return json.loads(text, parse_constant=refuse, parse_float=finite)
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
     """A call of a tool by the assistant."""
@@ -50,7 +66,7 @@ class ToolCall:
     def arguments_value(self) -> Any:
         """The arguments as a value where they are JSON text of an object, else the text."""
         try:
-            value = json.loads(self.arguments)
+            value = strict_json(self.arguments)
         except ValueError:
             return self.arguments
         return value if isinstance(value, dict) else self.arguments

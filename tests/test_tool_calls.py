@@ -10,6 +10,7 @@ import pytest
 from antiphon.engine_ext.tool_calls import (
     HermesReader,
     hermes_turns,
+    parse_calls,
     read_reply,
     template_call_id,
 )
@@ -256,3 +257,19 @@ def test_the_models_template_renders_tools_where_it_knows_them() -> None:
     cut_short = [turns[0], ChatTurn("assistant", "", (ToolCall("c1", "get_weather", '{"ci'),))]
     with pytest.raises(EngineRequestError, match="refused the conversation"):
         strict.render_chat(cut_short, tools=[WEATHER])
+
+
+@pytest.mark.parametrize("body", ['{"name": "f", "arguments": {"x": NaN}}',
+                                  '{"name": "f", "arguments": {"x": 1e999}}',
+                                  '{"name": "f", "arguments": "{\\"x\\": -Infinity}"}'])
+def test_a_call_whose_arguments_are_not_standard_json_stays_text(body: str) -> None:
+    """Python's parser takes NaN, Infinity and 1e999; written back as a call's arguments they
+    made text that JavaScript's JSON.parse and the Go and Java parsers refuse."""
+    assert parse_calls(body) is None
+    text = f"<tool_call>\n{body}\n</tool_call>"
+    use = ToolUse("auto", ("f",))
+    message, finish = reply_message(text, "stop", use)
+    assert "tool_calls" not in message and message["content"] == text and finish == "stop"
+    assert ToolCall("c1", "f", '{"x": NaN}').arguments_value() == '{"x": NaN}'
+    assert parse_calls('{"name": "f", "arguments": {"x": 1.5e3, "n": 10}}') == [
+        ("f", '{"x": 1500.0, "n": 10}')]
