@@ -80,15 +80,21 @@ class SqliteDb:
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """The connection inside BEGIN IMMEDIATE ... COMMIT; any exception rolls back."""
+        """The connection inside BEGIN IMMEDIATE ... COMMIT; any exception, a failed COMMIT's
+        too, rolls back. Where SQLite has rolled back itself (a full disk, an I/O error), the
+        error is raised as it came: a ROLLBACK then failed with "no transaction is active",
+        which hid it. A COMMIT that failed with the transaction still open (a deferred
+        constraint, a busy database) left it open, and every later write joined it, to be
+        lost."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
 
     def check(self, violations: Mapping[str, str]) -> None:
         """Raise AssertionError unless SQLite's own checks pass and each query in

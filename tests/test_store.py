@@ -239,3 +239,29 @@ def test_a_sessions_revision_changes_with_what_its_conversation_renders_to(
     assert store.revision(sid) == seen[-1]
     store.delete_session("o", sid)
     assert store.revision(sid) is None
+
+
+def test_a_failed_commit_rolls_back_and_the_next_writes_are_kept(tmp_path: Path) -> None:
+    """A COMMIT that failed with its transaction still open (here a deferred foreign key)
+    left it open: every later autocommit write joined it, and was lost at the next start."""
+    import sqlite3
+
+    from antiphon.sqlite import SqliteDb
+
+    schema = """CREATE TABLE IF NOT EXISTS parent (id INTEGER PRIMARY KEY);
+                CREATE TABLE IF NOT EXISTS child (id INTEGER PRIMARY KEY, parent INTEGER
+                    REFERENCES parent(id) DEFERRABLE INITIALLY DEFERRED);"""
+    db = SqliteDb(tmp_path / "t.db", schema)
+    with pytest.raises(sqlite3.IntegrityError), db.transaction() as conn:
+        conn.execute("INSERT INTO child VALUES (1, 99)")  # no parent 99: fails at COMMIT
+    with db.locked() as conn:
+        assert not conn.in_transaction
+        conn.execute("INSERT INTO parent VALUES (7)")
+    # SQLite rolled back itself: the body's error comes as it was
+    with pytest.raises(KeyError), db.transaction() as conn:
+        conn.execute("ROLLBACK")
+        raise KeyError("the body's error")
+    db.close()
+    again = sqlite3.connect(tmp_path / "t.db")
+    assert again.execute("SELECT id FROM parent").fetchall() == [(7,)]
+    assert again.execute("SELECT COUNT(*) FROM child").fetchone() == (0,)
