@@ -52,7 +52,7 @@ _Key = tuple[bool, int, int, int, int]
 
 @dataclasses.dataclass
 class LayoutCounters:
-    pages_placed: int = 0
+    pages_placed: int = 0  # pages chosen for requests (not those found in the prefix cache)
     new_blocks: int = 0  # a request started a shared block of its own
     overflows: int = 0  # a request shared a block with another request of its class
     strays: int = 0  # no page kept the direction: placed anywhere
@@ -128,12 +128,16 @@ class SharedBlockLayout:
         there must be that many), and record them as its own."""
         taken: list[int] = []
         for _ in range(num_pages):
-            page = self._next_page(request_id, is_rt)
+            page, overflow = self._next_page(request_id, is_rt)
             while not is_free(page):  # the pool holds it: set it aside until it comes back
                 self._foreign.add(page)
                 self.counters.foreign += 1
                 self._rekey(page // self.block_pages)
-                page = self._next_page(request_id, is_rt)
+                page, overflow = self._next_page(request_id, is_rt)
+            # counted only for the page taken: one set aside was chosen the same way
+            if overflow is not None:
+                self.counters.overflows += overflow
+                self.counters.new_blocks += not overflow
             self.take(request_id, is_rt, page)
             taken.append(page)
         return taken
@@ -158,7 +162,7 @@ class SharedBlockLayout:
         self._last[request_id] = page
         self._cost.pop(page, None)
         self._foreign.discard(page)
-        self.counters.pages_placed += 1
+        self.counters.pages_placed += not from_cache  # (a cache hit was placed before)
         tail_of = self._tails.pop(page, None)
         if tail_of is not None:
             self._tails_of[tail_of].discard(page)
@@ -253,28 +257,27 @@ class SharedBlockLayout:
 
     # -- placement ---------------------------------------------------------------------------
 
-    def _next_page(self, request_id: str, is_rt: bool) -> int:
+    def _next_page(self, request_id: str, is_rt: bool) -> tuple[int, bool | None]:
+        """The request's next page, and for a page in another block whether that block has a
+        request of its class already (an overflow) or not (a new block); None when the page
+        grows its block or strays."""
         last = self._last.get(request_id)
         if last is not None and last not in self._strays:
             page = self._page_in(last // self.block_pages, is_rt)
             if page is not None:
-                return page
+                return page, None
         index = self._best_block(is_rt)
         if index is not None:
             side = self._blocks[index].rt if is_rt else self._blocks[index].be
-            if any(other != request_id for other in side):
-                self.counters.overflows += 1
-            else:
-                self.counters.new_blocks += 1
             page = self._page_in(index, is_rt)
             assert page is not None, "a keyed block with room has a free page"
-            return page
+            return page, any(other != request_id for other in side)
         # Rare: no block has room in the class's direction. Any free page (a stray), from a
         # block known to have one: a scan of a GPU pool's 10^5 pages took 5 ms a page.
         for index in self._with_free:
             for page in self._pages(index):
                 if self._is_free(page):
-                    return page
+                    return page, None
         raise ValueError("no free page to place")
 
     def _best_block(self, is_rt: bool) -> int | None:

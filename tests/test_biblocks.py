@@ -274,3 +274,18 @@ def test_layout_counters_are_exported_to_prometheus() -> None:
     assert 'antiphon_biblocks_blocks{kind="shared"} 1' in text
     assert 'antiphon_biblocks_placements_total{kind="strays"} 0' in text
     assert biblocks_metrics_lines(None) == []
+
+
+def test_a_page_the_pool_holds_is_not_counted_as_a_second_placement() -> None:
+    pool = Pool(9, 4)  # blocks [1..3], [4..7], [8]
+    pool.free.discard(4)  # held by the pool, unknown to the layout: set aside
+    assert pool.grow("rt", True, 2) == [1, 2]
+    counters = pool.layout.counters
+    assert counters.foreign == 1
+    assert (counters.pages_placed, counters.new_blocks, counters.overflows) == (2, 1, 0)
+
+
+def test_a_page_found_in_the_prefix_cache_is_not_placed() -> None:
+    pool = Pool(9, 4)
+    pool.layout.take("rt", True, 5, from_cache=True)
+    assert pool.layout.counters.pages_placed == 0

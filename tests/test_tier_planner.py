@@ -984,3 +984,90 @@ def test_a_checkpoint_whose_copies_failed_is_cut(tmp_path: Path) -> None:
         assert planner.stats()["checkpoint_short_tokens"] == 2  # its tail, recomputed
     finally:
         planner.close()
+
+
+def checkpoint_copies(planner: TierPlanner, request_id: str, num_computed: int,
+                      blocks: list[int]) -> tuple[int, int]:
+    """(pages `checkpoint_cost_pages` said, pages the checkpoint then copied)."""
+    cost = planner.checkpoint_cost_pages(request_id, num_computed)
+    planner.checkpoint(request_id, num_computed, blocks)
+    return cost, sum(len(c.blocks) for c in planner.build_metadata([]).checkpoints)
+
+
+def test_saves_whose_step_failed_cost_a_checkpoint(planner: TierPlanner) -> None:
+    # They counted as saved: a policy was told preempting the request copied nothing.
+    run_failed_step(planner, list(range(200, 213)))  # 3 full chunks and 1 token
+    assert checkpoint_copies(planner, "be", 12, [1, 2, 3, 4]) == (3, 3)
+
+
+def test_saves_whose_step_failed_are_made_again(planner: TierPlanner) -> None:
+    run_failed_step(planner, list(range(200, 213)))
+    meta = planner.build_metadata([("be", 12)])
+    assert [c.blocks for c in meta.saves] == [(1,), (2,), (3,)]
+    assert planner.checkpoint_cost_pages("be", 12) == 0  # on their way
+
+
+def test_a_refused_save_costs_a_checkpoint_and_is_tried_again(tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=LAYERS * PAGE_BYTES)  # 1 chunk
+    try:
+        view = TokenView("be", list(range(100, 109)), background=True)
+        planner.add_request(view)
+        planner.num_new_matched_tokens(view, 0)
+        planner.test_blocks["be"] = [1, 2, 3]  # type: ignore[attr-defined]
+        planner.plan_load("be", [1, 2, 3], 0, 9)
+        meta = planner.build_metadata([("be", 8)])
+        assert [c.blocks for c in meta.saves] == [(1,)]  # no room for chunk 1 while it is
+        assert planner.checkpoint_cost_pages("be", 8) == 1  # copied
+        fake_worker_saves(planner, meta.saves)
+        planner.step_done({meta.step}, set())
+        assert [c.blocks for c in planner.build_metadata([("be", 8)]).saves] == [(2,)]
+    finally:
+        planner.close()
+
+
+def test_the_checkpoint_cost_counts_chunks_the_host_tier_evicted(tmp_path: Path) -> None:
+    # A BE request's chunks go to the host tier alone; a later turn's saves evict them.
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=4 * PAGE_BYTES * LAYERS,
+                           ssd_tier_bytes=0)
+    try:
+        view = TokenView("be", list(range(100, 113)), background=True)  # 3 full chunks
+        planner.add_request(view)
+        planner.num_new_matched_tokens(view, 0)
+        planner.test_blocks["be"] = [1, 2, 3, 4]  # type: ignore[attr-defined]
+        planner.plan_load("be", [1, 2, 3, 4], 0, 13)
+        meta = planner.build_metadata([("be", 12)])
+        fake_worker_saves(planner, meta.saves)
+        planner.step_done({meta.step}, set())
+        assert planner.checkpoint_cost_pages("be", 12) == 0
+        run_turn(planner, "rt", list(range(500, 517)), [5, 6, 7, 8, 9])
+        cost, copied = checkpoint_copies(planner, "be", 12, [1, 2, 3, 4])
+        assert copied > 0 and cost == copied
+        assert planner.check_integrity() == []
+    finally:
+        planner.close()
+
+
+def test_a_checkpoint_that_holds_nothing_is_no_checkpoint(tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=PAGE_BYTES)  # not one chunk
+    try:
+        run_failed_step(planner, list(range(300, 313)))
+        assert planner.checkpoint("be", 12, [1, 2, 3, 4]) == 0
+        stats = planner.stats()
+        assert (stats["checkpoints"], stats["checkpoint_short_tokens"]) == (0, 12)
+        assert planner.preemption.get("be") is None
+    finally:
+        planner.close()
+
+
+def test_a_checkpoint_cut_to_nothing_is_not_restored(planner: TierPlanner) -> None:
+    tokens = list(range(200, 213))
+    run_failed_step(planner, tokens)
+    assert planner.checkpoint("be", 12, [1, 2, 3, 4]) == 12
+    meta = planner.build_metadata([])
+    planner.step_done(set(), {meta.step})  # its copies failed: the checkpoint holds nothing
+    assert planner.check_integrity() == []
+    view = TokenView("be", tokens)
+    assert planner.num_new_matched_tokens(view, 0) == 0
+    planner.plan_load("be", [5, 6, 7, 8], 0, len(tokens))
+    stats = planner.stats()
+    assert (stats["checkpoints"], stats["restores"], stats["pages_restored"]) == (1, 0, 0)

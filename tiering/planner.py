@@ -30,10 +30,11 @@ Beside it: `PrefixMatcher` (matching.py) finds what the tiers hold of a prompt,
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from antiphon.tiering.advisory_book import AdvisoryBook
@@ -114,8 +115,12 @@ class TierPlanner:
         self.retirement = TailRetirement(self)
         self.matcher = PrefixMatcher(self.store, self.tails, model_id=model_id,
                                      chunk_tokens=self.chunk_tokens, num_layers=num_layers)
+        # by request: chunks below its `saved_chunks` that no tier holds any more (evicted,
+        # their save erased): a checkpoint copies them again
+        self._lost_chunks: dict[str, set[int]] = {}
+        self._evicted: collections.deque[ChunkKey] = collections.deque()  # (tiers' threads)
         for tier in self.store.tiers:
-            tier.on_evict = self.preemption.note_evicted
+            tier.on_evict = self._note_evicted
 
     @property
     def arena_name(self) -> str:
@@ -267,7 +272,8 @@ class TierPlanner:
                 return
             fetched = st.fetched_layers  # (`_count_admission` starts the next admission's)
             self._count_admission(st, num_external, num_tokens)
-            if self._drop_checkpoint(request_id):
+            # (a restore loads something: a checkpoint evictions cut to nothing is recomputed)
+            if self._drop_checkpoint(request_id) and num_external:
                 self.counters.restores += 1
                 self.counters.pages_restored += -(-(st.local_tokens + num_external)
                                                   // self.page_tokens) - st.local_tokens \
@@ -335,14 +341,15 @@ class TierPlanner:
                 self.counters.copy_steps_failed += step in failed_steps
                 for key in in_flight.pins:
                     self.host.unpin(key)
-                aborted: list[ChunkKey] = []  # (a checkpoint holding one is cut, as if evicted)
+                erased: list[ChunkKey] = []
+                failed: list[ChunkKey] = []
                 for key, durable, owner in in_flight.commits:
                     if self.erasure.drops(key.prefix_hash):
                         self.host.abort(key, erase=True)
-                        aborted.append(key)
+                        erased.append(key)
                     elif step in failed_steps:
                         self.host.abort(key)
-                        aborted.append(key)
+                        failed.append(key)
                     elif durable:
                         # Pinned until it is on SSD: published unpinned, a put from the
                         # prefetch thread could evict it first, and a checkpoint's only copy
@@ -354,7 +361,10 @@ class TierPlanner:
                                 self.host.unpin(key)
                     else:
                         self.host.commit(key)
-                self.preemption.note_evicted(aborted)
+                # (a checkpoint holding one is cut, as if evicted)
+                self.preemption.note_evicted(erased + failed)
+                self._unsave(erased, save_again=False)
+                self._unsave(failed, save_again=True)
             if not self.has_commits_pending():
                 self.erasure.settle()
             self.retirement.step_done()
@@ -404,6 +414,7 @@ class TierPlanner:
             self._drop_checkpoint(request_id)
             if st is None:
                 return False
+            self._lost_chunks.pop(request_id, None)
             self._unpin(st)
             self._drop_prefetch(st)
             num_computed = known_tokens(st, num_computed)
@@ -467,16 +478,20 @@ class TierPlanner:
                 held = key_end
                 restore.append(key)
             st.saved_chunks = min(st.saved_chunks, held // self.chunk_tokens)
+            self._lost_chunks.pop(request_id, None)  # (those below `held` are reserved again)
+            c = self.counters
+            c.checkpoint_short_tokens += num_computed - held
+            if not held:  # no room even for its first chunk: no checkpoint, all recomputed
+                self.host.unpin_all(guard)
+                return 0
             self._pending_checkpoints.extend(copies)
             # published, and written down, when this step's copies are done
             owner = self._owner(st)
             self._final_keys.extend(SlotCommit(key, True, owner) for key in reserved)
             copied = sum(len(copy.blocks) for copy in copies)
-            c = self.counters
             c.checkpoints += 1
             c.pages_checkpointed += copied
             c.pages_handed_over += -(-held // self.page_tokens) - copied
-            c.checkpoint_short_tokens += num_computed - held
             self.preemption.record(request_id, Checkpoint(num_computed, held, tuple(restore)))
             self.erasure.keep({key.prefix_hash for key in restore})
             if not self._durable(st):  # down to the SSD tier, so a full host tier keeps it
@@ -491,12 +506,17 @@ class TierPlanner:
             return held
 
     def checkpoint_cost_pages(self, request_id: str, num_computed: int) -> int:
-        """Device pages a checkpoint of the request would copy now: those after the chunks
-        already written through (what a policy weighs when it picks a request to preempt)."""
+        """Device pages a checkpoint of the request would copy now: all but those of the
+        chunks a tier holds or is being given (what a policy weighs when it picks a request
+        to preempt). Called for every running BE request each step: no tier is looked up."""
         with self.lock:
             st = self._requests.get(request_id)
-            saved_pages = 0 if st is None else st.saved_chunks * self.pages_per_chunk
-            return max(0, -(-num_computed // self.page_tokens) - saved_pages)
+            if st is None:
+                return -(-num_computed // self.page_tokens)
+            self._settle_evictions()
+            num_held = st.saved_chunks - len(self._lost_chunks.get(request_id, ()))
+            pages = -(-known_tokens(st, num_computed) // self.page_tokens)
+            return max(0, pages - num_held * self.pages_per_chunk)
 
     def check_integrity(self) -> list[str]:
         """The preemption table against the tiers: every chunk a checkpointed request will
@@ -603,11 +623,15 @@ class TierPlanner:
         for index in range(st.saved_chunks, full):
             first_page = index * self.pages_per_chunk
             pages = tuple(block_ids[first_page:first_page + self.pages_per_chunk])
-            copy, keys = self._reserve(ChunkKey(self.model_id, hashes[index], index, 0), pages)
+            chunk = ChunkKey(self.model_id, hashes[index], index, 0)
+            copy, keys = self._reserve(chunk, pages)
             if copy is not None:
                 meta.saves.append(copy)
                 in_flight.commits.extend(SlotCommit(key, durable, owner) for key in keys)
                 self.counters.saved_chunks += 1
+            elif not self.held(chunk):  # refused, no host room: tried again next step (the
+                st.saved_chunks = index  # chunks after it extend no stored prefix until then)
+                return
         st.saved_chunks = full
 
     def _reserve(self, key: ChunkKey, pages: tuple[int, ...]
@@ -686,10 +710,43 @@ class TierPlanner:
         self.store.clear_hint(_checkpoint_hint(request_id))
         return True
 
+    def _note_evicted(self, keys: list[ChunkKey]) -> None:
+        """A tier evicted `keys` (from its thread, its lock held: only noted here)."""
+        self.preemption.note_evicted(keys)
+        self._evicted.extend(keys)
+
     def _settle_evictions(self) -> None:
         """Cut the checkpoints whose chunks a full tier evicted (lock held): those requests
-        recompute from there, as when the host arena had no room at the checkpoint."""
+        recompute from there, as when the host arena had no room at the checkpoint. Chunks
+        evicted from under running requests are lost to them (`checkpoint_cost_pages`)."""
         self.counters.checkpoint_short_tokens += self.preemption.settle_evictions(self.held)
+        evicted = []
+        while self._evicted:
+            evicted.append(self._evicted.popleft())
+        self._unsave(evicted, save_again=False)
+
+    def _unsave(self, keys: Iterable[ChunkKey], *, save_again: bool) -> None:
+        """Chunk-layers `keys` left the tiers, or never reached them (lock held). A request
+        that counted their chunk saved, and finds no tier holding it otherwise, saves it again
+        (`save_again`: its copy failed, the pages are still there) or has lost it: a
+        checkpoint copies it (evicted, whose write-through would only evict others)."""
+        chunks = {(key.chunk_index, key.prefix_hash): key for key in keys}
+        for (index, prefix_hash), key in chunks.items():
+            is_held: bool | None = None  # looked up for the first request it is of, if any
+            for request_id, st in self._requests.items():
+                if index >= st.saved_chunks or st.hashes[index] != prefix_hash:
+                    continue
+                if is_held is None:
+                    is_held = self.held(key)
+                if is_held:
+                    break
+                if save_again:
+                    st.saved_chunks = index
+                    lost = self._lost_chunks.get(request_id)
+                    if lost:
+                        self._lost_chunks[request_id] = {i for i in lost if i < index}
+                else:
+                    self._lost_chunks.setdefault(request_id, set()).add(index)
 
     def _unpin(self, st: RequestState) -> None:
         self.host.unpin_all(st.pins)
