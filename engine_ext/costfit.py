@@ -1,8 +1,10 @@
 """Choosing a cost-model form from profiled steps, and keeping the fit per (model, machine).
 
 `choose_fit` fits every form on training splits of the steps and scores it on the held-out
-rests; the form of lowest mean held-out MAPE wins (a form that adds terms to another must
-beat it by 5%) and is fitted again on all steps. Steps are split by the grid point that
+rests; the form of lowest mean held-out MAPE wins, a form that adds terms to others ranked by
+its error raised 5% for each form it extends (`ranked_error`: its extra terms must win that
+margin against every form, not only against the one it extends), and is fitted again on all
+steps. Steps are split by the grid point that
 produced them, so held-out steps are batch compositions the fit never saw. The fit is stored
 as JSON, one file per (model, machine) under `<cache_dir>/costmodels/`; a file whose model or
 machine differs from the engine's is not used. Pure: no torch, no vLLM.

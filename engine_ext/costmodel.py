@@ -68,12 +68,17 @@ class CostModel:
 
     def use(self, form: CostForm | str, coefficients: Sequence[float]) -> None:
         """Predict with `form` and `coefficients` (a profiled fit) from now on; observed steps
-        stay for later refits, the error history starts again."""
+        stay for later refits, the error history and the calibration start again (measured
+        against the coefficients replaced, the calibration planned an exact fit with their
+        margin, up to twice its steps)."""
         self.form = cost_form(form) if isinstance(form, str) else form
         self.coefficients = self.form.coefficients_of(coefficients)
         self._errors.clear()
         self._error_sum = 0.0
         self._since_refit = 0
+        self._ratios.clear()
+        self._sorted_ratios.clear()
+        self.calibration = 1.0
 
     def predict_s(self, shape: StepShape) -> float:
         """Predicted step latency (seconds), its page copies included."""

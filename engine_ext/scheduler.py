@@ -147,12 +147,16 @@ class AntiphonScheduler(Scheduler):
         finally:
             self.max_num_active_reqs = max_active
             self._token_limits = {}
-            if sat_out[0]:
-                self._rejoin(sat_out[0])
+            self._rejoin(sat_out[0])
             if sat_out[1]:
                 self._requeue(sat_out[1])
         self._count_recomputed(output)
-        self._stalled = not output.total_num_scheduled_tokens and bool(self.running)
+        # Stalled: running requests and nothing scheduled, though one of them has no output
+        # in flight. With async scheduling a step is empty, not stalled, while every running
+        # request waits for its last token (taken for a stall, the next step ran without the
+        # plan, its BE chunk limits with it, at the end of nearly every turn).
+        self._stalled = not output.total_num_scheduled_tokens and any(
+            not r.num_output_placeholders for r in self.running)
         if output.total_num_scheduled_tokens:
             shape = self._shape_of(output)
             self._last_step_had_prefill = shape.num_prefill_tokens > 0
@@ -169,9 +173,10 @@ class AntiphonScheduler(Scheduler):
         return output
 
     def _rejoin(self, sat_out: list[Request]) -> None:
-        """Running requests that sat the step out rejoin the queue, RT ahead of BE (each
-        class in its order): vLLM's own preemption, in a step the plan left to it, takes
-        from the tail, which must never be an RT turn while BE work runs."""
+        """Running requests that sat the step out rejoin the queue, and the queue puts RT
+        ahead of BE (each class in its order), after every step: vLLM's own preemption, in a
+        step the plan left to it, takes from the tail, which must never be an RT turn while
+        BE work runs (vLLM appends the turns it admits, behind the BE work running)."""
         self.running = sorted(self.running + sat_out,  # stable: each class keeps its order
                               key=lambda r: request_class_of(r) is not RequestClass.RT)
 
@@ -498,14 +503,14 @@ class AntiphonScheduler(Scheduler):
         chunk seated before decodes took their tokens and they sat the step out (in a
         40-second `bros` run at 3 turns/s on a 2-core CPU: 62 RT and 27 BE decodes and 301 RT
         prefill chunks planned but not run)."""
-        num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens,
-                                                            num_new_tokens)
         limit = self._token_limits.get(request.request_id)
-        if limit is None or request.num_tokens - num_computed_tokens <= 1:
-            # A decode: its tokens past the one are drafts, or the padding vLLM gives a
-            # decode it seats to a uniform speculative size, which it asserts is kept.
-            return num_new_tokens
-        return min(num_new_tokens, limit)
+        if limit is not None and request.num_tokens - num_computed_tokens > 1:
+            # (not a decode: its tokens past the one are drafts, or the padding vLLM gives a
+            # decode it seats to a uniform speculative size, which it asserts is kept)
+            num_new_tokens = min(num_new_tokens, limit)
+        # vLLM's cut after the policy's: a chunk must not end within a multi-module drafter's
+        # lookahead of the prompt's end (cut after it, the limit could end it there)
+        return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
 
     def _count_recomputed(self, output: SchedulerOutput) -> None:
         """Charge each scheduled position below a preempted request's old progress as

@@ -414,3 +414,18 @@ def test_observe_returns_its_error() -> None:
     predicted = model.predict_s(shape)
     assert model.observe(shape, predicted * 2) == pytest.approx(0.5)
     assert model.observe(shape, 0.0) is None
+
+
+def test_a_profiled_fit_is_planned_without_the_replaced_coefficients_margin() -> None:
+    """The calibration (measured over predicted, under the coefficients replaced) stayed, and
+    a profiled fit that predicts every step exactly was planned with twice its steps."""
+    model = CostModel("bros", refit_every=10**9)  # no refit: the prior predicts throughout
+    shape = StepShape.of([(1, 100)] * 4)
+    true_s = 3 * model.predict_s(shape)  # the prior is three times too optimistic
+    for _ in range(64):
+        model.observe(shape, true_s)
+    assert model.calibration == CostModel.MAX_CALIBRATION
+    model.use("bros", [0.0, 0.0, 0.0, 0.0, 0.0, true_s])  # a fit whose decode step is true
+    assert model.predict_s(shape) == pytest.approx(true_s)
+    model.observe(shape, true_s)
+    assert model.planning_s(shape) == pytest.approx(true_s)

@@ -68,13 +68,14 @@ def scheduler(plans: list[StepPlan], max_num_seqs: int = 16,
     return sched
 
 
-def request(rid: str, num_prompt_tokens: int | list[int], request_class: str = "rt") -> Request:
+def request(rid: str, num_prompt_tokens: int | list[int], request_class: str = "rt",
+            max_tokens: int = 8) -> Request:
     """A request of `num_prompt_tokens` tokens (1, 2, ...), or of the tokens given; with the
     page hashes prefix caching needs."""
     tokens = (num_prompt_tokens if isinstance(num_prompt_tokens, list)
               else list(range(1, num_prompt_tokens + 1)))
-    return Request(rid, tokens,
-                   SamplingParams(max_tokens=8, extra_args={"antiphon_class": request_class}),
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens,
+                                               extra_args={"antiphon_class": request_class}),
                    None, block_hasher=_block_hasher)
 
 
@@ -228,6 +229,18 @@ def test_an_rt_turn_sitting_a_step_out_rejoins_ahead_of_be_work() -> None:
     assert [r.request_id for r in sched.running] == ["r", "b"]
 
 
+def test_an_rt_turn_admitted_behind_running_be_work_goes_ahead_of_it() -> None:
+    # vLLM appends the requests it admits: with none sitting out, the turn stayed behind the
+    # BE work, at the tail vLLM's own preemption takes from.
+    sched = scheduler([StepPlan(order=["b"], is_restrictive=True),
+                       StepPlan(order=["b", "r"], is_restrictive=True)])
+    sched.add_request(request("b", 20, "be"))
+    finish_step(sched, sched.schedule())
+    sched.add_request(request("r", 20))
+    assert scheduled(sched.schedule()) == {"b": 1, "r": 20}
+    assert [r.request_id for r in sched.running] == ["r", "b"]
+
+
 def test_waiting_requests_that_sit_a_step_out_keep_their_place_in_the_queue() -> None:
     # They were appended after the step, behind requests that arrived after them; a step
     # the plan leaves to vLLM (a stalled one) seats in queue order. 100 pages of 16 tokens:
@@ -249,3 +262,32 @@ def test_a_plans_chunk_never_cuts_a_decode_below_the_rows_vllm_gave_it() -> None
     sched._token_limits = {"a": 1}
     assert sched._reserve_prefill_lookahead(prompt, 39, 3) == 3  # one left: a decode
     assert sched._reserve_prefill_lookahead(prompt, 20, 20) == 1  # a prefill chunk is cut
+
+
+def test_a_step_empty_while_every_last_token_is_in_flight_is_no_stall() -> None:
+    """With async scheduling, the step scheduled ahead while a turn's last token is in flight
+    is empty: taken for a stall, the next step ran without the plan (a BE prefill of 1,000
+    tokens the plan limited to 64 ran whole)."""
+    plans = [StepPlan(order=["a", "b"], is_restrictive=True, token_limits={"b": 64})
+             for _ in range(3)]
+    sched = scheduler(plans, cls=AntiphonAsyncScheduler)
+    sched.add_request(request("a", 20, max_tokens=1))
+    first = sched.schedule()  # a's prefill: its only token is now in flight
+    ahead = sched.schedule()  # nothing to do until that comes
+    assert scheduled(first) == {"a": 20} and scheduled(ahead) == {}
+    sched.add_request(request("b", 1000, "be"))
+    finish_step(sched, first)
+    finish_step(sched, ahead)
+    assert scheduled(sched.schedule()) == {"b": 64}
+    assert sched.stats.plan_fallbacks == 0
+
+
+def test_a_chunk_limit_keeps_clear_of_a_drafters_prefill_lookahead() -> None:
+    """vLLM never ends a prefill chunk within a multi-module drafter's lookahead of the
+    prompt's end; the policy's limit, applied after that cut, ended one 2 tokens short."""
+    sched = scheduler([])
+    sched.num_prefill_lookahead = 4
+    sched._token_limits = {"a": 38}
+    assert sched._reserve_prefill_lookahead(request("a", 40), 0, 40) == 36
+    sched._token_limits = {"a": 20}
+    assert sched._reserve_prefill_lookahead(request("a", 40), 0, 40) == 20
