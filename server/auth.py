@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import logging
 import re
+import urllib.parse
 
 from antiphon.server.errors import ApiError, ErrorCode
 
@@ -48,10 +49,26 @@ def key_from_headers(authorization: str | None, api_key_param: str | None = None
     return api_key_param or None
 
 
-_KEY_IN_URL = re.compile(r"([?&]api_key=)[^&\s\"]*")
+# A query parameter in a logged URL: its name as sent (maybe percent-encoded) and its value.
+# In a formatted message the value also ends at the quote that closes the logged request line.
+_PARAM_IN_ARG = re.compile(r"(?<=[?&])([^=&\s]*)=([^&\s]*)")
+_PARAM_IN_MSG = re.compile(r"(?<=[?&])([^=&\s\"]*)=([^&\s\"]*)")
 # uvicorn logs each request's path with its query string: HTTP to "uvicorn.access", websocket
 # upgrades to "uvicorn.error". The browser UI sends its key as `?api_key=` on the websocket.
 URL_LOGGERS = ("uvicorn.access", "uvicorn.error")
+
+
+def _redact_param(match: re.Match[str]) -> str:
+    # Names compare as Starlette reads them (parse_qsl: '+' is a space, then percent-decoded):
+    # `?api%5Fkey=KEY` authenticates as `?api_key=KEY` does, and is logged as sent.
+    if urllib.parse.unquote_plus(match[1]) == "api_key":
+        return match[1] + "=***"
+    return match[0]
+
+
+def redact_api_key_params(text: str, pattern: re.Pattern[str] = _PARAM_IN_ARG) -> str:
+    """`text` with the value of each query parameter whose name reads `api_key` as `***`."""
+    return pattern.sub(_redact_param, text) if "=" in text else text
 
 
 class RedactApiKeys(logging.Filter):
@@ -59,10 +76,10 @@ class RedactApiKeys(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(_KEY_IN_URL.sub(r"\1***", a) if isinstance(a, str) else a
+            record.args = tuple(redact_api_key_params(a) if isinstance(a, str) else a
                                 for a in record.args)
-        if isinstance(record.msg, str) and "api_key=" in record.msg:
-            record.msg = _KEY_IN_URL.sub(r"\1***", record.msg)
+        if isinstance(record.msg, str):
+            record.msg = redact_api_key_params(record.msg, _PARAM_IN_MSG)
         return True
 
 

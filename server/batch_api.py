@@ -27,8 +27,9 @@ from antiphon.server.batch_types import (
 )
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.file_store import FileTooLarge
 from antiphon.server.http import authorize, read_model
-from antiphon.server.uploads import receive_upload
+from antiphon.server.uploads import declared_body_bytes, receive_upload
 
 router = APIRouter()
 INPUT_PURPOSE = "batch"
@@ -62,40 +63,61 @@ async def _batch(ctx: AppContext, owner: str, batch_id: str) -> Batch:
     return batch
 
 
-def _files_full(stored: int, most: int) -> ApiError:
+def _files_full(stored: int, most: int, in_flight: int = 0) -> ApiError:
+    uploading = f" (and holds {in_flight} more for its uploads in flight)" if in_flight else ""
     return ApiError(ErrorCode.TOO_LARGE, (
-        f"this API key stores {stored} bytes of files and may store {most} "
+        f"this API key stores {stored} bytes of files{uploading} and may store {most} "
         "(--max-stored-file-bytes), results included: delete some first "
         "(DELETE /v1/files/ID)"))
 
 
 @router.post("/v1/files")
 async def upload_file(request: Request) -> dict[str, Any]:
-    """Multipart upload (`file`, `purpose=batch`), streamed to disk under a new id. The key's
-    stored bytes are checked as the file streams in, and again under a per-key lock before it
-    is kept, so uploads in flight together cannot pass `--max-stored-file-bytes`."""
+    """Multipart upload (`file`, `purpose=batch`), streamed to disk under a new id. Each
+    upload reserves its room of the key's `--max-stored-file-bytes` before it streams (the
+    file's limit, or less: its Content-Length, the room left) and may write no more, so the
+    key's uploads in flight together stay within it; the key's stored bytes are checked again
+    under the key's lock before the file is kept (batch results may have grown them)."""
     ctx, owner = _ctx(request), authorize(request)
     limits = ctx.config.server
     most = limits.max_stored_file_bytes
-    stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
-    room = most - stored
-    if room <= 0:
-        raise _files_full(stored, most)
+    in_flight = ctx.files.uploads_in_flight
+    async with ctx.upload_locks[owner]:  # a file kept meanwhile is in `stored`, or reserved
+        stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
+        reserved = in_flight.num_reserved(owner)
+        room = most - stored - reserved
+        if room <= 0:
+            raise _files_full(stored, most, reserved)
+        max_bytes = min(limits.max_batch_file_bytes, room,
+                        declared_body_bytes(request) or limits.max_batch_file_bytes)
+        in_flight.reserve(owner, max_bytes)
+    try:
+        record = await _receive_file(request, ctx, owner, max_bytes)
+    except FileTooLarge as err:  # (not a form field too long: that is the client's fault)
+        if room < limits.max_batch_file_bytes:
+            raise _files_full(stored, most, reserved) from err
+        raise
+    finally:  # after the file is kept or gone
+        in_flight.release(owner, max_bytes)
+    return record.to_json()
+
+
+async def _receive_file(request: Request, ctx: AppContext, owner: str,
+                        max_bytes: int) -> FileRecord:
+    """Stream the upload into a new file of at most `max_bytes` and keep it, if the key's
+    stored bytes, checked under its lock, have room for it still."""
+    limits = ctx.config.server
     file_id = new_file_id()
-    with ctx.files.create(file_id, min(limits.max_batch_file_bytes, room)) as writer:
-        try:
-            upload = await receive_upload(request, writer, limits.max_batch_items)
-        except ApiError as err:
-            if err.code is ErrorCode.TOO_LARGE and room < limits.max_batch_file_bytes:
-                raise _files_full(stored, most) from err
-            raise
+    with ctx.files.create(file_id, max_bytes) as writer:
+        upload = await receive_upload(request, writer, limits.max_batch_items)
         if upload.fields.get("purpose") != INPUT_PURPOSE:
             raise ApiError(ErrorCode.BAD_MESSAGE, f"purpose must be {INPUT_PURPOSE!r}")
         record = FileRecord(file_id, owner, INPUT_PURPOSE, upload.filename, upload.num_bytes,
                             time.time())
         async with ctx.upload_locks[owner]:
             stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
-            if stored + upload.num_bytes > most:  # another upload of the key kept meanwhile
+            most = limits.max_stored_file_bytes
+            if stored + upload.num_bytes > most:  # batch results written meanwhile
                 raise _files_full(stored, most)
             await asyncio.to_thread(writer.commit)
             try:
@@ -103,7 +125,7 @@ async def upload_file(request: Request) -> dict[str, Any]:
             except Exception:  # not registered (its transaction did not commit): not kept
                 ctx.files.path(file_id).unlink(missing_ok=True)
                 raise
-    return record.to_json()
+    return record
 
 
 @router.get("/v1/files")

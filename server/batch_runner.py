@@ -156,8 +156,12 @@ class BatchRunner:
             await asyncio.to_thread(self.store.fail_batch, b.batch_id, ErrorCode.INVALID_FILE,
                                     "the input file has no requests")
             return
-        await asyncio.to_thread(self.store.start_batch, b.batch_id, items)
-        logger.info("batch %s: %d requests", b.batch_id, len(items))
+        if await asyncio.to_thread(self.store.start_batch, b.batch_id, items):
+            # Lines that failed validation are stored failed here and never run: counted now,
+            # the once their batch leaves VALIDATING (a restart resumes it past this step).
+            # (Not stored when the batch was cancelled meanwhile: nor counted.)
+            self.metrics.batch_items.labels("failed").inc(sum(1 for it in items if it.error))
+            logger.info("batch %s: %d requests", b.batch_id, len(items))
         self.notify()
 
     async def _dispatch(self, batches: list[Batch]) -> None:

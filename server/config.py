@@ -5,9 +5,15 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
+import re
 from typing import Any
 
 from antiphon.configfields import doc
+
+# A key as an `Authorization: Bearer` header carries it: printable ASCII (a header's value is
+# read as Latin-1 and a key hashed as UTF-8, so no other character compares equal), spaces
+# inside only (the server strips the value it reads).
+_HEADER_SAFE_KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
 
 
 def is_loopback(host: str) -> bool:
@@ -177,6 +183,13 @@ class ServerConfig:
             )
         if any(len(k) < 8 for k in self.accepted_api_keys):
             raise ValueError("API keys must be at least 8 characters long")
+        for name in ("api_keys", "best_effort_api_keys"):
+            bad = [i for i, k in enumerate(getattr(self, name), 1)
+                   if not _HEADER_SAFE_KEY.fullmatch(k)]
+            if bad:  # (the key itself is a secret: named by its place, not shown)
+                raise ValueError(
+                    f"{name} #{bad[0]} can never be sent in an Authorization header: API keys "
+                    "must be printable ASCII, with no whitespace at either end")
         if set(self.api_keys) & set(self.best_effort_api_keys):
             # (it ran as best-effort work, whichever list the operator meant)
             raise ValueError("a key is in both --api-keys and --best-effort-api-keys: give "

@@ -21,6 +21,14 @@ _SUFFIX = ".jsonl"
 _PART_SUFFIX = ".part"
 
 
+class FileTooLarge(ApiError):
+    """`too_large`: a file, or the upload body carrying it, past the bytes it may take."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(ErrorCode.TOO_LARGE, f"file exceeds {max_bytes} bytes")
+        self.max_bytes = max_bytes
+
+
 class FileWriter:
     """Appends bytes to a new file, refusing more than `max_bytes`. Use as a context manager:
     leaving it without `commit()` deletes what was written."""
@@ -36,7 +44,7 @@ class FileWriter:
     def write(self, data: bytes) -> None:
         """Append `data`; raises `too_large` past the limit (and writes none of it)."""
         if self.max_bytes is not None and self.num_bytes + len(data) > self.max_bytes:
-            raise ApiError(ErrorCode.TOO_LARGE, f"file exceeds {self.max_bytes} bytes")
+            raise FileTooLarge(self.max_bytes)
         self._file.write(data)
         self.num_bytes += len(data)
 
@@ -64,9 +72,32 @@ class FileWriter:
                 self._part.unlink(missing_ok=True)
 
 
+class UploadReservations:
+    """Bytes set aside, per owner, for uploads still streaming in. An upload takes its room
+    before its first byte and gives it back once its file is kept or gone, so the uploads of
+    one owner in flight together cannot put more than its limit on disk. Event loop only."""
+
+    def __init__(self) -> None:
+        self._num_bytes: dict[str, int] = {}  # owner -> bytes reserved, owners with some only
+
+    def num_reserved(self, owner: str) -> int:
+        return self._num_bytes.get(owner, 0)
+
+    def reserve(self, owner: str, num_bytes: int) -> None:
+        """Hold `num_bytes` for `owner` until `release` gives them back."""
+        self._num_bytes[owner] = self.num_reserved(owner) + num_bytes
+
+    def release(self, owner: str, num_bytes: int) -> None:
+        left = self._num_bytes.pop(owner) - num_bytes
+        assert left >= 0, f"{owner} released more than it reserved"
+        if left:
+            self._num_bytes[owner] = left
+
+
 class FileStore:
     def __init__(self, directory: Path) -> None:
         self.directory = private_dir(directory)
+        self.uploads_in_flight = UploadReservations()
 
     def path(self, file_id: str) -> Path:
         """Where the file `file_id` lives; raises ValueError for an id the server cannot have

@@ -10,11 +10,14 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from antiphon.server.errors import ApiError, ErrorCode
-from antiphon.server.file_store import FileWriter
+from antiphon.server.file_store import FileTooLarge, FileWriter
 
 FILE_FIELD = "file"
 _MAX_FIELD_BYTES = 1024  # form fields besides the file ("purpose") are short
 _MAX_FIELDS = 8
+_MAX_PARTS = _MAX_FIELDS + 1  # the fields and the file
+# Body bytes besides the file's: boundaries, part headers, the other fields.
+MAX_FORM_OVERHEAD_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +63,18 @@ class _Receiver:
         self._is_file = False
         self._value = bytearray()
         self.is_complete = False  # the closing boundary arrived
+        self.num_parts = 0
 
     def on_end(self) -> None:
         self.is_complete = True
 
     def on_part_begin(self) -> None:
+        # Counted here, not as fields kept: a field sent again replaces its value, and each
+        # part costs parsing all the same. A body too large in parts: 413, as in bytes.
+        self.num_parts += 1
+        if self.num_parts > _MAX_PARTS:
+            raise ApiError(ErrorCode.TOO_LARGE,
+                           f"more than {_MAX_FIELDS} form fields besides the file")
         self._disposition, self._is_file, self._value = b"", False, bytearray()
 
     def on_header_field(self, data: bytes, start: int, end: int) -> None:
@@ -82,8 +92,6 @@ class _Receiver:
         _, options = parse_options_header(self._disposition)
         self._name = options.get(b"name", b"").decode("utf-8", "replace")
         if b"filename" not in options:
-            if len(self.fields) >= _MAX_FIELDS:
-                raise ApiError(ErrorCode.BAD_MESSAGE, "too many form fields")
             return
         if self._name != FILE_FIELD or self.filename is not None:
             raise ApiError(ErrorCode.BAD_MESSAGE,
@@ -109,17 +117,29 @@ class _Receiver:
             self.fields[self._name] = self._value.decode("utf-8", "replace")
 
 
+def declared_body_bytes(request: Request) -> int | None:
+    """The body's Content-Length; None for a chunked body (or a length that is no number)."""
+    declared = request.headers.get("content-length", "")
+    return int(declared) if declared.isdigit() else None
+
+
+def _check_body_bytes(num_bytes: int, max_file_bytes: int | None) -> None:
+    """Raises `FileTooLarge` for a body of `num_bytes` past the file's and the form's room."""
+    if max_file_bytes is not None and num_bytes > max_file_bytes + MAX_FORM_OVERHEAD_BYTES:
+        raise FileTooLarge(max_file_bytes)
+
+
 async def receive_upload(request: Request, writer: FileWriter, max_lines: int) -> Upload:
     """Stream the request's multipart body: its file part into `writer` (which enforces the
     byte limit), its other fields into `Upload.fields`. Raises `ApiError` on a malformed body,
-    a missing file, more than `max_lines` lines, or more bytes than the writer takes."""
+    a missing file, more than `max_lines` lines, or more bytes than the writer takes
+    (`FileTooLarge`, also for a body past the writer's bytes and `MAX_FORM_OVERHEAD_BYTES`,
+    whether its Content-Length says so or it is chunked and streams past them)."""
     _, params = parse_options_header(request.headers.get("content-type"))
     boundary = params.get(b"boundary")
     if not boundary:
         raise ApiError(ErrorCode.BAD_MESSAGE, "expected a multipart/form-data body")
-    declared = request.headers.get("content-length", "")
-    if writer.max_bytes and declared.isdigit() and int(declared) > writer.max_bytes + 64 * 1024:
-        raise ApiError(ErrorCode.TOO_LARGE, f"file exceeds {writer.max_bytes} bytes")
+    _check_body_bytes(declared_body_bytes(request) or 0, writer.max_bytes)
     r = _Receiver(writer, max_lines)
     parser = MultipartParser(boundary, {
         "on_part_begin": r.on_part_begin, "on_part_data": r.on_part_data,
@@ -127,7 +147,12 @@ async def receive_upload(request: Request, writer: FileWriter, max_lines: int) -
         "on_header_value": r.on_header_value, "on_header_end": r.on_header_end,
         "on_headers_finished": r.on_headers_finished, "on_end": r.on_end})
     try:
+        num_body_bytes = 0
         async for chunk in request.stream():
+            # A chunked body has no Content-Length to refuse it by: parts besides the file,
+            # and whatever follows the closing boundary, are read and dropped, so count them.
+            num_body_bytes += len(chunk)
+            _check_body_bytes(num_body_bytes, writer.max_bytes)
             parser.write(chunk)
         parser.finalize()
     except MultipartParseError as exc:

@@ -348,3 +348,30 @@ async def test_an_item_asking_for_a_session_fails_also_when_an_older_server_chec
         store.close()
     assert (batch.counts.completed, batch.counts.failed) == (1, 1)
     assert len(engine.request_prompts) == 1
+
+
+async def test_lines_that_fail_validation_are_counted_failed_once(tmp_path: Path) -> None:
+    """antiphon_batch_items_total{outcome="failed"} left out the lines that failed validation
+    (stored failed when the batch starts, never run); counted then, and not again when a
+    restart resumes the batch."""
+    store, files, engine, runner = direct_runner(tmp_path, token_delay_s=0.05)
+    await engine.start()
+    file_id = new_file_id()
+    with files.create(file_id) as w:
+        w.write(jsonl(4) + b"{not json\n[]\n")
+        w.commit()
+    store.add_file(FileRecord(file_id, "o", "batch", "in.jsonl", w.num_bytes, time.time()))
+    batch_id = store.create_batch("o", file_id, "24h", 3600.0, None).batch_id
+
+    def counted(outcome: str) -> float | None:
+        return runner.metrics.registry.get_sample_value("antiphon_batch_items_total",
+                                                        {"outcome": outcome})
+
+    await runner.start()
+    while not engine.active_request_ids:  # validated, and running
+        await asyncio.sleep(0.01)
+    await runner.stop()
+    assert counted("failed") == 2
+    batch = await run_until_finished(store, runner, batch_id)  # the restart resumes it
+    assert (batch.counts.completed, batch.counts.failed) == (4, 2)
+    assert (counted("completed"), counted("failed")) == (4, 2)

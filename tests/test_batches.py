@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -754,3 +755,104 @@ def test_a_file_deleted_as_its_batch_is_created_gives_one_of_them(
                                   completion_window="24h")
         assert refused.value.body["code"] == "file_not_found"  # type: ignore[index]
         assert client.batches.list().data == []
+
+
+BOUNDARY = "antiphon-test"
+MULTIPART = {"content-type": f"multipart/form-data; boundary={BOUNDARY}"}
+
+
+def form_part(name: str, value: bytes, filename: str | None = None) -> bytes:
+    named = f'name="{name}"' + (f'; filename="{filename}"' if filename else "")
+    return (f"--{BOUNDARY}\r\nContent-Disposition: form-data; {named}\r\n\r\n".encode()
+            + value + b"\r\n")
+
+
+def in_chunks(data: bytes, size: int = 1 << 16) -> Iterator[bytes]:
+    """`data` as a body without Content-Length (httpx sends an iterator chunked)."""
+    for start in range(0, len(data), size):
+        yield data[start:start + size]
+
+
+def test_an_upload_body_is_bounded_also_when_chunked(tmp_path: Path) -> None:
+    """A body past the file's limit and the form's room is refused by its Content-Length; sent
+    chunked, it was read to its end however long: after the closing boundary, or in short
+    form fields sent again and again (their number is bounded too)."""
+    one = request_line("a", "hi").encode() + b"\n"
+    head = form_part("purpose", b"batch") + form_part("file", one, "a.jsonl")
+    end = f"--{BOUNDARY}--\r\n".encode()
+    with batch_server(tmp_path, max_batch_file_bytes=1000) as live:
+        def refused(body: bytes | Iterator[bytes]) -> tuple[int, str]:
+            r = httpx.post(live.url + "/v1/files", content=body, headers=MULTIPART)
+            return r.status_code, r.json().get("error", {}).get("message", "")
+
+        too_large, too_many = "file exceeds 1000 bytes", "more than 8 form fields besides the file"
+        epilogue = head + end + b"z" * 300_000
+        assert refused(epilogue) == (413, too_large)  # by its Content-Length
+        assert refused(in_chunks(epilogue)) == (413, too_large)
+        padded = head + form_part("x", b"y" * 900) * 300 + end  # ~270 KiB, each field < 1 KiB
+        assert refused(padded) == (413, too_large)
+        # by the parts' number, or by the bytes where the first chunk read holds the room
+        assert refused(in_chunks(padded)) in ((413, too_many), (413, too_large))
+        assert refused(head + form_part("x", b"y") * 8 + end) == (413, too_many)
+        assert list((tmp_path / "files").iterdir()) == []
+        for body in (head + end, head + form_part("x", b"y") * 7 + end):  # 9 parts at most
+            kept = httpx.post(live.url + "/v1/files", content=in_chunks(body),
+                              headers=MULTIPART)
+            assert kept.status_code == 200 and kept.json()["bytes"] == len(one), kept.text
+
+
+def test_uploads_in_flight_reserve_their_room_before_they_stream(tmp_path: Path) -> None:
+    """Each upload of a key in flight had the key's whole room: N of them put N times its
+    --max-stored-file-bytes on disk before the last check refused all but one. Each now
+    reserves its room before it streams: a chunked one what a file may take, a sized one its
+    Content-Length, so small uploads still go in together."""
+    one = jsonl(40)
+    body = form_part("purpose", b"batch") + form_part("file", one, "a.jsonl") + (
+        f"--{BOUNDARY}--\r\n".encode())
+    release = threading.Event()
+
+    def held(data: bytes) -> Iterator[bytes]:
+        yield data[:-100]
+        release.wait(10)
+        yield data[-100:]
+
+    def part_bytes() -> int:
+        return sum(p.stat().st_size for p in (tmp_path / "files").glob("*.part"))
+
+    quota = 2 * len(body) + 100  # two sized uploads; one chunked (a file may take it all)
+    with batch_server(tmp_path, max_stored_file_bytes=quota) as live:
+        def upload(sized: bool) -> httpx.Response:
+            length = {"content-length": str(len(body))} if sized else {}
+            return httpx.post(live.url + "/v1/files", content=held(body),
+                              headers={**MULTIPART, **length}, timeout=30)
+
+        for sized, num_kept in ((False, 1), (True, 2)):
+            release.clear()
+            with ThreadPoolExecutor(4) as pool:
+                posts = [pool.submit(upload, sized) for _ in range(4)]
+                deadline = time.monotonic() + 10
+                while part_bytes() < len(body) - 1000 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.3)  # the others have had their chance to stream too
+                on_disk = part_bytes()
+                release.set()
+                responses = [p.result() for p in posts]
+            assert on_disk <= quota, f"{on_disk} bytes of one key's uploads on disk"
+            statuses = sorted(r.status_code for r in responses)
+            assert statuses == [200] * num_kept + [413] * (4 - num_kept), statuses
+            refused = next(r for r in responses if r.status_code == 413)
+            assert "--max-stored-file-bytes" in refused.json()["error"]["message"]
+            for kept in (r for r in responses if r.status_code == 200):
+                assert live.client().files.delete(kept.json()["id"]).deleted
+
+
+def test_a_form_field_too_long_is_not_reported_as_files_full(tmp_path: Path) -> None:
+    """With less room left than a file may take, every `too_large` of an upload said the
+    key's files were full, also that of a form field too long."""
+    one = jsonl(2)
+    body = (form_part("purpose", b"b" * 2000) + form_part("file", one, "a.jsonl")
+            + f"--{BOUNDARY}--\r\n".encode())
+    with batch_server(tmp_path, max_stored_file_bytes=10 * len(one)) as live:
+        r = httpx.post(live.url + "/v1/files", content=body, headers=MULTIPART)
+        assert r.status_code == 413
+        assert r.json()["error"]["message"] == "form field 'purpose' is too long", r.text

@@ -14,7 +14,7 @@ from antiphon.engine_ext.config import (
     set_cpu_threading,
 )
 from antiphon.engine_ext.model_defaults import cpu_computes_bf16, resolve_dtype
-from antiphon.server.auth import Authenticator
+from antiphon.server.auth import Authenticator, key_from_headers
 from antiphon.server.config import ServerConfig
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.sessions.config import SessionConfig
@@ -229,3 +229,17 @@ def test_serve_names_a_bad_setting_by_its_option(tmp_path: Path,
     args = build_parser().parse_args(["serve"])
     assert named_as_options("/srv/data_dir/x and ./data_dir: data_dir", args) == (
         "/srv/data_dir/x and ./data_dir: --data-dir")  # a path's names stay as they are
+
+
+@pytest.mark.parametrize("key", ["tenant-key-1 ", " tenant-key-1", "tenant-key-1\n",
+                                 "tenant\tkey-1", "clé-secrète-1", "tenant-key\x00-1"])
+def test_a_key_no_authorization_header_can_carry_is_refused(key: str) -> None:
+    """The server strips the Bearer value it reads, and reads a header as Latin-1 where a key
+    is hashed as UTF-8: such a key was accepted, and then could never authenticate."""
+    for keys in ({"api_keys": (key,)}, {"best_effort_api_keys": (key,)}):
+        with pytest.raises(ValueError, match="Authorization header") as refused:
+            ServerConfig(**keys)  # type: ignore[arg-type]
+        assert key not in str(refused.value)  # a secret: named by its place only
+    spaced = "tenant key 1"  # spaces inside are carried, and the value read keeps them
+    auth = Authenticator(ServerConfig(api_keys=(spaced,)).accepted_api_keys)
+    assert auth.owner_for(key_from_headers(f"Bearer {spaced}")) == auth.fingerprint(spaced)

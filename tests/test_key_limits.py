@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from pathlib import Path
 
 import httpx
+import pytest
 from websockets.asyncio.client import connect
 
 from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.server.auth import RedactApiKeys, redact_api_key_params
 from tests.conftest import scripted_config
-from tests.liveserver import live_server
+from tests.liveserver import live_server, running_server
 from tests.wsclient import open_session, recv, recv_until, send
 
 A, B = "tenant-a-key-1", "tenant-b-key-2"
@@ -266,3 +269,35 @@ async def test_the_servers_limits_name_their_options(tmp_path: Path) -> None:
             while (frame := await recv(first))["type"] != "error":
                 pass
             assert "--max-inflight-per-connection: 1" in frame["message"], frame
+
+
+async def test_a_key_in_a_percent_encoded_query_name_stays_out_of_the_logs(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The server reads `?api%5Fkey=KEY` (or `?%61pi_key=`) as `?api_key=KEY` and lets it in;
+    uvicorn logs the query as sent, and the redaction matched `api_key=` only."""
+    config = scripted_config(tmp_path, api_keys=(A,))
+    with running_server(config, ScriptedEngine(), log_level="info") as (url, _server):
+        for name in ("api%5Fkey", "%61pi_key", "api%5fkey"):
+            assert httpx.get(f"{url}/v1/models?limit=1&{name}={A}").status_code == 200
+        ws_url = url.replace("http://", "ws://") + f"/v1/ws?api%5Fkey={A}"
+        async with connect(ws_url) as ws:
+            await send(ws, type="session.list")
+            assert (await recv(ws))["type"] == "sessions"
+    logged = capfd.readouterr()
+    log = logged.out + logged.err
+    assert "/v1/models?limit=1&api%5Fkey=*** HTTP/1.1" in log
+    assert '"WebSocket /v1/ws?api%5Fkey=***"' in log
+    assert A not in log, [line for line in log.splitlines() if A in line]
+
+
+def test_only_parameters_read_as_api_key_are_redacted() -> None:
+    """Names compare as the server decodes them ('+' is a space, then %XX), in the logged
+    URL and in an already formatted message."""
+    assert redact_api_key_params("/v?a=1&api%5Fkey=K&b=2") == "/v?a=1&api%5Fkey=***&b=2"
+    assert redact_api_key_params("/v?api+key=K&api_keys=K&xapi_key=K") == (
+        "/v?api+key=K&api_keys=K&xapi_key=K")  # other names: the server does not read them
+    record = logging.LogRecord("uvicorn.error", logging.INFO, "x", 1,
+                               f'1.2.3.4:5 - "WebSocket /v1/ws?%61pi_key={A}" [accepted]',
+                               None, None)
+    RedactApiKeys().filter(record)
+    assert record.getMessage() == '1.2.3.4:5 - "WebSocket /v1/ws?%61pi_key=***" [accepted]'
