@@ -118,6 +118,8 @@ class _Turn:
     queue: asyncio.Queue[tuple[ClientConnection, dict[str, Any]]]
     text: list[str] = dataclasses.field(default_factory=list)
     ws: ClientConnection | None = None  # the socket it was last sent on
+    is_sent: bool = False  # the message has gone out on `ws`
+    is_cancel_asked: bool = False  # `cancel` came before that: the cancel follows it
 
 
 class AsyncAntiphon:
@@ -515,7 +517,9 @@ class AsyncAntiphon:
         try:
             sent_at = time.perf_counter()
             await self._send(payload, turn)
-            sent = True
+            sent = turn.is_sent = True
+            if turn.is_cancel_asked:  # (lost, the turn ran to its end)
+                await self._cancel_on_its_socket(request_id, turn)
             first_token_at: float | None = None
             prompt_tokens = 0
             while True:
@@ -611,6 +615,9 @@ class AsyncAntiphon:
         if turn is None:
             raise NotFoundError("request_not_found", f"no request {request_id} in flight on "
                                 "this client")
+        if not turn.is_sent:  # still connecting: sent now, the cancel would come first
+            turn.is_cancel_asked = True
+            return
         await self._cancel_on_its_socket(request_id, turn)
 
 

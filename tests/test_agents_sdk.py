@@ -160,6 +160,18 @@ async def test_cancel_a_turn(scripted: Scripted) -> None:
         assert 0 < reply.completion_tokens < 80
 
 
+async def test_a_cancel_before_the_turn_went_out_stops_it(scripted: Scripted) -> None:
+    """A cancel while the client was still connecting found no socket to send on and was
+    dropped: the turn then ran to its end."""
+    async with AsyncAntiphon(scripted.url) as client:
+        sid = (await client.create_session()).session_id
+        turn = asyncio.create_task(client.chat(sid, " ".join(["w"] * 80), request_id="early"))
+        await asyncio.sleep(0)  # registered, connecting
+        await client.cancel("early")
+        reply = await turn
+        assert reply.finish_reason == "cancelled" and reply.completion_tokens < 80
+
+
 def test_blocking_client(scripted: Scripted) -> None:
     with Antiphon(scripted.url) as client:
         sid = client.create_session().session_id
