@@ -209,10 +209,15 @@ class ChatService:
                 *(a for a in self.config.model_aliases if a != self.engine.model_name))
 
     def check_stop(self, stop: Sequence[str]) -> None:
-        """Raises `too_large` past `--max-stop-sequences` stop sequences."""
+        """Raises `too_large` past `--max-stop-sequences` stop sequences, or for one longer
+        than `--max-stop-chars`."""
         if len(stop) > self.config.max_stop_sequences:
             raise over_limit(f"{len(stop)} stop sequences; the limit is "
                              f"{self.config.max_stop_sequences}", "stop")
+        longest = max(map(len, stop), default=0)
+        if longest > self.config.max_stop_chars:
+            raise over_limit(f"a stop sequence of {longest} characters; the limit is "
+                             f"{self.config.max_stop_chars}", "stop")
 
     def check_logit_bias(self, logit_bias: Sequence[tuple[int, float]]) -> None:
         """Raises `too_large` past `--max-logit-bias-tokens` tokens, and `bad_message` for a

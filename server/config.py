@@ -62,6 +62,9 @@ class ServerConfig:
         "answers greedily. Unset: the model's generation_config.json temperature, as vLLM "
         "takes it (the default model's: 0.2), else 1 as in OpenAI's API", default=None)
     max_stop_sequences: int = doc("Most stop sequences in one request", default=16)
+    max_stop_chars: int = doc(
+        "Longest stop sequence (characters): the engine looks for each one in the reply's end "
+        "at every token", default=1000)
     max_logit_bias_tokens: int = doc("Most tokens one request's logit_bias names", default=300)
     max_choices: int = doc(
         "Most choices one completion request asks for: n, times the prompts of a text "
@@ -197,7 +200,8 @@ class ServerConfig:
         if any(not alias.strip() or len(alias) > 256 for alias in self.model_aliases):
             raise ValueError("model aliases must be 1 to 256 characters, not blank")
         for name in ("max_frame_bytes", "max_content_chars", "max_messages", "default_max_tokens",
-                     "max_tokens_limit", "max_stop_sequences", "max_logit_bias_tokens",
+                     "max_tokens_limit", "max_stop_sequences", "max_stop_chars",
+                     "max_logit_bias_tokens",
                      "max_choices", "max_tools", "max_prompt_logprobs_tokens",
                      "max_inflight_per_connection", "max_connections", "max_connections_per_key",
                      "max_inflight_per_key", "max_sessions_listed", "max_sessions_per_key",

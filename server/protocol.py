@@ -145,7 +145,8 @@ class Sampling(BaseModel):
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     """vLLM's: output tokens generated before EOS or a stop sequence may end the reply."""
     stop: StopText | list[StopText] | None = None
-    """At most the server's `max_stop_sequences`, each non-empty."""
+    """At most the server's `max_stop_sequences`, each non-empty and at most
+    `max_stop_chars` long."""
     seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, Annotated[Finite, Field(ge=-100.0, le=100.0)]] | None = None

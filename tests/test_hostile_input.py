@@ -63,6 +63,7 @@ def test_json_no_part_of_the_server_could_use_is_refused(scripted: Scripted, raw
     ({"stop": [""]}, 400, "bad_message", "stop.0: String should have at least 1 character"),
     ({"stop": 5}, 400, "bad_message", "stop: Input should be a valid string"),
     ({"stop": [str(i) for i in range(17)]}, 400, "too_large", "stop sequences"),  # OpenAI's
+    ({"stop": ["x" * 1001]}, 400, "too_large", "a stop sequence of 1001 characters"),
     ({"seed": 2**70}, 400, "bad_message", "seed"),
     ({"max_tokens": "5"}, 400, "bad_message", "max_tokens"),
     ({"max_tokens": True}, 400, "bad_message", "max_tokens"),
@@ -235,6 +236,7 @@ async def test_a_websocket_turn_takes_the_sampling_of_a_chat_completion(
                    response_format={"type": "json_object"})
         await recv_until(ws, "done")
         for bad, words in (({"top_p": 1.5}, "top_p"), ({"stop": ["s"] * 17}, "stop sequences"),
+                           ({"stop": ["s" * 1001]}, "1001 characters"),
                            ({"response_format": {"type": "yaml"}}, "response_format.type"),
                            ({"ignore_eos": True}, "ignore_eos")):  # a benchmark's, REST only
             await send(ws, type="message", session_id=sid, content="again", **bad)
