@@ -268,12 +268,22 @@ def _tier_delta(s0: dict[str, Any], s1: dict[str, Any], name: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    systems = {}
-    for entry in args.policies.split(","):
-        policy, _, guard = entry.partition("@")
-        systems[entry] = ["--policy", policy, *(["--be-step-limit-s", guard] if guard else []),
-                          *(STOCK_MEMORY if policy in STOCK_POLICIES else [])]
+    systems = {entry: system_arguments(entry) for entry in args.policies.split(",")}
     return run_systems(args, "mixed", systems, baseline="fcfs")
+
+
+def system_arguments(entry: str) -> list[str]:
+    """The `serve` arguments of a `--policies` entry, `POLICY[@SECONDS][:MEMORY]`: the policy,
+    its BE step limit, and its memory management, `stock` (recompute preemption, the device's
+    prefix cache alone) or `antiphon` (the server's defaults: bidirectional blocks, KV tiers);
+    by default stock for the stock policies, Antiphon's for the others."""
+    entry, _, memory = entry.partition(":")
+    policy, _, guard = entry.partition("@")
+    if memory not in ("", "stock", "antiphon"):
+        raise ValueError(f"memory management {memory!r}: stock or antiphon")
+    is_stock = memory == "stock" or (not memory and policy in STOCK_POLICIES)
+    return ["--policy", policy, *(["--be-step-limit-s", guard] if guard else []),
+            *(STOCK_MEMORY if is_stock else [])]
 
 
 def trace_duration(args: argparse.Namespace) -> float:
@@ -499,7 +509,9 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--out", default="bench-mixed.json")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated; POLICY@SECONDS runs POLICY with that BE step limit "
-                        "(--be-step-limit-s, the arrival guard), e.g. bros@inf for none")
+                        "(--be-step-limit-s, the arrival guard), e.g. bros@inf for none; "
+                        "POLICY:stock or POLICY:antiphon with that memory management (default: "
+                        "stock for fcfs and priority, Antiphon's for the others)")
     add_workload_arguments(p, kv_pages=64)
     p.set_defaults(bench_func=main)
 

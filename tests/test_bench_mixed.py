@@ -269,11 +269,18 @@ def test_the_stock_baselines_run_on_stock_memory_management(
     ran: dict[str, list[str]] = {}
     monkeypatch.setattr(mixed, "run_systems", lambda args, bench, systems, baseline: (
         ran.update(systems), 0)[1])
-    mixed.main(argparse.Namespace(policies="fcfs,priority,echo,bros@inf"))
+    mixed.main(argparse.Namespace(policies="fcfs,priority,echo,bros@inf,echo:stock,"
+                                           "fcfs:antiphon,bros@0.5:stock"))
     for name in ("fcfs", "priority"):
         assert "--no-biblocks" in ran[name] and "--no-kv-tiering" in ran[name], ran
     assert ran["echo"] == ["--policy", "echo"]
+    assert ran["fcfs:antiphon"] == ["--policy", "fcfs"]
     assert ran["bros@inf"] == ["--policy", "bros", "--be-step-limit-s", "inf"]
+    assert ran["echo:stock"] == ["--policy", "echo", "--no-biblocks", "--no-kv-tiering"]
+    assert ran["bros@0.5:stock"] == ["--policy", "bros", "--be-step-limit-s", "0.5",
+                                     "--no-biblocks", "--no-kv-tiering"]
+    with pytest.raises(ValueError, match="stock or antiphon"):
+        mixed.main(argparse.Namespace(policies="echo:tiered"))
 
 
 async def test_the_be_rate_is_sampled_over_the_run() -> None:
