@@ -41,7 +41,8 @@ POLICIES = ("fcfs", "priority", "bros", "hygen", "echo")
 # recomputes, and KV lives only in the device's prefix cache (with Antiphon's, fcfs's BE work
 # was checkpointed to host RAM, and its write-through cost was in the baseline's figures).
 STOCK_POLICIES = ("fcfs", "priority")
-STOCK_MEMORY = ["--no-biblocks", "--no-kv-tiering"]
+MEMORY_ARGUMENTS = {"stock": ["--no-biblocks", "--no-kv-tiering"], "antiphon": [],
+                    "host": ["--ssd-tier-bytes", "0"]}
 # Printed per run when a benchmark repeats its systems.
 KEY_METRICS = ("rt_ttft_slo_attainment", "rt_tpot_slo_attainment", "rt_normalized_latency_s",
                "rt_failed", "be_tokens_per_s", "be_recomputed_tokens", "cost_model_mape", "host_decode_step_s",
@@ -275,15 +276,17 @@ def main(args: argparse.Namespace) -> int:
 def system_arguments(entry: str) -> list[str]:
     """The `serve` arguments of a `--policies` entry, `POLICY[@SECONDS][:MEMORY]`: the policy,
     its BE step limit, and its memory management, `stock` (recompute preemption, the device's
-    prefix cache alone) or `antiphon` (the server's defaults: bidirectional blocks, KV tiers);
-    by default stock for the stock policies, Antiphon's for the others."""
+    prefix cache alone), `antiphon` (the server's defaults: bidirectional blocks, KV tiers)
+    or `host` (Antiphon's with the host tier alone: no SSD write-through); by default stock
+    for the stock policies, Antiphon's for the others."""
     entry, _, memory = entry.partition(":")
     policy, _, guard = entry.partition("@")
-    if memory not in ("", "stock", "antiphon"):
-        raise ValueError(f"memory management {memory!r}: stock or antiphon")
-    is_stock = memory == "stock" or (not memory and policy in STOCK_POLICIES)
+    if memory not in ("", *MEMORY_ARGUMENTS):
+        raise ValueError(f"memory management {memory!r}: one of {', '.join(MEMORY_ARGUMENTS)}")
+    if not memory:
+        memory = "stock" if policy in STOCK_POLICIES else "antiphon"
     return ["--policy", policy, *(["--be-step-limit-s", guard] if guard else []),
-            *(STOCK_MEMORY if is_stock else [])]
+            *MEMORY_ARGUMENTS[memory]]
 
 
 def trace_duration(args: argparse.Namespace) -> float:
@@ -510,8 +513,9 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated; POLICY@SECONDS runs POLICY with that BE step limit "
                         "(--be-step-limit-s, the arrival guard), e.g. bros@inf for none; "
-                        "POLICY:stock or POLICY:antiphon with that memory management (default: "
-                        "stock for fcfs and priority, Antiphon's for the others)")
+                        "POLICY:stock, POLICY:antiphon or POLICY:host with that memory "
+                        "management (default: stock for fcfs and priority, Antiphon's for the "
+                        "others)")
     add_workload_arguments(p, kv_pages=64)
     p.set_defaults(bench_func=main)
 

@@ -279,7 +279,8 @@ def test_the_stock_baselines_run_on_stock_memory_management(
     assert ran["echo:stock"] == ["--policy", "echo", "--no-biblocks", "--no-kv-tiering"]
     assert ran["bros@0.5:stock"] == ["--policy", "bros", "--be-step-limit-s", "0.5",
                                      "--no-biblocks", "--no-kv-tiering"]
-    with pytest.raises(ValueError, match="stock or antiphon"):
+    assert mixed.system_arguments("echo:host") == ["--policy", "echo", "--ssd-tier-bytes", "0"]
+    with pytest.raises(ValueError, match="stock, antiphon, host"):
         mixed.main(argparse.Namespace(policies="echo:tiered"))
 
 
