@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -166,12 +167,16 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
         m1, m1_at = await metrics_snapshot(client)
         s1 = (await client.get("/v1/engine/stats")).json()
         sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler  # (a sampler that failed says so here)
         unfinished = sum(1 for turn in turns if not turn.done())
         # A job that ran out of items inside the window measured the job's size, not the
-        # system's BE throughput: the figure is then flagged, not trusted.
+        # system's BE throughput: the figure is then flagged, not trusted. (None: the job
+        # never ran, still validating or failed whole.)
         job = (await client.get(f"/v1/batches/{batch['id']}")).json()
-        be_items_left = job["request_counts"]["total"] - job["request_counts"]["completed"] \
-            - job["request_counts"]["failed"]
+        counts = job["request_counts"]
+        be_items_left = counts["total"] - counts["completed"] - counts["failed"] \
+            if job["status"] in ("in_progress", "finalizing", "completed") else None
         results = await asyncio.gather(*turns)
         await client.post(f"/v1/batches/{batch['id']}/cancel")
     tokens = GENERATION_TOKENS

@@ -337,6 +337,10 @@ class AntiphonScheduler(Scheduler):
         aim = 1.0 - settings.slo_headroom
         num_computed, num_restore = request.num_computed_tokens, 0
         num_shared = self._shared_pages(request) if is_running else 0
+        holders: tuple[int, ...] = ()
+        if is_running and num_shared and not is_rt:  # (only preempting BE frees pages)
+            blocks = self.kv_cache_manager.coordinator.get_blocks(request.request_id)[0]
+            holders = tuple(block.ref_cnt for block in blocks[:num_shared])
         # A request asking for its prompt's logprobs computes its whole prompt: vLLM reads no
         # cached KV for it, the device's or the tiers' (`skip_reading_prefix_cache`).
         if not is_running and not request.skip_reading_prefix_cache:
@@ -369,6 +373,7 @@ class AntiphonScheduler(Scheduler):
                               and self._checkpoint_cost is not None else None),
             prefix_page_hashes=request.block_hashes,  # read-only; no per-step copy
             num_shared_pages=num_shared,
+            shared_page_holders=holders,
         )
 
     def _held_prefix_pages(self, request: Request, num_pages: int) -> int:

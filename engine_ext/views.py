@@ -40,6 +40,10 @@ class RequestView:
     # the part of its prefix admission takes without allocating; running, what a preemption
     # of it does not give back.
     num_shared_pages: int = 0
+    # Running BE: how many requests hold each of its shared pages (vLLM's reference counts,
+    # finished requests whose pages the KV connector still saves among them); () where not
+    # known (those pages are then never counted freed with the requests that share them).
+    shared_page_holders: Sequence[int] = ()
     prefix_page_hashes: Sequence[bytes] = ()
     """Chained hashes of the prompt's full KV pages (vLLM's block hashes): two requests share
     their first k pages exactly when their first k hashes are equal. The scheduler passes

@@ -51,8 +51,10 @@ def key_from_headers(authorization: str | None, api_key_param: str | None = None
 
 # A query parameter in a logged URL: its name as sent (maybe percent-encoded) and its value.
 # In a formatted message the value also ends at the quote that closes the logged request line.
-_PARAM_IN_ARG = re.compile(r"(?<=[?&])([^=&\s]*)=([^&\s]*)")
-_PARAM_IN_MSG = re.compile(r"(?<=[?&])([^=&\s\"]*)=([^&\s\"]*)")
+# Both end at a "?" too: a "name=value" before the query (a path may hold "&b=c") or a value
+# holding a "?" would otherwise swallow the `?api_key=` after it.
+_PARAM_IN_ARG = re.compile(r"(?<=[?&])([^=&?\s]*)=([^&?\s]*)")
+_PARAM_IN_MSG = re.compile(r"(?<=[?&])([^=&?\s\"]*)=([^&?\s\"]*)")
 # uvicorn logs each request's path with its query string: HTTP to "uvicorn.access", websocket
 # upgrades to "uvicorn.error". The browser UI sends its key as `?api_key=` on the websocket.
 URL_LOGGERS = ("uvicorn.access", "uvicorn.error")

@@ -296,6 +296,9 @@ def test_only_parameters_read_as_api_key_are_redacted() -> None:
     assert redact_api_key_params("/v?a=1&api%5Fkey=K&b=2") == "/v?a=1&api%5Fkey=***&b=2"
     assert redact_api_key_params("/v?api+key=K&api_keys=K&xapi_key=K") == (
         "/v?api+key=K&api_keys=K&xapi_key=K")  # other names: the server does not read them
+    # an earlier "name=value" (a "?" in its value, an "&b=c" in the path) swallowed the key
+    assert redact_api_key_params("/v1/ws?x=a?api_key=K") == "/v1/ws?x=a?api_key=***"
+    assert redact_api_key_params("/v1/a&b=c?api%5Fkey=K") == "/v1/a&b=c?api%5Fkey=***"
     record = logging.LogRecord("uvicorn.error", logging.INFO, "x", 1,
                                f'1.2.3.4:5 - "WebSocket /v1/ws?%61pi_key={A}" [accepted]',
                                None, None)

@@ -12,7 +12,7 @@ from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.policies import make_policy, policy_class
 from antiphon.engine_ext.policies.bros import BrosPolicy
 from antiphon.engine_ext.types import RequestClass
-from antiphon.engine_ext.views import RequestView, StepBudget
+from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
 RT, BE = RequestClass.RT, RequestClass.BE
 PAGE = 16
@@ -393,17 +393,30 @@ def test_rt_takes_pages_only_be_requests_share(name: str) -> None:
     # Two batch items over one 4-page document hold 5 pages each, 4 of them shared: preempting
     # both frees 6 pages, though each alone frees 1. A turn needing 4 pages, 1 free, gets in.
     doc = [bytes([i]) for i in range(4)]
-    items = [view(f"b{i}", BE, prompt=66, computed=67, output=2, running=True,
-                  num_shared_pages=4, prefix_page_hashes=doc) for i in (1, 2)]
-    plan = make_policy(name, constant_cost(0.01)).plan([*items, view("r", prompt=56)],
-                                                       budget(free_pages=1))
-    assert "r" in plan.order and sorted(plan.preempt) == ["b1", "b2"], plan
-    # A running turn sharing the document keeps those pages: preempting both items frees 2.
-    turn = view("t", prompt=66, computed=66, output=1, running=True, num_shared_pages=4,
-                prefix_page_hashes=doc)
-    plan = make_policy(name, constant_cost(0.01)).plan([*items, turn, view("r", prompt=56)],
-                                                       budget(free_pages=1))
-    assert "r" not in plan.order and plan.preempt == [], plan
+
+    def items(holders: int) -> list[RequestView]:
+        return [view(f"b{i}", BE, prompt=66, computed=67, output=2, running=True,
+                     num_shared_pages=4, shared_page_holders=(holders,) * 4,
+                     prefix_page_hashes=doc) for i in (1, 2)]
+
+    def plan(*views: RequestView) -> StepPlan:
+        return make_policy(name, constant_cost(0.01)).plan(views, budget(free_pages=1))
+
+    turn = view("r", prompt=56)
+    got = plan(*items(2), turn)
+    assert "r" in got.order and sorted(got.preempt) == ["b1", "b2"], got
+    # A third holder keeps those pages: a running turn over the document, or a finished
+    # request whose pages are being saved (no view): preempting both items frees 2.
+    running = view("t", prompt=66, computed=66, output=1, running=True, num_shared_pages=4,
+                   shared_page_holders=(3,) * 4, prefix_page_hashes=doc)
+    for views in ((*items(3), running, turn), (*items(3), turn), (items(2)[0], turn)):
+        got = plan(*views)
+        assert "r" not in got.order and got.preempt == [], got
+    # A waiting turn over the document counts its pages as held: freed, its admission would
+    # take them back (1 free page and the items' 2 own ones for its 4 new pages).
+    over_doc = view("w", prompt=120, num_shared_pages=4, prefix_page_hashes=doc)
+    got = plan(*items(2), over_doc)
+    assert "w" not in got.order and got.preempt == [], got
 
 
 @pytest.mark.parametrize("name", ["bros", "echo", "hygen"])

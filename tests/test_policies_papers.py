@@ -488,7 +488,8 @@ def with_shared_pages(views: list[RequestView]) -> list[RequestView]:
     for v in views:
         if v.is_running:
             shared = next((i for i, h in enumerate(held(v)) if holders[h] < 2), len(held(v)))
-            v = dataclasses.replace(v, num_shared_pages=shared)
+            v = dataclasses.replace(v, num_shared_pages=shared, shared_page_holders=tuple(
+                holders[h] for h in held(v)[:shared]))
         out.append(v)
     return out
 

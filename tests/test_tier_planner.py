@@ -1071,3 +1071,25 @@ def test_a_checkpoint_cut_to_nothing_is_not_restored(planner: TierPlanner) -> No
     planner.plan_load("be", [5, 6, 7, 8], 0, len(tokens))
     stats = planner.stats()
     assert (stats["checkpoints"], stats["restores"], stats["pages_restored"]) == (1, 0, 0)
+
+
+def test_a_chunk_refused_step_after_step_counts_once(tmp_path: Path) -> None:
+    """A refused save is tried again each step: each try counted, one chunk refused for five
+    steps read as five chunks not saved."""
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=LAYERS * PAGE_BYTES)  # 1 chunk
+    try:
+        view = TokenView("be", list(range(100, 109)), background=True)
+        planner.add_request(view)
+        planner.num_new_matched_tokens(view, 0)
+        planner.test_blocks["be"] = [1, 2, 3]  # type: ignore[attr-defined]
+        planner.plan_load("be", [1, 2, 3], 0, 9)
+        metas = [planner.build_metadata([("be", 8)]) for _ in range(5)]  # 5 steps in flight
+        assert [c.blocks for c in metas[0].saves] == [(1,)]
+        assert planner.stats()["saves_refused"] == 1
+        fake_worker_saves(planner, metas[0].saves)
+        for meta in metas:
+            planner.step_done({meta.step}, set())
+        assert [c.blocks for c in planner.build_metadata([("be", 8)]).saves] == [(2,)]
+        assert planner.stats()["saves_refused"] == 1
+    finally:
+        planner.close()

@@ -49,6 +49,7 @@ class RequestState:
     view: TokenView
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # full chunks hashed so far
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being saved
+    refused_chunk: int | None = None  # the chunk whose save the host tier last refused
     local_tokens: int = 0  # device prefix-cache hit at admission
     match: StoredMatch | None = None
     pins: list[ChunkKey] = dataclasses.field(default_factory=list)  # host pins for the load

@@ -624,20 +624,23 @@ class TierPlanner:
             first_page = index * self.pages_per_chunk
             pages = tuple(block_ids[first_page:first_page + self.pages_per_chunk])
             chunk = ChunkKey(self.model_id, hashes[index], index, 0)
-            copy, keys = self._reserve(chunk, pages)
+            # a chunk refused again, step after step, counts as one refused
+            copy, keys = self._reserve(chunk, pages, count_refusal=index != st.refused_chunk)
             if copy is not None:
                 meta.saves.append(copy)
                 in_flight.commits.extend(SlotCommit(key, durable, owner) for key in keys)
                 self.counters.saved_chunks += 1
             elif not self.held(chunk):  # refused, no host room: tried again next step (the
                 st.saved_chunks = index  # chunks after it extend no stored prefix until then)
+                st.refused_chunk = index
                 return
         st.saved_chunks = full
 
-    def _reserve(self, key: ChunkKey, pages: tuple[int, ...]
+    def _reserve(self, key: ChunkKey, pages: tuple[int, ...], count_refusal: bool = True
                  ) -> tuple[PageCopy | None, list[ChunkKey]]:
         """Host slots for the layers of `key` no tier holds; (None, []) if none are needed or
-        the arena has no room (then nothing is reserved)."""
+        the arena has no room (then nothing is reserved, and `saves_refused` counts it where
+        `count_refusal`)."""
         slots: list[int] = []
         reserved: list[ChunkKey] = []
         for layer in range(self.num_layers):
@@ -652,7 +655,7 @@ class TierPlanner:
             if slot is None:
                 for done in reserved:
                     self.host.abort(done)
-                self.counters.saves_refused += 1
+                self.counters.saves_refused += count_refusal
                 return None, []
             slots.append(slot)
             reserved.append(layer_key)

@@ -119,17 +119,28 @@ def ttft_floor(view: RequestView, batch: StepBatch, limit_s: float, now_s: float
 class Victims:
     """Running BE requests whose pages RT requests may take, in the order they are taken.
 
-    A page that only victims share (one document's batch items) frees when the last of them
+    A page that only victims hold (one document's batch items) frees when the last of them
     goes: counted once, then (without it, a turn that needed those pages waited while the
-    items holding them ran on). Requests in `kept` (running RT ones) keep what they share."""
+    items holding them ran on). Only where all its holders are victims (`shared_page_holders`:
+    a finished request whose pages are being saved holds one too), and none of the pages RT
+    requests in `kept` hold or, waiting, will reuse (freed, a turn's admission would have to
+    take back the prefix it counted as held)."""
 
     def __init__(self, views: Iterable[RequestView], page_tokens: int,
                  kept: Iterable[RequestView] = ()) -> None:
         self._stack = list(views)[::-1]  # pop() takes the next victim
-        held = {h for v in kept if v.is_running for h in _shared_hashes(v)}
-        # shared pages no kept request holds: how many victims hold each
-        self._holders = collections.Counter(
-            h for v in self._stack for h in _shared_hashes(v) if h not in held)
+        held = {h for v in kept for h in _shared_hashes(v)}
+        holders: dict[bytes, int] = {}  # of each page only victims share: its holders
+        victims: collections.Counter[bytes] = collections.Counter()
+        for view in self._stack:
+            # (a page with no hash is left out: never counted freed)
+            for h, num_holders in zip(view.prefix_page_hashes, view.shared_page_holders,
+                                      strict=False):
+                holders[h] = num_holders
+                victims[h] += 1
+        # pages shared only among victims: how many victims still hold each
+        self._holders = {h: n for h, n in victims.items()
+                         if n == holders[h] and h not in held}
         self.num_pages = sum(freed_pages(v, page_tokens) for v in self._stack) + len(
             self._holders)
 
@@ -140,7 +151,7 @@ class Victims:
         """Preempt the next victim: its pages go to `batch`, its id to `plan.preempt`."""
         view = self._stack.pop()
         freed = preempt(view, batch, plan)
-        for h in _shared_hashes(view):
+        for h in view.prefix_page_hashes[:len(view.shared_page_holders)]:
             if h in self._holders:
                 self._holders[h] -= 1
                 if not self._holders[h]:  # its last holder: the page frees
@@ -157,8 +168,8 @@ class Victims:
 
 
 def _shared_hashes(view: RequestView) -> Sequence[bytes]:
-    """The page hashes of the pages running `view` shares with other running requests (its
-    leading ones); fewer where the view carries no hashes (those pages are not counted)."""
+    """The page hashes of the pages `view` shares with running requests: running, its leading
+    ones others hold too; waiting, the prefix it will take from them."""
     return view.prefix_page_hashes[:view.num_shared_pages]
 
 

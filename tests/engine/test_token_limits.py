@@ -20,6 +20,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from antiphon.engine_ext.config import SchedulerSettings
 from antiphon.engine_ext.policies.base import Policy, freed_pages, new_pages
+from antiphon.engine_ext.policies.stepbatch import Victims
 from antiphon.engine_ext.scheduler import AntiphonAsyncScheduler, AntiphonScheduler
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 from antiphon.model import resolve_model
@@ -183,6 +184,11 @@ def test_views_count_the_pages_running_requests_share() -> None:
     assert (views["b1"].num_shared_pages, views["b2"].num_shared_pages) == (4, 4)
     assert views["r0"].num_shared_pages == 0  # nothing else runs over the system prompt
     assert freed_pages(views["b1"], PAGE) == 1
+    # only the two items hold the document's pages: preempting both frees them
+    assert views["b1"].shared_page_holders == (2, 2, 2, 2) == views["b2"].shared_page_holders
+    assert views["r0"].shared_page_holders == ()  # (RT: never preempted for pages)
+    victims = Victims([views["b1"], views["b2"]], PAGE)
+    assert victims.num_pages == 2 + 4
 
 
 def test_each_step_trains_the_cost_model_with_its_own_shape_when_scheduled_ahead() -> None:
