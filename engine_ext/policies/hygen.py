@@ -4,9 +4,10 @@ Each step has one latency budget `L`: a profiled `latency_budget_s`, or else the
 among RT requests times `budget_fraction` (no RT request: no time limit). The cost model
 predicts the step as it grows.
 1. Online phase (Algorithm 1), RT requests in arrival order: running decodes join while the step
-   stays within `L` (a late one past it, not in the paper); then prefills (running, then waiting) each get the largest chunk within `L`,
-   the token budget and memory (`get_max_prefill`), but at least the chunk that still meets its
-   TTFT (`ttft_floor`, not in the paper). An RT request short of pages takes them from
+   stays within `L` (a late one past it, not in the paper); then prefills (running, then
+   waiting) each get the largest chunk within `L`, the token budget and memory
+   (`get_max_prefill`), but at least the chunk that still meets its TTFT (`ttft_floor`, not
+   in the paper). An RT request short of pages takes them from
    running BE requests, least important (highest `priority`) and newest first. A prefill that
    gets no chunk ends the phase. Prefill chunks are sized to `L` less what the running BE
    decodes will cost (not in the paper; the TTFT floor is not cut): a decode costs about a
