@@ -22,10 +22,11 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
@@ -336,11 +337,10 @@ class AntiphonScheduler(Scheduler):
         settings = self.settings
         aim = 1.0 - settings.slo_headroom
         num_computed, num_restore = request.num_computed_tokens, 0
-        num_shared = self._shared_pages(request) if is_running else 0
-        holders: tuple[int, ...] = ()
-        if is_running and num_shared and not is_rt:  # (only preempting BE frees pages)
-            blocks = self.kv_cache_manager.coordinator.get_blocks(request.request_id)[0]
-            holders = tuple(block.ref_cnt for block in blocks[:num_shared])
+        shared = self._shared_pages(request) if is_running else ()
+        num_shared = len(shared)
+        # (only preempting BE frees pages: RT views need no holders)
+        holders = () if is_rt else tuple(block.ref_cnt for block in shared)
         # A request asking for its prompt's logprobs computes its whole prompt: vLLM reads no
         # cached KV for it, the device's or the tiers' (`skip_reading_prefix_cache`).
         if not is_running and not request.skip_reading_prefix_cache:
@@ -388,11 +388,11 @@ class AntiphonScheduler(Scheduler):
             return blocks is not None and blocks[0].ref_cnt > 0
         return leading_run(min(num_pages, len(hashes)), is_held)
 
-    def _shared_pages(self, request: Request) -> int:
-        """Pages of running `request` another request holds too (a preemption of it does not
-        give them back): its leading pages, as for `_held_prefix_pages`."""
+    def _shared_pages(self, request: Request) -> Sequence[KVCacheBlock]:
+        """The pages of running `request` another request holds too (a preemption of it does
+        not give them back): its leading pages, as for `_held_prefix_pages`."""
         blocks = self.kv_cache_manager.coordinator.get_blocks(request.request_id)[0]
-        return leading_run(len(blocks), lambda page: blocks[page].ref_cnt > 1)
+        return blocks[:leading_run(len(blocks), lambda page: blocks[page].ref_cnt > 1)]
 
     def _device_cached_tokens(self, request: Request) -> int:
         """Prompt tokens of a waiting request in the device's prefix cache: a lookup of its
