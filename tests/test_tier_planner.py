@@ -66,6 +66,14 @@ def fake_worker_saves(planner: TierPlanner, copies: list[PageCopy]) -> None:
                 planner.host.arena.write(slot, page, (copy.first_page + i) * PAGE_BYTES)
 
 
+def admit(planner: TierPlanner, view: TokenView, blocks: list[int]) -> None:
+    """Add `view`'s request and allocate `blocks` for it, loading nothing from the tiers."""
+    planner.add_request(view)
+    planner.num_new_matched_tokens(view, 0)
+    planner.test_blocks[view.request_id] = blocks  # type: ignore[attr-defined]
+    planner.plan_load(view.request_id, blocks, 0, len(view.token_ids))
+
+
 def run_turn(planner: TierPlanner, request_id: str, tokens: list[int], blocks: list[int],
              session: str | None = "s1", background: bool = False
              ) -> tuple[int | None, TieringMetadata]:
@@ -381,10 +389,7 @@ def test_an_unused_advisory_expires_and_releases_its_pins(tmp_path: Path) -> Non
 
 def test_a_failed_step_publishes_nothing(planner: TierPlanner) -> None:
     view = TokenView("r1", [*TURN1, 110])
-    planner.add_request(view)
-    planner.num_new_matched_tokens(view, 0)
-    planner.test_blocks["r1"] = [7, 8, 9]  # type: ignore[attr-defined]
-    planner.plan_load("r1", [7, 8, 9], 0, 11)
+    admit(planner, view, [7, 8, 9])
     meta = planner.build_metadata([("r1", 10)])
     planner.step_done(set(), {meta.step})
     assert planner.stats()["tiers"]["host"]["used_bytes"] == 0
@@ -447,11 +452,7 @@ def preempt_after(planner: TierPlanner, request_id: str, tokens: list[int], bloc
                   computed: list[int], background: bool = False) -> tuple[int, TieringMetadata]:
     """Admit the request, run one step per entry of `computed` (tokens with KV after it), then
     preempt it: (tokens its checkpoint holds, the metadata of the preempting step)."""
-    view = TokenView(request_id, tokens, background=background)
-    planner.add_request(view)
-    planner.num_new_matched_tokens(view, 0)
-    planner.test_blocks[request_id] = blocks  # type: ignore[attr-defined]
-    planner.plan_load(request_id, blocks, 0, len(tokens))
+    admit(planner, TokenView(request_id, tokens, background=background), blocks)
     for done in computed:
         meta = planner.build_metadata([(request_id, done)])
         fake_worker_saves(planner, meta.saves)
@@ -618,11 +619,7 @@ def test_whose_kv_is_written_through_to_the_ssd_tier(tmp_path: Path, mode: str,
 def test_a_chunk_a_checkpoint_takes_while_it_is_copied_is_written_down(
         planner: TierPlanner) -> None:
     tokens = [*TURN1, 110]
-    view = TokenView("be", tokens, background=True)
-    planner.add_request(view)
-    planner.num_new_matched_tokens(view, 0)
-    planner.test_blocks["be"] = [7, 8, 9]  # type: ignore[attr-defined]
-    planner.plan_load("be", [7, 8, 9], 0, len(tokens))
+    admit(planner, TokenView("be", tokens, background=True), [7, 8, 9])
     saving = planner.build_metadata([("be", 8)])  # the step saving chunks 0 and 1 ...
     assert planner.checkpoint("be", 8, [7, 8]) == 8  # ... is still running: handed over
     fake_worker_saves(planner, saving.saves)
@@ -632,11 +629,7 @@ def test_a_chunk_a_checkpoint_takes_while_it_is_copied_is_written_down(
 
 def run_failed_step(planner: TierPlanner, tokens: list[int]) -> None:
     """Admit request "be" on blocks 1-4 and run a step computing 12 tokens whose saves fail."""
-    view = TokenView("be", tokens)
-    planner.add_request(view)
-    planner.num_new_matched_tokens(view, 0)
-    planner.test_blocks["be"] = [1, 2, 3, 4]  # type: ignore[attr-defined]
-    planner.plan_load("be", [1, 2, 3, 4], 0, len(tokens))
+    admit(planner, TokenView("be", tokens), [1, 2, 3, 4])
     meta = planner.build_metadata([("be", 12)])
     planner.step_done(set(), {meta.step})  # the step's saves failed: nothing published
 
@@ -755,10 +748,7 @@ def test_positions_whose_tokens_are_not_known_yet_wait_to_be_saved(planner: Tier
     # hashes tokens not known yet); the chunk is saved once they are.
     tokens = list(range(100, 107))  # 7 known: the 8th, ending chunk 1, not sampled yet
     view = TokenView("r", tokens, "s1")
-    planner.add_request(view)
-    planner.num_new_matched_tokens(view, 0)
-    planner.test_blocks["r"] = [1, 2]  # type: ignore[attr-defined]
-    planner.plan_load("r", [1, 2], 0, 7)
+    admit(planner, view, [1, 2])
     first = planner.build_metadata([("r", 7)])
     assert [c.blocks for c in first.saves] == [(1,)]
     ahead = planner.build_metadata([("r", 8)])
@@ -774,10 +764,7 @@ def test_positions_whose_tokens_are_not_known_yet_wait_to_be_saved(planner: Tier
 def test_a_finished_request_saves_only_the_tail_it_knows(planner: TierPlanner) -> None:
     tokens = list(range(100, 110))  # 10 known
     view = TokenView("r", tokens, "s1")
-    planner.add_request(view)
-    planner.num_new_matched_tokens(view, 0)
-    planner.test_blocks["r"] = [1, 2, 3]  # type: ignore[attr-defined]
-    planner.plan_load("r", [1, 2, 3], 0, 10)
+    admit(planner, view, [1, 2, 3])
     meta = planner.build_metadata([("r", 10)])
     fake_worker_saves(planner, meta.saves)
     planner.step_done({meta.step}, set())
@@ -1011,10 +998,7 @@ def test_a_refused_save_costs_a_checkpoint_and_is_tried_again(tmp_path: Path) ->
     planner = make_planner(tmp_path / "ssd", host_tier_bytes=LAYERS * PAGE_BYTES)  # 1 chunk
     try:
         view = TokenView("be", list(range(100, 109)), background=True)
-        planner.add_request(view)
-        planner.num_new_matched_tokens(view, 0)
-        planner.test_blocks["be"] = [1, 2, 3]  # type: ignore[attr-defined]
-        planner.plan_load("be", [1, 2, 3], 0, 9)
+        admit(planner, view, [1, 2, 3])
         meta = planner.build_metadata([("be", 8)])
         assert [c.blocks for c in meta.saves] == [(1,)]  # no room for chunk 1 while it is
         assert planner.checkpoint_cost_pages("be", 8) == 1  # copied
@@ -1031,10 +1015,7 @@ def test_the_checkpoint_cost_counts_chunks_the_host_tier_evicted(tmp_path: Path)
                            ssd_tier_bytes=0)
     try:
         view = TokenView("be", list(range(100, 113)), background=True)  # 3 full chunks
-        planner.add_request(view)
-        planner.num_new_matched_tokens(view, 0)
-        planner.test_blocks["be"] = [1, 2, 3, 4]  # type: ignore[attr-defined]
-        planner.plan_load("be", [1, 2, 3, 4], 0, 13)
+        admit(planner, view, [1, 2, 3, 4])
         meta = planner.build_metadata([("be", 12)])
         fake_worker_saves(planner, meta.saves)
         planner.step_done({meta.step}, set())
@@ -1079,10 +1060,7 @@ def test_a_chunk_refused_step_after_step_counts_once(tmp_path: Path) -> None:
     planner = make_planner(tmp_path / "ssd", host_tier_bytes=LAYERS * PAGE_BYTES)  # 1 chunk
     try:
         view = TokenView("be", list(range(100, 109)), background=True)
-        planner.add_request(view)
-        planner.num_new_matched_tokens(view, 0)
-        planner.test_blocks["be"] = [1, 2, 3]  # type: ignore[attr-defined]
-        planner.plan_load("be", [1, 2, 3], 0, 9)
+        admit(planner, view, [1, 2, 3])
         metas = [planner.build_metadata([("be", 8)]) for _ in range(5)]  # 5 steps in flight
         assert [c.blocks for c in metas[0].saves] == [(1,)]
         assert planner.stats()["saves_refused"] == 1
