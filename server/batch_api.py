@@ -28,8 +28,8 @@ from antiphon.server.batch_types import (
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.file_store import FileTooLarge
-from antiphon.server.http import authorize, read_model
-from antiphon.server.uploads import declared_body_bytes, receive_upload
+from antiphon.server.http import authorize, declared_body_bytes, read_model
+from antiphon.server.uploads import receive_upload
 
 router = APIRouter()
 INPUT_PURPOSE = "batch"

@@ -24,11 +24,17 @@ def authorize(request: Request) -> str:
     return ctx.auth.owner_for(key)
 
 
+def declared_body_bytes(request: Request) -> int | None:
+    """The body's Content-Length; None for a chunked body (or a length that is no number)."""
+    declared = request.headers.get("content-length", "")
+    return int(declared) if declared.isdigit() else None
+
+
 async def read_body(request: Request) -> bytes:
     """The request body, refusing more than `max_frame_bytes` without reading it all."""
     limit = request.app.state.ctx.config.server.max_frame_bytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
+    declared = declared_body_bytes(request)
+    if declared is not None and declared > limit:
         raise ApiError(ErrorCode.TOO_LARGE, f"body of {declared} bytes exceeds {limit}")
     chunks, size = [], 0
     async for chunk in request.stream():

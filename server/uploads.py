@@ -11,6 +11,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.file_store import FileTooLarge, FileWriter
+from antiphon.server.http import declared_body_bytes
 
 FILE_FIELD = "file"
 _MAX_FIELD_BYTES = 1024  # form fields besides the file ("purpose") are short
@@ -115,12 +116,6 @@ class _Receiver:
     def on_part_end(self) -> None:
         if not self._is_file:
             self.fields[self._name] = self._value.decode("utf-8", "replace")
-
-
-def declared_body_bytes(request: Request) -> int | None:
-    """The body's Content-Length; None for a chunked body (or a length that is no number)."""
-    declared = request.headers.get("content-length", "")
-    return int(declared) if declared.isdigit() else None
 
 
 def _check_body_bytes(num_bytes: int, max_file_bytes: int | None) -> None:
