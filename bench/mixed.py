@@ -49,7 +49,8 @@ KEY_METRICS = ("rt_ttft_slo_attainment", "rt_tpot_slo_attainment", "rt_normalize
                "rt_failed", "be_tokens_per_s", "be_recomputed_tokens", "cost_model_mape", "host_decode_step_s",
                "host_step_noise")
 # Metrics whose None means "beyond every served turn" (a percentile among failed turns, a
-# mean over turns one of which failed), not "not measured": averaged with other runs' values it made failures flatter the figure.
+# mean over turns one of which failed), not "not measured": averaged with other runs' values
+# it made failures flatter the figure.
 UNBOUNDED_WHEN_NONE = frozenset({"rt_ttft_p50_s", "rt_ttft_p99_s", "rt_normalized_latency_s"})
 # Decode-only steps of this many requests (inclusive) gauge the host's speed per run.
 HOST_GAUGE_REQUESTS = (8, 12)
@@ -179,14 +180,14 @@ async def run_policy(server: ServerProcess, args: argparse.Namespace, prompts: l
             if job["status"] in ("in_progress", "finalizing", "completed") else None
         results = await asyncio.gather(*turns)
         await client.post(f"/v1/batches/{batch['id']}/cancel")
-    tokens = GENERATION_TOKENS
     steps = s1["step_s"] - s0["step_s"]
     errors = s1["cost_model_errors"] - s0["cost_model_errors"]
     return {
         **rt_summary(results, args.ttft_slo, args.tpot_slo),
         # BE tokens between the two counter snapshots, over the time between them
-        "be_tokens_per_s": (counter(m1, tokens, 'request_class="be"')
-                            - counter(m0, tokens, 'request_class="be"')) / (m1_at - m0_at),
+        "be_tokens_per_s": (counter(m1, GENERATION_TOKENS, 'request_class="be"')
+                            - counter(m0, GENERATION_TOKENS, 'request_class="be"'))
+        / (m1_at - m0_at),
         "be_recomputed_tokens": s1["recomputed_tokens"]["be"] - s0["recomputed_tokens"]["be"],
         "rt_recomputed_tokens": s1["recomputed_tokens"]["rt"] - s0["recomputed_tokens"]["rt"],
         "rt_preemptions": s1["num_preemptions"]["rt"] - s0["num_preemptions"]["rt"],
