@@ -155,6 +155,13 @@ class ServerConfig:
         "Seconds an idle HTTP connection stays open for the client's next request. Longer than "
         "clients keep theirs (httpx, and the OpenAI client with it: 5 s), so the client closes "
         "first: a request sent on a connection the server is closing fails", default=75.0)
+    header_timeout_s: float = doc(
+        "Seconds a connection has to send a request's headers, from when it opens or the "
+        "request's first byte: one that sends none, or trickles them, is closed (uvicorn "
+        "times out only connections idle between requests)", default=30.0)
+    body_timeout_s: float = doc(
+        "Seconds a request's body may send nothing before its connection is closed (the "
+        "request fails as if the client had left)", default=60.0)
     min_request_slo_frac: float = doc(
         "The tightest TTFT or TPOT target a request may set for itself (vllm_xargs), as a "
         "fraction of the deployment's (--rt-ttft-slo-s, --rt-tpot-slo-s): a tighter target "
@@ -211,8 +218,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("dashboard_interval_s", "keep_alive_s", "sse_ping_s", "max_advisory_lead_s",
-                     "drain_timeout_s"):
+        for name in ("dashboard_interval_s", "keep_alive_s", "header_timeout_s", "body_timeout_s",
+                     "sse_ping_s", "max_advisory_lead_s", "drain_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be positive and finite")
         if not 0 < self.context_refill_frac < 1:
@@ -237,7 +244,10 @@ class ServerConfig:
 
     def uvicorn_options(self) -> dict[str, Any]:
         """The options uvicorn serves the app with."""
+        from antiphon.server.http_deadlines import deadline_protocol
+
         return {"host": self.host, "port": self.port, "timeout_keep_alive": self.keep_alive_s,
+                "http": deadline_protocol(self.header_timeout_s, self.body_timeout_s),
                 # After the drain (`app.DrainingServer`), what still streams is cut soon.
                 "timeout_graceful_shutdown": 5.0,
                 "ws": "websockets-sansio",  # `app.DrainingServer` knows its shutdown

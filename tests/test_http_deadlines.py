@@ -1,0 +1,140 @@
+"""HTTP connections that do not send their requests in time are closed (server/http_deadlines.py):
+one that sends nothing, trickles its headers, or stops sending a declared body. Connections
+idle between requests (keep-alive) and websockets are not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+from websockets.asyncio.client import connect
+
+from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.server.config import ServerConfig
+from antiphon.server.http_deadlines import DeadlineHttpProtocol
+from tests.conftest import scripted_config
+from tests.liveserver import live_server
+
+TIMEOUT_S = 0.5  # both deadlines in these tests
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> Iterator[str]:
+    engine = ScriptedEngine(token_delay_s=0.01, max_model_len=1000)
+    config = scripted_config(tmp_path, header_timeout_s=TIMEOUT_S, body_timeout_s=TIMEOUT_S,
+                             keep_alive_s=5.0)
+    with live_server(config, engine) as base:
+        yield base
+
+
+def _connect(url: str) -> socket.socket:
+    parsed = urlparse(url)
+    sock = socket.create_connection((parsed.hostname, parsed.port), timeout=10)
+    return sock
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """Seconds until the server closed `sock` (reading whatever it sent), or None if it was
+    still open after `seconds`."""
+    start = time.monotonic()
+    sock.settimeout(0.05)
+    while time.monotonic() - start < seconds:
+        try:
+            if sock.recv(65536) == b"":
+                return time.monotonic() - start
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return time.monotonic() - start
+    return None
+
+
+def _get(sock: socket.socket, path: str = "/healthz") -> bytes:
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    sock.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head.split(b"\r\n")[0]
+
+
+def test_a_connection_that_sends_nothing_is_closed(url: str) -> None:
+    with _connect(url) as sock:
+        closed = _closed_within(sock, 5.0)
+    assert closed is not None and closed < 3.0
+
+
+def test_headers_sent_a_byte_at_a_time_are_cut_off(url: str) -> None:
+    head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 60 + b"\r\n\r\n"
+    with _connect(url) as sock:
+        start = time.monotonic()
+        closed = False
+        for byte in head:  # a byte every 50 ms: 3.5 s for the head, each gap within the limit
+            try:
+                sock.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            if _closed_within(sock, 0.05) is not None:
+                closed = True
+                break
+        assert closed, "the server waited for the whole trickled head"
+        assert time.monotonic() - start < 3.0
+
+
+def test_a_body_that_stops_coming_closes_the_connection(url: str) -> None:
+    with _connect(url) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 400\r\n\r\n{\"model\"")
+        closed = _closed_within(sock, 5.0)
+    assert closed is not None and closed < 3.0
+
+
+def test_a_slow_body_that_keeps_coming_is_served(url: str) -> None:
+    body = json.dumps({"model": "scripted", "max_tokens": 3,
+                       "messages": [{"role": "user", "content": "hello there"}]}).encode()
+    with _connect(url) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n")
+        pieces = [body[i:i + 8] for i in range(0, len(body), 8)]
+        for piece in pieces:  # longer than the deadline in all, each gap within it
+            time.sleep(TIMEOUT_S / 4)
+            sock.sendall(piece)
+        assert len(pieces) * TIMEOUT_S / 4 > TIMEOUT_S
+        sock.settimeout(10)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_keep_alive_and_websockets_outlive_the_deadlines(url: str) -> None:
+    with _connect(url) as sock:
+        assert _get(sock) == b"HTTP/1.1 200 OK"
+        time.sleep(3 * TIMEOUT_S)  # idle between requests: the keep-alive's 5 s govern
+        assert _get(sock) == b"HTTP/1.1 200 OK"
+
+    async def chat() -> str:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            await asyncio.sleep(3 * TIMEOUT_S)
+            await ws.send(json.dumps({"type": "session.open"}))
+            return json.loads(await ws.recv())["type"]
+
+    assert asyncio.run(chat()) == "session"
+
+
+def test_serve_uses_the_configured_deadlines() -> None:
+    protocol = ServerConfig(header_timeout_s=7.0, body_timeout_s=9.0).uvicorn_options()["http"]
+    assert issubclass(protocol, DeadlineHttpProtocol)
+    assert (protocol.header_timeout_s, protocol.body_timeout_s) == (7.0, 9.0)
+    with pytest.raises(ValueError, match="header_timeout_s"):
+        ServerConfig(header_timeout_s=0)
