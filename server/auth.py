@@ -49,28 +49,36 @@ def key_from_headers(authorization: str | None, api_key_param: str | None = None
     return api_key_param or None
 
 
-# A query parameter in a logged URL: its name as sent (maybe percent-encoded) and its value.
-# In a formatted message the value also ends at the quote that closes the logged request line.
-# Both end at a "?" too: a "name=value" before the query (a path may hold "&b=c") or a value
-# holding a "?" would otherwise swallow the `?api_key=` after it.
-_PARAM_IN_ARG = re.compile(r"(?<=[?&])([^=&?\s]*)=([^&?\s]*)")
-_PARAM_IN_MSG = re.compile(r"(?<=[?&])([^=&?\s\"]*)=([^&?\s\"]*)")
+# A query parameter's name in a logged URL, as sent (maybe percent-encoded), up to its "=";
+# found wherever one follows a "?" or "&", also inside another parameter's value (a key sent
+# after a "?" in a value is the client's secret too, though the server reads no key there).
+_NAME_IN_ARG = re.compile(r"(?<=[?&])([^=&?\s]*)=")
+_NAME_IN_MSG = re.compile(r"(?<=[?&])([^=&?\s\"]*)=")
+# A value runs to the next "&" as Starlette splits them (parse_qsl), a "?" included: a key
+# holding one authenticates whole. In a formatted message it also ends at the quote that
+# closes the logged request line.
+_VALUE_IN_ARG = re.compile(r"[^&\s]*")
+_VALUE_IN_MSG = re.compile(r"[^&\s\"]*")
 # uvicorn logs each request's path with its query string: HTTP to "uvicorn.access", websocket
 # upgrades to "uvicorn.error". The browser UI sends its key as `?api_key=` on the websocket.
 URL_LOGGERS = ("uvicorn.access", "uvicorn.error")
 
 
-def _redact_param(match: re.Match[str]) -> str:
-    # Names compare as Starlette reads them (parse_qsl: '+' is a space, then percent-decoded):
-    # `?api%5Fkey=KEY` authenticates as `?api_key=KEY` does, and is logged as sent.
-    if urllib.parse.unquote_plus(match[1]) == "api_key":
-        return match[1] + "=***"
-    return match[0]
-
-
-def redact_api_key_params(text: str, pattern: re.Pattern[str] = _PARAM_IN_ARG) -> str:
-    """`text` with the value of each query parameter whose name reads `api_key` as `***`."""
-    return pattern.sub(_redact_param, text) if "=" in text else text
+def redact_api_key_params(text: str, is_message: bool = False) -> str:
+    """`text` with the value of each query parameter whose name reads `api_key` as `***`
+    (names compare as Starlette reads them, parse_qsl: '+' is a space, then percent-decoded,
+    so `?api%5Fkey=KEY` authenticates as `?api_key=KEY` does; logged as sent); `is_message`:
+    `text` is a formatted log message, where a quote ends a URL."""
+    if "=" not in text:
+        return text
+    names, value = (_NAME_IN_MSG, _VALUE_IN_MSG) if is_message else (_NAME_IN_ARG, _VALUE_IN_ARG)
+    parts, done = [], 0  # text up to `done` is in `parts`
+    for name in names.finditer(text):
+        if name.start() >= done and urllib.parse.unquote_plus(name[1]) == "api_key":
+            parts += [text[done:name.end()], "***"]
+            end = value.match(text, name.end())
+            done = end.end() if end else name.end()
+    return "".join(parts) + text[done:] if parts else text
 
 
 class RedactApiKeys(logging.Filter):
@@ -81,7 +89,7 @@ class RedactApiKeys(logging.Filter):
             record.args = tuple(redact_api_key_params(a) if isinstance(a, str) else a
                                 for a in record.args)
         if isinstance(record.msg, str):
-            record.msg = redact_api_key_params(record.msg, _PARAM_IN_MSG)
+            record.msg = redact_api_key_params(record.msg, is_message=True)
         return True
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from starlette.datastructures import QueryParams
 from websockets.asyncio.client import connect
 
 from antiphon.engine_ext.scripted import ScriptedEngine
@@ -299,8 +300,17 @@ def test_only_parameters_read_as_api_key_are_redacted() -> None:
     # an earlier "name=value" (a "?" in its value, an "&b=c" in the path) swallowed the key
     assert redact_api_key_params("/v1/ws?x=a?api_key=K") == "/v1/ws?x=a?api_key=***"
     assert redact_api_key_params("/v1/a&b=c?api%5Fkey=K") == "/v1/a&b=c?api%5Fkey=***"
+    # a key holding a "?" authenticates whole (values run to the next "&"): hidden whole
+    assert QueryParams("api_key=tenant?a-key-1")["api_key"] == "tenant?a-key-1"
+    assert redact_api_key_params("/v1/ws?api_key=tenant?a-key-1") == "/v1/ws?api_key=***"
+    assert redact_api_key_params("/v?api_key=?a-key-1&b=2") == "/v?api_key=***&b=2"
     record = logging.LogRecord("uvicorn.error", logging.INFO, "x", 1,
                                f'1.2.3.4:5 - "WebSocket /v1/ws?%61pi_key={A}" [accepted]',
                                None, None)
     RedactApiKeys().filter(record)
     assert record.getMessage() == '1.2.3.4:5 - "WebSocket /v1/ws?%61pi_key=***" [accepted]'
+    record = logging.LogRecord("uvicorn.error", logging.INFO, "x", 1,
+                               '1.2.3.4:5 - "WebSocket /v1/ws?api_key=k?ey-1234" [accepted]',
+                               None, None)
+    RedactApiKeys().filter(record)
+    assert record.getMessage() == '1.2.3.4:5 - "WebSocket /v1/ws?api_key=***" [accepted]'
