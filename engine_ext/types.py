@@ -6,6 +6,8 @@ import dataclasses
 import enum
 import json
 import math
+import re
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,18 +43,42 @@ class ToolSpec:
 
 
 def strict_json(text: str) -> Any:
-    """`text` parsed as JSON as the standard has it: Python's parser also takes `NaN`,
-    `Infinity` and numbers too large for a float (`1e999`), which, written back as a call's
-    arguments, made text JavaScript's and Go's parsers refuse. Raises ValueError."""
-    def refuse(constant: str) -> Any:
-        raise ValueError(f"{constant} is not JSON")
+    """`text` parsed as JSON as the standard has it and other parsers read it. Python's parser
+    also takes `NaN`, `Infinity`, numbers beyond a float's range (`1e999`, an integer of 400
+    digits) and unpaired surrogate escapes (`"\\ud800"`): written back (a call's arguments, a
+    reply), they made text JavaScript's and Go's parsers refuse, or that no UTF-8 encoder
+    takes. Raises ValueError (RecursionError where nested deeper than Python walks)."""
+    value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
+                       parse_int=_float_range_int)
+    # Text that came as UTF-8 holds no surrogates: only `\udXXX` escapes make them, so only
+    # text with one pays for the re-encoding that finds an unpaired one.
+    if _SURROGATE_ESCAPE.search(text):
+        json.dumps(value, ensure_ascii=False).encode()  # UnicodeEncodeError, a ValueError
+    return value
 
-    def finite(number: str) -> float:
-        value = float(number)
-        if not math.isfinite(value):
-            raise ValueError(f"{number} is out of range")
-        return value
-    return json.loads(text, parse_constant=refuse, parse_float=finite)
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _float_range_int(text: str) -> int:
+    limit = sys.get_int_max_str_digits()
+    if limit and len(text.lstrip("-")) > limit:
+        raise ValueError(f"a number has more than {limit} digits")
+    value = int(text)
+    if abs(value) > sys.float_info.max:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits is out of range")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

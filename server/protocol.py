@@ -53,9 +53,7 @@ Server to client::
 from __future__ import annotations
 
 import json
-import math
 import re
-import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -68,7 +66,7 @@ from pydantic import (
     model_validator,
 )
 
-from antiphon.engine_ext.types import ToolSpec
+from antiphon.engine_ext.types import ToolSpec, strict_json
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
 from antiphon.server.schemas import SchemaObject
 from antiphon.server.tools import (
@@ -339,27 +337,6 @@ CLIENT_TYPES = ("session.open", "session.list", "session.rename", "session.delet
                 "regenerate", "tool_results", "typing", "cancel")
 
 
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _bounded_int(text: str) -> int:
-    limit = sys.get_int_max_str_digits()
-    if limit and len(text.lstrip("-")) > limit:
-        raise ValueError(f"a number has more than {limit} digits")
-    return int(text)
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is out of range")
-    return value
-
-
 def parse_json(raw: str | bytes, what: str = "message") -> Any:
     """Strict JSON as the APIs take it: no NaN or Infinity, nesting Python can walk, and every
     string valid Unicode (a `\\ud800` escape decodes to an unpaired surrogate, which nothing
@@ -367,12 +344,7 @@ def parse_json(raw: str | bytes, what: str = "message") -> Any:
     try:
         if isinstance(raw, bytes):  # UTF-8 only: json.loads would also guess UTF-16 and 32
             raw = raw.decode("utf-8-sig")
-        data = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float,
-                          parse_int=_bounded_int)
-        # Text that came as UTF-8 holds no surrogates: only `\udXXX` escapes make them, so
-        # only text with one pays for the re-encoding that finds an unpaired one.
-        if _SURROGATE_ESCAPE.search(raw):
-            json.dumps(data, ensure_ascii=False).encode()
+        data = strict_json(raw)
     except RecursionError:
         raise ApiError(ErrorCode.BAD_JSON, f"{what} is nested too deeply") from None
     except UnicodeEncodeError:

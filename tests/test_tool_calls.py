@@ -261,10 +261,14 @@ def test_the_models_template_renders_tools_where_it_knows_them() -> None:
 
 @pytest.mark.parametrize("body", ['{"name": "f", "arguments": {"x": NaN}}',
                                   '{"name": "f", "arguments": {"x": 1e999}}',
-                                  '{"name": "f", "arguments": "{\\"x\\": -Infinity}"}'])
+                                  '{"name": "f", "arguments": "{\\"x\\": -Infinity}"}',
+                                  '{"name": "f", "arguments": {"x": 1' + '0' * 400 + '}}',
+                                  '{"name": "f", "arguments": {"x": "\\ud800"}}'])
 def test_a_call_whose_arguments_are_not_standard_json_stays_text(body: str) -> None:
-    """Python's parser takes NaN, Infinity and 1e999; written back as a call's arguments they
-    made text that JavaScript's JSON.parse and the Go and Java parsers refuse."""
+    """Python's parser takes NaN, Infinity, 1e999 and integers past a float's range; written
+    back as a call's arguments they made text that JavaScript's JSON.parse and the Go and Java
+    parsers refuse. It also takes an unpaired surrogate escape, which no UTF-8 encoder takes:
+    the reply failed with an internal error."""
     assert parse_calls(body) is None
     text = f"<tool_call>\n{body}\n</tool_call>"
     use = ToolUse("auto", ("f",))
@@ -273,3 +277,5 @@ def test_a_call_whose_arguments_are_not_standard_json_stays_text(body: str) -> N
     assert ToolCall("c1", "f", '{"x": NaN}').arguments_value() == '{"x": NaN}'
     assert parse_calls('{"name": "f", "arguments": {"x": 1.5e3, "n": 10}}') == [
         ("f", '{"x": 1500.0, "n": 10}')]
+    assert parse_calls('{"name": "f", "arguments": {"x": "\\ud83d\\ude00"}}') == [
+        ("f", '{"x": "\U0001f600"}')]  # a surrogate pair is one character
