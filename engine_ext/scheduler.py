@@ -177,9 +177,11 @@ class AntiphonScheduler(Scheduler):
         """Running requests that sat the step out rejoin the queue, and the queue puts RT
         ahead of BE (each class in its order), after every step: vLLM's own preemption, in a
         step the plan left to it, takes from the tail, which must never be an RT turn while
-        BE work runs (vLLM appends the turns it admits, behind the BE work running)."""
-        self.running = sorted(self.running + sat_out,  # stable: each class keeps its order
-                              key=lambda r: request_class_of(r) is not RequestClass.RT)
+        BE work runs (vLLM appends the turns it admits, behind the BE work running). The
+        stock baselines keep vLLM's order (sorted, their preemptions spared RT turns)."""
+        self.running += sat_out
+        if self.step_policy.is_rt_first:  # stable: each class keeps its order
+            self.running.sort(key=lambda r: request_class_of(r) is not RequestClass.RT)
 
     def _requeue(self, sat_out: list[Request]) -> None:
         """Waiting requests that sat the step out rejoin the waiting queue, and the queue

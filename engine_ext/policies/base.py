@@ -12,6 +12,10 @@ from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 class Policy(abc.ABC):
     name: str
     vllm_scheduling_policy = "fcfs"  # the vLLM queue discipline the policy runs on top of
+    # Running RT requests go ahead of BE ones in vLLM's queue after every step (vLLM's own
+    # preemption takes from the tail, and running requests get the step's tokens in order);
+    # the stock baselines keep vLLM's order.
+    is_rt_first = True
 
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model

@@ -12,6 +12,7 @@ class FcfsPolicy(Policy):
     """vLLM's default: arrival order; preemption takes the newest running request."""
 
     name = "fcfs"
+    is_rt_first = False
 
     def plan(self, views: Sequence[RequestView], budget: StepBudget) -> StepPlan:
         return StepPlan()
@@ -23,6 +24,7 @@ class PriorityPolicy(Policy):
 
     name = "priority"
     vllm_scheduling_policy = "priority"
+    is_rt_first = False
 
     def plan(self, views: Sequence[RequestView], budget: StepBudget) -> StepPlan:
         return StepPlan()

@@ -21,6 +21,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from antiphon.engine_ext.config import SchedulerSettings
 from antiphon.engine_ext.policies.base import Policy, freed_pages, new_pages
 from antiphon.engine_ext.policies.stepbatch import Victims
+from antiphon.engine_ext.policies.stock import FcfsPolicy, PriorityPolicy
 from antiphon.engine_ext.scheduler import AntiphonAsyncScheduler, AntiphonScheduler
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 from antiphon.model import resolve_model
@@ -245,6 +246,19 @@ def test_an_rt_turn_admitted_behind_running_be_work_goes_ahead_of_it() -> None:
     sched.add_request(request("r", 20))
     assert scheduled(sched.schedule()) == {"b": 1, "r": 20}
     assert [r.request_id for r in sched.running] == ["r", "b"]
+
+
+@pytest.mark.parametrize("policy", [FcfsPolicy, PriorityPolicy])
+def test_the_stock_baselines_keep_vllms_running_order(policy: type[Policy]) -> None:
+    # Sorted RT first after every step, the baselines were not stock: vLLM's preemption
+    # (the newest running request) spared RT turns, and RT decodes got the tokens first.
+    sched = scheduler([])
+    sched.step_policy = policy(sched.cost_model)
+    sched.add_request(request("b", 20, "be"))
+    finish_step(sched, sched.schedule())
+    sched.add_request(request("r", 20))
+    finish_step(sched, sched.schedule())
+    assert [r.request_id for r in sched.running] == ["b", "r"]  # in admission order
 
 
 def test_waiting_requests_that_sit_a_step_out_keep_their_place_in_the_queue() -> None:
