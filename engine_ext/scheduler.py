@@ -31,7 +31,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from antiphon.engine_ext import core_utilities  # noqa: F401  (adds its utility methods to EngineCore)
 from antiphon.engine_ext.biblock_pool import PositionalPages
@@ -329,8 +329,23 @@ class AntiphonScheduler(Scheduler):
         super()._preempt_request(request, timestamp, drop_stale_output)
 
     def _views(self) -> list[RequestView]:
+        """Views of the running requests and of the waiting ones vLLM would admit now: not
+        those it skips this step (a grammar still compiling), which a plan could only seat,
+        or take pages from BE work for, in vain."""
         return [self._view(r, is_running=True) for r in self.running] + [
-            self._view(r, is_running=False) for r in self.waiting]
+            self._view(r, is_running=False) for r in self.waiting if not self._is_blocked(r)]
+
+    def _is_blocked(self, request: Request) -> bool:
+        """Whether vLLM skips waiting `request` this step (its `_handle_blocked_waiting_
+        request`, without its side effects). A grammar that failed to compile is not: vLLM
+        fails the request once it sees it."""
+        status = request.status
+        if status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+            wanted = request.structured_output_request
+            return wanted is None or wanted.grammar is None
+        if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return request.request_id not in self.finished_recving_kv_req_ids
+        return status == RequestStatus.WAITING_FOR_STREAMING_REQ
 
     def _view(self, request: Request, is_running: bool) -> RequestView:
         cls = request_class_of(request)
@@ -480,6 +495,9 @@ class AntiphonScheduler(Scheduler):
         free = self.max_num_running_reqs - len(self.running) - len(sitting_out)
         seated = []
         for request in admitted:
+            if self._is_blocked(request):  # vLLM skips it: it needs no seat this step
+                waiting_out.append(request)
+                continue
             if free <= 0 and request_class_of(request) is RequestClass.RT:
                 victim = None
                 for seats in (sitting_out, self.running):

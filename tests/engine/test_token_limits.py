@@ -4,6 +4,7 @@ shape when vLLM schedules a step ahead (async scheduling)."""
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 
 import pytest
@@ -15,7 +16,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from antiphon.engine_ext.config import SchedulerSettings
@@ -151,6 +152,27 @@ def test_an_rt_turn_takes_the_seat_of_be_work_the_plan_runs_when_none_sits_out()
     assert scheduled(sched.schedule()) == {"r2": 20}
     assert {r.request_id for r in sched.running} == {"r1", "r2"}
     assert sched.stats.seat_preemptions == 1 and sched.requests["b"].num_preemptions == 1
+
+
+def test_an_rt_turn_vllm_skips_takes_no_seat_and_is_in_no_view() -> None:
+    # An RT turn whose response_format grammar still compiles is skipped by vLLM: a BE
+    # request was preempted for its seat, and the turn did not run.
+    sched = scheduler([StepPlan(order=["b1", "b2"], is_restrictive=True)] * 2 + [
+        StepPlan(order=["r", "b1"], is_restrictive=True)], max_num_seqs=2)
+    sched.add_request(request("b1", 20, "be"))
+    sched.add_request(request("b2", 20, "be"))
+    for _ in range(2):
+        finish_step(sched, sched.schedule())
+    turn = request("r", 20)
+    sched.add_request(turn)
+    turn.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    turn.structured_output_request = types.SimpleNamespace(grammar=None)  # compiling
+    assert [v.request_id for v in sched._views()] == ["b1", "b2"]
+    assert scheduled(sched.schedule()) == {"b1": 1}
+    assert sched.stats.seat_preemptions == 0 and sched.requests["b2"].num_preemptions == 0
+    assert [r.request_id for r in sched.waiting] == ["r"]
+    turn.structured_output_request.grammar = object()  # compiled: vLLM admits it now
+    assert "r" in [v.request_id for v in sched._views()]
 
 
 def test_reset_counters_zeroes_the_bidirectional_blocks_counters_too() -> None:
