@@ -183,6 +183,39 @@ def test_a_victim_gives_back_only_the_pages_no_other_request_holds() -> None:
     assert sorted(plan.preempt) == ["b1", "b2"] and "r" in plan.order, plan
 
 
+@pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
+def test_a_victims_pages_a_waiting_turn_reuses_are_not_counted_freed(name: str) -> None:
+    """A BE item holds a document's 4 pages alone, and a waiting turn over the document
+    counts them as held. Preempted, the item's pages go to the prefix cache, where the turn's
+    admission takes them from the free pages: counted freed too (1 + 5 = 6 free against the
+    4 new the turn counted), the item was preempted and vLLM refused the turn (it needs 8)."""
+    doc = [bytes([i]) for i in range(4)]
+    item = view("b", BE, prompt=66, computed=67, output=2, running=True,
+                prefix_page_hashes=doc)
+    turn = view("w", prompt=120, num_shared_pages=4, prefix_page_hashes=doc)
+    plan = make_policy(name, constant_cost(0.01)).plan([item, turn], budget(free_pages=1))
+    assert not ("w" in plan.order and plan.preempt == ["b"]), plan
+    plan = make_policy(name, constant_cost(0.01)).plan([item, turn], budget(free_pages=3))
+    assert "w" in plan.order and plan.preempt == ["b"], plan  # 3 + 1 + 4 taken back: 8
+
+
+@pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
+def test_running_work_seated_after_a_chunked_admission_leaves_it_its_pages(name: str) -> None:
+    """vLLM runs the running requests before it admits a waiting one, and admits it only
+    where its whole sequence fits: BE decodes seated after a turn whose first chunk the step
+    time cut took the pages its admission needed, and vLLM refused it."""
+    cost = CostModel("hygen", {"intercept_s": 0.02, "prefill_token_s": 1e-3,
+                               "decode_request_s": 1e-3})
+    items = [view(f"b{i}", BE, prompt=31, computed=32, output=2, running=True)
+             for i in range(3)]  # each decode needs a new page
+    turn = view("r", prompt=400)  # 25 pages
+    stream = view("s", prompt=32, computed=40, output=9, running=True, first_token_s=0.0)
+    plan = make_policy(name, cost).plan([stream, *items, turn], budget(now=0.0, free_pages=26))
+    assert "r" in plan.order, plan
+    decodes = sum(1 for v in items if v.request_id in plan.order)
+    assert decodes + 25 <= 26, plan
+
+
 def test_cost_model_learns_a_linear_step_time() -> None:
     rng = np.random.default_rng(0)
     form = HygenForm()

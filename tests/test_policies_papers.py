@@ -310,13 +310,14 @@ def test_hygen_rt_takes_pages_from_be_never_the_reverse() -> None:
     plan = policy.plan([be_old, be_new, be_low, rt], budget(free_pages=1))
     assert plan.preempt == ["be_low"] and plan.order[0] == "rt"
     assert "be_low" not in plan.order
-    # A waiting BE request only takes free pages: a chunk that fits them, or nothing.
+    # A waiting BE request only takes free pages, all its prompt's (vLLM admits a request
+    # only where its whole sequence fits: a first chunk planned on 1 of its 4 was refused).
     views = [decoding("rt_run"), view("be_wait", BE, prompt=64)]
-    plan = policy.plan(views, budget(free_pages=1))
+    plan = policy.plan(views, budget(free_pages=4))
     assert plan.preempt == [] and plan.order == ["rt_run", "be_wait"]
-    assert plan.token_limits == {"be_wait": PAGE}
-    plan = policy.plan(views, budget(free_pages=0))
-    assert plan.preempt == [] and plan.order == ["rt_run"]
+    for free in (3, 1, 0):
+        plan = policy.plan(views, budget(free_pages=free))
+        assert plan.preempt == [] and plan.order == ["rt_run"]
 
 
 # --- Echo -----------------------------------------------------------------------------------

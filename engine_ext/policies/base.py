@@ -56,10 +56,14 @@ def tokens_within_pages(view: RequestView, num_new_tokens: int, num_pages: int,
     return max(0, min(num_new_tokens, fit))
 
 
-def admission_pages(view: RequestView, pages: int, page_tokens: int) -> int:
-    """Free pages vLLM needs to run `view` with a chunk of `pages` new pages: a waiting
-    request is admitted only where its whole sequence fits (`scheduler_reserve_full_isl`,
-    on by default), not its first chunk alone; a running one needs its chunk's."""
+def admission_pages(view: RequestView, pages: int, page_tokens: int,
+                    num_cached_tokens: int = 0) -> int:
+    """Free pages vLLM needs to run `view` with a chunk of `pages` new pages (after
+    `num_cached_tokens` reused from pages running requests hold): a waiting request is
+    admitted only where its whole sequence fits (`scheduler_reserve_full_isl`, on by
+    default), not its first chunk alone; a running one needs its chunk's."""
     if view.is_running:
         return pages
-    return max(pages, new_pages(view, view.num_new_tokens, page_tokens))
+    held = held_pages(view, page_tokens) + num_cached_tokens // page_tokens
+    end = view.num_computed_tokens + view.num_new_tokens
+    return max(pages, pages_for(end, page_tokens) - held)

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 from antiphon.engine_ext.costmodel import CostModel, StepShape
-from antiphon.engine_ext.policies.base import freed_pages, held_pages, pages_for
+from antiphon.engine_ext.policies.base import admission_pages, freed_pages, held_pages, pages_for
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
 
@@ -58,8 +58,8 @@ class StepBatch:
         `num_cached_tokens` reused from the prefix cache. Whatever the time, the first request
         of an empty step gets at least `first_tokens` (all it wants by default), so a step
         always makes progress, and a request joining a non-empty step at least `min_tokens`.
-        Returns (tokens, new pages they need, whether pages rather than
-        time or tokens cut the chunk short)."""
+        Returns (tokens, new pages they need free: a waiting request's whole sequence's, as
+        vLLM admits it, whether pages rather than time or tokens cut the chunk short)."""
         page_tokens = self.page_tokens
         start = view.num_computed_tokens + num_cached_tokens
         held = held_pages(view, page_tokens) + num_cached_tokens // page_tokens
@@ -70,7 +70,11 @@ class StepBatch:
             floor = min_tokens if self.ids else first_tokens
             by_time = int(max(by_time, min(wanted, floor)))
         chunk = max(0, min(by_time, by_pages))
-        return chunk, pages_for(start + chunk, page_tokens) - held, by_pages < by_time
+        pages = pages_for(start + chunk, page_tokens) - held
+        needed = admission_pages(view, pages, page_tokens, num_cached_tokens)
+        if needed > self.pages_left:  # a waiting request whose whole sequence does not fit
+            return 0, needed, True
+        return chunk, needed, by_pages < by_time
 
     def tokens_within(self, view: RequestView, limit_s: float, wanted: int,
                       start: int | None = None) -> int:
@@ -91,7 +95,10 @@ class StepBatch:
     def add(self, view: RequestView, num_new_tokens: int, num_pages: int,
             num_cached_tokens: int = 0) -> None:
         """Seat `view` computing `num_new_tokens` after `num_cached_tokens` reused from the
-        prefix cache; takes the tokens, `num_pages` pages and a seat from what is left."""
+        prefix cache; takes the tokens, `num_pages` pages and a seat from what is left. A
+        waiting request takes the pages of its whole sequence (`admission_pages`): vLLM runs
+        the running requests first, and pages they took refused its admission."""
+        num_pages = admission_pages(view, num_pages, self.page_tokens, num_cached_tokens)
         self.ids.append(view.request_id)
         if num_cached_tokens + num_new_tokens < view.num_new_tokens:
             self.token_limits[view.request_id] = num_new_tokens
@@ -124,7 +131,7 @@ class Victims:
     items holding them ran on). Only where all its holders are victims (`shared_page_holders`:
     a finished request whose pages are being saved holds one too), and none of the pages RT
     requests in `kept` hold or, waiting, will reuse (freed, a turn's admission would have to
-    take back the prefix it counted as held)."""
+    take back the prefix it counted as held): those are not counted freed, shared or not."""
 
     def __init__(self, views: Iterable[RequestView], page_tokens: int,
                  kept: Iterable[RequestView] = ()) -> None:
@@ -141,8 +148,12 @@ class Victims:
         # pages shared only among victims: how many victims still hold each
         self._holders = {h: n for h, n in victims.items()
                          if n == holders[h] and h not in held}
+        # pages a victim holds alone that a waiting turn in `kept` counts as held: preempted,
+        # they go to the prefix cache, and its admission takes them from the free pages
+        self._kept_pages = {v.request_id: n for v in self._stack
+                            if (n := _num_alone_and_kept(v, held))} if held else {}
         self.num_pages = sum(freed_pages(v, page_tokens) for v in self._stack) + len(
-            self._holders)
+            self._holders) - sum(self._kept_pages.values())
 
     def __bool__(self) -> bool:
         return bool(self._stack)
@@ -150,7 +161,7 @@ class Victims:
     def take_one(self, batch: StepBatch, plan: StepPlan) -> None:
         """Preempt the next victim: its pages go to `batch`, its id to `plan.preempt`."""
         view = self._stack.pop()
-        freed = preempt(view, batch, plan)
+        freed = preempt(view, batch, plan, self._kept_pages.get(view.request_id, 0))
         for h in view.prefix_page_hashes[:len(view.shared_page_holders)]:
             if h in self._holders:
                 self._holders[h] -= 1
@@ -173,11 +184,23 @@ def _shared_hashes(view: RequestView) -> Sequence[bytes]:
     return view.prefix_page_hashes[:view.num_shared_pages]
 
 
-def preempt(view: RequestView, batch: StepBatch, plan: StepPlan) -> int:
+def _num_alone_and_kept(view: RequestView, kept: set[bytes]) -> int:
+    """Pages running `view` holds alone (after the ones it shares) whose hashes are in
+    `kept`: a leading run of them, as page hashes chain."""
+    hashes = view.prefix_page_hashes
+    end = view.num_shared_pages
+    while end < len(hashes) and hashes[end] in kept:
+        end += 1
+    return end - view.num_shared_pages
+
+
+def preempt(view: RequestView, batch: StepBatch, plan: StepPlan, num_kept_pages: int = 0
+            ) -> int:
     """Preempt running `view` before the step: its id goes to `plan.preempt`, the pages no
     other request holds back to `batch` (counting the shared ones, the plan seated work on
-    pages still held). Returns the pages freed."""
-    freed = freed_pages(view, batch.page_tokens)
+    pages still held), less `num_kept_pages` a waiting turn will take back from the prefix
+    cache. Returns the pages freed."""
+    freed = freed_pages(view, batch.page_tokens) - num_kept_pages
     plan.preempt.append(view.request_id)
     batch.pages_left += freed
     return freed
