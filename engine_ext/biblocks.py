@@ -153,7 +153,7 @@ class SharedBlockLayout:
         high_rt, low_be = self._bounds(index)
         if not (page < low_be if is_rt else page > high_rt):
             self._strays.add(page)
-            self.counters.strays += 1
+            self.counters.strays += not from_cache  # a placement's kind, as `pages_placed`
         side = block.rt if is_rt else block.be
         side[request_id] = side.get(request_id, 0) + 1
         self._owner[page] = (request_id, is_rt)

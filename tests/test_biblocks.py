@@ -197,6 +197,10 @@ def test_integrity_reports_a_broken_direction_and_a_double_owner() -> None:
         layout.take("rt2", True, 2)
     assert layout.check_integrity(is_free=lambda page: page != 2) == [
         "page 5 of rt is free in the pool"]
+    hit = SharedBlockLayout(8, 8)
+    hit.take("be", False, 2)
+    hit.take("rt", True, 5, from_cache=True)  # a prefix-cache hit: not placed, so no stray
+    assert (hit.counters.pages_placed, hit.counters.strays) == (1, 0)
 
 
 def test_bad_sizes_are_refused() -> None:

@@ -1071,3 +1071,54 @@ def test_a_chunk_refused_step_after_step_counts_once(tmp_path: Path) -> None:
         assert planner.stats()["saves_refused"] == 1
     finally:
         planner.close()
+
+
+def test_a_save_made_again_after_a_failed_step_counts_once(tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        run_failed_step(planner, list(range(200, 213)))  # 3 chunks planned, their step failed
+        meta = planner.build_metadata([("be", 12)])
+        fake_worker_saves(planner, meta.saves)
+        planner.step_done({meta.step}, set())
+        assert planner.stats()["saved_chunks"] == 3  # (6: counted when planned)
+    finally:
+        planner.close()
+
+
+def test_a_chunk_refused_again_after_it_was_saved_counts_again(tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=LAYERS * PAGE_BYTES)  # 1 chunk
+    try:
+        admit(planner, TokenView("be", list(range(100, 109)), background=True), [1, 2, 3])
+        first = planner.build_metadata([("be", 8)])  # chunk 0 saved, chunk 1 refused
+        fake_worker_saves(planner, first.saves)
+        planner.step_done({first.step}, set())
+        second = planner.build_metadata([("be", 8)])  # chunk 1 now (evicting chunk 0)
+        assert [c.blocks for c in second.saves] == [(2,)]
+        planner.step_done(set(), {second.step})  # its copy failed: it is saved again, but
+        for layer in range(LAYERS):  # another save holds the arena meanwhile
+            assert planner.host.reserve(ChunkKey("test-model", b"x" * 32, 5, layer)) is not None
+        assert planner.build_metadata([("be", 8)]).saves == []
+        assert planner.stats()["saves_refused"] == 2  # (1: the earlier refusal's mark stayed)
+    finally:
+        planner.close()
+
+
+def test_a_lost_chunk_another_request_saved_again_costs_no_checkpoint(tmp_path: Path) -> None:
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=4 * PAGE_BYTES * LAYERS,
+                           ssd_tier_bytes=0)
+    try:
+        tokens = list(range(100, 113))
+        admit(planner, TokenView("be", tokens, background=True), [1, 2, 3, 4])
+        meta = planner.build_metadata([("be", 12)])
+        fake_worker_saves(planner, meta.saves)
+        planner.step_done({meta.step}, set())
+        run_turn(planner, "rt", list(range(500, 517)), [5, 6, 7, 8, 9])  # evicts be's chunks
+        assert planner.checkpoint_cost_pages("be", 12) > 0
+        # an item over the same document saves those chunks again (from its own pages)
+        admit(planner, TokenView("be2", tokens, background=True), [11, 12, 13, 14])
+        meta = planner.build_metadata([("be2", 12)])
+        fake_worker_saves(planner, meta.saves)
+        planner.step_done({meta.step}, set())
+        assert checkpoint_copies(planner, "be", 12, [1, 2, 3, 4]) == (0, 0)
+    finally:
+        planner.close()

@@ -92,6 +92,7 @@ class StepInFlight:
 
     pins: list[ChunkKey] = dataclasses.field(default_factory=list)
     commits: list[SlotCommit] = dataclasses.field(default_factory=list)
+    num_saved_chunks: int = 0  # chunk saves among the commits, counted once they land
 
 
 @dataclasses.dataclass

@@ -339,6 +339,8 @@ class TierPlanner:
                 if in_flight is None:
                     continue
                 self.counters.copy_steps_failed += step in failed_steps
+                if step not in failed_steps:  # (a failed one's are saved again, and counted)
+                    self.counters.saved_chunks += in_flight.num_saved_chunks
                 for key in in_flight.pins:
                     self.host.unpin(key)
                 erased: list[ChunkKey] = []
@@ -508,13 +510,18 @@ class TierPlanner:
     def checkpoint_cost_pages(self, request_id: str, num_computed: int) -> int:
         """Device pages a checkpoint of the request would copy now: all but those of the
         chunks a tier holds or is being given (what a policy weighs when it picks a request
-        to preempt). Called for every running BE request each step: no tier is looked up."""
+        to preempt). Called for every running BE request each step: no tier is looked up
+        but for the (few) chunks the request lost."""
         with self.lock:
             st = self._requests.get(request_id)
             if st is None:
                 return -(-num_computed // self.page_tokens)
             self._settle_evictions()
-            num_held = st.saved_chunks - len(self._lost_chunks.get(request_id, ()))
+            lost = self._lost_chunks.get(request_id)
+            if lost:  # (few) a chunk another request saved again is held again
+                lost -= {index for index in lost if self.held(
+                    ChunkKey(self.model_id, st.hashes[index], index, 0))}
+            num_held = st.saved_chunks - len(lost or ())
             pages = -(-known_tokens(st, num_computed) // self.page_tokens)
             return max(0, pages - num_held * self.pages_per_chunk)
 
@@ -629,7 +636,9 @@ class TierPlanner:
             if copy is not None:
                 meta.saves.append(copy)
                 in_flight.commits.extend(SlotCommit(key, durable, owner) for key in keys)
-                self.counters.saved_chunks += 1
+                in_flight.num_saved_chunks += 1
+                if index == st.refused_chunk:  # a later refusal of it counts again
+                    st.refused_chunk = None
             elif not self.held(chunk):  # refused, no host room: tried again next step (the
                 st.saved_chunks = index  # chunks after it extend no stored prefix until then)
                 st.refused_chunk = index
