@@ -66,6 +66,15 @@ def fake_worker_saves(planner: TierPlanner, copies: list[PageCopy]) -> None:
                 planner.host.arena.write(slot, page, (copy.first_page + i) * PAGE_BYTES)
 
 
+def run_step(planner: TierPlanner, scheduled: list[tuple[str, int]]) -> TieringMetadata:
+    """One step of `scheduled` (request id, tokens computed after it): its saves written as
+    the worker would, the step reported done."""
+    meta = planner.build_metadata(scheduled)
+    fake_worker_saves(planner, meta.saves)
+    planner.step_done({meta.step}, set())
+    return meta
+
+
 def admit(planner: TierPlanner, view: TokenView, blocks: list[int]) -> None:
     """Add `view`'s request and allocate `blocks` for it, loading nothing from the tiers."""
     planner.add_request(view)
@@ -84,9 +93,7 @@ def run_turn(planner: TierPlanner, request_id: str, tokens: list[int], blocks: l
     matched = planner.num_new_matched_tokens(view, 0)
     planner.test_blocks[request_id] = blocks  # type: ignore[attr-defined]
     planner.plan_load(request_id, blocks, matched or 0, len(tokens))
-    meta = planner.build_metadata([(request_id, len(tokens) - 1)])
-    fake_worker_saves(planner, meta.saves)
-    planner.step_done({meta.step}, set())
+    meta = run_step(planner, [(request_id, len(tokens) - 1)])
     if planner.request_finished(request_id, len(tokens) - 1, blocks):
         final = planner.build_metadata([])
         fake_worker_saves(planner, final.final_saves[request_id])
@@ -454,9 +461,7 @@ def preempt_after(planner: TierPlanner, request_id: str, tokens: list[int], bloc
     preempt it: (tokens its checkpoint holds, the metadata of the preempting step)."""
     admit(planner, TokenView(request_id, tokens, background=background), blocks)
     for done in computed:
-        meta = planner.build_metadata([(request_id, done)])
-        fake_worker_saves(planner, meta.saves)
-        planner.step_done({meta.step}, set())
+        meta = run_step(planner, [(request_id, done)])
     held = planner.checkpoint(request_id, computed[-1], blocks)
     meta = planner.build_metadata([])
     return held, meta
@@ -765,9 +770,7 @@ def test_a_finished_request_saves_only_the_tail_it_knows(planner: TierPlanner) -
     tokens = list(range(100, 110))  # 10 known
     view = TokenView("r", tokens, "s1")
     admit(planner, view, [1, 2, 3])
-    meta = planner.build_metadata([("r", 10)])
-    fake_worker_saves(planner, meta.saves)
-    planner.step_done({meta.step}, set())
+    run_step(planner, [("r", 10)])
     assert planner.request_finished("r", 12, [1, 2, 3])  # 2 positions past the known tokens
     final = planner.build_metadata([])
     assert [c.blocks for c in final.final_saves["r"]] == [(3,)]
@@ -786,9 +789,7 @@ def test_a_preempted_turn_admitted_again_leaves_the_next_turns_advisory(tmp_path
         planner.num_new_matched_tokens(view, 0)
         planner.test_blocks["r2"] = [1, 2, 3, 4]
         planner.plan_load("r2", [1, 2, 3, 4], 10, len(tokens))
-        meta = planner.build_metadata([("r2", 14)])
-        fake_worker_saves(planner, meta.saves)
-        planner.step_done({meta.step}, set())
+        meta = run_step(planner, [("r2", 14)])
         planner.advise("s1", tokens, expected_arrival_s=5.0)  # the next turn's
         assert planner.stats()["advisories_live"] == 1
         planner.checkpoint("r2", 14, [1, 2, 3, 4])  # preempted
@@ -922,9 +923,7 @@ def test_a_preempted_turn_admitted_again_leaves_the_next_turns_prefetch_running(
         assert planner.num_new_matched_tokens(view, 0) == 10
         planner.test_blocks["r2"] = [1, 2, 3, 4]  # type: ignore[attr-defined]
         planner.plan_load("r2", [1, 2, 3, 4], 10, len(tokens))
-        meta = planner.build_metadata([("r2", 14)])
-        fake_worker_saves(planner, meta.saves)
-        planner.step_done({meta.step}, set())
+        meta = run_step(planner, [("r2", 14)])
         planner.advise("s1", tokens, expected_arrival_s=5.0)  # the next turn's, typed meanwhile
         planner.checkpoint("r2", 14, [1, 2, 3, 4])  # preempted
         meta = planner.build_metadata([])
@@ -1016,9 +1015,7 @@ def test_the_checkpoint_cost_counts_chunks_the_host_tier_evicted(tmp_path: Path)
     try:
         view = TokenView("be", list(range(100, 113)), background=True)  # 3 full chunks
         admit(planner, view, [1, 2, 3, 4])
-        meta = planner.build_metadata([("be", 12)])
-        fake_worker_saves(planner, meta.saves)
-        planner.step_done({meta.step}, set())
+        run_step(planner, [("be", 12)])
         assert planner.checkpoint_cost_pages("be", 12) == 0
         run_turn(planner, "rt", list(range(500, 517)), [5, 6, 7, 8, 9])
         cost, copied = checkpoint_copies(planner, "be", 12, [1, 2, 3, 4])
@@ -1077,9 +1074,7 @@ def test_a_save_made_again_after_a_failed_step_counts_once(tmp_path: Path) -> No
     planner = make_planner(tmp_path / "ssd")
     try:
         run_failed_step(planner, list(range(200, 213)))  # 3 chunks planned, their step failed
-        meta = planner.build_metadata([("be", 12)])
-        fake_worker_saves(planner, meta.saves)
-        planner.step_done({meta.step}, set())
+        run_step(planner, [("be", 12)])
         assert planner.stats()["saved_chunks"] == 3  # (6: counted when planned)
     finally:
         planner.close()
@@ -1109,16 +1104,12 @@ def test_a_lost_chunk_another_request_saved_again_costs_no_checkpoint(tmp_path: 
     try:
         tokens = list(range(100, 113))
         admit(planner, TokenView("be", tokens, background=True), [1, 2, 3, 4])
-        meta = planner.build_metadata([("be", 12)])
-        fake_worker_saves(planner, meta.saves)
-        planner.step_done({meta.step}, set())
+        run_step(planner, [("be", 12)])
         run_turn(planner, "rt", list(range(500, 517)), [5, 6, 7, 8, 9])  # evicts be's chunks
         assert planner.checkpoint_cost_pages("be", 12) > 0
         # an item over the same document saves those chunks again (from its own pages)
         admit(planner, TokenView("be2", tokens, background=True), [11, 12, 13, 14])
-        meta = planner.build_metadata([("be2", 12)])
-        fake_worker_saves(planner, meta.saves)
-        planner.step_done({meta.step}, set())
+        run_step(planner, [("be2", 12)])
         assert checkpoint_copies(planner, "be", 12, [1, 2, 3, 4]) == (0, 0)
     finally:
         planner.close()
