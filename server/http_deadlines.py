@@ -81,8 +81,16 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
         self._deadline = None
         if self.transport.is_closing():
             return
-        if self._waiting_for == "body" and self.flow.read_paused:
-            self._arm("body", self.body_timeout_s)  # the handler is behind, not the client
+        if self.flow.read_paused:  # the server is behind (a body not read yet, a request
+            # pipelined behind a reply), not the client: the bytes wait unread in the socket
+            self._arm(self._waiting_for, self.header_timeout_s if self._waiting_for ==
+                      "headers" else self.body_timeout_s)
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            # A reply streams to this client (the next request's head is what is late): it
+            # ends, then the connection closes (closed now, the reply was cut short).
+            cycle.keep_alive = False
             return
         if self._waiting_for == "headers":
             logger.info("closed a connection from %s: no request headers within %g s "

@@ -117,6 +117,30 @@ def test_a_slow_body_that_keeps_coming_is_served(url: str) -> None:
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
 
 
+def test_a_request_pipelined_behind_a_streaming_reply_cuts_nothing(url: str) -> None:
+    # uvicorn stops reading at a second pipelined request's headers until the reply ahead
+    # of it ends: the third request's head waits unread in the socket, and its deadline cut
+    # the streaming reply (its generation was not even released).
+    body = json.dumps({"model": "scripted", "stream": True, "max_tokens": 100,
+                       "messages": [{"role": "user", "content": "word " * 100}]}).encode()
+    with _connect(url) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.3)  # streaming
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                     b"GET /healthz HTTP/1.1\r\n")
+        time.sleep(0.05)
+        sock.sendall(b"Host: 127.0.0.1\r\n\r\n")
+        data, deadline = b"", time.monotonic() + 20
+        sock.settimeout(20)
+        while data.count(b"HTTP/1.1 200") < 3 and time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed: {data[-200:]!r}"
+            data += chunk
+        assert b"data: [DONE]" in data and data.count(b"HTTP/1.1 200") == 3
+
+
 def test_keep_alive_and_websockets_outlive_the_deadlines(url: str) -> None:
     with _connect(url) as sock:
         assert _get(sock) == b"HTTP/1.1 200 OK"
