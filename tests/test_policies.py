@@ -11,6 +11,7 @@ from antiphon.engine_ext.costforms import HygenForm
 from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.policies import make_policy, policy_class
 from antiphon.engine_ext.policies.bros import BrosPolicy
+from antiphon.engine_ext.policies.stepbatch import Victims
 from antiphon.engine_ext.types import RequestClass
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
@@ -197,6 +198,27 @@ def test_a_victims_pages_a_waiting_turn_reuses_are_not_counted_freed(name: str) 
     assert not ("w" in plan.order and plan.preempt == ["b"]), plan
     plan = make_policy(name, constant_cost(0.01)).plan([item, turn], budget(free_pages=3))
     assert "w" in plan.order and plan.preempt == ["b"], plan  # 3 + 1 + 4 taken back: 8
+
+
+@pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
+def test_a_victim_is_charged_only_for_reused_pages_it_computed(name: str) -> None:
+    """A BE item has computed 1 page of a 10-page document an RT stream holds, and a turn
+    over the document waits: the item's hashes cover its whole prompt, and it was charged
+    for all 10 pages the turn reuses (freeing -9), so the turn waited though preempting
+    the other item freed its 10 pages."""
+    doc = [bytes([i]) for i in range(10)]
+    stream = view("x", prompt=160, computed=161, output=2, running=True, first_token_s=0.0,
+                  prefix_page_hashes=doc)
+    item = view("b1", BE, arrival=2.0, prompt=170, computed=PAGE, running=True,
+                prefix_page_hashes=doc)
+    other = view("b2", BE, arrival=1.0, prompt=150, computed=160, output=10, running=True,
+                 prefix_page_hashes=[bytes([100 + i]) for i in range(10)])
+    turn = view("w", prompt=190, num_shared_pages=10, prefix_page_hashes=doc)  # 2 new pages
+    plan = make_policy(name, constant_cost(0.01)).plan([stream, item, other, turn],
+                                                       budget(free_pages=0))
+    assert "w" in plan.order, plan
+    victims = Victims([item], PAGE, kept=[turn])
+    assert victims.num_pages == 0  # its one page, which the turn takes back
 
 
 @pytest.mark.parametrize("name", ["bros", "hygen", "echo"])

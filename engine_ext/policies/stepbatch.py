@@ -150,8 +150,13 @@ class Victims:
                          if n == holders[h] and h not in held}
         # pages a victim holds alone that a waiting turn in `kept` counts as held: preempted,
         # they go to the prefix cache, and its admission takes them from the free pages
-        self._kept_pages = {v.request_id: n for v in self._stack
-                            if (n := _num_alone_and_kept(v, held))} if held else {}
+        self._kept_pages: dict[str, int] = {}
+        if held:
+            for view in reversed(self._stack):  # in the order they are taken
+                kept_hashes = _alone_and_kept(view, held, page_tokens)
+                if kept_hashes:
+                    self._kept_pages[view.request_id] = len(kept_hashes)
+                    held -= kept_hashes  # two victims' copies of a page: the turn takes one
         self.num_pages = sum(freed_pages(v, page_tokens) for v in self._stack) + len(
             self._holders) - sum(self._kept_pages.values())
 
@@ -184,14 +189,11 @@ def _shared_hashes(view: RequestView) -> Sequence[bytes]:
     return view.prefix_page_hashes[:view.num_shared_pages]
 
 
-def _num_alone_and_kept(view: RequestView, kept: set[bytes]) -> int:
-    """Pages running `view` holds alone (after the ones it shares) whose hashes are in
-    `kept`: a leading run of them, as page hashes chain."""
-    hashes = view.prefix_page_hashes
-    end = view.num_shared_pages
-    while end < len(hashes) and hashes[end] in kept:
-        end += 1
-    return end - view.num_shared_pages
+def _alone_and_kept(view: RequestView, kept: set[bytes], page_tokens: int) -> set[bytes]:
+    """The hashes in `kept` of the pages running `view` has computed and holds alone: after
+    the ones it shares, up to its computed ones (its hashes cover its whole prompt)."""
+    computed = view.prefix_page_hashes[:view.num_computed_tokens // page_tokens]
+    return {h for h in computed[view.num_shared_pages:] if h in kept}
 
 
 def preempt(view: RequestView, batch: StepBatch, plan: StepPlan, num_kept_pages: int = 0
