@@ -367,6 +367,9 @@ class TierPlanner:
                 self.preemption.note_evicted(erased + failed)
                 self._unsave(erased, save_again=False)
                 self._unsave(failed, save_again=True)
+                if step not in failed_steps and self._lost_chunks:
+                    self._found_again({(c.key.chunk_index, c.key.prefix_hash)
+                                       for c in in_flight.commits})
             if not self.has_commits_pending():
                 self.erasure.settle()
             self.retirement.step_done()
@@ -510,18 +513,13 @@ class TierPlanner:
     def checkpoint_cost_pages(self, request_id: str, num_computed: int) -> int:
         """Device pages a checkpoint of the request would copy now: all but those of the
         chunks a tier holds or is being given (what a policy weighs when it picks a request
-        to preempt). Called for every running BE request each step: no tier is looked up
-        but for the (few) chunks the request lost."""
+        to preempt). Called for every running BE request each step: no tier is looked up."""
         with self.lock:
             st = self._requests.get(request_id)
             if st is None:
                 return -(-num_computed // self.page_tokens)
             self._settle_evictions()
-            lost = self._lost_chunks.get(request_id)
-            if lost:  # (few) a chunk another request saved again is held again
-                lost -= {index for index in lost if self.held(
-                    ChunkKey(self.model_id, st.hashes[index], index, 0))}
-            num_held = st.saved_chunks - len(lost or ())
+            num_held = st.saved_chunks - len(self._lost_chunks.get(request_id, ()))
             pages = -(-known_tokens(st, num_computed) // self.page_tokens)
             return max(0, pages - num_held * self.pages_per_chunk)
 
@@ -759,6 +757,16 @@ class TierPlanner:
                         self._lost_chunks[request_id] = {i for i in lost if i < index}
                 else:
                     self._lost_chunks.setdefault(request_id, set()).add(index)
+
+    def _found_again(self, chunks: set[tuple[int, bytes]]) -> None:
+        """`chunks` (index, prefix hash) were just published: a request that lost one (another
+        request saved it again) has it again, once a tier holds its every layer."""
+        for request_id, lost in self._lost_chunks.items():
+            st = self._requests.get(request_id)
+            hashes = st.hashes if st is not None else ()
+            for index in [i for i in lost if (i, hashes[i]) in chunks]:
+                if self.held(ChunkKey(self.model_id, hashes[index], index, 0)):
+                    lost.discard(index)
 
     def _unpin(self, st: RequestState) -> None:
         self.host.unpin_all(st.pins)
