@@ -763,7 +763,9 @@ class TierPlanner:
         request saved it again) has it again, once a tier holds its every layer."""
         for request_id, lost in self._lost_chunks.items():
             st = self._requests.get(request_id)
-            hashes = st.hashes if st is not None else ()
+            if st is None:
+                continue
+            hashes = st.hashes
             for index in [i for i in lost if (i, hashes[i]) in chunks]:
                 if self.held(ChunkKey(self.model_id, hashes[index], index, 0)):
                     lost.discard(index)
