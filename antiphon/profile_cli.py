@@ -50,8 +50,10 @@ def _report(fit: CostFit, steps: list[ProfiledStep], wall_s: float) -> dict[str,
                 "latency_s", "group"] if steps else []}
 
 
-async def _profile(config: EngineConfig, quick: bool) -> tuple[CostFit, list[ProfiledStep],
-                                                                Path | None]:
+async def _profile(config: EngineConfig, quick: bool
+                   ) -> tuple[CostFit, list[ProfiledStep], Path | OSError | None]:
+    """Profile an engine of `config`: the fit, its steps, and where it is stored (the error
+    that kept it from being stored; None: too few steps to store)."""
     from antiphon.engine_ext.profiler import FULL, QUICK, profile
     from antiphon.engine_ext.vllm_engine import VllmEngine
     from antiphon.model import resolve_model
@@ -68,7 +70,11 @@ async def _profile(config: EngineConfig, quick: bool) -> tuple[CostFit, list[Pro
         path = fit_path(env.cache_dir(), *engine.cost_model_key())
         if not is_storable(fit):
             return fit, steps, None
-        save_fit(fit, path)
+        try:
+            save_fit(fit, path)
+        except OSError as exc:  # (a read-only or full cache: the fit is still reported)
+            print(f"antiphon profile: cannot store the fit in {path}: {exc}", file=sys.stderr)
+            return fit, steps, exc
         return fit, steps, path
     finally:
         await engine.shutdown()
@@ -97,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(_report(fit, steps, wall_s), indent=1) + "\n")
         print(f"steps and fit written to {args.out}")
+    if isinstance(path, OSError):
+        return 1
     if path is None:
         print(f"antiphon profile: not stored: {fit.num_steps} steps, fewer than "
               f"{MIN_STORED_FIT_STEPS} ({wall_s:.0f} s); the engine's limits (KV pool, "

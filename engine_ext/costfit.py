@@ -65,6 +65,15 @@ class CostFit:
     num_steps: int
     scores: tuple[FormScore, ...]  # every form, best first
     created: str = ""  # ISO time
+    # The engine limits the profiled grid was cut to (batch, step tokens, model length, KV
+    # pool); None where not recorded (a file from before they were). An engine past them
+    # would plan with an extrapolation: it profiles again.
+    limits: dict[str, int] | None = None
+
+    def covers(self, limits: dict[str, int]) -> bool:
+        """Whether the grid reached every one of `limits` (unknown limits: assumed so)."""
+        return self.limits is None or all(self.limits.get(name, 0) >= value
+                                          for name, value in limits.items())
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FIT_FORMAT, **dataclasses.asdict(self),
@@ -84,7 +93,16 @@ class CostFit:
         return cls(model=str(data["model"]), machine=data["machine"], form=form.name,
                    coefficients=form.coefficients_of([float(c) for c in data["coefficients"]]),
                    heldout_mape=float(data["heldout_mape"]), num_steps=int(data["num_steps"]),
-                   scores=scores, created=str(data.get("created", "")))
+                   scores=scores, created=str(data.get("created", "")),
+                   limits=_limits(data.get("limits")))
+
+
+def _limits(data: Any) -> dict[str, int] | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise TypeError("limits is not an object")
+    return {str(name): int(value) for name, value in data.items()}
 
 
 def split_groups(groups: Sequence[int], heldout_fraction: float,
@@ -227,7 +245,7 @@ def read_fit(path: Path) -> CostFit:
         return CostFit.from_json(json.loads(path.read_text()))
     except OSError as exc:
         raise CostFitError(f"cannot read the cost-model fit {path}: {exc}") from exc
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
         raise CostFitError(f"the cost-model fit {path} is corrupt ({type(exc).__name__}: "
                            f"{exc}); run `antiphon profile` to replace it") from exc
 

@@ -222,7 +222,14 @@ async def profile(engine: VllmEngine, spec: GridSpec,
               next((p for p in points if p.num_decodes and p.num_prefills), points[-1])]
     steps = await profile_steps(engine, points, warmup, spec, progress=progress, ran=ran)
     model, machine = engine.cost_model_key()
-    return choose_fit(steps, model, machine), steps
+    fit = choose_fit(steps, model, machine)
+    return dataclasses.replace(fit, limits=fit_limits(limits)), steps
+
+
+def fit_limits(limits: EngineLimits) -> dict[str, int]:
+    """The limits a stored fit's grid must reach for an engine of `limits` to use it."""
+    return {"max_num_seqs": limits.max_num_seqs, "max_num_tokens": limits.max_num_tokens,
+            "max_model_len": limits.max_model_len, "kv_tokens": limits.kv_tokens}
 
 
 async def prepare_cost_model(engine: VllmEngine) -> CostFit | None:
@@ -239,6 +246,12 @@ async def prepare_cost_model(engine: VllmEngine) -> CostFit | None:
         logger.warning("Ignoring the cost-model fit stored in %s: %d profiled steps, fewer than "
                        "%d; run `antiphon profile` with the default engine limits", path,
                        fit.num_steps, MIN_STORED_FIT_STEPS)
+        fit = None
+    if fit is not None and not fit.covers(fit_limits(engine.limits())):
+        logger.warning("Ignoring the cost-model fit stored in %s: profiled within smaller "
+                       "engine limits (%s) than this engine's (%s); run `antiphon profile` "
+                       "with this engine's options", path, fit.limits,
+                       fit_limits(engine.limits()))
         fit = None
     if fit is None and mode == "auto":
         logger.info("No cost-model fit stored for this model and machine: profiling the "

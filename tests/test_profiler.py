@@ -3,6 +3,7 @@ a stand-in engine and profile: no model."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from antiphon.engine_ext import profiler
 from antiphon.engine_ext.config import EngineConfig
 from antiphon.engine_ext.costfit import (
     CostFit,
+    CostFitError,
     Machine,
     choose_fit,
     fit_path,
@@ -31,9 +33,14 @@ class StandInEngine:
         self.config = EngineConfig(cost_model=mode)
         self.installed: list[tuple[str, tuple[float, ...], float | None]] = []
         self.forgotten: list[list[list[int]]] = []  # `forget_profiling` calls
+        self.engine_limits = EngineLimits(max_num_seqs=64, max_num_tokens=2048,
+                                          max_model_len=2048, kv_tokens=100_000, page_tokens=16)
 
     def cost_model_key(self) -> tuple[str, Machine]:
         return MODEL, MACHINE
+
+    def limits(self) -> EngineLimits:
+        return self.engine_limits
 
     async def use_cost_model(self, form: str, coefficients: Sequence[float],
                              profiled_mape: float | None = None) -> None:
@@ -133,6 +140,31 @@ async def test_auto_profiles_stores_and_installs_when_no_usable_fit_is_stored(
     again = StandInEngine("auto")
     assert await prepare_cost_model(again) == fit  # type: ignore[arg-type]
     assert len(profiled) == 1
+
+
+async def test_a_fit_profiled_within_smaller_engine_limits_is_profiled_again(
+        cache: Path, profiled: list[CostFit]) -> None:
+    """`antiphon profile --max-model-len 1024` stored a fit of a grid cut to 1,024 tokens
+    under the same key, and a serve at 2,048 planned with its extrapolation."""
+    engine = StandInEngine("auto")
+    small = dataclasses.replace(stored(), limits={
+        **profiler.fit_limits(engine.engine_limits), "max_model_len": 1024})
+    save_fit(small, fit_path(env.cache_dir(), MODEL, MACHINE))
+    fit = await prepare_cost_model(engine)  # type: ignore[arg-type]
+    assert profiled == [fit] and fit is not None and fit.form == "hygen"
+    # one of larger limits, or of limits not recorded (an older file), serves
+    for limits in ({**profiler.fit_limits(engine.engine_limits), "max_num_seqs": 256}, None):
+        save_fit(dataclasses.replace(small, limits=limits),
+                 fit_path(env.cache_dir(), MODEL, MACHINE))
+        assert await prepare_cost_model(StandInEngine("stored")) is not None  # type: ignore
+
+
+def test_a_fit_file_with_numbers_out_of_range_is_corrupt(cache: Path) -> None:
+    path = fit_path(cache, MODEL, MACHINE)
+    save_fit(stored(), path)
+    path.write_text(path.read_text().replace('"num_steps": ', '"num_steps": 1e999, "x": '))
+    with pytest.raises(CostFitError, match="corrupt"):
+        read_fit(path)
 
 
 async def test_a_fit_from_too_few_steps_is_neither_used_nor_stored(
