@@ -17,9 +17,10 @@ system finds another's conversations cached). One engine start differs from the 
 percent, as much as the 10%-missed advisories' cost that `advisory_miss10` measures.
 
 Per turn: client TTFT and TPOT, prompt and cached tokens, and how much of the prior context was
-recomputed (`sessions_metrics`), which is what tiering exists to avoid. While the users talk, a
-prober sends their follow-up messages again as fresh one-turn chats, one at a time: the TTFT the
-same message costs with no context to bring back, under the same load.
+recomputed (`sessions_metrics`), which is what tiering exists to avoid. Just before it sends a
+follow-up, a user sends the same message alone as a fresh one-turn chat: the TTFT that message
+costs with no context to bring back, at the same moment and under the same load (a prober that
+went through the messages on its own was done, at most points, before the first follow-up).
 
 The KV pool holds `--pool-users` whole conversations at their last turn, so the lowest user
 counts fit and the highest need several times the pool (vLLM's prefix cache then evicts and
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -71,7 +71,6 @@ QUICK = {"users": "2,4,16", "pool_users": 5, "max_turns": 4, "max_tokens": 32,
          "max_message_tokens": 96, "time_scale": 0.08}
 FULL = {"users": "4,8,16,32", "pool_users": 8, "max_turns": 4, "max_tokens": 256,
         "max_message_tokens": 256, "time_scale": 1.0}
-PROBE_GAP_S = 0.25  # pause between the prober's fresh chats: about one more light user
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +163,13 @@ def build_sweep(args: argparse.Namespace, model_dir: Path) -> Sweep:
     return Sweep(users, messages, max_model_len, args.kv_pages or pages, per_user)
 
 
+Probe = Callable[[int, str], Awaitable[None]]  # (turn, message) -> its fresh TTFT recorded
+
+
 async def run_user(chat: ChatClient, messages: Sequence[str], advise: Sequence[bool],
-                   time_scale: float) -> list[TurnResult]:
-    """One simulated user's conversation: type, send, read the reply, type the next."""
+                   time_scale: float, probe: Probe | None = None) -> list[TurnResult]:
+    """One simulated user's conversation: type, send, read the reply, type the next; each
+    follow-up probed (`probe`) once typed, just before it is sent."""
     results: list[TurnResult] = []
     await asyncio.sleep(think_time_s("", messages[0], time_scale)[1])
     async with chat:
@@ -177,6 +180,8 @@ async def run_user(chat: ChatClient, messages: Sequence[str], advise: Sequence[b
                 if advise[turn]:
                     await chat.typing()
                 await asyncio.sleep(type_s)
+                if probe is not None:
+                    await probe(turn, message)
             results.append(await chat.turn(message))
     return results
 
@@ -185,42 +190,29 @@ ChatFactory = Callable[[int], ChatClient]  # max_tokens -> a new conversation
 CounterReader = Callable[[], Awaitable[dict[str, Any] | None]]  # the server's tiering counters
 
 
-async def probe_fresh(chat: ChatFactory, messages: Sequence[Sequence[str]], seed: str,
-                      stop: asyncio.Event) -> dict[tuple[int, int], float]:
-    """Until `stop`, each follow-up message (shuffled) alone in a new chat, one at a time:
-    {(user, turn): TTFT}."""
-    followups = [(user, turn) for user, m in enumerate(messages) for turn in range(1, len(m))]
-    random.Random(seed).shuffle(followups)
-    ttfts: dict[tuple[int, int], float] = {}
-    for user, turn in followups:
-        if stop.is_set():
-            break
+def fresh_prober(chat: ChatFactory, user: int, fresh: dict[tuple[int, int], float]) -> Probe:
+    """A probe of `user`'s follow-ups: each message alone in a new chat, its TTFT into
+    `fresh[user, turn]`."""
+    async def probe(turn: int, message: str) -> None:
         async with chat(1) as c:
-            ttfts[user, turn] = (await c.turn(messages[user][turn])).ttft_s
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(PROBE_GAP_S):
-                await stop.wait()
-    return ttfts
+            fresh[user, turn] = (await c.turn(message)).ttft_s
+    return probe
 
 
 async def measure_point(chat: ChatFactory, read_counters: CounterReader, system: System,
                         users: int, messages: Sequence[Sequence[str]],
                         args: argparse.Namespace,
                         ) -> tuple[dict[str, float | None], dict[str, int] | None, list[dict]]:
-    """All `users` conversations at once, the fresh-prompt prober beside them; (metrics,
+    """All `users` conversations at once, each follow-up probed as a fresh prompt; (metrics,
     the server's tiering counters over the point, per-turn records)."""
     rng = random.Random(f"{args.seed}/{users}")
     before = await read_counters()
-    stop = asyncio.Event()
-    prober = asyncio.create_task(probe_fresh(chat, messages, f"{args.seed}/{users}", stop))
     advised = advisory_flags([len(m) for m in messages], system.advisory_miss, rng)
-    try:
-        per_user = await asyncio.gather(*(
-            run_user(chat(args.max_tokens), m, flags, args.time_scale)
-            for m, flags in zip(messages, advised, strict=True)))
-    finally:
-        stop.set()
-        fresh = await prober
+    fresh: dict[tuple[int, int], float] = {}
+    per_user = await asyncio.gather(*(
+        run_user(chat(args.max_tokens), m, flags, args.time_scale,
+                 fresh_prober(chat, user, fresh))
+        for user, (m, flags) in enumerate(zip(messages, advised, strict=True))))
     tiering = counter_deltas(before, await read_counters())
     records = [r for user, results in enumerate(per_user)
                for r in turn_records(users, user, results, advised[user])]
@@ -317,7 +309,12 @@ def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse
                 str(KV_CACHE_GIB << 30), "--disable-uvicorn-access-log"]
     keys = [arg for s in SYSTEMS.values() if not s.is_stock_vllm
             for arg in ("--api-keys", system_key(s))]
-    return [sys.executable, "-m", "antiphon", "serve", *engine, *keys, "--num-kv-pages",
+    # each user's websocket, and its probe's beside it while that runs (past the per-key
+    # defaults of 64 at 64 users, where a user's turn was refused and the point failed)
+    most = 2 * max(sweep.users) + 8
+    limits = ["--max-connections-per-key", str(most), "--max-inflight-per-key", str(most),
+              "--max-connections", str(max(512, most))]
+    return [sys.executable, "-m", "antiphon", "serve", *engine, *keys, *limits, "--num-kv-pages",
             str(sweep.kv_pages), "--kv-cache-gib", str(KV_CACHE_GIB), "--data-dir",
             str(tmp / "data"), "--kv-tiering", "--ssd-dir", str(tmp / "ssd"), "--host-tier-bytes",
             str(num_sharing * args.host_tier_bytes), "--ssd-tier-bytes",

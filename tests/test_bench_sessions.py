@@ -4,7 +4,6 @@ aggregation, pool sizing and the report; no engine, no server."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import random
@@ -217,20 +216,29 @@ async def test_user_sends_advisories_only_before_flagged_turns() -> None:
     assert chat.events == ["open", "m0", "m1", "typing", "m2", "close"]
 
 
-async def test_prober_sends_follow_ups_alone_until_stopped() -> None:
+async def test_each_follow_up_is_probed_as_a_fresh_chat_just_before_it_is_sent() -> None:
+    # A prober that went through the messages on its own was done, at most points, before
+    # the first follow-up: the fresh TTFT the follow-ups were judged against was an idle
+    # server's, or the first turns' burst.
+    log: list[str] = []
     chats: list[FakeChat] = []
 
+    class Logged(FakeChat):
+        async def turn(self, message: str) -> TurnResult:
+            log.append(f"{'probe' if self in chats else 'send'} {message}")
+            return await super().turn(message)
+
     def chat(max_tokens: int) -> FakeChat:
-        chats.append(FakeChat())
+        chats.append(Logged())
         return chats[-1]
 
-    stop = asyncio.Event()
-    messages = [["a0", "a1", "a2"], ["b0", "b1"]]
-    fresh = await sessions.probe_fresh(chat, messages, "seed", stop)  # type: ignore[arg-type]
-    assert sorted(fresh) == [(0, 1), (0, 2), (1, 1)]  # follow-ups only, each in a new chat
-    assert sorted(c.events[1] for c in chats) == ["a1", "a2", "b1"]
-    stop.set()
-    assert await sessions.probe_fresh(chat, messages, "seed", stop) == {}
+    fresh: dict[tuple[int, int], float] = {}
+    results = await sessions.run_user(Logged(), ["m0", "m1", "m2"], (False, True, True), 0.0,
+                                      sessions.fresh_prober(chat, 3, fresh))
+    assert len(results) == 3
+    assert log == ["send m0", "probe m1", "send m1", "probe m2", "send m2"]
+    assert sorted(fresh) == [(3, 1), (3, 2)]  # follow-ups only, each in a new chat
+    assert [c.events for c in chats] == [["open", "m1", "close"], ["open", "m2", "close"]]
 
 
 def test_quick_fills_in_sizes_and_systems_are_checked() -> None:
@@ -359,7 +367,7 @@ def test_the_shared_antiphon_server_takes_a_key_per_system(tmp_path: Path) -> No
     from antiphon.configfields import dataclass_from_args
     from antiphon.server.config import ServerConfig
 
-    sweep = sessions.Sweep(users=(1,), messages=(), max_model_len=640, kv_pages=14,
+    sweep = sessions.Sweep(users=(1, 64), messages=(), max_model_len=640, kv_pages=14,
                            pages_per_user=1.0)
     args = argparse.Namespace(dtype="bfloat16", enforce_eager=True, host_tier_bytes=1 << 20,
                               ssd_tier_bytes=1 << 24, policy=None, serve_extra="", model=None)
@@ -372,3 +380,5 @@ def test_the_shared_antiphon_server_takes_a_key_per_system(tmp_path: Path) -> No
                                     if not s.is_stock_vllm)
     # The systems sharing the server have as much tier room each as one had alone.
     assert (parsed.host_tier_bytes, parsed.ssd_tier_bytes) == (3 << 20, 3 << 24)
+    # 64 users and their probes: past the per-key defaults of 64 connections and replies
+    assert config.max_connections_per_key >= 128 and config.max_inflight_per_key >= 128
