@@ -177,9 +177,7 @@ async def run_user(chat: ChatClient, messages: Sequence[str], advise: Sequence[b
             if turn:
                 read_s, type_s = think_time_s(results[-1].text, message, time_scale)
                 await asyncio.sleep(read_s)
-                if advise[turn]:
-                    await chat.typing()
-                await asyncio.sleep(type_s)
+                await type_message(chat, type_s, advise[turn])
                 if probe is not None:
                     await probe(turn, message)
             results.append(await chat.turn(message))
@@ -188,6 +186,25 @@ async def run_user(chat: ChatClient, messages: Sequence[str], advise: Sequence[b
 
 ChatFactory = Callable[[int], ChatClient]  # max_tokens -> a new conversation
 CounterReader = Callable[[], Awaitable[dict[str, Any] | None]]  # the server's tiering counters
+
+
+# As the browser UI does while a typing burst goes on (`TYPING_REFRESH_MS` in
+# web_ui/static/composer.js), under the engine's advisory TTL (30 s): at full scale a third of
+# the messages took longer than that to type, and their one advisory had expired.
+TYPING_REFRESH_S = 15.0
+
+
+async def type_message(chat: ChatClient, type_s: float, advise: bool) -> None:
+    """Type for `type_s` seconds, advising (`advise`) when typing starts and every
+    `TYPING_REFRESH_S` after while it goes on."""
+    while True:
+        if advise:
+            await chat.typing()
+        if type_s <= TYPING_REFRESH_S or not advise:
+            await asyncio.sleep(type_s)
+            return
+        await asyncio.sleep(TYPING_REFRESH_S)
+        type_s -= TYPING_REFRESH_S
 
 
 def fresh_prober(chat: ChatFactory, user: int, fresh: dict[tuple[int, int], float]) -> Probe:

@@ -216,6 +216,24 @@ async def test_user_sends_advisories_only_before_flagged_turns() -> None:
     assert chat.events == ["open", "m0", "m1", "typing", "m2", "close"]
 
 
+async def test_a_long_message_is_advised_again_while_it_is_typed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # One advisory when typing started: at full scale a third of the messages took longer to
+    # type than the engine keeps an advisory (30 s), as the browser UI's notices would not.
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(sessions.asyncio, "sleep", sleep)
+    chat = FakeChat()
+    await sessions.type_message(chat, 40.0, advise=True)
+    assert chat.events == ["typing"] * 3 and slept == [15.0, 15.0, 10.0]
+    chat = FakeChat()
+    await sessions.type_message(chat, 40.0, advise=False)  # a dropped advisory stays dropped
+    assert chat.events == [] and slept[3:] == [40.0]
+
+
 async def test_each_follow_up_is_probed_as_a_fresh_chat_just_before_it_is_sent() -> None:
     # A prober that went through the messages on its own was done, at most points, before
     # the first follow-up: the fresh TTFT the follow-ups were judged against was an idle

@@ -382,3 +382,23 @@ def test_the_dashboard_counts_down_to_its_next_try(url: str, page: Any) -> None:
     assert all(text.startswith("Offline, retrying in ") for text in readings), readings
     seconds = [int(text.removeprefix("Offline, retrying in ").split()[0]) for text in readings]
     assert any(b < a for a, b in itertools.pairwise(seconds)), readings
+
+
+def test_a_long_typing_burst_advises_again_before_the_advisory_expires(url: str,
+                                                                       page: Any) -> None:
+    """One notice per burst: typing a long message, the advisory expired (the engine keeps it
+    30 s) before the turn came, and the session's prefetched KV was not kept for it."""
+    open_chat(page, url)
+    sent = page.evaluate("""async () => {
+        const { TypingBurst } = await import('/static/composer.js');
+        let now = 0;
+        const sent = [];
+        const burst = new TypingBurst(2000, () => now, 15000);
+        const key = (hasText = true) => burst.keystroke(hasText, () => sent.push(now) > 0);
+        for (now = 0; now <= 40000; now += 500) key();  // 40 s without a pause
+        now = 43000; key();  // a new burst after a pause
+        now = 43500; key();
+        now = 60000; key(false);  // an empty box: nothing to advise
+        return sent;
+    }""")
+    assert sent == [0, 15000, 30000, 43000]

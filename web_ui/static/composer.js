@@ -1,27 +1,34 @@
 // Message box mechanics: Enter sends, Shift+Enter inserts a newline, the box grows with its
-// content, and the first keystroke of each typing burst is reported once.
+// content, and the first keystroke of each typing burst is reported once (again every
+// `TYPING_REFRESH_MS` while the burst goes on).
 
 const MAX_HEIGHT_PX = 200;
 export const TYPING_IDLE_MS = 2000;
+// Under the engine's --advisory-ttl-s (30 s): one notice for a long message expired while it
+// was typed, and the session's prefetched KV was no longer kept for its turn.
+export const TYPING_REFRESH_MS = 15000;
 
 /**
  * Typing-burst detector: a burst starts with a keystroke after at least `idleMs` without one.
- * `notify()` is called at most once per burst, on the first keystroke that leaves text in the
- * box; it returns whether the notice went out (if not, a later keystroke of the burst retries).
+ * `notify()` is called once per burst, on the first keystroke that leaves text in the box, and
+ * again on a keystroke `refreshMs` after the last notice while the burst goes on; it returns
+ * whether the notice went out (if not, a later keystroke retries).
  */
 export class TypingBurst {
-  constructor(idleMs = TYPING_IDLE_MS, now = () => Date.now()) {
+  constructor(idleMs = TYPING_IDLE_MS, now = () => Date.now(), refreshMs = TYPING_REFRESH_MS) {
     this._idleMs = idleMs;
+    this._refreshMs = refreshMs;
     this._now = now;
     this._lastKeyAt = -Infinity;
-    this._notified = false;
+    this._notifiedAt = null;  // when this burst's last notice went out
   }
 
   keystroke(hasText, notify) {
     const t = this._now();
-    if (t - this._lastKeyAt >= this._idleMs) this._notified = false;
+    if (t - this._lastKeyAt >= this._idleMs) this._notifiedAt = null;
     this._lastKeyAt = t;
-    if (!this._notified && hasText) this._notified = Boolean(notify());
+    const isDue = this._notifiedAt === null || t - this._notifiedAt >= this._refreshMs;
+    if (isDue && hasText && notify()) this._notifiedAt = t;
   }
 }
 
