@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
 
 from antiphon.server.auth import key_from_headers
 from antiphon.server.context import AppContext
@@ -69,3 +70,21 @@ def error_response(err: ApiError) -> JSONResponse:
     # A 401 says how to authenticate (RFC 9110), as OpenAI's does.
     headers = {"WWW-Authenticate": 'Bearer realm="antiphon"'} if err.http_status == 401 else None
     return JSONResponse(error_body(err), status_code=err.http_status, headers=headers)
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that closes its body's generator, and runs its background task,
+    also when sending fails (Starlette does neither then: a reply whose write failed held its
+    generation and its slot of the key's limit until the garbage collector found the
+    generator)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except BaseException:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+            if self.background is not None:
+                await self.background()
+            raise

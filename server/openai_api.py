@@ -10,7 +10,7 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
 from antiphon.server.chat import Generation, total_usage
@@ -24,7 +24,7 @@ from antiphon.server.completions import (
 )
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, unexpected_error
-from antiphon.server.http import authorize, error_body, read_model
+from antiphon.server.http import ClosingStreamingResponse, authorize, error_body, read_model
 from antiphon.server.limits import Slot
 from antiphon.server.text_completions import (
     DetokenizeRequest,
@@ -142,7 +142,7 @@ async def _respond(request: Request, gens: list[Generation], slot: Slot,
             first = None
         # The release also runs after the stream: a client gone before its first chunk
         # leaves the stream never resumed, so its own `finally` never runs.
-        return StreamingResponse(
+        return ClosingStreamingResponse(
             _resumed(first, stream), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"}, background=release)
     try:
