@@ -27,8 +27,8 @@ so no term makes a step cheaper. MAPE measures the absolute relative error, whos
 follows the median step rather than the mean; `absolute_error_weights` turns a fit into one
 round of iteratively reweighted least squares towards it (see the function). Given `start`
 coefficients, terms the data never exercises keep their start value instead of falling to
-zero (an online window of decode steps says nothing about prefill), and the others are pulled
-towards it (`anchored_nnls`).
+zero (an online window of decode steps says nothing about prefill), as do terms too few steps
+exercise (`refit_nnls`).
 """
 
 from __future__ import annotations
@@ -104,33 +104,28 @@ def absolute_error_weights(latencies: np.ndarray, predicted: np.ndarray) -> np.n
     return relative_weights(latencies) / np.sqrt(np.maximum(relative, ABSOLUTE_ERROR_FLOOR))
 
 
-# What a refit's start coefficients weigh, per term, in steps that exercise it (not in the
-# papers): refitted from zero, a term the window exercised in a couple of steps (one short
-# prefill among hundreds of decodes) fitted exactly to them, and the sparsest such fit put a
-# 2,048-token prompt at 1.5 to 2.7 times its time, or 30% under it.
-START_WEIGHT_STEPS = 8
+# Steps of a refit's window that must exercise a term before the refit moves it (not in the
+# papers): refitted on the couple of steps that exercised it (one short prefill among hundreds
+# of decodes), a term fitted them alone, and the sparsest such fit put a 2,048-token prompt at
+# 1.5 to 2.7 times its time, or 30% under it. (Pulling each term towards its start instead
+# wore off over the window's repeated refits, and made HyGen's squared term worse.) Replayed
+# over eleven served step traces from a stale stored fit, 4 left the error as it was; 8 and 16
+# held back the first minute's refits (0.5-3 points more over a run).
+MIN_STEPS_TO_REFIT = 4
 
 
-def anchored_nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray,
-                  start: Sequence[float] | None) -> np.ndarray:
+def refit_nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray,
+               start: Sequence[float] | None) -> np.ndarray:
     """Non-negative coefficients for `x @ c ~ y`, each row weighted by `w`. With `start`,
-    terms no row exercises keep their start value (an online window of decode steps says
-    nothing about prefill), and every other term is pulled towards its start as
-    `START_WEIGHT_STEPS` rows exercising it would pull, each as large as theirs on average
-    (a term exercised by few rows moves part of the way)."""
+    terms fewer than `MIN_STEPS_TO_REFIT` rows exercise keep their start value (an online
+    window of decode steps says nothing about prefill, a couple of short prefills little)."""
     if start is None:
         return nnls(x * w[:, None], y * w)
     coef = np.array(start, dtype=np.float64)
-    used = (x != 0).any(axis=0)
-    if not used.any():
-        return coef
-    a = x[:, used] * w[:, None]
-    b = (y - x[:, ~used] @ coef[~used]) * w
-    # one pseudo-row per term: sqrt(n) times the root mean square of its non-zero entries
-    rms = np.sqrt(np.sum(a * a, axis=0) / np.count_nonzero(a, axis=0).clip(min=1))
-    anchor = math.sqrt(START_WEIGHT_STEPS) * rms
-    coef[used] = nnls(np.vstack([a, np.diag(anchor)]),
-                      np.concatenate([b, anchor * coef[used]]))
+    used = np.count_nonzero(x, axis=0) >= MIN_STEPS_TO_REFIT
+    if used.any():
+        b = (y - x[:, ~used] @ coef[~used]) * w
+        coef[used] = nnls(x[:, used] * w[:, None], b)
     return coef
 
 
@@ -205,7 +200,7 @@ class LinearForm(CostForm):
             weights: np.ndarray | None = None) -> tuple[float, ...]:
         x = np.array([self.features(s) for s in shapes], dtype=np.float64)
         y = np.asarray(latencies, dtype=np.float64)
-        coef = anchored_nnls(x, y, _fit_weights(latencies, weights), start)
+        coef = refit_nnls(x, y, _fit_weights(latencies, weights), start)
         return tuple(float(c) for c in coef)
 
 
@@ -312,14 +307,17 @@ class EchoForm(CostForm):
         else:
             kappa = 1.0 - start[5]
             kappas = np.clip(np.array([kappa - 0.1, kappa, kappa + 0.1]), 0.0, 1.0)
+            if sum(1 for s in shapes if s.num_prefill_requests and s.num_decode_requests) \
+                    < MIN_STEPS_TO_REFIT:  # lambda mixes the phases: too few mixed steps
+                kappas = np.array([kappa])  # say nothing of it (it drifted to 1 on ties)
             floor, initial = 0.0, tuple(start)
         best: tuple[float, tuple[float, ...]] = (np.inf, initial)
         for kappa in np.unique(kappas):
             coef = (*initial[:5], 1.0 - float(kappa))
             for i in range(8):
                 x = np.array([self._row(coef, s) for s in shapes])
-                anchor = None if start is None else initial[:5]
-                refitted = (*(float(v) for v in anchored_nnls(x, y, w, anchor)), coef[5])
+                kept = None if start is None else initial[:5]
+                refitted = (*(float(v) for v in refit_nnls(x, y, w, kept)), coef[5])
                 error = float(np.sum(((self.predict_all(refitted, shapes) - y) * w) ** 2))
                 if error < best[0]:
                     best = (error, refitted)

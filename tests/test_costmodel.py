@@ -194,25 +194,41 @@ def test_an_echo_refit_keeps_the_prefill_terms_a_decode_window_never_exercises()
                               for _ in range(int(rng.integers(1, 32)))])
         model.observe(shape, FORMS["echo"].predict_s(TRUTH["echo"], shape))
     assert model.coefficients[:3] == TRUTH["echo"][:3]
+    # nor lambda, which mixes the phases: without mixed steps every choice of it fitted
+    # alike, and the first of the grid won, 0.1 more each round, until it was 1
+    assert model.coefficients[5] == pytest.approx(TRUTH["echo"][5])
 
 
+@pytest.mark.parametrize("slower", [1.0, 1.2, "one step 10% slow", "one step 8% fast"])
 @pytest.mark.parametrize("name", ["bros", "bros_after", "hygen"])
-def test_a_couple_of_short_prefills_in_a_window_keep_the_long_prefill_cost(name: str) -> None:
-    # Two 24-token prefills among 600 decode steps, every step timed exactly: refitted from
-    # zero, the prefill terms fitted those two steps alone, and the sparsest such fit put a
-    # 2,048-token prompt at 1.5 to 2.7 times its time (30% under it with hygen's form).
+def test_a_couple_of_short_prefills_in_a_window_keep_the_long_prefill_cost(
+        name: str, slower: float | str) -> None:
+    # Two 24-token prefills among 600 decode steps: refitted from zero, the prefill terms
+    # fitted those two steps alone, and the sparsest such fit put a 2,048-token prompt at 1.5
+    # to 2.7 times its time (30% under it with hygen's form). Pulled towards their start
+    # instead, the pull wore off over the repeated refits: on a host 1.2 times slower, or
+    # with one of the two steps timed 10% slow, hygen's form put it at 4 to 11 times.
     truth = TRUTH[name]
     model = CostModel(name, truth)
     rng = np.random.default_rng(0)
+    speed = slower if isinstance(slower, float) else 1.0
+    prefills = 0
     for i in range(600):
         shape = StepShape.of([(1, int(rng.integers(16, 2048)), False)
                               for _ in range(int(rng.integers(1, 32)))])
+        latency = speed * FORMS[name].predict_s(truth, shape)
         if i % 300 == 5:
             shape = StepShape.of([(24, 900, True)] + [(1, 800, False)] * 6)
-        model.observe(shape, FORMS[name].predict_s(truth, shape))
+            latency = speed * FORMS[name].predict_s(truth, shape)
+            prefills += 1
+            if prefills == 1 and slower == "one step 10% slow":
+                latency *= 1.1
+            elif prefills == 1 and slower == "one step 8% fast":
+                latency *= 0.92
+        model.observe(shape, latency)
     prompt = StepShape.of([(2048, 2048, True)])
-    assert model.predict_s(prompt) == pytest.approx(FORMS[name].predict_s(truth, prompt),
-                                                    rel=0.2)
+    assert model.predict_s(prompt) == pytest.approx(
+        speed * FORMS[name].predict_s(truth, prompt), rel=0.3)
 
 
 @pytest.mark.parametrize("name", sorted(TRUTH))
