@@ -65,15 +65,10 @@ class CostFit:
     num_steps: int
     scores: tuple[FormScore, ...]  # every form, best first
     created: str = ""  # ISO time
-    # The engine limits the profiled grid was cut to (batch, step tokens, model length, KV
-    # pool); None where not recorded (a file from before they were). An engine past them
-    # would plan with an extrapolation: it profiles again.
+    # The engine limits the profiled grid was cut to (`profiler.EngineLimits` as a dict);
+    # None where not recorded (a file from before they were). An engine whose limits let the
+    # grid reach further would plan with an extrapolation: it profiles again.
     limits: dict[str, int] | None = None
-
-    def covers(self, limits: dict[str, int]) -> bool:
-        """Whether the grid reached every one of `limits` (unknown limits: assumed so)."""
-        return self.limits is None or all(self.limits.get(name, 0) >= value
-                                          for name, value in limits.items())
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FIT_FORMAT, **dataclasses.asdict(self),

@@ -227,9 +227,21 @@ async def profile(engine: VllmEngine, spec: GridSpec,
 
 
 def fit_limits(limits: EngineLimits) -> dict[str, int]:
-    """The limits a stored fit's grid must reach for an engine of `limits` to use it."""
-    return {"max_num_seqs": limits.max_num_seqs, "max_num_tokens": limits.max_num_tokens,
-            "max_model_len": limits.max_model_len, "kv_tokens": limits.kv_tokens}
+    """`limits` as a stored fit records them."""
+    return dataclasses.asdict(limits)
+
+
+def fit_covers(fit: CostFit, limits: EngineLimits) -> bool:
+    """Whether `fit`'s grid reached every point of the full grid an engine of `limits` could
+    run (limits past the grid's reach, a larger KV pool or batch, change nothing); a fit that
+    did not record its limits is taken to."""
+    if fit.limits is None:
+        return True
+    try:
+        profiled = EngineLimits(**fit.limits)
+    except TypeError:  # (limits of another version's fields)
+        return False
+    return set(grid_points(FULL, limits)) <= set(grid_points(FULL, profiled))
 
 
 async def prepare_cost_model(engine: VllmEngine) -> CostFit | None:
@@ -247,7 +259,7 @@ async def prepare_cost_model(engine: VllmEngine) -> CostFit | None:
                        "%d; run `antiphon profile` with the default engine limits", path,
                        fit.num_steps, MIN_STORED_FIT_STEPS)
         fit = None
-    if fit is not None and not fit.covers(fit_limits(engine.limits())):
+    if fit is not None and not fit_covers(fit, engine.limits()):
         logger.warning("Ignoring the cost-model fit stored in %s: profiled within smaller "
                        "engine limits (%s) than this engine's (%s); run `antiphon profile` "
                        "with this engine's options", path, fit.limits,

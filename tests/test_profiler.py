@@ -157,6 +157,13 @@ async def test_a_fit_profiled_within_smaller_engine_limits_is_profiled_again(
         save_fit(dataclasses.replace(small, limits=limits),
                  fit_path(env.cache_dir(), MODEL, MACHINE))
         assert await prepare_cost_model(StandInEngine("stored")) is not None  # type: ignore
+    # a larger batch or KV pool than the grid reaches needs no new profile
+    save_fit(dataclasses.replace(small, limits=profiler.fit_limits(engine.engine_limits)),
+             fit_path(env.cache_dir(), MODEL, MACHINE))
+    bigger = StandInEngine("stored")
+    bigger.engine_limits = dataclasses.replace(engine.engine_limits, max_num_seqs=128,
+                                               kv_tokens=1_000_000, max_num_tokens=8192)
+    assert await prepare_cost_model(bigger) is not None  # type: ignore[arg-type]
 
 
 def test_a_fit_file_with_numbers_out_of_range_is_corrupt(cache: Path) -> None:
