@@ -55,6 +55,14 @@ def planner(tmp_path: Path) -> Iterator[TierPlanner]:
     p.close()
 
 
+@pytest.fixture
+def host_only(tmp_path: Path) -> Iterator[TierPlanner]:
+    """A planner whose host tier holds 4 chunks, and no SSD tier."""
+    p = make_planner(tmp_path / "ssd", host_tier_bytes=4 * PAGE_BYTES * LAYERS, ssd_tier_bytes=0)
+    yield p
+    p.close()
+
+
 def fake_worker_saves(planner: TierPlanner, copies: list[PageCopy]) -> None:
     """What the worker would write: every page filled with (block, layer) bytes."""
     for copy in copies:
@@ -1008,21 +1016,17 @@ def test_a_refused_save_costs_a_checkpoint_and_is_tried_again(tmp_path: Path) ->
         planner.close()
 
 
-def test_the_checkpoint_cost_counts_chunks_the_host_tier_evicted(tmp_path: Path) -> None:
+def test_the_checkpoint_cost_counts_chunks_the_host_tier_evicted(host_only: TierPlanner) -> None:
     # A BE request's chunks go to the host tier alone; a later turn's saves evict them.
-    planner = make_planner(tmp_path / "ssd", host_tier_bytes=4 * PAGE_BYTES * LAYERS,
-                           ssd_tier_bytes=0)
-    try:
-        view = TokenView("be", list(range(100, 113)), background=True)  # 3 full chunks
-        admit(planner, view, [1, 2, 3, 4])
-        run_step(planner, [("be", 12)])
-        assert planner.checkpoint_cost_pages("be", 12) == 0
-        run_turn(planner, "rt", list(range(500, 517)), [5, 6, 7, 8, 9])
-        cost, copied = checkpoint_copies(planner, "be", 12, [1, 2, 3, 4])
-        assert copied > 0 and cost == copied
-        assert planner.check_integrity() == []
-    finally:
-        planner.close()
+    planner = host_only
+    view = TokenView("be", list(range(100, 113)), background=True)  # 3 full chunks
+    admit(planner, view, [1, 2, 3, 4])
+    run_step(planner, [("be", 12)])
+    assert planner.checkpoint_cost_pages("be", 12) == 0
+    run_turn(planner, "rt", list(range(500, 517)), [5, 6, 7, 8, 9])
+    cost, copied = checkpoint_copies(planner, "be", 12, [1, 2, 3, 4])
+    assert copied > 0 and cost == copied
+    assert planner.check_integrity() == []
 
 
 def test_a_checkpoint_that_holds_nothing_is_no_checkpoint(tmp_path: Path) -> None:
@@ -1098,18 +1102,14 @@ def test_a_chunk_refused_again_after_it_was_saved_counts_again(tmp_path: Path) -
         planner.close()
 
 
-def test_a_lost_chunk_another_request_saved_again_costs_no_checkpoint(tmp_path: Path) -> None:
-    planner = make_planner(tmp_path / "ssd", host_tier_bytes=4 * PAGE_BYTES * LAYERS,
-                           ssd_tier_bytes=0)
-    try:
-        tokens = list(range(100, 113))
-        admit(planner, TokenView("be", tokens, background=True), [1, 2, 3, 4])
-        run_step(planner, [("be", 12)])
-        run_turn(planner, "rt", list(range(500, 517)), [5, 6, 7, 8, 9])  # evicts be's chunks
-        assert planner.checkpoint_cost_pages("be", 12) > 0
-        # an item over the same document saves those chunks again (from its own pages)
-        admit(planner, TokenView("be2", tokens, background=True), [11, 12, 13, 14])
-        run_step(planner, [("be2", 12)])
-        assert checkpoint_copies(planner, "be", 12, [1, 2, 3, 4]) == (0, 0)
-    finally:
-        planner.close()
+def test_a_lost_chunk_another_request_saved_again_costs_no_checkpoint(host_only: TierPlanner) -> None:
+    planner = host_only
+    tokens = list(range(100, 113))
+    admit(planner, TokenView("be", tokens, background=True), [1, 2, 3, 4])
+    run_step(planner, [("be", 12)])
+    run_turn(planner, "rt", list(range(500, 517)), [5, 6, 7, 8, 9])  # evicts be's chunks
+    assert planner.checkpoint_cost_pages("be", 12) > 0
+    # an item over the same document saves those chunks again (from its own pages)
+    admit(planner, TokenView("be2", tokens, background=True), [11, 12, 13, 14])
+    run_step(planner, [("be2", 12)])
+    assert checkpoint_copies(planner, "be", 12, [1, 2, 3, 4]) == (0, 0)
