@@ -11,9 +11,11 @@ protocol gives each connection two deadlines, as a reverse proxy would (nginx's
     connect / first byte of a request --- headers complete ---- body bytes ... ---- complete
     |<------- header_timeout_s ------->|<- body_timeout_s ->|<- body_timeout_s ->|
 
-A connection that misses one is closed: a handler reading the body sees the client gone. A
-body the server is not reading yet (uvicorn paused the socket: the handler is behind) is not
-the client's delay, and its deadline starts again. A websocket upgrade leaves both off.
+A connection that misses one is closed: a handler reading the body sees the client gone.
+Bytes the server is not reading yet (uvicorn paused the socket: a handler behind, a request
+pipelined behind a reply) are not the client's delay, and the deadline starts again; one that
+expires while a reply streams closes the connection after that reply. A websocket upgrade
+leaves both off.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm("headers", self.header_timeout_s)
+        self._arm("headers")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -49,14 +51,14 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._arm("headers", self.header_timeout_s)  # from the request's first byte
+        self._arm("headers")  # from the request's first byte
 
     def on_headers_complete(self) -> None:
-        self._arm("body", self.body_timeout_s)
+        self._arm("body")
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
-        self._arm("body", self.body_timeout_s)
+        self._arm("body")
         super().on_body(body)
 
     def on_message_complete(self) -> None:
@@ -67,10 +69,13 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
         self._disarm()  # the transport is the websocket's from here on
         super().handle_websocket_upgrade()
 
-    def _arm(self, waiting_for: str, timeout_s: float) -> None:
+    def _arm(self, waiting_for: str) -> None:
         self._disarm()
         self._waiting_for = waiting_for
-        self._deadline = self.loop.call_later(timeout_s, self._expired)
+        self._deadline = self.loop.call_later(self._timeout_s(), self._expired)
+
+    def _timeout_s(self) -> float:
+        return self.header_timeout_s if self._waiting_for == "headers" else self.body_timeout_s
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -83,8 +88,7 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
             return
         if self.flow.read_paused:  # the server is behind (a body not read yet, a request
             # pipelined behind a reply), not the client: the bytes wait unread in the socket
-            self._arm(self._waiting_for, self.header_timeout_s if self._waiting_for ==
-                      "headers" else self.body_timeout_s)
+            self._arm(self._waiting_for)
             return
         cycle = self.cycle
         if cycle is not None and cycle.response_started and not cycle.response_complete:
