@@ -162,6 +162,11 @@ class ServerConfig:
     body_timeout_s: float = doc(
         "Seconds a request's body may send nothing before its connection is closed (the "
         "request fails as if the client had left)", default=60.0)
+    send_timeout_s: float = doc(
+        "Seconds a client may take nothing of what the server sends it (it stopped reading, "
+        "or its network went away, and the socket's buffers are full) before its connection "
+        "is closed: its replies end as if it had left, and a websocket turn's session is free "
+        "for the next turn", default=60.0)
     min_request_slo_frac: float = doc(
         "The tightest TTFT or TPOT target a request may set for itself (vllm_xargs), as a "
         "fraction of the deployment's (--rt-ttft-slo-s, --rt-tpot-slo-s): a tighter target "
@@ -219,7 +224,7 @@ class ServerConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("dashboard_interval_s", "keep_alive_s", "header_timeout_s", "body_timeout_s",
-                     "sse_ping_s", "max_advisory_lead_s", "drain_timeout_s"):
+                     "send_timeout_s", "sse_ping_s", "max_advisory_lead_s", "drain_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be positive and finite")
         if not 0 < self.context_refill_frac < 1:
@@ -244,13 +249,15 @@ class ServerConfig:
 
     def uvicorn_options(self) -> dict[str, Any]:
         """The options uvicorn serves the app with."""
-        from antiphon.server.http_deadlines import deadline_protocol
+        from antiphon.server.http_deadlines import deadline_protocols
 
+        http, ws = deadline_protocols(self.header_timeout_s, self.body_timeout_s,
+                                      self.send_timeout_s)
         return {"host": self.host, "port": self.port, "timeout_keep_alive": self.keep_alive_s,
-                "http": deadline_protocol(self.header_timeout_s, self.body_timeout_s),
+                "http": http,
                 # After the drain (`app.DrainingServer`), what still streams is cut soon.
                 "timeout_graceful_shutdown": 5.0,
-                "ws": "websockets-sansio",  # `app.DrainingServer` knows its shutdown
+                "ws": ws,  # (websockets-sansio: `app.DrainingServer` knows its shutdown)
                 "ws_max_size": 4 * self.max_frame_bytes,
                 # Token frames are tiny: compressing each costs more CPU than it saves.
                 "ws_per_message_deflate": False}

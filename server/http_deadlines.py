@@ -1,4 +1,4 @@
-"""HTTP connections that must send their requests in time.
+"""Connections that must send their requests, and take their replies, in time.
 
 uvicorn times a connection out only while it is idle between two requests
 (`--keep-alive-s`): one that connects and sends nothing, or sends a request's headers a
@@ -16,6 +16,14 @@ Bytes the server is not reading yet (uvicorn paused the socket: a handler behind
 pipelined behind a reply) are not the client's delay, and the deadline starts again; one that
 expires while a reply streams closes the connection after that reply. A websocket upgrade
 leaves both off.
+
+The other way round, a client that takes none of what the server sends it for
+`send_timeout_s` (its socket's buffers and the transport's stay full: it stopped reading, or
+its network went away) has its connection aborted, HTTP or websocket (nginx's `send_timeout`).
+Until then a streaming reply's next write waits, and with it the reply: a websocket turn kept
+its session busy for as long as such a connection lived, which, for a client with no
+keepalive of its own, was forever (uvicorn's keepalive ping sees the client gone but only
+closes the transport, which waits to send what it holds first).
 """
 
 from __future__ import annotations
@@ -25,13 +33,54 @@ import logging
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 logger = logging.getLogger(__name__)
 
 
-class DeadlineHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the header and body deadlines above (class
-    attributes, set by `deadline_protocol`)."""
+class _SendDeadline:
+    """Aborts the connection once its transport has stayed paused for writing (over its
+    high-water mark) for `send_timeout_s`. Mixed in before a uvicorn protocol."""
+
+    send_timeout_s = 60.0
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    client: tuple[str, int] | None
+    _send_deadline: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        self._disarm_send()
+        self._send_deadline = self.loop.call_later(self.send_timeout_s, self._send_expired)
+
+    def resume_writing(self) -> None:
+        self._disarm_send()
+        super().resume_writing()  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_send()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _disarm_send(self) -> None:
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+
+    def _send_expired(self) -> None:
+        self._send_deadline = None
+        logger.info("closed a connection to %s: it took nothing the server sent for %g s "
+                    "(--send-timeout-s)", _address(self.client), self.send_timeout_s)
+        self.transport.abort()  # (a close would wait to send what the transport holds)
+
+
+class DeadlineWebSocketProtocol(_SendDeadline, WebSocketsSansIOProtocol):
+    """uvicorn's websockets protocol with the send deadline above (`send_timeout_s`, set by
+    `deadline_protocols`)."""
+
+
+class DeadlineHttpProtocol(_SendDeadline, HttpToolsProtocol):
+    """uvicorn's httptools protocol with the deadlines above (class attributes, set by
+    `deadline_protocols`)."""
 
     header_timeout_s = 30.0
     body_timeout_s = 60.0
@@ -105,11 +154,16 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def deadline_protocol(header_timeout_s: float, body_timeout_s: float
-                      ) -> type[DeadlineHttpProtocol]:
-    """The protocol class (uvicorn's `http` option) with these deadlines, in seconds."""
-    return type("DeadlineHttpProtocol", (DeadlineHttpProtocol,),
-                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})
+def deadline_protocols(header_timeout_s: float, body_timeout_s: float, send_timeout_s: float
+                       ) -> tuple[type[DeadlineHttpProtocol], type[DeadlineWebSocketProtocol]]:
+    """The protocol classes (uvicorn's `http` and `ws` options) with these deadlines, in
+    seconds."""
+    http = type("DeadlineHttpProtocol", (DeadlineHttpProtocol,),
+                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
+                 "send_timeout_s": send_timeout_s})
+    ws = type("DeadlineWebSocketProtocol", (DeadlineWebSocketProtocol,),
+              {"send_timeout_s": send_timeout_s})
+    return http, ws
 
 
 def _address(client: tuple[str, int] | None) -> str:

@@ -1,6 +1,7 @@
 """HTTP connections that do not send their requests in time are closed (server/http_deadlines.py):
 one that sends nothing, trickles its headers, or stops sending a declared body. Connections
-idle between requests (keep-alive) and websockets are not."""
+idle between requests (keep-alive) and websockets are not. A connection, HTTP or websocket,
+whose client takes nothing of what the server sends it is closed too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -16,12 +17,14 @@ import pytest
 from websockets.asyncio.client import connect
 
 from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.engine_ext.types import ChatTurn
 from antiphon.server.config import ServerConfig
-from antiphon.server.http_deadlines import DeadlineHttpProtocol
+from antiphon.server.http_deadlines import DeadlineHttpProtocol, DeadlineWebSocketProtocol
+from tests import wsclient
 from tests.conftest import scripted_config
 from tests.liveserver import live_server
 
-TIMEOUT_S = 0.5  # both deadlines in these tests
+TIMEOUT_S = 0.5  # every deadline in these tests
 
 
 @pytest.fixture
@@ -156,9 +159,83 @@ def test_keep_alive_and_websockets_outlive_the_deadlines(url: str) -> None:
     assert asyncio.run(chat()) == "session"
 
 
+def _a_long_reply(turns: Sequence[ChatTurn]) -> str:
+    return " ".join(["y" * 2000] * 3000)  # 6 MB: more than a socket's buffers hold
+
+
+@pytest.fixture
+def long_replies(tmp_path: Path) -> Iterator[str]:
+    engine = ScriptedEngine(reply=_a_long_reply, max_model_len=100_000)
+    config = scripted_config(tmp_path, send_timeout_s=TIMEOUT_S, max_tokens_limit=5000)
+    with live_server(config, engine) as base:
+        yield base
+
+
+def _a_socket_read_slowly(url: str) -> socket.socket:
+    """A connected socket whose receive buffer is small: a client that stops reading it soon
+    leaves the server's writes stuck in its own buffers."""
+    parsed = urlparse(url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((parsed.hostname, parsed.port))
+    return sock
+
+
+def test_a_websocket_client_that_stops_reading_lets_go_of_its_session(long_replies: str) -> None:
+    # Its turn's frames stuck behind a full socket, the turn held the session busy for as
+    # long as the connection lived: forever for a client with no keepalive of its own.
+    ws_url = long_replies.replace("http://", "ws://") + "/v1/ws"
+
+    async def stall_then_retry() -> float:
+        stalled = await connect(ws_url, sock=_a_socket_read_slowly(long_replies), max_queue=1,
+                                max_size=None, ping_interval=None)
+        session_id = (await wsclient.open_session(stalled))["session"]["session_id"]
+        await wsclient.send(stalled, type="message", session_id=session_id, content="hi",
+                            max_tokens=3000)  # and reads nothing of the reply
+        start = time.monotonic()
+        async with connect(ws_url) as other:
+            while time.monotonic() - start < 20:
+                await asyncio.sleep(0.2)
+                await wsclient.send(other, type="message", session_id=session_id,
+                                    content="again", max_tokens=2)
+                frame = await wsclient.recv(other)
+                while frame["type"] not in ("done", "error"):
+                    frame = await wsclient.recv(other)
+                if frame["type"] == "done":
+                    return time.monotonic() - start
+                assert frame["code"] == "session_busy", frame
+        raise AssertionError("the session stayed busy behind the stalled client")
+
+    assert asyncio.run(stall_then_retry()) < 10
+
+
+def test_a_streaming_reply_to_a_client_that_stops_reading_is_cut_off(long_replies: str) -> None:
+    body = json.dumps({"model": "scripted", "stream": True, "max_tokens": 3000,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    with _a_socket_read_slowly(long_replies) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(8 * TIMEOUT_S)  # reading nothing
+        data, ended = b"", False
+        sock.settimeout(10)
+        try:
+            while chunk := sock.recv(1 << 20):
+                data += chunk
+            ended = True
+        except ConnectionResetError:
+            ended = True
+    assert ended and b"data: [DONE]" not in data  # closed, not streamed to its end
+
+
 def test_serve_uses_the_configured_deadlines() -> None:
-    protocol = ServerConfig(header_timeout_s=7.0, body_timeout_s=9.0).uvicorn_options()["http"]
+    options = ServerConfig(header_timeout_s=7.0, body_timeout_s=9.0,
+                           send_timeout_s=11.0).uvicorn_options()
+    protocol = options["http"]
     assert issubclass(protocol, DeadlineHttpProtocol)
     assert (protocol.header_timeout_s, protocol.body_timeout_s) == (7.0, 9.0)
+    assert protocol.send_timeout_s == 11.0
+    assert issubclass(options["ws"], DeadlineWebSocketProtocol)
+    assert options["ws"].send_timeout_s == 11.0
     with pytest.raises(ValueError, match="header_timeout_s"):
         ServerConfig(header_timeout_s=0)
