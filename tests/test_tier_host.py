@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -248,6 +249,34 @@ def test_a_restart_under_the_same_pid_is_not_stopped_by_the_arena_left_under_it(
         again.close()
     finally:
         left.close()
+
+
+def test_an_arena_left_under_a_pid_that_lives_again_is_swept() -> None:
+    # A restarted container's engine gets its killed predecessor's pid: the sweep took the
+    # arena that predecessor left for a live one, and a whole host tier of RAM stayed
+    # allocated after every such restart.
+    import signal
+    import subprocess
+    import sys
+
+    from antiphon.tiering.host_arena import ARENA_PREFIX, CREATING_S, remove_orphaned_arenas
+
+    name = f"{ARENA_PREFIX}{os.getpid()}-0ldc0de0"  # our pid, a killed process's arena
+    dead = subprocess.Popen(
+        [sys.executable, "-c", "import os, signal\n"
+         "from antiphon.tiering.host_arena import HostArena\n"
+         f"HostArena.create({name!r}, 1, {SLOT}, tracked=False)\n"
+         "os.kill(os.getpid(), signal.SIGKILL)"])
+    assert dead.wait() == -signal.SIGKILL
+    path = Path("/dev/shm") / name
+    try:
+        assert name not in remove_orphaned_arenas()  # just made: its maker may be locking it
+        made = time.time() - 2 * CREATING_S
+        os.utime(path, (made, made))
+        assert name in remove_orphaned_arenas()
+        assert not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def test_a_key_reserved_for_a_copy_is_not_stored_twice(tier: HostTier) -> None:

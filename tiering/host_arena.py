@@ -21,6 +21,7 @@ import mmap
 import os
 import secrets
 import struct
+import time
 from collections.abc import Collection
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -297,11 +298,14 @@ def remove_orphaned_arenas(shm_dir: Path = Path("/dev/shm")) -> list[str]:
     killed without closing its tiers leaves its arena in shared memory, which is RAM, until
     someone removes it. Returns the names removed. An arena named by `--host-shm-name`
     (`reclaim_named_arena` makes way for that one), whose pid is alive (in this pid
-    namespace), or that a live process still uses, is left alone."""
+    namespace) and that is younger than `CREATING_S` (its creator may not have taken its
+    in-use lock yet), or that a live process still uses, is left alone. An older one whose pid
+    is alive is swept: a restarted container's engine gets its killed predecessor's pid, and
+    that arena, a whole host tier of RAM, stayed behind at every such restart."""
     removed = []
     for path in shm_dir.glob(f"{ARENA_PREFIX}*"):
         pid = _arena_pid(path.name)
-        if pid is None or _is_alive(pid) or _is_in_use(path):
+        if pid is None or _is_in_use(path) or (_is_alive(pid) and _is_young(path)):
             continue
         try:
             if HostArena.unlink_stale(path.name, shm_dir):
@@ -401,6 +405,17 @@ def _is_in_use(path: Path) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+CREATING_S = 60.0  # how long a segment's creator may take to lock it, with room to spare
+
+
+def _is_young(path: Path) -> bool:
+    """Whether segment `path` was made (or last written) within `CREATING_S`."""
+    try:
+        return time.time() - path.stat().st_mtime < CREATING_S
+    except FileNotFoundError:
+        return False
 
 
 def _is_alive(pid: int) -> bool:
