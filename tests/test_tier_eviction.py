@@ -94,6 +94,46 @@ def test_a_host_tier_full_of_kv_without_a_copy_keeps_whole_chunks(tmp_path: Path
         planner.close()
 
 
+def test_a_key_the_tier_below_evicted_is_ranked_as_its_only_copy() -> None:
+    below = {key(prefix, 0, layer) for prefix in "ab" for layer in range(2)}
+    policy = LayerPriorityPolicy()
+    policy.is_backed = below.__contains__
+    for prefix in "ab":
+        for layer in range(2):
+            policy.on_insert(key(prefix, 0, layer))
+    below -= {key("a", 0, layer) for layer in range(2)}  # the tier below evicted chunk a
+    for layer in range(2):
+        policy.on_unbacked(key("a", 0, layer))
+    policy.on_unbacked(key("gone"))  # (a key it does not track: ignored)
+    # b's top layer, held below, then by recency, a's chunk whole as a layer 0 (`priority`)
+    assert drain(policy) == [key("b", 0, 1), key("a", 0, 0), key("a", 0, 1), key("b", 0, 0)]
+
+
+def test_the_host_tier_keeps_whole_the_chunks_the_ssd_tier_evicted(tmp_path: Path) -> None:
+    # The host tier looked at whether the SSD tier held a key only when it stored it: once the
+    # SSD tier evicted a chunk, the host still took that chunk's top layers first, the only
+    # copies, and kept lower layers no turn could load.
+    from tests.test_tier_planner import make_planner, run_step, run_turn
+
+    planner = make_planner(tmp_path / "ssd", ssd_tier_bytes=4 * 8192)  # 4 slots
+    ssd = planner.store.tiers[1]
+    try:
+        run_turn(planner, "a", list(range(100, 109)), [1, 2, 3], session="sa")
+        ssd.flush()
+        first = set(ssd.keys())
+        assert len(first) == 4  # both chunks of turn a, each of 2 layers
+        run_turn(planner, "b", list(range(200, 209)), [4, 5, 6], session="sb")
+        ssd.flush()
+        assert not first & set(ssd.keys()) and first <= set(planner.host.keys())
+        run_step(planner, [])  # (the planner hears of the SSD tier's evictions)
+        host = planner.host
+        assert host.evict(host.capacity_bytes - host.used_bytes + 1) == 1
+        gone = set(ssd.keys()) - set(planner.host.keys())
+        assert len(gone) == 1 and next(iter(gone)).layer == 1  # a top layer the SSD holds
+    finally:
+        planner.close()
+
+
 def test_layer_priority_likelihood_then_size() -> None:
     policy = LayerPriorityPolicy()
     likely = [key("likely", 0, layer) for layer in range(2)]

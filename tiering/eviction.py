@@ -56,6 +56,11 @@ class EvictionPolicy(abc.ABC):
     def on_remove(self, key: ChunkKey) -> None:
         """`key` is no longer evictable: removed, or pinned. Unknown keys are ignored."""
 
+    def on_unbacked(self, key: ChunkKey) -> None:
+        """The tier below dropped `key` (evicted it): a policy that ranks keys by whether a
+        copy lies below (`is_backed`) ranks it again. Unknown keys are ignored."""
+        return None  # (the others' order does not depend on it)
+
     @abc.abstractmethod
     def pop_victim(self) -> ChunkKey | None:
         """The next key to evict, which the policy then forgets; None when nothing is evictable."""
@@ -182,6 +187,14 @@ class LayerPriorityPolicy(EvictionPolicy):
         siblings.discard(key)
         if not siblings:
             del self._keys_by_prefix[key.prefix_hash]
+
+    def on_unbacked(self, key: ChunkKey) -> None:
+        # (is_backed is looked at on insert and unpin: a key the tier below evicted since
+        # kept its rank by layer, and its chunk's top layers, the only copy now, went first)
+        if (key in self._priority and key not in self._unbacked
+                and self.is_backed is not None and not self.is_backed(key)):
+            self._unbacked.add(key)
+            self._push(key)
 
     def pop_victim(self) -> ChunkKey | None:
         for heap in (self._heap, self._old):  # stale tops off, so each top is live

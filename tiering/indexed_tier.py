@@ -139,6 +139,12 @@ class IndexedTier(Tier, Generic[Location]):
         with self._lock:
             return list(self._index)
 
+    def note_unbacked(self, keys: Iterable[ChunkKey]) -> None:
+        """The tier below evicted `keys`: those held here are the only copies now."""
+        with self._lock:
+            for key in keys:
+                self._index.policy.on_unbacked(key)
+
     def set_hint(self, session: Hashable, prefix_hashes: Sequence[bytes],
                  likelihood: float) -> None:
         with self._lock:

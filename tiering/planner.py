@@ -734,6 +734,8 @@ class TierPlanner:
         while self._evicted:
             evicted.append(self._evicted.popleft())
         self._unsave(evicted, save_again=False)
+        if evicted:  # the host tier's copies of what the SSD tier evicted are the last ones
+            self.host.note_unbacked(evicted)
 
     def _unsave(self, keys: Iterable[ChunkKey], *, save_again: bool) -> None:
         """Chunk-layers `keys` left the tiers, or never reached them (lock held). A request
