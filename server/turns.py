@@ -369,6 +369,12 @@ class SessionTurns:
                 store_work = asyncio.ensure_future(self._withdraw_refused(session_id, gen, err))
                 if await _through_user_cancel(store_work, is_user_cancel, cut_short):
                     err = ApiError(err.code, f"{err.message} (the message was not kept)")
+                elif err.code == ErrorCode.BAD_MESSAGE and gen.committed is not None:
+                    # refused once its reply had begun: the message stays, which
+                    # `bad_message` would deny (a client takes it back and sends it again,
+                    # and the session holds it twice)
+                    err = ApiError(ErrorCode.ENGINE_ERROR, f"{err.message} (the message was "
+                                   "kept: regenerate asks for its reply again)")
                 settle()
                 await _emit_final(emit, protocol.error_frame(err, rid), is_user_cancel)
                 return
@@ -379,9 +385,10 @@ class SessionTurns:
                     is_user_cancel, cut_short)
             reply = _reply(gen, calls)
             try:
-                if gen.pieces or not gen.replaces_reply:  # a regenerate stopped before its
-                    # first token keeps the old. Shielded: a disconnect while it runs must
-                    # not save the reply a second time below.
+                if gen.pieces or not gen.replaces_reply or gen.finish_reason != "cancelled":
+                    # a regenerate stopped before its first token keeps the old (one that
+                    # ended with no text is its new reply). Shielded: a disconnect while it
+                    # runs must not save the reply a second time below.
                     # A cancel of a reply already whole: it is saved, and `done` says so.
                     store_work = asyncio.ensure_future(
                         self._commit_reply(session_id, gen, reply))

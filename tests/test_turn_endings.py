@@ -17,6 +17,7 @@ import pytest
 from antiphon.config import AppConfig
 from antiphon.engine_ext.engine import EngineRequestError
 from antiphon.engine_ext.scripted import ScriptedEngine
+from antiphon.engine_ext.types import Delta
 from antiphon.server import protocol
 from antiphon.server.config import ServerConfig
 from antiphon.server.context import AppContext
@@ -37,6 +38,15 @@ class Refusing(ScriptedEngine):
             raise EngineRequestError("the grammar backend does not support this schema")
         async for delta in super().generate(request_id, prompt_token_ids, params):
             yield delta
+
+
+class FailsMidway(ScriptedEngine):
+    """Streams a token, then refuses the request (vLLM's grammar rejecting a token, or a
+    ValueError raised in vLLM mid-stream)."""
+
+    async def generate(self, request_id, prompt_token_ids, params):  # type: ignore[no-untyped-def,override]
+        yield Delta(text="Hel", token_ids=(1,), num_new_tokens=1, finished=False)
+        raise EngineRequestError("late refusal")
 
 
 def build(data_dir: Path, engine: ScriptedEngine | None = None, **server: Any) -> AppContext:
@@ -210,6 +220,39 @@ async def test_a_refused_regenerate_leaves_the_sessions_window_where_it_was(
     frames = await run(ctx, sid, gen)
     assert [(f["type"], f.get("code")) for f in frames] == [("error", "bad_message")]
     assert (ctx.store.window_start(sid), ctx.store.context(sid)) == before
+    ctx.store.close()
+
+
+async def test_a_refusal_after_the_reply_began_keeps_the_message_and_says_so(
+        tmp_path: Path) -> None:
+    """`bad_message` after `accepted` tells the client its message was taken back: sent
+    after a reply had begun (kept then), the web UI put the message back in its composer, and
+    sent again, the session held it twice."""
+    ctx = build(tmp_path, FailsMidway())
+    session, _ = await ctx.turns.open("o", None)
+    sid = session.session_id
+    frames = await run(ctx, sid, await accept(ctx, sid))
+    assert [(f["type"], f.get("code")) for f in frames] == [("token", None),
+                                                           ("error", "engine_error")]
+    assert "the message was kept" in frames[-1]["message"]
+    assert [(m.role, m.content) for m in ctx.store.messages(sid)] == [("user", "hi there")]
+    ctx.store.close()
+
+
+async def test_a_regenerate_whose_new_reply_is_empty_replaces_the_old(tmp_path: Path) -> None:
+    """The model ending a regenerated reply at once (its end of sequence, a stop string at
+    the start): `done` gave the empty reply, and the session kept the old one."""
+    engine = ScriptedEngine()
+    ctx = build(tmp_path, engine)
+    session, _ = await ctx.turns.open("o", None)
+    sid = session.session_id
+    await run(ctx, sid, await accept(ctx, sid))
+    engine.reply = lambda turns: ""
+    frames = await run(ctx, sid, await accept(ctx, sid, "regenerate", request_id="r2"))
+    assert (frames[-1]["type"], frames[-1]["finish_reason"], frames[-1]["text"]) == (
+        "done", "stop", "")
+    assert [(m.role, m.content) for m in ctx.store.messages(sid)] == [("user", "hi there"),
+                                                                     ("assistant", "")]
     ctx.store.close()
 
 
