@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import json
 import logging
 import time
@@ -44,6 +45,10 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL_S = 1.0
 # Seconds to hold new items back after the engine failed one.
 RETRY_DELAY_S = 1.0
+# Errors reading a batch's input that say nothing of the file, and pass: it stays validating
+# (failed for good, the user had to submit it again)
+PASSING_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS,
+                            errno.EAGAIN, errno.EINTR})
 # Most seconds between tries to commit an answer while the disk is full.
 COMMIT_RETRY_MAX_S = 30.0
 
@@ -143,6 +148,8 @@ class BatchRunner:
         try:
             items = await asyncio.to_thread(read_items, path, self.chat, b.endpoint)
         except OSError as exc:
+            if exc.errno in PASSING_ERRNOS:  # (the next step tries again: the file is fine)
+                raise
             await asyncio.to_thread(self.store.fail_batch, b.batch_id, ErrorCode.INVALID_FILE,
                                     f"the input file cannot be read: {exc.strerror}")
             return

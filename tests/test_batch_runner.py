@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import time
 from pathlib import Path
@@ -120,6 +121,26 @@ async def test_a_batch_whose_check_fails_fails_alone_and_the_others_run(
     failed = store.get_batch("o", broken)
     assert failed is not None and failed.status == BatchStatus.FAILED
     assert failed.errors and "RecursionError" in failed.errors[0]["message"]
+    store.check_integrity()
+
+
+async def test_running_out_of_file_descriptors_while_checking_fails_no_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error of the moment reading the input (the process at its open-file limit) failed
+    the batch for good, "the input file cannot be read", a file that was fine."""
+    store, files, engine, runner = direct_runner(tmp_path)
+    await engine.start()
+    real, failures = batch_runner.read_items, [OSError(errno.EMFILE, "Too many open files")]
+
+    def read_items(*args: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return real(*args)
+
+    monkeypatch.setattr(batch_runner, "read_items", read_items)
+    batch = await run_until_finished(store, runner, add_input(store, files, 3))
+    assert not failures and batch.status == BatchStatus.COMPLETED
+    assert batch.counts.completed == 3
     store.check_integrity()
 
 
