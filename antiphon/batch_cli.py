@@ -258,6 +258,11 @@ def finished_status(batch: dict[str, Any]) -> int:
 def _fetch(client: BatchClient, batch: dict[str, Any], out: Path) -> None:
     for error in (batch.get("errors") or {}).get("data", []):
         print(f"batch {batch['status']}: {error['code']}: {error['message']}")
+    if batch["output_file_id"] is None and batch["error_file_id"] is None:
+        # (a batch that failed or was cancelled before any item ran: an empty download
+        # would take the place of an earlier one)
+        print(f"no results: the batch {batch['status']} before any item ran")
+        return
     num_lines = client.download(batch, out)
     print(f"{num_lines} results written to {out}")
 
@@ -285,7 +290,7 @@ def _results(client: BatchClient, args: argparse.Namespace) -> int:
         raise BatchCliError(f"batch {batch['id']} is {batch['status']}; results come when it "
                             "finishes (antiphon batch submit --wait, or try again later)")
     _fetch(client, batch, Path(args.out or f"{batch['id']}.results.jsonl"))
-    return 0
+    return finished_status(batch)  # (as a wait's: 0 only when every item was answered)
 
 
 def _cancel(client: BatchClient, args: argparse.Namespace) -> int:

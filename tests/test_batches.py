@@ -430,6 +430,25 @@ def test_cli_submit_wait_status_results_cancel(tmp_path: Path,
         assert main(["batch", "status", out.split()[1], *url]) == 0  # a look, not a wait
 
 
+def test_cli_results_of_a_batch_that_failed_before_any_item_ran(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Such a batch has no result files: the download wrote an empty file over the results
+    an earlier download had left there, and `results` exited 0."""
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(b"\n \n")  # no requests: the batch fails
+    earlier = tmp_path / "docs.results.jsonl"
+    earlier.write_text('{"custom_id": "a"}\n')
+    with batch_server(tmp_path / "data") as live:
+        url = ["--url", live.url]
+        assert main(["batch", "submit", str(path), "--wait", "--poll-interval", "0.05",
+                     *url]) == 1
+        out = capsys.readouterr().out
+        assert "no results: the batch failed before any item ran" in out
+        assert earlier.read_text() == '{"custom_id": "a"}\n'
+        assert main(["batch", "results", out.split()[1], "--out", str(earlier), *url]) == 1
+        assert earlier.read_text() == '{"custom_id": "a"}\n'
+
+
 def is_mid_batch(url: str, batch_id: str, min_completed: int) -> bool:
     """At least `min_completed` items answered and some running on the engine right now (an
     item takes 80 ms, so they are still running when the kill lands a moment later)."""
