@@ -647,6 +647,50 @@ def run_failed_step(planner: TierPlanner, tokens: list[int]) -> None:
     planner.step_done(set(), {meta.step})  # the step's saves failed: nothing published
 
 
+def test_a_restore_waits_for_a_checkpoint_that_copies_only_upper_layers(tmp_path: Path) -> None:
+    """A checkpoint copying only a chunk's top layer (its others still in the host tier):
+    the restore looked at layer 0 alone, did not wait, and recomputed the chunk."""
+    p = make_planner(tmp_path / "ssd", ssd_tier_bytes=0)  # the host tier alone
+    try:
+        tokens = list(range(100, 111))  # 11 tokens: chunks of 4
+        view = TokenView("be", tokens, background=True)
+        admit(p, view, [7, 8, 9])
+        run_step(p, [("be", 8)])  # chunks 0 and 1 written through (host)
+        top = ChunkKey("test-model", p._requests["be"].hashes[1], 1, LAYERS - 1)
+        assert p.host.remove(top)  # host pressure took chunk 1's top layer
+        held = p.checkpoint("be", 8, [7, 8, 9])
+        meta = p.build_metadata([])
+        assert held == 8 and [c.slots[0] for c in meta.checkpoints] == [NO_SLOT]
+        # The checkpoint's copy of chunk 1's top layer is still running (async scheduling):
+        # the request must wait for it, as it does when layer 0 is copied.
+        matched = p.num_new_matched_tokens(view, 0)
+        assert matched is None, f"restored now: {matched} tokens, chunk 1 recomputed"
+    finally:
+        p.close()
+
+
+def test_a_request_preempted_mid_prefill_reports_its_checkpoint_as_stored(
+        tmp_path: Path) -> None:
+    """What the tiers hold of a waiting request was looked up again only when it grew: one
+    preempted before its prompt was done had not, and policies saw none of its checkpoint."""
+    p = make_planner(tmp_path / "ssd")
+    try:
+        tokens = list(range(100, 111))
+        view = TokenView("be", tokens, background=True)
+        assert p.stored_prefix_tokens(view) == 0  # the policy's view while it first waited
+        admit(p, view, [7, 8, 9])
+        run_step(p, [("be", 6)])  # a prefill chunk: chunk 0 written through
+        held = p.checkpoint("be", 6, [7, 8, 9])  # preempted before its prompt is done
+        meta = p.build_metadata([])
+        fake_worker_saves(p, meta.checkpoints)
+        p.step_done({meta.step}, set())
+        assert held == 6
+        assert p.num_new_matched_tokens(TokenView("be", tokens, background=True), 0) == 6
+        assert p.stored_prefix_tokens(view) == 6
+    finally:
+        p.close()
+
+
 def test_a_checkpoint_copies_full_chunks_a_failed_save_left_behind(planner: TierPlanner) -> None:
     run_failed_step(planner, list(range(200, 213)))  # 3 full chunks and 1 token
     held = planner.checkpoint("be", 12, [1, 2, 3, 4])

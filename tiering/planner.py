@@ -145,11 +145,13 @@ class TierPlanner:
             if st.prefetch is not None and not st.prefetch.is_done:
                 return None
             checkpoint = self.preemption.get(view.request_id)
-            if checkpoint is not None and any(self.host.is_reserved(key)
-                                              for key in reversed(checkpoint.chunks)):
+            if checkpoint is not None and any(self.host.is_reserved(key.with_layer(layer))
+                                              for key in reversed(checkpoint.chunks)
+                                              for layer in range(self.num_layers)):
                 # Its newest pages are still on their way to the host tier (with async
                 # scheduling the preempting step is still running): matched now, it would
-                # recompute them. It waits a step.
+                # recompute them. It waits a step. (Every layer: a chunk whose top layers
+                # alone were evicted is copied for those, and was recomputed.)
                 return None
             if st.match is not None and st.admitted == (len(view.token_ids), num_computed):
                 # Asked again because vLLM had no pages for the turn last step: its pins still
@@ -483,6 +485,8 @@ class TierPlanner:
                 held = key_end
                 restore.append(key)
             st.saved_chunks = min(st.saved_chunks, held // self.chunk_tokens)
+            st.stored_tokens = None  # (looked up by its length, which a preemption mid-prefill
+            # leaves as it was: policies saw the tiers hold none of the checkpoint)
             self._lost_chunks.pop(request_id, None)  # (those below `held` are reserved again)
             c = self.counters
             c.checkpoint_short_tokens += num_computed - held
