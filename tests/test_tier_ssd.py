@@ -256,6 +256,18 @@ def test_damaged_record_is_a_miss_and_cleared(ssd: SsdTier, where: str, offset: 
     ssd.check_integrity()
 
 
+def test_a_damaged_record_dropped_is_told_as_an_eviction(ssd: SsdTier) -> None:
+    # (the planner cuts a checkpoint at a chunk no tier holds any more: told nothing, a
+    # preemption table kept counting on a chunk the SSD tier had dropped)
+    told: list[list[ChunkKey]] = []
+    ssd.on_evict = told.append
+    ssd.put(key(0, 0), payload(0, 0))
+    ssd.flush()
+    damage(ssd.directory, 0, RECORD_HEADER_BYTES + 50)
+    assert ssd.get(key(0, 0)) is None
+    assert told == [[key(0, 0)]]
+
+
 def test_read_checks_the_key(tmp_path: Path) -> None:
     with open_tier(tmp_path) as tier:
         tier.put(key(0, 0), payload())

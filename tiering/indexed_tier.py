@@ -200,13 +200,17 @@ class IndexedTier(Tier, Generic[Location]):
         for key, entry in evicted:
             self._free(key, entry)
         self.stats.evictions += len(evicted)
-        if self.on_evict is not None:
+        if evicted and self.on_evict is not None:
             self.on_evict([key for key, _ in evicted])
         return True
 
     def _drop_corrupt(self, key: ChunkKey, entry: IndexEntry[Location]) -> None:
-        """Remove an entry whose bytes failed verification, even if pinned, and count it."""
+        """Remove an entry whose bytes failed verification, even if pinned, and count it;
+        those listening to evictions hear of it as one (a checkpoint that counted on it is
+        cut there)."""
         if self._index.get(key) is entry:
             self._index.remove(key)
             self._free(key, entry)
             self.stats.corrupt_dropped += 1
+            if self.on_evict is not None:
+                self.on_evict([key])

@@ -44,8 +44,8 @@ class Tier(abc.ABC):
 
     name: str  # label for stats and errors; the manager never branches on it
     stats: TierStats
-    # Told the keys each eviction drops, with the tier's lock held (so it must only note
-    # them); None: nobody listens.
+    # Told the keys each eviction drops (and each entry dropped for failing its check), with
+    # the tier's lock held (so it must only note them); None: nobody listens.
     on_evict: Callable[[list[ChunkKey]], None] | None = None
 
     @property
