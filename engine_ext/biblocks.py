@@ -5,9 +5,13 @@ kernels read a vLLM page from slot 0 upward, so Antiphon applies the layout one 
 *shared block* is a run of `block_pages` consecutive vLLM pages; RT requests take pages from its
 low end upward, BE requests from its high end downward, and inside a page everything stays as
 the kernels expect. A BE request fills its block from the top, so the page at the collision
-front is its newest one: when memory runs out and an RT request grows into a preempted BE
-request's block, it takes the BE request's *tail*, the pages the lazy checkpoint copied to the
-host tier, while the BE request's older pages stay on the device for its prefix cache.
+front is its newest one in that block: when memory runs out and an RT request grows into a
+preempted BE request's block, it takes the BE request's *tail*, the pages the lazy checkpoint
+copied to the host tier, while the BE request's older pages stay on the device for its prefix
+cache. A BE request that went on into another block has its tail there: an RT request growing
+in its first block takes a page from the middle of its sequence, and the restore loads every
+page after it from the host tier (vLLM's prefix cache stops at the first page missing), pages
+still on the device among them. Nothing is recomputed for it, but those loads are wasted.
 
 `SharedBlockLayout` is the bookkeeping only (no vLLM, no torch): the scheduler asks it where to
 put a request's next pages (`place`), and tells it which pages a request found in the prefix
