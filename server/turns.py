@@ -88,10 +88,13 @@ class SessionTurns:
         """Create a session (no id), whose model sees `system` first, or load one of
         `owner`'s; raises `session_not_found`, `bad_message` for a system message given for a
         session that exists (its conversation was had under its own) or one the chat template
-        refuses, `too_large` or `context_length_exceeded` for one too long."""
+        refuses, or a title given for one (`session.rename` renames), `too_large` or `context_length_exceeded` for one too long."""
         if session_id is not None and system is not None:
             raise ApiError(ErrorCode.BAD_MESSAGE, "a session's system message is set when it "
                            "is created: open a new session for another", param="system")
+        if session_id is not None and title is not None:  # (it was dropped without a word)
+            raise ApiError(ErrorCode.BAD_MESSAGE, "a title given when a session is opened "
+                           "names a new one: session.rename renames this one", param="title")
         if system is not None:
             self.chat.check_content(system, may_be_empty=True, what="the system message",
                                     param="system")

@@ -100,6 +100,10 @@ async def test_a_sessions_system_message_is_what_the_model_sees_first(
         await send(ws, type="session.open", session_id=sid, system="Be terse.")
         refused = await recv(ws)
         assert refused["code"] == "bad_message" and "system message" in refused["message"]
+        # nor a title, which was dropped without a word (session.rename renames)
+        await send(ws, type="session.open", session_id=sid, title="Pirates")
+        refused = await recv(ws)
+        assert refused["code"] == "bad_message" and "session.rename" in refused["message"]
         await send(ws, type="session.open", system="x" * 1001)
         assert (await recv(ws))["code"] == "too_large"
         plain = await open_session(ws)
