@@ -320,7 +320,11 @@ class VllmEngine(Engine):
             # its way to the engine core would stay unfinished for good.
             await self._llm.abort(request_id)
             cause = exc.__cause__ or exc
-            raise EngineRequestFailedError(f"{type(cause).__name__}: {cause}") from exc
+            logger.error("request %s failed in the engine: %s: %s", request_id,
+                         type(cause).__name__, cause)
+            # (the cause's own text is the server's internals: the log has it, not the client)
+            raise EngineRequestFailedError(f"an internal error ({type(cause).__name__}; the "
+                                           "server's log has the rest)") from exc
         if failed_as == "error" and params.json_schema is not None:
             raise EngineRequestError(SCHEMA_ERROR)
         if failed_as is not None:
