@@ -58,6 +58,10 @@ class BatchClient:
     def get(self, batch_id: str) -> dict[str, Any]:
         return self._json("GET", f"/batches/{batch_id}")
 
+    def list_batches(self) -> list[dict[str, Any]]:
+        """The key's newest batches (up to 100), newest first."""
+        return list(self._json("GET", "/batches", params={"limit": 100})["data"])
+
     def cancel(self, batch_id: str) -> dict[str, Any]:
         return self._json("POST", f"/batches/{batch_id}/cancel")
 
@@ -186,8 +190,17 @@ def first_url(path: Path) -> str | None:
 
 
 def _lost_create(client: BatchClient, file_id: str, exc: ServerUnreachableError) -> str:
-    """What became of a batch whose creation got no answer (a reset, a timeout): deleting its
-    upload tells, refused while a batch reads it. A retry must not run every item twice."""
+    """What became of a batch whose creation got no answer (a reset, a timeout): the key's
+    newest batches name it, if it was created; else deleting its upload tells, refused while
+    a batch reads it (and allowed once a batch finished: looked up first, a batch whose lines
+    all failed at once read as never created). A retry must not run every item twice."""
+    try:
+        made = [b for b in client.list_batches() if b.get("input_file_id") == file_id]
+    except BatchCliError:
+        made = []
+    if made:
+        return (f"{exc}; the batch was created ({made[0]['id']}, {made[0]['status']}): do not "
+                f"submit it again (antiphon batch status {made[0]['id']})")
     try:
         client.delete_file(file_id)
     except BatchCliError as refused:

@@ -142,15 +142,17 @@ def test_ctrl_c_while_submitting_says_what_the_server_may_keep(
         assert said in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("delete", "said"), [
-    (409, "the batch was created and runs"),
-    (200, "no batch was created"),
-    (None, "the batch may have been created and may run")])
+@pytest.mark.parametrize(("listed", "delete", "said"), [
+    (False, 409, "the batch was created and runs"),
+    (False, 200, "no batch was created"),
+    (False, None, "the batch may have been created and may run"),
+    # finished already (every line failed at once), so its upload could go: it was listed
+    (True, 200, "the batch was created (batch_1, completed): do not submit it again")])
 def test_a_batch_created_whose_answer_was_lost_is_not_called_a_failure(
-        tmp_path: Any, delete: int | None, said: str) -> None:
+        tmp_path: Any, listed: bool, delete: int | None, said: str) -> None:
     """The server created the batch and its answer was lost (a reset, a timeout): the CLI
     said only "cannot reach the server", and a user who submitted again ran every item
-    twice. Deleting the upload tells whether a batch reads it."""
+    twice. The key's batches, then deleting the upload, tell whether a batch reads it."""
     import argparse
 
     import httpx
@@ -161,6 +163,10 @@ def test_a_batch_created_whose_answer_was_lost_is_not_called_a_failure(
     path.write_text('{"custom_id": "a", "url": "/v1/chat/completions"}\n')
 
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/batches" and request.method == "GET" and listed:
+            return httpx.Response(200, json={"data": [
+                {"id": "batch_1", "status": "completed", "input_file_id": "file-" + "0" * 24},
+                {"id": "batch_0", "status": "completed", "input_file_id": "file-" + "1" * 24}]})
         if request.url.path == "/v1/batches":  # committed on the server; the answer lost
             raise httpx.ReadError("connection reset by peer")
         if request.method == "DELETE":
