@@ -254,9 +254,8 @@ class BatchRunner:
                     # The engine stopped with the server (one signal to both): not the
                     # item's doing, so the start does not count.
                     await asyncio.shield(self._uncount_attempt(batch_id, item.line_index))
-            if result is not None and await self._commit(batch_id, item.line_index, result):
-                outcome = "completed" if result.state == ItemState.SUCCEEDED else "failed"
-                self.metrics.batch_items.labels(outcome).inc()
+            if result is not None:
+                await self._commit(batch_id, item.line_index, result)
         except asyncio.CancelledError:
             # Stopped on purpose (shutdown or cancel), not cut short by a failure: the start
             # does not count towards --max-batch-item-attempts. A crash leaves it counted.
@@ -271,12 +270,19 @@ class BatchRunner:
             self._num_choices.pop((batch_id, item.line_index), None)
             self.notify()
 
+    def _counted(self, committed: bool, result: ItemResult) -> bool:
+        if committed:
+            outcome = "completed" if result.state == ItemState.SUCCEEDED else "failed"
+            self.metrics.batch_items.labels(outcome).inc()
+        return committed
+
     async def _uncount_attempt(self, batch_id: str, line_index: int) -> None:
         await asyncio.to_thread(self.store.record_attempts, batch_id, [line_index], -1)
 
     async def _commit(self, batch_id: str, line_index: int, result: ItemResult) -> bool:
-        """Commit in a thread. A cancel waits for the commit to land, so once `_abort` returns
-        no late commit can slip in behind result files being written. A full disk is not the
+        """Commit in a thread, and count the item once committed. A cancel waits for the
+        commit to land (and counts it then), so once `_abort` returns no late commit can slip
+        in behind result files being written. A full disk is not the
         item's fault: its answer is kept and the commit tried again, ever less often (up to
         every `COMMIT_RETRY_MAX_S`), until there is room or the item is stopped; re-running
         it would spend its attempts (`--max-batch-item-attempts`) on answers it already has."""
@@ -285,10 +291,10 @@ class BatchRunner:
             commit = asyncio.ensure_future(asyncio.to_thread(
                 self.store.commit_item, batch_id, line_index, result))
             try:
-                return await asyncio.shield(commit)
+                return self._counted(await asyncio.shield(commit), result)
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
-                    await commit
+                    self._counted(await commit, result)
                 raise
             except Exception as exc:
                 if not is_storage_full(exc):

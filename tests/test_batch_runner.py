@@ -396,3 +396,33 @@ async def test_lines_that_fail_validation_are_counted_failed_once(tmp_path: Path
     batch = await run_until_finished(store, runner, batch_id)  # the restart resumes it
     assert (batch.counts.completed, batch.counts.failed) == (4, 2)
     assert (counted("completed"), counted("failed")) == (4, 2)
+
+
+async def test_an_item_committed_as_its_batch_is_cancelled_is_counted(tmp_path: Path) -> None:
+    """A cancel landing while an item's answer commits waits for the commit: the item is
+    answered, and antiphon_batch_items_total left it out."""
+    import threading
+
+    store, files, engine, runner = direct_runner(tmp_path)
+    await engine.start()
+    batch_id = add_input(store, files, 4)
+    real, committing = store.commit_item, threading.Event()
+
+    def commit_item(*args: Any) -> bool:
+        committed = real(*args)
+        committing.set()
+        time.sleep(0.3)  # (its thread not done yet when the cancel lands)
+        return committed
+
+    store.commit_item = commit_item  # type: ignore[method-assign]
+    finished = asyncio.ensure_future(run_until_finished(store, runner, batch_id))
+    while not committing.is_set():
+        await asyncio.sleep(0.01)
+    assert store.request_cancel("o", batch_id) is not None
+    runner.notify()
+    batch = await finished
+    assert batch.status == BatchStatus.CANCELLED and batch.counts.completed >= 1
+    counted = [runner.metrics.registry.get_sample_value("antiphon_batch_items_total",
+                                                        {"outcome": outcome}) or 0
+               for outcome in ("completed", "failed")]
+    assert counted == [batch.counts.completed, batch.counts.failed]
