@@ -124,6 +124,31 @@ def test_a_deleted_sessions_kv_is_erased_from_every_tier_bytes_and_all(tmp_path:
         again.close()
 
 
+def test_an_advisory_that_arrives_as_its_session_is_deleted_keeps_nothing(
+        tmp_path: Path) -> None:
+    """The server checks the session, then renders its history and advises the engine: a
+    deletion in between reached the engine first, and the advisory's prefetch pinned the
+    session's KV, which the erasure then kept, in host RAM, for good."""
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9], session="s1")
+        planner.store.flush()
+        release = threading.Event()
+        real = planner.settle_retired_prefetches
+
+        def settle_then_wait() -> None:  # (the erasure's thread, held before it erases)
+            real()
+            release.wait(10)
+        planner.settle_retired_prefetches = settle_then_wait  # type: ignore[method-assign]
+        done = planner.erasure.forget("s1", [[*TURN1, 110]])
+        assert planner.advise("s1", [*TURN1, 110], expected_arrival_s=600.0) == 0
+        release.set()
+        assert done.result(20)[1] == 0  # none kept
+        assert planner.host.keys() == [] and planner.store.tiers[1].keys() == []
+    finally:
+        planner.close()
+
+
 def test_an_erasure_is_not_done_while_an_unopened_slot_file_may_hold_the_kv(
         tmp_path: Path) -> None:
     """A start without the SSD tier (turned off, or its directory unusable) erased in the host

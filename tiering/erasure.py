@@ -37,6 +37,7 @@ class SessionErasure:
         # session's last turn may have copies on their way); cleared once none are.
         self._dropped: set[bytes] = set()
         self._running: list[set[bytes]] = []  # the prefix hashes of each erasure running
+        self._deleting: set[str] = set()  # sessions deleted whose erasure runs
 
     def forget(self, session: str, chains: Iterable[Sequence[int]], *, salt: bytes = b"",
                keep: Iterable[Sequence[int]] | None = None) -> Future[tuple[int, int]]:
@@ -56,6 +57,7 @@ class SessionErasure:
             if deleted:
                 p.advisories.release(session)
                 p.store.clear_hint(session)
+                self._deleting.add(session)
             self._forgetting[session] = done
 
         def erase() -> None:
@@ -89,8 +91,13 @@ class SessionErasure:
             finally:
                 with p.lock:  # this erasure's own set: another may equal it
                     self._running = [w for w in self._running if w is not wanted]
+                    self._deleting.discard(session)
         threading.Thread(target=erase, name="antiphon-forget", daemon=True).start()
         return done
+
+    def is_deleting(self, session: str) -> bool:
+        """Whether `session` was deleted and its erasure still runs (lock held)."""
+        return session in self._deleting
 
     def forgotten(self, session: str) -> tuple[int, int] | None:
         """What `forget(session)` erased and kept, once it is done (None until then; (0, 0)

@@ -542,6 +542,9 @@ class TierPlanner:
         into the host arena, soonest-expected first, and keep it there until the turn comes or
         the advisory expires. Returns the context tokens the tiers hold."""
         with self.lock:
+            if self.erasure.is_deleting(session):  # (an advisory the server sent as the
+                # session was deleted: its prefetch pinned KV the erasure then kept, in RAM)
+                return 0
             self.advisories.expire()
             self.advisories.release(session)  # (before the match: its pins hold no room)
             match = self.matcher.match(token_ids, len(token_ids), salt, None, session=session)
