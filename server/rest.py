@@ -230,6 +230,9 @@ _TIERING_COUNTERS = (
      "Advisories whose session's turn arrived before they expired"),
     ("advisories_late", "antiphon_kv_advisories_late_total",
      "Advisories whose turn arrived before the prefetch finished"),
+    ("prefetches_failed", "antiphon_kv_prefetches_failed_total",
+     "Used advisories whose prefetch ended without some of its KV (gone from the SSD tier, "
+     "or no host room)"),
     ("advisories_expired", "antiphon_kv_advisories_expired_total",
      "Advisories that expired unused"),
     ("advisories_reclaimed", "antiphon_kv_advisories_reclaimed_total",

@@ -388,6 +388,27 @@ def test_an_advisory_prefetches_and_is_used_by_its_sessions_turn(tmp_path: Path)
         planner.close()
 
 
+def test_a_prefetch_that_brought_nothing_up_is_not_counted_timed(tmp_path: Path) -> None:
+    planner = restarted_planner(tmp_path)
+    try:
+        ssd = planner.store.tiers[1]
+        read = ssd.get
+        ssd.get = lambda key: None  # type: ignore[method-assign]  # every chunk gone meanwhile
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0)
+        handle = planner.advisories.get("s1").handle
+        assert handle is not None and not handle.wait(10)  # (settled, none ready)
+        assert handle.is_done and set(handle.failed_keys()) == set(handle.keys)
+        ssd.get = read  # type: ignore[method-assign]
+        view = TokenView("r2", [*TURN1, 110, 111], session="s1")
+        planner.add_request(view)
+        assert wait_for_admission(planner, view) == 10  # loaded on its critical path
+        stats = planner.stats()
+        assert (stats["advisories_used"], stats["prefetches_failed"]) == (1, 1)
+        assert (stats["prefetches_timed"], stats["prefetch_lead_s_sum"]) == (0, 0)
+    finally:
+        planner.close()
+
+
 def test_an_unused_advisory_expires_and_releases_its_pins(tmp_path: Path) -> None:
     planner = make_planner(tmp_path / "ssd", advisory_ttl_s=0.05)
     try:

@@ -100,6 +100,8 @@ class AdvisoryBook:
             return  # nothing to prefetch: the tiers held nothing, or the host had no room
         if handle.finished_at is None:
             c.advisories_late += 1  # the turn overtook its prefetch
+        elif handle.failed_keys():  # (timed, it made the lead times look good just when
+            c.prefetches_failed += 1  # prefetching failed under pressure)
         else:
             c.prefetches_timed += 1
             c.prefetch_load_s_sum += handle.finished_at - advisory.received_at

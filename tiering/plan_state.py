@@ -113,6 +113,9 @@ class TieringCounters:
     prefetch_load_s_sum: float = 0.0  # over those: advisory received -> all in host
     prefetch_lead_s_sum: float = 0.0  # over those: prefetch done -> the turn arrived
     advisories_late: int = 0  # the turn arrived before its prefetch finished
+    # used advisories whose prefetch ended without some of its KV (gone from the SSD tier,
+    # or no host room): not timed
+    prefetches_failed: int = 0
     advisories_reclaimed: int = 0  # prefetched KV given up for a running turn's room
     turns_held: int = 0  # turns held to a later step for their SSD fetch
     turns_fetched_in_step: int = 0  # turns whose SSD fetch came up within ssd_fetch_wait_s
