@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -208,6 +209,11 @@ class AsyncAntiphon:
         result: dict[str, Any] = (await self._request(method, path, **kwargs)).json()
         return result
 
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST `body` as JSON (`_encode`'s: bad text is an `InvalidRequestError`)."""
+        return await self._json("POST", path, content=_encode(body),
+                                headers={"content-type": "application/json"})
+
     async def health(self) -> dict[str, Any]:
         """The server's `/healthz`: `status` "ok", or "unavailable" (503) with a `detail`."""
         result: dict[str, Any] = (await self._get("GET", "/healthz")).json()
@@ -221,7 +227,7 @@ class AsyncAntiphon:
         """A new session; with `system`, the system message its model sees before the
         conversation at every turn."""
         body = {"title": title} if system is None else {"title": title, "system": system}
-        return Session.from_json(await self._json("POST", "/v1/sessions", json=body))
+        return Session.from_json(await self._post("/v1/sessions", body))
 
     async def list_sessions(self) -> list[Session]:
         """Every session of this API key, most recent first (the server lists them a page at
@@ -254,8 +260,7 @@ class AsyncAntiphon:
             raise InvalidRequestError("bad_message", "expected_arrival must be finite")
         body = {"session_id": session_id, "expected_arrival": expected_arrival,
                 "ordered": ordered, "priority": priority}
-        held: int | None = (await self._json("POST", "/v1/advisory", json=body))[
-            "context_tokens_held"]
+        held: int | None = (await self._post("/v1/advisory", body))["context_tokens_held"]
         return held
 
     async def complete(self, messages: list[dict[str, Any]], *, session_id: str | None = None,
@@ -286,8 +291,7 @@ class AsyncAntiphon:
             body["tool_choice"] = tool_choice
         if session_id is not None:
             body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "session_id": session_id}
-        return await self._json("POST", "/v1/chat/completions", content=_encode(body),
-                                headers={"content-type": "application/json"})
+        return await self._post("/v1/chat/completions", body)
 
     async def stats(self) -> dict[str, Any]:
         """The engine's scheduler and KV-tier counters (`/v1/engine/stats`)."""
@@ -315,7 +319,7 @@ class AsyncAntiphon:
                            endpoint: str = "/v1/chat/completions") -> dict[str, Any]:
         """A batch of the file's requests to `endpoint` (`/v1/chat/completions` or
         `/v1/completions`, the url of every line)."""
-        return await self._json("POST", "/v1/batches", json={
+        return await self._post("/v1/batches", {
             "input_file_id": input_file_id, "endpoint": endpoint,
             "completion_window": "24h", "metadata": metadata})
 
@@ -497,6 +501,9 @@ class AsyncAntiphon:
                     on_token: Callable[[str], Any] | None, **fields: Any) -> ChatReply:
         """Run one turn: `payload` with the `fields` set (not None) and a request id."""
         request_id = request_id or "sdk_" + secrets.token_hex(8)
+        if not REQUEST_ID.fullmatch(request_id):  # (it waited out timeout_s for an answer)
+            raise InvalidRequestError("bad_message", f"request_id {request_id[:80]!r} must be 1 "
+                                      "to 64 letters, digits or _ . : -")
         payload = {**payload, **{k: v for k, v in fields.items() if v is not None}}
         await self._inflight.acquire()  # given back once the server has ended the turn
         if request_id in self._turns:
@@ -638,11 +645,23 @@ def _segment(identifier: str) -> str:
 
 
 def _encode(payload: dict[str, Any]) -> str:
-    """`payload` as JSON; NaN and Infinity, which JSON has not (the server refuses them), are
-    `InvalidRequestError`s here."""
+    """`payload` as JSON; NaN and Infinity, which JSON has not (the server refuses them), and
+    text no UTF-8 can carry (an unpaired surrogate, as `json.loads('"\\ud83d"')` or a
+    `surrogateescape` decoding leaves: sent, it failed the websocket under every turn on it,
+    and REST raised a bare UnicodeEncodeError) are `InvalidRequestError`s here."""
     try:
         # As UTF-8, as the server counts a frame's bytes (escaped, text in other scripts than
         # Latin's took 3 to 6 times its size, and hit --max-frame-bytes far sooner).
-        return json.dumps(payload, allow_nan=False, ensure_ascii=False)
+        text = json.dumps(payload, allow_nan=False, ensure_ascii=False)
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError("bad_message", "the request's text is not valid Unicode: "
+                                  f"{exc.reason} at character {exc.start} of its JSON") from None
     except ValueError as exc:
         raise InvalidRequestError("bad_message", str(exc)) from None
+    return text
+
+
+# The ids a client may choose, as the server checks them (`server.protocol.ID_PATTERN`): one
+# it refuses comes back in an error frame without its id, which no turn waits for.
+REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")

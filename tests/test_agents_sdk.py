@@ -198,6 +198,39 @@ async def test_requests_the_server_would_refuse_fail_at_once(scripted: Scripted)
     assert error_for("internal_error", "x").__class__ is ServerError
 
 
+async def test_text_no_utf8_can_carry_is_refused_and_the_turns_on_the_socket_go_on(
+        scripted: Scripted) -> None:
+    """An unpaired surrogate (what `json.loads('"\\ud83d"')` leaves): sent, it failed the
+    shared websocket, a retry on a new one, and the turn streaming beside it; over REST it
+    raised a bare UnicodeEncodeError."""
+    async with AsyncAntiphon(scripted.url, timeout_s=10) as client:
+        a, b = [(await client.create_session()).session_id for _ in range(2)]
+        streaming = asyncio.create_task(client.chat(a, "w " * 20))
+        await asyncio.sleep(0.05)
+        with pytest.raises(InvalidRequestError, match="not valid Unicode"):
+            await client.chat(b, "half an emoji: \ud83d")
+        with pytest.raises(InvalidRequestError, match="not valid Unicode"):
+            await client.create_session(title="t\ud83d")
+        with pytest.raises(InvalidRequestError, match="not valid Unicode"):
+            await client.complete([{"role": "user", "content": "\udc80"}])
+        assert (await streaming).text.startswith("You said: w")
+
+
+async def test_a_request_id_the_server_would_refuse_fails_at_once(scripted: Scripted) -> None:
+    # refused, its error frame cannot name it: the call waited out timeout_s, and held its
+    # place among the client's turns in flight for as long again
+    from antiphon.agents.client import REQUEST_ID
+    from antiphon.server.protocol import ID_PATTERN
+
+    assert f"^{REQUEST_ID.pattern}$" == ID_PATTERN
+    async with AsyncAntiphon(scripted.url, timeout_s=30) as client:
+        sid = (await client.create_session()).session_id
+        for bad in ("my turn", "a/b", "x" * 65, "é"):
+            with pytest.raises(InvalidRequestError, match="request_id"):
+                await asyncio.wait_for(client.chat(sid, "hi", request_id=bad), 5)
+        assert (await client.chat(sid, "hi", request_id="ok-1")).text == "You said: hi"
+
+
 async def test_a_request_id_in_flight_is_not_taken_twice(scripted: Scripted) -> None:
     async with AsyncAntiphon(scripted.url) as client:
         a, b = [(await client.create_session()).session_id for _ in range(2)]
