@@ -343,8 +343,8 @@ class AsyncAntiphon:
             except ConnectionLostError:
                 now = time.monotonic()
                 out_of_reach_since = out_of_reach_since or now
-                if now - out_of_reach_since >= max_unreachable_s:
-                    raise
+                if now - out_of_reach_since >= max_unreachable_s or self._is_closed:
+                    raise  # (closed, it is no server restart to ride out)
                 await asyncio.sleep(poll_s)
                 continue
             out_of_reach_since = None
@@ -381,6 +381,7 @@ class AsyncAntiphon:
             for attempt in range(self.connect_attempts):
                 if attempt:
                     await asyncio.sleep(min(0.2 * 2 ** attempt, 5.0))
+                    self._check_open()  # (`close` ran meanwhile)
                 try:
                     ws = await asyncio.wait_for(
                         connect(self.ws_url, additional_headers=headers, compression=None,

@@ -10,6 +10,7 @@ Every coroutine method of `AsyncAntiphon` is available with the same arguments, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 from typing import Any
@@ -21,6 +22,8 @@ CANCEL_WAIT_S = 5.0  # an interrupted call's wait for its cancel to reach the se
 
 
 class Antiphon:
+    _is_closing = False
+
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
                  **options: Any) -> None:
         self._loop = asyncio.new_event_loop()
@@ -62,6 +65,8 @@ class Antiphon:
             self._loop.call_soon_threadsafe(task.cancel)
             finished.wait(timeout=CANCEL_WAIT_S)
             raise
+        if task.cancelled() and self._is_closing:  # (`close` from another thread)
+            raise ConnectionLostError("the client was closed during the call")
         return task.result()
 
     def __getattr__(self, name: str) -> Any:
@@ -89,6 +94,21 @@ class Antiphon:
             self._stop_loop()
 
     def _stop_loop(self) -> None:
+        """Stop the loop, its calls still running (other threads') cancelled first: stopped
+        under them, their threads waited for good."""
+        self._is_closing = True
+
+        async def cancel_the_rest() -> None:
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+
+        if self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(cancel_the_rest(), self._loop).result(
+                    CANCEL_WAIT_S + 1)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()

@@ -9,6 +9,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -184,6 +185,46 @@ def test_blocking_client(scripted: Scripted) -> None:
     with pytest.raises(ValueError):
         Antiphon(scripted.url, connect_attempts=0)
     assert threading.active_count() == threads  # its loop's thread is gone
+
+
+def test_closing_the_blocking_client_ends_the_calls_other_threads_wait_on(
+        scripted: Scripted) -> None:
+    """Its loop stopped under a call still running (waiting for a batch, or for the server to
+    come back): the thread that made the call waited for good."""
+    client = Antiphon(scripted.url, timeout_s=5)
+
+    async def running_batch(batch_id: str) -> dict[str, str]:
+        client.aio._check_open()
+        return {"status": "in_progress"}
+    client.aio.get_batch = running_batch  # type: ignore[method-assign]
+    ended: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.wait_batch("batch_1", poll_s=0.05)
+        except BaseException as exc:
+            ended.append(exc)
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    time.sleep(0.3)
+    client.close()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and isinstance(ended[0], ConnectionLostError)
+
+
+async def test_waiting_for_a_batch_ends_when_the_client_closes(scripted: Scripted) -> None:
+    # ("the client is closed" read as a server out of reach: polled for max_unreachable_s)
+    client = AsyncAntiphon(scripted.url)
+
+    async def running_batch(batch_id: str) -> dict[str, str]:
+        client._check_open()
+        return {"status": "in_progress"}
+    client.get_batch = running_batch  # type: ignore[method-assign]
+    waiting = asyncio.create_task(client.wait_batch("batch_1", poll_s=0.05))
+    await asyncio.sleep(0.2)
+    await client.close()
+    with pytest.raises(ConnectionLostError, match="closed"):
+        await asyncio.wait_for(waiting, 5)
 
 
 async def test_requests_the_server_would_refuse_fail_at_once(scripted: Scripted) -> None:
