@@ -40,8 +40,8 @@ class Advisory(BaseModel):
     model_id: str | None = None
     # numbers and flags of their JSON types, as everywhere in the API ("3" is not 3)
     expected_arrival: Annotated[StrictFloat, Field(ge=0)] | None = None  # seconds from now
-    ordered: StrictBool = False
-    priority: StrictInt = 0
+    ordered: StrictBool = False  # (these two, and model_id, have no effect yet: competing
+    priority: StrictInt = 0  # prefetches go by expected arrival alone)
 
 
 def _ctx(request: Request) -> AppContext:
