@@ -399,6 +399,10 @@ def test_a_long_typing_burst_advises_again_before_the_advisory_expires(url: str,
         now = 43000; key();  // a new burst after a pause
         now = 43500; key();
         now = 60000; key(false);  // an empty box: nothing to advise
+        // typing goes on in another chat (its session had heard nothing: no prefetch)
+        now = 61000; burst.keystroke(true, () => sent.push(now) > 0, "s_a");
+        now = 61500; burst.keystroke(true, () => sent.push(now) > 0, "s_b");
+        now = 62000; burst.keystroke(true, () => sent.push(now) > 0, "s_b");
         return sent;
     }""")
-    assert sent == [0, 15000, 30000, 43000]
+    assert sent == [0, 15000, 30000, 43000, 61000, 61500]

@@ -49,6 +49,7 @@ const composer = setupComposer($("#composer"), {
   onSubmit: submit,
   onChange: refreshControls,
   onTyping: () => Boolean(state.currentId) && client.typing(state.currentId),
+  typingTarget: () => state.currentId,
 });
 const promptForKey = setupAuthDialog({ onKey: (key) => client.setApiKey(key) });
 

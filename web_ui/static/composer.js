@@ -9,10 +9,11 @@ export const TYPING_IDLE_MS = 2000;
 export const TYPING_REFRESH_MS = 15000;
 
 /**
- * Typing-burst detector: a burst starts with a keystroke after at least `idleMs` without one.
- * `notify()` is called once per burst, on the first keystroke that leaves text in the box, and
- * again on a keystroke `refreshMs` after the last notice while the burst goes on; it returns
- * whether the notice went out (if not, a later keystroke retries).
+ * Typing-burst detector: a burst starts with a keystroke after at least `idleMs` without one,
+ * or in another chat (`target`: a burst's notice names its chat, and one switched to must
+ * hear of the typing too). `notify()` is called once per burst, on the first keystroke that
+ * leaves text in the box, and again on a keystroke `refreshMs` after the last notice while the
+ * burst goes on; it returns whether the notice went out (if not, a later keystroke retries).
  */
 export class TypingBurst {
   constructor(idleMs = TYPING_IDLE_MS, now = () => Date.now(), refreshMs = TYPING_REFRESH_MS) {
@@ -21,12 +22,14 @@ export class TypingBurst {
     this._now = now;
     this._lastKeyAt = -Infinity;
     this._notifiedAt = null;  // when this burst's last notice went out
+    this._target = null;  // the chat this burst's notices named
   }
 
-  keystroke(hasText, notify) {
+  keystroke(hasText, notify, target = null) {
     const t = this._now();
-    if (t - this._lastKeyAt >= this._idleMs) this._notifiedAt = null;
+    if (t - this._lastKeyAt >= this._idleMs || target !== this._target) this._notifiedAt = null;
     this._lastKeyAt = t;
+    this._target = target;
     const isDue = this._notifiedAt === null || t - this._notifiedAt >= this._refreshMs;
     if (isDue && hasText && notify()) this._notifiedAt = t;
   }
@@ -34,9 +37,10 @@ export class TypingBurst {
 
 /**
  * Wire a textarea. `onSubmit()` fires on Enter (not Shift+Enter, not mid-IME-composition);
- * `onChange()` after every edit; `onTyping()` once per typing burst and returns true if sent.
+ * `onChange()` after every edit; `onTyping()` once per typing burst (in the chat
+ * `typingTarget()` names) and returns true if sent.
  */
-export function setupComposer(textarea, { onSubmit, onChange, onTyping }) {
+export function setupComposer(textarea, { onSubmit, onChange, onTyping, typingTarget = () => null }) {
   const burst = new TypingBurst();
 
   const autosize = () => {
@@ -53,7 +57,7 @@ export function setupComposer(textarea, { onSubmit, onChange, onTyping }) {
   textarea.addEventListener("input", () => {
     autosize();
     onChange();
-    burst.keystroke(textarea.value.trim() !== "", onTyping);
+    burst.keystroke(textarea.value.trim() !== "", onTyping, typingTarget());
   });
 
   return {
