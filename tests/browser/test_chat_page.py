@@ -52,7 +52,11 @@ def sessions(url: str) -> list[dict[str, Any]]:
 
 
 def test_a_refused_first_message_leaves_no_session_and_no_bubble(url: str, page: Any) -> None:
+    # and gives back the system message typed for the new chat (the deletion of the session
+    # opened for the message blanked it)
     open_chat(page, url)
+    page.locator("#system-box summary").click()
+    page.locator("#system-input").fill("Answer like a pirate.")
     too_long = "x" * 1001
     page.locator("#composer").fill(too_long)
     page.locator("#composer").press("Enter")
@@ -64,6 +68,8 @@ def test_a_refused_first_message_leaves_no_session_and_no_bubble(url: str, page:
     while sessions(url):  # the session opened for it is deleted again
         assert time.monotonic() < deadline, sessions(url)
         time.sleep(0.05)
+    page.wait_for_timeout(200)  # (the deletion's answer is in)
+    assert page.locator("#system-input").input_value() == "Answer like a pirate."
     page.locator("#composer").fill("short")
     page.locator("#composer").press("Enter")
     page.locator(".msg.assistant .timings").wait_for()

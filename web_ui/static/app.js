@@ -251,7 +251,7 @@ function newSession() {
   composer.focus();
 }
 
-function sendMessage(content, { opened = false } = {}) {
+function sendMessage(content, { opened = false, system = null } = {}) {
   const requestId = newRequestId();
   const user = makeBubble("user", content, requestId);
   ui.messages.append(user.root);
@@ -259,6 +259,7 @@ function sendMessage(content, { opened = false } = {}) {
   entry.content = content; // back into the composer if the server refuses it
   entry.userRoot = user.root;
   entry.opened = opened; // the session was opened for this message: gone if it is refused
+  entry.system = system; // (the system message it was opened with, given back with it)
   markSent();
   if (!client.sendMessage(state.currentId, content, requestId)) {
     finishEntry(requestId, { cls: "failed", note: "Not sent: connection lost." });
@@ -420,7 +421,7 @@ const handlers = {
     if (state.queued !== null && s.session_id && msg.request_id === state.queuedOpen) {
       const content = state.queued;
       state.queued = null;
-      sendMessage(content, { opened: true });
+      sendMessage(content, { opened: true, system: state.queuedSystem });
       if (state.blankAfterQueued) newSession(); // its reply streams on in the sidebar's chat
     }
   },
@@ -527,9 +528,15 @@ const handlers = {
         finishEntry(msg.request_id);
         entry.root.remove();
         entry.userRoot?.remove();
-        // A session opened for this message alone would stay behind empty.
-        if (entry.opened) client.send({ type: "session.delete", session_id: entry.sessionId });
-        else if (msg.code === "session_busy") resync(); // another tab or app is answering it
+        // A session opened for this message alone would stay behind empty. Its chat is
+        // blank again, with the system message typed for it (the deletion cleared that).
+        if (entry.opened) {
+          client.send({ type: "session.delete", session_id: entry.sessionId });
+          if (entry.sessionId === state.currentId) {
+            showBlankChat();
+            ui.systemInput.value = entry.system ?? "";
+          }
+        } else if (msg.code === "session_busy") resync(); // another tab or app is answering it
         refreshControls();
         return;
       }
