@@ -101,6 +101,43 @@ def test_a_message_the_server_never_got_comes_back_to_the_composer(url: str, pag
             if m["role"] == "user"] == ["a first message"]
 
 
+def test_a_deletion_the_connection_cut_short_is_not_done_later_unasked(
+        tmp_path: Path, page: Any) -> None:
+    """A chat deleted while its reply streams is deleted once the reply has stopped: with
+    the connection lost before that, the deletion stayed pending, and the chat's next reply,
+    much later, deleted it without asking."""
+    def drop_at_the_cancel(ws: Any) -> None:
+        upstream = ws.connect_to_server()
+
+        def from_page(message: str | bytes) -> None:
+            if json.loads(message).get("type") == "cancel":
+                ws.close()  # the cancel swallowed, and the connection with it
+                return
+            upstream.send(message)
+        ws.on_message(from_page)
+        upstream.on_message(ws.send)
+
+    engine = ScriptedEngine(token_delay_s=0.05, reply=lambda turns: "word " * 40)
+    with live_server(scripted_config(tmp_path), engine) as base:
+        page.route_web_socket("**/v1/ws", drop_at_the_cancel)
+        open_chat(page, base)
+        page.locator("#composer").fill("a long answer please")
+        page.locator("#composer").press("Enter")
+        page.locator(".msg.assistant.streaming").wait_for()
+        sid = sessions(base)[0]["session_id"]
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.locator(".session-row").first.locator(".session-delete").click()
+        page.wait_for_selector("body[data-connected=false]")
+        page.wait_for_selector("body[data-connected=true]")
+        wait_until(lambda: not page.locator(".msg.assistant.streaming").count()
+                   and messages_of(base, sid) and len(messages_of(base, sid)) == 2,
+                   "the cut reply ends on the server")
+        page.locator(".session-row").first.locator(".session-item").click()
+        send(page, "one more")
+        page.wait_for_timeout(300)
+        assert messages_of(base, sid) is not None, "deleted without asking"
+
+
 def test_renaming_a_chat_another_tab_deleted_leaves_the_chat_shown(url: str, page: Any) -> None:
     """Errors of renames and deletions named no request, so a `session_not_found` for another
     chat blanked the chat being read."""

@@ -517,6 +517,9 @@ const handlers = {
     }
     if (msg.request_id && state.pending.has(msg.request_id)) {
       const entry = state.pending.get(msg.request_id);
+      // A reply stopped for a deletion, ended by an error: the deletion goes ahead (left
+      // waiting, it went ahead without asking at the chat's next reply)
+      if (state.deleteWhenDone.delete(entry.sessionId)) sessionOp("delete", entry.sessionId);
       // The engine refused an accepted message (bad_message): the server took it back.
       if (msg.code === "bad_message") entry.root.dataset.accepted = "false";
       // A message refused goes back to the composer, to fix and send again (the banner says
@@ -598,8 +601,10 @@ client.addEventListener("close", (ev) => {
     }
     finishEntry(rid, { cls: "failed", note: "Connection lost before the reply finished." });
   }
-  // A rename or deletion in flight is answered on this socket or not at all.
+  // A rename or deletion in flight is answered on this socket or not at all; so is a
+  // deletion waiting for a reply to stop (asked again, if still wanted).
   state.sessionOps.clear();
+  state.deleteWhenDone.clear();
   refreshControls();
 });
 
