@@ -138,6 +138,27 @@ def test_a_deletion_the_connection_cut_short_is_not_done_later_unasked(
         assert messages_of(base, sid) is not None, "deleted without asking"
 
 
+def test_a_title_being_typed_outlives_the_sidebar_redrawn_under_it(tmp_path: Path,
+                                                                   page: Any) -> None:
+    """The sidebar is drawn again at every reply's start and end: a title being typed went
+    with it, and focus fell to the page."""
+    engine = ScriptedEngine(token_delay_s=0.03, reply=lambda turns: "word " * 30)
+    with live_server(scripted_config(tmp_path), engine) as base:
+        open_chat(page, base)
+        page.locator("#composer").fill("a question")
+        page.locator("#composer").press("Enter")
+        page.locator(".msg.assistant.streaming").wait_for()
+        page.locator(".session-row").first.locator(".session-rename").click()
+        page.locator(".session-title-input").fill("my renamed chat")
+        page.locator(".msg.assistant .timings").wait_for()  # the reply ended: redrawn
+        page.wait_for_timeout(300)
+        assert page.locator(".session-title-input").input_value() == "my renamed chat"
+        page.locator(".session-title-input").press("Enter")
+        wait_until(lambda: sessions(base)[0]["title"] == "my renamed chat", "renamed")
+        page.wait_for_function("document.querySelector('#session-list').innerText"
+                               ".includes('my renamed chat')")
+
+
 def test_renaming_a_chat_another_tab_deleted_leaves_the_chat_shown(url: str, page: Any) -> None:
     """Errors of renames and deletions named no request, so a `session_not_found` for another
     chat blanked the chat being read."""

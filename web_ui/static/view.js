@@ -32,6 +32,13 @@ export function sessionTitle(session) {
  * after an inline edit, `actions.onDelete(id)` from the delete button.
  */
 export function renderSessionList(listEl, sessions, currentId, actions) {
+  if (listEl.querySelector(".session-title-input")) {
+    // A title being typed: the list is redrawn once the edit ends (redrawn now, the input
+    // went, and with it what was typed, at every reply's start and end)
+    pendingRedraws.set(listEl, () => renderSessionList(listEl, sessions, currentId, actions));
+    return;
+  }
+  pendingRedraws.delete(listEl);
   const sorted = [...sessions].sort((a, b) => (b.updated_at || 0) - (a.updated_at || 0));
   const items = sorted.map((s) => {
     const li = el("li", "session-row");
@@ -62,6 +69,8 @@ export function renderSessionList(listEl, sessions, currentId, actions) {
   listEl.replaceChildren(...items);
 }
 
+const pendingRedraws = new WeakMap(); // list element -> its redraw held back by an edit
+
 function iconButton(className, glyph, label) {
   const b = el("button", `btn btn-ghost icon-btn ${className}`, glyph);
   b.type = "button";
@@ -83,6 +92,8 @@ function editTitle(li, session, onRename) {
     done = true;
     const title = input.value.trim();
     li.replaceChildren(...children);
+    const redraw = li.parentElement && pendingRedraws.get(li.parentElement);
+    if (redraw) redraw();
     if (save && title && title !== sessionTitle(session)) onRename(session.session_id, title);
   };
   input.addEventListener("keydown", (ev) => {
