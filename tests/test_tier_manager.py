@@ -404,8 +404,8 @@ def test_a_retired_prefetch_settling_while_it_is_reaped_gives_its_pins_back() ->
             self.looks += 1
             return self.looks > 1
 
-        def release(self) -> None:
-            self.released += 1
+        def release(self) -> None:  # (counted once settled: `retire` drops the pins taken
+            self.released += self.looks > 1  # so far at once, before it looks)
 
     queue = PrefetchQueue([])
     try:

@@ -388,6 +388,49 @@ def test_an_advisory_prefetches_and_is_used_by_its_sessions_turn(tmp_path: Path)
         planner.close()
 
 
+OTHER = [t + 500 for t in TURN1] + [610]  # another session's context, as long as s1's
+
+
+def two_sessions_on_ssd(tmp_path: Path, **overrides: object) -> TierPlanner:
+    """A planner started over the SSD tier of one that ran a turn of s9 (`OTHER`), then of s1
+    (TURN1 and a token)."""
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "r9", OTHER, [20, 21, 22], session="s9")
+    run_turn(first, "r1", [*TURN1, 110], [7, 8, 9], session="s1")
+    first.close()
+    return make_planner(tmp_path / "ssd", **overrides)
+
+
+def test_a_turn_reclaiming_a_running_prefetchs_room_gets_it_at_once(tmp_path: Path) -> None:
+    """An advisory's prefetch still running kept what it had pinned until it settled, and
+    went on after the turn's fetch it yielded to: the turn reclaiming its room found none,
+    cut its fetch, and recomputed most of its context."""
+    planner = two_sessions_on_ssd(tmp_path, host_tier_bytes=3 * LAYERS * PAGE_BYTES,
+                                  ssd_fetch_wait_s=0)
+    try:
+        ssd = planner.store.tiers[1]
+        read, gate, reads = ssd.get, threading.Event(), [0]
+
+        def held_after_three(key: ChunkKey) -> bytes | None:  # s9's prefetch: layer 0 of
+            reads[0] += 1  # its 3 chunks up, pinned, then it waits
+            if reads[0] > 3:
+                gate.wait(10)
+            return read(key)
+        ssd.get = held_after_three  # type: ignore[method-assign]
+        planner.advise("s9", OTHER, expected_arrival_s=60.0)
+        deadline = time.monotonic() + 5
+        while reads[0] < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        view = TokenView("r2", [*TURN1, 110, 111], session="s1")
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) is None  # fetching
+        gate.set()
+        assert wait_for_admission(planner, view) == 10
+        assert planner.stats()["advisories_reclaimed"] == 1
+    finally:
+        planner.close()
+
+
 def test_a_prefetch_that_brought_nothing_up_is_not_counted_timed(tmp_path: Path) -> None:
     planner = restarted_planner(tmp_path)
     try:

@@ -127,12 +127,14 @@ class PrefetchHandle:
         key is settled. Between keys, `should_yield()` true stops it early (False): a later
         `run` goes on from the next key."""
         while self._next < len(self.keys):
-            if should_yield is not None and should_yield():
+            with self._cond:
+                cancelled = self._cancelled
+            # (a cancelled one settles at once: yielding, it went back on the queue, and
+            # held its pins until whatever it yielded to was done)
+            if not cancelled and should_yield is not None and should_yield():
                 return False
             key = self.keys[self._next]
             self._next += 1
-            with self._cond:
-                cancelled = self._cancelled
             try:
                 tier_index = None if cancelled else self._bring_up(key)
             except Exception:  # settle the key anyway: a waiter must never hang

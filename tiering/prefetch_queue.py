@@ -53,9 +53,11 @@ class PrefetchQueue:
         return handle
 
     def retire(self, handle: PrefetchHandle) -> None:
-        """Stop a prefetch and drop its pins once it has settled (pins taken while it still
-        runs would otherwise leak)."""
+        """Stop a prefetch and drop its pins: those taken so far at once (a turn reclaiming
+        an advisory's room found them held, and cut its own fetch), the rest once it has
+        settled (pins taken while it still runs would otherwise leak)."""
         handle.cancel()
+        handle.release()
         with self._cond:
             self._retiring.append(handle)
         self.reap()
