@@ -236,7 +236,8 @@ _TIERING_COUNTERS = (
     ("advisories_expired", "antiphon_kv_advisories_expired_total",
      "Advisories that expired unused"),
     ("advisories_reclaimed", "antiphon_kv_advisories_reclaimed_total",
-     "Advisories whose prefetched KV was given up for a running turn's host room"),
+     "Advisories whose prefetched KV was given up for a running turn's host room, or an "
+     "advisory expected sooner"),
     ("chunk_layers_forgotten", "antiphon_kv_chunk_layers_forgotten_total",
      "Chunk-layers of KV erased from the tiers because their session was deleted"),
     ("tail_layers_retired", "antiphon_kv_tail_layers_retired_total",

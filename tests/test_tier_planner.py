@@ -431,6 +431,26 @@ def test_a_turn_reclaiming_a_running_prefetchs_room_gets_it_at_once(tmp_path: Pa
         planner.close()
 
 
+def test_an_advisory_expected_sooner_takes_the_room_of_one_expected_later(
+        tmp_path: Path) -> None:
+    """Symphony: the session expected soonest first. A user typing now got no prefetch while
+    an advisory due in ten minutes held the host tier's room."""
+    planner = two_sessions_on_ssd(tmp_path, host_tier_bytes=3 * LAYERS * PAGE_BYTES)
+    try:
+        planner.advise("s9", OTHER, expected_arrival_s=600.0)
+        assert planner.advisories.get("s9").handle.wait(10)
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0)
+        handle = planner.advisories.get("s1").handle
+        assert handle is not None and handle.wait(10)
+        assert planner.advisories.get("s9").reclaimed
+        # and not the other way round: one expected later takes no room from it
+        planner.advise("s9", OTHER, expected_arrival_s=600.0)
+        assert not planner.advisories.get("s1").reclaimed
+        assert planner.stats()["advisories_reclaimed"] == 1
+    finally:
+        planner.close()
+
+
 def test_a_prefetch_that_brought_nothing_up_is_not_counted_timed(tmp_path: Path) -> None:
     planner = restarted_planner(tmp_path)
     try:

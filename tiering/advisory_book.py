@@ -51,6 +51,11 @@ class AdvisoryBook:
     def get(self, session: str) -> Advisory | None:
         return self._advisories.get(session)
 
+    def expiry(self, expected_arrival_s: float | None) -> float:
+        """When an advisory expected in `expected_arrival_s` (None: now) arriving now
+        expires."""
+        return time.monotonic() + (expected_arrival_s or 0.0) + self._ttl_s
+
     def start(self, session: str, keys: Sequence[ChunkKey], expected_arrival_s: float | None,
               num_tokens: int, prefix_hashes: Sequence[bytes]) -> None:
         """Record an advisory for `session` (its earlier one already released: its pins
@@ -108,16 +113,18 @@ class AdvisoryBook:
             c.prefetch_lead_s_sum += time.monotonic() - handle.finished_at
         self._prefetcher.retire(handle)
 
-    def make_room(self, num_slots: int, session: str | None) -> None:
+    def make_room(self, num_slots: int, session: str | None, *,
+                  expected_after: float | None = None) -> None:
         """Reclaim other sessions' advisory pins until `num_slots` host slots can be had:
-        running turns take host room before sessions that have not spoken yet. Settled
-        prefetches go first (their pins go at once, a running one's once it stops), then the
-        advisory expected last."""
+        running turns take host room before sessions that have not spoken yet, and an
+        advisory from those expected after it (`expected_after`: its expiry). Settled
+        prefetches go first, then the advisory expected last."""
         host = self._host
         if host.can_make_room(num_slots * host.slot_bytes):
             return
         held = sorted((a for a in self._advisories.values()
-                       if a.handle is not None and a.session != session),
+                       if a.handle is not None and a.session != session
+                       and (expected_after is None or a.expires_at > expected_after)),
                       key=lambda a: (a.handle is not None and a.handle.is_done, a.expires_at,
                                      a.received_at), reverse=True)
         for advisory in held:  # one sort per call, not one scan per advisory reclaimed

@@ -116,7 +116,8 @@ class TieringCounters:
     # used advisories whose prefetch ended without some of its KV (gone from the SSD tier,
     # or no host room): not timed
     prefetches_failed: int = 0
-    advisories_reclaimed: int = 0  # prefetched KV given up for a running turn's room
+    # prefetched KV given up for a running turn's room, or a sooner advisory's
+    advisories_reclaimed: int = 0
     turns_held: int = 0  # turns held to a later step for their SSD fetch
     turns_fetched_in_step: int = 0  # turns whose SSD fetch came up within ssd_fetch_wait_s
     fetch_retries: int = 0  # turns' SSD fetches sent again: others took their host room

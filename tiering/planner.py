@@ -548,7 +548,14 @@ class TierPlanner:
             self.advisories.expire()
             self.advisories.release(session)  # (before the match: its pins hold no room)
             match = self.matcher.match(token_ids, len(token_ids), salt, None, session=session)
-            keys = self._leading_chunks_with_room(match.layer_keys())
+            # the room of advisories expected later is this one's (Symphony: the session
+            # expected soonest first; one due now got nothing while one due in minutes held
+            # the host)
+            wanted = match.layer_keys()
+            self.advisories.make_room(sum(not self.host.contains(key) for key in wanted),
+                                      session,
+                                      expected_after=self.advisories.expiry(expected_arrival_s))
+            keys = self._leading_chunks_with_room(wanted)
             self.advisories.start(session, keys, expected_arrival_s, match.num_tokens,
                                   [key.prefix_hash for key in match.chunks])
             return match.num_tokens
