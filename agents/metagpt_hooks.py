@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
 from typing import Any
 
 from antiphon.agents.client import AsyncAntiphon
-from antiphon.agents.team import CallGraphHooks
+from antiphon.agents.team import Advising, CallGraphHooks
 
 ROUTE_TO_ALL = "<all>"  # MetaGPT's MESSAGE_ROUTE_TO_ALL: a message for every role
 
@@ -155,24 +155,33 @@ class MetaGPTAdvisor:
         async def hooked_create(*args: Any, **kwargs: Any) -> Any:
             action = ActionName(action_name(role.rc.todo))
             lead = self.hooks.take_lead(view)
-            self._spawn(self.hooks.on_call_start(self.graph, view, action))
+            advising = self.hooks.advise_during_call(self.graph, view, action)
             started = time.perf_counter()  # the wait below counts in the call's time
-            await self._advisory_sent(session_id)
-            response = await create(*args, **with_session(kwargs, session_id))
+            try:
+                await self._advisory_sent(session_id)
+                response = await create(*args, **with_session(kwargs, session_id))
+            except BaseException:
+                await advising.stop()
+                raise
             if kwargs.get("stream"):
-                return self._timed(response, view, action, started, lead)
+                return self._timed(response, view, action, started, lead, advising)
+            await advising.stop()
             await self._finish(view, action, started, time.perf_counter() - started, lead)
             return response
 
         completions.create = hooked_create
 
     async def _timed(self, stream: AsyncIterator[Any], view: TeamRole, action: ActionName,
-                     started: float, lead: float | None) -> AsyncIterator[Any]:
+                     started: float, lead: float | None,
+                     advising: Advising) -> AsyncIterator[Any]:
         ttft_s = None
-        async for chunk in stream:
-            if ttft_s is None and chunk.choices and chunk.choices[0].delta.content:
-                ttft_s = time.perf_counter() - started
-            yield chunk
+        try:
+            async for chunk in stream:
+                if ttft_s is None and chunk.choices and chunk.choices[0].delta.content:
+                    ttft_s = time.perf_counter() - started
+                yield chunk
+        finally:
+            await advising.stop()
         total_s = time.perf_counter() - started
         await self._finish(view, action, started, total_s if ttft_s is None else ttft_s, lead)
 

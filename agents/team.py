@@ -15,10 +15,11 @@ lower bound), so the server brings their KV forward while this call runs. The th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from antiphon.agents.client import AsyncAntiphon
@@ -27,6 +28,9 @@ from antiphon.agents.errors import AntiphonError
 logger = logging.getLogger(__name__)
 
 USER_REQUIREMENT = "UserRequirement"
+# How often a call's advisories go out again while it runs: within the server's
+# --advisory-ttl-s (30 s), which drops an advisory that long past its expected arrival.
+ADVISORY_REFRESH_S = 15.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +118,15 @@ class CallGraphHooks:
     Works on any `CallGraph`: this module's `Environment`, or a MetaGPT team through
     `antiphon.agents.metagpt_hooks`."""
 
-    def __init__(self, client: AsyncAntiphon, send_advisories: bool = True) -> None:
+    def __init__(self, client: AsyncAntiphon, send_advisories: bool = True,
+                 refresh_s: float = ADVISORY_REFRESH_S) -> None:
+        """`refresh_s`: how often a call's advisories go out again while it runs (the
+        server drops one `--advisory-ttl-s`, 30 s, past its expected arrival)."""
+        if not refresh_s > 0:
+            raise ValueError(f"refresh_s must be positive, got {refresh_s}")
         self.client = client
         self.send_advisories = send_advisories
+        self.refresh_s = refresh_s
         self.min_first_token_s: dict[str, float] = {}
         self.advised_at: dict[str, float] = {}
         self.num_advisories = 0
@@ -134,6 +144,12 @@ class CallGraphHooks:
         for nxt in graph.subscribers(action.name):
             if nxt is not role:
                 await self.advise(nxt, arrival)
+
+    def advise_during_call(self, graph: CallGraph, role: Caller, action: Named) -> Advising:
+        """`on_call_start` now, and again every `refresh_s` until the call ends
+        (`Advising.stop`): sent once, the advisory expired during a call longer than the
+        server keeps it, and the roles after it found their KV let go."""
+        return Advising(lambda: self.on_call_start(graph, role, action), self.refresh_s)
 
     async def advise(self, role: Caller, expected_arrival: float | None) -> None:
         """Advise `role`'s session (not with `send_advisories=False`); a failure is logged
@@ -169,6 +185,26 @@ class CallGraphHooks:
         advisory)."""
         advised = self.advised_at.pop(role.session_id or "", None)
         return None if advised is None else time.perf_counter() - advised
+
+
+class Advising:
+    """A call's advisories, sent now and every `refresh_s` until `stop`."""
+
+    def __init__(self, send: Callable[[], Awaitable[None]], refresh_s: float) -> None:
+        self._stopped = asyncio.Event()
+        self._task = asyncio.ensure_future(self._run(send, refresh_s))
+
+    async def _run(self, send: Callable[[], Awaitable[None]], refresh_s: float) -> None:
+        while True:
+            await send()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), refresh_s)
+                return
+
+    async def stop(self) -> None:
+        """No more advisories; the one being sent, if any, is let finish."""
+        self._stopped.set()
+        await self._task
 
 
 class Environment:
@@ -232,14 +268,14 @@ class Environment:
         assert role.session_id is not None
         lead = self.hooks.take_lead(role)
         # The advisories go out beside the call, not before it: they must not delay it.
-        advising = asyncio.create_task(self.hooks.on_call_start(self, role, action))
+        advising = self.hooks.advise_during_call(self, role, action)
         started = time.perf_counter()
         try:
             reply = await self.client.chat(role.session_id, action.prompt(role, incoming),
                                            max_tokens=action.max_tokens,
                                            temperature=self.temperature)
         finally:
-            await advising
+            await advising.stop()
         role.num_calls += 1
         self.calls.append(CallRecord(role.name, action.name, started, reply.client_ttft_s,
                                      time.perf_counter() - started, reply.prompt_tokens,

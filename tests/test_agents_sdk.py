@@ -350,6 +350,25 @@ async def test_workflow_sends_call_graph_advisories(scripted: Scripted) -> None:
     assert env.hooks.expected_arrival(env.roles[0]) is not None
 
 
+async def test_a_call_longer_than_an_advisory_lives_advises_again(scripted: Scripted) -> None:
+    """Sent once at a call's start, an advisory expired during a call longer than the
+    server's --advisory-ttl-s, and the roles after it found their KV let go."""
+    from antiphon.agents.team import USER_REQUIREMENT, CallGraphHooks, Environment, Message
+    from antiphon.agents.workflows import software_team
+
+    scripted.engine.token_delay_s = 0.05  # 20 tokens: a call of about 1 s
+    async with AsyncAntiphon(scripted.url) as client:
+        env = Environment(client, software_team(20), CallGraphHooks(client, refresh_s=0.2))
+        await env.open_sessions()
+        env.publish_message(Message("a todo app", USER_REQUIREMENT, "user"))
+        architect = env.roles[0]
+        incoming = env._inbox[architect.name]
+        await env._react(architect, incoming)  # its call advises the engineer, again and again
+    # each answered (the server answers one over a conversation unchanged within a second
+    # without the engine: --advisory-repeat-interval-s)
+    assert env.hooks.num_advisories >= 3 and env.hooks.num_advisory_errors == 0
+
+
 async def test_workflow_without_hints_sends_none(scripted: Scripted) -> None:
     async with AsyncAntiphon(scripted.url) as client:
         env = await run_workflow(client, "a todo app", hints=False, max_tokens=20)
