@@ -76,6 +76,8 @@ class Checkpoint:
     num_tokens: int  # computed tokens when it was preempted
     held_tokens: int  # of those, from the start, held by the tiers (the rest is recomputed)
     chunks: tuple[ChunkKey, ...]  # layer-0 keys of the chunks its restore loads
+    # the chunk-layers its checkpoint copies to the host (reserved there until copied)
+    copying: tuple[ChunkKey, ...] = ()
 
 
 class SlotCommit(NamedTuple):

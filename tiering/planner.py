@@ -145,13 +145,12 @@ class TierPlanner:
             if st.prefetch is not None and not st.prefetch.is_done:
                 return None
             checkpoint = self.preemption.get(view.request_id)
-            if checkpoint is not None and any(self.host.is_reserved(key.with_layer(layer))
-                                              for key in reversed(checkpoint.chunks)
-                                              for layer in range(self.num_layers)):
+            if checkpoint is not None and any(self.host.is_reserved(key)
+                                              for key in reversed(checkpoint.copying)):
                 # Its newest pages are still on their way to the host tier (with async
                 # scheduling the preempting step is still running): matched now, it would
-                # recompute them. It waits a step. (Every layer: a chunk whose top layers
-                # alone were evicted is copied for those, and was recomputed.)
+                # recompute them. It waits a step. (Every layer it copies: a chunk whose top
+                # layers alone were evicted is copied for those, and was recomputed.)
                 return None
             if st.match is not None and st.admitted == (len(view.token_ids), num_computed):
                 # Asked again because vLLM had no pages for the turn last step: its pins still
@@ -501,7 +500,8 @@ class TierPlanner:
             c.checkpoints += 1
             c.pages_checkpointed += copied
             c.pages_handed_over += -(-held // self.page_tokens) - copied
-            self.preemption.record(request_id, Checkpoint(num_computed, held, tuple(restore)))
+            self.preemption.record(request_id, Checkpoint(num_computed, held, tuple(restore),
+                                                          tuple(reserved)))
             self.erasure.keep({key.prefix_hash for key in restore})
             if not self._durable(st):  # down to the SSD tier, so a full host tier keeps it
                 self._write_down(restore, owner)

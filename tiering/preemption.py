@@ -74,7 +74,9 @@ class PreemptionTable:
                     continue
                 held = min(cp.held_tokens, cp.chunks[cut].chunk_index * self.chunk_tokens)
                 cut_tokens += cp.held_tokens - held
-                self._checkpoints[request_id] = Checkpoint(cp.num_tokens, held, cp.chunks[:cut])
+                self._checkpoints[request_id] = Checkpoint(
+                    cp.num_tokens, held, cp.chunks[:cut],
+                    tuple(k for k in cp.copying if k.chunk_index < cp.chunks[cut].chunk_index))
         if cut_tokens:
             self._index_chunks()  # what was cut off is no checkpoint's: an erasure takes it
         return cut_tokens
