@@ -226,6 +226,8 @@ _TIERING_COUNTERS = (
      "Prompt tokens the model computed (not found in any KV tier)"),
     ("advisories_received", "antiphon_kv_advisories_received_total",
      "Advisories that reached the engine"),
+    ("advisories_renewed", "antiphon_kv_advisories_renewed_total",
+     "Advisories for a session whose live advisory held the same KV: that one kept longer"),
     ("advisories_used", "antiphon_kv_advisories_used_total",
      "Advisories whose session's turn arrived before they expired"),
     ("advisories_late", "antiphon_kv_advisories_late_total",

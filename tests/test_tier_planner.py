@@ -451,6 +451,57 @@ def test_an_advisory_expected_sooner_takes_the_room_of_one_expected_later(
         planner.close()
 
 
+def test_an_advisory_again_for_the_same_kv_keeps_the_prefetch_it_has(tmp_path: Path) -> None:
+    """A typing user and a long agent call advise again every 15 s: each released the pins
+    of the KV already fetched and queued their return behind every other fetch."""
+    planner = restarted_planner(tmp_path, advisory_ttl_s=30.0)
+    try:
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0)
+        first = planner.advisories.get("s1")
+        assert first.handle is not None and first.handle.wait(10)
+        expires_at = first.expires_at
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=5.0)
+        again = planner.advisories.get("s1")
+        assert again is first and again.handle is first.handle  # kept, pins and all
+        assert again.expires_at > expires_at
+        stats = planner.stats()
+        assert (stats["advisories_received"], stats["advisories_renewed"]) == (1, 1)
+        planner.advise("s1", TURN1[:CHUNK], expected_arrival_s=0.0)
+        assert planner.advisories.get("s1") is not first  # other KV: a prefetch of its own
+    finally:
+        planner.close()
+
+
+def test_a_turn_overtaking_its_prefetch_keeps_what_it_pinned_until_it_settles(
+        tmp_path: Path) -> None:
+    """Let go at once, the chunk-layers it had brought up were unpinned before the turn had
+    pinned them, and another fetch's writes could evict them."""
+    planner = restarted_planner(tmp_path)
+    try:
+        ssd = planner.store.tiers[1]
+        read, gate, reads = ssd.get, threading.Event(), [0]
+
+        def held_after_two(key: ChunkKey) -> bytes | None:
+            reads[0] += 1
+            if reads[0] > 2:
+                gate.wait(10)
+            return read(key)
+        ssd.get = held_after_two  # type: ignore[method-assign]
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0)
+        deadline = time.monotonic() + 5
+        while reads[0] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with planner.lock:  # as its turn's admission does, before it pins anything
+            planner.advisories.overtake("s1")
+        assert planner.host._index.pinned_bytes == 2 * PAGE_BYTES  # type: ignore[attr-defined]
+        gate.set()
+        view = TokenView("r2", [*TURN1, 110, 111], session="s1")
+        planner.add_request(view)
+        assert wait_for_admission(planner, view) == 10
+    finally:
+        planner.close()
+
+
 def test_a_prefetch_that_brought_nothing_up_is_not_counted_timed(tmp_path: Path) -> None:
     planner = restarted_planner(tmp_path)
     try:

@@ -70,6 +70,20 @@ class AdvisoryBook:
                                              num_tokens)
         self._store.set_hint(session, prefix_hashes, 1.0)
 
+    def renew(self, session: str, keys: Sequence[ChunkKey],
+              expected_arrival_s: float | None) -> bool:
+        """An advisory again for `session` whose live one prefetches every one of `keys`
+        (nothing failed so far): that one is kept, now expiring as the new one would (or
+        later), and counted renewed. False (nothing changed) otherwise."""
+        advisory = self._advisories.get(session)
+        handle = None if advisory is None else advisory.handle
+        if (advisory is None or handle is None or handle.failed_keys()
+                or len(handle.keys) != len(keys) or set(handle.keys) != set(keys)):
+            return False
+        advisory.expires_at = max(advisory.expires_at, self.expiry(expected_arrival_s))
+        self._counters.advisories_renewed += 1
+        return True
+
     def release(self, session: str) -> None:
         """Drop the session's advisory, if any, and its prefetch."""
         advisory = self._advisories.pop(session, None)
@@ -82,7 +96,8 @@ class AdvisoryBook:
         advisory = self._advisories.get(session)
         if advisory is not None and advisory.handle is not None \
                 and not advisory.handle.is_done:
-            self._prefetcher.retire(advisory.handle)
+            # its pins kept until it settles: the turn has not pinned its KV yet
+            self._prefetcher.retire(advisory.handle, release_now=False)
             advisory.handle, advisory.overtaken = None, True
 
     def use(self, session: str) -> None:

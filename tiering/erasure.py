@@ -15,6 +15,7 @@ planner's lock for each decision:
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -37,7 +38,9 @@ class SessionErasure:
         # session's last turn may have copies on their way); cleared once none are.
         self._dropped: set[bytes] = set()
         self._running: list[set[bytes]] = []  # the prefix hashes of each erasure running
-        self._deleting: set[str] = set()  # sessions deleted whose erasure runs
+        # sessions deleted whose erasure runs: how many of their erasures run (a delete
+        # asked again runs its own)
+        self._deleting: collections.Counter[str] = collections.Counter()
 
     def forget(self, session: str, chains: Iterable[Sequence[int]], *, salt: bytes = b"",
                keep: Iterable[Sequence[int]] | None = None) -> Future[tuple[int, int]]:
@@ -57,7 +60,7 @@ class SessionErasure:
             if deleted:
                 p.advisories.release(session)
                 p.store.clear_hint(session)
-                self._deleting.add(session)
+                self._deleting[session] += 1
             self._forgetting[session] = done
 
         def erase() -> None:
@@ -91,7 +94,10 @@ class SessionErasure:
             finally:
                 with p.lock:  # this erasure's own set: another may equal it
                     self._running = [w for w in self._running if w is not wanted]
-                    self._deleting.discard(session)
+                    if deleted:  # (a window's erasure of the same session leaves it alone)
+                        self._deleting[session] -= 1
+                        if not self._deleting[session]:
+                            del self._deleting[session]
         threading.Thread(target=erase, name="antiphon-forget", daemon=True).start()
         return done
 

@@ -107,6 +107,8 @@ class TieringCounters:
     saved_chunks: int = 0  # chunks (all layers) saved from the device
     saves_refused: int = 0  # chunks not saved: no host slot, every one pinned (recomputed later)
     advisories_received: int = 0
+    # advisories again for a session whose live one holds the same KV: that one kept longer
+    advisories_renewed: int = 0
     chunk_layers_forgotten: int = 0  # erased from the tiers when their session was deleted
     tail_layers_retired: int = 0  # copies of partial chunk-layers a later save covered, erased
     advisories_used: int = 0  # a turn of the session arrived while the advisory was live

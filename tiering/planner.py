@@ -546,12 +546,16 @@ class TierPlanner:
                 # session was deleted: its prefetch pinned KV the erasure then kept, in RAM)
                 return 0
             self.advisories.expire()
-            self.advisories.release(session)  # (before the match: its pins hold no room)
             match = self.matcher.match(token_ids, len(token_ids), salt, None, session=session)
+            wanted = match.layer_keys()
+            if self.advisories.renew(session, wanted, expected_arrival_s):
+                # (the same KV, fetched or on its way: released and fetched again, a refresh
+                # let go of the pins it held, and queued their return behind others)
+                return match.num_tokens
+            self.advisories.release(session)  # (its pins hold no room for this one)
             # the room of advisories expected later is this one's (Symphony: the session
             # expected soonest first; one due now got nothing while one due in minutes held
             # the host)
-            wanted = match.layer_keys()
             self.advisories.make_room(sum(not self.host.contains(key) for key in wanted),
                                       session,
                                       expected_after=self.advisories.expiry(expected_arrival_s))

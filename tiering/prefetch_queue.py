@@ -52,12 +52,13 @@ class PrefetchQueue:
             self._cond.notify()
         return handle
 
-    def retire(self, handle: PrefetchHandle) -> None:
-        """Stop a prefetch and drop its pins: those taken so far at once (a turn reclaiming
-        an advisory's room found them held, and cut its own fetch), the rest once it has
-        settled (pins taken while it still runs would otherwise leak)."""
+    def retire(self, handle: PrefetchHandle, *, release_now: bool = True) -> None:
+        """Stop a prefetch and drop its pins: those taken so far at once, with `release_now`
+        (a turn reclaiming an advisory's room found them held, and cut its own fetch), the
+        rest once it has settled (pins taken while it still runs would otherwise leak)."""
         handle.cancel()
-        handle.release()
+        if release_now:
+            handle.release()
         with self._cond:
             self._retiring.append(handle)
         self.reap()
