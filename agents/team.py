@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
@@ -31,6 +32,7 @@ USER_REQUIREMENT = "UserRequirement"
 # How often a call's advisories go out again while it runs: within the server's
 # --advisory-ttl-s (30 s), which drops an advisory that long past its expected arrival.
 ADVISORY_REFRESH_S = 15.0
+ADVISING_MAX_S = 600.0  # how long a call's advisories go on being sent, at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,13 +159,16 @@ class CallGraphHooks:
         session_id = role.session_id
         if session_id is None or not self.send_advisories:
             return
+        noted = session_id in self.advised_at
         sent_at = self.note_advisory(session_id)
         try:
             await self.client.advise(session_id, expected_arrival)
         except AntiphonError as exc:  # advisories are hints: never fail the workflow
             self.num_advisory_errors += 1
             logger.warning("advisory for %s failed: %s", role.name, exc)
-            if self.advised_at.get(session_id) == sent_at:
+            # (one noted by an earlier advisory, which went out, stays: a refresh failing
+            # dropped the lead time of the call it had advised)
+            if not noted and self.advised_at.get(session_id) == sent_at:
                 del self.advised_at[session_id]
             return
         self.num_advisories += 1
@@ -188,14 +193,16 @@ class CallGraphHooks:
 
 
 class Advising:
-    """A call's advisories, sent now and every `refresh_s` until `stop`."""
+    """A call's advisories, sent now and every `refresh_s` until `stop` (for at most
+    `ADVISING_MAX_S`: a call whose end is never seen, say a stream never read, does not
+    advise for ever)."""
 
     def __init__(self, send: Callable[[], Awaitable[None]], refresh_s: float) -> None:
         self._stopped = asyncio.Event()
         self._task = asyncio.ensure_future(self._run(send, refresh_s))
 
     async def _run(self, send: Callable[[], Awaitable[None]], refresh_s: float) -> None:
-        while True:
+        for _ in range(max(1, math.ceil(ADVISING_MAX_S / refresh_s))):
             await send()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), refresh_s)

@@ -369,6 +369,28 @@ async def test_a_call_longer_than_an_advisory_lives_advises_again(scripted: Scri
     assert env.hooks.num_advisories >= 3 and env.hooks.num_advisory_errors == 0
 
 
+async def test_a_refresh_that_fails_keeps_the_lead_of_the_advisory_that_went_out() -> None:
+    from types import SimpleNamespace
+
+    from antiphon.agents.team import CallGraphHooks
+
+    class Client:
+        calls = 0
+
+        async def advise(self, session_id: str, expected_arrival: float | None) -> None:
+            self.calls += 1
+            if self.calls > 1:
+                raise error_for("internal_error", "the server is restarting")
+
+    hooks = CallGraphHooks(Client())  # type: ignore[arg-type]
+    role = SimpleNamespace(name="engineer", session_id="s_1")
+    await hooks.advise(role, None)  # type: ignore[arg-type]
+    first = hooks.advised_at["s_1"]
+    await hooks.advise(role, None)  # type: ignore[arg-type]  # the refresh fails
+    assert hooks.advised_at["s_1"] == first and hooks.num_advisory_errors == 1
+    assert hooks.take_lead(role) is not None  # type: ignore[arg-type]
+
+
 async def test_workflow_without_hints_sends_none(scripted: Scripted) -> None:
     async with AsyncAntiphon(scripted.url) as client:
         env = await run_workflow(client, "a todo app", hints=False, max_tokens=20)

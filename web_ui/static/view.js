@@ -92,8 +92,10 @@ function editTitle(li, session, onRename) {
     done = true;
     const title = input.value.trim();
     li.replaceChildren(...children);
-    const redraw = li.parentElement && pendingRedraws.get(li.parentElement);
-    if (redraw) redraw();
+    // The redraw held back, once a click that ended the edit (its mousedown blurred the
+    // input) has landed: drawn now, it took the row being clicked.
+    const list = li.parentElement;
+    if (list) setTimeout(() => pendingRedraws.get(list)?.(), 300);
     if (save && title && title !== sessionTitle(session)) onRename(session.session_id, title);
   };
   input.addEventListener("keydown", (ev) => {
