@@ -136,6 +136,32 @@ def test_a_second_tab_shows_what_the_first_said_when_the_user_comes_back(
     assert other.locator("#messages > .msg").count() == 4
 
 
+def test_coming_back_while_another_tab_answers_keeps_one_poll(tmp_path: Path,
+                                                              page: Any) -> None:
+    """Each open of a chat another tab was answering started a poll of its own: coming back
+    to the tab k times polled k + 1 times every 1.5 s, each the whole conversation."""
+    with live_server(scripted_config(tmp_path), ScriptedEngine(token_delay_s=0.05)) as base:
+        other = second_tab(page, base, "hello")
+        page.locator("#composer").fill(" ".join(["word"] * 160))  # a reply of about 8 s
+        page.locator("#composer").press("Enter")
+        page.locator(".msg.assistant.streaming").wait_for()
+        come_back(other)
+        other.locator(".replying-note").wait_for()
+        for _ in range(5):
+            come_back(other)
+            other.wait_for_timeout(50)
+        other.evaluate("""() => {
+          window.opens = 0;
+          const send = WebSocket.prototype.send;
+          WebSocket.prototype.send = function (data) {
+            if (String(data).includes('"session.open"')) window.opens += 1;
+            return send.call(this, data);
+          };
+        }""")
+        other.wait_for_timeout(3000)  # two polls' time
+        assert other.evaluate("window.opens") <= 3
+
+
 def test_a_second_tab_offers_no_retry_while_the_first_is_answering(
         tmp_path: Path, page: Any) -> None:
     """The second tab showed the first's new message without a reply and offered "Retry",

@@ -35,6 +35,7 @@ const state = {
   // The session shown is being answered by another tab or app (the server said `replying`):
   // no Retry under its last message, and the page opens it again until the reply is in.
   replyingElsewhere: null,
+  replyingPoll: 0, // its one timer (one per open, each open started a chain of its own)
 };
 
 // How often a session another tab is answering is opened again, to show its reply.
@@ -407,7 +408,8 @@ const handlers = {
     if (state.replyingElsewhere !== null) {
       // A hidden tab asks again when the user comes back to it (`comeBack`).
       const id = state.replyingElsewhere;
-      setTimeout(() => {
+      clearTimeout(state.replyingPoll);
+      state.replyingPoll = setTimeout(() => {
         if (state.replyingElsewhere === id && state.currentId === id && client.connected
             && !document.hidden) {
           client.openSession(id);
