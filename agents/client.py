@@ -252,7 +252,9 @@ class AsyncAntiphon:
     async def advise(self, session_id: str, expected_arrival: float | None = None, *,
                      ordered: bool = False, priority: int = 0) -> int | None:
         """Announce that `session_id` will send a turn in about `expected_arrival` seconds
-        (None: soon, unknown when), so the server brings its KV cache forward. Returns the
+        (None: soon, unknown when), so the server brings its KV cache forward: ahead of
+        advisories of lower `priority` (-100 to 100), and, `ordered`, no sooner than the
+        ordered ones this client sent before (its turn comes after theirs). Returns the
         context tokens the server's KV tiers hold for the session (None: it keeps no tiers).
         An advisory over a conversation unchanged since the last one, soon after it, is
         answered as that one was without reaching the engine (`--advisory-repeat-interval-s`)."""

@@ -71,14 +71,15 @@ def _tier_planner(core: EngineCore) -> Any:
 
 
 def _engine_core_advise(self: EngineCore, session_id: str, token_ids: list[int],
-                        expected_arrival_s: float | None, cache_salt: str | None = None) -> int:
+                        expected_arrival_s: float | None, cache_salt: str | None = None,
+                        priority: int = 0) -> int:
     """EngineCore utility method: an advisory; returns the context tokens the tiers hold
     (-1 when KV tiering is off)."""
     planner = _tier_planner(self)
     if planner is None:
         return -1
     return int(planner.advise(session_id, token_ids, expected_arrival_s,
-                              salt=salt_bytes(cache_salt)))
+                              salt=salt_bytes(cache_salt), priority=priority))
 
 
 def _engine_core_forget(self: EngineCore, session_id: str, chains: list[list[int]],

@@ -132,10 +132,11 @@ class Engine(abc.ABC):
 
     async def advise(self, session_id: str, context_token_ids: list[int],
                      expected_arrival_s: float | None,
-                     cache_salt: str | None = None) -> int | None:
+                     cache_salt: str | None = None, priority: int = 0) -> int | None:
         """A turn of `session_id`, whose conversation so far is `context_token_ids`, is
-        coming: prefetch its KV (that of requests with `cache_salt`). Returns the context
-        tokens the KV tiers hold, None when the engine keeps no tiers."""
+        coming: prefetch its KV (that of requests with `cache_salt`), ahead of advisories of
+        lower `priority`. Returns the context tokens the KV tiers hold, None when the engine
+        keeps no tiers."""
         return None
 
     async def forget(self, session_id: str, chains: Sequence[Sequence[int]],

@@ -64,6 +64,7 @@ class ScriptedEngine(Engine):
         self.active_request_ids: set[str] = set()
         self.finished_request_ids: list[str] = []
         self.advisories: list[tuple[str, list[int], float | None]] = []
+        self.advisory_priorities: list[int] = []
         self.forgotten: list[tuple[str, list[list[int]], str | None]] = []  # `forget` calls
         self.kept: list[list[list[int]] | None] = []  # their `keep`
         self.cache_salts: list[str | None] = []  # of each request, then each advisory
@@ -165,9 +166,10 @@ class ScriptedEngine(Engine):
 
     async def advise(self, session_id: str, context_token_ids: list[int],
                      expected_arrival_s: float | None,
-                     cache_salt: str | None = None) -> int | None:
-        """Recorded in `advisories`; no KV tiers here, so None."""
+                     cache_salt: str | None = None, priority: int = 0) -> int | None:
+        """Recorded in `advisories` (and `advisory_priorities`); no KV tiers here, so None."""
         self.advisories.append((session_id, list(context_token_ids), expected_arrival_s))
+        self.advisory_priorities.append(priority)
         self.cache_salts.append(cache_salt)
         return None
 

@@ -352,11 +352,12 @@ class VllmEngine(Engine):
 
     async def advise(self, session_id: str, context_token_ids: list[int],
                      expected_arrival_s: float | None,
-                     cache_salt: str | None = None) -> int | None:
+                     cache_salt: str | None = None, priority: int = 0) -> int | None:
         if self._llm is None or self.tiering is None:
             return None
         held = await self._llm.engine_core.call_utility_async(
-            "antiphon_advise", session_id, context_token_ids, expected_arrival_s, cache_salt)
+            "antiphon_advise", session_id, context_token_ids, expected_arrival_s, cache_salt,
+            priority)
         return None if held < 0 else int(held)
 
     async def forget(self, session_id: str, chains: Sequence[Sequence[int]],

@@ -10,14 +10,19 @@ brings forward something the last one did not. Two rules, per session:
   that reached the engine, within `repeat_interval_s` of it, is a repeat and gets that one's
   answer, unless it expects the turn much sooner than that one did (in under half the time
   that one had left: it moves the prefetch ahead of others), a turn of the session began since
-  (the turn used that one up in the engine, even one that changed nothing yet), or the engine
+  (the turn used that one up in the engine, even one that changed nothing yet), it has a
+  higher priority (it moves the prefetch ahead of others' of lower priority), or the engine
   has let that one go (`--advisory-ttl-s` past its expected arrival). An agent that advises again
   after each call changes the conversation (the call's exchange is kept first), so each of
   its advisories goes through. A repeat that expects the turn later than the last leaves the
   last's expiry as it was.
 
 Each rule bounds what a client looping on one session costs: typing, one advisory an
-interval; the rest, per interval, one plus a halving series of sooner arrivals (about 20).
+interval; the rest, per interval, one plus a halving series of sooner arrivals (about 20) and
+one per priority step up.
+
+`ArrivalOrder` gives an `ordered` advisory its place: its turn comes after those of the
+ordered advisories its API key sent before it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 MAX_SESSIONS = 10_000  # sessions remembered per rule before those gone quiet are pruned
+MAX_ADVISORY_PRIORITY = 100  # an advisory's priority is from minus this to this
 V = TypeVar("V")
 
 
@@ -48,6 +54,7 @@ class _Sent:
     at_s: float  # time.monotonic() when it was sent
     due_s: float  # time.monotonic() when it expected the turn
     held: int | None
+    priority: int
 
 
 class AdvisoryFilter:
@@ -75,13 +82,13 @@ class AdvisoryFilter:
         self._last_typing_s[session_id] = now
         return False
 
-    def repeat_of(self, session_id: str, revision: Hashable,
-                  expected_arrival_s: float | None) -> Advised | None:
+    def repeat_of(self, session_id: str, revision: Hashable, expected_arrival_s: float | None,
+                  priority: int = 0) -> Advised | None:
         """The answer to give an advisory for `session_id`, whose conversation is now at
-        `revision` and whose turn it expects in `expected_arrival_s` seconds (None: now), if
-        it repeats the last one sent; None: send it."""
+        `revision` and whose turn it expects in `expected_arrival_s` seconds (None: now) with
+        `priority`, if it repeats the last one sent; None: send it."""
         last, now = self._last_sent.get(session_id), time.monotonic()
-        if (last is None or last.revision != revision
+        if (last is None or last.revision != revision or priority > last.priority
                 or now - last.at_s >= self.repeat_interval_s
                 or now >= last.due_s + self.advisory_ttl_s  # the engine has let it go
                 or (expected_arrival_s or 0.0) < (last.due_s - now) / 2):
@@ -94,14 +101,35 @@ class AdvisoryFilter:
         self._last_sent.pop(session_id, None)
 
     def sent(self, session_id: str, revision: Hashable, expected_arrival_s: float | None,
-             held: int | None) -> None:
+             held: int | None, priority: int = 0) -> None:
         """Record that an advisory for `session_id` at `revision` reached the engine (read
         before the conversation was: a change meanwhile makes the next one go through)."""
         now = time.monotonic()
         self._last_sent = _pruned(self._last_sent, lambda s: now - s.at_s,
                                   self.repeat_interval_s)
         self._last_sent[session_id] = _Sent(revision, now, now + (expected_arrival_s or 0.0),
-                                            held)
+                                            held, priority)
+
+
+class ArrivalOrder:
+    """Symphony's `ordered` advisories: the turns of those one API key sends come in the
+    order it sent them, so each is expected no sooner than the one before it (expected at
+    the same time, it is fetched after it). Not thread-safe: the server's event loop calls
+    it."""
+
+    def __init__(self) -> None:
+        self._last_due_s: dict[str, float] = {}  # owner -> its last ordered one's due
+
+    def expected_arrival(self, owner: str, expected_arrival_s: float | None) -> float | None:
+        """When the turn of an ordered advisory of `owner` that expects it in
+        `expected_arrival_s` seconds (None: now) is expected, in seconds from now (None:
+        now)."""
+        now = time.monotonic()
+        asked = now + (expected_arrival_s or 0.0)
+        due = max(asked, self._last_due_s.get(owner, asked))
+        self._last_due_s = _pruned(self._last_due_s, lambda d: now - d, 0.0)
+        self._last_due_s[owner] = due
+        return expected_arrival_s if due == asked else due - now
 
 
 def _pruned(last: dict[str, V], age_s: Callable[[V], float], keep_s: float) -> dict[str, V]:

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from antiphon.server.advisories import MAX_ADVISORY_PRIORITY
 from antiphon.server.completions import require_served_model
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode
@@ -40,8 +41,12 @@ class Advisory(BaseModel):
     model_id: str | None = None
     # numbers and flags of their JSON types, as everywhere in the API ("3" is not 3)
     expected_arrival: Annotated[StrictFloat, Field(ge=0)] | None = None  # seconds from now
-    ordered: StrictBool = False  # (these two, and model_id, have no effect yet: competing
-    priority: StrictInt = 0  # prefetches go by expected arrival alone)
+    # Its turn comes after those of the ordered advisories the key sent before it.
+    ordered: StrictBool = False
+    # Higher goes first: its prefetch runs ahead of (and takes the host room of) those of
+    # lower priority. Null, as Symphony's agents send it: 0.
+    priority: Annotated[StrictInt, Field(ge=-MAX_ADVISORY_PRIORITY,
+                                         le=MAX_ADVISORY_PRIORITY)] | None = None
 
 
 def _ctx(request: Request) -> AppContext:
@@ -103,7 +108,9 @@ async def advisory(request: Request) -> dict[str, Any]:
     slot = ctx.advisories_per_key.take(owner)
     try:
         advised = await ctx.turns.record_advisory(owner, body.session_id, "rest",
-                                                  body.expected_arrival)
+                                                  body.expected_arrival,
+                                                  priority=body.priority or 0,
+                                                  ordered=body.ordered)
     finally:
         slot.release()
     return {"accepted": True, "session_id": body.session_id,

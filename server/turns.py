@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, TypeVar
 from antiphon.engine_ext.engine import EngineRequestError
 from antiphon.engine_ext.types import ChatContext, ChatTurn, ToolCall, ToolSpec
 from antiphon.server import protocol
-from antiphon.server.advisories import Advised, AdvisoryFilter
+from antiphon.server.advisories import Advised, AdvisoryFilter, ArrivalOrder
 from antiphon.server.chat import ChatService, Generation
 from antiphon.server.errors import ApiError, ErrorCode, unexpected_error
 from antiphon.server.kv_eraser import KvEraser
@@ -77,6 +77,7 @@ class SessionTurns:
         self.metrics = metrics
         self.advisories = AdvisoryFilter(chat.config.typing_interval_s,
                                          chat.config.advisory_repeat_interval_s, advisory_ttl_s)
+        self.arrival_order = ArrivalOrder()
         # A turn uses the session's advisory in the engine, whether or not it changes the
         # conversation (one that commits at its end, or fails): the next is no repeat.
         self.claims = SessionClaims(chat.config.session_free_wait_s, chat.check_open,
@@ -189,10 +190,13 @@ class SessionTurns:
             return None
 
     async def record_advisory(self, owner: str, session_id: str, source: str,
-                              expected_arrival_s: float | None = None) -> Advised:
+                              expected_arrival_s: float | None = None, *, priority: int = 0,
+                              ordered: bool = False) -> Advised:
         """Record that `session_id` is about to send a turn (typing, agent hook, REST) and
-        have the engine bring its KV forward, unless it repeats the session's last advisory
-        (`AdvisoryFilter`: then it is answered as that one was, and neither kept nor sent)."""
+        have the engine bring its KV forward, ahead of advisories of lower `priority` (and,
+        `ordered`, after the ordered ones `owner` sent before: `ArrivalOrder`), unless it
+        repeats the session's last advisory (`AdvisoryFilter`: then it is answered as that
+        one was, and neither kept nor sent)."""
         session = await self.get(owner, session_id)
         if source == "typing" and self.advisories.is_typing_repeat(session_id):
             return Advised(None, repeat=True)
@@ -200,7 +204,9 @@ class SessionTurns:
         revision = await asyncio.to_thread(self.store.revision, session_id)
         if revision is None:
             raise gone
-        repeat = self.advisories.repeat_of(session_id, revision, expected_arrival_s)
+        if ordered:
+            expected_arrival_s = self.arrival_order.expected_arrival(owner, expected_arrival_s)
+        repeat = self.advisories.repeat_of(session_id, revision, expected_arrival_s, priority)
         if repeat is not None:
             self.metrics.advisory_repeats.labels(source).inc()
             return repeat
@@ -220,8 +226,8 @@ class SessionTurns:
         else:
             tokens = []  # a new session: no conversation to bring forward yet
         held = 0 if not tokens else await self.chat.engine.advise(
-            session_id, tokens, expected_arrival_s, self.chat.cache_salt(owner))
-        self.advisories.sent(session_id, revision, expected_arrival_s, held)
+            session_id, tokens, expected_arrival_s, self.chat.cache_salt(owner), priority)
+        self.advisories.sent(session_id, revision, expected_arrival_s, held, priority)
         return Advised(held)
 
     async def record_exchange(self, gen: Generation) -> None:

@@ -867,6 +867,43 @@ def test_an_advisory_over_an_unchanged_conversation_repeats_the_last(tmp_path: P
         assert 'antiphon_advisories_total{source="rest"} 3.0' in metrics
 
 
+def test_an_advisorys_priority_and_order_reach_the_engine(tmp_path: Path) -> None:
+    """Symphony's `priority` and `ordered` were accepted and dropped: a prioritised session's
+    advisory went as any other, and an ordered one could be fetched before the one its
+    client had said comes first. Null priority is Symphony's agents' format."""
+    engine = ScriptedEngine(token_delay_s=0.0)
+    with live_server(scripted_config(tmp_path, advisory_repeat_interval_s=60.0), engine) as url:
+        app = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        sids = []
+        for _ in range(3):
+            sid = httpx.post(url + "/v1/sessions", json={}).json()["session_id"]
+            app.chat.completions.create(model="scripted", max_tokens=10,
+                                        messages=[{"role": "user", "content": "a b"}],
+                                        extra_body={"vllm_xargs": {"session_id": sid}})
+            sids.append(sid)
+
+        def advise(sid: str, **fields: object) -> httpx.Response:
+            return httpx.post(url + "/v1/advisory", json={"session_id": sid, **fields})
+
+        for out_of_range in (101, -101):
+            r = advise(sids[0], priority=out_of_range)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "bad_message"
+        assert engine.advisories == []  # (refused: nothing sent)
+        assert advise(sids[0], expected_arrival=5.0, priority=None).status_code == 202
+        # the same advisory again with a higher priority is no repeat: it goes ahead
+        assert advise(sids[0], expected_arrival=5.0, priority=None).json()["repeat"] is True
+        assert advise(sids[0], expected_arrival=5.0, priority=3).json()["repeat"] is False
+        assert engine.advisory_priorities == [0, 3]
+        # ordered: the second's turn comes after the first's, whatever it says
+        assert advise(sids[1], expected_arrival=20.0, ordered=True).status_code == 202
+        assert advise(sids[2], expected_arrival=1.0, ordered=True).status_code == 202
+        (_, _, first), (_, _, second) = engine.advisories[-2:]
+        assert first == 20.0 and second is not None and 19.0 < second <= 20.0
+        # an unordered one is not held back by them
+        assert advise(sids[0], expected_arrival=1.0).json()["repeat"] is False
+        assert engine.advisories[-1][2] == 1.0
+
+
 def test_an_advisory_during_the_sessions_turn_is_no_repeat(tmp_path: Path) -> None:
     """A turn uses its session's advisory up in the engine before it changes the
     conversation (an OpenAI-API exchange is kept at its end): an advisory for the next call,

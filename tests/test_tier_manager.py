@@ -291,18 +291,23 @@ def test_an_unusable_ssd_folder_leaves_the_host_tier_serving(tmp_path: Path,
         build_tiered_store(dataclasses.replace(config, host_tier_bytes=0), slot_bytes=64)
 
 
-@pytest.mark.parametrize(("running", "coming"), [("advisory", "chat"), ("advisory", "batch"),
-                                                 ("batch", "chat")])
-def test_a_turns_fetch_goes_ahead_of_a_lower_fetch_already_running(running: str,
-                                                                  coming: str) -> None:
+@pytest.mark.parametrize(("running", "coming", "goes_first"), [
+    ("advisory", "chat", True), ("advisory", "batch", True), ("batch", "chat", True),
+    ("advisory", "prioritised", True), ("advisory", "sooner", False)])
+def test_a_turns_fetch_goes_ahead_of_a_lower_fetch_already_running(running: str, coming: str,
+                                                                  goes_first: bool) -> None:
     # An advisory's prefetch (a long context: thousands of chunk-layers) used to run to its
     # end before a turn's urgent fetch started: the turn waited step after step; a chat turn
-    # waited so for a batch item's restore.
+    # waited so for a batch item's restore, and a prioritised session's advisory for another
+    # of lower priority (one of the same priority due sooner waits: it would be stopped in
+    # turn once the other's due has passed).
     import time
 
     from antiphon.tiering.prefetch_queue import BACKGROUND_URGENT, URGENT, PrefetchQueue
 
-    due = {"advisory": time.monotonic() + 60, "batch": BACKGROUND_URGENT, "chat": URGENT}
+    now = time.monotonic()
+    due = {"advisory": now + 60, "sooner": now, "prioritised": now + 120,
+           "batch": BACKGROUND_URGENT, "chat": URGENT}
 
     fast = MemoryTier(10_000, name="fast")
     slow = RecordingTier(10_000, name="slow", hold_layers=frozenset({1}))
@@ -314,11 +319,12 @@ def test_a_turns_fetch_goes_ahead_of_a_lower_fetch_already_running(running: str,
         advisory = queue.submit([k for chunk in GRID[:4] for k in chunk], due=due[running])
         time.sleep(0.2)  # it moves layer 0, then waits on the gate in layer 1
         assert advisory.num_ready_layers() == 1 and not advisory.is_done
-        turn = queue.submit(GRID[4], due=due[coming], layer_first=False)
+        turn = queue.submit(GRID[4], due=due[coming], priority=int(coming == "prioritised"),
+                            layer_first=False)
         slow.gate.set()
         assert turn.wait(10) and advisory.wait(10)
         assert turn.finished_at is not None and advisory.finished_at is not None
-        assert turn.finished_at < advisory.finished_at
+        assert (turn.finished_at < advisory.finished_at) == goes_first
         turn.release()
         advisory.release()
     finally:

@@ -451,6 +451,31 @@ def test_an_advisory_expected_sooner_takes_the_room_of_one_expected_later(
         planner.close()
 
 
+def test_an_advisory_of_higher_priority_takes_the_room_of_one_of_lower(tmp_path: Path) -> None:
+    """Symphony moves a prioritised session's KV at once: an advisory's `priority` went
+    unused, and one of a paying user expected in a minute got no room from a free user's
+    expected now."""
+    planner = two_sessions_on_ssd(tmp_path, host_tier_bytes=3 * LAYERS * PAGE_BYTES)
+    try:
+        planner.advise("s9", OTHER, expected_arrival_s=0.0)
+        assert planner.advisories.get("s9").handle.wait(10)
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=60.0, priority=1)
+        handle = planner.advisories.get("s1").handle
+        assert handle is not None and handle.wait(10) and not handle.failed_keys()
+        assert planner.advisories.get("s9").reclaimed
+        # and not the other way round, however soon the lower one expects its turn
+        planner.advise("s9", OTHER, expected_arrival_s=0.0)
+        assert not planner.advisories.get("s1").reclaimed
+        # the same KV advised again with a higher priority is no renewal: it goes ahead
+        assert planner.advisories.get("s9").handle is None  # (no room for it)
+        assert not planner.advisories.renew("s1", handle.keys, 60.0, priority=2)
+        assert planner.advisories.renew("s1", handle.keys, 60.0, priority=1)
+        stats = planner.stats()
+        assert (stats["advisories_reclaimed"], stats["advisories_renewed"]) == (1, 1)
+    finally:
+        planner.close()
+
+
 def test_an_advisory_again_for_the_same_kv_keeps_the_prefetch_it_has(tmp_path: Path) -> None:
     """A typing user and a long agent call advise again every 15 s: each released the pins
     of the KV already fetched and queued their return behind every other fetch."""

@@ -2,9 +2,10 @@
 stored KV into the host arena, pinned there until the session's turn uses it or it expires.
 
 The pins are a soft reservation: a running turn short of host room takes them back
-(`make_room`), settled prefetches first, then the advisory expected last, so advised sessions
-never make a running turn recompute. `expected_arrival` orders competing prefetches
-(`PrefetchQueue`).
+(`make_room`): those of lowest priority, then settled prefetches, then the advisory expected
+last, so advised sessions never make a running turn recompute. An advisory's priority, then its
+`expected_arrival`, orders competing prefetches (`PrefetchQueue`) and which takes the host room
+of which (`make_room`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Advisory:
     expires_at: float  # time.monotonic()
     handle: PrefetchHandle | None  # its prefetch, None once retired or with nothing to fetch
     num_tokens: int  # context tokens the tiers held when it arrived
+    priority: int = 0  # higher goes first
     reclaimed: bool = False  # its pins went to a running turn before the session spoke
     overtaken: bool = False  # the turn came before its prefetch was done (`overtake`)
 
@@ -57,27 +59,29 @@ class AdvisoryBook:
         return time.monotonic() + (expected_arrival_s or 0.0) + self._ttl_s
 
     def start(self, session: str, keys: Sequence[ChunkKey], expected_arrival_s: float | None,
-              num_tokens: int, prefix_hashes: Sequence[bytes]) -> None:
+              num_tokens: int, prefix_hashes: Sequence[bytes], priority: int = 0) -> None:
         """Record an advisory for `session` (its earlier one already released: its pins
-        hold room the match needs), prefetching `keys` (chunk-layers) due at its expected
-        arrival (seconds from now; None: now) and keeping its chunks (`prefix_hashes`) ahead
-        of others' in the tiers until it is used or expires."""
+        hold room the match needs), prefetching `keys` (chunk-layers) with `priority`, due at
+        its expected arrival (seconds from now; None: now), and keeping its chunks
+        (`prefix_hashes`) ahead of others' in the tiers until it is used or expires."""
         now = time.monotonic()
         self._counters.advisories_received += 1
         due = now + (expected_arrival_s or 0.0)
-        handle = self._prefetcher.submit(keys, due) if keys else None
+        handle = self._prefetcher.submit(keys, due, priority=priority) if keys else None
         self._advisories[session] = Advisory(session, now, due + self._ttl_s, handle,
-                                             num_tokens)
+                                             num_tokens, priority)
         self._store.set_hint(session, prefix_hashes, 1.0)
 
-    def renew(self, session: str, keys: Sequence[ChunkKey],
-              expected_arrival_s: float | None) -> bool:
+    def renew(self, session: str, keys: Sequence[ChunkKey], expected_arrival_s: float | None,
+              priority: int = 0) -> bool:
         """An advisory again for `session` whose live one prefetches every one of `keys`
-        (nothing failed so far): that one is kept, now expiring as the new one would (or
-        later), and counted renewed. False (nothing changed) otherwise."""
+        (nothing failed so far) with `priority` or higher: that one is kept, now expiring as
+        the new one would (or later), and counted renewed. False (nothing changed) otherwise
+        (one of higher priority goes ahead of others in the queue, and in the host)."""
         advisory = self._advisories.get(session)
         handle = None if advisory is None else advisory.handle
         if (advisory is None or handle is None or handle.failed_keys()
+                or priority > advisory.priority
                 or len(handle.keys) != len(keys) or set(handle.keys) != set(keys)):
             return False
         advisory.expires_at = max(advisory.expires_at, self.expiry(expected_arrival_s))
@@ -129,19 +133,21 @@ class AdvisoryBook:
         self._prefetcher.retire(handle)
 
     def make_room(self, num_slots: int, session: str | None, *,
-                  expected_after: float | None = None) -> None:
+                  expected_after: float | None = None, priority: int = 0) -> None:
         """Reclaim other sessions' advisory pins until `num_slots` host slots can be had:
         running turns take host room before sessions that have not spoken yet, and an
-        advisory from those expected after it (`expected_after`: its expiry). Settled
-        prefetches go first, then the advisory expected last."""
+        advisory (`expected_after`: its expiry; `priority`: its own) from those of lower
+        priority, and those as high expected after it. The lowest priority goes first, then
+        settled prefetches, then the advisory expected last."""
         host = self._host
         if host.can_make_room(num_slots * host.slot_bytes):
             return
         held = sorted((a for a in self._advisories.values()
                        if a.handle is not None and a.session != session
-                       and (expected_after is None or a.expires_at > expected_after)),
-                      key=lambda a: (a.handle is not None and a.handle.is_done, a.expires_at,
-                                     a.received_at), reverse=True)
+                       and (expected_after is None or a.priority < priority
+                            or (a.priority == priority and a.expires_at > expected_after))),
+                      key=lambda a: (-a.priority, a.handle is not None and a.handle.is_done,
+                                     a.expires_at, a.received_at), reverse=True)
         for advisory in held:  # one sort per call, not one scan per advisory reclaimed
             assert advisory.handle is not None
             self._prefetcher.retire(advisory.handle)

@@ -537,10 +537,11 @@ class TierPlanner:
     # -- advisories --------------------------------------------------------------------------
 
     def advise(self, session: str, token_ids: Sequence[int], expected_arrival_s: float | None,
-               *, salt: bytes = b"") -> int:
+               *, salt: bytes = b"", priority: int = 0) -> int:
         """A turn of `session`, whose context is `token_ids`, is coming: bring its stored KV
-        into the host arena, soonest-expected first, and keep it there until the turn comes or
-        the advisory expires. Returns the context tokens the tiers hold."""
+        into the host arena, highest `priority` first, then soonest expected, and keep it
+        there until the turn comes or the advisory expires. Returns the context tokens the
+        tiers hold."""
         with self.lock:
             if self.erasure.is_deleting(session):  # (an advisory the server sent as the
                 # session was deleted: its prefetch pinned KV the erasure then kept, in RAM)
@@ -548,20 +549,21 @@ class TierPlanner:
             self.advisories.expire()
             match = self.matcher.match(token_ids, len(token_ids), salt, None, session=session)
             wanted = match.layer_keys()
-            if self.advisories.renew(session, wanted, expected_arrival_s):
+            if self.advisories.renew(session, wanted, expected_arrival_s, priority):
                 # (the same KV, fetched or on its way: released and fetched again, a refresh
                 # let go of the pins it held, and queued their return behind others)
                 return match.num_tokens
             self.advisories.release(session)  # (its pins hold no room for this one)
-            # the room of advisories expected later is this one's (Symphony: the session
-            # expected soonest first; one due now got nothing while one due in minutes held
-            # the host)
+            # the room of advisories of lower priority, or expected later, is this one's
+            # (Symphony: the session expected soonest first; one due now got nothing while
+            # one due in minutes held the host)
             self.advisories.make_room(sum(not self.host.contains(key) for key in wanted),
                                       session,
-                                      expected_after=self.advisories.expiry(expected_arrival_s))
+                                      expected_after=self.advisories.expiry(expected_arrival_s),
+                                      priority=priority)
             keys = self._leading_chunks_with_room(wanted)
             self.advisories.start(session, keys, expected_arrival_s, match.num_tokens,
-                                  [key.prefix_hash for key in match.chunks])
+                                  [key.prefix_hash for key in match.chunks], priority)
             return match.num_tokens
 
     def reset_counters(self) -> None:

@@ -2,9 +2,10 @@
 
 A chat turn waiting in the engine goes first, then a best-effort turn (a batch item restoring
 its checkpoint), each also ahead of a prefetch of lower rank already running (which stops
-between keys and goes on after it); advisories follow in order of their expected
-arrival (Symphony: the session expected soonest gets the bandwidth first). Each prefetch
-copies its keys lowest layer first (`PrefetchHandle`).
+between keys and goes on after it); advisories follow, those of higher priority first (also
+ahead of one of lower priority running: Symphony moves a prioritised session's KV at once),
+then in order of their expected arrival (Symphony: the session expected soonest gets the
+bandwidth first). Each prefetch copies its keys lowest layer first (`PrefetchHandle`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 import sys
 import threading
 import time
@@ -25,12 +27,14 @@ URGENT = float("-inf")  # the `due` of a prefetch a scheduled chat turn is waiti
 # That of one a best-effort turn waits for (a batch item's restore): after every chat turn's,
 # before every advisory's.
 BACKGROUND_URGENT = -sys.float_info.max
+# A prefetch's place in the queue: minus its priority (a turn's: -inf), then its due.
+Order = tuple[float, float]
 
 
 class PrefetchQueue:
     def __init__(self, tiers: Sequence[Tier]) -> None:
         self._tiers = tuple(tiers)
-        self._heap: list[tuple[float, int, PrefetchHandle]] = []
+        self._heap: list[tuple[Order, int, PrefetchHandle]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
@@ -39,16 +43,19 @@ class PrefetchQueue:
         self._thread = threading.Thread(target=self._run, name="kv-prefetch", daemon=True)
         self._thread.start()
 
-    def submit(self, keys: Sequence[ChunkKey], due: float, *, pin: bool = True,
-               layer_first: bool = True) -> PrefetchHandle:
-        """Bring `keys` into the fastest tier (pinned there if `pin`), after every prefetch due
-        earlier, lowest layer first unless not `layer_first` (see `PrefetchHandle`); `due` is
-        a `time.monotonic()` instant or `URGENT`."""
+    def submit(self, keys: Sequence[ChunkKey], due: float, *, priority: int = 0,
+               pin: bool = True, layer_first: bool = True) -> PrefetchHandle:
+        """Bring `keys` into the fastest tier (pinned there if `pin`), after every prefetch of
+        higher `priority` or as high and due earlier, lowest layer first unless not
+        `layer_first` (see `PrefetchHandle`); `due` is a `time.monotonic()` instant, or
+        `URGENT` or `BACKGROUND_URGENT` for a turn's fetch (ahead of every advisory's, whatever
+        its priority)."""
         handle = PrefetchHandle(keys, self._tiers, 0, pin, layer_first=layer_first)
+        order = (-math.inf if due <= BACKGROUND_URGENT else -float(priority), due)
         with self._cond:
             if self._closed:
                 raise RuntimeError("prefetch queue is closed")
-            heapq.heappush(self._heap, (due, next(self._seq), handle))
+            heapq.heappush(self._heap, (order, next(self._seq), handle))
             self._cond.notify()
         return handle
 
@@ -110,14 +117,15 @@ class PrefetchQueue:
                 self._cond.wait_for(lambda: self._heap or self._closed)
                 if self._closed:
                     return
-                due, seq, handle = heapq.heappop(self._heap)
+                order, seq, handle = heapq.heappop(self._heap)
             # A turn's fetch does not wait for an advisory's (a long context's thousands of
-            # chunk-layers), nor a chat turn's for a batch item's restore: the one running
-            # stops between keys and goes on after it.
-            if not handle.run(None if due == URGENT else functools.partial(self._overtaken, due)):
+            # chunk-layers), nor a chat turn's for a batch item's restore, nor an advisory's
+            # for one of lower priority: the one running stops between keys and goes on after.
+            if not handle.run(None if order[1] == URGENT
+                              else functools.partial(self._overtaken, order)):
                 with self._cond:
                     if not self._closed:
-                        heapq.heappush(self._heap, (due, seq, handle))
+                        heapq.heappush(self._heap, (order, seq, handle))
                         continue
                 handle.cancel()  # closed meanwhile: settle its keys as failed
                 handle.run()
@@ -125,8 +133,12 @@ class PrefetchQueue:
             # planner's next call (an idle engine makes none).
             self.reap()
 
-    def _overtaken(self, due: float) -> bool:
-        """A turn's fetch that goes before the prefetch running, due at `due`, is waiting."""
+    def _overtaken(self, running: Order) -> bool:
+        """A prefetch that goes before the one running (`running`: its order) is waiting:
+        a turn's, or an advisory's of higher priority (one as high due sooner waits: each
+        would stop the other as their expected arrivals came and went)."""
         with self._cond:
-            return bool(self._heap) and self._heap[0][0] <= BACKGROUND_URGENT \
-                and self._heap[0][0] < due
+            if not self._heap:
+                return False
+            first = self._heap[0][0]
+            return first < running and (first[0] < running[0] or first[0] == -math.inf)
