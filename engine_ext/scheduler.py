@@ -377,7 +377,10 @@ class AntiphonScheduler(Scheduler):
             arrival_s=request.arrival_time,
             num_prompt_tokens=request.num_prompt_tokens,
             num_computed_tokens=num_computed,
-            num_output_tokens=request.num_output_tokens,
+            # with async scheduling, the token of the step in flight too: the step planned
+            # now makes the one after it (and is due a TPOT later); at least one of a step's
+            # placeholders is a token (the rest are speculative drafts)
+            num_output_tokens=request.num_output_tokens + min(request.num_output_placeholders, 1),
             is_running=is_running,
             # the targets the policy plans to, with the configured headroom kept in reserve
             ttft_slo_s=extra.get("ttft_slo_s", settings.rt_ttft_slo_s) * aim if is_rt else None,

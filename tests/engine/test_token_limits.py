@@ -231,6 +231,24 @@ def test_each_step_trains_the_cost_model_with_its_own_shape_when_scheduled_ahead
     assert [row[1] for row in steps] == [40, 0, 0]  # prefill tokens
 
 
+def test_with_async_scheduling_a_streams_deadline_counts_the_token_in_flight() -> None:
+    # vLLM plans step N+1 while step N's token is in flight (a placeholder, not an output
+    # token yet): the view gave the deadline of that token, one TPOT too early, so every
+    # policy planned RT streams with a TPOT less slack than they had (the GPU default).
+    settings = SchedulerSettings(policy="bros", rt_tpot_slo_s=0.1, slo_headroom=0.0)
+    sched = scheduler([StepPlan()] * 4, cls=AntiphonAsyncScheduler, settings=settings)
+    sched.add_request(request("r", 20, max_tokens=50))
+    first = sched.schedule()  # the prefill: token 1 in flight
+    second = sched.schedule()  # token 2 in flight
+    finish_step(sched, first)
+    sched.schedule()  # token 3 in flight
+    finish_step(sched, second)
+    (view,) = sched._views()
+    assert (view.num_output_tokens, view.is_prefill, view.num_new_tokens) == (3, False, 1)
+    # planning token 4: due 3 TPOTs after the first
+    assert view.deadline_s() == pytest.approx(sched._first_token_s["r"] + 3 * 0.1)
+
+
 def test_a_finished_request_whose_pages_the_connector_holds_leaves_no_first_token_time() -> None:
     # The KV connector holds a finished request's pages while it saves its last chunk, so
     # the request stays known to the scheduler; its first token's time was set again after
