@@ -340,6 +340,20 @@ def test_bros_serves_turns_that_can_make_their_ttft_before_one_that_cannot() -> 
     assert plan.order == ["short", "long"]
 
 
+def test_bros_ranks_a_stream_preempted_by_recompute_by_its_next_tokens_deadline() -> None:
+    # Preempted after 40 tokens, it prefills its 3,000-token context again: that took it
+    # for a prompt that cannot make its TTFT, behind a fresh turn, 16 tokens a step.
+    cost = CostModel("hygen", {"prefill_token_s": 1e-3, "decode_request_s": 0.01,
+                               "intercept_s": 0.01})
+    now = 100.0
+    resumed = view("resumed", arrival=90.0, prompt=3000, output=40, first_token_s=91.0,
+                   num_preemptions=1)  # its next token was due at 95 s
+    streams = [decoding(f"d{i}", arrival=99.0, first_token_s=99.5) for i in range(6)]
+    fresh = view("fresh", arrival=99.9, prompt=200)
+    plan = BrosPolicy(cost).plan([resumed, *streams, fresh], budget(now=now))
+    assert plan.order[0] == "resumed"
+
+
 def test_bros_keeps_a_late_turn_ahead_of_newer_ones() -> None:
     # Both prompts fit their TTFT alone; "old" is late only because it waited.
     policy = BrosPolicy(per_request_cost(0.01), base_batch_size=64)

@@ -209,8 +209,10 @@ class BrosPolicy(Policy):
         turns behind it miss theirs too. A turn that is late only because it waited keeps its
         place by deadline: sending every late turn to the back served newer turns first, and
         under sustained load the oldest waited longest (9 s p99 TTFT at 16 chat users, 1 s
-        median)."""
-        if not view.is_prefill or view.ttft_slo_s is None:
+        median). A stream preempted by recompute, prefilling its prompt and output again, is
+        past its first token: judged on its next token's deadline, not sent to the back
+        (fresh turns went first, and it got 16 tokens a step of a 3,000-token context)."""
+        if not view.is_prefill or view.ttft_slo_s is None or view.num_output_tokens > 0:
             return False
         new = min(view.num_new_tokens, budget.max_num_tokens)
         alone = StepShape().plus(new, view.num_computed_tokens + new, is_prefill=True)
