@@ -566,3 +566,20 @@ def test_plan_speed_over_500_views(capsys: pytest.CaptureFixture[str]) -> None:
         lines.append(f"{name}: {per_100_ms:.3f} ms per 100 views")
     with capsys.disabled():
         print("\nplan() over 500 views (median of 20): " + "; ".join(lines))
+
+
+@pytest.mark.parametrize("name", ["hygen", "echo"])
+def test_no_be_item_starts_on_the_pages_a_waiting_turn_waits_for(name: str) -> None:
+    # A turn too long for the free pages held the turns behind it (FCFS), and a fresh BE
+    # item took the pages a short turn behind it could have had (a review's simulation: 52
+    # steps in two seeds; BROS holds BE admissions back so).
+    views = [RequestView("decoding", RT, 0.0, 32, 36, 5, True, ttft_slo_s=1.0, tpot_slo_s=0.1),
+             RequestView("long_turn", RT, 1.0, 2000, 0, 0, False, ttft_slo_s=1.0,
+                         tpot_slo_s=0.1),  # 125 pages, 60 free
+             RequestView("short_turn", RT, 2.0, 16, 0, 0, False, ttft_slo_s=1.0,
+                         tpot_slo_s=0.1),
+             RequestView("be_item", BE, 0.5, 16, 0, 0, False)]
+    budget = StepBudget(now_s=2.0, max_num_seqs=64, max_num_tokens=4096, num_free_pages=60,
+                        page_tokens=16)
+    plan = make_policy(name, CostModel()).plan(views, budget)
+    assert "decoding" in plan.order and "be_item" not in plan.order

@@ -81,7 +81,7 @@ class EchoPolicy(Policy):
         bes = sorted((v for v in views if not v.is_rt), key=lambda v: v.arrival_s)
         batch = StepBatch(budget, self.cost_model)
         plan = StepPlan(is_restrictive=True)
-        self._add_rt(rts, bes, batch, plan)
+        is_rt_short = self._add_rt(rts, bes, batch, plan)
         seated = set(batch.ids)
         # `due_in_s`: a token already late carried no punishment, and BE work stretched its
         # step without limit (to 1 s in a review).
@@ -98,7 +98,9 @@ class EchoPolicy(Policy):
         # pages it waits for while running requests can free them (they took each page as it
         # freed, and a request resuming with its whole context never got in).
         can_pages_free = any(v.is_running for v in views)
-        for resuming in (True, False):
+        # Nor do they start on the pages a waiting RT turn waits for (not in the paper: fresh
+        # items took each page as it freed while the turns queued behind it by FCFS waited).
+        for resuming in () if is_rt_short and can_pages_free else (True, False):
             waiting = [v for v in bes if not v.is_running and (v.num_preemptions > 0) == resuming]
             is_short = self._add_be(waiting, batch, rt_slacks, resident, reserve,
                                     budget.max_be_step_s)
@@ -137,14 +139,16 @@ class EchoPolicy(Policy):
         return min(total, max(0, math.ceil(self.headroom_fraction * total), burst))
 
     def _add_rt(self, rts: list[RequestView], bes: list[RequestView], batch: StepBatch,
-                plan: StepPlan) -> None:
-        """Step 1: RT requests in FCFS order, evicting the cheapest running BE for pages."""
+                plan: StepPlan) -> bool:
+        """Step 1: RT requests in FCFS order, evicting the cheapest running BE for pages.
+        Returns whether a waiting one was left out for want of pages."""
         victims = Victims(sorted((v for v in bes if v.is_running),
                                  key=lambda v: v.num_computed_tokens), batch.page_tokens,
                           kept=rts)
+        is_short = False
         for view in rts:
             if batch.is_full:
-                return
+                return is_short
             new = min(view.num_new_tokens, batch.tokens_left)
             pages = new_pages(view, new, batch.page_tokens)
             # vLLM admits a waiting request only where its whole sequence fits
@@ -156,11 +160,13 @@ class EchoPolicy(Policy):
                 new = tokens_within_pages(view, new, available, batch.page_tokens)
                 pages = needed = new_pages(view, new, batch.page_tokens)
             if new <= 0 or needed > available:  # evicting all BE would not do
+                is_short = is_short or (new > 0 and not view.is_running)
                 if not view.is_running and batch.ids:
-                    return  # FCFS: a waiting RT request that cannot start holds those behind
-                continue
+                    return is_short  # FCFS: a waiting RT request that cannot start holds
+                continue  # those behind
             victims.take_until(needed, batch, plan)
             batch.add(view, new, pages)
+        return is_short
 
     def _add_be(self, candidates: list[RequestView], batch: StepBatch, rt_slacks: list[float],
                 resident: ResidentPrefixes, reserve: int, limit_s: float) -> bool:

@@ -73,10 +73,15 @@ class HygenPolicy(Policy):
                                  key=lambda v: (v.priority, v.arrival_s), reverse=True),
                           budget.page_tokens, kept=rts)
         be_decodes = [v for v in bes if v.is_running and not v.is_prefill]
-        self._online_phase(rts, batch, limit_s, victims, plan, budget.now_s, be_decodes)
+        is_rt_short = self._online_phase(rts, batch, limit_s, victims, plan, budget.now_s,
+                                         be_decodes)
         preempted = set(plan.preempt)
         running_bes = [v for v in bes if v.is_running and v.request_id not in preempted]
-        waiting_bes = [v for v in bes if not v.is_running]
+        # No BE request starts on the pages a waiting RT turn waits for (not in the paper:
+        # fresh items took each page as it freed while the turns queued behind it waited).
+        can_pages_free = any(v.is_running for v in views)
+        waiting_bes = [] if is_rt_short and can_pages_free else [
+            v for v in bes if not v.is_running]
         # (not the requests preempted for RT ones: their pages go back to the pool)
         resident = self._resident.update(
             [v for v in views if v.request_id not in preempted], budget.page_tokens)
@@ -97,12 +102,13 @@ class HygenPolicy(Policy):
 
     def _online_phase(self, rts: list[RequestView], batch: StepBatch, limit_s: float,
                       victims: Victims, plan: StepPlan, now_s: float,
-                      be_decodes: list[RequestView]) -> None:
-        """Algorithm 1 over RT requests; appends taken BE pages' owners to `plan.preempt`."""
+                      be_decodes: list[RequestView]) -> bool:
+        """Algorithm 1 over RT requests; appends taken BE pages' owners to `plan.preempt`.
+        Returns whether a waiting one was left out for want of pages."""
         page_tokens = batch.page_tokens
         for view in (v for v in rts if v.is_running and not v.is_prefill):
             if batch.is_full:
-                return
+                return False
             if batch.ids and batch.time_s(1, view.num_computed_tokens + 1, False) > limit_s \
                     and view.slack_s(now_s) > 0:
                 continue  # it can wait a step
@@ -116,9 +122,10 @@ class HygenPolicy(Policy):
         prefills += [v for v in rts if not v.is_running]
         if be_decodes and prefills:
             limit_s -= max(0.0, batch.time_with_decodes_s(be_decodes) - batch.time_s())
+        is_short = False
         for i, view in enumerate(prefills):
             if batch.is_full:
-                return
+                return is_short
             # Where decodes fill the budget (on a slow machine a step's fixed cost nearly fills
             # the TPOT target), every RT prefill would wait for the decodes to finish: the
             # oldest one still advances `min_prefill_tokens` a step. And each gets at least the
@@ -139,10 +146,12 @@ class HygenPolicy(Policy):
                 needed = admission_pages(view, pages, batch.page_tokens)
             if needed > batch.pages_left:
                 chunk = 0
+                is_short = is_short or not view.is_running
             if chunk > 0:
                 batch.add(view, chunk, pages)
             elif batch.ids:
-                return  # an empty step looks further, so the engine never idles
+                return is_short  # an empty step looks further, so the engine never idles
+        return is_short
 
     def _offline_phase(self, running: list[RequestView], waiting: list[RequestView],
                        batch: StepBatch, limit_s: float, resident: ResidentPrefixes) -> None:
