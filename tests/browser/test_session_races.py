@@ -40,6 +40,19 @@ def messages_of(url: str, session_id: str) -> list[dict[str, Any]]:
     return r.json()["messages"] if r.status_code == 200 else None  # type: ignore[no-any-return]
 
 
+def pick_then_send_in_a_new_chat(page: Any, text: str) -> None:
+    """A click on the first chat listed, then "+ New chat" and `text` sent, all before the
+    chat clicked has opened."""
+    page.evaluate("""(text) => {
+      document.querySelector('.session-row .session-item').click();
+      document.querySelector('#new-session').click();
+      const composer = document.querySelector('#composer');
+      composer.value = text;
+      composer.dispatchEvent(new Event('input'));
+      document.querySelector('#composer-form').requestSubmit();
+    }""", text)
+
+
 @pytest.mark.parametrize("length", [20, 1001], ids=["taken", "refused"])
 def test_a_first_message_sent_while_another_chat_opens_starts_a_chat_of_its_own(
         url: str, page: Any, length: int) -> None:
@@ -51,14 +64,7 @@ def test_a_first_message_sent_while_another_chat_opens_starts_a_chat_of_its_own(
     older = sessions(url)[0]["session_id"]
     page.locator("#new-session").click()
     text = "x" * length
-    page.evaluate("""(text) => {
-      document.querySelector('.session-row .session-item').click();
-      document.querySelector('#new-session').click();
-      const composer = document.querySelector('#composer');
-      composer.value = text;
-      composer.dispatchEvent(new Event('input'));
-      document.querySelector('#composer-form').requestSubmit();
-    }""", text)
+    pick_then_send_in_a_new_chat(page, text)
     if length > 1000:
         page.locator("#error:not([hidden])").wait_for()
         page.wait_for_function(f"document.querySelector('#composer').value.length === {length}")
@@ -205,3 +211,184 @@ def test_a_chat_shown_again_while_its_reply_is_regenerated_shows_one_reply(
         page.locator(".msg.assistant .timings").last.wait_for()
         page.wait_for_function("!document.querySelector('.msg.assistant.streaming')")
         assert page.locator("#messages > .msg.assistant").count() == 1
+
+
+def relay(ws: Any, from_server: Any) -> None:
+    """Pass frames between the page and the server, each of the server's through
+    `from_server(frame, send)` (which sends it, holds it, or closes the socket)."""
+    upstream = ws.connect_to_server()
+    upstream.on_message(lambda frame: from_server(frame, ws.send))
+    ws.on_message(upstream.send)
+
+
+def wait_on_page(page: Any, check: Any, what: str, timeout_s: float = 10.0) -> None:
+    """`wait_until`, letting the page's routes run meanwhile (they run on Playwright's
+    calls: `time.sleep` holds them)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        page.wait_for_timeout(50)
+
+
+def title_is(page: Any, title: str) -> None:
+    page.wait_for_function(f"document.querySelector('#session-title').innerText === {title!r}")
+
+
+def two_chats_showing_the_first(page: Any, url: str) -> Any:
+    """Chats "chat one" and "chat two", the first shown; its sidebar entry."""
+    open_chat(page, url)
+    send(page, "chat one")
+    page.locator("#new-session").click()
+    send(page, "chat two")
+    one = page.locator(".session-row", has_text="chat one").locator(".session-item")
+    one.click()
+    title_is(page, "chat one")
+    return one
+
+
+def test_a_message_refused_after_going_to_another_chat_goes_back_to_its_own(
+        url: str, page: Any) -> None:
+    """The refusal of chat one's message came once chat two was shown (a turn waits up to
+    --session-free-wait-s for its session, and the engine may refuse one it accepted): the
+    text went into chat two's composer, and Enter sent it there."""
+    held: list[Any] = []
+
+    def errors_after_the_next_session(frame: Any, send: Any) -> None:
+        kind = json.loads(frame).get("type")
+        if kind == "error":
+            held.append(frame)
+            return
+        send(frame)
+        if kind == "session":
+            while held:
+                send(held.pop(0))
+
+    page.route_web_socket("**/v1/ws", lambda ws: relay(ws, errors_after_the_next_session))
+    one = two_chats_showing_the_first(page, url)
+    page.locator("#composer").fill("y" * 1001)  # refused: too long
+    page.locator("#composer").press("Enter")
+    page.locator(".session-row", has_text="chat two").locator(".session-item").click()
+    page.locator("#error:not([hidden])").wait_for()
+    title_is(page, "chat two")
+    assert page.locator("#composer").input_value() == ""
+    one.click()
+    title_is(page, "chat one")
+    page.wait_for_function("document.querySelector('#composer').value.length === 1001")
+
+
+def test_a_first_message_waiting_for_its_chat_when_the_connection_drops_is_sent(
+        url: str, page: Any) -> None:
+    """A chat clicked, then "+ New chat" and Enter before it opened, and the connection
+    lost before the new chat's session came: the page opened the chat clicked again on
+    reconnecting, the message was gone and Send stayed disabled until a reload."""
+    drop = {"armed": False, "sessions": 0, "dropped": False}
+
+    def drop_at_the_second_session(frame: Any, send: Any) -> None:
+        if drop["armed"] and json.loads(frame).get("type") == "session":
+            drop["sessions"] += 1
+            if drop["sessions"] == 2:  # the one answering the new chat's open
+                drop["armed"], drop["dropped"] = False, True
+                page_ws[0].close()
+                return
+        send(frame)
+
+    page_ws: list[Any] = []
+
+    def route(ws: Any) -> None:
+        page_ws[:] = [ws]
+        relay(ws, drop_at_the_second_session)
+
+    page.route_web_socket("**/v1/ws", route)
+    open_chat(page, url)
+    send(page, "chat one")
+    page.locator("#new-session").click()
+    drop["armed"] = True
+    pick_then_send_in_a_new_chat(page, "my first message")
+    wait_on_page(page, lambda: drop["dropped"], "the connection dropped")
+    page.wait_for_selector("body[data-connected=true]")
+    title_is(page, "my first message")
+    page.locator(".msg.assistant .timings").last.wait_for()
+    chats = {s["title"]: s["num_messages"] for s in sessions(url)}
+    assert chats["my first message"] == 2 and chats["chat one"] == 2
+    page.locator("#composer").fill("and then")
+    assert page.locator("#send").is_enabled()
+
+
+def test_a_first_message_sent_as_a_deleted_chat_is_clicked_is_kept(url: str,
+                                                                    page: Any) -> None:
+    """Another tab deleted a chat still listed here; a click on it, "+ New chat" and
+    Enter: its `session_not_found` dropped the message waiting for the new chat's
+    session, which opened empty."""
+    open_chat(page, url)
+    send(page, "chat one")
+    page.locator("#new-session").click()
+    assert httpx.delete(f"{url}/v1/sessions/{sessions(url)[0]['session_id']}").status_code == 204
+    pick_then_send_in_a_new_chat(page, "my first message")
+    title_is(page, "my first message")
+    page.locator(".msg.assistant .timings").last.wait_for()
+    assert [(s["title"], s["num_messages"]) for s in sessions(url)] == [("my first message", 2)]
+
+
+def test_a_chat_opened_as_its_reply_is_saved_shows_the_reply_once(url: str,
+                                                                  page: Any) -> None:
+    """The server saves a reply, then sends `done`; the chat opened in between (a click on
+    it in the sidebar) came with the reply saved and its streaming bubble both shown."""
+    hold = {"on": False, "held": []}
+
+    def done_after_the_next_session(frame: Any, send: Any) -> None:
+        kind = json.loads(frame).get("type")
+        if hold["on"] and kind == "done":
+            hold["held"].append(frame)
+            return
+        send(frame)
+        if kind == "session" and hold["held"]:
+            hold["on"] = False
+            while hold["held"]:
+                send(hold["held"].pop(0))
+
+    page.route_web_socket("**/v1/ws", lambda ws: relay(ws, done_after_the_next_session))
+    open_chat(page, url)
+    send(page, "chat one")
+    hold["on"] = True
+    page.locator("#composer").fill("a second question")
+    page.locator("#composer").press("Enter")
+    wait_on_page(page, lambda: bool(hold["held"]), "the reply's done held")
+    page.locator(".session-row .session-item").first.click()
+    page.wait_for_function("!document.querySelector('.msg.assistant.streaming')")
+    page.wait_for_timeout(300)
+    assert page.locator("#messages > .msg.assistant").count() == 2
+
+
+def test_a_message_the_connection_lost_goes_back_to_its_own_chat(url: str, page: Any) -> None:
+    """The connection dropped before the server had chat one's message, with chat two
+    shown by then: the text went into chat two's composer (and a second chat's lost message
+    was dropped)."""
+    swallow = {"on": False, "page_ws": None}
+
+    def route(ws: Any) -> None:
+        swallow["page_ws"] = ws
+        upstream = ws.connect_to_server()
+        upstream.on_message(ws.send)
+
+        def from_page(frame: str | bytes) -> None:
+            if swallow["on"] and json.loads(frame).get("type") == "message":
+                return  # never reaches the server
+            upstream.send(frame)
+        ws.on_message(from_page)
+
+    page.route_web_socket("**/v1/ws", route)
+    one = two_chats_showing_the_first(page, url)
+    swallow["on"] = True
+    page.locator("#composer").fill("lost on the way")
+    page.locator("#composer").press("Enter")
+    page.locator(".session-row", has_text="chat two").locator(".session-item").click()
+    title_is(page, "chat two")
+    swallow["on"] = False
+    swallow["page_ws"].close()
+    page.wait_for_selector("body[data-connected=false]")
+    page.wait_for_selector("body[data-connected=true]")
+    title_is(page, "chat two")
+    assert page.locator("#composer").input_value() == ""
+    one.click()
+    title_is(page, "chat one")
+    page.wait_for_function("document.querySelector('#composer').value === 'lost on the way'")

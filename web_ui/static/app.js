@@ -36,7 +36,12 @@ const state = {
   // no Retry under its last message, and the page opens it again until the reply is in.
   replyingElsewhere: null,
   replyingPoll: 0, // its one timer (one per open, each open started a chain of its own)
+  // Messages the server refused or never got, of chats not shown then: session id (NEW_CHAT:
+  // a new chat's, its session gone) -> {content, system}; back in the composer when the
+  // chat is shown with the composer empty (into the one shown, they went to the wrong chat).
+  drafts: new Map(),
 };
+const NEW_CHAT = "";
 
 // How often a session another tab is answering is opened again, to show its reply.
 const REPLYING_POLL_MS = 1500;
@@ -147,6 +152,22 @@ function upsertSession(session) {
   else state.sessions.push({ num_messages: 0, ...session });
 }
 
+/** Keep a message the server refused or never got for the chat it was written in (`key`). */
+function keepDraft(key, entry) {
+  if (!state.drafts.has(key)) state.drafts.set(key, { content: entry.content, system: entry.system });
+  if (key === (state.currentId ?? NEW_CHAT)) restoreDraft(key); // (a new chat is shown)
+}
+
+/** The chat shown (`key`) gets back a message kept for it, when the composer is empty. */
+function restoreDraft(key) {
+  const draft = state.drafts.get(key);
+  if (draft === undefined || !composer.isBlank()) return;
+  state.drafts.delete(key);
+  composer.value = draft.content;
+  if (key === NEW_CHAT) ui.systemInput.value = draft.system ?? "";
+  refreshControls();
+}
+
 function showBlankChat() {
   setCurrentSession(null);
   ui.messages.replaceChildren();
@@ -248,6 +269,7 @@ function newSession() {
   // and its session left empty); the blank chat comes once it is sent.
   state.blankAfterQueued = state.queued !== null;
   showBlankChat(); // the session is opened once a message is sent: no empty sessions
+  restoreDraft(NEW_CHAT);
   refreshControls();
   composer.focus();
 }
@@ -374,6 +396,11 @@ const handlers = {
     const mine = [...state.pending.values()].filter((p) => p.sessionId === s.session_id);
     const kept = Array.isArray(msg.messages) ? [...msg.messages] : [];
     if (mine.some((p) => p.regenerate) && kept.at(-1)?.role === "assistant") kept.pop();
+    // A reply the server saved before its `done` came (the session was opened meanwhile) is
+    // shown once, in its streaming bubble (both were shown, until the chat was opened again).
+    else if (mine.some((p) => p.root.dataset.accepted === "true" && kept.at(-2)?.role === "user"
+                       && kept.at(-2).content === p.content)
+             && kept.at(-1)?.role === "assistant") kept.pop();
     const bubbles = kept.map((m) => {
       const { root } = makeBubble(m.role, m.content ?? "");
       if (m.finish_reason === "cancelled") root.classList.add("cancelled"); // cut short
@@ -418,6 +445,7 @@ const handlers = {
     }
     if (s.session_id) upsertSession(s);
     renderSessions();
+    if (s.session_id) restoreDraft(s.session_id);
     refreshControls();
     scrollToBottom(stick); // with the Regenerate row refreshControls drew
     if (state.queued !== null && s.session_id && msg.request_id === state.queuedOpen) {
@@ -527,9 +555,10 @@ const handlers = {
       // A message refused goes back to the composer, to fix and send again (the banner says
       // why), and leaves the conversation as the server keeps it; one accepted is kept by the
       // server, and "Retry" asks for its reply again.
+      // A chat not shown (the user went on to another) gets it back when it is shown again.
       const refused = entry.content && entry.root.dataset.accepted !== "true";
-      if (refused && composer.isBlank()) {
-        composer.value = entry.content;
+      const shown = entry.sessionId === state.currentId;
+      if (refused && (composer.isBlank() || !shown)) {
         finishEntry(msg.request_id);
         entry.root.remove();
         entry.userRoot?.remove();
@@ -537,11 +566,13 @@ const handlers = {
         // blank again, with the system message typed for it (the deletion cleared that).
         if (entry.opened) {
           client.send({ type: "session.delete", session_id: entry.sessionId });
-          if (entry.sessionId === state.currentId) {
+          if (shown) {
             showBlankChat();
             ui.systemInput.value = entry.system ?? "";
           }
-        } else if (msg.code === "session_busy") resync(); // another tab or app is answering it
+        } else if (msg.code === "session_busy" && shown) resync(); // another tab is answering
+        if (shown) composer.value = entry.content;
+        else keepDraft(entry.opened ? NEW_CHAT : entry.sessionId, entry);
         refreshControls();
         return;
       }
@@ -550,9 +581,9 @@ const handlers = {
         client.openSession(entry.sessionId); // what the server kept (the old reply, if any)
       }
     } else if (msg.code === "session_not_found") {
-      // A remembered session that no longer exists: start fresh.
+      // A remembered or listed session that no longer exists: start fresh (a new chat's
+      // first message waiting for its session still goes to it: it was dropped).
       state.restoring = false;
-      state.queued = null;
       showBlankChat();
     }
   },
@@ -582,9 +613,11 @@ client.addEventListener("open", () => {
   const gone = ["disconnected", "unauthorized", "shutting_down"];
   if (!box.hidden && gone.includes(box.dataset.code)) hideError();
   client.listSessions();
-  state.restoring = Boolean(state.currentId);
-  if (state.currentId) client.openSession(state.currentId);
-  else if (state.queued !== null) openForQueued();
+  // A new chat's first message still waiting for its session is sent to a new one (the chat
+  // shown meanwhile, picked just before it, gives way: left waiting, it was lost for good).
+  state.restoring = Boolean(state.currentId) && state.queued === null;
+  if (state.queued !== null) openForQueued();
+  else if (state.currentId) client.openSession(state.currentId);
   refreshControls();
 });
 
@@ -596,10 +629,11 @@ client.addEventListener("close", (ev) => {
   else if (retryInMs === null) ui.status.textContent = "Disconnected";
   else showReconnecting(retryInMs);
   for (const [rid, entry] of [...state.pending.entries()]) {
-    // A message the server never said it kept goes back to the composer (the session, opened
-    // again once connected, shows what the server kept): it was lost.
-    if (entry.content && entry.root.dataset.accepted !== "true" && composer.isBlank()) {
-      composer.value = entry.content;
+    // A message the server never said it kept goes back to the composer of its chat (the
+    // session, opened again once connected, shows what the server kept): it was lost.
+    if (entry.content && entry.root.dataset.accepted !== "true") {
+      if (entry.sessionId === state.currentId && composer.isBlank()) composer.value = entry.content;
+      else keepDraft(entry.sessionId, entry);
     }
     finishEntry(rid, { cls: "failed", note: "Connection lost before the reply finished." });
   }
