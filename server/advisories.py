@@ -34,7 +34,6 @@ from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 MAX_SESSIONS = 10_000  # sessions remembered per rule before those gone quiet are pruned
-MAX_ADVISORY_PRIORITY = 100  # an advisory's priority is from minus this to this
 V = TypeVar("V")
 
 

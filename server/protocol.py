@@ -22,7 +22,8 @@ Client to server::
     may call: "tools", "tool_choice", "parallel_tool_calls" (given with each turn, as in the
     OpenAI API); each optional (an unset temperature is the server's --default-temperature,
     else the model's)
-    {"type": "typing", "session_id": str}
+    {"type": "typing", "session_id": str, "priority": int (-100 to 100, as an advisory's;
+     optional)}
     {"type": "cancel", "request_id": str}
 
 Server to client::
@@ -82,6 +83,11 @@ from antiphon.server.tools import (
 ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 # Numbers and flags as JSON has them: "5" is not 5, and true is not 1.
 StrictInt = Annotated[int, Field(strict=True)]
+MAX_ADVISORY_PRIORITY = 100  # an advisory's priority is from minus this to this
+# Higher goes first: its prefetch runs ahead of (and takes the host room of) those of lower
+# priority. Null, as Symphony's agents send it: 0.
+AdvisoryPriority = Annotated[StrictInt, Field(ge=-MAX_ADVISORY_PRIORITY,
+                                              le=MAX_ADVISORY_PRIORITY)] | None
 StrictFloat = Annotated[float, Field(strict=True)]
 StrictBool = Annotated[bool, Field(strict=True)]
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what the engine's samplers take
@@ -320,6 +326,7 @@ class ToolResults(TurnRequest):
 class Typing(_Msg):
     type: Literal["typing"]
     session_id: Annotated[str, Field(pattern=ID_PATTERN)]
+    priority: AdvisoryPriority = None  # the advisory's (`POST /v1/advisory`)
 
 
 class Cancel(_Msg):

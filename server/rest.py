@@ -10,12 +10,11 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from antiphon.server.advisories import MAX_ADVISORY_PRIORITY
 from antiphon.server.completions import require_served_model
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.http import authorize, read_model
-from antiphon.server.protocol import ID_PATTERN, StrictBool, StrictFloat, StrictInt
+from antiphon.server.protocol import ID_PATTERN, AdvisoryPriority, StrictBool, StrictFloat
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +42,7 @@ class Advisory(BaseModel):
     expected_arrival: Annotated[StrictFloat, Field(ge=0)] | None = None  # seconds from now
     # Its turn comes after those of the ordered advisories the key sent before it.
     ordered: StrictBool = False
-    # Higher goes first: its prefetch runs ahead of (and takes the host room of) those of
-    # lower priority. Null, as Symphony's agents send it: 0.
-    priority: Annotated[StrictInt, Field(ge=-MAX_ADVISORY_PRIORITY,
-                                         le=MAX_ADVISORY_PRIORITY)] | None = None
+    priority: AdvisoryPriority = None
 
 
 def _ctx(request: Request) -> AppContext:

@@ -165,7 +165,7 @@ class Connection:
         elif isinstance(msg, protocol.SessionDelete):
             self._start_deletion(msg)
         elif isinstance(msg, protocol.Typing):
-            self._advise(msg.session_id)
+            self._advise(msg.session_id, msg.priority or 0)
         elif isinstance(msg, protocol.Cancel):
             turn = self._turns.get(msg.request_id)
             if turn is None:
@@ -211,7 +211,7 @@ class Connection:
             with contextlib.suppress(Exception):  # the client may have left meanwhile
                 await self._send_error(exc, msg.request_id, "session.delete")
 
-    def _advise(self, session_id: str) -> None:
+    def _advise(self, session_id: str, priority: int) -> None:
         """Record a typing advisory in a task of its own: the engine answers it between two
         steps, which can take seconds, and the frames behind it (a `cancel`) must not wait.
         One per session at a time (a typing frame meanwhile says nothing new: dropped), and at
@@ -222,18 +222,19 @@ class Connection:
         if len(self._advising) >= limit:
             raise ApiError(ErrorCode.TOO_MANY_REQUESTS, "too many typing advisories in flight "
                            f"on this connection (--max-inflight-per-connection: {limit})")
-        task = asyncio.create_task(self._record_typing(session_id,
+        task = asyncio.create_task(self._record_typing(session_id, priority,
                                                        self._deleting.get(session_id)))
         self._advising[session_id] = task
         task.add_done_callback(lambda _t: self._advising.pop(session_id, None))
 
-    async def _record_typing(self, session_id: str,
+    async def _record_typing(self, session_id: str, priority: int,
                              deleting: asyncio.Task[None] | None) -> None:
         """Record the advisory, after the session's deletion sent before it (`deleting`)."""
         try:
             if deleting is not None:
                 await asyncio.wait([deleting])
-            await self.ctx.turns.record_advisory(self.owner, session_id, "typing")
+            await self.ctx.turns.record_advisory(self.owner, session_id, "typing",
+                                                 priority=priority)
         except Exception as exc:
             with contextlib.suppress(Exception):  # the client may have left meanwhile
                 await self._send_error(exc, None, "typing")

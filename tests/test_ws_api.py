@@ -367,6 +367,23 @@ async def test_typing_records_an_advisory(scripted: Scripted) -> None:
         await asyncio.sleep(0.05)
 
 
+async def test_a_typing_frame_carries_its_advisorys_priority(scripted: Scripted) -> None:
+    """Symphony's chatbot advisory has a priority (an app's paying users first): the typing
+    frame had none."""
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await send(ws, type="message", session_id=sid, content="hello there", request_id="r1")
+        await recv_until(ws, "done")
+        await send(ws, type="typing", session_id=sid, priority=101)
+        assert (await recv(ws))["code"] == "bad_message"
+        await send(ws, type="typing", session_id=sid, priority=7)
+        deadline = time.monotonic() + 10
+        while not scripted.engine.advisory_priorities:
+            assert time.monotonic() < deadline, "the typing advisory did not reach the engine"
+            await asyncio.sleep(0.05)
+    assert scripted.engine.advisory_priorities == [7]
+
+
 async def test_api_keys_and_session_ownership(tmp_path) -> None:  # type: ignore[no-untyped-def]
     keys = ("alice-key-123", "bob-key-4567")
     config = scripted_config(tmp_path, api_keys=keys)
