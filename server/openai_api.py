@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -260,19 +261,29 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
         return "data: " + json.dumps(error_body(err)) + "\n\ndata: [DONE]\n\n"
 
     started = False  # an event went out: an error from now on is one in the stream
+    ping_s = ctx.chat.config.sse_ping_s
+    last_sent = time.monotonic()
 
     try:
-        async with aclosing(stream_choices(ctx.chat, gens, "openai",
-                                           ctx.chat.config.sse_ping_s)) as events:
+        async with aclosing(stream_choices(ctx.chat, gens, "openai", ping_s)) as events:
             async for event in events:
                 started = True
                 if event is None:
                     yield ": ping\n\n"
+                    last_sent = time.monotonic()
                     continue
                 i, piece = event
                 if piece is not None:
-                    for frame_ in chunks(i, piece):
+                    frames_ = chunks(i, piece)
+                    for frame_ in frames_:
                         yield frame_
+                    # Text held back (a tool call's, until it closes) sends nothing while
+                    # tokens come: the pings go on (a proxy dropped a long call's stream).
+                    if frames_:
+                        last_sent = time.monotonic()
+                    elif time.monotonic() - last_sent >= ping_s:
+                        yield ": ping\n\n"
+                        last_sent = time.monotonic()
                 elif gens[i].params.session_id is None:  # finished (a session's: once kept)
                     for frame_ in chunks(i, None, gens[i].finish_reason):
                         yield frame_

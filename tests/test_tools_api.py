@@ -351,3 +351,33 @@ async def test_a_websocket_reply_cut_inside_a_call_keeps_what_the_client_was_giv
         assert given == done["text"] == "Checking."
         (_, reply) = (await open_session(ws, sid))["messages"]
         assert (reply["content"], reply.get("tool_calls")) == ("Checking.", None)
+
+
+def test_a_tool_call_held_back_while_it_streams_still_sends_pings(tmp_path: Any) -> None:
+    """A tool call's text is held until it closes: tokens kept coming, so no ping went out,
+    and the client got nothing for as long as the call took (a minute of arguments on a
+    CPU is past a proxy's idle timeout)."""
+    import time
+
+    from antiphon.engine_ext.scripted import ScriptedEngine
+    from tests.conftest import scripted_config
+    from tests.liveserver import live_server
+
+    words = " ".join(["w"] * 20)
+    call = f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{words}"}}}}\n</tool_call>'
+    engine = ScriptedEngine(reply=lambda turns: call, token_delay_s=0.05)
+    with live_server(scripted_config(tmp_path, sse_ping_s=0.2), engine) as url:
+        body = {"model": "scripted", "messages": ASK, "tools": [WEATHER], "stream": True}
+        gaps, last, lines = [], time.monotonic(), []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line:
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+                    lines.append(line)
+    assert ": ping" in lines and lines[-1] == "data: [DONE]"
+    calls = [json.loads(line[6:])["choices"][0]["delta"].get("tool_calls")
+             for line in lines if line.startswith("data: {")]
+    assert any(calls)
+    assert max(gaps[1:]) < 0.6, gaps  # (about 1.1 s of silence before)
