@@ -65,6 +65,9 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
     continuous_usage_stats: Literal[False] = False
     """vLLM's usage in every chunk: not implemented (true is refused)."""
+    include_obfuscation: Literal[False] = False
+    """OpenAI's random padding of each chunk (the `openai` client offers it): not implemented
+    (true is refused)."""
 
 
 def check_stream_options(stream: bool | None, options: StreamOptions | None) -> None:

@@ -82,6 +82,16 @@ def test_streaming_chat_completion(scripted: Scripted) -> None:
     assert text == "You said: a b c"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    # the `openai` client's include_obfuscation=False asks for nothing (it was refused);
+    # true asks for padding Antiphon does not send
+    options = {"include_usage": True, "include_obfuscation": False}
+    assert list(client(scripted).chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "a"}], stream=True,
+        stream_options=options))[-1].usage is not None  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="include_obfuscation"):
+        client(scripted).chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "a"}], stream=True,
+            stream_options={"include_obfuscation": True})
     # every chunk has usage, null but in the last, as OpenAI's; none without include_usage
     for include, expected in ((True, {"usage": None}), (False, {})):
         with httpx.stream("POST", scripted.url + "/v1/chat/completions", json={
