@@ -19,6 +19,11 @@ async def test_the_servers_workload_is_greedy_as_the_direct_engines(scripted: Sc
                               ttft_repeats=1)
     assert result["c2_output_tokens"] > 0
     assert scripted.engine.params and all(p.temperature == 0 for p in scripted.engine.params)
+    # each request opens with tokens of its own: a prompt sent again was a KV-tier hit in
+    # Antiphon (partly filled pages are kept) and a full prefill in vLLM
+    prompts = [scripted.engine.decode(p) for p in scripted.engine.request_prompts]
+    openings = {p.split(": a conversation of its own")[0] for p in prompts}
+    assert len(prompts) == 1 + 1 + 1 + 2 and len(openings) == len(prompts)
 
 
 def test_a_server_stops_with_every_process_of_its_group() -> None:
