@@ -1317,3 +1317,22 @@ def test_a_lost_chunk_another_request_saved_again_costs_no_checkpoint(host_only:
     admit(planner, TokenView("be2", tokens, background=True), [11, 12, 13, 14])
     run_step(planner, [("be2", 12)])
     assert checkpoint_copies(planner, "be", 12, [1, 2, 3, 4]) == (0, 0)
+
+
+def test_a_reply_ending_on_a_chunk_boundary_under_async_scheduling_saves_that_chunk(
+        planner: TierPlanner) -> None:
+    """With async scheduling, the step computing a chunk's last token is planned before that
+    token is known, so the chunk is saved a step later; a reply that ended there lost it, and
+    its next turn recomputed the chunk (about one turn in 128)."""
+    tokens = list(range(100, 107))  # 7 known; chunks of 4
+    admit(planner, TokenView("r", tokens, "s1"), [1, 2])
+    run_step(planner, [("r", 7)])  # the prefill: chunk 0 saved
+    run_step(planner, [("r", 8)])  # position 7 scheduled before its token is known
+    tokens.append(107)  # that step's output: the reply's last token
+    assert planner.request_finished("r", 8, [1, 2])  # its pages kept for the save
+    final = planner.build_metadata([])
+    fake_worker_saves(planner, final.final_saves["r"])
+    planner.step_done({final.step}, set())
+    view = TokenView("r2", [*tokens, 200, 201], "s1")
+    planner.add_request(view)
+    assert planner.num_new_matched_tokens(view, 0) == 8

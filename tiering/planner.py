@@ -425,20 +425,49 @@ class TierPlanner:
             self._drop_prefetch(st)
             num_computed = known_tokens(st, num_computed)
             full = num_computed // self.chunk_tokens
+            copies = self._final_chunk_saves(st, full, block_ids)
             if num_computed == full * self.chunk_tokens or st.saved_chunks != full:
                 self.retirement.request_finished(st, num_computed, None)
-                return False  # nothing partial, or the full chunks were not all saved
-            tail = self.matcher.tail_key(st, num_computed)
-            copy, keys = self._reserve(tail, self._tail_pages(block_ids, num_computed))
-            is_indexed = copy is not None or self.held(tail)  # (a tier may hold it: a restart's)
-            if is_indexed:
-                self.matcher.index_tail(st, num_computed, tail)
+                # nothing partial, or the full chunks were not all saved
+            else:
+                tail = self.matcher.tail_key(st, num_computed)
+                copy, keys = self._reserve(tail, self._tail_pages(block_ids, num_computed))
+                # (a tier may hold it: a restart's)
+                is_indexed = copy is not None or self.held(tail)
+                if is_indexed:
+                    self.matcher.index_tail(st, num_computed, tail)
+                if copy is not None:
+                    copies.append(copy)
+                    durable, owner = self._durable(st), self._owner(st)
+                    self._final_keys.extend(SlotCommit(key, durable, owner) for key in keys)
+                self.retirement.request_finished(st, num_computed, tail if is_indexed else None)
+            if copies:
+                self._final_saves[request_id] = copies
+            return bool(copies)
+
+    def _final_chunk_saves(self, st: RequestState, full: int,
+                           block_ids: Sequence[int]) -> list[PageCopy]:
+        """Copies of the request's first `full` chunks not saved yet, as it finishes. With
+        async scheduling the step computing a chunk's last token was planned before that
+        token was known, and a reply ending there lost the chunk (its next turn recomputed
+        it). Stops at a chunk the host has no room for (the rest extend no stored prefix)."""
+        if full <= st.saved_chunks:
+            return []
+        hashes = self.matcher.hashes(st, full)
+        durable, owner = self._durable(st), self._owner(st)
+        copies = []
+        for index in range(st.saved_chunks, full):
+            first_page = index * self.pages_per_chunk
+            chunk = ChunkKey(self.model_id, hashes[index], index, 0)
+            copy, keys = self._reserve(
+                chunk, tuple(block_ids[first_page:first_page + self.pages_per_chunk]))
+            if copy is None and not self.held(chunk):
+                break
             if copy is not None:
-                self._final_saves[request_id] = [copy]
-                durable, owner = self._durable(st), self._owner(st)
+                copies.append(copy)
                 self._final_keys.extend(SlotCommit(key, durable, owner) for key in keys)
-            self.retirement.request_finished(st, num_computed, tail if is_indexed else None)
-            return copy is not None
+            st.saved_chunks = index + 1
+        return copies
 
     def checkpoint(self, request_id: str, num_computed: int, block_ids: Sequence[int]) -> int:
         """Lazy checkpointing: the request is preempted and its pages go back to vLLM, where
