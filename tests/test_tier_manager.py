@@ -458,3 +458,32 @@ def test_settling_retired_prefetches_waits_for_pins_another_thread_is_dropping()
         assert sum(tier.pins.values()) == 0
     finally:
         queue.close()
+
+
+def test_kv_tiering_refuses_a_model_without_full_attention_in_every_layer() -> None:
+    """A model whose layers all use sliding-window attention is one KV cache group, and was
+    taken: vLLM hands its null page for pages past the window, and a late save would have
+    stored those bytes under a valid key."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    from antiphon.tiering.connector import check_supported
+
+    def config(*specs: FullAttentionSpec) -> KVCacheConfig:
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)])
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8,
+                               dtype=torch.float32, sliding_window=64)
+    check_supported(1, config(full))
+    for groups in ((window,), (full, window)):
+        with pytest.raises(ValueError, match="full attention in every layer"):
+            check_supported(1, config(*groups))
+    with pytest.raises(ValueError, match="one worker"):
+        check_supported(2, config(full))

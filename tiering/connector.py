@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from antiphon.engine_ext.types import TIER_TOKENS_KEY, RequestClass
 from antiphon.tiering.config import TieringConfig
@@ -89,16 +90,27 @@ def _token_view(request: Request) -> TokenView:
                      background=background)
 
 
+def check_supported(world_size: int, kv_cache_config: KVCacheConfig) -> None:
+    """Raises ValueError unless the engine is one worker over a model with full attention in
+    every layer. Sliding-window layers (one group of them alone) hand vLLM's null page in place
+    of the pages that left the window: a late save or checkpoint would store its bytes under
+    a valid key, and a later prompt sharing that prefix would load them."""
+    if world_size != 1:
+        raise ValueError("Antiphon's KV tiering supports one worker (no tensor or pipeline "
+                         "parallelism) in this version")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        raise ValueError("Antiphon's KV tiering needs a model with one KV cache group of full "
+                         f"attention in every layer (this one: {len(groups)} of "
+                         f"{', '.join(kinds)}); serve it with --no-kv-tiering")
+
+
 class AntiphonKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        if vllm_config.parallel_config.world_size != 1:
-            raise ValueError("Antiphon's KV tiering supports one worker (no tensor or pipeline "
-                             "parallelism) in this version")
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError("Antiphon's KV tiering needs a model with one KV cache group "
-                             "(full attention in every layer)")
+        check_supported(vllm_config.parallel_config.world_size, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         fields = dict(extra["antiphon_tiering"])
         fields["ssd_dir"] = Path(fields["ssd_dir"]) if fields["ssd_dir"] else None
