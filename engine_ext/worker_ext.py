@@ -27,3 +27,19 @@ class AntiphonWorkerExtension:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return os.getpid()
+
+    def antiphon_fail_kv_loads(self, steps: int) -> bool:
+        """A fault drill: the KV tiers' page loads of the next `steps` steps that load any
+        fail in this worker (vLLM recomputes that KV: the replies must not change). False
+        when KV tiering is off."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        from antiphon.tiering.connector import AntiphonKVConnector
+
+        if not has_kv_transfer_group():
+            return False
+        connector = get_kv_transfer_group()
+        if not isinstance(connector, AntiphonKVConnector):
+            return False
+        connector.copier.fail_loads(steps)
+        return True

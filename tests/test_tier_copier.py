@@ -155,17 +155,30 @@ def test_partial_pages_and_checkpoints_round_trip(arena: HostArena,
         assert torch.equal(kv[name][8:10], original[name][4:6])
 
 
-def test_a_copy_outside_its_slot_fails_the_step(arena: HostArena,
-                                                mover: tuple[str, str]) -> None:
+def test_a_copy_outside_its_slot_fails_the_step(arena: HostArena, mover: tuple[str, str],
+                                                caplog: pytest.LogCaptureFixture) -> None:
     """Pages are checked to lie inside their slot (a slot holds PAGES_PER_CHUNK float32 pages):
-    a copy reaching past it fails the step instead of writing into the next slot."""
-    copier, _ = make_copier(mover, seed=3)
+    a copy reaching past it fails the step instead of writing into the next slot. A failed
+    load's pages are reported, for vLLM to recompute: the error was raised, and took the
+    engine and every request in it down."""
+    copier, kv = make_copier(mover, seed=3)
     bad = step(arena, 1, saves=[PageCopy((1, 2), slots=(0, 1, 2), first_page=1)])
-    with pytest.raises(ValueError, match="reaches page 2 of a slot that holds 2"):
-        copier.save_layer(bad, LAYERS[0])
+    copier.save_layer(bad, LAYERS[0])
+    assert "reaches page 2 of a slot that holds 2" in caplog.text
     assert arena.read(1) == bytes(arena.slot_bytes)  # nothing written
     meta = copier.take_worker_meta()
     assert meta is not None and meta.failed_steps == {1}
+    assert copier.take_invalid_blocks() == set()  # (a save: the device pages are right)
+    before = {name: t.clone() for name, t in kv.items()}
+    load = step(arena, 2, loads=[PageCopy((5, 6), slots=(0, 1, 2), first_page=1)],
+                early_loads=[PageCopy((9,), slots=(99, 99, 99))])
+    load_step(copier, load)
+    assert copier.take_invalid_blocks() == {5, 6, 9}
+    assert copier.take_invalid_blocks() == set()
+    meta = copier.take_worker_meta()
+    assert meta is not None and meta.failed_steps == {2}
+    for name in LAYERS:
+        assert torch.equal(kv[name], before[name])
 
 
 def test_layers_without_a_slot_are_not_copied(arena: HostArena,

@@ -58,6 +58,8 @@ def kv_transfer_config(config: TieringConfig, model_id: str) -> dict[str, Any]:
     """vLLM's `kv_transfer_config` that installs this connector."""
     return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both",
+            # a failed load's pages are recomputed, not the request failed
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": connector_extra_config(config, model_id)}
 
 
@@ -256,6 +258,9 @@ class AntiphonKVConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.copier.take_finished_sending() or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.copier.take_invalid_blocks()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.copier.take_worker_meta()

@@ -336,6 +336,12 @@ class KvPageCopier:
         self._done_steps: set[int] = set()
         self._failed_steps: set[int] = set()
         self._finished_sending: set[str] = set()
+        # Device pages a failed load left holding what they held before: vLLM recomputes
+        # the requests reading them (`get_block_ids_with_load_errors`).
+        self._invalid_blocks: set[int] = set()
+        # Fault drills (`antiphon_fail_kv_loads`): the loads of this many steps to come fail.
+        self._load_steps_to_fail = 0
+        self._failing_step: int | None = None
 
     @property
     def page_bytes(self) -> int:
@@ -432,6 +438,22 @@ class KvPageCopier:
         self._pending.append((meta.step, handle, set(meta.final_saves)))
         self._collect()
 
+    def fail_loads(self, steps: int) -> None:
+        """A fault drill: the page loads of the next `steps` steps that load any fail, as a
+        broken copy would (vLLM recomputes what they were to bring)."""
+        self._load_steps_to_fail = steps
+
+    def _drill_fails(self, step: int) -> bool:
+        if self._failing_step != step and self._load_steps_to_fail > 0:
+            self._load_steps_to_fail -= 1
+            self._failing_step = step
+        return self._failing_step == step
+
+    def take_invalid_blocks(self) -> set[int]:
+        """Device pages failed loads left wrong since the last call (vLLM recomputes them)."""
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
     def take_finished_sending(self) -> set[str]:
         self._collect()
         finished, self._finished_sending = self._finished_sending, set()
@@ -496,15 +518,24 @@ class KvPageCopier:
 
     def _copy(self, meta: TieringMetadata, copies: Sequence[PageCopy], layer: int,
               to_device: bool) -> None:
-        """Slots to device pages (`to_device`) or back, at `layer`; a failure fails the step."""
+        """Slots to device pages (`to_device`) or back, at `layer`. A failure fails the step
+        (its saves are dropped and done again, its checkpoints recomputed) and a load's pages
+        are reported invalid, so vLLM recomputes what they were to hold: raised, it took the
+        engine and every request in it down."""
         try:
             runs = self._runs(meta, copies, layer)
+            if runs and to_device and self._drill_fails(meta.step):
+                raise RuntimeError("a KV load failed in a fault drill (antiphon_fail_kv_loads)")
             if runs:
                 move = self._mover.load if to_device else self._mover.save
                 move(self._pages[layer], self._arena_pages(meta.arena_name), runs)
         except Exception:
+            if meta.step not in self._failed_steps:
+                log.exception("step %d: KV page copies failed; the step's saves are dropped "
+                              "and the KV it loads is recomputed", meta.step)
             self._failed_steps.add(meta.step)
-            raise
+            if to_device:
+                self._invalid_blocks.update(block for copy in copies for block in copy.blocks)
 
     def _runs(self, meta: TieringMetadata, copies: Sequence[PageCopy], layer: int) -> Runs:
         """(first arena row, device blocks) per copy at `layer`; none for a layer without a

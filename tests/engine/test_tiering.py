@@ -188,6 +188,36 @@ def damage_every_third_record(ssd_dir: Path) -> int:
     return damaged
 
 
+async def test_a_failed_load_is_recomputed_to_the_same_reply(reference: list[str],
+                                                              tmp_path: Path) -> None:
+    """A page load that fails (a broken copy) was raised out of the attention layer and took
+    the engine and every request in it down; its pages are now reported to vLLM, which
+    recomputes them, and the conversation's replies are unchanged."""
+    eng = await tiered_engine(tmp_path / "ssd")
+    try:
+        assert eng._llm is not None
+        turns: list[ChatTurn] = []
+        replies = []
+        for index, question in enumerate(QUESTIONS):
+            assert await eng.reset_prefix_cache()
+            if index:  # the follow-ups' loads of their stored context fail
+                assert await eng._llm.collective_rpc("antiphon_fail_kv_loads", args=(1,)) == [
+                    True]
+            turns.append(ChatTurn("user", question))
+            text = ""
+            async for delta in eng.generate(f"fail-{index}", eng.render_chat(turns),
+                                            GenerationParams(max_tokens=40, temperature=0.0,
+                                                             session_id="fail")):
+                text += delta.text
+            turns.append(ChatTurn("assistant", text))
+            replies.append(text)
+        stats = await eng.tiering_stats()
+    finally:
+        await eng.shutdown()
+    assert replies == reference
+    assert stats["copy_steps_failed"] == 2, stats
+
+
 def test_tiering_config_is_validated() -> None:
     with pytest.raises(ValueError, match="advisory_ttl_s"):
         dataclasses.replace(TieringConfig(), advisory_ttl_s=0)
