@@ -169,17 +169,24 @@ Probe = Callable[[int, str], Awaitable[None]]  # (turn, message) -> its fresh TT
 async def run_user(chat: ChatClient, messages: Sequence[str], advise: Sequence[bool],
                    time_scale: float, probe: Probe | None = None) -> list[TurnResult]:
     """One simulated user's conversation: type, send, read the reply, type the next; each
-    follow-up probed (`probe`) once typed, just before it is sent."""
+    follow-up probed (`probe`) while the reply before it is read (the follow-up goes at read
+    plus type time, as the think-time model has it: probed after the typing, it went a probe
+    later, and the typing advisory had that much more lead)."""
     results: list[TurnResult] = []
     await asyncio.sleep(think_time_s("", messages[0], time_scale)[1])
     async with chat:
         for turn, message in enumerate(messages):
             if turn:
                 read_s, type_s = think_time_s(results[-1].text, message, time_scale)
-                await asyncio.sleep(read_s)
+                probed = None if probe is None else asyncio.ensure_future(probe(turn, message))
+                try:
+                    await asyncio.sleep(read_s)
+                    if probed is not None:
+                        await probed  # (longer than the reading: typing starts after it)
+                finally:
+                    if probed is not None and not probed.done():
+                        probed.cancel()
                 await type_message(chat, type_s, advise[turn])
-                if probe is not None:
-                    await probe(turn, message)
             results.append(await chat.turn(message))
     return results
 

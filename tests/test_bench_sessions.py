@@ -234,10 +234,11 @@ async def test_a_long_message_is_advised_again_while_it_is_typed(
     assert chat.events == [] and slept[3:] == [40.0]
 
 
-async def test_each_follow_up_is_probed_as_a_fresh_chat_just_before_it_is_sent() -> None:
+async def test_each_follow_up_is_probed_as_a_fresh_chat_while_the_reply_is_read() -> None:
     # A prober that went through the messages on its own was done, at most points, before
     # the first follow-up: the fresh TTFT the follow-ups were judged against was an idle
-    # server's, or the first turns' burst.
+    # server's, or the first turns' burst. Probed after the typing, each follow-up went a
+    # probe later than read plus type time, and its typing advisory had that much more lead.
     log: list[str] = []
     chats: list[FakeChat] = []
 
@@ -245,6 +246,9 @@ async def test_each_follow_up_is_probed_as_a_fresh_chat_just_before_it_is_sent()
         async def turn(self, message: str) -> TurnResult:
             log.append(f"{'probe' if self in chats else 'send'} {message}")
             return await super().turn(message)
+
+        async def typing(self) -> None:
+            log.append("typing")
 
     def chat(max_tokens: int) -> FakeChat:
         chats.append(Logged())
@@ -254,7 +258,7 @@ async def test_each_follow_up_is_probed_as_a_fresh_chat_just_before_it_is_sent()
     results = await sessions.run_user(Logged(), ["m0", "m1", "m2"], (False, True, True), 0.0,
                                       sessions.fresh_prober(chat, 3, fresh))
     assert len(results) == 3
-    assert log == ["send m0", "probe m1", "send m1", "probe m2", "send m2"]
+    assert log == ["send m0", "probe m1", "typing", "send m1", "probe m2", "typing", "send m2"]
     assert sorted(fresh) == [(3, 1), (3, 2)]  # follow-ups only, each in a new chat
     assert [c.events for c in chats] == [["open", "m1", "close"], ["open", "m2", "close"]]
 
