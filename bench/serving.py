@@ -172,6 +172,7 @@ def main(args: argparse.Namespace) -> int:
            "--max-model-len", "2048", "--kv-cache-gib", "2", "--max-num-seqs", "64",
            "--dtype", dtype, "--data-dir", str(data_dir)]
     cmd += ["--enforce-eager"] if args.enforce_eager else ["--no-enforce-eager"]
+    cmd += args.server_arg  # an ablation: `--server-arg=--no-kv-tiering`
 
     def run_vllm() -> dict[str, float]:
         return asyncio.run(run_direct(model_dir, engine, **workload))
@@ -191,6 +192,7 @@ def main(args: argparse.Namespace) -> int:
     systems = {name: _median_of(runs) for name, runs in results.items()}
     record = {"benchmark": "serve", "config": {"model": str(model_dir), "engine": engine,
                                               "workload": workload, "repeats": args.repeats,
+                                              "server_args": args.server_arg,
                                               "machine": _machine()},
               "systems": systems}
     write_json(args.out, record)
@@ -219,6 +221,9 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="skip graph compilation (default: on with --quick)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="an argument for `antiphon serve` (repeat for several; an ablation, "
+                        "e.g. --server-arg=--no-kv-tiering)")
     p.set_defaults(bench_func=lambda a: main(_defaults(a)))
 
 
