@@ -30,8 +30,8 @@ class AntiphonWorkerExtension:
 
     def antiphon_fail_kv_loads(self, steps: int) -> bool:
         """A fault drill: the KV tiers' page loads of the next `steps` steps that load any
-        fail in this worker (vLLM recomputes that KV: the replies must not change). False
-        when KV tiering is off."""
+        fail in this worker (the requests reading them fail, the engine serves on, and their
+        retries answer as before). False when KV tiering is off."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         from antiphon.tiering.connector import AntiphonKVConnector

@@ -58,8 +58,11 @@ def kv_transfer_config(config: TieringConfig, model_id: str) -> dict[str, Any]:
     """vLLM's `kv_transfer_config` that installs this connector."""
     return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both",
-            # a failed load's pages are recomputed, not the request failed
-            "kv_load_failure_policy": "recompute",
+            # A failed load fails the requests reading its pages, which vLLM then drops from
+            # its prefix cache. Not "recompute": that leaves them there, stale, for a request
+            # sharing the prefix (a retry of a cancelled turn) to read, and vLLM 0.32's
+            # recompute does not roll back async scheduling's token in flight.
+            "kv_load_failure_policy": "fail",
             "kv_connector_extra_config": connector_extra_config(config, model_id)}
 
 

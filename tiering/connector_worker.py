@@ -336,8 +336,8 @@ class KvPageCopier:
         self._done_steps: set[int] = set()
         self._failed_steps: set[int] = set()
         self._finished_sending: set[str] = set()
-        # Device pages a failed load left holding what they held before: vLLM recomputes
-        # the requests reading them (`get_block_ids_with_load_errors`).
+        # Device pages a failed load left holding what they held before: vLLM fails the
+        # requests reading them (`get_block_ids_with_load_errors`).
         self._invalid_blocks: set[int] = set()
         # Fault drills (`antiphon_fail_kv_loads`): the loads of this many steps to come fail.
         self._load_steps_to_fail = 0
@@ -440,7 +440,7 @@ class KvPageCopier:
 
     def fail_loads(self, steps: int) -> None:
         """A fault drill: the page loads of the next `steps` steps that load any fail, as a
-        broken copy would (vLLM recomputes what they were to bring)."""
+        broken copy would."""
         self._load_steps_to_fail = steps
 
     def _drill_fails(self, step: int) -> bool:
@@ -450,7 +450,8 @@ class KvPageCopier:
         return self._failing_step == step
 
     def take_invalid_blocks(self) -> set[int]:
-        """Device pages failed loads left wrong since the last call (vLLM recomputes them)."""
+        """Device pages failed loads left wrong since the last call (vLLM fails the requests
+        reading them)."""
         invalid, self._invalid_blocks = self._invalid_blocks, set()
         return invalid
 
@@ -520,8 +521,8 @@ class KvPageCopier:
               to_device: bool) -> None:
         """Slots to device pages (`to_device`) or back, at `layer`. A failure fails the step
         (its saves are dropped and done again, its checkpoints recomputed) and a load's pages
-        are reported invalid, so vLLM recomputes what they were to hold: raised, it took the
-        engine and every request in it down."""
+        are reported invalid: vLLM fails the requests reading them and drops the pages from
+        its prefix cache. Raised, it took the engine and every request in it down."""
         try:
             runs = self._runs(meta, copies, layer)
             if runs and to_device and self._drill_fails(meta.step):

@@ -188,34 +188,42 @@ def damage_every_third_record(ssd_dir: Path) -> int:
     return damaged
 
 
-async def test_a_failed_load_is_recomputed_to_the_same_reply(reference: list[str],
-                                                              tmp_path: Path) -> None:
+async def test_a_failed_load_fails_its_request_alone(reference: list[str],
+                                                     tmp_path: Path) -> None:
     """A page load that fails (a broken copy) was raised out of the attention layer and took
-    the engine and every request in it down; its pages are now reported to vLLM, which
-    recomputes them, and the conversation's replies are unchanged."""
+    the engine and every request in it down. Now its pages are reported to vLLM, which fails
+    the request reading them and drops them from its prefix cache: the engine serves on, and
+    the turn asked again (a retry, with the same prefix) answers as before."""
+    from antiphon.engine_ext.engine import EngineRequestFailedError
+
     eng = await tiered_engine(tmp_path / "ssd")
+    params = GenerationParams(max_tokens=40, temperature=0.0, session_id="fail")
+
+    async def reply(request_id: str, turns: list[ChatTurn]) -> str:
+        text = ""
+        async for delta in eng.generate(request_id, eng.render_chat(turns), params):
+            text += delta.text
+        return text
+
     try:
         assert eng._llm is not None
         turns: list[ChatTurn] = []
         replies = []
         for index, question in enumerate(QUESTIONS):
             assert await eng.reset_prefix_cache()
-            if index:  # the follow-ups' loads of their stored context fail
+            turns.append(ChatTurn("user", question))
+            if index == 1:  # the follow-up's load of its stored context fails
                 assert await eng._llm.collective_rpc("antiphon_fail_kv_loads", args=(1,)) == [
                     True]
-            turns.append(ChatTurn("user", question))
-            text = ""
-            async for delta in eng.generate(f"fail-{index}", eng.render_chat(turns),
-                                            GenerationParams(max_tokens=40, temperature=0.0,
-                                                             session_id="fail")):
-                text += delta.text
-            turns.append(ChatTurn("assistant", text))
-            replies.append(text)
+                with pytest.raises(EngineRequestFailedError, match="KV load"):
+                    await reply("fail-1", turns)
+            replies.append(await reply(f"retry-{index}", turns))
+            turns.append(ChatTurn("assistant", replies[-1]))
         stats = await eng.tiering_stats()
     finally:
         await eng.shutdown()
     assert replies == reference
-    assert stats["copy_steps_failed"] == 2, stats
+    assert stats["copy_steps_failed"] == 1, stats
 
 
 def test_tiering_config_is_validated() -> None:
