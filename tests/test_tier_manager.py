@@ -469,6 +469,7 @@ def test_kv_tiering_refuses_a_model_without_full_attention_in_every_layer() -> N
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MLAAttentionSpec,
         SlidingWindowSpec,
     )
 
@@ -482,6 +483,8 @@ def test_kv_tiering_refuses_a_model_without_full_attention_in_every_layer() -> N
     window = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8,
                                dtype=torch.float32, sliding_window=64)
     check_supported(1, config(full))
+    check_supported(1, config(MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=8,
+                                               dtype=torch.float32)))  # full attention too
     for groups in ((window,), (full, window)):
         with pytest.raises(ValueError, match="full attention in every layer"):
             check_supported(1, config(*groups))

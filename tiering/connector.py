@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from antiphon.engine_ext.types import TIER_TOKENS_KEY, RequestClass
 from antiphon.tiering.config import TieringConfig
@@ -104,7 +104,10 @@ def check_supported(world_size: int, kv_cache_config: KVCacheConfig) -> None:
         raise ValueError("Antiphon's KV tiering supports one worker (no tensor or pipeline "
                          "parallelism) in this version")
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+    # (exact types: subclasses such as R-SWA's evict pages too; MLA's latent pages copy as
+    # any other, block first)
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) not in (FullAttentionSpec,
+                                                                   MLAAttentionSpec):
         kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
         raise ValueError("Antiphon's KV tiering needs a model with one KV cache group of full "
                          f"attention in every layer (this one: {len(groups)} of "
