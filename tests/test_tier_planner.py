@@ -1333,6 +1333,7 @@ def test_a_reply_ending_on_a_chunk_boundary_under_async_scheduling_saves_that_ch
     final = planner.build_metadata([])
     fake_worker_saves(planner, final.final_saves["r"])
     planner.step_done({final.step}, set())
+    assert planner.stats()["saved_chunks"] == 2
     view = TokenView("r2", [*tokens, 200, 201], "s1")
     planner.add_request(view)
     assert planner.num_new_matched_tokens(view, 0) == 8

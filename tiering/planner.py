@@ -104,6 +104,7 @@ class TierPlanner:
         self._pending_load_pins: list[ChunkKey] = []
         self._final_saves: dict[str, list[PageCopy]] = {}
         self._final_keys: list[SlotCommit] = []  # as `StepInFlight.commits`
+        self._final_chunks = 0  # whole chunks among `_final_saves` (counted once saved)
         self._in_flight: dict[int, StepInFlight] = {}
         self._pending_checkpoints: list[PageCopy] = []
         self.preemption = PreemptionTable(self.chunk_tokens)
@@ -326,7 +327,8 @@ class TierPlanner:
                     self._plan_saves(st, num_done, meta, in_flight)
             meta.final_saves, self._final_saves = self._final_saves, {}
             in_flight.commits.extend(self._final_keys)
-            self._final_keys = []
+            in_flight.num_saved_chunks += self._final_chunks
+            self._final_keys, self._final_chunks = [], 0
             if meta.has_work:
                 self._in_flight[meta.step] = in_flight
             self._step += 1
@@ -466,6 +468,7 @@ class TierPlanner:
             if copy is not None:
                 copies.append(copy)
                 self._final_keys.extend(SlotCommit(key, durable, owner) for key in keys)
+                self._final_chunks += 1
             st.saved_chunks = index + 1
         return copies
 
