@@ -246,14 +246,9 @@ def two_chats_showing_the_first(page: Any, url: str) -> Any:
     return one
 
 
-def test_a_message_refused_after_going_to_another_chat_goes_back_to_its_own(
-        url: str, page: Any) -> None:
-    """The refusal of chat one's message came once chat two was shown (a turn waits up to
-    --session-free-wait-s for its session, and the engine may refuse one it accepted): the
-    text went into chat two's composer, and Enter sent it there."""
-    held: list[Any] = []
-
-    def errors_after_the_next_session(frame: Any, send: Any) -> None:
+def errors_after_the_next_session(held: list[Any]) -> Any:
+    """A `relay` filter: the server's errors held until its next `session` frame."""
+    def hold(frame: Any, send: Any) -> None:
         kind = json.loads(frame).get("type")
         if kind == "error":
             held.append(frame)
@@ -262,8 +257,15 @@ def test_a_message_refused_after_going_to_another_chat_goes_back_to_its_own(
         if kind == "session":
             while held:
                 send(held.pop(0))
+    return hold
 
-    page.route_web_socket("**/v1/ws", lambda ws: relay(ws, errors_after_the_next_session))
+
+def test_a_message_refused_after_going_to_another_chat_goes_back_to_its_own(
+        url: str, page: Any) -> None:
+    """The refusal of chat one's message came once chat two was shown (a turn waits up to
+    --session-free-wait-s for its session, and the engine may refuse one it accepted): the
+    text went into chat two's composer, and Enter sent it there."""
+    page.route_web_socket("**/v1/ws", lambda ws: relay(ws, errors_after_the_next_session([])))
     one = two_chats_showing_the_first(page, url)
     page.locator("#composer").fill("y" * 1001)  # refused: too long
     page.locator("#composer").press("Enter")
@@ -392,3 +394,28 @@ def test_a_message_the_connection_lost_goes_back_to_its_own_chat(url: str, page:
     one.click()
     title_is(page, "chat one")
     page.wait_for_function("document.querySelector('#composer').value === 'lost on the way'")
+
+
+def test_two_new_chats_refused_while_another_is_shown_each_give_their_message_back(
+        url: str, page: Any) -> None:
+    """Two new chats' first messages refused once another chat was shown: both chats were
+    deleted and one message came back; the other was lost."""
+    page.route_web_socket("**/v1/ws", lambda ws: relay(ws, errors_after_the_next_session([])))
+    open_chat(page, url)
+    send(page, "chat x")
+    for text in ("y" * 1001, "z" * 1001):  # refused: too long
+        page.locator("#new-session").click()
+        page.locator("#composer").fill(text)
+        page.locator("#composer").press("Enter")
+        page.wait_for_function("document.querySelector('#composer').value === ''")
+        page.wait_for_function("document.querySelector('.msg.user')")
+    page.locator(".session-row", has_text="chat x").locator(".session-item").click()
+    title_is(page, "chat x")
+    wait_until(lambda: [s["title"] for s in sessions(url)] == ["chat x"], "both refused")
+    given_back = []
+    for _ in range(2):
+        page.locator("#new-session").click()
+        page.wait_for_function("document.querySelector('#composer').value.length === 1001")
+        given_back.append(page.locator("#composer").input_value())
+        page.locator("#composer").fill("")
+    assert sorted(given_back) == ["y" * 1001, "z" * 1001]

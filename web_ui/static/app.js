@@ -37,8 +37,9 @@ const state = {
   replyingElsewhere: null,
   replyingPoll: 0, // its one timer (one per open, each open started a chain of its own)
   // Messages the server refused or never got, of chats not shown then: session id (NEW_CHAT:
-  // a new chat's, its session gone) -> {content, system}; back in the composer when the
-  // chat is shown with the composer empty (into the one shown, they went to the wrong chat).
+  // a new chat's, its session gone) -> [{content, system}]; back in the composer, one at a
+  // time, when the chat is shown with the composer empty (into the one shown, they went to
+  // the wrong chat).
   drafts: new Map(),
 };
 const NEW_CHAT = "";
@@ -152,17 +153,21 @@ function upsertSession(session) {
   else state.sessions.push({ num_messages: 0, ...session });
 }
 
-/** Keep a message the server refused or never got for the chat it was written in (`key`). */
+/** Keep a message the server refused or never got for the chat it was written in (`key`;
+ * several new chats' first messages share NEW_CHAT, each given back in turn). */
 function keepDraft(key, entry) {
-  if (!state.drafts.has(key)) state.drafts.set(key, { content: entry.content, system: entry.system });
+  const kept = state.drafts.get(key) ?? [];
+  kept.push({ content: entry.content, system: entry.system });
+  state.drafts.set(key, kept);
   if (key === (state.currentId ?? NEW_CHAT)) restoreDraft(key); // (a new chat is shown)
 }
 
 /** The chat shown (`key`) gets back a message kept for it, when the composer is empty. */
 function restoreDraft(key) {
-  const draft = state.drafts.get(key);
-  if (draft === undefined || !composer.isBlank()) return;
-  state.drafts.delete(key);
+  const kept = state.drafts.get(key);
+  if (kept === undefined || !composer.isBlank()) return;
+  const draft = kept.shift();
+  if (!kept.length) state.drafts.delete(key);
   composer.value = draft.content;
   if (key === NEW_CHAT) ui.systemInput.value = draft.system ?? "";
   refreshControls();
