@@ -385,6 +385,7 @@ class SessionTurns:
                     err = ApiError(ErrorCode.ENGINE_ERROR, f"{err.message} (the message was "
                                    "kept: regenerate asks for its reply again)")
                 settle()
+                self.metrics.errors.labels(err.code.value).inc()  # (as a REST request's)
                 await _emit_final(emit, protocol.error_frame(err, rid), is_user_cancel)
                 return
             if calls is not None:  # what it held back, while it might have been calls (a
@@ -404,10 +405,11 @@ class SessionTurns:
                     await _through_user_cancel(store_work, is_user_cancel, cut_short)
             except Exception as exc:  # the store failed (a full disk): say so, do not hang
                 settle()
-                await _emit_final(emit, protocol.error_frame(unexpected_error(
-                    exc, f"session {session_id}: saving the reply to {rid}",
-                    "the reply was not saved (regenerate asks for it again)"), rid),
-                    is_user_cancel)
+                failure = unexpected_error(exc, f"session {session_id}: saving the reply to "
+                                           f"{rid}", "the reply was not saved (regenerate asks "
+                                           "for it again)")
+                self.metrics.errors.labels(failure.code.value).inc()
+                await _emit_final(emit, protocol.error_frame(failure, rid), is_user_cancel)
                 return
             settle()
             content, tool_calls, finish_reason = reply

@@ -104,6 +104,8 @@ async def test_a_reply_the_full_disk_could_not_keep_is_asked_for_again(tmp_path:
             assert (frames[-1]["code"], frames[-1]["request_id"]) == ("storage_full", "r1")
             assert "the reply was not saved" in frames[-1]["message"]
             assert [m["role"] for m in (await open_session(ws, sid))["messages"]] == ["user"]
+            assert 'antiphon_errors_total{code="storage_full"} 1.0' in httpx.get(
+                url + "/metrics").text
             fill_up(srv, full=False)
             await send(ws, type="regenerate", session_id=sid, request_id="r2")
             done = (await recv_until(ws, "done"))[-1]

@@ -661,6 +661,10 @@ async def test_an_unexpected_engine_failure_ends_the_turn_with_an_error_frame(
             assert frames[-1]["request_id"] == "r"
             opened = await open_session(ws, sid)  # the message stays, for a regenerate
             assert [m["role"] for m in opened["messages"]] == ["user"]
+        # counted as a REST request's error is (an alert on it missed every web UI turn)
+        import httpx
+        metrics = httpx.get(url + "/metrics").text
+        assert 'antiphon_errors_total{code="internal_error"} 1.0' in metrics, metrics
 
 
 async def test_a_failed_turn_does_not_save_its_partial_reply_once_the_session_moved_on(
