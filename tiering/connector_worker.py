@@ -532,8 +532,8 @@ class KvPageCopier:
                 move(self._pages[layer], self._arena_pages(meta.arena_name), runs)
         except Exception:
             if meta.step not in self._failed_steps:
-                log.exception("step %d: KV page copies failed; the step's saves are dropped "
-                              "and the KV it loads is recomputed", meta.step)
+                log.exception("step %d: KV page copies failed; the step's saves are dropped, "
+                              "and the requests reading its loads fail", meta.step)
             self._failed_steps.add(meta.step)
             if to_device:
                 self._invalid_blocks.update(block for copy in copies for block in copy.blocks)
