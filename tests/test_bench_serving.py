@@ -79,14 +79,21 @@ def test_bench_serve_alternates_which_system_runs_first(
 
     monkeypatch.setattr(serving, "run_direct", direct)
     monkeypatch.setattr(serving, "run_server", served)
-    monkeypatch.setattr(serving, "ServerProcess",
-                        lambda cmd: contextlib.nullcontext(argparse.Namespace(ws_url="ws://x")))
+    commands: list[list[str]] = []
+
+    def server(cmd: list[str]) -> Any:
+        commands.append(cmd)
+        return contextlib.nullcontext(argparse.Namespace(ws_url="ws://x"))
+
+    monkeypatch.setattr(serving, "ServerProcess", server)
     monkeypatch.setattr(serving, "scratch_data_dir", contextlib.nullcontext)
     monkeypatch.setattr(serving, "write_json", lambda *args: None)
     monkeypatch.setattr(antiphon.model, "resolve_model", lambda model: tmp_path)
     serving.main(argparse.Namespace(model=None, quick=True, rounds=1, repeats=2, max_tokens=4,
-                                    enforce_eager=True, out=str(tmp_path / "s.json")))
+                                    enforce_eager=True, out=str(tmp_path / "s.json"),
+                                    server_arg=["--no-kv-tiering"]))
     assert order == ["vllm", "antiphon", "antiphon", "vllm"]
+    assert all(cmd[-1] == "--no-kv-tiering" for cmd in commands) and len(commands) == 2
 
 
 def test_scheduler_ab_rotates_which_variant_runs_first(
