@@ -415,8 +415,9 @@ class TierPlanner:
 
     def request_finished(self, request_id: str, num_computed: int,
                          block_ids: Sequence[int]) -> bool:
-        """The request is done; True if its last partial chunk is being saved (vLLM must keep
-        its pages until the worker reports the request sent)."""
+        """The request is done; True if pages of it are being saved, full chunks not saved yet
+        or its last partial one (vLLM must keep its pages until the worker reports the request
+        sent)."""
         with self.lock:
             st = self._requests.pop(request_id, None)
             self._drop_checkpoint(request_id)
@@ -427,10 +428,15 @@ class TierPlanner:
             self._drop_prefetch(st)
             num_computed = known_tokens(st, num_computed)
             full = num_computed // self.chunk_tokens
-            copies = self._final_chunk_saves(st, full, block_ids)
+            # With async scheduling the step computing a chunk's last token was planned
+            # before that token was known: a reply ending there lost the chunk (its next turn
+            # recomputed it). Saved now, with the tail.
+            copies: list[PageCopy] = []
+            self._final_chunks += self._save_chunks(st, full, block_ids, copies,
+                                                    self._final_keys)
             if num_computed == full * self.chunk_tokens or st.saved_chunks != full:
-                self.retirement.request_finished(st, num_computed, None)
                 # nothing partial, or the full chunks were not all saved
+                self.retirement.request_finished(st, num_computed, None)
             else:
                 tail = self.matcher.tail_key(st, num_computed)
                 copy, keys = self._reserve(tail, self._tail_pages(block_ids, num_computed))
@@ -446,31 +452,6 @@ class TierPlanner:
             if copies:
                 self._final_saves[request_id] = copies
             return bool(copies)
-
-    def _final_chunk_saves(self, st: RequestState, full: int,
-                           block_ids: Sequence[int]) -> list[PageCopy]:
-        """Copies of the request's first `full` chunks not saved yet, as it finishes. With
-        async scheduling the step computing a chunk's last token was planned before that
-        token was known, and a reply ending there lost the chunk (its next turn recomputed
-        it). Stops at a chunk the host has no room for (the rest extend no stored prefix)."""
-        if full <= st.saved_chunks:
-            return []
-        hashes = self.matcher.hashes(st, full)
-        durable, owner = self._durable(st), self._owner(st)
-        copies = []
-        for index in range(st.saved_chunks, full):
-            first_page = index * self.pages_per_chunk
-            chunk = ChunkKey(self.model_id, hashes[index], index, 0)
-            copy, keys = self._reserve(
-                chunk, tuple(block_ids[first_page:first_page + self.pages_per_chunk]))
-            if copy is None and not self.held(chunk):
-                break
-            if copy is not None:
-                copies.append(copy)
-                self._final_keys.extend(SlotCommit(key, durable, owner) for key in keys)
-                self._final_chunks += 1
-            st.saved_chunks = index + 1
-        return copies
 
     def checkpoint(self, request_id: str, num_computed: int, block_ids: Sequence[int]) -> int:
         """Lazy checkpointing: the request is preempted and its pages go back to vLLM, where
@@ -672,11 +653,22 @@ class TierPlanner:
     def _plan_saves(self, st: RequestState, num_done: int, meta: TieringMetadata,
                     in_flight: StepInFlight) -> None:
         full = known_tokens(st, num_done) // self.chunk_tokens
+        if full > st.saved_chunks:
+            in_flight.num_saved_chunks += self._save_chunks(
+                st, full, self._block_ids_of(st.view.request_id), meta.saves,
+                in_flight.commits)
+
+    def _save_chunks(self, st: RequestState, full: int, block_ids: Sequence[int],
+                     copies: list[PageCopy], commits: list[SlotCommit]) -> int:
+        """Host slots for the request's chunks from `st.saved_chunks` to `full`, their page
+        copies into `copies` and their commits into `commits`; returns how many chunks need
+        a copy. Stops at a chunk the host has no room for, tried again later (the chunks
+        after it extend no stored prefix until then)."""
         if full <= st.saved_chunks:
-            return
+            return 0
         hashes = self.matcher.hashes(st, full)
-        block_ids = self._block_ids_of(st.view.request_id)
         durable, owner = self._durable(st), self._owner(st)
+        saved = 0
         for index in range(st.saved_chunks, full):
             first_page = index * self.pages_per_chunk
             pages = tuple(block_ids[first_page:first_page + self.pages_per_chunk])
@@ -684,16 +676,17 @@ class TierPlanner:
             # a chunk refused again, step after step, counts as one refused
             copy, keys = self._reserve(chunk, pages, count_refusal=index != st.refused_chunk)
             if copy is not None:
-                meta.saves.append(copy)
-                in_flight.commits.extend(SlotCommit(key, durable, owner) for key in keys)
-                in_flight.num_saved_chunks += 1
+                copies.append(copy)
+                commits.extend(SlotCommit(key, durable, owner) for key in keys)
+                saved += 1
                 if index == st.refused_chunk:  # a later refusal of it counts again
                     st.refused_chunk = None
-            elif not self.held(chunk):  # refused, no host room: tried again next step (the
-                st.saved_chunks = index  # chunks after it extend no stored prefix until then)
+            elif not self.held(chunk):  # refused, no host room
+                st.saved_chunks = index
                 st.refused_chunk = index
-                return
+                return saved
         st.saved_chunks = full
+        return saved
 
     def _reserve(self, key: ChunkKey, pages: tuple[int, ...], count_refusal: bool = True
                  ) -> tuple[PageCopy | None, list[ChunkKey]]:
