@@ -260,6 +260,16 @@ def errors_after_the_next_session(held: list[Any]) -> Any:
     return hold
 
 
+def given_back_in_chat_one(page: Any, one: Any, composer_holds_it: str) -> None:
+    """Chat two shown with its composer empty; chat one (`one`: its sidebar entry), once
+    shown, has the message back in its composer (`composer_holds_it`, a page expression)."""
+    title_is(page, "chat two")
+    assert page.locator("#composer").input_value() == ""
+    one.click()
+    title_is(page, "chat one")
+    page.wait_for_function(composer_holds_it)
+
+
 def test_a_message_refused_after_going_to_another_chat_goes_back_to_its_own(
         url: str, page: Any) -> None:
     """The refusal of chat one's message came once chat two was shown (a turn waits up to
@@ -271,11 +281,8 @@ def test_a_message_refused_after_going_to_another_chat_goes_back_to_its_own(
     page.locator("#composer").press("Enter")
     page.locator(".session-row", has_text="chat two").locator(".session-item").click()
     page.locator("#error:not([hidden])").wait_for()
-    title_is(page, "chat two")
-    assert page.locator("#composer").input_value() == ""
-    one.click()
-    title_is(page, "chat one")
-    page.wait_for_function("document.querySelector('#composer').value.length === 1001")
+    given_back_in_chat_one(page, one, "document.querySelector('#composer').value.length "
+                                      "=== 1001")
 
 
 def test_a_first_message_waiting_for_its_chat_when_the_connection_drops_is_sent(
@@ -389,11 +396,8 @@ def test_a_message_the_connection_lost_goes_back_to_its_own_chat(url: str, page:
     swallow["page_ws"].close()
     page.wait_for_selector("body[data-connected=false]")
     page.wait_for_selector("body[data-connected=true]")
-    title_is(page, "chat two")
-    assert page.locator("#composer").input_value() == ""
-    one.click()
-    title_is(page, "chat one")
-    page.wait_for_function("document.querySelector('#composer').value === 'lost on the way'")
+    given_back_in_chat_one(page, one, "document.querySelector('#composer').value "
+                                      "=== 'lost on the way'")
 
 
 def test_two_new_chats_refused_while_another_is_shown_each_give_their_message_back(
