@@ -231,12 +231,14 @@ class BatchStore:
         return _batch(row) if row else None
 
     def list_batches(self, owner: str, limit: int, after: str | None = None) -> list[Batch]:
-        """The owner's batches, newest first, starting after the batch `after`."""
+        """The owner's batches, newest first, starting after the batch `after` (batches created
+        at the same instant in batch_id order, so that none falls between two pages)."""
         with self.db.locked() as db:
             rows = db.execute(
-                f"{_SELECT_BATCH} WHERE owner = ? AND (? IS NULL OR created_at <"
-                " (SELECT created_at FROM batches WHERE batch_id = ? AND owner = ?))"
-                " ORDER BY created_at DESC LIMIT ?", (owner, after, after, owner, limit)).fetchall()
+                f"{_SELECT_BATCH} WHERE owner = ? AND (? IS NULL OR (created_at, batch_id) <"
+                " (SELECT created_at, batch_id FROM batches WHERE batch_id = ? AND owner = ?))"
+                " ORDER BY created_at DESC, batch_id DESC LIMIT ?",
+                (owner, after, after, owner, limit)).fetchall()
         return [_batch(r) for r in rows]
 
     def unfinished_batches(self) -> list[Batch]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,21 @@ def test_owner_isolation_and_listing(tmp_path: Path) -> None:
     assert [b.batch_id for b in store.list_batches("alice", 10, after=listed[0])] == listed[1:]
     file_id = store.get_batch("alice", ids[0]).input_file_id  # type: ignore[union-attr]
     assert store.get_file("bob", file_id) is None and store.get_file("alice", file_id)
+
+
+def test_batches_created_at_one_instant_are_each_listed_once_across_pages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The cursor compared created_at alone: a page ending on one of two batches stamped
+    # alike skipped the other.
+    store = BatchStore(tmp_path / "b.sqlite3")
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.0)
+    ids = {make_batch(store) for _ in range(4)}
+    seen: list[str] = []
+    after = None
+    while page := store.list_batches("alice", 1, after=after):
+        seen += [b.batch_id for b in page]
+        after = page[-1].batch_id
+    assert sorted(seen) == sorted(ids)
 
 
 def test_file_store_writes_atomically_and_sweeps(tmp_path: Path) -> None:
