@@ -4,6 +4,8 @@ its bytes arrive, so the size and line limits hold before anything is buffered."
 from __future__ import annotations
 
 import dataclasses
+import re
+import urllib.parse
 
 from fastapi import Request
 from python_multipart.exceptions import MultipartParseError
@@ -19,6 +21,9 @@ _MAX_FIELDS = 8
 _MAX_PARTS = _MAX_FIELDS + 1  # the fields and the file
 # Body bytes besides the file's: boundaries, part headers, the other fields.
 MAX_FORM_OVERHEAD_BYTES = 64 * 1024
+# RFC 5987's extended parameter, `filename*=charset'language'percent-encoded`, which
+# python-multipart's header parser drops.
+_EXTENDED_FILENAME = re.compile(rb"(?:^|;)\s*filename\*\s*=\s*([^';\s]*)'[^';]*'([^;\s]*)", re.I)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +97,13 @@ class _Receiver:
     def on_headers_finished(self) -> None:
         _, options = parse_options_header(self._disposition)
         self._name = options.get(b"name", b"").decode("utf-8", "replace")
-        if b"filename" not in options:
+        filename = _filename(self._disposition, options)
+        if filename is None:
             return
         if self._name != FILE_FIELD or self.filename is not None:
             raise ApiError(ErrorCode.BAD_MESSAGE,
                            f"send exactly one file, in the form field {FILE_FIELD!r}")
-        self.filename = options[b"filename"].decode("utf-8", "replace")[:255]
+        self.filename = filename[:255]
         self._is_file = True
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
@@ -161,3 +167,19 @@ async def receive_upload(request: Request, writer: FileWriter, max_lines: int) -
     if num_lines > max_lines:
         raise ApiError(ErrorCode.TOO_MANY_ITEMS, f"file has more than {max_lines} lines")
     return Upload(r.filename, r.fields, writer.num_bytes, num_lines)
+
+
+def _filename(disposition: bytes, options: dict[bytes, bytes]) -> str | None:
+    """The part's file name: `filename`, or else the extended `filename*` some clients send
+    alone for a name outside ASCII (requests on urllib3 1.x); None for a plain form field."""
+    if b"filename" in options:
+        return options[b"filename"].decode("utf-8", "replace")
+    extended = _EXTENDED_FILENAME.search(disposition)
+    if extended is None:
+        return None
+    charset = extended.group(1).decode("ascii", "replace") or "utf-8"
+    quoted = extended.group(2).decode("ascii", "replace")
+    try:
+        return urllib.parse.unquote(quoted, encoding=charset, errors="replace")
+    except LookupError:  # a charset Python does not know
+        return urllib.parse.unquote(quoted, errors="replace")

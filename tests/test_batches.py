@@ -865,6 +865,21 @@ def test_uploads_in_flight_reserve_their_room_before_they_stream(tmp_path: Path)
                 assert live.client().files.delete(kept.json()["id"]).deleted
 
 
+def test_a_file_named_only_by_its_extended_filename_is_a_file(tmp_path: Path) -> None:
+    # python-multipart drops `filename*`: the file was taken for a form field, and refused as
+    # one too long (or as no file at all).
+    one = jsonl(40)
+    body = (form_part("purpose", b"batch")
+            + (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; "
+               "filename*=UTF-8''na%C3%AFve.jsonl\r\n\r\n").encode() + one + b"\r\n"
+            + f"--{BOUNDARY}--\r\n".encode())
+    assert len(one) > 1024
+    with batch_server(tmp_path) as live:
+        r = httpx.post(live.url + "/v1/files", content=body, headers=MULTIPART)
+        assert r.status_code == 200, r.text
+        assert r.json()["filename"] == "na\u00efve.jsonl" and r.json()["bytes"] == len(one)
+
+
 def test_a_form_field_too_long_is_not_reported_as_files_full(tmp_path: Path) -> None:
     """With less room left than a file may take, every `too_large` of an upload said the
     key's files were full, also that of a form field too long."""
