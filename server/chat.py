@@ -376,8 +376,16 @@ class ChatService:
                            f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
                            f"exceeds the model's context of {self.engine.max_model_len} tokens")
         limit = max_tokens if max_tokens is not None else min(self.config.reply_max_tokens, room)
-        if sampling.get("min_tokens", 0) > limit:
-            raise ApiError(ErrorCode.BAD_MESSAGE, f"min_tokens ({sampling['min_tokens']}) "
+        min_tokens = sampling.get("min_tokens") or 0
+        if min_tokens > limit:
+            if max_tokens is None and min_tokens <= self.config.reply_max_tokens:
+                # The prompt, not the request, leaves too little room (a session's window
+                # then moves on, as for a max_tokens too large).
+                raise ApiError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                               f"prompt ({len(prompt)} tokens) plus min_tokens ({min_tokens}) "
+                               f"exceeds the model's context of {self.engine.max_model_len}"
+                               " tokens")
+            raise ApiError(ErrorCode.BAD_MESSAGE, f"min_tokens ({min_tokens}) "
                            f"exceeds the reply's max_tokens ({limit})")
         defaults = {"temperature": 1.0, **self.engine.sampling_defaults}
         if self.config.default_temperature is not None:

@@ -501,8 +501,9 @@ class SessionTurns:
         if gen is not None and gen.params.max_tokens >= min(asked, int(room * (1 - frac) / 2)):
             return gen, 0
         budget = lead_tokens + room * frac
-        if msg.max_tokens:  # a reply that asks for more room than the refill leaves gets it
-            budget = min(budget, max_model_len - msg.max_tokens)
+        needed = max(msg.max_tokens or 0, msg.min_tokens or 0)
+        if needed:  # a reply that asks for more room than the refill leaves gets it
+            budget = min(budget, max_model_len - needed)
         lo, hi = 0, len(starts) - 1  # the last start, the new message alone, always counts
         while lo < hi:  # the first start whose window fits the budget
             mid = (lo + hi) // 2

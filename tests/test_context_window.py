@@ -167,6 +167,21 @@ async def test_a_reply_asking_for_more_room_than_the_refill_leaves_gets_a_deeper
     assert engine.prompts[-1].count("<user>") == 1  # the newest message alone
 
 
+async def test_a_reply_asking_for_min_tokens_moves_the_window_on(tmp_path: Path) -> None:
+    """A turn with min_tokens and no max_tokens whose conversation left it too little room
+    was refused as a bad message (naming a max_tokens never sent), and the session was stuck:
+    every later such turn was refused the same way."""
+    engine = PromptRecordingEngine()
+    config = scripted_config(tmp_path, max_content_chars=500, context_refill_frac=0.5)
+    with live_server(config, engine) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            for i in range(20):
+                ended = await turn(ws, sid, f"message {i} " + "x" * 30, min_tokens=200)
+                assert ended["type"] == "done", (i, ended)
+    assert engine.prompts[-1].count("<user>") < 20  # the window moved on
+
+
 async def test_a_turn_taken_back_leaves_the_window_and_the_listing_as_they_were(
         tmp_path: Path) -> None:
     """A long message that needed a cut, which the engine then refused: the message went,
