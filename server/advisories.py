@@ -112,23 +112,42 @@ class AdvisoryFilter:
 
 class ArrivalOrder:
     """Symphony's `ordered` advisories: the turns of those one API key sends come in the
-    order it sent them, so each is expected no sooner than the one before it (expected at
-    the same time, it is fetched after it). Not thread-safe: the server's event loop calls
-    it."""
+    order it sent them, so each is expected no sooner than those of the other sessions before
+    it whose turns have not come yet (expected at the same time, it is fetched after them).
+    A session's own later advisory takes its earlier one's place, which may be sooner. Not
+    thread-safe: the server's event loop calls it."""
 
     def __init__(self) -> None:
-        self._last_due_s: dict[str, float] = {}  # owner -> its last ordered one's due
+        self._due_s: dict[str, dict[str, float]] = {}  # owner -> session id -> its turn's due
+        self._owner: dict[str, str] = {}  # session id -> the owner it is pending under
 
-    def expected_arrival(self, owner: str, expected_arrival_s: float | None) -> float | None:
-        """When the turn of an ordered advisory of `owner` that expects it in
-        `expected_arrival_s` seconds (None: now) is expected, in seconds from now (None:
+    def expected_arrival(self, owner: str, session_id: str,
+                         expected_arrival_s: float | None) -> float | None:
+        """When the turn of `session_id`'s ordered advisory from `owner`, expecting it in
+        `expected_arrival_s` seconds (None: now), is expected, in seconds from now (None:
         now)."""
         now = time.monotonic()
         asked = now + (expected_arrival_s or 0.0)
-        due = max(asked, self._last_due_s.get(owner, asked))
-        self._last_due_s = _pruned(self._last_due_s, lambda d: now - d, 0.0)
-        self._last_due_s[owner] = due
+        if len(self._owner) >= MAX_SESSIONS:  # those whose turns are past due count no more
+            for pending, pending_owner in list(self._owner.items()):
+                if self._due_s[pending_owner][pending] <= now:
+                    self.arrived(pending)
+        before = {s: d for s, d in self._due_s.get(owner, {}).items()
+                  if s != session_id and d > now}  # a turn due in the past delays none
+        due = max(asked, *before.values()) if before else asked
+        self.arrived(session_id)
+        self._due_s.setdefault(owner, {})[session_id] = due
+        self._owner[session_id] = owner
         return expected_arrival_s if due == asked else due - now
+
+    def arrived(self, session_id: str) -> None:
+        """A turn of `session_id` began: it holds back no later ordered advisory."""
+        owner = self._owner.pop(session_id, None)
+        if owner is not None:
+            pending = self._due_s[owner]
+            del pending[session_id]
+            if not pending:
+                del self._due_s[owner]
 
 
 def _pruned(last: dict[str, V], age_s: Callable[[V], float], keep_s: float) -> dict[str, V]:

@@ -81,8 +81,14 @@ class SessionTurns:
         # A turn uses the session's advisory in the engine, whether or not it changes the
         # conversation (one that commits at its end, or fails): the next is no repeat.
         self.claims = SessionClaims(chat.config.session_free_wait_s, chat.check_open,
-                                    self.advisories.forget)
+                                    self._turn_began)
         self.eraser = KvEraser(store, chat)
+
+    def _turn_began(self, session_id: str) -> None:
+        """A turn of `session_id` claimed it: it uses up the session's advisory, and holds
+        back no later ordered one."""
+        self.advisories.forget(session_id)
+        self.arrival_order.arrived(session_id)
 
     async def open(self, owner: str, session_id: str | None, title: str | None = None,
                    system: str | None = None) -> tuple[Session, list[Message]]:
@@ -205,7 +211,8 @@ class SessionTurns:
         if revision is None:
             raise gone
         if ordered:
-            expected_arrival_s = self.arrival_order.expected_arrival(owner, expected_arrival_s)
+            expected_arrival_s = self.arrival_order.expected_arrival(owner, session_id,
+                                                                     expected_arrival_s)
         repeat = self.advisories.repeat_of(session_id, revision, expected_arrival_s, priority)
         if repeat is not None:
             self.metrics.advisory_repeats.labels(source).inc()

@@ -912,6 +912,17 @@ def test_an_advisorys_priority_and_order_reach_the_engine(tmp_path: Path) -> Non
         # an unordered one is not held back by them
         assert advise(sids[0], expected_arrival=1.0).json()["repeat"] is False
         assert engine.advisories[-1][2] == 1.0
+        # once their turns have come, they hold back no later one
+        for sid in sids:
+            app.chat.completions.create(model="scripted", max_tokens=10,
+                                        messages=[{"role": "user", "content": "a b"}],
+                                        extra_body={"vllm_xargs": {"session_id": sid}})
+        assert advise(sids[1], expected_arrival=0.5, ordered=True).json()["repeat"] is False
+        assert engine.advisories[-1][2] == 0.5
+        # and a session's own later ordered advisory may move its turn sooner
+        assert advise(sids[0], expected_arrival=120.0, ordered=True).status_code == 202
+        assert advise(sids[0], expected_arrival=0.25, ordered=True).json()["repeat"] is False
+        assert engine.advisories[-1][2] is not None and engine.advisories[-1][2] < 1.0
 
 
 def test_an_advisory_during_the_sessions_turn_is_no_repeat(tmp_path: Path) -> None:
