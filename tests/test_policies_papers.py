@@ -301,6 +301,19 @@ def test_hygen_running_be_decodes_keep_their_step_when_prefills_fill_the_budget(
     assert predicted_s(cost, views, plan) <= 0.1 + 1e-12
 
 
+def test_hygen_running_be_decodes_do_not_shrink_an_rt_prompts_ttft_floor() -> None:
+    # The floor counted the steps left to the TTFT deadline in units of L less the BE
+    # decodes' cost, while the steps still last about L: five BE decodes halved a 2,000-token
+    # prompt's chunk to 112 tokens, under the 223 its 9 steps need (first token at 1.95 s
+    # against a 1 s target, simulated).
+    cost = CostModel("hygen", {"prefill_token_s": 4e-4, "decode_request_s": 0.01})
+    rtd, new = decoding("rtd"), view("new", RT, prompt=2000)
+    bes = [decoding(f"be{i}", BE) for i in range(5)]
+    assert HygenPolicy(cost).plan([rtd, new], budget()).token_limits == {"new": 225}
+    mixed = HygenPolicy(cost).plan([rtd, new, *bes], budget())
+    assert mixed.token_limits["new"] >= -(-2000 // 9)
+
+
 def test_hygen_rt_takes_pages_from_be_never_the_reverse() -> None:
     policy = HygenPolicy(constant_cost(0.01))
     be_old = decoding("be_old", BE, arrival=0.0)

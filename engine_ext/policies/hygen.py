@@ -120,6 +120,7 @@ class HygenPolicy(Policy):
                 batch.add(view, 1, pages)
         prefills = [v for v in rts if v.is_running and v.is_prefill]
         prefills += [v for v in rts if not v.is_running]
+        step_s = limit_s  # a step lasts about L whatever share BE decodes take of it
         if be_decodes and prefills:
             limit_s -= max(0.0, batch.time_with_decodes_s(be_decodes) - batch.time_s())
         is_short = False
@@ -133,7 +134,7 @@ class HygenPolicy(Policy):
             # must: measured at 3 turns/s on a 2-core CPU, bursts of 16-19 turns in 2 s missed
             # their TTFT by up to 0.5 s while every stream held its TPOT with room to spare.
             floor = max(self.min_prefill_tokens if i == 0 else 0,
-                        ttft_floor(view, batch, limit_s, now_s))
+                        ttft_floor(view, batch, step_s, now_s))
             chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s, min_tokens=floor)
             needed = admission_pages(view, pages, batch.page_tokens)
             # vLLM admits a waiting request only where its whole sequence fits: where it would
