@@ -122,7 +122,9 @@ class StepPlan:
     """True: requests not in `order` sit this step out. False: `order` only sets priority."""
     token_limits: dict[str, int] = dataclasses.field(default_factory=dict)
     """Most new tokens a request in `order` may compute this step (a prefill chunk sized to a
-    latency budget); ids absent are bounded only by the step's token budget."""
+    latency budget, or a waiting request's whole remainder as estimated: what the tiers held
+    for it may be gone by its admission); ids absent are bounded only by the step's token
+    budget."""
 
     def rank(self) -> dict[str, int]:
         return {rid: i for i, rid in enumerate(self.order)}

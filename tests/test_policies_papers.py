@@ -94,7 +94,7 @@ def test_arrival_guard_never_cuts_rt_work(name: str) -> None:
     if isinstance(policy, HygenPolicy):
         policy.latency_budget_s = 1.0  # its TPOT-derived budget would cut the RT prefill too
     plan = policy.plan(views, dataclasses.replace(budget(), max_be_step_s=0.25))
-    assert plan.order == ["rt"] and plan.token_limits == {}
+    assert plan.order == ["rt"] and plan.token_limits == {"rt": 500}
 
 
 def test_registry_lists_the_paper_policies() -> None:
@@ -539,7 +539,11 @@ def test_every_policy_keeps_the_plan_invariants(
         if not any(v.is_rt for v in views):
             assert plan.preempt == []
     assert set(plan.token_limits) <= set(plan.order)
-    assert all(1 <= n < by_id[rid].num_new_tokens for rid, n in plan.token_limits.items())
+    assert all(1 <= n < by_id[rid].num_new_tokens
+               or (n == by_id[rid].num_new_tokens and not by_id[rid].is_running)
+               for rid, n in plan.token_limits.items())
+    if plan.is_restrictive:  # a waiting request seated is capped at its chunk, whole or not
+        assert all(rid in plan.token_limits for rid in plan.order if not by_id[rid].is_running)
     if plan.is_restrictive:
         assert len(plan.order) <= step.max_num_seqs
         if any(could_run(v, step) for v in views):

@@ -18,7 +18,8 @@ from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 class StepBatch:
     def __init__(self, budget: StepBudget, cost_model: CostModel) -> None:
         self.ids: list[str] = []  # members, in the order they were seated
-        self.token_limits: dict[str, int] = {}  # members computing less than all they could
+        # members computing less than all they could, and every waiting one seated
+        self.token_limits: dict[str, int] = {}
         self.page_tokens = budget.page_tokens
         self.seqs_left = budget.max_num_seqs
         self.tokens_left = budget.max_num_tokens
@@ -100,7 +101,10 @@ class StepBatch:
         the running requests first, and pages they took refused its admission."""
         num_pages = admission_pages(view, num_pages, self.page_tokens, num_cached_tokens)
         self.ids.append(view.request_id)
-        if num_cached_tokens + num_new_tokens < view.num_new_tokens:
+        if num_cached_tokens + num_new_tokens < view.num_new_tokens or not view.is_running:
+            # (a waiting request's remainder is an estimate: the KV the tiers or the prefix
+            # cache were thought to hold may be gone by its admission, and vLLM would then
+            # compute what they lacked too, up to the step's whole token budget)
             self.token_limits[view.request_id] = num_new_tokens
         context = view.num_computed_tokens + num_cached_tokens + num_new_tokens
         self._shape = self._shape.plus(num_new_tokens, context, view.is_prefill)
