@@ -394,6 +394,7 @@ class AntiphonScheduler(Scheduler):
             prefix_page_hashes=request.block_hashes,  # read-only; no per-step copy
             num_shared_pages=num_shared,
             shared_page_holders=holders,
+            frees_pages_late=is_running and not self._request_blocks_can_be_freed(request),
         )
 
     def _held_prefix_pages(self, request: Request, num_pages: int) -> int:

@@ -44,6 +44,10 @@ class RequestView:
     # finished requests whose pages the KV connector still saves among them); () where not
     # known (those pages are then never counted freed with the requests that share them).
     shared_page_holders: Sequence[int] = ()
+    # Running: its pages come back a step after a preemption, not at once (vLLM defers the
+    # free while a step in flight may still write them: an overlapped engine, a GPU's, with a
+    # KV connector); a plan that preempts it seats no one on them before the next step.
+    frees_pages_late: bool = False
     prefix_page_hashes: Sequence[bytes] = ()
     """Chained hashes of the prompt's full KV pages (vLLM's block hashes): two requests share
     their first k pages exactly when their first k hashes are equal. The scheduler passes

@@ -314,6 +314,23 @@ def test_hygen_running_be_decodes_do_not_shrink_an_rt_prompts_ttft_floor() -> No
     assert mixed.token_limits["new"] >= -(-2000 // 9)
 
 
+@pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
+def test_pages_a_victim_gives_back_only_next_step_seat_no_one_this_step(name: str) -> None:
+    # An overlapped engine (a GPU's) with a KV connector returns a preempted request's pages
+    # only once the step in flight has run: an RT request seated on them failed its
+    # allocation, and vLLM then preempted an RT stream that sat a step out, or left every
+    # request after it out of the step. It is seated at the next step instead.
+    policy = make_policy(name, constant_cost(0.01))
+    fresh = view("fresh", prompt=48)  # 3 pages
+    streaming = view("streaming", prompt=32, computed=48, output=17, running=True)  # 1 page
+    for late in (False, True):
+        be = decoding("be", BE, frees_pages_late=late)  # 3 pages
+        for rt, free in ((fresh, 1), (streaming, 0)):
+            plan = policy.plan([be, rt], budget(free_pages=free))
+            assert plan.preempt == ["be"], (rt.request_id, late)
+            assert (rt.request_id in plan.order) is not late, (rt.request_id, late)
+
+
 def test_hygen_rt_takes_pages_from_be_never_the_reverse() -> None:
     policy = HygenPolicy(constant_cost(0.01))
     be_old = decoding("be_old", BE, arrival=0.0)

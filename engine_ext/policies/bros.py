@@ -147,8 +147,8 @@ class BrosPolicy(Policy):
                 is_admission_blocked = is_admission_blocked or (
                     not view.is_running and can_pages_free)
                 continue
-            victims.take_until(needed, batch, plan)
-            batch.add(view, new, pages)
+            if victims.take_until(needed, batch, plan):  # (else its pages come next step)
+                batch.add(view, new, pages)
 
         be_time = be_time_s(rts, now)
         be_limit = min(be_time, budget.max_be_step_s)

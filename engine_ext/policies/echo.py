@@ -164,8 +164,8 @@ class EchoPolicy(Policy):
                 if not view.is_running and batch.ids:
                     return is_short  # FCFS: a waiting RT request that cannot start holds
                 continue  # those behind
-            victims.take_until(needed, batch, plan)
-            batch.add(view, new, pages)
+            if victims.take_until(needed, batch, plan):  # (else its pages come next step)
+                batch.add(view, new, pages)
         return is_short
 
     def _add_be(self, candidates: list[RequestView], batch: StepBatch, rt_slacks: list[float],

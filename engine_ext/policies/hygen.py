@@ -140,7 +140,9 @@ class HygenPolicy(Policy):
             # vLLM admits a waiting request only where its whole sequence fits: where it would
             # not even with every BE request preempted, none is, and it waits for pages
             admissible = needed <= batch.pages_left + victims.num_pages
-            while admissible and (is_short_of_pages or needed > batch.pages_left) and victims:
+            while admissible and (is_short_of_pages or needed > batch.pages_left) and victims \
+                    and (not victims.pages_next_step
+                         or needed > batch.pages_left + victims.pages_next_step):
                 victims.take_one(batch, plan)
                 chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s,
                                                                   min_tokens=floor)

@@ -163,12 +163,15 @@ class Victims:
                     held -= kept_hashes  # two victims' copies of a page: the turn takes one
         self.num_pages = sum(freed_pages(v, page_tokens) for v in self._stack) + len(
             self._holders) - sum(self._kept_pages.values())
+        # pages of the victims taken that come back only at the next step (`frees_pages_late`)
+        self.pages_next_step = 0
 
     def __bool__(self) -> bool:
         return bool(self._stack)
 
     def take_one(self, batch: StepBatch, plan: StepPlan) -> None:
-        """Preempt the next victim: its pages go to `batch`, its id to `plan.preempt`."""
+        """Preempt the next victim: its pages go to `batch` (or, where they come back late,
+        to `pages_next_step`), its id to `plan.preempt`."""
         view = self._stack.pop()
         freed = preempt(view, batch, plan, self._kept_pages.get(view.request_id, 0))
         for h in view.prefix_page_hashes[:len(view.shared_page_holders)]:
@@ -179,10 +182,14 @@ class Victims:
                     batch.pages_left += 1
                     freed += 1
         self.num_pages -= freed
+        if view.frees_pages_late:
+            batch.pages_left -= freed
+            self.pages_next_step += freed
 
     def take_until(self, num_pages: int, batch: StepBatch, plan: StepPlan) -> bool:
-        """Take victims until `batch` has `num_pages` free; False if they run out first."""
-        while num_pages > batch.pages_left and self._stack:
+        """Take victims until `batch` has `num_pages` free, or will have at the next step;
+        whether it has them now (False also where the victims run out first)."""
+        while num_pages > batch.pages_left + self.pages_next_step and self._stack:
             self.take_one(batch, plan)
         return num_pages <= batch.pages_left
 
