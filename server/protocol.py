@@ -362,13 +362,24 @@ def parse_json(raw: str | bytes, what: str = "message") -> Any:
     return data
 
 
-_REQUEST_ID_FIELD = re.compile(r'"request_id"\s*:\s*"([A-Za-z0-9_.:-]{1,64})"')
+_REQUEST_ID = re.compile(ID_PATTERN.strip("^$"))
+_REQUEST_ID_FIELD = re.compile(r'"request_id"\s*:\s*"(' + _REQUEST_ID.pattern + ')"')
 
 
-def find_request_id(raw: str | bytes) -> str | None:
-    """The request id a frame that did not decode (too large, not JSON, invalid) seems to
-    carry, found by its text, so its error can still name the request a client waits on."""
+def find_request_id(raw: str | bytes, *, parse: bool = True) -> str | None:
+    """The request id of a frame that did not decode (too large, not JSON, invalid), so its
+    error can still name the request a client waits on: a JSON object's own `request_id`
+    (one nested in its tools or schema is another's), else, where it is no JSON or too large
+    to `parse`, the one its text seems to carry."""
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    if parse:
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError):
+            pass
+        else:
+            own = data.get("request_id") if isinstance(data, dict) else None
+            return own if isinstance(own, str) and _REQUEST_ID.fullmatch(own) else None
     match = _REQUEST_ID_FIELD.search(text)
     return match.group(1) if match else None
 

@@ -122,8 +122,8 @@ class Connection:
         requests on it go on."""
         request_id: str | None = None
         msg: protocol.ClientMessage | None = None
+        size = frame_bytes(data)
         try:
-            size = frame_bytes(data)
             if size > self.ctx.config.server.max_frame_bytes:
                 raise ApiError(ErrorCode.TOO_LARGE, f"message of {size} bytes exceeds the "
                                f"limit of {self.ctx.config.server.max_frame_bytes}")
@@ -134,7 +134,8 @@ class Connection:
             raise  # the client left: nobody to tell, and no error of the server's
         except Exception as exc:
             if msg is None:  # the frame did not decode: name the request its text carries
-                request_id = protocol.find_request_id(data)
+                request_id = protocol.find_request_id(
+                    data, parse=size <= self.ctx.config.server.max_frame_bytes)
             await self._send_error(exc, request_id, msg.type if msg else "frame")
 
     async def _send_error(self, exc: Exception, request_id: str | None, what: str) -> None:

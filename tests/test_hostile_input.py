@@ -291,6 +291,20 @@ async def test_a_failed_message_names_its_request(scripted: Scripted) -> None:
                    request_id="mine")
         frame = await recv(ws)
         assert (frame["code"], frame["request_id"]) == ("bad_message", "mine")
+        # its own request_id, not one a schema inside it names (found first by the text's
+        # search, in the order the SDK writes a frame: the error went to another turn)
+        schema = {"type": "object", "examples": [{"request_id": "someone-elses"}]}
+        await send(ws, type="message", session_id=sid, content="hi", temperature=5.0,
+                   response_format={"type": "json_schema",
+                                    "json_schema": {"name": "x", "schema": schema}},
+                   request_id="mine-too")
+        frame = await recv(ws)
+        assert (frame["code"], frame["request_id"]) == ("bad_message", "mine-too")
+        await send(ws, type="message", session_id=sid, content="hi", temperature=5.0,
+                   response_format={"type": "json_schema",
+                                    "json_schema": {"name": "x", "schema": schema}})
+        frame = await recv(ws)
+        assert (frame["code"], frame["request_id"]) == ("bad_message", None)
 
 
 async def test_the_frame_limit_counts_bytes(scripted: Scripted) -> None:
