@@ -215,9 +215,17 @@ class AsyncAntiphon:
                                 headers={"content-type": "application/json"})
 
     async def health(self) -> dict[str, Any]:
-        """The server's `/healthz`: `status` "ok", or "unavailable" (503) with a `detail`."""
-        result: dict[str, Any] = (await self._get("GET", "/healthz")).json()
-        return result
+        """The server's `/healthz`: `status` "ok", or "unavailable" (503) with a `detail`;
+        `ServerError` for an answer that is no health report (a proxy's 502 page while the
+        server restarts)."""
+        r = await self._get("GET", "/healthz")
+        try:
+            result = r.json()
+        except ValueError:
+            result = None
+        if isinstance(result, dict) and "status" in result:
+            return result
+        raise error_for(f"http_{r.status_code}", r.text[:300], max(r.status_code, 500))
 
     async def models(self) -> list[str]:
         return [m["id"] for m in (await self._json("GET", "/v1/models"))["data"]]

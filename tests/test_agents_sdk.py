@@ -4,12 +4,15 @@ the last user message, 10 ms a token)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
 import json
 import logging
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -332,6 +335,35 @@ async def test_a_closed_client_says_so_and_paths_upload_as_files(scripted: Scrip
     async with AsyncAntiphon("http://127.0.0.1:9", timeout_s=2) as dead:
         with pytest.raises(ConnectionLostError):
             await dead.health()
+    # a proxy's page in the server's place (it restarts) is a typed error, not a JSON one
+    with proxy_page(502, b"<html><body>502 Bad Gateway</body></html>") as url:
+        async with AsyncAntiphon(url, timeout_s=2) as behind:
+            with pytest.raises(ServerError, match="Bad Gateway"):
+                await behind.health()
+
+
+@contextlib.contextmanager
+def proxy_page(status: int, body: bytes) -> Iterator[str]:
+    """A local HTTP server that answers every GET with `status` and an HTML `body`."""
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 async def test_workflow_sends_call_graph_advisories(scripted: Scripted) -> None:
