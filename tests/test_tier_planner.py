@@ -28,9 +28,9 @@ TURN1 = list(range(100, 110))  # 10 tokens: 2 full chunks and a 2-token tail
 
 def make_planner(ssd_dir: Path, **overrides: object) -> TierPlanner:
     settings: dict[str, object] = {"host_tier_bytes": 64 * PAGE_BYTES,
-                                   "ssd_tier_bytes": 1 << 20, **overrides}
+                                   "ssd_tier_bytes": 1 << 20, "page_tokens": CHUNK,
+                                   **overrides}
     config = TieringConfig(ssd_dir=ssd_dir, chunk_tokens=CHUNK,
-                           page_tokens=CHUNK,
                            host_shm_name=f"antiphon-test-{uuid.uuid4().hex[:12]}",
                            **settings)  # type: ignore[arg-type]
     blocks: dict[str, list[int]] = {}
@@ -121,6 +121,40 @@ def test_a_turn_saves_full_chunks_then_its_partial_tail(planner: TierPlanner) ->
     assert stats["tiers"]["host"]["used_bytes"] == 3 * LAYERS * PAGE_BYTES
     assert len(planner.store.tiers[1].keys()) == 3 * LAYERS
     planner.store.check_integrity()
+
+
+def test_a_partial_chunk_keeps_no_byte_of_its_slots_last_occupant(tmp_path: Path) -> None:
+    # Two pages a chunk (a GPU's 8): a tail of one page published its whole slot, and the
+    # write-through kept the other page, another session's KV left in the slot, on the SSD
+    # under this session's tag, past that session's erasure.
+    p = make_planner(tmp_path / "ssd", page_tokens=CHUNK // 2)
+    try:
+        for slot in range(p.host.arena.num_slots):
+            p.host.arena.write(slot, b"\xee" * p.host.slot_bytes)  # the last occupant's
+        run_turn(p, "r1", [100, 101, 102], [5])  # 2 tokens of KV: one page of the tail's two
+        p.store.flush()
+        ssd = p.store.tiers[1]
+        kept_keys = ssd.keys()
+        assert len(kept_keys) == LAYERS
+        for key in kept_keys:
+            kept = bytes(ssd.peek(key) or b"")
+            assert len(kept) == PAGE_BYTES and b"\xee" not in kept
+    finally:
+        p.close()
+    # and a follow-up after a restart loads the page back from the SSD tier
+    p = make_planner(tmp_path / "ssd", page_tokens=CHUNK // 2, ssd_fetch_wait_s=10.0)
+    try:
+        view = TokenView("r2", [100, 101, 102, 103], "s1")
+        p.add_request(view)
+        assert p.num_new_matched_tokens(view, 0) == 2
+        p.plan_load("r2", [6], 2, 4)
+        meta = p.build_metadata([])
+        (load,) = [*meta.loads, *meta.early_loads]
+        assert load.blocks == (6,)
+        for layer, slot in enumerate(load.slots):
+            assert p.host.arena.read(slot, PAGE_BYTES) == bytes([5, layer]) * (PAGE_BYTES // 2)
+    finally:
+        p.close()
 
 
 def test_a_follow_up_loads_its_whole_prior_context(planner: TierPlanner) -> None:

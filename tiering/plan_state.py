@@ -86,6 +86,9 @@ class SlotCommit(NamedTuple):
     key: ChunkKey
     durable: bool  # written through to the slowest tier once published
     owner: bytes  # whose request saved it (`keys.owner_tag`), kept with it there
+    # the bytes of the slot its copy fills (a partial chunk's pages); None: the whole slot.
+    # The rest holds what the slot's last occupant left, another session's KV.
+    num_bytes: int | None = None
 
 
 @dataclasses.dataclass

@@ -348,7 +348,7 @@ class TierPlanner:
                     self.host.unpin(key)
                 erased: list[ChunkKey] = []
                 failed: list[ChunkKey] = []
-                for key, durable, owner in in_flight.commits:
+                for key, durable, owner, num_bytes in in_flight.commits:
                     if self.erasure.drops(key.prefix_hash):
                         self.host.abort(key, erase=True)
                         erased.append(key)
@@ -359,13 +359,13 @@ class TierPlanner:
                         # Pinned until it is on SSD: published unpinned, a put from the
                         # prefetch thread could evict it first, and a checkpoint's only copy
                         # of a BE tail was gone though the SSD tier had room.
-                        if self.host.commit(key, pin=True):
+                        if self.host.commit(key, num_bytes, pin=True):
                             try:
                                 self.store.write_through(key, owner=owner)
                             finally:
                                 self.host.unpin(key)
                     else:
-                        self.host.commit(key)
+                        self.host.commit(key, num_bytes)
                 # (a checkpoint holding one is cut, as if evicted)
                 self.preemption.note_evicted(erased + failed)
                 self._unsave(erased, save_again=False)
@@ -446,8 +446,8 @@ class TierPlanner:
                     self.matcher.index_tail(st, num_computed, tail)
                 if copy is not None:
                     copies.append(copy)
-                    durable, owner = self._durable(st), self._owner(st)
-                    self._final_keys.extend(SlotCommit(key, durable, owner) for key in keys)
+                    self._final_keys.extend(self._slot_commits(
+                        keys, copy, self._durable(st), self._owner(st)))
                 self.retirement.request_finished(st, num_computed, tail if is_indexed else None)
             if copies:
                 self._final_saves[request_id] = copies
@@ -485,6 +485,8 @@ class TierPlanner:
             restore: list[ChunkKey] = []
             copies: list[PageCopy] = []
             reserved: list[ChunkKey] = []
+            commits: list[SlotCommit] = []  # published, and written down, when this step's
+            owner = self._owner(st)  # copies are done
             for key, pages, key_end in spans:
                 if not self.held(key):
                     copy, keys = self._reserve(key, pages)
@@ -492,6 +494,7 @@ class TierPlanner:
                         break  # no host room: recompute from here
                     copies.append(copy)
                     reserved.extend(keys)
+                    commits.extend(self._slot_commits(keys, copy, True, owner))
                 if key_end % self.chunk_tokens:
                     self.matcher.index_tail(st, key_end, key)
                 held = key_end
@@ -506,9 +509,7 @@ class TierPlanner:
                 self.host.unpin_all(guard)
                 return 0
             self._pending_checkpoints.extend(copies)
-            # published, and written down, when this step's copies are done
-            owner = self._owner(st)
-            self._final_keys.extend(SlotCommit(key, True, owner) for key in reserved)
+            self._final_keys.extend(commits)
             copied = sum(len(copy.blocks) for copy in copies)
             c.checkpoints += 1
             c.pages_checkpointed += copied
@@ -677,7 +678,7 @@ class TierPlanner:
             copy, keys = self._reserve(chunk, pages, count_refusal=index != st.refused_chunk)
             if copy is not None:
                 copies.append(copy)
-                commits.extend(SlotCommit(key, durable, owner) for key in keys)
+                commits.extend(self._slot_commits(keys, copy, durable, owner))
                 saved += 1
                 if index == st.refused_chunk:  # a later refusal of it counts again
                     st.refused_chunk = None
@@ -714,6 +715,15 @@ class TierPlanner:
         if not reserved:
             return None, []
         return PageCopy(pages, tuple(slots)), reserved
+
+    def _slot_commits(self, keys: Sequence[ChunkKey], copy: PageCopy, durable: bool,
+                      owner: bytes) -> Iterator[SlotCommit]:
+        """The commits of the slots `copy` fills for `keys`: a partial chunk's publish only
+        its pages' bytes (the rest of a slot is its last occupant's, which the SSD tier would
+        otherwise keep under this session's tag past that one's erasure)."""
+        num_pages = copy.first_page + len(copy.blocks)
+        num_bytes = None if num_pages == self.pages_per_chunk else num_pages * self.page_bytes
+        return (SlotCommit(key, durable, owner, num_bytes) for key in keys)
 
     def _durable(self, st: RequestState) -> bool:
         """Whether the request's KV is written through to the slowest tier as it is saved
