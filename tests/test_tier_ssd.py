@@ -187,6 +187,27 @@ def test_a_freed_slot_reused_before_its_clear_keeps_the_new_record(tmp_path: Pat
         tier.check_integrity()
 
 
+def test_a_write_that_fails_is_heard_as_an_eviction(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record dropped because its write failed (a full disk) went unheard: the host tier
+    ranked its copy as backed here and dropped its top layers first, and a checkpoint
+    counting on it was not cut."""
+    with open_tier(tmp_path, num_slots=4) as tier:
+        heard: list[ChunkKey] = []
+        tier.on_evict = heard.extend
+
+        def no_space(*args: object, **kwargs: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(tier._file, "write", no_space)
+        assert tier.put(key(0, 0), payload(0, 0))
+        tier.flush()
+        assert not tier.contains(key(0, 0)) and heard == [key(0, 0)]
+        assert tier.stats.write_failed == 1
+        monkeypatch.undo()
+        tier.check_integrity()
+
+
 def test_a_reused_slot_whose_new_write_fails_is_cleared_of_the_removed_record(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The clear of a removed key is skipped when its slot is taken again (the new record is

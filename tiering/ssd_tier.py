@@ -267,6 +267,11 @@ class SsdTier(IndexedTier[SsdSlot]):
                 if self._index.get(key) is entry:
                     self._index.remove(key)
                     self._free(key, entry)
+                    self.stats.write_failed += 1
+                    # heard as an eviction: a tier above that ranked its copy as backed
+                    # here, and a checkpoint that counted on it, learn it is gone
+                    if self.on_evict is not None:
+                        self.on_evict([key])
             # The slot may still hold the record an erasure skipped clearing because this
             # write was to replace it. A write queued into the slot meanwhile runs after this.
             self._clear_now(location.slot)

@@ -18,6 +18,7 @@ class TierStats:
     evictions: int = 0  # chunk-layers evicted to make room
     refused: int = 0  # `put` calls refused for capacity (everything left is pinned)
     corrupt_dropped: int = 0  # chunk-layers dropped because they failed verification
+    write_failed: int = 0  # chunk-layers dropped because their write failed (a full disk)
 
     def reset(self) -> None:
         """Every counter back to zero."""
