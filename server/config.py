@@ -129,7 +129,9 @@ class ServerConfig:
                                     default=64 * 1024 * 1024)
     max_stored_file_bytes: int = doc(
         "Most bytes of files (batch inputs, outputs and errors) one API key keeps stored, all "
-        "keys together without keys; an upload past it is refused until files are deleted",
+        "keys together without keys; an upload past it is refused until files are deleted, "
+        "and a batch is created only while the key has room (its results, written as it "
+        "finishes, may pass it by their size)",
         default=8 * 1024 ** 3)
     max_batch_items: int = doc("Most requests (lines) in one batch input file", default=50_000)
     max_custom_id_chars: int = doc("Longest custom_id of a batch input line, in characters "
