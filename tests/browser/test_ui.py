@@ -78,7 +78,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     cmd = [sys.executable, "-m", "antiphon", "serve", "--enforce-eager", "--kv-cache-gib", "0.5",
            "--max-model-len", "4096", "--data-dir", str(data_dir), "--cost-model", "online",
            "--dashboard-interval-s", "0.5", "--max-sessions-listed", str(SESSIONS_LISTED),
-           "--default-temperature", "0"]  # greedy (the page sends none): known answers
+           "--default-temperature", "0",  # greedy (the page sends none): known answers
+           "--default-max-tokens", "128"]  # (the page sends none: 512 took 20 s a reply)
     with ServerProcess(cmd, log_path=data_dir / "serve.log") as proc:
         yield proc
 
