@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -57,6 +58,12 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
             ctx.turns.eraser.start()
             tasks += [asyncio.create_task(ctx.dashboard.run()),
                       asyncio.create_task(watch_engine(ctx))]
+            # What start-up made (vLLM, torch, the tokenizer: 600,000 objects and more) is
+            # static: frozen, the collector's oldest generation no longer walks it. A full
+            # collection over it stopped the event loop, every stream with it, for 0.15-0.3
+            # s on two cores (vLLM's own server freezes it too). Not collected first, which
+            # cost as much again at every start: what garbage it holds stays till shutdown.
+            gc.freeze()
             ctx.is_ready = True
             logger.info("Antiphon serving %s on http://%s:%d", engine.model_name,
                         config.server.host, config.server.port)
@@ -73,6 +80,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
             segments.forget()
             ctx.store.close()
             ctx.batch_store.close()
+            gc.unfreeze()  # (an app run in a test's process leaves it as it found it)
 
     # No /docs or /redoc: FastAPI's pages load their scripts from a CDN, which the pages'
     # content security policy (and an offline machine) refuses, so they rendered blank.
