@@ -454,10 +454,12 @@ class VllmEngine(Engine):
             # Abort what the server no longer waits for (replies cut at the drain's end, batch
             # items stopped): the engine process would otherwise run them on, as it drains
             # after a signal, until vLLM's process manager kills it.
+            # (vLLM's own ids, which its output processor keys them by: the ids given to
+            # `generate` carry a random suffix there, and aborted by those, none stopped)
             unfinished = list(self._llm.output_processor.request_states)
             if unfinished:
                 with contextlib.suppress(Exception):  # a dead engine has nothing to abort
-                    await self._llm.abort(unfinished)
+                    await self._llm.abort(unfinished, internal=True)
             engines = engine_process_ids()
             # vLLM's default grace (5 s) is shorter than its worker takes to exit here (about
             # 4 s, then the engine core's teardown): every stop ended in a force kill.

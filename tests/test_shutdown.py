@@ -293,6 +293,50 @@ async def test_a_stop_asked_before_vllms_start_loads_nothing(tmp_path: Path) -> 
     assert not await _start_engine(ctx, ctx.engine)
 
 
+async def test_the_engines_shutdown_aborts_the_requests_it_still_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM keys a request by the id `generate` was given plus a random suffix: the abort of
+    what a shutdown left running named them as given, and stopped none (the engine ran them on
+    until vLLM's process manager killed it, 15 s later, its KV connector never closed). vLLM's
+    own output processor, request ids and abort; an engine core that records what reaches
+    it."""
+    import types
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    from antiphon.engine_ext import vllm_engine
+    from antiphon.engine_ext.config import EngineConfig
+
+    outputs = OutputProcessor(None, log_stats=False)
+    request = EngineCoreRequest(
+        request_id="turn-1", prompt_token_ids=[1, 2, 3], mm_features=None,
+        sampling_params=SamplingParams(max_tokens=4, output_kind=RequestOutputKind.DELTA),
+        pooling_params=None, arrival_time=time.time(), lora_request=None, cache_salt=None,
+        data_parallel_rank=None)
+    InputProcessor.assign_request_id(request)
+    outputs.add_request(request, None)
+    assert request.request_id != "turn-1"
+    reached: list[str] = []
+
+    class Core:
+        async def abort_requests_async(self, ids: list[str]) -> None:
+            reached.extend(ids)
+
+    llm = types.SimpleNamespace(output_processor=outputs, engine_core=Core(),
+                                log_requests=False, shutdown=lambda timeout=None: None)
+    llm.abort = lambda ids, internal=False: AsyncLLM.abort(llm, ids, internal)  # type: ignore[arg-type]
+    monkeypatch.setattr(vllm_engine, "engine_process_ids", set)
+    engine = vllm_engine.VllmEngine(EngineConfig(), Path("/nonexistent"))
+    engine._llm = llm  # type: ignore[assignment]
+    await engine.shutdown()
+    assert reached == [request.request_id]
+
+
 def multiprocessing_children() -> list[str]:
     import multiprocessing
 
