@@ -42,14 +42,23 @@ class ToolSpec:
         return {"type": "function", "function": function}
 
 
+class JsonTooDeep(ValueError):
+    """JSON nested deeper than Python's parser walks."""
+
+
 def strict_json(text: str) -> Any:
     """`text` parsed as JSON as the standard has it and other parsers read it. Python's parser
     also takes `NaN`, `Infinity`, numbers beyond a float's range (`1e999`, an integer of 400
     digits) and unpaired surrogate escapes (`"\\ud800"`): written back (a call's arguments, a
     reply), they made text JavaScript's and Go's parsers refuse, or that no UTF-8 encoder
-    takes. Raises ValueError (RecursionError where nested deeper than Python walks)."""
-    value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
-                       parse_int=_float_range_int)
+    takes. Raises ValueError (`JsonTooDeep` where nested deeper than Python walks: its
+    RecursionError, no ValueError, went past the callers that take unparseable text as text,
+    a model's reply of a thousand "[" among them, and failed the request)."""
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
+                           parse_int=_float_range_int)
+    except RecursionError:
+        raise JsonTooDeep("nested too deeply") from None
     # Text that came as UTF-8 holds no surrogates: only `\udXXX` escapes make them, so only
     # text with one pays for the re-encoding that finds an unpaired one.
     if _SURROGATE_ESCAPE.search(text):

@@ -67,7 +67,7 @@ from pydantic import (
     model_validator,
 )
 
-from antiphon.engine_ext.types import ToolSpec, strict_json
+from antiphon.engine_ext.types import JsonTooDeep, ToolSpec, strict_json
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
 from antiphon.server.schemas import SchemaObject
 from antiphon.server.tools import (
@@ -352,7 +352,7 @@ def parse_json(raw: str | bytes, what: str = "message") -> Any:
         if isinstance(raw, bytes):  # UTF-8 only: json.loads would also guess UTF-16 and 32
             raw = raw.decode("utf-8-sig")
         data = strict_json(raw)
-    except RecursionError:
+    except JsonTooDeep:
         raise ApiError(ErrorCode.BAD_JSON, f"{what} is nested too deeply") from None
     except UnicodeEncodeError:
         raise ApiError(ErrorCode.BAD_JSON, f"{what} has a string that is not valid Unicode "

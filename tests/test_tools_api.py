@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from antiphon.engine_ext.scripted import ScriptedEngine
 from antiphon.engine_ext.types import ChatTurn
-from tests.conftest import Scripted
+from tests.conftest import Scripted, scripted_config
+from tests.liveserver import live_server
 from tests.test_rest_api import client
 
 WEATHER = {"type": "function", "function": {
@@ -381,3 +384,26 @@ def test_a_tool_call_held_back_while_it_streams_still_sends_pings(tmp_path: Any)
              for line in lines if line.startswith("data: {")]
     assert any(calls)
     assert max(gaps[1:]) < 0.6, gaps  # (about 1.1 s of silence before)
+
+
+def test_json_nested_deeper_than_python_walks_is_text_not_a_failure(
+        scripted: Scripted, tmp_path: Path) -> None:
+    """Its RecursionError went past the parsing that takes unparseable text as text: a reply
+    of a thousand "[" with tools offered (a prompt injection writes one) failed the request
+    after its whole generation, and so did a history message whose call had such arguments
+    (500 internal_error, which the openai client tries twice more)."""
+    deep = "[" * 5000
+    tool = {"type": "function", "function": {"name": "f"}}
+    scripted.engine.reply = lambda turns: deep
+    r = httpx.post(scripted.url + "/v1/chat/completions", json={
+        "model": "scripted", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == deep
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "r"}]
+    with live_server(scripted_config(tmp_path), ScriptedEngine(max_model_len=16384)) as url:
+        r = httpx.post(url + "/v1/chat/completions",
+                       json={"model": "scripted", "messages": history, "tools": [tool]})
+    assert r.status_code == 200, r.text
