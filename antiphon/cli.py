@@ -49,13 +49,20 @@ def serve_config(args: argparse.Namespace) -> AppConfig:
     return dataclasses.replace(config, tiering=tiering)
 
 
+LISTEN_BACKLOG = 2048  # uvicorn's
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (`host`, `port`), as uvicorn binds one, for it to listen on.
-    Raises OSError (the port in use, an address not of this machine)."""
+    """A TCP socket bound to (`host`, `port`), as uvicorn binds one, and listening: what
+    connects while the model loads waits to be served. Bound alone, another `serve` starting
+    meanwhile bound the same port too (SO_REUSEADDR lets sockets not listening share it), and
+    the one that listened second served nothing, its engine up, silently (uvloop drops the
+    error). Raises OSError (the port in use, an address not of this machine)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
     except BaseException:
         sock.close()
         raise

@@ -243,3 +243,24 @@ def test_a_key_no_authorization_header_can_carry_is_refused(key: str) -> None:
     spaced = "tenant key 1"  # spaces inside are carried, and the value read keeps them
     auth = Authenticator(ServerConfig(api_keys=(spaced,)).accepted_api_keys)
     assert auth.owner_for(key_from_headers(f"Bearer {spaced}")) == auth.fingerprint(spaced)
+
+
+def test_a_port_another_starting_server_has_bound_is_refused_at_once() -> None:
+    """Bound but not listening while its model loads, a `serve` left the port open to a
+    second one (SO_REUSEADDR lets sockets not listening share it), and the one that listened
+    second served nothing, its engine up, silently."""
+    import socket
+
+    from antiphon.cli import bind_listener
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    first = bind_listener("127.0.0.1", port)  # a serve still loading its model
+    try:
+        with pytest.raises(OSError):
+            bind_listener("127.0.0.1", port).close()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # (a client that connects meanwhile waits to be served)
+    finally:
+        first.close()
