@@ -602,7 +602,11 @@ class AntiphonScheduler(Scheduler):
             self.pages.layout.reset_counters()
 
     def antiphon_stats(self) -> dict[str, Any]:
+        queues = {state: collections.Counter(c.value for c in map(request_class_of, requests))
+                  for state, requests in (("waiting", self.waiting), ("running", self.running))}
         return self.stats.snapshot(num_waiting=len(self.waiting), num_running=len(self.running),
+                                   queues={state: {c.value: counts[c.value] for c in RequestClass}
+                                           for state, counts in queues.items()},
                                    policy=self.step_policy.name,
                                    batch_size=getattr(self.step_policy, "batch_size", None),
                                    biblocks=None if self.pages is None else self.pages.stats())

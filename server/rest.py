@@ -181,6 +181,12 @@ def scheduler_metrics_text(stats: dict[str, Any]) -> bytes:
         *(f'antiphon_recomputed_tokens_total{{request_class="{c}"}} {n}'
           for c, n in stats["recomputed_tokens"].items()),
     ]
+    if stats.get("queues"):
+        lines += ["# HELP antiphon_engine_requests Requests in the engine's scheduler now, "
+                  "waiting or running, by class",
+                  "# TYPE antiphon_engine_requests gauge"]
+        lines += [f'antiphon_engine_requests{{state="{state}",request_class="{c}"}} {n}'
+                  for state, counts in stats["queues"].items() for c, n in counts.items()]
     lines += [
         "# HELP antiphon_kv_utilization_sum KV pool use (fraction of pages) summed over steps",
         "# TYPE antiphon_kv_utilization_sum counter",

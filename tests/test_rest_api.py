@@ -202,6 +202,27 @@ def test_metrics_without_the_engines_share_when_it_refuses_them(
     assert "antiphon_requests_total" in r.text and "antiphon_scheduler" not in r.text
 
 
+def test_metrics_give_the_engines_queues_by_class(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's waiting and running requests reached /v1/engine/stats alone, and with
+    no class: a scraper could not see RT turns queue."""
+    from antiphon.server.rest import scheduler_metrics_text
+
+    stats = {"num_steps": 1, "schedule_s": 0.0, "num_preemptions": {}, "recomputed_tokens": {},
+             "queues": {"waiting": {"rt": 2, "be": 5}, "running": {"rt": 1, "be": 3}}}
+
+    async def sched() -> dict[str, object]:
+        return stats
+
+    monkeypatch.setattr(scripted.engine, "scheduler_stats", sched)
+    text = httpx.get(scripted.url + "/metrics").text
+    for state, counts in stats["queues"].items():  # type: ignore[attr-defined]
+        for c, n in counts.items():
+            assert f'antiphon_engine_requests{{state="{state}",request_class="{c}"}} {n}' in text
+    assert "antiphon_engine_requests" not in scheduler_metrics_text(
+        {**stats, "queues": None}).decode()
+
+
 def test_logprobs_in_completions_and_streams(scripted: Scripted) -> None:
     """OpenAI's logprobs and top_logprobs: per output token, its text, log probability and
     UTF-8 bytes, and its most likely alternatives, in a completion and spread over a stream's

@@ -49,6 +49,8 @@ async def test_rt_turn_preempts_be_work_under_memory_pressure(engine: VllmEngine
     for task in be:
         task.add_done_callback(lambda _: be_done.append(time.perf_counter()))
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    queues = (await engine.scheduler_stats())["queues"]  # (metrics: antiphon_engine_requests)
+    assert queues["running"]["be"] + queues["waiting"]["be"] == 2 and queues["running"]["rt"] == 0
     rt_started = time.perf_counter()
     rt_text, rt_ttft = await run(engine, "rt-0", f"Answer briefly: {DOC} What is this about?",
                                  32, RequestClass.RT)
@@ -56,6 +58,7 @@ async def test_rt_turn_preempts_be_work_under_memory_pressure(engine: VllmEngine
     after = await engine.scheduler_stats()
 
     assert rt_text and all(text for text, _ in be_texts)
+    assert after["queues"] == {state: {"rt": 0, "be": 0} for state in ("waiting", "running")}
     assert after["num_preemptions"]["be"] > before["num_preemptions"]["be"]
     assert after["num_preemptions"]["rt"] == before["num_preemptions"]["rt"]
     # This engine has no KV tiering to checkpoint into: a preempted BE request recomputes,
