@@ -43,6 +43,17 @@ router = APIRouter()
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the reply
 
 
+# Line breaks to Python's str.splitlines, which httpx's `aiter_lines` splits an event stream
+# with, that JSON writes raw (a model's U+2028 cut a `data:` line in two, and its JSON failed)
+_SPLITLINES_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
+def sse_json(payload: Any) -> str:
+    """`payload` as the JSON of one event-stream line: escaped where a line reader would
+    break it (control characters JSON escapes anyway)."""
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False).translate(_SPLITLINES_BREAKS)
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     ctx: AppContext = request.app.state.ctx
@@ -56,6 +67,8 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     authorize(request)
     require_served_model(ctx.chat, model_id)
     return _model_object(ctx, model_id)
+
+
 
 
 def _model_object(ctx: AppContext, name: str) -> dict[str, Any]:
@@ -229,7 +242,7 @@ async def _sse(ctx: AppContext, gens: list[Generation], completion_id: str, mode
             "object": "text_completion" if is_text else "chat.completion.chunk"}
         if include_usage:  # null but in the last chunk, as OpenAI's
             payload["usage"] = usage
-        return "data: " + json.dumps(payload, ensure_ascii=False, allow_nan=False) + "\n\n"
+        return "data: " + sse_json(payload) + "\n\n"
 
     def chunks(i: int, text: str | None, finish_reason: str | None = None) -> list[str]:
         """Choice `i`'s next chunks: for new text, or (None) its end. A chat choice's first

@@ -223,6 +223,24 @@ def test_metrics_give_the_engines_queues_by_class(
         {**stats, "queues": None}).decode()
 
 
+def test_a_stream_reads_line_by_line_whatever_line_breaks_the_model_writes(
+        scripted: Scripted) -> None:
+    """JSON leaves U+2028, U+2029 and U+0085 raw, and httpx's `aiter_lines` (as
+    str.splitlines) breaks lines there: a model's one cut a `data:` line in two, and a client
+    reading the stream so failed on its JSON (the project's own benchmark clients too)."""
+    text = "one\u2028two\u2029three\x85four"
+    scripted.engine.reply = lambda turns: text
+    body = {"model": "scripted", "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+    got = ""
+    with httpx.stream("POST", scripted.url + "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[len("data: "):])["choices"][0]["delta"]
+                got += delta.get("content") or ""
+    assert got == text
+
+
 def test_logprobs_in_completions_and_streams(scripted: Scripted) -> None:
     """OpenAI's logprobs and top_logprobs: per output token, its text, log probability and
     UTF-8 bytes, and its most likely alternatives, in a completion and spread over a stream's
