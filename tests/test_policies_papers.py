@@ -331,6 +331,40 @@ def test_pages_a_victim_gives_back_only_next_step_seat_no_one_this_step(name: st
             assert (rt.request_id in plan.order) is not late, (rt.request_id, late)
 
 
+@pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
+def test_a_turn_waiting_for_pages_the_next_step_brings_keeps_waiting_work_off_them(
+        name: str) -> None:
+    # The free pages it counts on went to a waiting item, which the next step preempted in
+    # turn (late again) for the turn, and the preempted request took them back: a cycle for
+    # as long as BE work lasted (found by a review).
+    policy = make_policy(name, constant_cost(0.01))
+    be = decoding("be", BE, frees_pages_late=True)  # 3 pages
+    waiting = [view("rt", prompt=64), view("later", prompt=16), view("item", BE, prompt=16)]
+    plan = policy.plan([be, *waiting], budget(free_pages=2))  # the turn needs 4
+    assert plan.preempt == ["be"] and plan.order == []
+
+
+def test_pages_victims_share_free_late_if_one_of_them_does() -> None:
+    # A page two batch items of one document share frees with the last to go: counted free
+    # at once where that one sat the step in flight out, though the first lets go of its
+    # reference only at the next step (found by a review).
+    from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims, preempt
+
+    doc = tuple(bytes([i]) * 32 for i in range(4))
+    shared = {"prompt": 80, "computed": 64, "output": 1, "running": True,
+              "num_shared_pages": 4, "shared_page_holders": (2,) * 4, "prefix_page_hashes": doc}
+    late, on_time = view("a", BE, frees_pages_late=True, **shared), view("b", BE, **shared)
+    batch, plan = StepBatch(budget(free_pages=0), constant_cost(0.01)), StepPlan()
+    victims = Victims([late, on_time], PAGE)
+    victims.take_one(batch, plan)
+    victims.take_one(batch, plan)
+    assert (batch.pages_left, victims.pages_next_step) == (0, 4)
+    # and one preempted outside the victims (the ablation without block preemption)
+    batch = StepBatch(budget(free_pages=0), constant_cost(0.01))
+    assert preempt(decoding("c", BE, frees_pages_late=True), batch, StepPlan()) == 3
+    assert batch.pages_left == 0
+
+
 def test_hygen_rt_takes_pages_from_be_never_the_reverse() -> None:
     policy = HygenPolicy(constant_cost(0.01))
     be_old = decoding("be_old", BE, arrival=0.0)

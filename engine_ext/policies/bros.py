@@ -100,7 +100,7 @@ class BrosPolicy(Policy):
                                  key=lambda v: (v.checkpoint_pages or 0, v.num_computed_tokens))
                           if self.block_preemption else (), budget.page_tokens, kept=rts)
         time_limit = residual_time_s(rts, now)
-        is_at_risk = is_admission_blocked = False
+        is_at_risk = is_admission_blocked = is_deferred = False
         # Pages come back only from running requests: with none, a turn short of pages waits in
         # vain, and holding back the requests behind it would stall the engine.
         can_pages_free = any(v.is_running for v in views)
@@ -147,8 +147,10 @@ class BrosPolicy(Policy):
                 is_admission_blocked = is_admission_blocked or (
                     not view.is_running and can_pages_free)
                 continue
-            if victims.take_until(needed, batch, plan):  # (else its pages come next step)
+            if victims.take_until(needed, batch, plan):
                 batch.add(view, new, pages)
+            else:  # its pages come at the next step: nothing waiting may take the free ones
+                is_admission_blocked = is_deferred = True
 
         be_time = be_time_s(rts, now)
         be_limit = min(be_time, budget.max_be_step_s)
@@ -159,7 +161,7 @@ class BrosPolicy(Policy):
         # step would be empty without it (not in the paper): an empty step makes no progress,
         # and in the ablation without block preemption it followed when the running BE request
         # the turn waited on preempted itself, short of pages.
-        if is_admission_blocked and not batch.ids:
+        if is_admission_blocked and not batch.ids and not is_deferred:
             is_at_risk = self._add_be(bes, batch, plan, cap, be_limit, is_slack_limited,
                                       False, can_pages_free) or is_at_risk
 

@@ -145,10 +145,12 @@ class EchoPolicy(Policy):
         victims = Victims(sorted((v for v in bes if v.is_running),
                                  key=lambda v: v.num_computed_tokens), batch.page_tokens,
                           kept=rts)
-        is_short = False
+        is_short = is_deferred = False
         for view in rts:
             if batch.is_full:
                 return is_short
+            if is_deferred and not view.is_running:
+                continue  # one ahead waits for pages the next step brings: none takes them
             new = min(view.num_new_tokens, batch.tokens_left)
             pages = new_pages(view, new, batch.page_tokens)
             # vLLM admits a waiting request only where its whole sequence fits
@@ -164,8 +166,10 @@ class EchoPolicy(Policy):
                 if not view.is_running and batch.ids:
                     return is_short  # FCFS: a waiting RT request that cannot start holds
                 continue  # those behind
-            if victims.take_until(needed, batch, plan):  # (else its pages come next step)
+            if victims.take_until(needed, batch, plan):
                 batch.add(view, new, pages)
+                continue
+            is_short = is_deferred = True  # its pages come at the next step
         return is_short
 
     def _add_be(self, candidates: list[RequestView], batch: StepBatch, rt_slacks: list[float],

@@ -118,6 +118,8 @@ class HygenPolicy(Policy):
             pages = new_pages(view, 1, page_tokens)
             if victims.take_until(pages, batch, plan):
                 batch.add(view, 1, pages)
+        # (a request whose pages come only at the next step keeps waiting ones off the free
+        # pages it counts on: they took them, and it waited again, step after step)
         prefills = [v for v in rts if v.is_running and v.is_prefill]
         prefills += [v for v in rts if not v.is_running]
         step_s = limit_s  # a step lasts about L whatever share BE decodes take of it
@@ -127,6 +129,8 @@ class HygenPolicy(Policy):
         for i, view in enumerate(prefills):
             if batch.is_full:
                 return is_short
+            if victims.pages_next_step and not view.is_running:
+                return True
             # Where decodes fill the budget (on a slow machine a step's fixed cost nearly fills
             # the TPOT target), every RT prefill would wait for the decodes to finish: the
             # oldest one still advances `min_prefill_tokens` a step. And each gets at least the

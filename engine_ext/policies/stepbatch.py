@@ -163,8 +163,10 @@ class Victims:
                     held -= kept_hashes  # two victims' copies of a page: the turn takes one
         self.num_pages = sum(freed_pages(v, page_tokens) for v in self._stack) + len(
             self._holders) - sum(self._kept_pages.values())
-        # pages of the victims taken that come back only at the next step (`frees_pages_late`)
+        # pages of the victims taken that come back only at the next step (`frees_pages_late`),
+        # and the pages shared among victims one of which, taken, lets go of them late
         self.pages_next_step = 0
+        self._late_shared: set[bytes] = set()
 
     def __bool__(self) -> bool:
         return bool(self._stack)
@@ -173,18 +175,22 @@ class Victims:
         """Preempt the next victim: its pages go to `batch` (or, where they come back late,
         to `pages_next_step`), its id to `plan.preempt`."""
         view = self._stack.pop()
-        freed = preempt(view, batch, plan, self._kept_pages.get(view.request_id, 0))
+        own = preempt(view, batch, plan, self._kept_pages.get(view.request_id, 0))
+        shared_now = shared_late = 0
         for h in view.prefix_page_hashes[:len(view.shared_page_holders)]:
             if h in self._holders:
+                if view.frees_pages_late:
+                    self._late_shared.add(h)
                 self._holders[h] -= 1
                 if not self._holders[h]:  # its last holder: the page frees
                     del self._holders[h]
-                    batch.pages_left += 1
-                    freed += 1
-        self.num_pages -= freed
-        if view.frees_pages_late:
-            batch.pages_left -= freed
-            self.pages_next_step += freed
+                    if h in self._late_shared:  # (when the last reference to it goes)
+                        shared_late += 1
+                    else:
+                        shared_now += 1
+        batch.pages_left += shared_now
+        self.pages_next_step += shared_late + (own if view.frees_pages_late else 0)
+        self.num_pages -= own + shared_now + shared_late
 
     def take_until(self, num_pages: int, batch: StepBatch, plan: StepPlan) -> bool:
         """Take victims until `batch` has `num_pages` free, or will have at the next step;
@@ -212,8 +218,10 @@ def preempt(view: RequestView, batch: StepBatch, plan: StepPlan, num_kept_pages:
     """Preempt running `view` before the step: its id goes to `plan.preempt`, the pages no
     other request holds back to `batch` (counting the shared ones, the plan seated work on
     pages still held), less `num_kept_pages` a waiting turn will take back from the prefix
-    cache. Returns the pages freed."""
+    cache; none where they come back only at the next step (`frees_pages_late`). Returns
+    the pages freed, now or then."""
     freed = freed_pages(view, batch.page_tokens) - num_kept_pages
     plan.preempt.append(view.request_id)
-    batch.pages_left += freed
+    if not view.frees_pages_late:
+        batch.pages_left += freed
     return freed
