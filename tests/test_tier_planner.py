@@ -1371,3 +1371,22 @@ def test_a_reply_ending_on_a_chunk_boundary_under_async_scheduling_saves_that_ch
     view = TokenView("r2", [*tokens, 200, 201], "s1")
     planner.add_request(view)
     assert planner.num_new_matched_tokens(view, 0) == 8
+
+
+def test_an_advisory_renewed_for_sooner_keeps_its_room_against_later_ones(
+        tmp_path: Path) -> None:
+    """Renewed (the same KV, fetched), an advisory kept its first expected arrival as its
+    place: advised for ten minutes, then for now, it lost its prefetched KV to one due in a
+    minute (found by a review)."""
+    planner = two_sessions_on_ssd(tmp_path, host_tier_bytes=3 * LAYERS * PAGE_BYTES)
+    try:
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=600.0)
+        first = planner.advisories.get("s1")
+        assert first is not None and first.handle is not None and first.handle.wait(10)
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0)  # now: renewed
+        assert planner.stats()["advisories_renewed"] == 1
+        planner.advise("s9", OTHER, expected_arrival_s=60.0)
+        renewed = planner.advisories.get("s1")
+        assert renewed is not None and not renewed.reclaimed
+    finally:
+        planner.close()

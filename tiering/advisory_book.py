@@ -30,6 +30,9 @@ class Advisory:
     handle: PrefetchHandle | None  # its prefetch, None once retired or with nothing to fetch
     num_tokens: int  # context tokens the tiers held when it arrived
     priority: int = 0  # higher goes first
+    # time.monotonic() when its turn is expected: what orders it against others (`make_room`);
+    # a renewal may bring it sooner, while its expiry only moves later
+    due_at: float = 0.0
     reclaimed: bool = False  # its pins went to a running turn before the session spoke
     overtaken: bool = False  # the turn came before its prefetch was done (`overtake`)
 
@@ -53,10 +56,11 @@ class AdvisoryBook:
     def get(self, session: str) -> Advisory | None:
         return self._advisories.get(session)
 
-    def expiry(self, expected_arrival_s: float | None) -> float:
-        """When an advisory expected in `expected_arrival_s` (None: now) arriving now
-        expires."""
-        return time.monotonic() + (expected_arrival_s or 0.0) + self._ttl_s
+    @staticmethod
+    def due(expected_arrival_s: float | None) -> float:
+        """When the turn of an advisory arriving now that expects it in `expected_arrival_s`
+        seconds (None: now) is due (time.monotonic())."""
+        return time.monotonic() + (expected_arrival_s or 0.0)
 
     def start(self, session: str, keys: Sequence[ChunkKey], expected_arrival_s: float | None,
               num_tokens: int, prefix_hashes: Sequence[bytes], priority: int = 0) -> None:
@@ -69,22 +73,29 @@ class AdvisoryBook:
         due = now + (expected_arrival_s or 0.0)
         handle = self._prefetcher.submit(keys, due, priority=priority) if keys else None
         self._advisories[session] = Advisory(session, now, due + self._ttl_s, handle,
-                                             num_tokens, priority)
+                                             num_tokens, priority, due_at=due)
         self._store.set_hint(session, prefix_hashes, 1.0)
 
     def renew(self, session: str, keys: Sequence[ChunkKey], expected_arrival_s: float | None,
               priority: int = 0) -> bool:
         """An advisory again for `session` whose live one prefetches every one of `keys`
-        (nothing failed so far) with `priority` or higher: that one is kept, now expiring as
-        the new one would (or later), and counted renewed. False (nothing changed) otherwise
-        (one of higher priority goes ahead of others in the queue, and in the host)."""
+        (nothing failed so far) with `priority` or higher: that one is kept, now due as the
+        new one is where that is sooner (its place against others' in the host), expiring as
+        the new one would (or later), and counted renewed. False (nothing changed) otherwise:
+        one of higher priority goes ahead of others in the queue, and in the host, and so does
+        one due sooner whose prefetch is still queued or moving (its place in the queue is
+        its due's). Kept due later, a renewal expected now lost its room to one expected in a
+        minute."""
         advisory = self._advisories.get(session)
         handle = None if advisory is None else advisory.handle
+        due = time.monotonic() + (expected_arrival_s or 0.0)
         if (advisory is None or handle is None or handle.failed_keys()
                 or priority > advisory.priority
+                or (due < advisory.due_at and not handle.is_done)
                 or len(handle.keys) != len(keys) or set(handle.keys) != set(keys)):
             return False
-        advisory.expires_at = max(advisory.expires_at, self.expiry(expected_arrival_s))
+        advisory.due_at = min(advisory.due_at, due)
+        advisory.expires_at = max(advisory.expires_at, due + self._ttl_s)
         self._counters.advisories_renewed += 1
         return True
 
@@ -136,7 +147,7 @@ class AdvisoryBook:
                   expected_after: float | None = None, priority: int = 0) -> None:
         """Reclaim other sessions' advisory pins until `num_slots` host slots can be had:
         running turns take host room before sessions that have not spoken yet, and an
-        advisory (`expected_after`: its expiry; `priority`: its own) from those of lower
+        advisory (`expected_after`: when its turn is due; `priority`: its own) from those of lower
         priority, and those as high expected after it. The lowest priority goes first, then
         settled prefetches, then the advisory expected last."""
         host = self._host
@@ -145,9 +156,9 @@ class AdvisoryBook:
         held = sorted((a for a in self._advisories.values()
                        if a.handle is not None and a.session != session
                        and (expected_after is None or a.priority < priority
-                            or (a.priority == priority and a.expires_at > expected_after))),
+                            or (a.priority == priority and a.due_at > expected_after))),
                       key=lambda a: (-a.priority, a.handle is not None and a.handle.is_done,
-                                     a.expires_at, a.received_at), reverse=True)
+                                     a.due_at, a.received_at), reverse=True)
         for advisory in held:  # one sort per call, not one scan per advisory reclaimed
             assert advisory.handle is not None
             self._prefetcher.retire(advisory.handle)

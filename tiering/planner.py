@@ -573,7 +573,7 @@ class TierPlanner:
             # one due in minutes held the host)
             self.advisories.make_room(sum(not self.host.contains(key) for key in wanted),
                                       session,
-                                      expected_after=self.advisories.expiry(expected_arrival_s),
+                                      expected_after=self.advisories.due(expected_arrival_s),
                                       priority=priority)
             keys = self._leading_chunks_with_room(wanted)
             self.advisories.start(session, keys, expected_arrival_s, match.num_tokens,
