@@ -1390,3 +1390,44 @@ def test_an_advisory_renewed_for_sooner_keeps_its_room_against_later_ones(
         assert renewed is not None and not renewed.reclaimed
     finally:
         planner.close()
+
+
+def _admit_and_plan(planner: TierPlanner, request_id: str, tokens: list[int], session: str,
+                    blocks: list[int], num_done: int) -> TieringMetadata:
+    """Admit a request, allocate `blocks`, and plan a step computing `num_done` tokens."""
+    view = TokenView(request_id, tokens, session)
+    planner.add_request(view)
+    matched = planner.num_new_matched_tokens(view, 0) or 0
+    planner.test_blocks[request_id] = blocks  # type: ignore[attr-defined]
+    planner.plan_load(request_id, blocks, matched, len(tokens))
+    return planner.build_metadata([(request_id, num_done)])
+
+
+def test_saves_reserved_after_an_erasure_began_are_kept_while_steps_overlap(
+        tmp_path: Path) -> None:
+    """A deleted session's chunks were dropped by hash from every save published until no
+    step with copies was in flight, which under overlapped steps may be never: a live session
+    sharing the prefix (a system prompt) saved them again, and lost them each time (found by a
+    review)."""
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        chain = [*TURN1, 110]
+        run_turn(planner, "r1", chain, [7, 8, 9], session="s1")
+        a = _admit_and_plan(planner, "r5", list(range(200, 211)), "s5", [20, 21, 22], 8)
+        assert a.saves
+        assert planner.erasure.forget("s1", [chain]).result(10)[0] > 0
+        b = _admit_and_plan(planner, "r6", list(range(300, 311)), "s6", [30, 31, 32], 8)
+        fake_worker_saves(planner, a.saves)
+        planner.step_done({a.step}, set())  # b in flight
+        c = _admit_and_plan(planner, "r2", [*chain, 111], "s2", [40, 41, 42], 11)
+        assert c.saves
+        d = _admit_and_plan(planner, "r7", list(range(400, 411)), "s7", [50, 51, 52], 8)
+        fake_worker_saves(planner, b.saves)
+        planner.step_done({b.step}, set())  # c and d in flight
+        fake_worker_saves(planner, c.saves)
+        planner.step_done({c.step}, set())  # d in flight
+        assert planner.stored_prefix_tokens(TokenView("r3", [*chain, 111, 112], "s2")) >= 8
+        fake_worker_saves(planner, d.saves)
+        planner.step_done({d.step}, set())
+    finally:
+        planner.close()

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from antiphon.tiering.keys import chain_hashes, owner_tag, prefix_hashes, prefix_seed
+from antiphon.tiering.keys import ChunkKey, chain_hashes, owner_tag, prefix_hashes, prefix_seed
 
 if TYPE_CHECKING:
     from antiphon.tiering.planner import TierPlanner
@@ -34,9 +34,9 @@ class SessionErasure:
     def __init__(self, planner: TierPlanner) -> None:
         self._planner = planner
         self._forgetting: dict[str, Future[tuple[int, int]]] = {}  # by session
-        # Chunks being erased: saves of them still in flight are not published (a deleted
-        # session's last turn may have copies on their way); cleared once none are.
-        self._dropped: set[bytes] = set()
+        # Saves of chunks being erased, reserved before the erasure began: not published (a
+        # deleted session's last turn may have copies on their way); cleared once none are.
+        self._dropped: set[ChunkKey] = set()
         self._running: list[set[bytes]] = []  # the prefix hashes of each erasure running
         # sessions deleted whose erasure runs: how many of their erasures run (a delete
         # asked again runs its own)
@@ -86,8 +86,11 @@ class SessionErasure:
                     # erasure is done (`TierPlanner.checkpoint` calls `keep`).
                     wanted -= p.preemption.chunk_hashes
                     self._running.append(wanted)
-                    if p.has_commits_pending():  # dropped, not published
-                        self._dropped |= wanted
+                    # saves of them reserved now are dropped, not published; not those
+                    # reserved later, other sessions' sharing the prefix (taken by hash, they
+                    # were dropped for as long as a step with copies was in flight)
+                    self._dropped |= {c.key for c in p.commits_pending()
+                                      if c.key.prefix_hash in wanted}
                 done.set_result(self._erase(wanted))
             except BaseException as exc:
                 done.set_exception(exc)
@@ -119,13 +122,17 @@ class SessionErasure:
 
     def keep(self, prefix_hashes: set[bytes]) -> None:
         """A request was checkpointed onto these chunks: out of every erasure running."""
-        self._dropped -= prefix_hashes
+        self._dropped = {key for key in self._dropped if key.prefix_hash not in prefix_hashes}
         for wanted in self._running:
             wanted -= prefix_hashes
 
-    def drops(self, prefix_hash: bytes) -> bool:
-        """Whether a save of this chunk, now done, must not be published (it is erased)."""
-        return prefix_hash in self._dropped
+    def drops(self, key: ChunkKey) -> bool:
+        """Whether this save, now done, must not be published (reserved before an erasure
+        of its chunk took stock); asked once per save."""
+        if key in self._dropped:
+            self._dropped.discard(key)
+            return True
+        return False
 
     def settle(self) -> None:
         """No save is in flight any more: none is left to drop."""

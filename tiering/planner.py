@@ -349,7 +349,7 @@ class TierPlanner:
                 erased: list[ChunkKey] = []
                 failed: list[ChunkKey] = []
                 for key, durable, owner, num_bytes in in_flight.commits:
-                    if self.erasure.drops(key.prefix_hash):
+                    if self.erasure.drops(key):
                         self.host.abort(key, erase=True)
                         erased.append(key)
                     elif step in failed_steps:
