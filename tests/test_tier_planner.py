@@ -1431,3 +1431,24 @@ def test_saves_reserved_after_an_erasure_began_are_kept_while_steps_overlap(
         planner.step_done({d.step}, set())
     finally:
         planner.close()
+
+
+def test_a_session_turn_writes_down_the_prefix_another_request_left_in_host_ram(
+        tmp_path: Path) -> None:
+    """A sessionless request's KV stays in host RAM; a session turn that loaded it as its
+    prefix never wrote it to the SSD tier, so after a restart (or once the host let it go)
+    the session's own chunks after it, on the SSD, were out of reach and its next turn
+    recomputed the conversation (found by a review)."""
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "anon", [*TURN1, 110], [7, 8, 9], session=None)
+    tokens = [*TURN1, 110, 111, 112, 113, 114, 115]  # 16 tokens, 4 chunks
+    matched, _ = run_turn(first, "r1", tokens, [1, 2, 3, 4], session="s1")
+    assert matched
+    first.store.wait_for_write_downs()
+    first.store.flush()
+    first.close()
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        assert planner.stored_prefix_tokens(TokenView("r2", [*tokens, 116], "s1")) >= 12
+    finally:
+        planner.close()

@@ -664,12 +664,16 @@ class TierPlanner:
         """Host slots for the request's chunks from `st.saved_chunks` to `full`, their page
         copies into `copies` and their commits into `commits`; returns how many chunks need
         a copy. Stops at a chunk the host has no room for, tried again later (the chunks
-        after it extend no stored prefix until then)."""
+        after it extend no stored prefix until then). A request written through also writes
+        down the layers a tier held already (another request's, in host RAM alone: a
+        sessionless one's, or BE work's), in the background: its own chunks after them on the
+        SSD would otherwise be out of reach once the host let those go, or after a restart."""
         if full <= st.saved_chunks:
             return 0
         hashes = self.matcher.hashes(st, full)
         durable, owner = self._durable(st), self._owner(st)
         saved = 0
+        held_before: list[ChunkKey] = []
         for index in range(st.saved_chunks, full):
             first_page = index * self.pages_per_chunk
             pages = tuple(block_ids[first_page:first_page + self.pages_per_chunk])
@@ -685,8 +689,15 @@ class TierPlanner:
             elif not self.held(chunk):  # refused, no host room
                 st.saved_chunks = index
                 st.refused_chunk = index
-                return saved
-        st.saved_chunks = full
+                break
+            if durable and len(keys) < self.num_layers:
+                reserved = set(keys)
+                held_before += [layer_key for layer in range(self.num_layers)
+                                if (layer_key := chunk.with_layer(layer)) not in reserved]
+        else:
+            st.saved_chunks = full
+        if held_before:
+            self.store.write_through_later(held_before, owner=owner)
         return saved
 
     def _reserve(self, key: ChunkKey, pages: tuple[int, ...], count_refusal: bool = True
