@@ -205,12 +205,18 @@ class IndexedTier(Tier, Generic[Location]):
         return True
 
     def _drop_corrupt(self, key: ChunkKey, entry: IndexEntry[Location]) -> None:
-        """Remove an entry whose bytes failed verification, even if pinned, and count it;
-        those listening to evictions hear of it as one (a checkpoint that counted on it is
-        cut there)."""
-        if self._index.get(key) is entry:
-            self._index.remove(key)
-            self._free(key, entry)
+        """Remove an entry whose bytes failed verification, even if pinned, and count it."""
+        if self._drop(key, entry):
             self.stats.corrupt_dropped += 1
-            if self.on_evict is not None:
-                self.on_evict([key])
+
+    def _drop(self, key: ChunkKey, entry: IndexEntry[Location]) -> bool:
+        """Remove `entry` if it is still `key`'s, even if pinned (lock held); those listening
+        to evictions hear of it as one (a tier above that ranked its copy as backed here, and
+        a checkpoint that counted on it, learn it is gone). Whether it was removed."""
+        if self._index.get(key) is not entry:
+            return False
+        self._index.remove(key)
+        self._free(key, entry)
+        if self.on_evict is not None:
+            self.on_evict([key])
+        return True

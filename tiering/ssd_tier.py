@@ -264,14 +264,8 @@ class SsdTier(IndexedTier[SsdSlot]):
         except OSError as e:
             log.warning("%s: cannot write slot %d (%s); dropping it", self.name, location.slot, e)
             with self._lock:
-                if self._index.get(key) is entry:
-                    self._index.remove(key)
-                    self._free(key, entry)
+                if self._drop(key, entry):
                     self.stats.write_failed += 1
-                    # heard as an eviction: a tier above that ranked its copy as backed
-                    # here, and a checkpoint that counted on it, learn it is gone
-                    if self.on_evict is not None:
-                        self.on_evict([key])
             # The slot may still hold the record an erasure skipped clearing because this
             # write was to replace it. A write queued into the slot meanwhile runs after this.
             self._clear_now(location.slot)
