@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from vllm.logger import init_logger
@@ -602,14 +602,18 @@ class AntiphonScheduler(Scheduler):
             self.pages.layout.reset_counters()
 
     def antiphon_stats(self) -> dict[str, Any]:
-        queues = {state: collections.Counter(c.value for c in map(request_class_of, requests))
-                  for state, requests in (("waiting", self.waiting), ("running", self.running))}
         return self.stats.snapshot(num_waiting=len(self.waiting), num_running=len(self.running),
-                                   queues={state: {c.value: counts[c.value] for c in RequestClass}
-                                           for state, counts in queues.items()},
+                                   queues={"waiting": _by_class(self.waiting),
+                                           "running": _by_class(self.running)},
                                    policy=self.step_policy.name,
                                    batch_size=getattr(self.step_policy, "batch_size", None),
                                    biblocks=None if self.pages is None else self.pages.stats())
+
+
+def _by_class(requests: Iterable[Request]) -> dict[str, int]:
+    """How many of `requests` are of each class."""
+    counts = collections.Counter(map(request_class_of, requests))
+    return {c.value: counts[c] for c in RequestClass}
 
 
 class AntiphonAsyncScheduler(AntiphonScheduler, AsyncScheduler):

@@ -374,8 +374,8 @@ def find_request_id(raw: str | bytes, *, parse: bool = True) -> str | None:
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
     if parse:
         try:
-            data = json.loads(text)
-        except (ValueError, RecursionError):
+            data = strict_json(text)
+        except ValueError:
             pass
         else:
             own = data.get("request_id") if isinstance(data, dict) else None

@@ -68,9 +68,8 @@ class AdvisoryBook:
         hold room the match needs), prefetching `keys` (chunk-layers) with `priority`, due at
         its expected arrival (seconds from now; None: now), and keeping its chunks
         (`prefix_hashes`) ahead of others' in the tiers until it is used or expires."""
-        now = time.monotonic()
+        now, due = time.monotonic(), self.due(expected_arrival_s)
         self._counters.advisories_received += 1
-        due = now + (expected_arrival_s or 0.0)
         handle = self._prefetcher.submit(keys, due, priority=priority) if keys else None
         self._advisories[session] = Advisory(session, now, due + self._ttl_s, handle,
                                              num_tokens, priority, due_at=due)
@@ -88,7 +87,7 @@ class AdvisoryBook:
         minute."""
         advisory = self._advisories.get(session)
         handle = None if advisory is None else advisory.handle
-        due = time.monotonic() + (expected_arrival_s or 0.0)
+        due = self.due(expected_arrival_s)
         if (advisory is None or handle is None or handle.failed_keys()
                 or priority > advisory.priority
                 or (due < advisory.due_at and not handle.is_done)
