@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import time
@@ -360,3 +361,17 @@ def test_slots_never_handed_out_are_not_listed() -> None:
     assert slots.used_slots() == {0, 1, 2, 3, 4, 5, 6, 7}
     empty = SlotAllocator(0)
     assert not empty.can_allocate() and empty.num_free == 0
+
+
+def test_an_entry_leaves_the_garbage_collector_one_object_to_track() -> None:
+    """The engine's heap holds an index entry per chunk-layer in the tier: its location, a
+    NamedTuple, was one object more for every full collection to visit."""
+    keys = [key(f"k{i}") for i in range(64)]
+    tier = HostTier.create(shm_name(), capacity_bytes=len(keys) * SLOT, slot_bytes=SLOT)
+    gc.collect()
+    before = len(gc.get_objects())
+    for k in keys:
+        assert tier.put(k, b"x" * SLOT)
+    gc.collect()
+    assert len(gc.get_objects()) - before <= len(keys) + 16  # its index entry
+    tier.close()

@@ -13,8 +13,6 @@ done: an unpinned slot may be evicted and reused at any time.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from antiphon.tiering.eviction import EvictionPolicy, LruPolicy
 from antiphon.tiering.host_arena import HostArena
 from antiphon.tiering.index import IndexEntry
@@ -22,10 +20,10 @@ from antiphon.tiering.indexed_tier import IndexedTier
 from antiphon.tiering.keys import ChunkKey
 from antiphon.tiering.slots import SlotAllocator
 
-
-class HostSlot(NamedTuple):
-    slot: int  # slot number in the arena
-    num_bytes: int  # payload length, <= slot_bytes; the rest of the slot is garbage
+# (slot number in the arena, payload length <= slot_bytes; the rest of the slot is garbage).
+# A plain tuple of ints, not a NamedTuple: Python's garbage collector stops tracking those,
+# and the engine's heap holds one per chunk-layer in the tier.
+HostSlot = tuple[int, int]
 
 
 class HostTier(IndexedTier[HostSlot]):
@@ -57,7 +55,7 @@ class HostTier(IndexedTier[HostSlot]):
     def slot_of(self, key: ChunkKey) -> int | None:
         """The slot holding committed `key`, or None. Pin the key while another process uses it."""
         location = self.location_of(key)
-        return None if location is None else location.slot
+        return None if location is None else location[0]
 
     def reserve(self, key: ChunkKey) -> int | None:
         """Allocate a slot for another process to fill with `key`'s payload (evicting if needed).
@@ -94,7 +92,7 @@ class HostTier(IndexedTier[HostSlot]):
                 if pin:
                     self._index.pin(key)
                 return True
-            self._index.insert(key, HostSlot(slot, num_bytes), self.slot_bytes, pin=pin)
+            self._index.insert(key, (slot, num_bytes), self.slot_bytes, pin=pin)
             self.stats.bytes_in += num_bytes
             return True
 
@@ -123,7 +121,8 @@ class HostTier(IndexedTier[HostSlot]):
             location = self.location_of(key)
             removed = super().remove(key)
             if removed and location is not None:
-                self.arena.write(location.slot, bytes(location.num_bytes))
+                slot, num_bytes = location
+                self.arena.write(slot, bytes(num_bytes))
             return removed
 
     def close(self) -> None:
@@ -139,18 +138,18 @@ class HostTier(IndexedTier[HostSlot]):
     def _store(self, key: ChunkKey, data: memoryview, owner: bytes) -> HostSlot:
         slot = self._slots.allocate()
         self.arena.write(slot, data)
-        return HostSlot(slot, len(data))
+        return slot, len(data)
 
     def _load(self, key: ChunkKey, entry: IndexEntry[HostSlot]) -> bytes:
-        return self.arena.read(entry.location.slot, entry.location.num_bytes)
+        return self.arena.read(*entry.location)
 
     def _free(self, key: ChunkKey, entry: IndexEntry[HostSlot]) -> None:
-        self._slots.free(entry.location.slot)
+        self._slots.free(entry.location[0])
 
     def _check_storage(self) -> None:
         self.arena.check_integrity()
         self._slots.check_integrity()
-        slots = [entry.location.slot for _, entry in self._index.items()]
+        slots = [entry.location[0] for _, entry in self._index.items()]
         slots += self._reserved.values()
         assert len(set(slots)) == len(slots), f"{self.name}: two keys share a slot"
         assert set(slots) == self._slots.used_slots(), f"{self.name}: allocator disagrees"
@@ -158,4 +157,4 @@ class HostTier(IndexedTier[HostSlot]):
         assert self._index.reserved_bytes == len(self._reserved) * self.slot_bytes, "reserved"
         for key, entry in self._index.items():
             assert entry.nbytes == self.slot_bytes, f"{key} not charged one slot"
-            assert 0 <= entry.location.num_bytes <= self.slot_bytes, f"{key} length"
+            assert 0 <= entry.location[1] <= self.slot_bytes, f"{key} length"

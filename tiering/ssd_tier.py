@@ -47,10 +47,13 @@ from antiphon.tiering.write_behind import Job, WriteBehind
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class SsdSlot:
     slot: int
-    written: Future[bool]  # resolves when the record is on disk (False: dropped before)
+    # Resolves when the record is on disk (False: dropped before); None once it is there. A
+    # future holds about ten objects Python's garbage collector tracks: kept for every record,
+    # a full collection of the engine's heap took ten times as long.
+    written: Future[bool] | None
     pending: bytes | None  # the payload until the record is written, then None
     owner: bytes = b""  # who saved it (`keys.owner_tag`), written into its record header
 
@@ -239,9 +242,11 @@ class SsdTier(IndexedTier[SsdSlot]):
         if entry is None:
             return None
         location = entry.location
+        written = location.written  # (None: the entry's record is on disk already)
         if is_new:  # outside the lock: a full queue blocks here, and the writer needs the lock
-            self._submit(lambda: self._write(key, location), location.written)
-        return location.written
+            assert written is not None
+            self._submit(lambda: self._write(key, location), written)
+        return done_future(True) if written is None else written
 
     def _submit(self, job: Job, future: Future[bool] | None = None) -> None:
         assert self._writer is not None
@@ -274,6 +279,7 @@ class SsdTier(IndexedTier[SsdSlot]):
             self._uncleared.discard(location.slot)  # the new record replaced the old
             if self._index.get(key) is entry:
                 location.pending = None
+                location.written = None  # (the writer resolves the future it was given)
                 self._unwritten_slots.discard(location.slot)
                 return True
             return False
@@ -473,8 +479,8 @@ class SsdTier(IndexedTier[SsdSlot]):
         self._slots = SlotAllocator(num_slots, used=used)
         self._file_slots = max([self._file.num_slots_on_disk, *(slot + 1 for slot in used)])
         for key, (_, slot, owner) in sorted(newest.items(), key=lambda item: item[1][0]):
-            self._index.insert(key, SsdSlot(slot, done_future(True), None,
-                                            self._own(key, owner)), self.stride)
+            self._index.insert(key, SsdSlot(slot, None, None, self._own(key, owner)),
+                               self.stride)
             report.num_loaded += 1
         return report
 
