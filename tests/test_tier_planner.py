@@ -17,7 +17,7 @@ import pytest
 
 from antiphon.tiering.config import TieringConfig
 from antiphon.tiering.connector_meta import PageCopy, TieringMetadata
-from antiphon.tiering.keys import ChunkKey
+from antiphon.tiering.keys import ChunkKey, prefix_hashes
 from antiphon.tiering.planner import NO_SLOT, TierPlanner, TokenView
 
 LAYERS = 2
@@ -1452,3 +1452,40 @@ def test_a_session_turn_writes_down_the_prefix_another_request_left_in_host_ram(
         assert planner.stored_prefix_tokens(TokenView("r2", [*tokens, 116], "s1")) >= 12
     finally:
         planner.close()
+
+
+def test_the_step_built_before_a_failed_load_was_reported_publishes_nothing(
+        planner: TierPlanner) -> None:
+    # Async scheduling (a GPU's): step N + 1 is built before N's output says N's loads failed,
+    # and computes over the pages they left unfilled. Published, its chunks would serve wrong
+    # KV under the right keys to every later turn with the prefix.
+    run_turn(planner, "r1", [*TURN1, 110], [7, 8, 9])
+    prompt = [*TURN1, 110, *range(200, 216)]  # 27 tokens: 6 full chunks
+    view = TokenView("r2", prompt, "s2")
+    planner.add_request(view)
+    matched = planner.num_new_matched_tokens(view, 0)
+    assert matched is not None and matched >= 8
+    blocks = list(range(20, 27))
+    planner.test_blocks["r2"] = blocks  # type: ignore[attr-defined]
+    planner.plan_load("r2", blocks, matched, len(prompt))
+    first = planner.build_metadata([("r2", 16)])  # loads chunks 0-1, computes to token 16
+    assert first.loads or first.early_loads
+    fake_worker_saves(planner, first.saves)
+    second = planner.build_metadata([("r2", 24)])  # built before the first's output came
+    assert second.saves
+    fake_worker_saves(planner, second.saves)
+    planner.step_done(set(), {first.step})  # its loads failed: vLLM fails the request
+    planner.request_finished("r2", 10, blocks[:3])
+    planner.step_done({second.step}, set())
+    hashes = prefix_hashes(prompt, CHUNK, planner.model_id)
+    stored = [index for index in range(2, 6)
+              if planner.store.contains(ChunkKey(planner.model_id, hashes[index], index, 0))]
+    assert stored == []
+    assert planner.stats()["copy_steps_failed"] == 2
+    # A step built after the report is not touched by it.
+    tokens = [t + 1000 for t in TURN1] + [1110]
+    _, meta = run_turn(planner, "r3", tokens, [4, 5, 6], session="s3")
+    assert [c.blocks for c in meta.saves] == [(4,), (5,)]
+    assert planner.store.contains(ChunkKey(planner.model_id, prefix_hashes(
+        tokens, CHUNK, planner.model_id)[1], 1, 0))
+    planner.store.check_integrity()

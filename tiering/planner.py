@@ -106,6 +106,8 @@ class TierPlanner:
         self._final_keys: list[SlotCommit] = []  # as `StepInFlight.commits`
         self._final_chunks = 0  # whole chunks among `_final_saves` (counted once saved)
         self._in_flight: dict[int, StepInFlight] = {}
+        # Steps through this one were built before a failed step's report: see `step_done`.
+        self._failed_through = -1
         self._pending_checkpoints: list[PageCopy] = []
         self.preemption = PreemptionTable(self.chunk_tokens)
         self.tails = TailIndex(config.tail_index_entries)  # the tokens of tails saved
@@ -335,12 +337,21 @@ class TierPlanner:
             return meta
 
     def step_done(self, done_steps: set[int], failed_steps: set[int]) -> None:
-        """The worker finished these steps' copies: publish saves, drop load pins."""
+        """The worker finished these steps' copies: publish saves, drop load pins.
+
+        A step built before a failed one was reported fails with it: under async scheduling
+        (a GPU's) vLLM builds step N + 1 before it hears that N's loads failed, and N + 1
+        computes over the pages they left unfilled; its saves, published, would serve wrong
+        KV under the right keys to every later turn with that prefix."""
         with self.lock:
             for step in sorted(done_steps | failed_steps):
                 in_flight = self._in_flight.pop(step, None)
                 if in_flight is None:
                     continue
+                if step in failed_steps:
+                    self._failed_through = max(self._failed_through, self._step - 1)
+                elif step <= self._failed_through:
+                    failed_steps = failed_steps | {step}
                 self.counters.copy_steps_failed += step in failed_steps
                 if step not in failed_steps:  # (a failed one's are saved again, and counted)
                     self.counters.saved_chunks += in_flight.num_saved_chunks
