@@ -344,6 +344,22 @@ def test_a_turn_waiting_for_pages_the_next_step_brings_keeps_waiting_work_off_th
     assert plan.preempt == ["be"] and plan.order == []
 
 
+@pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
+def test_a_turn_waiting_for_pages_the_next_step_brings_keeps_running_work_off_them(
+        name: str) -> None:
+    # Running BE requests seated after the deferred turn took the pages free now (vLLM gives
+    # pages to running requests first): at the next step the turn was short again, another
+    # victim was taken late, and so on (hygen never seated it in 50 steps; found by a review).
+    policy = make_policy(name, constant_cost(0.01))
+    # three BE decodes at a page boundary: each needs a fourth page to go on
+    be = [view(f"be{i}", BE, arrival=i, prompt=40, computed=48, output=9, running=True,
+               frees_pages_late=True) for i in range(3)]
+    turn = view("rt", arrival=5.0, prompt=64)  # needs 4 pages; 2 free
+    plan = policy.plan([*be, turn], budget(now=5.0, free_pages=2))
+    assert plan.preempt and "rt" not in plan.order  # the victim's pages come next step
+    assert not [r for r in plan.order if r.startswith("be")]  # the 2 free pages wait for it
+
+
 def test_pages_victims_share_free_late_if_one_of_them_does() -> None:
     # A page two batch items of one document share frees with the last to go: counted free
     # at once where that one sat the step in flight out, though the first lets go of its

@@ -154,6 +154,7 @@ class HygenPolicy(Policy):
             if needed > batch.pages_left:
                 chunk = 0
                 is_short = is_short or not view.is_running
+                victims.hold_free_pages(needed, batch)
             if chunk > 0:
                 batch.add(view, chunk, pages)
             elif batch.ids:

@@ -194,10 +194,22 @@ class Victims:
 
     def take_until(self, num_pages: int, batch: StepBatch, plan: StepPlan) -> bool:
         """Take victims until `batch` has `num_pages` free, or will have at the next step;
-        whether it has them now (False also where the victims run out first)."""
+        whether it has them now (False also where the victims run out first). A request
+        whose pages come at the next step keeps those free now (`hold_free_pages`)."""
         while num_pages > batch.pages_left + self.pages_next_step and self._stack:
             self.take_one(batch, plan)
-        return num_pages <= batch.pages_left
+        if num_pages <= batch.pages_left:
+            return True
+        self.hold_free_pages(num_pages, batch)
+        return False
+
+    def hold_free_pages(self, num_pages: int, batch: StepBatch) -> None:
+        """Where a request left out for want of `num_pages` has them at the next step, once
+        the victims' late pages come back, keep the pages free now for it: running requests
+        seated after it took them (vLLM gives pages to running requests first), it was short
+        again at the next step, another victim was taken, and so on, step after step."""
+        if num_pages <= batch.pages_left + self.pages_next_step:
+            batch.pages_left = 0
 
 
 def _shared_hashes(view: RequestView) -> Sequence[bytes]:
