@@ -114,19 +114,42 @@ def absolute_error_weights(latencies: np.ndarray, predicted: np.ndarray) -> np.n
 MIN_STEPS_TO_REFIT = 4
 
 
+# A term whose column (weighted, scaled to unit norm) the columns of the terms refitted before
+# it explain to within this residual norm keeps its start value in a refit (not in the papers).
+# Where every step of the window prefilled (a document job's), the fixed costs of a step, of
+# its prefill and of its decode were one column: the fit put all three on the first and zeroed
+# the others, and a decode-only step was then planned at 2-40% of its time.
+MIN_SEPARABLE_RESIDUAL = 1e-3
+
+
 def refit_nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray,
                start: Sequence[float] | None) -> np.ndarray:
     """Non-negative coefficients for `x @ c ~ y`, each row weighted by `w`. With `start`,
     terms fewer than `MIN_STEPS_TO_REFIT` rows exercise keep their start value (an online
-    window of decode steps says nothing about prefill, a couple of short prefills little)."""
+    window of decode steps says nothing about prefill, a couple of short prefills little),
+    and so do terms the window cannot tell from those before them (`MIN_SEPARABLE_RESIDUAL`)."""
     if start is None:
         return nnls(x * w[:, None], y * w)
     coef = np.array(start, dtype=np.float64)
-    used = np.count_nonzero(x, axis=0) >= MIN_STEPS_TO_REFIT
+    used = _separable(x * w[:, None], np.count_nonzero(x, axis=0) >= MIN_STEPS_TO_REFIT)
     if used.any():
         b = (y - x[:, ~used] @ coef[~used]) * w
         coef[used] = nnls(x[:, used] * w[:, None], b)
     return coef
+
+
+def _separable(a: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """The `candidates` columns of `a` that the candidates before them, so kept, do not
+    explain to within `MIN_SEPARABLE_RESIDUAL` (each column scaled to unit norm)."""
+    kept = np.zeros_like(candidates)
+    norms = np.linalg.norm(a, axis=0)
+    for j in np.flatnonzero(candidates):
+        column = a[:, j] / norms[j]
+        if kept.any():
+            basis = a[:, kept] / norms[kept]
+            column = column - basis @ np.linalg.lstsq(basis, column, rcond=None)[0]
+        kept[j] = np.linalg.norm(column) >= MIN_SEPARABLE_RESIDUAL
+    return kept
 
 
 def _fit_weights(latencies: np.ndarray, weights: np.ndarray | None) -> np.ndarray:

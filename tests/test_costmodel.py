@@ -480,3 +480,22 @@ def test_a_profiled_fit_is_planned_without_the_replaced_coefficients_margin() ->
     assert model.predict_s(shape) == pytest.approx(true_s)
     model.observe(shape, true_s)
     assert model.planning_s(shape) == pytest.approx(true_s)
+
+
+def test_a_refit_keeps_the_start_of_terms_its_window_cannot_tell_apart() -> None:
+    # A document job: every step of the window computes a prefill chunk beside decodes, so the
+    # fixed costs of a step, of its prefill and of its decode are one column. The refit put
+    # them all on the first and zeroed the others: a decode-only step, 12.3 ms, was then
+    # planned at 0.3 ms (found by a review).
+    truth = {"prefill_token_s": 1.2e-4, "decode_token_s": 3e-4, "step_s": 0.012}
+    model = CostModel("bros_max", truth)
+
+    def latency(shape: StepShape) -> float:
+        return model.form.predict_s(model.form.coefficients_of(truth), shape)
+
+    for i in range(64):
+        shape = StepShape.of([(512, 512 * (i % 4 + 1), True)]
+                             + [(1, 900 + i, False)] * (1 + i % 5))
+        model.observe(shape, latency(shape))
+    decode = StepShape.of([(1, 900, False)])
+    assert model.predict_s(decode) == pytest.approx(latency(decode), rel=0.01)
