@@ -164,6 +164,8 @@ class AntiphonScheduler(Scheduler):
             scheduled = time.perf_counter()
             if not isinstance(self, AsyncScheduler):
                 self._steps_in_flight.clear()  # one step at a time (none left by a failure)
+                if self._trace is not None:
+                    self._trace.drop_unfinished()
             usage = self.kv_cache_manager.block_pool.get_usage()
             self._steps_in_flight.append((shape, scheduled, usage))
             self.stats.record_step(planned - started, scheduled - started, usage)

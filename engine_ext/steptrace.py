@@ -18,6 +18,7 @@ One JSON line per scheduled step, written when the step's output arrives:
 
 from __future__ import annotations
 
+import collections
 import json
 from collections.abc import Iterable
 from typing import IO, Any
@@ -29,7 +30,9 @@ from antiphon.engine_ext.types import RequestClass
 class StepTrace:
     def __init__(self, path: str) -> None:
         self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 (line-buffered, engine life)
-        self._pending: dict[str, Any] | None = None
+        # Records of the steps scheduled and not finished yet, oldest first: with async
+        # scheduling (a GPU's) step N + 1 is scheduled before step N finishes.
+        self._pending: collections.deque[dict[str, Any]] = collections.deque()
 
     def scheduled(self, t: float, plan_s: float, predicted_s: float,
                   scheduled: Iterable[tuple[RequestClass, int, bool]],
@@ -46,18 +49,24 @@ class StepTrace:
                 row[1] += num_new
             else:
                 row[2] += 1
-        self._pending = {"t": round(t, 4), "plan_s": round(plan_s, 6),
-                         "pred_s": round(predicted_s, 4), **phases,
-                         "waiting": _count(waiting), "running": _count(running),
-                         "free": free_pages, "copies": shape.page_copies,
-                         "preempted": preempted, "fallback": fallback, "shape": shape.to_list()}
+        self._pending.append({"t": round(t, 4), "plan_s": round(plan_s, 6),
+                              "pred_s": round(predicted_s, 4), **phases,
+                              "waiting": _count(waiting), "running": _count(running),
+                              "free": free_pages, "copies": shape.page_copies,
+                              "preempted": preempted, "fallback": fallback,
+                              "shape": shape.to_list()})
 
     def finished(self, latency_s: float) -> None:
-        if self._pending is None:
+        """The oldest step scheduled and not finished has finished, in `latency_s`."""
+        if not self._pending:
             return
-        self._pending["lat_s"] = round(latency_s, 4)
-        self._file.write(json.dumps(self._pending) + "\n")
-        self._pending = None
+        record = self._pending.popleft()
+        record["lat_s"] = round(latency_s, 4)
+        self._file.write(json.dumps(record) + "\n")
+
+    def drop_unfinished(self) -> None:
+        """Forget the steps scheduled and never finished (a step that failed)."""
+        self._pending.clear()
 
 
 def _count(classes: Iterable[RequestClass]) -> dict[str, int]:
