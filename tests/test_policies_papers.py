@@ -459,6 +459,26 @@ def test_echo_predicts_rt_bursts_from_recent_rt_pages() -> None:
     assert policy.headroom_pages([], at) == 56
 
 
+def test_echo_counts_the_pages_rt_turns_share_once() -> None:
+    # Turns over one 60-page system prompt, 5 pages each of their own, 4 or 8 of them: RT
+    # holds 80 or 100 pages (seen 80, 100, 80, 100, 80: mean 88, std 9.8, a 2-sigma burst of
+    # 108, 28 pages more than now). Counted per turn, the prompt made the turns' pages 260 or
+    # 520, and BE work was kept off 359 pages (found by a review).
+    policy = EchoPolicy(constant_cost(0.01), headroom_fraction=0.0, burst_sigmas=2.0)
+    at = StepBudget(now_s=0.0, max_num_seqs=8, max_num_tokens=2048, num_free_pages=2000,
+                    page_tokens=PAGE, num_total_pages=3000)
+    system = chain(*(f"p{i}" for i in range(65)))
+
+    def turns(n: int) -> list[RequestView]:
+        return [view(f"rt{i}", prompt=65 * PAGE, computed=65 * PAGE, output=1, running=True,
+                     num_shared_pages=60, prefix_page_hashes=system[:60] + chain(
+                         *(f"rt{i}-{j}" for j in range(5)))) for i in range(n)]
+
+    for step in range(4):
+        policy.headroom_pages(turns(8 if step % 2 else 4), at)
+    assert policy.headroom_pages(turns(4), at) == 28
+
+
 @pytest.mark.parametrize(("checkpoint_pages", "reserve"), [(None, 56), (1, 16)])
 def test_echo_reserves_only_the_mean_rt_pages_where_evictions_are_checkpointed(
         checkpoint_pages: int | None, reserve: int) -> None:
