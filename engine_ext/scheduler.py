@@ -393,7 +393,9 @@ class AntiphonScheduler(Scheduler):
             first_token_s=self._first_token_s.get(request.request_id),
             checkpoint_pages=(self._checkpoint_cost(request) if is_running and not is_rt
                               and self._checkpoint_cost is not None else None),
-            prefix_page_hashes=request.block_hashes,  # read-only; no per-step copy
+            # read-only, no per-step copy; none for a waiting request that reads no cached KV
+            prefix_page_hashes=() if not is_running and request.skip_reading_prefix_cache
+            else request.block_hashes,
             num_shared_pages=num_shared,
             shared_page_holders=holders,
             frees_pages_late=is_running and not self._request_blocks_can_be_freed(request),

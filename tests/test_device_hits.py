@@ -114,3 +114,7 @@ def test_a_request_that_reads_no_cached_kv_is_viewed_as_computing_its_whole_prom
         request.block_hashes = hashes
         view = AntiphonScheduler._view(sched, request, is_running=False)  # type: ignore[arg-type]
         assert view.num_computed_tokens == computed
+        # Nor may a policy credit it a prefix running requests hold (`ResidentPrefixes`):
+        # hygen and echo seated it on the pages it would share, and vLLM, needing all its
+        # pages, refused it and every waiting request behind it (found by a review).
+        assert bool(view.prefix_page_hashes) is (prompt_logprobs is None)
