@@ -301,11 +301,14 @@ def remove_orphaned_arenas(shm_dir: Path = Path("/dev/shm")) -> list[str]:
     namespace) and that is younger than `CREATING_S` (its creator may not have taken its
     in-use lock yet), or that a live process still uses, is left alone. An older one whose pid
     is alive is swept: a restarted container's engine gets its killed predecessor's pid, and
-    that arena, a whole host tier of RAM, stayed behind at every such restart."""
+    that arena, a whole host tier of RAM, stayed behind at every such restart. One named
+    with this process's own pid and not in use is swept however young: this process is not
+    creating it, so its creator, which had the pid before, is dead."""
     removed = []
     for path in shm_dir.glob(f"{ARENA_PREFIX}*"):
         pid = _arena_pid(path.name)
-        if pid is None or _is_in_use(path) or (_is_alive(pid) and _is_young(path)):
+        if pid is None or _is_in_use(path) or (
+                pid != os.getpid() and _is_alive(pid) and _is_young(path)):
             continue
         try:
             if HostArena.unlink_stale(path.name, shm_dir):
