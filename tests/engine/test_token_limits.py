@@ -4,6 +4,7 @@ shape when vLLM schedules a step ahead (async scheduling)."""
 
 from __future__ import annotations
 
+import time
 import types
 from collections.abc import Sequence
 
@@ -351,3 +352,27 @@ def test_a_chunk_limit_keeps_clear_of_a_drafters_prefill_lookahead() -> None:
     assert sched._reserve_prefill_lookahead(request("a", 40), 0, 40) == 36
     sched._token_limits = {"a": 20}
     assert sched._reserve_prefill_lookahead(request("a", 40), 0, 40) == 20
+
+
+def test_with_async_scheduling_a_step_is_planned_from_when_the_step_in_flight_ends() -> None:
+    # vLLM plans step N + 1 while N runs; planned as if it started now, it saw a whole step
+    # more of slack, filled it with BE work, and an RT token came up to a step late (0.44 s
+    # apart at a 0.1 s TPOT in a simulation; found by a review).
+    class HalfSecond:
+        calibration, mape, mean_copy_s = 1.0, None, 0.0
+
+        def predict_s(self, shape: object) -> float:
+            return 0.5
+
+        def observe(self, shape: object, latency: float) -> float:
+            return 0.0
+
+    for cls in (AntiphonAsyncScheduler, AntiphonScheduler):
+        sched = scheduler([StepPlan(order=["p"])] * 2, cls=cls)
+        sched.cost_model = HalfSecond()  # type: ignore[assignment]
+        sched.add_request(request("p", 40))
+        first = sched.schedule()  # a step predicted to take 0.5 s
+        if cls is AntiphonAsyncScheduler:  # the next is planned while it runs
+            assert 0.4 < sched._budget().now_s - time.time() <= 0.5
+        finish_step(sched, first)
+        assert abs(sched._budget().now_s - time.time()) < 0.05  # none in flight
