@@ -155,9 +155,12 @@ class AntiphonScheduler(Scheduler):
         # Stalled: running requests and nothing scheduled, though one of them has no output
         # in flight. With async scheduling a step is empty, not stalled, while every running
         # request waits for its last token (taken for a stall, the next step ran without the
-        # plan, its BE chunk limits with it, at the end of nearly every turn).
-        self._stalled = not output.total_num_scheduled_tokens and any(
-            not r.num_output_placeholders for r in self.running)
+        # plan, its BE chunk limits with it, at the end of nearly every turn). Nor is it
+        # while pages come back at the next step (vLLM's deferred frees: a victim of the plan
+        # on a GPU with the KV connector, the turn it preempted for waiting for them): run
+        # without the plan, the next step gave them to BE work and the turn no longer fit.
+        self._stalled = not output.total_num_scheduled_tokens and not self.deferred_frees \
+            and any(not r.num_output_placeholders for r in self.running)
         if output.total_num_scheduled_tokens:
             shape = self._shape_of(output)
             self._last_step_had_prefill = shape.num_prefill_tokens > 0

@@ -376,3 +376,32 @@ def test_with_async_scheduling_a_step_is_planned_from_when_the_step_in_flight_en
             assert 0.4 < sched._budget().now_s - time.time() <= 0.5
         finish_step(sched, first)
         assert abs(sched._budget().now_s - time.time()) < 0.05  # none in flight
+
+
+def test_a_step_left_empty_for_a_victims_late_pages_is_no_stall() -> None:
+    # A GPU with the KV connector gives a preempted request's pages back only once the step
+    # in flight is processed (vLLM's defer_block_free): bros preempts the victim and seats
+    # nothing (the RT turn waits a step for the pages; a BE decode needing a page sits out).
+    # That empty step was taken for a stall, the next ran without the plan, vLLM gave the BE
+    # decode a page first, and the turn no longer fit (found by a review).
+    from antiphon.engine_ext.policies.bros import BrosPolicy
+
+    sched = scheduler([StepPlan(order=["v", "b"], is_restrictive=True),
+                       StepPlan(order=["v"], is_restrictive=True)],
+                      cls=AntiphonAsyncScheduler, settings=SchedulerSettings(policy="bros"))
+    sched.defer_block_free = True
+    sched.add_request(request("v", 300, "be", max_tokens=50))  # 19 pages: the cheap victim
+    sched.add_request(request("b", 1280, "be", max_tokens=50))  # 80 pages: the pool is full
+    first = sched.schedule()
+    assert scheduled(first) == {"v": 300, "b": 1280}
+    second = sched.schedule()  # v decodes (its page has room); b sits out
+    finish_step(sched, first)
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 0
+    sched.add_request(request("r", 300, "rt", max_tokens=50))  # needs 19 pages
+    sched.step_policy = BrosPolicy(sched.cost_model)
+    third = sched.schedule()
+    assert scheduled(third) == {} and sched.requests["v"].status == RequestStatus.PREEMPTED
+    finish_step(sched, second)  # v's pages come back
+    finish_step(sched, third)
+    assert "r" in scheduled(sched.schedule())
+    assert sched.stats.plan_fallbacks == 0 and sched.stats.num_preemptions["be"] == 1
