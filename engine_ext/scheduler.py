@@ -459,7 +459,14 @@ class AntiphonScheduler(Scheduler):
             page_tokens=self.page_tokens,
             max_be_step_s=self.settings.be_step_limit_s,
             after_prefill=self._last_step_had_prefill,
+            num_pages_next_step=self._deferred_free_pages(),
         )
+
+    def _deferred_free_pages(self) -> int:
+        """Pages vLLM's deferred frees return to the free pool once the step in flight is
+        processed (those no other request holds)."""
+        return sum(1 for _, blocks in self.deferred_frees for block in blocks
+                   if block.ref_cnt == 1 and not block.is_null)
 
     def _in_flight_s(self) -> float:
         """How long until the steps in flight are predicted to end (seconds): with async

@@ -112,6 +112,11 @@ class StepBudget:
     # to fit; a step's first request still gets a page's worth of tokens.
     max_be_step_s: float = math.inf
     after_prefill: bool = False  # the step before this one computed prefill tokens
+    # Pages that come back at the next step: vLLM defers the free of a request finished or
+    # preempted with a step in flight (a GPU's, with the KV connector). A request short of
+    # pages these cover waits a step instead of preempting BE work, whose pages would come
+    # back no sooner.
+    num_pages_next_step: int = 0
 
 
 @dataclasses.dataclass

@@ -98,7 +98,8 @@ class BrosPolicy(Policy):
         # to checkpoint (bidirectional blocks), then fewest tokens to redo or reload.
         victims = Victims(sorted((v for v in bes if v.is_running),
                                  key=lambda v: (v.checkpoint_pages or 0, v.num_computed_tokens))
-                          if self.block_preemption else (), budget.page_tokens, kept=rts)
+                          if self.block_preemption else (), budget.page_tokens, kept=rts,
+                          pages_next_step=batch.pages_next_step)
         time_limit = residual_time_s(rts, now)
         is_at_risk = is_admission_blocked = is_deferred = False
         # Pages come back only from running requests: with none, a turn short of pages waits in

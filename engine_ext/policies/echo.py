@@ -153,7 +153,7 @@ class EchoPolicy(Policy):
         Returns whether a waiting one was left out for want of pages."""
         victims = Victims(sorted((v for v in bes if v.is_running),
                                  key=lambda v: v.num_computed_tokens), batch.page_tokens,
-                          kept=rts)
+                          kept=rts, pages_next_step=batch.pages_next_step)
         is_short = is_deferred = False
         for view in rts:
             if batch.is_full:

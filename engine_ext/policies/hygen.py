@@ -71,7 +71,7 @@ class HygenPolicy(Policy):
         # Running BE requests RT may take pages from: the least important, newest first.
         victims = Victims(sorted((v for v in bes if v.is_running),
                                  key=lambda v: (v.priority, v.arrival_s), reverse=True),
-                          budget.page_tokens, kept=rts)
+                          budget.page_tokens, kept=rts, pages_next_step=batch.pages_next_step)
         be_decodes = [v for v in bes if v.is_running and not v.is_prefill]
         is_rt_short = self._online_phase(rts, batch, limit_s, victims, plan, budget.now_s,
                                          be_decodes)
@@ -129,7 +129,7 @@ class HygenPolicy(Policy):
         for i, view in enumerate(prefills):
             if batch.is_full:
                 return is_short
-            if victims.pages_next_step and not view.is_running:
+            if victims.num_taken_late and not view.is_running:
                 return True
             # Where decodes fill the budget (on a slow machine a step's fixed cost nearly fills
             # the TPOT target), every RT prefill would wait for the decodes to finish: the

@@ -24,6 +24,7 @@ class StepBatch:
         self.seqs_left = budget.max_num_seqs
         self.tokens_left = budget.max_num_tokens
         self.pages_left = budget.num_free_pages
+        self.pages_next_step = budget.num_pages_next_step  # (the victims' start)
         self._cost_model = cost_model
         self._shape = StepShape(after_prefill=int(budget.after_prefill))  # of the members
 
@@ -138,7 +139,9 @@ class Victims:
     take back the prefix it counted as held): those are not counted freed, shared or not."""
 
     def __init__(self, views: Iterable[RequestView], page_tokens: int,
-                 kept: Iterable[RequestView] = ()) -> None:
+                 kept: Iterable[RequestView] = (), pages_next_step: int = 0) -> None:
+        """`pages_next_step`: pages that come back at the next step whoever is preempted
+        (`StepBudget.num_pages_next_step`)."""
         self._stack = list(views)[::-1]  # pop() takes the next victim
         held = {h for v in kept for h in _shared_hashes(v)}
         holders: dict[bytes, int] = {}  # of each page only victims share: its holders
@@ -163,9 +166,11 @@ class Victims:
                     held -= kept_hashes  # two victims' copies of a page: the turn takes one
         self.num_pages = sum(freed_pages(v, page_tokens) for v in self._stack) + len(
             self._holders) - sum(self._kept_pages.values())
-        # pages of the victims taken that come back only at the next step (`frees_pages_late`),
-        # and the pages shared among victims one of which, taken, lets go of them late
-        self.pages_next_step = 0
+        # pages that come back only at the next step: those given, those of the victims taken
+        # that free late (`frees_pages_late`), and the pages shared among victims one of which,
+        # taken, lets go of them late
+        self.pages_next_step = pages_next_step
+        self.num_taken_late = 0  # victims taken whose pages come back at the next step
         self._late_shared: set[bytes] = set()
 
     def __bool__(self) -> bool:
@@ -190,6 +195,7 @@ class Victims:
                         shared_now += 1
         batch.pages_left += shared_now
         self.pages_next_step += shared_late + (own if view.frees_pages_late else 0)
+        self.num_taken_late += view.frees_pages_late or shared_late > 0
         self.num_pages -= own + shared_now + shared_late
 
     def take_until(self, num_pages: int, batch: StepBatch, plan: StepPlan) -> bool:

@@ -85,10 +85,11 @@ def request(rid: str, num_prompt_tokens: int | list[int], request_class: str = "
 
 def finish_step(sched: AntiphonScheduler, output: SchedulerOutput) -> None:
     """The model's output for `output`: one token for each request at the end of its
-    prompt."""
+    prompt (none for a request finished meanwhile)."""
     ids = list(output.num_scheduled_tokens)
-    sampled = [[7] if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens
-               else [] for rid in ids]
+    requests = [sched.requests.get(rid) for rid in ids]
+    sampled = [[7] if r is not None and r.num_computed_tokens >= r.num_tokens else []
+               for r in requests]
     sched.update_from_output(output, ModelRunnerOutput(
         req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
         sampled_token_ids=sampled))
@@ -405,3 +406,32 @@ def test_a_step_left_empty_for_a_victims_late_pages_is_no_stall() -> None:
     finish_step(sched, third)
     assert "r" in scheduled(sched.schedule())
     assert sched.stats.plan_fallbacks == 0 and sched.stats.num_preemptions["be"] == 1
+
+
+def test_no_be_victim_for_pages_a_finished_request_gives_back_at_the_next_step() -> None:
+    # A turn that stops at the output of step N was already scheduled in N + 1 (its token in
+    # flight): a GPU with the KV connector frees its pages only once N + 1 is processed. The
+    # plan saw no free page for a new RT turn and preempted BE work, whose pages come back no
+    # sooner: the turn starts a step later either way (found by a review).
+    from antiphon.engine_ext.policies.bros import BrosPolicy
+
+    sched = scheduler([StepPlan(order=["f", "v"], is_restrictive=True)] * 2,
+                      cls=AntiphonAsyncScheduler, settings=SchedulerSettings(policy="bros"))
+    sched.defer_block_free = True
+    sched.add_request(Request("f", list(range(1, 301)), SamplingParams(
+        max_tokens=50, stop_token_ids=[7], extra_args={"antiphon_class": "rt"}), None,
+        block_hasher=_block_hasher))  # 19 pages; stops at its first token
+    sched.add_request(request("v", 1270, "be", max_tokens=50))  # 80 pages: the pool is full
+    first = sched.schedule()
+    second = sched.schedule()
+    assert scheduled(second) == {"f": 1, "v": 1}
+    finish_step(sched, first)  # f stops; its pages wait for the second step
+    assert sched._budget().num_pages_next_step == 19
+    sched.add_request(request("r", 290, "rt", max_tokens=50))  # 19 pages
+    sched.step_policy = BrosPolicy(sched.cost_model)
+    third = sched.schedule()
+    assert "r" not in scheduled(third)
+    finish_step(sched, second)
+    finish_step(sched, third)
+    assert "r" in scheduled(sched.schedule())
+    assert sched.stats.num_preemptions["be"] == 0
