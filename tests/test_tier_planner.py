@@ -1489,3 +1489,35 @@ def test_the_step_built_before_a_failed_load_was_reported_publishes_nothing(
     assert planner.store.contains(ChunkKey(planner.model_id, prefix_hashes(
         tokens, CHUNK, planner.model_id)[1], 1, 0))
     planner.store.check_integrity()
+
+
+def test_a_restore_waits_for_the_saves_its_checkpoint_was_handed(planner: TierPlanner) -> None:
+    # Async scheduling (a GPU's): preempted right after a step that saves chunks ending on a
+    # chunk boundary, the checkpoint is handed those saves and copies nothing, so its restore
+    # did not wait for them: admitted before they were reported, it matched nothing, dropped
+    # the checkpoint and recomputed both chunks (found by a review).
+    view = TokenView("be", [*TURN1, 110], background=True)
+    admit(planner, view, [7, 8, 9])
+    saving = planner.build_metadata([("be", 8)])  # a prefill chunk to token 8, running
+    assert planner.checkpoint("be", 8, [7, 8, 9]) == 8  # preempted
+    assert not planner.build_metadata([]).checkpoints  # every page handed over
+    assert planner.num_new_matched_tokens(view, 0) is None  # it waits for them
+    fake_worker_saves(planner, saving.saves)
+    planner.step_done({saving.step}, set())
+    assert planner.num_new_matched_tokens(view, 0) == 8
+
+
+def test_what_a_checkpointed_request_has_stored_is_looked_up_again_as_its_copies_land(
+        planner: TierPlanner) -> None:
+    # The policy's view of a preempted request, built while its checkpoint's copies ran,
+    # found only what was published, and the answer stood for as long as it waited.
+    view = TokenView("be", [*TURN1, 110], background=True)  # chunks 0, 1 and a 2-token tail
+    admit(planner, view, [7, 8, 9])
+    run_step(planner, [("be", 10)])  # chunks 0 and 1 saved
+    assert planner.checkpoint("be", 10, [7, 8, 9]) == 10  # the tail is copied next step
+    copying = planner.build_metadata([])
+    assert copying.checkpoints
+    assert planner.stored_prefix_tokens(view) == 8
+    fake_worker_saves(planner, copying.checkpoints)
+    planner.step_done({copying.step}, set())
+    assert planner.stored_prefix_tokens(view) == 10

@@ -148,12 +148,10 @@ class TierPlanner:
             if st.prefetch is not None and not st.prefetch.is_done:
                 return None
             checkpoint = self.preemption.get(view.request_id)
-            if checkpoint is not None and any(self.host.is_reserved(key)
-                                              for key in reversed(checkpoint.copying)):
+            if checkpoint is not None and self._is_checkpoint_landing(checkpoint):
                 # Its newest pages are still on their way to the host tier (with async
                 # scheduling the preempting step is still running): matched now, it would
-                # recompute them. It waits a step. (Every layer it copies: a chunk whose top
-                # layers alone were evicted is copied for those, and was recomputed.)
+                # recompute them. It waits a step.
                 return None
             if st.match is not None and st.admitted == (len(view.token_ids), num_computed):
                 # Asked again because vLLM had no pages for the turn last step: its pins still
@@ -254,6 +252,16 @@ class TierPlanner:
             return 0
         return num_tokens - num_computed
 
+    def _is_checkpoint_landing(self, checkpoint: Checkpoint) -> bool:
+        """Whether pages `checkpoint` restores are still being copied to the host tier: its
+        own copies (every layer: a chunk whose top layers alone were evicted is copied for
+        those, and was recomputed), or saves of a step still running that it was handed (a
+        request preempted right after a chunk ending on a chunk boundary copies nothing)."""
+        if any(self.host.is_reserved(key) for key in reversed(checkpoint.copying)):
+            return True
+        saving = {commit.key.prefix_hash for commit in self._commits()}
+        return any(key.prefix_hash in saving for key in checkpoint.chunks)
+
     def stored_prefix_tokens(self, view: TokenView) -> int:
         """Tokens of a waiting request the tiers hold (looked up again only when the request
         grew, e.g. preempted after more output): what a scheduling policy can count as not to be
@@ -344,6 +352,7 @@ class TierPlanner:
         computes over the pages they left unfilled; its saves, published, would serve wrong
         KV under the right keys to every later turn with that prefix."""
         with self.lock:
+            landed: set[bytes] = set()  # prefix hashes of the chunks published
             for step in sorted(done_steps | failed_steps):
                 in_flight = self._in_flight.pop(step, None)
                 if in_flight is None:
@@ -377,6 +386,8 @@ class TierPlanner:
                                 self.host.unpin(key)
                     else:
                         self.host.commit(key, num_bytes)
+                    if step not in failed_steps:
+                        landed.add(key.prefix_hash)
                 # (a checkpoint holding one is cut, as if evicted)
                 self.preemption.note_evicted(erased + failed)
                 self._unsave(erased, save_again=False)
@@ -386,6 +397,14 @@ class TierPlanner:
                                        for c in in_flight.commits})
             if not self.has_commits_pending():
                 self.erasure.settle()
+            # What a checkpointed request has stored grows as its copies land: looked up
+            # while they ran, the answer stood for as long as it waited.
+            for request_id in self.preemption.request_ids() if landed else ():
+                st = self._requests.get(request_id)
+                checkpoint = self.preemption.get(request_id)
+                if st is not None and checkpoint is not None and any(
+                        key.prefix_hash in landed for key in checkpoint.chunks):
+                    st.stored_tokens = None
             self.retirement.step_done()
 
     def settle_retired_prefetches(self) -> None:

@@ -34,6 +34,9 @@ class PreemptionTable:
     def get(self, request_id: str) -> Checkpoint | None:
         return self._checkpoints.get(request_id)
 
+    def request_ids(self) -> list[str]:
+        return list(self._checkpoints)
+
     def record(self, request_id: str, checkpoint: Checkpoint) -> None:
         self._checkpoints[request_id] = checkpoint
         self._index_chunks()
