@@ -36,6 +36,11 @@ def serve_config(args: argparse.Namespace) -> AppConfig:
     )
     tiering = dataclass_from_args(
         TieringConfig, args, ssd_dir=args.ssd_dir or config.sessions.data_dir / "kv")
+    if tiering.ssd_dir is not None and tiering.ssd_dir.resolve() \
+            == config.sessions.data_dir.resolve():
+        # (both lock `.lock` in it: the server waited on its own lock, then blamed another)
+        raise ValueError(f"ssd_dir {tiering.ssd_dir} is the data folder: give the SSD tier a "
+                         "folder of its own (by default <data-dir>/kv)")
     if tiering.kv_tiering:
         if not tiering.host_tier_bytes:
             raise ValueError("host_tier_bytes is 0: the KV connector moves every load and save "

@@ -31,8 +31,9 @@ class EngineConfig:
     max_model_len: int = doc("Longest prompt plus output, in tokens", default=8192)
     kv_cache_gib: float = doc("Memory for vLLM's KV cache pool, in GiB", default=2.0)
     num_kv_pages: int | None = doc(
-        "Cap on the number of KV pages (vLLM's num_gpu_blocks_override); unset: from memory",
-        default=None)
+        "Number of KV pages (vLLM's num_gpu_blocks_override), instead of as many as "
+        "--kv-cache-gib holds: the pool takes this many whatever memory they need; unset: "
+        "from --kv-cache-gib", default=None)
     max_num_seqs: int = doc("Most sequences in one engine step", default=64)
     max_num_batched_tokens: int = doc(
         "Token budget of one engine step; raised to --max-model-len where it is lower (a "
@@ -46,7 +47,7 @@ class EngineConfig:
         "Skip graph compilation (start-up about 30 s instead of 70 s on 2 cores; slower steps)",
         default=False)
     enable_prefix_caching: bool = doc("vLLM prefix caching of KV pages", default=True)
-    seed: int = doc("Random seed of the engine", default=0)
+    seed: int = doc("Random seed of the engine, within [0, 2**32)", default=0)
     scheduler_cls: str | None = doc(
         "Scheduler class (qualified name) vLLM runs; unset: AntiphonScheduler where vLLM "
         "schedules synchronously (CPU), AntiphonAsyncScheduler where it overlaps (GPU)",
@@ -101,7 +102,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_model_len < 16:
             raise ValueError(f"max_model_len must be at least 16, got {self.max_model_len}")
-        if not 0 < self.kv_cache_gib < math.inf:  # (NaN fails too)
+        # (NaN fails too; a size that rounds to 0 bytes meant "unset" to vLLM on a GPU)
+        if not 0 < self.kv_cache_gib < math.inf or self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_gib must be positive and finite, got "
                              f"{self.kv_cache_gib}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
@@ -118,6 +120,10 @@ class EngineConfig:
         if self.step_trace is not None and not os.path.isdir(
                 os.path.dirname(os.path.abspath(self.step_trace))):
             raise ValueError(f"step_trace: no folder for {self.step_trace!r}")
+        if self.step_trace is not None and os.path.isdir(self.step_trace):
+            raise ValueError(f"step_trace: {self.step_trace!r} is a folder; name a file in it")
+        if not 0 <= self.seed < 2**32:  # numpy's range: vLLM's workers seed it
+            raise ValueError(f"seed must be within [0, 2**32), got {self.seed}")
         if not self.be_step_limit_s > 0:  # also refuses NaN
             raise ValueError(f"be_step_limit_s must be positive, got {self.be_step_limit_s}")
         if self.shared_block_pages < 1:

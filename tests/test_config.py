@@ -148,7 +148,8 @@ def test_the_command_line_beats_the_environment(tmp_path: Path,
 @pytest.mark.parametrize("flags", [
     ["--kv-cache-gib", "nan"], ["--kv-cache-gib", "inf"], ["--rt-ttft-slo-s", "nan"],
     ["--rt-tpot-slo-s", "inf"], ["--advisory-ttl-s", "nan"], ["--host-tier-bytes", "0"],
-    ["--host-tier-bytes", "99999999999999999999"]])
+    ["--host-tier-bytes", "99999999999999999999"], ["--seed", "-1"], ["--seed", "4294967296"],
+    ["--kv-cache-gib", "1e-12"], ["--step-trace", "/tmp"]])
 def test_serve_refuses_settings_that_would_fail_in_the_engine(
         tmp_path: Path, flags: list[str]) -> None:
     """Refused with the flag's name before the model loads (they failed in the engine after
@@ -160,6 +161,16 @@ def test_serve_refuses_settings_that_would_fail_in_the_engine(
     assert list(tmp_path.iterdir()) == []
     serve_config(build_parser().parse_args(  # without the connector it needs no host tier
         ["serve", "--data-dir", str(tmp_path), "--host-tier-bytes", "0", "--no-kv-tiering"]))
+
+
+def test_serve_refuses_an_ssd_dir_that_is_the_data_folder(tmp_path: Path) -> None:
+    # Both lock `.lock` in their folder: the server waited 15 s on its own lock, then said
+    # another server's SSD tier held it (found by a review).
+    from antiphon.cli import serve_config
+
+    with pytest.raises(ValueError, match=r"ssd_dir .* is the data folder"):
+        serve_config(build_parser().parse_args(
+            ["serve", "--data-dir", str(tmp_path), "--ssd-dir", str(tmp_path / ".")]))
 
 
 def test_small_cli_mistakes_are_refused_at_once(tmp_path: Path,
