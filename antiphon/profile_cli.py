@@ -112,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
               f"defaults", file=sys.stderr)
         return 1
     print(f"stored in {path} ({wall_s:.0f} s)")
+    # (eagerness is part of the fit's key: a default serve compiles, and never finds it)
+    print("`antiphon serve` starts from it when it runs " + (
+        "with --enforce-eager" if config.enforce_eager else "without --enforce-eager")
+        + ", on this model and machine")
     return 0
 
 
@@ -120,7 +124,8 @@ def add_profile_parser(commands: Any) -> None:
         "profile", help="fit the step cost model on this machine and model, for serve")
     profile.add_argument("--quick", action="store_true",
                          help="a small grid (a few minutes on 2 CPU cores); implies "
-                              "--enforce-eager unless --no-enforce-eager is given")
+                              "--enforce-eager unless --no-enforce-eager is given, and a fit "
+                              "made eager serves only `serve --enforce-eager`")
     profile.add_argument("--out", help="also write the measured steps and the fit to this "
                                        "JSON file")
     add_dataclass_args(profile, EngineConfig)
