@@ -243,6 +243,7 @@ class BatchRunner:
 
     async def _run_item(self, batch: Batch, item: PendingItem) -> None:
         batch_id = batch.batch_id
+        is_uncounted = False  # its start taken back: once, also where a stop lands meanwhile
         try:
             if item.num_attempts >= self.config.max_batch_item_attempts:
                 result: ItemResult | None = ItemResult(
@@ -253,13 +254,15 @@ class BatchRunner:
                 if result is None and self.chat.stop_requested:
                     # The engine stopped with the server (one signal to both): not the
                     # item's doing, so the start does not count.
+                    is_uncounted = True
                     await asyncio.shield(self._uncount_attempt(batch_id, item.line_index))
             if result is not None:
                 await self._commit(batch_id, item.line_index, result)
         except asyncio.CancelledError:
             # Stopped on purpose (shutdown or cancel), not cut short by a failure: the start
             # does not count towards --max-batch-item-attempts. A crash leaves it counted.
-            await asyncio.shield(self._uncount_attempt(batch_id, item.line_index))
+            if not is_uncounted:
+                await asyncio.shield(self._uncount_attempt(batch_id, item.line_index))
             raise
         except Exception:
             logger.exception("batch %s line %d failed; it will run again", batch_id,

@@ -161,6 +161,37 @@ async def test_stopping_the_server_does_not_use_up_an_items_attempts(tmp_path: P
     assert (batch.counts.completed, batch.counts.failed) == (2, 0)
 
 
+async def test_a_stop_landing_while_a_start_is_taken_back_takes_it_back_once(
+        tmp_path: Path) -> None:
+    # One signal stops the engine and the server: the engine fails an item, its start is
+    # taken back, and the runner's stop, landing meanwhile, took it back again. An item a
+    # crash had cut short (one attempt counted, run alone after) then ran beside others
+    # (found by a review).
+    store, files, _, runner = direct_runner(tmp_path)
+    batch_id = add_input(store, files, 1)
+    await runner._validate(store.get_batch("o", batch_id))
+    store.record_attempts(batch_id, [0])  # a start a crash cut short
+    store.record_attempts(batch_id, [0])  # this start
+    item = store.pending_items(batch_id, 1)[0]
+    runner.chat.stop_requested = True
+
+    async def engine_stopped(item: Any, batch: Any) -> None:
+        return None
+    runner._answer = engine_stopped  # type: ignore[method-assign]
+    record = store.record_attempts
+
+    def fsynced(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.2)
+        record(*args, **kwargs)
+    store.record_attempts = fsynced  # type: ignore[method-assign]
+    task = asyncio.create_task(runner._run_item(store.get_batch("o", batch_id), item))
+    await asyncio.sleep(0.05)  # the take-back is in its thread
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0.5)
+    assert store.pending_items(batch_id, 1)[0].num_attempts == 1
+
+
 async def test_no_item_is_started_into_a_dead_engine(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Each start into a dead engine would fail at once and count as an attempt: the items
