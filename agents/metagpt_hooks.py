@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
 from typing import Any
@@ -110,6 +111,8 @@ class MetaGPTAdvisor:
         self.calls: list[CallTiming] = []
         self._pending: set[asyncio.Task[None]] = set()
         self._advising: dict[str, set[asyncio.Task[None]]] = {}  # session: advisories sending
+        # session: the renewal of the advisory a published message sent it, until it calls
+        self._renewing: dict[str, Advising] = {}
 
     async def attach(self, env: Any) -> TeamGraph:
         """Open a session for each of `env`'s roles and hook their model calls and
@@ -125,7 +128,10 @@ class MetaGPTAdvisor:
         return self.graph
 
     async def drain(self) -> None:
-        """Wait for the advisories still being sent."""
+        """Stop renewing advisories, and wait for those still being sent."""
+        renewing, self._renewing = list(self._renewing.values()), {}
+        for advising in renewing:
+            await advising.stop()
         while self._pending:
             await asyncio.gather(*self._pending)
 
@@ -154,6 +160,10 @@ class MetaGPTAdvisor:
 
         async def hooked_create(*args: Any, **kwargs: Any) -> Any:
             action = ActionName(action_name(role.rc.todo))
+            renewing = self._renewing.pop(session_id, None)
+            if renewing is not None:  # (before the lead is taken: a renewal notes none after)
+                renewing.stop_soon()
+                self._spawn(renewing.stop())
             lead = self.hooks.take_lead(view)
             advising = self.hooks.advise_during_call(self.graph, view, action)
             started = time.perf_counter()  # the wait below counts in the call's time
@@ -203,9 +213,17 @@ class MetaGPTAdvisor:
                 # Due now. Renewed for roles advised at the call's start: that advisory was due
                 # at the call's first token and may expire before a long call ends. Noted at
                 # once, since the role may call before the advisory task first runs.
-                if role.session_id is not None:
-                    self.hooks.note_advisory(role.session_id)
-                self._spawn(self.hooks.advise(role, 0.0), role.session_id)
+                if role.session_id is None:
+                    continue
+                note = self.hooks.note_advisory(role.session_id)
+                self._spawn(self.hooks.advise(role, 0.0, note=note), role.session_id)
+                # And renewed until the role calls: MetaGPT runs it once every role of the
+                # round is done, and a longer call beside the one that woke it outlasted the
+                # advisory (found by a review).
+                if role.session_id not in self._renewing:
+                    self._renewing[role.session_id] = Advising(
+                        functools.partial(self.hooks.advise, role, 0.0), self.hooks.refresh_s,
+                        send_now=False)
             return result
 
         # MetaGPT's Environment is a pydantic model, which refuses unknown attributes.

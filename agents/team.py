@@ -153,14 +153,16 @@ class CallGraphHooks:
         server keeps it, and the roles after it found their KV let go."""
         return Advising(lambda: self.on_call_start(graph, role, action), self.refresh_s)
 
-    async def advise(self, role: Caller, expected_arrival: float | None) -> None:
+    async def advise(self, role: Caller, expected_arrival: float | None, *,
+                     note: tuple[bool, float] | None = None) -> None:
         """Advise `role`'s session (not with `send_advisories=False`); a failure is logged
-        and counted, never raised."""
+        and counted, never raised. `note`: the `note_advisory` its caller made when it
+        decided to advise (the role may call before this runs: noted here, after the call
+        had taken its lead, the note stood for the role's next call)."""
         session_id = role.session_id
         if session_id is None or not self.send_advisories:
             return
-        noted = session_id in self.advised_at
-        sent_at = self.note_advisory(session_id)
+        noted, sent_at = self.note_advisory(session_id) if note is None else note
         try:
             await self.client.advise(session_id, expected_arrival)
         except AntiphonError as exc:  # advisories are hints: never fail the workflow
@@ -173,11 +175,12 @@ class CallGraphHooks:
             return
         self.num_advisories += 1
 
-    def note_advisory(self, session_id: str) -> float:
-        """When `session_id` was first advised since its last call, noting now if not yet.
-        Noted before the advisory is sent, so a call starting meanwhile finds it (a short
-        lead)."""
-        return self.advised_at.setdefault(session_id, time.perf_counter())
+    def note_advisory(self, session_id: str) -> tuple[bool, float]:
+        """Whether `session_id` was advised since its last call already, and when it was
+        first, noting now if not yet. Noted before the advisory is sent, so a call starting
+        meanwhile finds it (a short lead)."""
+        noted = session_id in self.advised_at
+        return noted, self.advised_at.setdefault(session_id, time.perf_counter())
 
     async def on_call_end(self, graph: CallGraph, role: Caller, action: Named,
                           reply: TimedReply) -> None:
@@ -193,20 +196,29 @@ class CallGraphHooks:
 
 
 class Advising:
-    """A call's advisories, sent now and every `refresh_s` until `stop` (for at most
-    `ADVISING_MAX_S`: a call whose end is never seen, say a stream never read, does not
-    advise for ever)."""
+    """A call's advisories, sent now (unless not `send_now`) and every `refresh_s` until
+    `stop` (for at most `ADVISING_MAX_S`: a call whose end is never seen, say a stream never
+    read, does not advise for ever)."""
 
-    def __init__(self, send: Callable[[], Awaitable[None]], refresh_s: float) -> None:
+    def __init__(self, send: Callable[[], Awaitable[None]], refresh_s: float, *,
+                 send_now: bool = True) -> None:
         self._stopped = asyncio.Event()
-        self._task = asyncio.ensure_future(self._run(send, refresh_s))
+        self._task = asyncio.ensure_future(self._run(send, refresh_s, send_now))
 
-    async def _run(self, send: Callable[[], Awaitable[None]], refresh_s: float) -> None:
-        for _ in range(max(1, math.ceil(ADVISING_MAX_S / refresh_s))):
-            await send()
+    async def _run(self, send: Callable[[], Awaitable[None]], refresh_s: float,
+                   send_now: bool) -> None:
+        for i in range(max(1, math.ceil(ADVISING_MAX_S / refresh_s))):
+            if self._stopped.is_set():  # (stopped as its wait ran out: a send now is late)
+                return
+            if i or send_now:
+                await send()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), refresh_s)
                 return
+
+    def stop_soon(self) -> None:
+        """No more advisories; the one being sent, if any, finishes (`stop` waits for it)."""
+        self._stopped.set()
 
     async def stop(self) -> None:
         """No more advisories; the one being sent, if any, is let finish."""
@@ -256,7 +268,11 @@ class Environment:
                 break
             for role, _mail in ready:
                 self._inbox[role.name] = []
-            reactions = [asyncio.ensure_future(self._react(r, m)) for r, m in ready]
+            # A call's advisories go on until the round ends: the roles it advised call only
+            # then, and refreshed during the call alone, an advisory expired while a longer
+            # call of the round ran on (found by a review).
+            advisings: list[Advising] = []
+            reactions = [asyncio.ensure_future(self._react(r, m, advisings)) for r, m in ready]
             try:
                 messages = await asyncio.gather(*reactions)
             except BaseException:
@@ -266,23 +282,25 @@ class Environment:
                     reaction.cancel()
                 await asyncio.gather(*reactions, return_exceptions=True)
                 raise
+            finally:
+                for advising in advisings:
+                    await advising.stop()
             for message in messages:
                 self.publish_message(message)
         return self.history
 
-    async def _react(self, role: Role, incoming: Sequence[Message]) -> Message:
+    async def _react(self, role: Role, incoming: Sequence[Message],
+                     advisings: list[Advising]) -> Message:
+        """Run `role`'s call; its advisories, added to `advisings`, go on until stopped."""
         action = role.choose_action(incoming)
         assert role.session_id is not None
         lead = self.hooks.take_lead(role)
         # The advisories go out beside the call, not before it: they must not delay it.
-        advising = self.hooks.advise_during_call(self, role, action)
+        advisings.append(self.hooks.advise_during_call(self, role, action))
         started = time.perf_counter()
-        try:
-            reply = await self.client.chat(role.session_id, action.prompt(role, incoming),
-                                           max_tokens=action.max_tokens,
-                                           temperature=self.temperature)
-        finally:
-            await advising.stop()
+        reply = await self.client.chat(role.session_id, action.prompt(role, incoming),
+                                       max_tokens=action.max_tokens,
+                                       temperature=self.temperature)
         role.num_calls += 1
         self.calls.append(CallRecord(role.name, action.name, started, reply.client_ttft_s,
                                      time.perf_counter() - started, reply.prompt_tokens,

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -395,10 +396,49 @@ async def test_a_call_longer_than_an_advisory_lives_advises_again(scripted: Scri
         env.publish_message(Message("a todo app", USER_REQUIREMENT, "user"))
         architect = env.roles[0]
         incoming = env._inbox[architect.name]
-        await env._react(architect, incoming)  # its call advises the engineer, again and again
+        advisings: list[Any] = []
+        await env._react(architect, incoming, advisings)  # it advises the engineer, again
+        for advising in advisings:                         # and again
+            await advising.stop()
     # each answered (the server answers one over a conversation unchanged within a second
     # without the engine: --advisory-repeat-interval-s)
     assert env.hooks.num_advisories >= 3 and env.hooks.num_advisory_errors == 0
+
+
+async def test_a_role_woken_by_a_short_call_is_advised_until_its_round_ends() -> None:
+    # Roles with mail in one round run together, and the round waits for its longest call:
+    # the tester, woken by the short frontend call, calls only once the backend's is done.
+    # Refreshed only during the frontend call, its advisory expired while the backend's ran
+    # on (found by a review).
+    from types import SimpleNamespace
+
+    from antiphon.agents.team import USER_REQUIREMENT, Action, CallGraphHooks, Environment, Role
+
+    started = time.perf_counter()
+
+    class Client:
+        def __init__(self) -> None:
+            self.advised: list[tuple[str, float]] = []
+
+        async def create_session(self, title: str) -> SimpleNamespace:
+            return SimpleNamespace(session_id=f"s_{title}")
+
+        async def advise(self, session_id: str, expected_arrival: float | None) -> None:
+            self.advised.append((session_id, time.perf_counter() - started))
+
+        async def chat(self, session_id: str, prompt: str, **kwargs: Any) -> SimpleNamespace:
+            await asyncio.sleep(0.6 if session_id == "s_backend" else 0.05)
+            return SimpleNamespace(text="ok", client_ttft_s=0.01, prompt_tokens=1,
+                                   completion_tokens=1)
+
+    client = Client()
+    roles = [Role("frontend", "fe", [Action("WriteFrontend", "x")], [USER_REQUIREMENT]),
+             Role("backend", "be", [Action("WriteBackend", "x")], [USER_REQUIREMENT]),
+             Role("tester", "t", [Action("Test", "x")], ["WriteFrontend"])]
+    env = Environment(client, roles, CallGraphHooks(client, refresh_s=0.1))  # type: ignore[arg-type]
+    await env.run("a todo app")
+    tester = [t for session, t in client.advised if session == "s_tester"]
+    assert max(tester) >= 0.4  # still advised while the backend's call ran
 
 
 async def test_a_refresh_that_fails_keeps_the_lead_of_the_advisory_that_went_out() -> None:

@@ -209,3 +209,57 @@ async def test_a_message_advises_only_the_roles_metagpt_delivers_it_to(
             await advisor.drain()
             advised.append(sorted(names[s] for s in advisor.hooks.advised_at))
     assert advised == [["Bob"], ["Carol"], ["Alice", "Bob", "Carol"]]
+
+
+async def test_a_published_message_advises_its_role_until_it_calls_and_no_later() -> None:
+    # MetaGPT runs a woken role once every role of the round is done: advised once at the
+    # publish, a longer call beside the one that woke it outlasted the advisory. And an
+    # advisory task that ran after the role's call had begun noted itself again, so the
+    # role's next call reported a lead no advisory had given it (found by a review).
+    import asyncio
+    import time
+
+    from antiphon.agents.metagpt_hooks import TeamRole
+    from antiphon.agents.team import CallGraphHooks
+
+    class Client:
+        def __init__(self) -> None:
+            self.advised: list[float] = []
+
+        async def advise(self, session_id: str, expected_arrival: float | None) -> None:
+            self.advised.append(time.perf_counter())
+            await asyncio.sleep(0.005)
+
+    async def create(*args: Any, **kwargs: Any) -> str:
+        await asyncio.sleep(0.01)
+        return "reply"
+
+    client = Client()
+    advisor = MetaGPTAdvisor(client, CallGraphHooks(client, refresh_s=0.05))  # type: ignore[arg-type]
+    completions = SimpleNamespace(create=create)
+    bob = SimpleNamespace(name="Bob", rc=SimpleNamespace(todo=WriteCode(), watch=set()),
+                          llm=SimpleNamespace(aclient=SimpleNamespace(
+                              chat=SimpleNamespace(completions=completions))))
+    view = TeamRole("Bob", frozenset({action_name(WriteDesign)}), session_id="s_bob",
+                    addresses=frozenset({"Bob"}))
+    advisor.graph.roles.append(view)
+    advisor._hook_calls(bob, view)
+    env = Environment([])
+    advisor._hook_publish(env)
+
+    env.publish_message(Message("design", action_name(WriteDesign)))
+    await asyncio.sleep(0.3)  # another role's longer call of the round
+    assert len(client.advised) >= 4  # renewed while Bob waited
+    await completions.create(model="m", messages=[])  # Bob's call
+    assert advisor.calls[-1].advisory_lead_s is not None
+    advised = len(client.advised)
+    await asyncio.sleep(0.2)
+    assert len(client.advised) == advised  # not after it began
+
+    env.publish_message(Message("design", action_name(WriteDesign)))
+    await completions.create(model="m", messages=[])  # at once: before its advisory ran
+    assert advisor.calls[-1].advisory_lead_s is not None
+    await asyncio.sleep(0.2)
+    await completions.create(model="m", messages=[])  # nothing advised it since its last
+    assert advisor.calls[-1].advisory_lead_s is None
+    await advisor.drain()
