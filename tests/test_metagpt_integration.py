@@ -44,3 +44,19 @@ def test_metagpt_team_runs_with_call_graph_advisories(tmp_path: Path) -> None:
         assert advisories_counted(url, "rest") > 0
         # Once a role has spoken, advisories for it carry its last call to the engine.
         assert len(engine.advisories) > 0
+
+
+def test_a_team_that_fails_exits_with_an_error(tmp_path: Path) -> None:
+    # MetaGPT's Team.run logs an exception and returns None: run.py reported a team whose
+    # every call the server refused as done, exit status 0 (found by a review).
+    def refuse(turns: object) -> str:
+        raise RuntimeError("the model is down")
+
+    engine = ScriptedEngine(refuse, token_delay_s=0.002, max_model_len=1 << 20)
+    with live_server(scripted_config(tmp_path / "server"), engine) as url:
+        out = subprocess.run(
+            [str(METAGPT_PYTHON), str(RUN), "--team", "coders", "--url", url,
+             "--workdir", str(tmp_path / "metagpt")],
+            capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1, out.stdout[-2000:]
+    assert "the team stopped with an error" in out.stderr

@@ -79,7 +79,7 @@ async def run(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         error = None
         try:
-            await team.run(n_round=args.n_round)
+            await run_team(team, args.n_round)
         except Exception as exc:  # report what ran before the team gave up
             error = exc
         await advisor.drain()
@@ -90,6 +90,16 @@ async def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+async def run_team(team: Any, n_round: int) -> None:
+    """`Team.run` (MetaGPT 0.8.2's), less its `serialize_decorator`: that logs an exception
+    and returns None, and a team that failed was reported as done, exit status 0."""
+    while n_round > 0 and not team.env.is_idle:
+        n_round -= 1
+        team._check_balance()  # (NoMoneyException past the investment)
+        await team.env.run()
+    team.env.archive(True)
 
 
 IDEAS = {"coders": "write a function that calculates the product of a list",
