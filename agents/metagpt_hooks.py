@@ -116,7 +116,15 @@ class MetaGPTAdvisor:
 
     async def attach(self, env: Any) -> TeamGraph:
         """Open a session for each of `env`'s roles and hook their model calls and
-        `env.publish_message`."""
+        `env.publish_message`. Raises ValueError, changing nothing, where roles share one
+        LLM client (`Role(llm=shared)`): its calls cannot be told apart by role, and hooked
+        for each, every call ran in one role's session."""
+        owners: dict[int, str] = {}
+        for role in env.roles.values():
+            shared = owners.setdefault(id(role.llm.aclient.chat.completions), role.name)
+            if shared != role.name:
+                raise ValueError(f"roles {shared} and {role.name} share one LLM client: give "
+                                 "each role its own, for each to run in its own session")
         for role in env.roles.values():
             view = TeamRole(role.name, frozenset(role.rc.watch),
                             addresses=frozenset(getattr(role, "addresses", None) or {role.name}))

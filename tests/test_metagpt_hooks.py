@@ -263,3 +263,14 @@ async def test_a_published_message_advises_its_role_until_it_calls_and_no_later(
     await completions.create(model="m", messages=[])  # nothing advised it since its last
     assert advisor.calls[-1].advisory_lead_s is None
     await advisor.drain()
+
+
+async def test_roles_sharing_one_llm_client_are_refused(scripted: Scripted) -> None:
+    # Hooked for each role, the client's calls all ran in the last role's session, and each
+    # role's turns overwrote the others' context (found by a review).
+    alice, bob = role(scripted.url, "Alice", WriteDesign), role(scripted.url, "Bob", WriteCode)
+    bob.llm = alice.llm  # MetaGPT's Role(llm=shared)
+    async with AsyncAntiphon(scripted.url) as client:
+        with pytest.raises(ValueError, match="Alice and Bob share one LLM client"):
+            await MetaGPTAdvisor(client).attach(Environment([alice, bob]))
+        assert await client.list_sessions() == []  # nothing opened
