@@ -16,6 +16,7 @@ from typing import Any
 from antiphon.bench.serving import run_direct
 from antiphon.engine_ext.config import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS, SchedulerSettings
 from antiphon.engine_ext.model_defaults import resolve_dtype
+from antiphon.engine_ext.vllm_engine import default_scheduler_cls
 from antiphon.model import resolve_model
 
 # Eager engines start in seconds; compiled ones run faster, but every variant alike. The dtype
@@ -25,9 +26,11 @@ ENGINE = {"max_model_len": 2048, "enforce_eager": True,
           "enable_prefix_caching": True, "max_num_batched_tokens": 2048}
 
 
-def policy_engine(policy: str, scheduler_cls: str = SCHEDULER_CLS) -> dict[str, Any]:
-    """Engine arguments for Antiphon's scheduler (`scheduler_cls`) under `policy`."""
-    return {"scheduler_cls": scheduler_cls,
+def policy_engine(policy: str, scheduler_cls: str | None = None) -> dict[str, Any]:
+    """Engine arguments for Antiphon's scheduler (`scheduler_cls`; unset: the class `antiphon
+    serve` runs on this machine, as stock vLLM gets its own) under `policy`. Always the
+    synchronous class, a GPU's policy runs lost vLLM's overlap that stock vLLM kept."""
+    return {"scheduler_cls": scheduler_cls or default_scheduler_cls(),
             "additional_config": SchedulerSettings(policy).to_additional_config()}
 
 
@@ -35,7 +38,7 @@ def policy_engine(policy: str, scheduler_cls: str = SCHEDULER_CLS) -> dict[str, 
 VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
     "stock": ({}, None),
     "vllm_async": ({"scheduler_cls": "vllm.v1.core.sched.async_scheduler.AsyncScheduler"}, None),
-    "antiphon": (policy_engine("fcfs"), None),
+    "antiphon": (policy_engine("fcfs", SCHEDULER_CLS), None),
     "antiphon_async": (policy_engine("fcfs", ASYNC_SCHEDULER_CLS), None),
     **{f"{policy}_{cls}_only": (policy_engine(policy), cls)
        for policy in ("bros", "echo") for cls in ("rt", "be")},
