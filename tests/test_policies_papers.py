@@ -360,6 +360,20 @@ def test_a_turn_waiting_for_pages_the_next_step_brings_keeps_running_work_off_th
     assert not [r for r in plan.order if r.startswith("be")]  # the 2 free pages wait for it
 
 
+@pytest.mark.parametrize("name", ["bros", "echo"])
+def test_a_turn_waiting_for_pages_the_next_step_brings_leaves_rt_streams_the_free_ones(
+        name: str) -> None:
+    # Kept for the turn from everything planned after it, the free pages were kept from a
+    # running RT stream too, which vLLM would have given one first: its token came a step late
+    # (found by a review).
+    policy = make_policy(name, constant_cost(0.01))
+    turn = view("w", prompt=64)  # 4 pages; 2 free
+    stream = view("r", prompt=40, computed=48, output=9, running=True)  # needs 1 page
+    be = view("be", BE, prompt=40, computed=40, output=1, running=True, frees_pages_late=True)
+    plan = policy.plan([turn, stream, be], budget(now=0.5, free_pages=2))
+    assert plan.preempt == ["be"] and "r" in plan.order and "w" not in plan.order
+
+
 def test_pages_victims_share_free_late_if_one_of_them_does() -> None:
     # A page two batch items of one document share frees with the last to go: counted free
     # at once where that one sat the step in flight out, though the first lets go of its

@@ -153,6 +153,7 @@ class BrosPolicy(Policy):
             else:  # its pages come at the next step: nothing waiting may take the free ones
                 is_admission_blocked = is_deferred = True
 
+        batch.keep_free_pages()
         be_time = be_time_s(rts, now)
         be_limit = min(be_time, budget.max_be_step_s)
         is_slack_limited = be_time <= budget.max_be_step_s

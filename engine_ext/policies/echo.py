@@ -82,6 +82,7 @@ class EchoPolicy(Policy):
         batch = StepBatch(budget, self.cost_model)
         plan = StepPlan(is_restrictive=True)
         is_rt_short = self._add_rt(rts, bes, batch, plan)
+        batch.keep_free_pages()
         seated = set(batch.ids)
         # `due_in_s`: a token already late carried no punishment, and BE work stretched its
         # step without limit (to 1 s in a review).

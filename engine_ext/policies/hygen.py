@@ -75,6 +75,7 @@ class HygenPolicy(Policy):
         be_decodes = [v for v in bes if v.is_running and not v.is_prefill]
         is_rt_short = self._online_phase(rts, batch, limit_s, victims, plan, budget.now_s,
                                          be_decodes)
+        batch.keep_free_pages()
         preempted = set(plan.preempt)
         running_bes = [v for v in bes if v.is_running and v.request_id not in preempted]
         # No BE request starts on the pages a waiting RT turn waits for (not in the paper:
@@ -154,7 +155,7 @@ class HygenPolicy(Policy):
             if needed > batch.pages_left:
                 chunk = 0
                 is_short = is_short or not view.is_running
-                victims.hold_free_pages(needed, batch)
+                victims.defer(needed, batch)
             if chunk > 0:
                 batch.add(view, chunk, pages)
             elif batch.ids:

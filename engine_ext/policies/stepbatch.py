@@ -25,8 +25,19 @@ class StepBatch:
         self.tokens_left = budget.max_num_tokens
         self.pages_left = budget.num_free_pages
         self.pages_next_step = budget.num_pages_next_step  # (the victims' start)
+        self.is_waiting_for_pages = False  # see `keep_free_pages`
         self._cost_model = cost_model
         self._shape = StepShape(after_prefill=int(budget.after_prefill))  # of the members
+
+    def keep_free_pages(self) -> None:
+        """Called once RT requests are planned: where one was left out for pages that come
+        back at the next step (`is_waiting_for_pages`, set by `Victims.defer`), the pages
+        free now are kept for it. BE work seated after it took them (vLLM gives pages to
+        running requests first), it was short again at the next step, another victim was
+        preempted, and so on, step after step (in a 250-decode simulation hygen never seated
+        the turn in 50 steps). RT requests planned after it may still take them."""
+        if self.is_waiting_for_pages:
+            self.pages_left = 0
 
     @property
     def is_full(self) -> bool:
@@ -200,22 +211,20 @@ class Victims:
 
     def take_until(self, num_pages: int, batch: StepBatch, plan: StepPlan) -> bool:
         """Take victims until `batch` has `num_pages` free, or will have at the next step;
-        whether it has them now (False also where the victims run out first). A request
-        whose pages come at the next step keeps those free now (`hold_free_pages`)."""
+        whether it has them now (False also where the victims run out first; `defer`)."""
         while num_pages > batch.pages_left + self.pages_next_step and self._stack:
             self.take_one(batch, plan)
         if num_pages <= batch.pages_left:
             return True
-        self.hold_free_pages(num_pages, batch)
+        self.defer(num_pages, batch)
         return False
 
-    def hold_free_pages(self, num_pages: int, batch: StepBatch) -> None:
-        """Where a request left out for want of `num_pages` has them at the next step, once
-        the victims' late pages come back, keep the pages free now for it: running requests
-        seated after it took them (vLLM gives pages to running requests first), it was short
-        again at the next step, another victim was taken, and so on, step after step."""
+    def defer(self, num_pages: int, batch: StepBatch) -> None:
+        """A request is left out for want of `num_pages`: where it has them at the next step,
+        once pages coming back late are back, `batch` waits for pages
+        (`StepBatch.keep_free_pages`)."""
         if num_pages <= batch.pages_left + self.pages_next_step:
-            batch.pages_left = 0
+            batch.is_waiting_for_pages = True
 
 
 def _shared_hashes(view: RequestView) -> Sequence[bytes]:
