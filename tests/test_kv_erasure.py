@@ -714,3 +714,28 @@ async def test_an_engine_without_kv_tiering_keeps_erasures_while_a_slot_file_is_
     (tmp_path / "kv" / FILE_NAME).write_bytes(b"")
     with pytest.raises(ErasureIncomplete, match="not open"):
         await engine.forget("s1", [[1, 2, 3]])
+
+
+@pytest.mark.parametrize("ssd", ["none", "evicted"])
+def test_a_run_on_chunk_the_host_tier_alone_holds_is_erased(tmp_path: Path, ssd: str) -> None:
+    # A reply's run-on filled a full chunk no chain names (tokens 108-111, past the 10 the
+    # session kept): only its owner finds it, and the host tier kept none. With no SSD tier,
+    # or once the SSD tier had evicted its record (the owner with it), it outlived the
+    # session's erasure in host RAM (found by a review).
+    other = list(range(200, 211))
+    probe = make_planner(tmp_path / "probe")
+    stride = probe.store.tiers[1].stride
+    probe.close()
+    planner = make_planner(tmp_path / "ssd", ssd_tier_bytes=0 if ssd == "none" else 8 * stride)
+    try:
+        run_turn(planner, "r1", [*TURN1, 110, 111, 112, 113], [7, 8, 9, 10], session="s1")
+        run_turn(planner, "r2", other, [4, 5, 6], session="s2")
+        planner.store.flush()
+        planner.erasure.forget("s1", [TURN1]).result(10)
+        kept = set(chain_hashes([other], CHUNK, "test-model"))
+        left = {(tier.name, key.chunk_index, key.layer) for tier in planner.store.tiers
+                for key in tier.keys() if key.prefix_hash not in kept}  # noqa: SIM118
+        assert left == set()
+        planner.store.check_integrity()
+    finally:
+        planner.close()

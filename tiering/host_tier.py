@@ -36,6 +36,12 @@ class HostTier(IndexedTier[HostSlot]):
         self.arena = arena
         self._slots = SlotAllocator(arena.num_slots)  # allocation, apart from the index
         self._reserved: dict[ChunkKey, int] = {}  # key -> slot being filled out of band
+        # Who saved each entry (`keys.owner_tag`), where one did: a deleted session's erasure
+        # finds its KV no chain names (a full chunk a reply's run-on filled) by it. Without
+        # them, that KV outlived the erasure in host RAM wherever the SSD tier did not hold it
+        # (host-only tiers always; with an SSD tier, once it had evicted the record).
+        self._owner_of: dict[ChunkKey, bytes] = {}
+        self._owned: dict[bytes, set[ChunkKey]] = {}
 
     @classmethod
     def create(cls, shm_name: str, capacity_bytes: int, slot_bytes: int, *,
@@ -74,8 +80,10 @@ class HostTier(IndexedTier[HostSlot]):
             self._reserved[key] = slot
             return slot
 
-    def commit(self, key: ChunkKey, num_bytes: int | None = None, *, pin: bool = False) -> bool:
-        """Publish a reserved slot as `key` holding `num_bytes` (default: the whole slot).
+    def commit(self, key: ChunkKey, num_bytes: int | None = None, *, pin: bool = False,
+               owner: bytes = b"") -> bool:
+        """Publish a reserved slot as `key` holding `num_bytes` (default: the whole slot),
+        saved by `owner` (`owned_by`).
 
         Returns False when `key` was not reserved (e.g. aborted, or the tier was closed).
         """
@@ -93,8 +101,13 @@ class HostTier(IndexedTier[HostSlot]):
                     self._index.pin(key)
                 return True
             self._index.insert(key, (slot, num_bytes), self.slot_bytes, pin=pin)
+            self._own(key, owner)
             self.stats.bytes_in += num_bytes
             return True
+
+    def owned_by(self, owner: bytes) -> list[ChunkKey]:
+        with self._lock:
+            return list(self._owned.get(owner, ()))
 
     def abort(self, key: ChunkKey, *, erase: bool = False) -> None:
         """Give back a reserved slot unused (no-op when `key` is not reserved); `erase`
@@ -138,13 +151,25 @@ class HostTier(IndexedTier[HostSlot]):
     def _store(self, key: ChunkKey, data: memoryview, owner: bytes) -> HostSlot:
         slot = self._slots.allocate()
         self.arena.write(slot, data)
+        self._own(key, owner)
         return slot, len(data)
+
+    def _own(self, key: ChunkKey, owner: bytes) -> None:
+        if owner:
+            self._owner_of[key] = owner
+            self._owned.setdefault(owner, set()).add(key)
 
     def _load(self, key: ChunkKey, entry: IndexEntry[HostSlot]) -> bytes:
         return self.arena.read(*entry.location)
 
     def _free(self, key: ChunkKey, entry: IndexEntry[HostSlot]) -> None:
         self._slots.free(entry.location[0])
+        owner = self._owner_of.pop(key, None)
+        if owner is not None:
+            keys = self._owned[owner]
+            keys.discard(key)
+            if not keys:
+                del self._owned[owner]
 
     def _check_storage(self) -> None:
         self.arena.check_integrity()
@@ -158,3 +183,6 @@ class HostTier(IndexedTier[HostSlot]):
         for key, entry in self._index.items():
             assert entry.nbytes == self.slot_bytes, f"{key} not charged one slot"
             assert 0 <= entry.location[1] <= self.slot_bytes, f"{key} length"
+        assert self._owner_of.keys() <= set(self._index), f"{self.name}: owner of a key gone"
+        assert {(o, k) for o, keys in self._owned.items() for k in keys} == {
+            (o, k) for k, o in self._owner_of.items()}, f"{self.name}: owner index disagrees"

@@ -379,13 +379,13 @@ class TierPlanner:
                         # Pinned until it is on SSD: published unpinned, a put from the
                         # prefetch thread could evict it first, and a checkpoint's only copy
                         # of a BE tail was gone though the SSD tier had room.
-                        if self.host.commit(key, num_bytes, pin=True):
+                        if self.host.commit(key, num_bytes, pin=True, owner=owner):
                             try:
                                 self.store.write_through(key, owner=owner)
                             finally:
                                 self.host.unpin(key)
                     else:
-                        self.host.commit(key, num_bytes)
+                        self.host.commit(key, num_bytes, owner=owner)
                     if step not in failed_steps:
                         landed.add(key.prefix_hash)
                 # (a checkpoint holding one is cut, as if evicted)
