@@ -1521,3 +1521,30 @@ def test_what_a_checkpointed_request_has_stored_is_looked_up_again_as_its_copies
     fake_worker_saves(planner, copying.checkpoints)
     planner.step_done({copying.step}, set())
     assert planner.stored_prefix_tokens(view) == 10
+
+
+def test_an_advisory_does_not_count_its_own_host_kv_as_room(tmp_path: Path) -> None:
+    # The host (4 slots) holds s1's chunks 0 and 1, unpinned; the SSD tier holds its whole
+    # context (two chunks and a tail). The advisory counted those chunks as room, took the
+    # tail too, and its prefetch, layer 0 first, evicted chunk 1's top layer for the tail's
+    # bottom one: it failed partway, and the advised turn loaded 4 tokens where an unadvised
+    # one loads 8 (found by a review).
+    tokens = [*TURN1, 110]
+    planner = restarted_planner(tmp_path, host_tier_bytes=4 * PAGE_BYTES, ssd_fetch_wait_s=0)
+    try:
+        ssd = planner.store.tiers[1]
+        match = planner.matcher.match(tokens, len(tokens), b"", None)
+        for keys in match.layers[:2]:
+            for key in keys:
+                assert planner.host.put(key, bytes(ssd.peek(key)))
+        planner.advise("s1", tokens, expected_arrival_s=0.0)
+        handle = planner.advisories.get("s1").handle
+        assert handle is not None and handle.wait(10)
+        assert handle.failed_keys() == []
+        view = TokenView("r2", [*tokens, 111], session="s1")
+        planner.add_request(view)
+        assert wait_for_admission(planner, view) == 8
+        planner.advisories.release("s1")
+        planner.store.check_integrity()
+    finally:
+        planner.close()

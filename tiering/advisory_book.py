@@ -63,14 +63,18 @@ class AdvisoryBook:
         return time.monotonic() + (expected_arrival_s or 0.0)
 
     def start(self, session: str, keys: Sequence[ChunkKey], expected_arrival_s: float | None,
-              num_tokens: int, prefix_hashes: Sequence[bytes], priority: int = 0) -> None:
+              num_tokens: int, prefix_hashes: Sequence[bytes], priority: int = 0,
+              pinned: Sequence[ChunkKey] = ()) -> None:
         """Record an advisory for `session` (its earlier one already released: its pins
         hold room the match needs), prefetching `keys` (chunk-layers) with `priority`, due at
         its expected arrival (seconds from now; None: now), and keeping its chunks
-        (`prefix_hashes`) ahead of others' in the tiers until it is used or expires."""
+        (`prefix_hashes`) ahead of others' in the tiers until it is used or expires.
+        `pinned`: those of `keys` its caller pinned in the fastest tier, pins it hands over."""
         now, due = time.monotonic(), self.due(expected_arrival_s)
         self._counters.advisories_received += 1
         handle = self._prefetcher.submit(keys, due, priority=priority) if keys else None
+        if handle is not None:
+            handle.adopt_pins(0, pinned)
         self._advisories[session] = Advisory(session, now, due + self._ttl_s, handle,
                                              num_tokens, priority, due_at=due)
         self._store.set_hint(session, prefix_hashes, 1.0)

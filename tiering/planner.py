@@ -598,16 +598,22 @@ class TierPlanner:
                 # let go of the pins it held, and queued their return behind others)
                 return match.num_tokens
             self.advisories.release(session)  # (its pins hold no room for this one)
+            # What the host holds of it is pinned first, the pins then handed to its prefetch:
+            # counted as room, it was evicted by the prefetch's puts of the rest (layer 0
+            # first: the session's own upper layers went), which then failed partway.
+            held = [key for key in wanted if self.host.pin(key)]
             # the room of advisories of lower priority, or expected later, is this one's
             # (Symphony: the session expected soonest first; one due now got nothing while
             # one due in minutes held the host)
-            self.advisories.make_room(sum(not self.host.contains(key) for key in wanted),
-                                      session,
+            self.advisories.make_room(len(wanted) - len(held), session,
                                       expected_after=self.advisories.due(expected_arrival_s),
                                       priority=priority)
             keys = self._leading_chunks_with_room(wanted)
+            taken = set(keys)
+            self.host.unpin_all([key for key in held if key not in taken])
             self.advisories.start(session, keys, expected_arrival_s, match.num_tokens,
-                                  [key.prefix_hash for key in match.chunks], priority)
+                                  [key.prefix_hash for key in match.chunks], priority,
+                                  pinned=[key for key in held if key in taken])
             return match.num_tokens
 
     def reset_counters(self) -> None:

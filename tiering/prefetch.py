@@ -115,6 +115,12 @@ class PrefetchHandle:
         with self._cond:
             self._cancelled = True
 
+    def adopt_pins(self, tier_index: int, keys: Sequence[ChunkKey]) -> None:
+        """Hold pins its caller took on `keys` in tier `tier_index`: `release` drops them
+        with its own."""
+        with self._cond:
+            self._pinned.extend((tier_index, key) for key in keys)
+
     def release(self) -> None:
         """Unpin everything this prefetch pinned (call once the loader is done with it)."""
         with self._cond:
