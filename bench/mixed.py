@@ -276,7 +276,15 @@ def _tier_delta(s0: dict[str, Any], s1: dict[str, Any], name: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     systems = {entry: system_arguments(entry) for entry in args.policies.split(",")}
-    return run_systems(args, "mixed", systems, baseline="fcfs")
+    return run_systems(args, "mixed", systems, baseline=baseline_entry(list(systems)))
+
+
+def baseline_entry(entries: list[str]) -> str:
+    """The `--policies` entry the ratios are to: the first fcfs one, under whatever memory
+    management or step limit (`fcfs:host`, `fcfs@1`: looked up as plain `fcfs`, it was
+    reported as never finished, and the table had no ratios)."""
+    return next((e for e in entries if e.partition(":")[0].partition("@")[0] == "fcfs"),
+                "fcfs")
 
 
 def system_arguments(entry: str) -> list[str]:

@@ -311,3 +311,13 @@ async def test_the_be_rate_is_sampled_over_the_run() -> None:
     assert len(samples) >= 3
     assert all(0 < s["be_tokens_per_s"] <= 100 / 0.05 for s in samples)  # 100 a sample
     assert [s["at_s"] for s in samples] == sorted(s["at_s"] for s in samples)
+
+
+def test_the_ratios_are_to_the_fcfs_entry_whatever_its_memory_or_step_limit() -> None:
+    # Looked up as plain "fcfs", a run of `fcfs:host,bros` was reported as never finished and
+    # its table had no ratios (found by a review).
+    from antiphon.bench import mixed
+
+    assert mixed.baseline_entry(["fcfs:host", "bros"]) == "fcfs:host"
+    assert mixed.baseline_entry(["bros", "fcfs@1"]) == "fcfs@1"
+    assert mixed.baseline_entry(["bros", "echo"]) == "fcfs"
