@@ -346,6 +346,13 @@ def server_command(system: System, model_dir: Path, sweep: Sweep, args: argparse
             *(["--policy", args.policy] if args.policy else []), *shlex.split(args.serve_extra)]
 
 
+def alternated(groups: list[list[Any]], repeat: int) -> list[list[Any]]:
+    """The non-empty `groups` in the order repeat `repeat` runs them: reversed every other
+    repeat, so a host that drifts favours none (stock vLLM ran first in every repeat)."""
+    present = [group for group in groups if group]
+    return present if repeat % 2 == 0 else present[::-1]
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
@@ -379,8 +386,8 @@ def main(args: argparse.Namespace) -> int:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     groups = [[SYSTEMS[n] for n in names if SYSTEMS[n].is_stock_vllm],
               [SYSTEMS[n] for n in names if not SYSTEMS[n].is_stock_vllm]]
-    for repeat in range(args.repeats):  # servers alternated, so drift hits each alike
-        for group in (g for g in groups if g):
+    for repeat in range(args.repeats):
+        for group in alternated(groups, repeat):
             label = "vllm" if group[0].is_stock_vllm else "antiphon"
             if args.repeats > 1:
                 print(f"[{label}] run {repeat + 1}/{args.repeats}", flush=True)

@@ -404,3 +404,14 @@ def test_the_shared_antiphon_server_takes_a_key_per_system(tmp_path: Path) -> No
     assert (parsed.host_tier_bytes, parsed.ssd_tier_bytes) == (3 << 20, 3 << 24)
     # 64 users and their probes: past the per-key defaults of 64 connections and replies
     assert config.max_connections_per_key >= 128 and config.max_inflight_per_key >= 128
+
+
+def test_the_servers_alternate_which_runs_first() -> None:
+    # Stock vLLM ran first in every repeat: a host that drifts favoured one side (found by a
+    # review).
+    from antiphon.bench.sessions import alternated
+
+    groups: list[list[str]] = [["vllm"], ["antiphon", "antiphon-no-hints"]]
+    assert [g[0] for r in range(4) for g in alternated(groups, r)] == [
+        "vllm", "antiphon", "antiphon", "vllm", "vllm", "antiphon", "antiphon", "vllm"]
+    assert alternated([[], ["antiphon"]], 1) == [["antiphon"]]
