@@ -602,18 +602,27 @@ class TierPlanner:
             # counted as room, it was evicted by the prefetch's puts of the rest (layer 0
             # first: the session's own upper layers went), which then failed partway.
             held = [key for key in wanted if self.host.pin(key)]
-            # the room of advisories of lower priority, or expected later, is this one's
-            # (Symphony: the session expected soonest first; one due now got nothing while
-            # one due in minutes held the host)
-            self.advisories.make_room(len(wanted) - len(held), session,
-                                      expected_after=self.advisories.due(expected_arrival_s),
-                                      priority=priority)
-            keys = self._leading_chunks_with_room(wanted)
+            try:
+                # the room of advisories of lower priority, or expected later, is this one's
+                # (Symphony: the session expected soonest first; one due now got nothing
+                # while one due in minutes held the host)
+                self.advisories.make_room(
+                    len(wanted) - len(held), session,
+                    expected_after=self.advisories.due(expected_arrival_s), priority=priority)
+                keys = self._leading_chunks_with_room(wanted)
+            except BaseException:
+                self.host.unpin_all(held)
+                raise
             taken = set(keys)
             self.host.unpin_all([key for key in held if key not in taken])
-            self.advisories.start(session, keys, expected_arrival_s, match.num_tokens,
-                                  [key.prefix_hash for key in match.chunks], priority,
-                                  pinned=[key for key in held if key in taken])
+            handed = [key for key in held if key in taken]
+            try:
+                self.advisories.start(session, keys, expected_arrival_s, match.num_tokens,
+                                      [key.prefix_hash for key in match.chunks], priority,
+                                      pinned=handed)
+            except BaseException:  # (a prefetch queue closed: nothing took the pins)
+                self.host.unpin_all(handed)
+                raise
             return match.num_tokens
 
     def reset_counters(self) -> None:

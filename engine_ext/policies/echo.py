@@ -116,9 +116,10 @@ class EchoPolicy(Policy):
         requests hold now into the window the burst prediction is taken over."""
         page_tokens = budget.page_tokens
         held = rt_held = 0
-        # Pages RT requests share (a system prompt) count once: counted per turn, 4-8 turns
-        # over a 60-page prompt made a 30-page burst 390 (found by a review). Without their
-        # hashes, the most any request shares is the least they can be.
+        # Pages RT requests share (a system prompt) count once: counted per turn, 4 to 8
+        # turns over a 60-page prompt kept BE work off 359 pages for a 28-page burst (found by
+        # a review). Without their hashes, the most any request shares is the least they can
+        # be.
         shared: set[bytes] = set()
         most_shared = 0
         for view in views:
