@@ -374,6 +374,17 @@ def test_a_turn_waiting_for_pages_the_next_step_brings_leaves_rt_streams_the_fre
     assert plan.preempt == ["be"] and "r" in plan.order and "w" not in plan.order
 
 
+def test_hygen_keeps_a_later_turn_off_the_pages_a_deferred_turn_counts_on() -> None:
+    # Pages a finished request frees at the next step cover the older turn: it waits a step.
+    # The newer turn took the free pages meanwhile, the older was short again, and a BE
+    # decode was preempted for nothing (found by a review of this stop's diff).
+    policy = make_policy("hygen", constant_cost(0.01))
+    older, newer = view("a", arrival=0.0, prompt=64), view("b", arrival=1.0, prompt=16)
+    step = dataclasses.replace(budget(now=1.0, free_pages=2), num_pages_next_step=2)
+    plan = policy.plan([older, newer, decoding("be", BE)], step)
+    assert "a" not in plan.order and "b" not in plan.order and plan.preempt == []
+
+
 def test_pages_victims_share_free_late_if_one_of_them_does() -> None:
     # A page two batch items of one document share frees with the last to go: counted free
     # at once where that one sat the step in flight out, though the first lets go of its

@@ -130,8 +130,9 @@ class HygenPolicy(Policy):
         for i, view in enumerate(prefills):
             if batch.is_full:
                 return is_short
-            if victims.num_taken_late and not view.is_running:
-                return True
+            if (victims.num_taken_late or batch.is_waiting_for_pages) and not view.is_running:
+                return True  # (one waits for pages that come next step: no later turn takes
+                # the free ones it counts on)
             # Where decodes fill the budget (on a slow machine a step's fixed cost nearly fills
             # the TPOT target), every RT prefill would wait for the decodes to finish: the
             # oldest one still advances `min_prefill_tokens` a step. And each gets at least the
