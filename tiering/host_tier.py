@@ -16,7 +16,7 @@ from __future__ import annotations
 from antiphon.tiering.eviction import EvictionPolicy, LruPolicy
 from antiphon.tiering.host_arena import HostArena
 from antiphon.tiering.index import IndexEntry
-from antiphon.tiering.indexed_tier import IndexedTier
+from antiphon.tiering.indexed_tier import IndexedTier, OwnerIndex
 from antiphon.tiering.keys import ChunkKey
 from antiphon.tiering.slots import SlotAllocator
 
@@ -36,12 +36,11 @@ class HostTier(IndexedTier[HostSlot]):
         self.arena = arena
         self._slots = SlotAllocator(arena.num_slots)  # allocation, apart from the index
         self._reserved: dict[ChunkKey, int] = {}  # key -> slot being filled out of band
-        # Who saved each entry (`keys.owner_tag`), where one did: a deleted session's erasure
-        # finds its KV no chain names (a full chunk a reply's run-on filled) by it. Without
-        # them, that KV outlived the erasure in host RAM wherever the SSD tier did not hold it
-        # (host-only tiers always; with an SSD tier, once it had evicted the record).
-        self._owner_of: dict[ChunkKey, bytes] = {}
-        self._owned: dict[bytes, set[ChunkKey]] = {}
+        # Who saved each entry (`owned_by`): without them, a deleted session's run-on chunk
+        # outlived its erasure in host RAM wherever the SSD tier did not hold it (host-only
+        # tiers always; with an SSD tier, once it had evicted the record).
+        self._owners = OwnerIndex()
+        self._owner_of: dict[ChunkKey, bytes] = {}  # (a location here has no room for it)
 
     @classmethod
     def create(cls, shm_name: str, capacity_bytes: int, slot_bytes: int, *,
@@ -107,7 +106,7 @@ class HostTier(IndexedTier[HostSlot]):
 
     def owned_by(self, owner: bytes) -> list[ChunkKey]:
         with self._lock:
-            return list(self._owned.get(owner, ()))
+            return self._owners.keys_of(owner)
 
     def abort(self, key: ChunkKey, *, erase: bool = False) -> None:
         """Give back a reserved slot unused (no-op when `key` is not reserved); `erase`
@@ -156,20 +155,14 @@ class HostTier(IndexedTier[HostSlot]):
 
     def _own(self, key: ChunkKey, owner: bytes) -> None:
         if owner:
-            self._owner_of[key] = owner
-            self._owned.setdefault(owner, set()).add(key)
+            self._owner_of[key] = self._owners.add(key, owner)
 
     def _load(self, key: ChunkKey, entry: IndexEntry[HostSlot]) -> bytes:
         return self.arena.read(*entry.location)
 
     def _free(self, key: ChunkKey, entry: IndexEntry[HostSlot]) -> None:
         self._slots.free(entry.location[0])
-        owner = self._owner_of.pop(key, None)
-        if owner is not None:
-            keys = self._owned[owner]
-            keys.discard(key)
-            if not keys:
-                del self._owned[owner]
+        self._owners.discard(key, self._owner_of.pop(key, b""))
 
     def _check_storage(self) -> None:
         self.arena.check_integrity()
@@ -184,5 +177,5 @@ class HostTier(IndexedTier[HostSlot]):
             assert entry.nbytes == self.slot_bytes, f"{key} not charged one slot"
             assert 0 <= entry.location[1] <= self.slot_bytes, f"{key} length"
         assert self._owner_of.keys() <= set(self._index), f"{self.name}: owner of a key gone"
-        assert {(o, k) for o, keys in self._owned.items() for k in keys} == {
-            (o, k) for k, o in self._owner_of.items()}, f"{self.name}: owner index disagrees"
+        assert self._owners.pairs() == {(o, k) for k, o in self._owner_of.items()}, \
+            f"{self.name}: owner index disagrees"

@@ -20,6 +20,39 @@ from antiphon.tiering.tier import BytesLike, Tier, byte_view
 Location = TypeVar("Location")  # how a subclass finds a payload (slot, file, bytes)
 
 
+class OwnerIndex:
+    """Who saved each stored key (`keys.owner_tag`; b"": no one), by owner, for
+    `Tier.owned_by`: a deleted session's erasure finds by it its KV no chain names (a full
+    chunk a reply's run-on filled). Not thread-safe: the owning tier locks around it."""
+
+    def __init__(self) -> None:
+        # each owner's tag (one copy, which its keys share) and keys
+        self._owned: dict[bytes, tuple[bytes, set[ChunkKey]]] = {}
+
+    def add(self, key: ChunkKey, owner: bytes) -> bytes:
+        """Note `key` as `owner`'s; returns the owner's one copy of its tag (the thousands of
+        chunk-layers of a session share it), b"" for no owner."""
+        if not owner:
+            return b""
+        tag, keys = self._owned.setdefault(owner, (owner, set()))
+        keys.add(key)
+        return tag
+
+    def discard(self, key: ChunkKey, owner: bytes) -> None:
+        if owner:
+            keys = self._owned[owner][1]
+            keys.discard(key)
+            if not keys:
+                del self._owned[owner]
+
+    def keys_of(self, owner: bytes) -> list[ChunkKey]:
+        return list(self._owned[owner][1]) if owner in self._owned else []
+
+    def pairs(self) -> set[tuple[bytes, ChunkKey]]:
+        """Every (owner, key) noted (for integrity checks)."""
+        return {(owner, key) for owner, (_, keys) in self._owned.items() for key in keys}
+
+
 class IndexedTier(Tier, Generic[Location]):
     """A tier whose index lives in this process; subclasses supply the storage."""
 

@@ -610,19 +610,14 @@ class TierPlanner:
                     len(wanted) - len(held), session,
                     expected_after=self.advisories.due(expected_arrival_s), priority=priority)
                 keys = self._leading_chunks_with_room(wanted)
-            except BaseException:
-                self.host.unpin_all(held)
-                raise
-            taken = set(keys)
-            self.host.unpin_all([key for key in held if key not in taken])
-            handed = [key for key in held if key in taken]
-            try:
+                taken = set(keys)
                 self.advisories.start(session, keys, expected_arrival_s, match.num_tokens,
                                       [key.prefix_hash for key in match.chunks], priority,
-                                      pinned=handed)
+                                      pinned=[key for key in held if key in taken])
             except BaseException:  # (a prefetch queue closed: nothing took the pins)
-                self.host.unpin_all(handed)
+                self.host.unpin_all(held)
                 raise
+            self.host.unpin_all([key for key in held if key not in taken])
             return match.num_tokens
 
     def reset_counters(self) -> None:

@@ -37,7 +37,7 @@ from antiphon.datalock import record_holder, try_lock
 from antiphon.private import private_dir
 from antiphon.tiering.eviction import EvictionPolicy, LruPolicy
 from antiphon.tiering.index import IndexEntry
-from antiphon.tiering.indexed_tier import IndexedTier
+from antiphon.tiering.indexed_tier import IndexedTier, OwnerIndex
 from antiphon.tiering.keys import ChunkKey
 from antiphon.tiering.slot_file import CorruptChunk, SlotFile, key_bytes
 from antiphon.tiering.slots import SlotAllocator
@@ -114,8 +114,7 @@ class SsdTier(IndexedTier[SsdSlot]):
         self._is_disk_short = False  # capped below the budget by the disk's free space
         self._slots: SlotAllocator  # built by `_rebuild` from the slots found in use
         self._next_sequence = 1  # of the next record written; `_rebuild` moves it past the file's
-        # each owner's tag (one copy, which its keys' slots share) and keys; none for b""
-        self._owned: dict[bytes, tuple[bytes, set[ChunkKey]]] = {}
+        self._owners = OwnerIndex()  # (a key's slot keeps its owner's one copy of the tag)
         self._writer = WriteBehind(name, max_pending_writes, nice=writer_nice)
         try:
             self.scan_report = self._rebuild(num_slots, verify_on_start, model_id)
@@ -155,7 +154,7 @@ class SsdTier(IndexedTier[SsdSlot]):
 
     def owned_by(self, owner: bytes) -> list[ChunkKey]:
         with self._lock:
-            return list(self._owned[owner][1]) if owner in self._owned else []
+            return self._owners.keys_of(owner)
 
     def get(self, key: ChunkKey) -> bytes | memoryview | None:
         with self._lock:
@@ -378,7 +377,7 @@ class SsdTier(IndexedTier[SsdSlot]):
         slot = self._slots.allocate()
         self._file_slots = max(self._file_slots, slot + 1)
         self._unwritten_slots.add(slot)
-        return SsdSlot(slot, Future(), payload, self._own(key, owner))
+        return SsdSlot(slot, Future(), payload, self._owners.add(key, owner))
 
     def _load(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> bytes:
         pending = entry.location.pending
@@ -388,21 +387,7 @@ class SsdTier(IndexedTier[SsdSlot]):
     def _free(self, key: ChunkKey, entry: IndexEntry[SsdSlot]) -> None:
         self._slots.free(entry.location.slot)  # a pending write sees the entry gone, skips
         self._unwritten_slots.discard(entry.location.slot)
-        owner = entry.location.owner
-        if owner:
-            keys = self._owned[owner][1]
-            keys.discard(key)
-            if not keys:
-                del self._owned[owner]
-
-    def _own(self, key: ChunkKey, owner: bytes) -> bytes:
-        """Note `key` as `owner`'s; returns the owner's one copy of its tag, for the key's slot
-        (the thousands of chunk-layers of a session share it)."""
-        if not owner:
-            return b""
-        tag, keys = self._owned.setdefault(owner, (owner, set()))
-        keys.add(key)
-        return tag
+        self._owners.discard(key, entry.location.owner)
 
     def _check_storage(self) -> None:
         self._slots.check_integrity()
@@ -479,7 +464,7 @@ class SsdTier(IndexedTier[SsdSlot]):
         self._slots = SlotAllocator(num_slots, used=used)
         self._file_slots = max([self._file.num_slots_on_disk, *(slot + 1 for slot in used)])
         for key, (_, slot, owner) in sorted(newest.items(), key=lambda item: item[1][0]):
-            self._index.insert(key, SsdSlot(slot, None, None, self._own(key, owner)),
+            self._index.insert(key, SsdSlot(slot, None, None, self._owners.add(key, owner)),
                                self.stride)
             report.num_loaded += 1
         return report
