@@ -108,6 +108,10 @@ class HostTier(IndexedTier[HostSlot]):
         with self._lock:
             return self._owners.keys_of(owner)
 
+    def owner_of(self, key: ChunkKey) -> bytes:
+        with self._lock:
+            return self._owner_of.get(key, b"")
+
     def abort(self, key: ChunkKey, *, erase: bool = False) -> None:
         """Give back a reserved slot unused (no-op when `key` is not reserved); `erase`
         zeroes what a copy may have written into it (a deleted session's KV)."""

@@ -221,6 +221,7 @@ class TieredStore:
         self.close()
 
     def _promote(self, key: ChunkKey, data: bytes | memoryview, hit_index: int) -> None:
+        owner = self.tiers[hit_index].owner_of(key)
         for tier in self.tiers[:hit_index]:
-            if tier.put(key, data):
+            if tier.put(key, data, owner=owner):
                 return

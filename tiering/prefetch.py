@@ -171,5 +171,7 @@ class PrefetchHandle:
             data = lower.get(key)  # a hit of the lower tier: the chunk is being used
             if data is not None:
                 target = self._tiers[self.upto_tier]
-                return self.upto_tier if target.put(key, data, pin=self.pin) else None
+                owner = lower.owner_of(key)  # (kept, an erasure finds the copy too)
+                return self.upto_tier if target.put(key, data, pin=self.pin,
+                                                    owner=owner) else None
         return None

@@ -156,6 +156,11 @@ class SsdTier(IndexedTier[SsdSlot]):
         with self._lock:
             return self._owners.keys_of(owner)
 
+    def owner_of(self, key: ChunkKey) -> bytes:
+        with self._lock:
+            entry = self._index.get(key)
+            return b"" if entry is None else entry.location.owner
+
     def get(self, key: ChunkKey) -> bytes | memoryview | None:
         with self._lock:
             entry = self._index.get(key)

@@ -133,6 +133,12 @@ class Tier(abc.ABC):
         del owner  # kept by no one here
         return []
 
+    def owner_of(self, key: ChunkKey) -> bytes:
+        """Who saved `key` here (`put`'s `owner`; b"" when no one, or when it is not held):
+        a copy of `key` made into a faster tier keeps it, so an erasure finds it there too."""
+        del key  # kept by no one here
+        return b""
+
     @abc.abstractmethod
     def set_hint(self, session: Hashable, prefix_hashes: Sequence[bytes],
                  likelihood: float) -> None:
