@@ -96,6 +96,20 @@ class SqliteDb:
                     self._db.execute("ROLLBACK")
                 raise
 
+    def scrub(self) -> None:
+        """Move the write-ahead log into the database file and empty it (SQLite's
+        `wal_checkpoint(TRUNCATE)`): what a deletion overwrote in the file (`secure_delete`)
+        lingered in the log's older frames until they happened to be reused. Best effort: a
+        reader in another process (`antiphon backup`) keeps the log, and is not waited for
+        (all writes would wait with it)."""
+        with self._lock:
+            (waited,) = self._db.execute("PRAGMA busy_timeout").fetchone()
+            self._db.execute("PRAGMA busy_timeout=0")
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            finally:
+                self._db.execute(f"PRAGMA busy_timeout={int(waited)}")
+
     def check(self, violations: Mapping[str, str]) -> None:
         """Raise AssertionError unless SQLite's own checks pass and each query in
         `violations` (what it finds -> `SELECT COUNT(*) ...`) counts zero rows."""

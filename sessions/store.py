@@ -361,10 +361,12 @@ class SessionStore:
             chains = [row[0] for row in db.execute(_SESSION_CHAINS, (session_id, session_id))]
             if last_prompt:
                 chains.append(_ids(last_prompt))
-            if chains:
-                db.execute("INSERT INTO kv_erasures (session_id, owner, chains) VALUES (?, ?, ?)",
-                           (session_id, owner, _pack_chains(chains)))
+            # queued also with no chain: the engine erases what the session's requests saved
+            # by its owner tag too (an OpenAI request whose client left stored no context)
+            db.execute("INSERT INTO kv_erasures (session_id, owner, chains) VALUES (?, ?, ?)",
+                       (session_id, owner, _pack_chains(chains)))
             db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+        self._db.scrub()
         return True
 
     def pending_erasures(self) -> list[tuple[int, str, str, list[tuple[int, ...]]]]:
@@ -379,6 +381,7 @@ class SessionStore:
     def finish_erasure(self, erasure_id: int) -> None:
         with self._db.locked() as db:
             db.execute("DELETE FROM kv_erasures WHERE erasure_id = ?", (erasure_id,))
+        self._db.scrub()  # (the row named a deleted session's tokens)
 
     def kv_chains(self, session_id: str) -> list[tuple[int, ...]]:
         """The token sequences the session ran that its stored context does not extend."""

@@ -638,6 +638,31 @@ async def test_the_server_erases_a_live_sessions_old_chains_sparing_what_it_runs
     assert not any("first" in k for k in kept)
 
 
+async def test_deleting_a_session_that_stored_no_context_still_erases_what_it_ran(
+        tmp_path: Path) -> None:
+    # An OpenAI request whose client left mid-reply stored no context, but the engine had
+    # saved its prompt's KV under the session's owner tag; the deletion queued no erasure,
+    # and that KV stayed in the tiers (found by a review).
+    import httpx
+
+    engine = ScriptedEngine(token_delay_s=0.05)
+    with live_server(scripted_config(tmp_path), engine) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            sid = (await client.post("/v1/sessions", json={})).json()["session_id"]
+            async with client.stream("POST", "/v1/chat/completions", json={
+                    "model": engine.model_name, "max_tokens": 50, "stream": True,
+                    "messages": [{"role": "user", "content": "a private prompt " * 20}],
+                    "vllm_xargs": {"session_id": sid}}) as reply:
+                async for line in reply.aiter_lines():
+                    if line.startswith("data:"):
+                        break  # the client leaves mid-reply
+            assert engine.params[-1].session_id == sid
+            assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 204
+        forgotten = await erasures(engine)
+    assert [f[0] for f in forgotten] == [sid]
+    assert SessionStore(tmp_path / "sessions.sqlite3").pending_erasures() == []
+
+
 class FailingForget(ScriptedEngine):
     """An engine whose tiers cannot be reached (its `forget` fails)."""
 

@@ -265,3 +265,24 @@ def test_a_failed_commit_rolls_back_and_the_next_writes_are_kept(tmp_path: Path)
     again = sqlite3.connect(tmp_path / "t.db")
     assert again.execute("SELECT id FROM parent").fetchall() == [(7,)]
     assert again.execute("SELECT COUNT(*) FROM child").fetchone() == (0,)
+
+
+def test_a_deleted_sessions_words_are_in_no_file_of_the_data_folder(tmp_path: Path) -> None:
+    # `secure_delete` overwrote them in the database file, but the write-ahead log kept the
+    # frames that stored them until they happened to be reused (found by a review).
+    secret = "card-4111-1111-1111-1111"
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    session = store.create_session("k")
+    store.add_turn_messages(session.session_id, "user", [(secret, 10, None)])
+    store.append_message(session.session_id, "assistant", "ok " + secret, 3, "stop",
+                         context_ids=list(range(50)))
+    for i in range(20):
+        other = store.create_session("k")
+        store.add_turn_messages(other.session_id, "user", [(f"hello {i}", 2, None)])
+    assert store.delete_session("k", session.session_id)
+    (erasure_id, *_), = store.pending_erasures()
+    store.finish_erasure(erasure_id)
+    held = [p.name for p in tmp_path.iterdir() if secret.encode() in p.read_bytes()]
+    assert held == []
+    assert [m.content for m in store.messages(other.session_id)] == ["hello 19"]
+    store.close()
