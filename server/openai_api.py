@@ -92,11 +92,17 @@ async def chat_completions(request: Request) -> Response:
     gens = prepare_completion(ctx.chat, body, owner, session_id=session_id)
     slot = ctx.inflight_per_key.take(owner, len(gens))
     if session_id is not None:
+        hold = None
         try:
-            gens[0].session_claim = await ctx.turns.claims.claim_soon(session_id)
-        except BaseException:  # refused, or the client gone while it waited
+            hold = await ctx.turns.claims.claim_soon(session_id)
+            # Read again once claimed: a deletion may have run while this waited for the
+            # session (the claim keeps it from running now).
+            await ctx.turns.get(owner, session_id)
+        except BaseException:  # refused, gone, or the client gone while it waited
+            ctx.turns.claims.release(session_id, hold)
             slot.release()
             raise
+        gens[0].session_claim = hold
     return await _respond(request, gens, slot, body)
 
 

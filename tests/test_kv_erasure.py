@@ -663,6 +663,44 @@ async def test_deleting_a_session_that_stored_no_context_still_erases_what_it_ra
     assert SessionStore(tmp_path / "sessions.sqlite3").pending_erasures() == []
 
 
+async def test_a_rest_turn_of_a_session_deleted_while_it_waited_for_the_session_is_refused(
+        tmp_path: Path) -> None:
+    # The completion checked the session, then claimed it, and did not read it again: a
+    # deletion that ran in between left it running as a turn of the deleted session, its KV
+    # saved under the session's tag after the erasure ran (found by a review; the sleep only
+    # widens the window).
+    import httpx
+
+    from tests.liveserver import running_server
+
+    engine = ScriptedEngine()
+    with running_server(scripted_config(tmp_path), engine) as (url, server):
+        turns = server.config.app.state.ctx.turns
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            sid = (await client.post("/v1/sessions", json={})).json()["session_id"]
+            get, slowed = turns.get, []
+
+            async def slow_get(owner: str, session_id: str) -> object:
+                session = await get(owner, session_id)
+                if not slowed:  # the completion's check: it read the session, then waits
+                    slowed.append(1)
+                    await asyncio.sleep(0.5)
+                return session
+            turns.get = slow_get
+            completion = asyncio.create_task(client.post("/v1/chat/completions", json={
+                "model": engine.model_name, "max_tokens": 8,
+                "messages": [{"role": "user", "content": "secret stuff"}],
+                "vllm_xargs": {"session_id": sid}}))
+            await asyncio.sleep(0.1)
+            assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 204
+            reply = await completion
+            assert reply.status_code == 404, reply.text
+            assert reply.json()["error"]["code"] == "session_not_found"
+            assert not turns.claims.is_held(sid)
+        await erasures(engine)
+    assert sid not in [params.session_id for params in engine.params]
+
+
 class FailingForget(ScriptedEngine):
     """An engine whose tiers cannot be reached (its `forget` fails)."""
 
