@@ -75,6 +75,7 @@ from antiphon.server.tools import (
     ToolChoice,
     ToolDefinition,
     ToolUse,
+    opened,
     reply_schema,
 )
 
@@ -127,7 +128,7 @@ class ResponseFormat(BaseModel):
                 self.json_schema is not None and self.json_schema.json_schema is None):
             return '{"type": "object"}'
         if self.json_schema is not None:
-            return json.dumps(self.json_schema.json_schema)
+            return json.dumps(opened(self.json_schema.json_schema))
         return None
 
 

@@ -232,7 +232,7 @@ def reply_schema(use: ToolUse, tools: Sequence[ToolSpec],
     calls of `tools` ("required"); either that or `content_schema` (the response_format's,
     in "auto"); None where "auto" replies are free."""
     if use.mode == "function":
-        return json.dumps(next(_arguments(t) for t in tools if t.name == use.function))
+        return json.dumps(opened(next(_arguments(t) for t in tools if t.name == use.function)))
     if use.mode == "auto" and content_schema is None:
         return None
     # Each schema goes under $defs, its references rebased there: references that reach
@@ -265,6 +265,13 @@ _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definit
                             "dependentSchemas"})
 _OPEN_OBJECT = frozenset({"properties", "additionalProperties", "patternProperties",
                           "unevaluatedProperties"})
+
+
+def opened(schema: Any) -> Any:
+    """`schema` with its objects that name no properties open to any, as JSON Schema means
+    them (`_rebased`): held as given, a named tool's `$ref` to such an object, or a
+    response_format's, let the reply fill it with `{}` alone."""
+    return _rebased(schema, "#")
 
 
 def _rebased(schema: Any, base: str) -> Any:

@@ -202,6 +202,41 @@ def test_constrained_replies_are_held_to_the_tools_schemas() -> None:
     assert not accepts(keyed, '[{"name": "k", "arguments": {"enum": "c"}}]')
 
 
+def test_an_object_reached_by_reference_is_open_whichever_way_the_reply_is_held() -> None:
+    # A named tool_choice, and a response_format sent without tools, held the reply to the
+    # schema as given, where xgrammar lets an object that names no properties, reached
+    # through a $ref, be {} alone; "required" opened it (found by a review).
+    xgrammar = pytest.importorskip("xgrammar")
+    from antiphon.server.completions import ChatCompletionRequest
+
+    params = {"type": "object", "$defs": {"Opts": {"type": "object"}},
+              "properties": {"opts": {"$ref": "#/$defs/Opts"}}, "required": ["opts"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    messages = [{"role": "user", "content": "x"}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": params}}
+    filled = '{"opts": {"verbose": true}}'
+
+    def schema(**fields: object) -> str:
+        request = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": messages, **fields})
+        return request.sampling()["json_schema"]
+
+    def accepts(schema_text: str, text: str) -> bool:
+        info = xgrammar.TokenizerInfo([chr(i) for i in range(32, 127)] + ["</s>"],
+                                      stop_token_ids=[95])
+        compiled = xgrammar.GrammarCompiler(info).compile_json_schema(schema_text)
+        matcher = xgrammar.GrammarMatcher(compiled)
+        return bool(matcher.accept_string(text) and matcher.accept_token(95))
+
+    named = schema(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}})
+    assert accepts(named, filled) and accepts(named, '{"opts": {}}')
+    assert not accepts(named, '{"opts": 1}')
+    assert accepts(schema(tools=[tool], tool_choice="required"),
+                   f'[{{"name": "f", "arguments": {filled}}}]')
+    assert accepts(schema(response_format=response_format), filled)
+    assert accepts(schema(tools=[tool], response_format=response_format), filled)
+
+
 def test_call_ids_are_given_to_templates_as_nine_letters_and_digits() -> None:
     ids = {template_call_id(f"call_{i}") for i in range(1000)}
     assert len(ids) == 1000 and all(len(i) == 9 and i.isalnum() for i in ids)
