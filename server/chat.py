@@ -306,10 +306,11 @@ class ChatService:
         if not may_be_empty and not content.strip():
             raise ApiError(ErrorCode.BAD_MESSAGE, f"{what} content is empty", param=param)
 
-    def check_max_tokens(self, max_tokens: int | None) -> None:
+    def check_max_tokens(self, max_tokens: int | None, param: str = "max_tokens") -> None:
+        """`max_tokens` (sent as `param`) is at most `--max-tokens-limit`."""
         if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
-            raise ApiError(ErrorCode.MAX_TOKENS_TOO_LARGE, f"max_tokens {max_tokens} exceeds "
-                           f"the limit of {self.config.max_tokens_limit}", param="max_tokens")
+            raise ApiError(ErrorCode.MAX_TOKENS_TOO_LARGE, f"{param} {max_tokens} exceeds "
+                           f"the limit of {self.config.max_tokens_limit}", param=param)
 
     def cache_salt(self, owner: str) -> str | None:
         """What keeps `owner`'s cached KV apart from other keys' (None: shared). The owner is

@@ -149,6 +149,11 @@ class ChatCompletionRequest(ToolOffer):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def max_tokens_param(self) -> str:
+        """The field `requested_max_tokens` comes from, for errors about it."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
 
 
 def refuse_unsupported(data: Any, known: set[str],
@@ -194,7 +199,8 @@ def completion_turns(chat: ChatService, body: ChatCompletionRequest) -> list[Cha
     if len(body.messages) > limits.max_messages:
         raise over_limit(f"{len(body.messages)} messages; the limit is {limits.max_messages}",
                          "messages")
-    check_request(chat, body, body.requested_max_tokens, body.vllm_xargs or {})
+    check_request(chat, body, body.requested_max_tokens, body.vllm_xargs or {},
+                  max_tokens_param=body.max_tokens_param)
     chat.check_choices(body.num_choices)
     if body.num_choices > 1 and (body.vllm_xargs or {}).get("session_id") is not None:
         raise ApiError(ErrorCode.BAD_MESSAGE, "n must be 1 in a session turn: the session "
@@ -251,10 +257,11 @@ VLLM_XARGS = frozenset({"session_id", "request_class", "ttft_slo_s", "tpot_slo_s
 
 
 def check_request(chat: ChatService, body: Sampling, max_tokens: int | None,
-                  xargs: dict[str, Any]) -> None:
-    """The checks a chat and a text completion share, none needing a tokenizer: max_tokens,
-    `vllm_xargs` (class and targets), stop sequences, logit_bias. Raises `ApiError`."""
-    chat.check_max_tokens(max_tokens)
+                  xargs: dict[str, Any], max_tokens_param: str = "max_tokens") -> None:
+    """The checks a chat and a text completion share, none needing a tokenizer: max_tokens
+    (sent as `max_tokens_param`), `vllm_xargs` (class and targets), stop sequences,
+    logit_bias. Raises `ApiError`."""
+    chat.check_max_tokens(max_tokens, max_tokens_param)
     unknown = sorted(set(xargs) - VLLM_XARGS)
     if unknown:  # a misspelt session_id would run as a plain request, without its session
         raise ApiError(ErrorCode.BAD_MESSAGE, f"vllm_xargs has keys this server does not know: "

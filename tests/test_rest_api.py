@@ -134,6 +134,7 @@ def test_bad_requests_get_typed_errors(scripted: Scripted, kwargs: dict[str, obj
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"max_tokens": 1000}, "max_tokens"),
+    ({"max_completion_tokens": 1000}, "max_completion_tokens"),  # (was named max_tokens)
     ({"messages": [{"role": "user", "content": "x"}] * 257}, "messages"),
     ({"n": 17}, "n"),
     ({"stop": [str(i) for i in range(17)]}, "stop"),
