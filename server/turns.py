@@ -402,10 +402,10 @@ class SessionTurns:
                     is_user_cancel, cut_short)
             reply = _reply(gen, calls)
             try:
-                if gen.pieces or not gen.replaces_reply or gen.finish_reason != "cancelled":
-                    # a regenerate stopped before its first token keeps the old (one that
-                    # ended with no text is its new reply). Shielded: a disconnect while it
-                    # runs must not save the reply a second time below.
+                if _replaces(gen, reply):
+                    # a regenerate stopped before the client had any of it keeps the old (one
+                    # that ended with no text is its new reply). Shielded: a disconnect while
+                    # it runs must not save the reply a second time below.
                     # A cancel of a reply already whole: it is saved, and `done` says so.
                     store_work = asyncio.ensure_future(
                         self._commit_reply(session_id, gen, reply))
@@ -431,8 +431,10 @@ class SessionTurns:
                 # was due unless the reply has pieces; once settled, the session may hold a
                 # later turn's messages)
                 gen.finish_reason = gen.finish_reason or "cancelled"
-                store_work = asyncio.ensure_future(
-                    self._commit_reply(session_id, gen, _reply(gen, calls)))
+                reply = _reply(gen, calls)
+                if _replaces(gen, reply):
+                    store_work = asyncio.ensure_future(
+                        self._commit_reply(session_id, gen, reply))
             if store_work is not None:  # done, or being done: let it end, whatever cancels
                 try:  # land meanwhile (the session is let go after it, below)
                     while not store_work.done():
@@ -600,6 +602,15 @@ def _reply(gen: Generation, given: ToolStream | None = None) -> Reply:
         return "".join(given.content), given.calls or None, gen.finish_reason
     message, finish_reason = reply_message(gen.text, gen.finish_reason, gen.tool_use)
     return message["content"] or "", message.get("tool_calls"), finish_reason
+
+
+def _replaces(gen: Generation, reply: Reply) -> bool:
+    """Whether `gen`'s `reply` is to be kept: not when a regenerate was cut short before the
+    client had any of it (what the model wrote may be held back: a `<tool_call>` block not
+    closed yet, which a cut reply drops), as the old reply is still what the user sees."""
+    content, tool_calls, _ = reply
+    return not gen.replaces_reply or gen.finish_reason != "cancelled" or bool(
+        content or tool_calls)
 
 
 def _contents(deltas: Sequence[dict[str, Any]]) -> list[str]:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 from websockets.asyncio.client import connect
 
 from antiphon.bench.serverproc import ServerProcess
@@ -118,6 +119,35 @@ async def test_a_regenerate_stopped_mid_reply_keeps_what_was_shown(scripted: Scr
     assert done["finish_reason"] == "cancelled" and done["text"]
     assert history(opened) == [("user", "one"), ("assistant", done["text"])]
     assert opened["messages"][-1]["finish_reason"] == "cancelled"
+
+
+@pytest.mark.parametrize("how", ["cancel", "disconnect"])
+async def test_a_regenerate_cut_while_its_tool_call_was_held_back_keeps_the_old_reply(
+        scripted: Scripted, how: str) -> None:
+    # The client had nothing of it (a `<tool_call>` block is held back until it closes), yet
+    # the old reply was replaced by an empty one (found by a review).
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await chat(ws, sid, "one")
+        scripted.engine.reply = lambda turns: (
+            '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} '
+            + "pad " * 40 + "</tool_call>")
+        scripted.engine.token_delay_s = 0.02
+        await send(ws, type="regenerate", session_id=sid, request_id="again", tools=tools)
+        assert (await recv(ws))["type"] == "accepted"
+        await asyncio.sleep(0.3)  # tokens generated, all held back
+        if how == "cancel":
+            await send(ws, type="cancel", request_id="again")
+            frames = await recv_until(ws, "done")
+            assert [f["type"] for f in frames] == ["done"]
+            assert (frames[0]["finish_reason"], frames[0]["text"]) == ("cancelled", "")
+    await asyncio.sleep(0.5)  # (a cut turn keeps what it has in the background)
+    scripted.engine.token_delay_s = 0.0
+    async with connect(scripted.ws_url) as ws:
+        opened = await open_session(ws, sid)
+    assert history(opened) == [("user", "one"), ("assistant", "You said: one")]
 
 
 async def test_regenerate_refusals_change_nothing(scripted: Scripted) -> None:
