@@ -159,20 +159,29 @@ async def profile_steps(engine: VllmEngine, points: list[GridPoint],
 async def _run_point(engine: VllmEngine, point: GridPoint, spec: GridSpec, rng: random.Random,
                      tag: str, ran: list[list[int]] | None = None) -> None:
     decoders: list[asyncio.Task[None]] = []
-    if point.num_decodes:
-        prefix = random_token_ids(rng, point.decode_context - _TAIL)
-        await generate_tokens(engine, f"{tag}-primer", prefix + random_token_ids(rng, _TAIL), 1,
-                              ran=ran)
-        started = [asyncio.Event() for _ in range(point.num_decodes)]
-        decoders = [asyncio.create_task(generate_tokens(
-            engine, f"{tag}-d{i}", prefix + random_token_ids(rng, _TAIL),
-            _decoder_tokens(point, spec), started[i], ran)) for i in range(point.num_decodes)]
-        await asyncio.gather(*(e.wait() for e in started))
-    for r in range(point.rounds if point.num_prefills else 0):
-        await asyncio.gather(*(
-            generate_tokens(engine, f"{tag}-r{r}p{i}",
-                            random_token_ids(rng, point.prefill_tokens), 1, ran=ran)
-            for i in range(point.num_prefills)))
+    try:
+        if point.num_decodes:
+            prefix = random_token_ids(rng, point.decode_context - _TAIL)
+            await generate_tokens(engine, f"{tag}-primer",
+                                  prefix + random_token_ids(rng, _TAIL), 1, ran=ran)
+            started = [asyncio.Event() for _ in range(point.num_decodes)]
+            decoders = [asyncio.create_task(generate_tokens(
+                engine, f"{tag}-d{i}", prefix + random_token_ids(rng, _TAIL),
+                _decoder_tokens(point, spec), started[i], ran))
+                for i in range(point.num_decodes)]
+            await asyncio.gather(*(e.wait() for e in started))
+        for r in range(point.rounds if point.num_prefills else 0):
+            await asyncio.gather(*(
+                generate_tokens(engine, f"{tag}-r{r}p{i}",
+                                random_token_ids(rng, point.prefill_tokens), 1, ran=ran)
+                for i in range(point.num_prefills)))
+    except BaseException:
+        # A failed round, or a cancelled start: the decoders end here too (they ran on,
+        # and what they left was not in `ran` when the profiling's leftovers were cleared).
+        for task in decoders:
+            task.cancel()
+        await asyncio.gather(*decoders, return_exceptions=True)
+        raise
     if point.num_prefills:
         for task in decoders:
             task.cancel()  # aborts the request

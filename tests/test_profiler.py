@@ -3,8 +3,9 @@ a stand-in engine and profile: no model."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from antiphon.engine_ext.costfit import (
     read_fit,
     save_fit,
 )
+from antiphon.engine_ext.engine import EngineRequestFailedError
 from antiphon.engine_ext.profiler import QUICK, EngineLimits, grid_points, prepare_cost_model
+from antiphon.engine_ext.types import Delta
 from tests.test_costmodel import MACHINE, MODEL, synthetic_steps
 
 
@@ -210,6 +213,49 @@ async def test_a_failed_profile_leaves_the_prior(cache: Path, monkeypatch: pytes
     assert engine.installed == [] and "Profiling failed" in caplog.text
     assert not fit_path(cache, MODEL, MACHINE).exists()
     assert engine.forgotten == [[[4, 5]]]  # cleared all the same
+
+
+class FailingPromptEngine:
+    """Generates a token each 50 ms; the first prompt of a mixed grid point fails."""
+
+    def __init__(self) -> None:
+        self.running: set[str] = set()
+
+    async def scheduler_stats(self) -> dict[str, Any]:
+        return {"policy": "bros"}
+
+    async def set_policy(self, name: str) -> None:
+        pass
+
+    async def recorded_steps(self, record: bool) -> list[list[float]]:
+        return []
+
+    async def generate(self, request_id: str, token_ids: list[int],
+                       params: Any) -> AsyncIterator[Delta]:
+        if "-r0p" in request_id:  # (a KV load error, say)
+            await asyncio.sleep(0.01)
+            raise EngineRequestFailedError("vLLM ended the request with an error")
+        self.running.add(request_id)
+        try:
+            for i in range(params.max_tokens):
+                await asyncio.sleep(0.05)
+                yield Delta(text="x", num_new_tokens=1, token_ids=(7,),
+                            finished=i == params.max_tokens - 1)
+        finally:
+            self.running.discard(request_id)
+
+
+async def test_a_failed_grid_point_leaves_no_request_running() -> None:
+    # Its decoders generated on after the failure, while the server cleared what profiling
+    # had left, and served (found by a review).
+    engine = FailingPromptEngine()
+    point = profiler.GridPoint(num_decodes=4, decode_context=64, num_prefills=1,
+                               prefill_tokens=64, rounds=2)
+    ran: list[list[int]] = []
+    with pytest.raises(EngineRequestFailedError):
+        await profiler.profile_steps(engine, [point], [], QUICK, ran=ran)  # type: ignore[arg-type]
+    assert engine.running == set()
+    assert sum(len(chain) > 64 for chain in ran) == 5  # the primer's and the decoders' tokens
 
 
 def test_serve_profiles_on_first_start_and_code_does_not() -> None:
