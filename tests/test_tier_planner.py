@@ -636,6 +636,36 @@ def test_a_running_turn_reclaims_the_host_room_an_advisory_holds(tmp_path: Path)
         planner.close()
 
 
+def test_the_advisory_expected_last_gives_its_room_first_even_while_it_fetches() -> None:
+    # Settled prefetches went first: a user due in 5 s lost its KV to a turn short of room,
+    # while a session due in 10 minutes, still fetching, kept (and added to) its pins (found
+    # by a review; a retired prefetch gives back what it has pinned at once).
+    from types import SimpleNamespace
+
+    from antiphon.tiering.advisory_book import Advisory, AdvisoryBook
+    from antiphon.tiering.plan_state import TieringCounters
+
+    host = SimpleNamespace(slot_bytes=1, freed=0)
+    host.can_make_room = lambda num_bytes: host.freed >= num_bytes
+    retired: list[object] = []
+
+    def retire(handle: object) -> None:
+        retired.append(handle)
+        host.freed += 4
+
+    book = AdvisoryBook(SimpleNamespace(retire=retire), SimpleNamespace(),  # type: ignore[arg-type]
+                        host, TieringCounters(), 30.0)  # type: ignore[arg-type]
+    now = time.monotonic()
+    soon, late = SimpleNamespace(is_done=True), SimpleNamespace(is_done=False)
+    book._advisories["soon"] = Advisory("soon", now, now + 35, soon, 8,  # type: ignore[arg-type]
+                                        due_at=now + 5)
+    book._advisories["late"] = Advisory("late", now, now + 630, late, 8,  # type: ignore[arg-type]
+                                        due_at=now + 600)
+    book.make_room(4, None)  # a running turn: room for one advisory's pins
+    assert retired == [late]
+    assert book.get("late").reclaimed and not book.get("soon").reclaimed
+
+
 def test_every_counter_is_exported_to_prometheus(planner: TierPlanner) -> None:
     from antiphon.server.rest import tiering_metrics_text
 

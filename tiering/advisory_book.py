@@ -152,7 +152,8 @@ class AdvisoryBook:
         running turns take host room before sessions that have not spoken yet, and an
         advisory (`expected_after`: when its turn is due; `priority`: its own) from those of lower
         priority, and those as high expected after it. The lowest priority goes first, then
-        settled prefetches, then the advisory expected last."""
+        the advisory expected last, whether or not its prefetch has settled (a retired one
+        gives back what it has pinned at once)."""
         host = self._host
         if host.can_make_room(num_slots * host.slot_bytes):
             return
@@ -160,8 +161,7 @@ class AdvisoryBook:
                        if a.handle is not None and a.session != session
                        and (expected_after is None or a.priority < priority
                             or (a.priority == priority and a.due_at > expected_after))),
-                      key=lambda a: (-a.priority, a.handle is not None and a.handle.is_done,
-                                     a.due_at, a.received_at), reverse=True)
+                      key=lambda a: (-a.priority, a.due_at, a.received_at), reverse=True)
         for advisory in held:  # one sort per call, not one scan per advisory reclaimed
             assert advisory.handle is not None
             self._prefetcher.retire(advisory.handle)
