@@ -1521,6 +1521,28 @@ def test_the_step_built_before_a_failed_load_was_reported_publishes_nothing(
     planner.store.check_integrity()
 
 
+def test_a_step_built_before_the_failed_one_and_reported_after_it_keeps_its_saves(
+        planner: TierPlanner) -> None:
+    # A GPU's copies report a step done once its event completes, a failed step at once:
+    # step 0, reported after step 1's failure, was failed too, its landed saves dropped
+    # (found by a review).
+    view = TokenView("a", list(range(100, 120)), "s1")
+    admit(planner, view, [1, 2, 3, 4, 5])
+    first = planner.build_metadata([("a", 8)])  # saves chunks 0-1
+    assert len(first.saves) == 2
+    fake_worker_saves(planner, first.saves)
+    second = planner.build_metadata([("a", 12)])  # saves chunk 2, and fails
+    fake_worker_saves(planner, second.saves)
+    planner.step_done(set(), {second.step})
+    planner.step_done({first.step}, set())
+    stats = planner.stats()
+    assert (stats["saved_chunks"], stats["copy_steps_failed"]) == (2, 1)
+    hashes = prefix_hashes(list(view.token_ids), CHUNK, planner.model_id)
+    assert [planner.store.contains(ChunkKey(planner.model_id, hashes[i], i, 0))
+            for i in range(3)] == [True, True, False]
+    planner.store.check_integrity()
+
+
 def test_a_restore_waits_for_the_saves_its_checkpoint_was_handed(planner: TierPlanner) -> None:
     # Async scheduling (a GPU's): preempted right after a step that saves chunks ending on a
     # chunk boundary, the checkpoint is handed those saves and copies nothing, so its restore

@@ -106,8 +106,8 @@ class TierPlanner:
         self._final_keys: list[SlotCommit] = []  # as `StepInFlight.commits`
         self._final_chunks = 0  # whole chunks among `_final_saves` (counted once saved)
         self._in_flight: dict[int, StepInFlight] = {}
-        # Steps through this one were built before a failed step's report: see `step_done`.
-        self._failed_through = -1
+        # Steps built after a failed step and before its report: see `step_done`.
+        self._doomed: set[int] = set()
         self._pending_checkpoints: list[PageCopy] = []
         self.preemption = PreemptionTable(self.chunk_tokens)
         self.tails = TailIndex(config.tail_index_entries)  # the tokens of tails saved
@@ -357,10 +357,13 @@ class TierPlanner:
                 in_flight = self._in_flight.pop(step, None)
                 if in_flight is None:
                     continue
-                if step in failed_steps:
-                    self._failed_through = max(self._failed_through, self._step - 1)
-                elif step <= self._failed_through:
+                if step in failed_steps:  # (not those built before it: a step reported
+                    # done after the failure, a GPU's copy event later, landed whole)
+                    self._doomed |= {s for s in range(step + 1, self._step)
+                                     if s in self._in_flight}
+                elif step in self._doomed:
                     failed_steps = failed_steps | {step}
+                self._doomed.discard(step)
                 self.counters.copy_steps_failed += step in failed_steps
                 if step not in failed_steps:  # (a failed one's are saved again, and counted)
                     self.counters.saved_chunks += in_flight.num_saved_chunks
