@@ -1232,6 +1232,27 @@ def test_a_turn_that_overtakes_its_advisorys_prefetch_is_counted_late(tmp_path: 
         planner.close()
 
 
+def test_an_advisory_that_comes_while_a_turn_waits_for_its_fetch_is_the_next_turns(
+        tmp_path: Path) -> None:
+    # The user typed the next message while the turn's context came up from SSD: the turn,
+    # admitted once it was up, stopped and used up that advisory, and the next turn lost its
+    # prefetch (found by a review).
+    planner = restarted_planner(tmp_path, ssd_fetch_wait_s=0)  # the KV on SSD only
+    try:
+        gate = held_ssd_reads(planner)
+        view = TokenView("r2", [*TURN1, 110, 111], session="s1")
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) is None  # held for its fetch
+        planner.advise("s1", [*TURN1, 110, 111, 112], expected_arrival_s=30.0)
+        gate.set()
+        assert wait_for_admission(planner, view) == 10
+        advisory = planner.advisories.get("s1")
+        assert advisory is not None and not advisory.overtaken
+        assert planner.stats()["advisories_used"] == 0
+    finally:
+        planner.close()
+
+
 def test_a_checkpoint_whose_copies_failed_is_cut(tmp_path: Path) -> None:
     """The worker fails a step whose checkpoint copies came too late (the forward pass had
     begun): its slots were given up, but the preemption table still listed the chunks, and

@@ -238,6 +238,9 @@ class TierPlanner:
                     absent, BACKGROUND_URGENT if view.background else URGENT, layer_first=False)
                 if st.fetch_attempts > 1:
                     self.counters.fetch_retries += 1
+                # The turn has come (it holds what it needs): its advisory is used now, not
+                # once the fetch is done, when an advisory meanwhile is the next turn's.
+                self._use_advisory(st)
                 return None
             # No host room for even the first missing chunk: what the host holds before it
             # is loaded below, the rest recomputed.
