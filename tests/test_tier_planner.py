@@ -636,6 +636,46 @@ def test_a_running_turn_reclaims_the_host_room_an_advisory_holds(tmp_path: Path)
         planner.close()
 
 
+def test_a_chat_turn_takes_the_host_room_waiting_be_restores_hold(tmp_path: Path) -> None:
+    # BE restores waiting for device pages keep their pins: three filled the arena, and a
+    # chat turn recomputed the context the SSD tier held, its saves refused (found by a
+    # review). An RT request takes memory from BE work, never the reverse.
+    contexts = {name: [base + i for i in range(2 * CHUNK + 1)] for name, base in
+                [("be1", 1000), ("be2", 2000), ("be3", 3000), ("rt", 4000)]}
+    first = make_planner(tmp_path / "ssd")
+    for i, (name, tokens) in enumerate(contexts.items()):  # each written through to SSD
+        run_turn(first, f"w{i}", tokens, [10 * i + 1, 10 * i + 2, 10 * i + 3], session=name)
+    first.close()
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=6 * LAYERS * PAGE_BYTES,
+                           ssd_fetch_wait_s=5.0)
+    try:
+        waiting = [TokenView(f"q-{name}", [*contexts[name], 7], name, background=True)
+                   for name in ("be1", "be2", "be3")]
+        for view in waiting:
+            planner.add_request(view)
+            assert planner.num_new_matched_tokens(view, 0) is None  # BE waits for no fetch
+        for view in waiting:  # fetched; vLLM has no pages for them: they wait, pinned
+            assert wait_for_admission(planner, view) == 2 * CHUNK
+        assert len(planner.host.keys()) == 6 * LAYERS
+        chat = TokenView("q-rt", [*contexts["rt"], 7], "rt")
+        planner.add_request(chat)
+        assert planner.num_new_matched_tokens(chat, 0) == 2 * CHUNK
+        blocks = [50, 51, 52, 53, 54]
+        planner.test_blocks["q-rt"] = blocks  # type: ignore[attr-defined]
+        planner.plan_load("q-rt", blocks, 2 * CHUNK, len(chat.token_ids))
+        chat.token_ids.extend([9] * CHUNK)  # its reply so far completes a third chunk
+        meta = planner.build_metadata([("q-rt", len(chat.token_ids) - 1)])
+        assert len(meta.saves) == 1 and planner.stats()["saves_refused"] == 0
+        fake_worker_saves(planner, meta.saves)
+        planner.step_done({meta.step}, set())
+        planner.request_finished("q-rt", len(chat.token_ids) - 1, blocks)
+        # A BE restore let go matches again when asked (its fetch sent again).
+        assert wait_for_admission(planner, waiting[0]) == 2 * CHUNK
+        planner.store.check_integrity()
+    finally:
+        planner.close()
+
+
 def test_the_advisory_expected_last_gives_its_room_first_even_while_it_fetches() -> None:
     # Settled prefetches went first: a user due in 5 s lost its KV to a turn short of room,
     # while a session due in 10 minutes, still fetching, kept (and added to) its pins (found

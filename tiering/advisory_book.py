@@ -2,8 +2,8 @@
 stored KV into the host arena, pinned there until the session's turn uses it or it expires.
 
 The pins are a soft reservation: a running turn short of host room takes them back
-(`make_room`): those of lowest priority, then settled prefetches, then the advisory expected
-last, so advised sessions never make a running turn recompute. An advisory's priority, then its
+(`make_room`): those of lowest priority, then the advisory expected last, so advised sessions
+never make a running turn recompute. An advisory's priority, then its
 `expected_arrival`, orders competing prefetches (`PrefetchQueue`) and which takes the host room
 of which (`make_room`).
 """

@@ -224,6 +224,8 @@ class TierPlanner:
             self._drop_prefetch(st)
             st.fetch_attempts += 1
             self.advisories.make_room(len(absent), view.session)
+            if not view.background:
+                self._take_back_background_room(len(absent), st)
             absent = self._leading_chunks_with_room(absent)
             if absent:
                 st.ssd_chunks |= {key.chunk_index for key in absent}
@@ -475,7 +477,8 @@ class TierPlanner:
                 self.retirement.request_finished(st, num_computed, None)
             else:
                 tail = self.matcher.tail_key(st, num_computed)
-                copy, keys = self._reserve(tail, self._tail_pages(block_ids, num_computed))
+                copy, keys = self._reserve(tail, self._tail_pages(block_ids, num_computed),
+                                           for_chat=not st.view.background)
                 # (a tier may hold it: a restart's)
                 is_indexed = copy is not None or self.held(tail)
                 if is_indexed:
@@ -725,7 +728,8 @@ class TierPlanner:
             pages = tuple(block_ids[first_page:first_page + self.pages_per_chunk])
             chunk = ChunkKey(self.model_id, hashes[index], index, 0)
             # a chunk refused again, step after step, counts as one refused
-            copy, keys = self._reserve(chunk, pages, count_refusal=index != st.refused_chunk)
+            copy, keys = self._reserve(chunk, pages, count_refusal=index != st.refused_chunk,
+                                       for_chat=not st.view.background)
             if copy is not None:
                 copies.append(copy)
                 commits.extend(self._slot_commits(keys, copy, durable, owner))
@@ -746,11 +750,11 @@ class TierPlanner:
             self.store.write_through_later(held_before, owner=owner)
         return saved
 
-    def _reserve(self, key: ChunkKey, pages: tuple[int, ...], count_refusal: bool = True
-                 ) -> tuple[PageCopy | None, list[ChunkKey]]:
+    def _reserve(self, key: ChunkKey, pages: tuple[int, ...], count_refusal: bool = True,
+                 for_chat: bool = False) -> tuple[PageCopy | None, list[ChunkKey]]:
         """Host slots for the layers of `key` no tier holds; (None, []) if none are needed or
         the arena has no room (then nothing is reserved, and `saves_refused` counts it where
-        `count_refusal`)."""
+        `count_refusal`). A chat turn's (`for_chat`) also takes waiting BE work's room."""
         slots: list[int] = []
         reserved: list[ChunkKey] = []
         for layer in range(self.num_layers):
@@ -761,6 +765,8 @@ class TierPlanner:
             slot = self.host.reserve(layer_key)
             if slot is None:  # the arena is all pins: take advisories' back, try once more
                 self.advisories.make_room(1, None)
+                if for_chat:
+                    self._take_back_background_room(1)
                 slot = self.host.reserve(layer_key)
             if slot is None:
                 for done in reserved:
@@ -883,6 +889,24 @@ class TierPlanner:
             for index in [i for i in lost if (i, hashes[i]) in chunks]:
                 if self.held(ChunkKey(self.model_id, hashes[index], index, 0)):
                     lost.discard(index)
+
+    def _take_back_background_room(self, num_slots: int,
+                                   asking: RequestState | None = None) -> None:
+        """Host room for `num_slots` slots for a chat turn, taken from BE requests waiting
+        for device pages: their pins and fetches are let go, and asked again they match again
+        (an RT request takes memory from BE work, never the reverse; BE restores waiting at
+        once held the whole arena, and a chat turn recomputed its context). A request vLLM
+        has given pages holds no pins here (`plan_load` handed them to its loads), so no
+        step's loads lose theirs."""
+        room = num_slots * self.host.slot_bytes
+        for other in self._requests.values():
+            if self.host.can_make_room(room):
+                return
+            if other is not asking and other.view.background and (
+                    other.pins or other.prefetch is not None):
+                self._drop_prefetch(other)
+                self._unpin(other)
+                other.admitted = None
 
     def _unpin(self, st: RequestState) -> None:
         self.host.unpin_all(st.pins)
