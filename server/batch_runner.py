@@ -64,6 +64,9 @@ class BatchRunner:
         self.metrics = metrics
         self.config = chat.config
         self._inflight: dict[ItemKey, asyncio.Task[None]] = {}
+        # batch id -> its check or its finalizing, running beside the items (a 50,000-line
+        # check took 3 s, in which no item of any batch started, and no cancel was seen)
+        self._staging: dict[str, asyncio.Task[None]] = {}
         self._num_choices: dict[ItemKey, int] = {}  # of each item running: engine requests
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -105,12 +108,23 @@ class BatchRunner:
                     async with asyncio.timeout(POLL_INTERVAL_S):
                         await self._wake.wait()
         finally:
+            staging = list(self._staging.values())
+            for task in staging:
+                task.cancel()
+            await asyncio.gather(*staging, return_exceptions=True)
             await self._abort(list(self._inflight))
 
     async def _step(self) -> None:
         """Move each unfinished batch one stage on, then fill free slots with items."""
         runnable: list[Batch] = []
         for b in await asyncio.to_thread(self.store.unfinished_batches):
+            if b.batch_id in self._staging:
+                continue  # being checked or finalized
+            if b.status in (BatchStatus.VALIDATING, BatchStatus.FINALIZING,
+                            BatchStatus.CANCELLING):
+                self._staging[b.batch_id] = asyncio.create_task(
+                    self._stage(b), name=f"batch-{b.batch_id}-{b.status}")
+                continue
             try:
                 if await self._advance(b):
                     runnable.append(b)
@@ -121,16 +135,27 @@ class BatchRunner:
         num_waiting = sum(b.counts.num_pending for b in runnable) - len(self._inflight)
         self.metrics.batch_queue.set(max(0, num_waiting))
 
+    async def _stage(self, b: Batch) -> None:
+        """Check batch `b`'s input, or finish it (cancelling or finalizing), beside the
+        items running; a failure is tried again at a later step."""
+        try:
+            if b.status == BatchStatus.VALIDATING:
+                await self._validate(b)
+            else:
+                await self._abort([k for k in self._inflight if k[0] == b.batch_id])
+                num_unrun = await asyncio.to_thread(self.store.fail_unrun, b.batch_id)
+                self.metrics.batch_items.labels("failed").inc(num_unrun)
+                await self._finalize(b)
+        except Exception:  # (tried at the next poll, not at once: it would spin)
+            logger.exception("batch %s: %s failed; trying again", b.batch_id, b.status)
+        else:
+            self.notify()
+        finally:
+            self._staging.pop(b.batch_id, None)
+
     async def _advance(self, b: Batch) -> bool:
-        """Move batch `b` one stage on; whether it has items to run now."""
-        if b.status == BatchStatus.VALIDATING:
-            await self._validate(b)
-        elif b.status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
-            await self._abort([k for k in self._inflight if k[0] == b.batch_id])
-            num_unrun = await asyncio.to_thread(self.store.fail_unrun, b.batch_id)
-            self.metrics.batch_items.labels("failed").inc(num_unrun)
-            await self._finalize(b)
-        elif b.counts.num_pending == 0:  # answered in full: complete, even past its window
+        """Move batch `b` (running) one stage on; whether it has items to run now."""
+        if b.counts.num_pending == 0:  # answered in full: complete, even past its window
             await asyncio.to_thread(self.store.begin_finalize, b.batch_id)
             self.notify()
         elif time.time() >= b.times["expires_at"]:
@@ -148,7 +173,9 @@ class BatchRunner:
         try:
             items = await asyncio.to_thread(read_items, path, self.chat, b.endpoint)
         except OSError as exc:
-            if exc.errno in PASSING_ERRNOS:  # (the next step tries again: the file is fine)
+            # (the next step tries again: the file is fine; not past the batch's window, or it
+            # stayed validating for good)
+            if exc.errno in PASSING_ERRNOS and time.time() < b.times["expires_at"]:
                 raise
             await asyncio.to_thread(self.store.fail_batch, b.batch_id, ErrorCode.INVALID_FILE,
                                     f"the input file cannot be read: {exc.strerror}")

@@ -144,6 +144,23 @@ async def test_running_out_of_file_descriptors_while_checking_fails_no_batch(
     store.check_integrity()
 
 
+async def test_a_batch_whose_input_cannot_be_read_within_its_window_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An error of the moment that never passed left it validating for good, `--wait` showing
+    # 0/0 (found by a review).
+    store, files, engine, runner = direct_runner(tmp_path)
+    await engine.start()
+
+    def read_items(*args: Any) -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(batch_runner, "read_items", read_items)
+    batch = await run_until_finished(store, runner, add_input(store, files, 3, window_s=0.5))
+    assert batch.status == BatchStatus.FAILED
+    assert batch.errors is not None and "Too many open files" in batch.errors[0]["message"]
+    store.check_integrity()
+
+
 async def test_stopping_the_server_does_not_use_up_an_items_attempts(tmp_path: Path) -> None:
     """Items cut off by a clean shutdown run again as often as the server restarts; only a
     start that ends in a crash counts towards --max-batch-item-attempts."""
@@ -457,3 +474,39 @@ async def test_an_item_committed_as_its_batch_is_cancelled_is_counted(tmp_path: 
                                                         {"outcome": outcome}) or 0
                for outcome in ("completed", "failed")]
     assert counted == [batch.counts.completed, batch.counts.failed]
+
+
+async def test_items_keep_starting_while_another_batch_is_checked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check ran in the runner's step: while a 50,000-line file was read (3 s), no item of
+    # any batch started, and no cancel was seen (found by a review). The check is slowed here.
+    store, files, _engine, runner = direct_runner(tmp_path, token_delay_s=0.005)
+    checking = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    read_items = batch_runner.read_items
+
+    def slow_read_items(*args: Any) -> Any:
+        loop.call_soon_threadsafe(checking.set)
+        time.sleep(1.5)
+        return read_items(*args)
+
+    monkeypatch.setattr(batch_runner, "read_items", slow_read_items)
+    running = add_input(store, files, 400, owner="a")
+    await runner.start()
+    try:
+        for _ in range(500):  # its own check done, its items running
+            found = store.get_batch("a", running)
+            if found is not None and found.counts.completed >= 4:
+                break
+            await asyncio.sleep(0.01)
+        add_input(store, files, 3, owner="b")
+        runner.notify()
+        await asyncio.wait_for(checking.wait(), 5)
+        before = store.get_batch("a", running)
+        await asyncio.sleep(1.0)  # the other batch is being checked all this time
+        after = store.get_batch("a", running)
+    finally:
+        await runner.stop()
+        store.close()
+    assert before is not None and after is not None
+    assert after.counts.completed - before.counts.completed >= 10
