@@ -25,6 +25,9 @@ FINISHED = ("completed", "failed", "expired", "cancelled")
 # with some items failed (their errors are in the results).
 EXIT_ALL_ANSWERED, EXIT_NOT_COMPLETED, EXIT_ITEMS_FAILED = 0, 1, 3
 EXIT_STOPPED = 130  # Ctrl-C, as a shell reports it
+# Answers that say the server is down or starting (a proxy's before it, or its own while it
+# stops): waited out as no answer is, not taken for the batch's end
+GATEWAY_ERRORS = frozenset({502, 503, 504})
 
 
 class BatchCliError(Exception):
@@ -116,6 +119,9 @@ def _check(r: httpx.Response) -> None:
         detail = f"{error['code']}: {error['message']}"
     except (ValueError, KeyError, TypeError):
         detail = r.text[:200]
+    if r.status_code in GATEWAY_ERRORS:  # no answer of the server's own, maybe
+        raise ServerUnreachableError(f"HTTP {r.status_code}: {detail} (the server, or a "
+                                     "proxy before it, may be restarting)")
     raise BatchCliError(f"HTTP {r.status_code}: {detail}")
 
 
@@ -242,7 +248,7 @@ def _submit(client: BatchClient, args: argparse.Namespace) -> int:
     watched = _watch(client, batch["id"], args)
     if watched is None:
         return EXIT_STOPPED
-    _fetch(client, watched, _results_path(path))
+    _fetch(client, watched, _results_path(path), args.max_unreachable_s, args.poll_interval)
     return finished_status(watched)
 
 
@@ -268,7 +274,10 @@ def finished_status(batch: dict[str, Any]) -> int:
     return EXIT_ALL_ANSWERED
 
 
-def _fetch(client: BatchClient, batch: dict[str, Any], out: Path) -> None:
+def _fetch(client: BatchClient, batch: dict[str, Any], out: Path,
+           max_unreachable_s: float = 0.0, poll_s: float = 0.5) -> None:
+    """Download `batch`'s results into `out`, retrying while the server does not answer for
+    at most `max_unreachable_s` seconds."""
     for error in (batch.get("errors") or {}).get("data", []):
         print(f"batch {batch['status']}: {error['code']}: {error['message']}")
     if batch["output_file_id"] is None and batch["error_file_id"] is None:
@@ -276,7 +285,16 @@ def _fetch(client: BatchClient, batch: dict[str, Any], out: Path) -> None:
         # would take the place of an earlier one)
         print(f"no results: the batch {batch['status']} before any item ran")
         return
-    num_lines = client.download(batch, out)
+    give_up_at = time.monotonic() + max_unreachable_s
+    while True:  # (a batch that completed is not called a failure for a restart meanwhile)
+        try:
+            num_lines = client.download(batch, out)
+            break
+        except ServerUnreachableError as exc:
+            if time.monotonic() >= give_up_at:
+                raise
+            print(f"{exc}; retrying the download")
+            time.sleep(poll_s)
     print(f"{num_lines} results written to {out}")
 
 
@@ -377,5 +395,6 @@ def _seconds(text: str) -> float:
 def _add_watch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--poll-interval", type=_seconds, default=0.5, help="seconds (0.5)")
     parser.add_argument("--max-unreachable-s", type=_seconds, default=600.0,
-                        help="while waiting, keep polling a server that does not answer (a "
-                             "restart) this long before giving up (600 s)")
+                        help="while waiting, keep polling a server that does not answer, "
+                             "or answers 502, 503 or 504 (a restart, behind a proxy too), "
+                             "this long before giving up (600 s)")

@@ -182,3 +182,39 @@ def test_a_batch_created_whose_answer_was_lost_is_not_called_a_failure(
         _submit(_client(handler), argparse.Namespace(file=str(path), endpoint=None,
                                                      wait=False))
     assert "cannot reach the server" in str(failed.value) and said in str(failed.value)
+
+
+def test_a_proxys_gateway_error_while_the_server_restarts_is_waited_out(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Behind a proxy a restarting server answers 502/503/504, not a refused connection: the
+    # wait gave up at once with status 1 ("the batch did not complete") while the batch ran
+    # on, and so did the download of a batch that had completed (found by a review).
+    import argparse
+
+    import httpx
+
+    from antiphon import batch_cli
+
+    done = {"id": "batch_1", "status": "completed", "output_file_id": "file-" + "0" * 24,
+            "error_file_id": None, "request_counts": {"total": 2, "completed": 2, "failed": 0}}
+    replies = iter([
+        httpx.Response(200, json=batch("in_progress", 1)),
+        httpx.Response(502, text="<html>502 Bad Gateway</html>"),
+        httpx.Response(503, json={"error": {"code": "shutting_down", "message": "x"}}),
+        httpx.Response(200, json=done),
+        httpx.Response(504, text="<html>504 Gateway Time-out</html>"),  # the download
+        httpx.Response(200, content=b'{"custom_id": "a"}\n{"custom_id": "b"}\n'),
+    ])
+    client = _client(lambda request: next(replies))
+    monkeypatch.setattr(batch_cli, "BatchClient", lambda *args, **kwargs: client)
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(batch_id="batch_1", wait=True, poll_interval=0.01,
+                              max_unreachable_s=60.0, batch_func=batch_cli._status,
+                              url="http://server", api_key=None)
+    assert batch_cli.run(args) == batch_cli.EXIT_ALL_ANSWERED
+    out = tmp_path / "b.results.jsonl"
+    batch_cli._fetch(client, done, out, max_unreachable_s=60.0, poll_s=0.01)
+    assert out.read_text().count("\n") == 2
+    with pytest.raises(BatchCliError, match="HTTP 404"):  # a refusal is not waited out
+        _client(lambda request: httpx.Response(404, json={"error": {
+            "code": "batch_not_found", "message": "x"}})).get("batch_1")
