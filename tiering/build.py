@@ -15,6 +15,7 @@ from antiphon.tiering.host_arena import (
 from antiphon.tiering.host_tier import HostTier
 from antiphon.tiering.manager import TieredStore
 from antiphon.tiering.slot_file import FILE_NAME as SLOT_FILE_NAME
+from antiphon.tiering.slot_file import stride_for
 from antiphon.tiering.ssd_tier import SsdTier
 from antiphon.tiering.tier import Tier
 
@@ -41,6 +42,12 @@ def build_tiered_store(config: TieringConfig, *, slot_bytes: int,
         # every copy goes through the host arena: without a slot, every turn recomputes
         raise ValueError(f"the host tier ({config.host_tier_bytes} bytes) holds no chunk-layer "
                          f"of this model ({slot_bytes} bytes): raise --host-tier-bytes")
+    if config.is_ssd_tier_enabled and config.ssd_tier_bytes < stride_for(slot_bytes):
+        # every write-through refused: no KV would outlive a restart, and no host copy
+        # could be dropped as held below
+        raise ValueError(f"the SSD tier ({config.ssd_tier_bytes} bytes) holds no chunk-layer "
+                         f"of this model ({stride_for(slot_bytes)} bytes with its header): "
+                         "raise --ssd-tier-bytes, or set it to 0 to turn the tier off")
     ssd_dir = config.ssd_dir if config.is_ssd_tier_enabled else None
 
     def policy(is_lowest: bool) -> EvictionPolicy:
