@@ -296,7 +296,7 @@ def test_build_from_config(tmp_path: Path) -> None:
         build_tiered_store(TieringConfig(host_tier_bytes=63, ssd_tier_bytes=0), slot_bytes=64)
     # and so would an SSD tier too small for one (every write-through refused; it built a
     # tier of no slot: found by a review)
-    with pytest.raises(ValueError, match="SSD tier .* holds no chunk-layer"):
+    with pytest.raises(ValueError, match=r"SSD tier .* holds no chunk-layer"):
         build_tiered_store(TieringConfig(ssd_dir=tmp_path, ssd_tier_bytes=4096,
                                          host_tier_bytes=8 * 64), slot_bytes=64)
 
