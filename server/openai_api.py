@@ -103,6 +103,7 @@ async def chat_completions(request: Request) -> Response:
             slot.release()
             raise
         gens[0].session_claim = hold
+        ctx.turns.turn_began(session_id)
     return await _respond(request, gens, slot, body)
 
 

@@ -19,14 +19,11 @@ from antiphon.server.errors import ApiError, ErrorCode
 
 
 class SessionClaims:
-    def __init__(self, free_wait_s: float, check_open: Callable[[], None],
-                 on_claim: Callable[[str], None]) -> None:
+    def __init__(self, free_wait_s: float, check_open: Callable[[], None]) -> None:
         """`free_wait_s`: how long `claim_soon` waits for a turn being cut short
-        (`--session-free-wait-s`); `check_open` raises once a shutdown began; `on_claim` is
-        called with each session claimed."""
+        (`--session-free-wait-s`); `check_open` raises once a shutdown began."""
         self.free_wait_s = free_wait_s
         self._check_open = check_open
-        self._on_claim = on_claim
         self._busy: dict[str, str] = {}  # session id -> the hold of the turn using it
         # holds of turns being cut short, the task running each turn, and what `claim_soon`
         # waits on: set when the hold is let go
@@ -45,7 +42,6 @@ class SessionClaims:
             raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is busy (answering "
                            "a message, or being deleted)")
         hold = self._busy[session_id] = "hold_" + secrets.token_urlsafe(12)
-        self._on_claim(session_id)
         return hold
 
     async def claim_soon(self, session_id: str) -> str:

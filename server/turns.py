@@ -78,15 +78,14 @@ class SessionTurns:
         self.advisories = AdvisoryFilter(chat.config.typing_interval_s,
                                          chat.config.advisory_repeat_interval_s, advisory_ttl_s)
         self.arrival_order = ArrivalOrder()
-        # A turn uses the session's advisory in the engine, whether or not it changes the
-        # conversation (one that commits at its end, or fails): the next is no repeat.
-        self.claims = SessionClaims(chat.config.session_free_wait_s, chat.check_open,
-                                    self._turn_began)
+        self.claims = SessionClaims(chat.config.session_free_wait_s, chat.check_open)
         self.eraser = KvEraser(store, chat)
 
-    def _turn_began(self, session_id: str) -> None:
-        """A turn of `session_id` claimed it: it uses up the session's advisory, and holds
-        back no later ordered one."""
+    def turn_began(self, session_id: str) -> None:
+        """A turn of `session_id` (or its deletion) claimed it, and is going to the engine:
+        it uses up the session's advisory, whether or not it changes the conversation (one
+        that commits at its end, or fails: the next is no repeat), and holds back no later
+        ordered one. Not a turn refused for what it asks (it changes nothing)."""
         self.advisories.forget(session_id)
         self.arrival_order.arrived(session_id)
 
@@ -173,6 +172,7 @@ class SessionTurns:
             raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is answering a "
                            "message; stop the reply before deleting the session")
         hold = self.claims.claim(session_id)  # no turn starts while the deletion runs
+        self.turn_began(session_id)
         try:
             last_prompt = await asyncio.to_thread(self._last_prompt, session)
             if not await asyncio.to_thread(self.store.delete_session, owner, session_id,
@@ -302,7 +302,7 @@ class SessionTurns:
                             "message %d on", msg.session_id, start + cut)
             count = self.chat.engine.count_tokens
             title = None  # (a session's first message names it)
-            messages: list[tuple[str, int, str | None]]
+            messages: list[tuple[str, int, str | None]] | None = None
             if isinstance(msg, protocol.ToolResults):
                 role, messages = "tool", [(r.content, count(r.content), r.tool_call_id)
                                           for r in msg.results]
@@ -314,13 +314,15 @@ class SessionTurns:
                 # one stopped before its first token keeps the old reply and window)
                 gen.window_moves_to = window
                 gen.context_start = start  # (until the reply is committed)
-                return gen
-            gen.committed_undo = await asyncio.to_thread(
-                self.store.add_turn_messages, msg.session_id, role, messages, title, window)
-            gen.committed = (role, tuple(content for content, _, _ in messages))
+            if messages is not None:
+                gen.committed_undo = await asyncio.to_thread(
+                    self.store.add_turn_messages, msg.session_id, role, messages, title,
+                    window)
+                gen.committed = (role, tuple(content for content, _, _ in messages))
         except BaseException:
             self.claims.release(msg.session_id, hold)
             raise
+        self.turn_began(msg.session_id)
         return gen
 
     async def run(self, session_id: str, gen: Generation, emit: Emit,

@@ -560,6 +560,30 @@ async def accepted_turn(data_dir: Any) -> tuple[Any, Any, Any]:
     return ctx, session, await ctx.turns.accept("o", msg, "r1")
 
 
+async def test_a_turn_refused_for_what_it_asks_leaves_the_advisories_as_they_were(
+        tmp_path: Any) -> None:
+    # Claimed before its request was checked, a turn refused for a max_tokens past the limit
+    # counted as the session's turn having come: its ordered advisory no longer held back the
+    # key's later ones (found by a review).
+    from antiphon.server import protocol
+    from antiphon.server.errors import ApiError
+
+    ctx, _, _ = await accepted_turn(tmp_path)
+    first, _ = await ctx.turns.open("o", None)
+    second, _ = await ctx.turns.open("o", None)
+    await ctx.turns.record_advisory("o", first.session_id, "rest", 20.0, ordered=True)
+    refused = protocol.decode_client_message(json.dumps({
+        "type": "message", "session_id": first.session_id, "content": "hi",
+        "max_tokens": 10_000_000}))
+    with pytest.raises(ApiError, match="max_tokens"):
+        await ctx.turns.accept("o", refused, "r2")
+    assert ctx.store.messages(first.session_id) == []
+    assert not ctx.turns.claims.is_held(first.session_id)
+    expected = ctx.turns.arrival_order.expected_arrival("o", second.session_id, 1.0)
+    assert expected is not None and expected > 19.0  # still after the first's
+    ctx.store.close()
+
+
 async def test_a_cancel_while_the_done_frame_waits_to_be_sent_lets_it_go_out(
         tmp_path: Any) -> None:
     """The `done` frame waits for the connection (another turn's frame ahead of it, a slow
