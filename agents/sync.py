@@ -26,6 +26,9 @@ class Antiphon:
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
                  **options: Any) -> None:
+        self._lock = threading.Lock()  # orders calls against `close` (`_is_closing`)
+        self._waiting: set[threading.Event] = set()  # the calls' wake-ups, set at close too
+        self._closed = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="antiphon-client",
                                         daemon=True)
@@ -41,12 +44,11 @@ class Antiphon:
                     ) -> AsyncAntiphon:
         return AsyncAntiphon(base_url, api_key, **options)  # created on the client's loop
 
-    def _run(self, coro: Any) -> Any:
+    def _run(self, coro: Any, *, closing: bool = False) -> Any:
         """Run `coro` on the client's loop and wait for it. Interrupted (Ctrl-C), it cancels
-        the call there, and waits a moment for it to stop its turn on the server."""
-        if self._loop.is_closed():
-            coro.close()
-            raise ConnectionLostError("the client is closed")
+        the call there, and waits a moment for it to stop its turn on the server. A call
+        that `close` (another thread's) stops, or that starts once it has begun, raises
+        `ConnectionLostError` (it waited for ever on the loop stopped under it)."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a blocking Antiphon call from a callback (on_token runs on "
@@ -56,16 +58,31 @@ class Antiphon:
         async def start() -> asyncio.Task[Any]:
             return asyncio.ensure_future(coro)
 
-        task = asyncio.run_coroutine_threadsafe(start(), self._loop).result()
         finished = threading.Event()
-        self._loop.call_soon_threadsafe(task.add_done_callback, lambda _t: finished.set())
+        with self._lock:  # (queued ahead of `close`'s stop of the loop, or refused)
+            if self._loop.is_closed() or (self._is_closing and not closing):
+                coro.close()
+                raise ConnectionLostError("the client is closed")
+            started = asyncio.run_coroutine_threadsafe(start(), self._loop)
+            self._waiting.add(finished)
         try:
-            finished.wait()
-        except BaseException:
-            self._loop.call_soon_threadsafe(task.cancel)
-            finished.wait(timeout=CANCEL_WAIT_S)
-            raise
-        if task.cancelled() and self._is_closing:  # (`close` from another thread)
+            task = started.result()
+            try:
+                self._loop.call_soon_threadsafe(task.add_done_callback,
+                                                lambda _t: finished.set())
+            except RuntimeError:  # the loop closed meanwhile
+                finished.set()
+            try:
+                finished.wait()
+            except BaseException:
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(task.cancel)
+                finished.wait(timeout=CANCEL_WAIT_S)
+                raise
+        finally:
+            with self._lock:
+                self._waiting.discard(finished)
+        if not task.done() or (task.cancelled() and self._is_closing):
             raise ConnectionLostError("the client was closed during the call")
         return task.result()
 
@@ -86,17 +103,24 @@ class Antiphon:
         return blocking
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        """Close the client; calls other threads are making end with `ConnectionLostError`.
+        Safe to call twice, and from two threads (the second waits for the first)."""
+        with self._lock:
+            first = not self._is_closing
+            self._is_closing = True
+        if not first:
+            self._closed.wait(timeout=2 * CANCEL_WAIT_S + 10)
             return
         try:
-            self._run(self.aio.close())
+            self._run(self.aio.close(), closing=True)
         finally:
             self._stop_loop()
 
     def _stop_loop(self) -> None:
         """Stop the loop, its calls still running (other threads') cancelled first: stopped
         under them, their threads waited for good."""
-        self._is_closing = True
+        with self._lock:
+            self._is_closing = True
 
         async def cancel_the_rest() -> None:
             tasks = asyncio.all_tasks() - {asyncio.current_task()}
@@ -111,7 +135,11 @@ class Antiphon:
                     CANCEL_WAIT_S + 1)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-        self._loop.close()
+        with self._lock:
+            self._loop.close()
+            for finished in self._waiting:  # calls whose end the stopped loop never told
+                finished.set()
+        self._closed.set()
 
     def __enter__(self) -> Antiphon:
         return self

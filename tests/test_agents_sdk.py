@@ -21,6 +21,7 @@ import pytest
 
 from antiphon.agents import (
     Antiphon,
+    AntiphonError,
     AsyncAntiphon,
     AuthenticationError,
     BusyError,
@@ -772,3 +773,71 @@ async def test_waiting_for_a_batch_rides_out_a_server_restart(
         failures[0] = 100
         with pytest.raises(ConnectionLostError):
             await client.wait_batch(batch["id"], poll_s=0.05, max_unreachable_s=0.2)
+
+
+def test_a_blocking_call_made_while_another_thread_closes_the_client_returns() -> None:
+    # A worker thread sharing the client, the main thread closing it: a call that began in
+    # the close's window waited for ever on the loop stopped under it (88 of 100 tries), and
+    # a second close raised "Event loop is closed" after 6 s (found by a review).
+    blocked = 0
+    for _ in range(20):
+        client = Antiphon("http://127.0.0.1:9")  # nothing listens: each call fails at once
+        errors: list[BaseException] = []
+
+        def worker(client: Antiphon = client, errors: list[BaseException] = errors) -> None:
+            while not client._closed.is_set():
+                try:
+                    client.health()
+                except AntiphonError:
+                    pass
+                except BaseException as exc:  # (any other is the bug)
+                    errors.append(exc)
+                    return
+
+        thread = threading.Thread(target=worker, daemon=True)
+        thread.start()
+        time.sleep(0.01)
+        closers = [threading.Thread(target=client.close) for _ in range(2)]
+        for closer in closers:
+            closer.start()
+        for closer in closers:
+            closer.join(timeout=20)
+        thread.join(timeout=3)
+        blocked += thread.is_alive() or any(c.is_alive() for c in closers)
+        assert errors == []
+    assert blocked == 0
+
+
+async def test_a_round_cancelled_as_it_stops_its_advisings_leaves_none_advising() -> None:
+    # Stopped one after another, a caller's timeout landing in one's wait (an advisory being
+    # sent) left the others advising every refresh_s for up to 10 minutes (found by a review).
+    from types import SimpleNamespace
+
+    from antiphon.agents.team import USER_REQUIREMENT, Action, CallGraphHooks, Environment, Role
+
+    class Client:
+        def __init__(self) -> None:
+            self.advised: list[float] = []
+
+        async def create_session(self, title: str) -> Any:
+            return SimpleNamespace(session_id=f"s_{title}")
+
+        async def advise(self, session_id: str, expected_arrival: float | None) -> None:
+            self.advised.append(time.perf_counter())
+            await asyncio.sleep(0.3)  # (the engine answers between steps)
+
+        async def chat(self, session_id: str, prompt: str, **kwargs: Any) -> Any:
+            await asyncio.sleep(0.05)
+            return SimpleNamespace(text="ok", client_ttft_s=0.01, prompt_tokens=1,
+                                   completion_tokens=1)
+
+    client = Client()
+    roles = [Role("frontend", "fe", [Action("WriteFrontend", "x")], [USER_REQUIREMENT]),
+             Role("backend", "be", [Action("WriteBackend", "x")], [USER_REQUIREMENT]),
+             Role("tester", "t", [Action("Test", "x")], ["WriteFrontend", "WriteBackend"])]
+    env = Environment(client, roles, CallGraphHooks(client, refresh_s=0.1))  # type: ignore[arg-type]
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(env.run("a todo app"), 0.2)
+    ended = time.perf_counter()
+    await asyncio.sleep(1.0)
+    assert [t for t in client.advised if t > ended] == []
