@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
 from typing import Any
 
 from antiphon.agents.client import AsyncAntiphon
-from antiphon.agents.team import Advising, CallGraphHooks
+from antiphon.agents.team import Advising, CallGraphHooks, stop_all
 
 ROUTE_TO_ALL = "<all>"  # MetaGPT's MESSAGE_ROUTE_TO_ALL: a message for every role
 
@@ -138,8 +138,7 @@ class MetaGPTAdvisor:
     async def drain(self) -> None:
         """Stop renewing advisories, and wait for those still being sent."""
         renewing, self._renewing = list(self._renewing.values()), {}
-        for advising in renewing:
-            await advising.stop()
+        await stop_all(renewing)  # (each told at once: a cancel here leaves none running)
         while self._pending:
             await asyncio.gather(*self._pending)
 

@@ -226,6 +226,15 @@ class Advising:
         await self._task
 
 
+async def stop_all(advisings: Sequence[Advising]) -> None:
+    """`Advising.stop` each of `advisings`, every one told before any is waited for: stopped
+    one after another, a cancel (a caller's timeout) landing in one's wait left the rest
+    advising for up to `ADVISING_MAX_S`, and so did one whose send had failed."""
+    for advising in advisings:
+        advising.stop_soon()
+    await asyncio.gather(*(advising.stop() for advising in advisings), return_exceptions=True)
+
+
 class Environment:
     """Routes published messages to watching roles and runs them until nobody has work."""
 
@@ -283,8 +292,7 @@ class Environment:
                 await asyncio.gather(*reactions, return_exceptions=True)
                 raise
             finally:
-                for advising in advisings:
-                    await advising.stop()
+                await stop_all(advisings)
             for message in messages:
                 self.publish_message(message)
         return self.history
