@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -9,6 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from antiphon.private import private_dir, private_file
+
+logger = logging.getLogger(__name__)
 
 
 class DatabaseDamaged(RuntimeError):
@@ -40,6 +43,7 @@ class SqliteDb:
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
         private_file(private_dir(path.parent, tighten=False) / path.name)
+        self._path = path
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         try:
@@ -107,6 +111,9 @@ class SqliteDb:
             self._db.execute("PRAGMA busy_timeout=0")
             try:
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            except sqlite3.Error as exc:  # (a full disk: what called it has committed)
+                logger.warning("%s: the write-ahead log was not emptied (%s)", self._path,
+                               exc)
             finally:
                 self._db.execute(f"PRAGMA busy_timeout={int(waited)}")
 

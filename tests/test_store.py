@@ -286,3 +286,33 @@ def test_a_deleted_sessions_words_are_in_no_file_of_the_data_folder(tmp_path: Pa
     assert held == []
     assert [m.content for m in store.messages(other.session_id)] == ["hello 19"]
     store.close()
+
+
+def test_a_deletion_whose_log_cannot_be_emptied_is_still_done(tmp_path: Path) -> None:
+    # A full disk fails the checkpoint that empties the write-ahead log (the file must grow):
+    # the deletion, committed, was reported failed (507), and its erasure never started
+    # (found by a review of the change that empties the log).
+    import sqlite3
+
+    class FullCheckpoints:
+        def __init__(self, db: sqlite3.Connection) -> None:
+            self.db = db
+
+        def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+            if "wal_checkpoint" in sql:
+                raise sqlite3.OperationalError("database or disk is full")
+            return self.db.execute(sql, *args)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.db, name)
+
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    session = store.create_session("k")
+    store.add_turn_messages(session.session_id, "user", [("hello", 2, None)])
+    store._db._db = FullCheckpoints(store._db._db)  # type: ignore[assignment]
+    assert store.delete_session("k", session.session_id)
+    assert store.get_session("k", session.session_id) is None
+    (erasure_id, *_), = store.pending_erasures()
+    store.finish_erasure(erasure_id)
+    assert store.pending_erasures() == []
+    store.close()
