@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import errno
+import functools
 import json
 import logging
 import time
@@ -122,8 +123,10 @@ class BatchRunner:
                 continue  # being checked or finalized
             if b.status in (BatchStatus.VALIDATING, BatchStatus.FINALIZING,
                             BatchStatus.CANCELLING):
-                self._staging[b.batch_id] = asyncio.create_task(
+                task = self._staging[b.batch_id] = asyncio.create_task(
                     self._stage(b), name=f"batch-{b.batch_id}-{b.status}")
+                # (let go also by a stage cancelled before it ran)
+                task.add_done_callback(functools.partial(self._staged, b.batch_id))
                 continue
             try:
                 if await self._advance(b):
@@ -135,10 +138,19 @@ class BatchRunner:
         num_waiting = sum(b.counts.num_pending for b in runnable) - len(self._inflight)
         self.metrics.batch_queue.set(max(0, num_waiting))
 
+    def _staged(self, batch_id: str, _task: asyncio.Task[None]) -> None:
+        self._staging.pop(batch_id, None)
+
     async def _stage(self, b: Batch) -> None:
         """Check batch `b`'s input, or finish it (cancelling or finalizing), beside the
         items running; a failure is tried again at a later step."""
         try:
+            now = await asyncio.to_thread(self.store.get_batch, b.owner, b.batch_id)
+            if now is None or now.status != b.status:
+                # moved on since the step read it: a stage that ended as the step went on
+                # (the results written twice, a 50,000-line input checked twice)
+                return
+            b = now
             if b.status == BatchStatus.VALIDATING:
                 await self._validate(b)
             else:
@@ -150,8 +162,6 @@ class BatchRunner:
             logger.exception("batch %s: %s failed; trying again", b.batch_id, b.status)
         else:
             self.notify()
-        finally:
-            self._staging.pop(b.batch_id, None)
 
     async def _advance(self, b: Batch) -> bool:
         """Move batch `b` (running) one stage on; whether it has items to run now."""

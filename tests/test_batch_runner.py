@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -510,3 +511,56 @@ async def test_items_keep_starting_while_another_batch_is_checked(
         store.close()
     assert before is not None and after is not None
     assert after.counts.completed - before.counts.completed >= 10
+
+
+async def test_a_batch_finished_while_a_step_goes_on_is_not_finalized_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The step read its list before the batch's finalizing ended, and reached the batch once
+    # the stage had let go of it: it wrote the results again, and the store refused the
+    # second finish (found by a review). Here another batch's step delays it.
+    import threading
+
+    from antiphon.server.batch_types import ItemResult
+
+    def answered(batch_id: str, n: int) -> None:
+        assert store.start_batch(batch_id, [InputItem(i, f"c{i}", "{}", None)
+                                            for i in range(n)])
+        for i in range(n):
+            assert store.commit_item(batch_id, i, ItemResult("r", '{"x": 1}'))
+
+    store, files, _engine, runner = direct_runner(tmp_path)
+    finishing = add_input(store, files, 2)
+    answered(finishing, 2)
+    assert store.begin_finalize(finishing)
+    gate = threading.Event()
+    finish, begin, write = store.finish_batch, store.begin_finalize, runner._write_results
+    written: list[str] = []
+
+    def slow_finish(*args: Any) -> Any:
+        gate.wait(5)
+        return finish(*args)
+
+    def slow_begin(batch_id: str) -> Any:
+        gate.set()  # the stage ends while this step is on the other batch
+        time.sleep(0.3)
+        return begin(batch_id)
+
+    def counting_write(b: Batch, *args: Any) -> Any:
+        written.append(b.batch_id)
+        return write(b, *args)
+
+    store.finish_batch, store.begin_finalize = slow_finish, slow_begin  # type: ignore[method-assign]
+    runner._write_results = counting_write  # type: ignore[method-assign]
+    await runner._step()  # staged
+    other = add_input(store, files, 1)  # answered in full, listed first
+    answered(other, 1)
+    with store.db.locked() as db:
+        db.execute("UPDATE batches SET created_at = 0 WHERE batch_id = ?", (other,))
+    await runner._step()
+    for task in list(runner._staging.values()):
+        await task
+    found = store.get_batch("o", finishing)
+    assert found is not None and found.status == BatchStatus.COMPLETED
+    assert written == [finishing, finishing]  # its output and error files, once
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    store.close()
