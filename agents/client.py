@@ -65,6 +65,8 @@ WS_LOGGER = logging.getLogger("antiphon.agents.websocket")
 WS_LOGGER.addFilter(_RedactAuthorization())
 
 FINAL_BATCH_STATUSES = frozenset({"completed", "failed", "cancelled", "expired"})
+# Answers of a server down or starting (a proxy's before it, or its own as it stops)
+GATEWAY_STATUSES = frozenset({502, 503, 504})
 CLOSE_UNAUTHORIZED = 4401  # the server's close code for a missing or wrong API key
 CLOSE_TRY_AGAIN = 1013  # and for a connection over its limits
 # Close code -> (error code, message where the close gives no reason).
@@ -343,14 +345,18 @@ class AsyncAntiphon:
                          on_progress: Callable[[dict[str, Any]], None] | None = None,
                          max_unreachable_s: float = 600.0) -> dict[str, Any]:
         """Poll until the batch is completed, failed, cancelled or expired; returns it. A
-        server out of reach (restarting: its batches go on after it) is polled again, for at
-        most `max_unreachable_s` in a row, as `antiphon batch status --wait` does; then
-        `ConnectionLostError`."""
+        server out of reach (restarting: its batches go on after it; no answer, none in time,
+        or a proxy's 502, 503 or 504 before it) is polled again, for at most
+        `max_unreachable_s` in a row, as `antiphon batch status --wait` does; then the last
+        error (`ConnectionLostError`, `RequestTimeoutError` or `ServerError`)."""
         out_of_reach_since: float | None = None
         while True:
             try:
                 batch = await self.get_batch(batch_id)
-            except ConnectionLostError:
+            except AntiphonError as exc:
+                if not isinstance(exc, (ConnectionLostError, RequestTimeoutError)) \
+                        and exc.status not in GATEWAY_STATUSES:
+                    raise  # the server's own answer: the batch's end is not waited for
                 now = time.monotonic()
                 out_of_reach_since = out_of_reach_since or now
                 if now - out_of_reach_since >= max_unreachable_s or self._is_closed:

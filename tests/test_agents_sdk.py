@@ -841,3 +841,42 @@ async def test_a_round_cancelled_as_it_stops_its_advisings_leaves_none_advising(
     ended = time.perf_counter()
     await asyncio.sleep(1.0)
     assert [t for t in client.advised if t > ended] == []
+
+
+async def test_waiting_for_a_batch_rides_out_a_proxys_gateway_errors_and_slow_answers() -> None:
+    # The CLI waits these out; the SDK, which says it waits as the CLI does, gave up at the
+    # first 502 (a proxy before a restarting server) or read timeout (found by a review).
+    plan: list[object] = []
+
+    class Restarting(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            step = plan.pop(0) if plan else 200
+            if step == "hang":
+                time.sleep(1.5)  # accepted, not answered in time
+                return
+            body = (json.dumps({"id": "batch_1", "status": "completed"}).encode()
+                    if step == 200 else b"<html>Bad Gateway</html>")
+            self.send_response(int(step))  # type: ignore[call-overload]
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Restarting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for steps in ([502, 503, 504], ["hang"]):
+            plan[:] = steps
+            async with AsyncAntiphon(url, timeout_s=1.0) as client:
+                batch = await client.wait_batch("batch_1", poll_s=0.05, max_unreachable_s=30)
+            assert batch["status"] == "completed" and plan == []
+        plan[:] = [404]  # the server's own refusal is not waited out
+        async with AsyncAntiphon(url, timeout_s=1.0) as client:
+            with pytest.raises(AntiphonError):
+                await client.wait_batch("batch_1", poll_s=0.05)
+    finally:
+        server.shutdown()
+        server.server_close()
