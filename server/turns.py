@@ -234,6 +234,13 @@ class SessionTurns:
             tokens = []  # a new session: no conversation to bring forward yet
         held = 0 if not tokens else await self.chat.engine.advise(
             session_id, tokens, expected_arrival_s, self.chat.cache_salt(owner), priority)
+        deleted = bool(tokens) and await asyncio.to_thread(
+            self.store.erase_if_deleted, owner, session_id, [tokens])
+        if deleted:
+            # deleted meanwhile (from another connection, or REST): its erasure may have
+            # run before this advisory reached the engine, whose prefetch brings the KV back
+            self.eraser.erase_queued()
+            raise gone
         self.advisories.sent(session_id, revision, expected_arrival_s, held, priority)
         return Advised(held)
 

@@ -369,6 +369,19 @@ class SessionStore:
         self._db.scrub()
         return True
 
+    def erase_if_deleted(self, owner: str, session_id: str,
+                         chains: Sequence[Sequence[int]]) -> bool:
+        """Queue the erasure of `chains` for `session_id` if it has been deleted (an advisory
+        sent for it as the deletion ran: its prefetch may have brought back KV the deletion's
+        erasure had removed, and the engine holds its advisory). True if queued."""
+        with self._db.transaction() as db:
+            if db.execute("SELECT 1 FROM sessions WHERE session_id = ?",
+                          (session_id,)).fetchone() is not None:
+                return False
+            db.execute("INSERT INTO kv_erasures (session_id, owner, chains) VALUES (?, ?, ?)",
+                       (session_id, owner, _pack_chains([_ids(c) for c in chains])))
+        return True
+
     def pending_erasures(self) -> list[tuple[int, str, str, list[tuple[int, ...]]]]:
         """(erasure id, session id, owner, token chains) of each deleted session whose KV the
         engine has not yet erased, and of each live session's chains past `kv_chains_kept`,

@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from websockets.asyncio.client import connect
@@ -699,6 +700,53 @@ async def test_a_rest_turn_of_a_session_deleted_while_it_waited_for_the_session_
             assert not turns.claims.is_held(sid)
         await erasures(engine)
     assert sid not in [params.session_id for params in engine.params]
+
+
+async def test_an_advisory_that_reaches_the_engine_after_its_sessions_erasure_is_erased_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A typing advisory on one connection, the deletion from another (REST): the advisory
+    # reached the engine after the deletion's erasure, and its prefetch brought the deleted
+    # session's KV back into host RAM, pinned (found by a review). The sleep widens the
+    # window: the advisory's read of the conversation is slowed.
+    import httpx
+
+    from antiphon.server.turns import SessionTurns
+
+    engine = ScriptedEngine()
+    calls: list[tuple[str, str]] = []
+    advise, forget = engine.advise, engine.forget
+
+    async def noted_advise(session_id: str, *args: Any, **kwargs: Any) -> int:
+        calls.append(("advise", session_id))
+        return await advise(session_id, *args, **kwargs)
+
+    async def noted_forget(session_id: str, *args: Any, **kwargs: Any) -> int | None:
+        calls.append(("forget", session_id))
+        return await forget(session_id, *args, **kwargs)
+
+    engine.advise, engine.forget = noted_advise, noted_forget  # type: ignore[method-assign]
+    history, slowed = SessionTurns._history, []
+
+    def slow_history(self: SessionTurns, session: Any) -> Any:
+        seen = history(self, session)
+        if not slowed:  # the advisory's read, not the deletion's
+            slowed.append(1)
+            time.sleep(0.5)
+        return seen
+
+    with live_server(scripted_config(tmp_path), engine) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sid = (await open_session(ws))["session"]["session_id"]
+            await chat(ws, sid, "hello there")
+            monkeypatch.setattr(SessionTurns, "_history", slow_history)
+            await send(ws, type="typing", session_id=sid)
+            await asyncio.sleep(0.1)
+            async with httpx.AsyncClient(base_url=url) as client:
+                assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 204
+            await asyncio.sleep(1.5)
+    mine = [call for call in calls if call[1] == sid]
+    assert mine[-1] == ("forget", sid) and ("advise", sid) in mine
+    assert SessionStore(tmp_path / "sessions.sqlite3").pending_erasures() == []
 
 
 class FailingForget(ScriptedEngine):
