@@ -40,6 +40,7 @@ class EngineSegments:
         self.record = Path(data_dir) / RECORD_NAME
         self.shm_dir = shm_dir
         self._still_mapped: set[str] = set()  # recorded by a predecessor, in use at `sweep`
+        self._recorded: list[str] | None = None  # what `remember` wrote last
 
     def names(self) -> set[str]:
         """The segment names present now."""
@@ -88,12 +89,15 @@ class EngineSegments:
         for the operator to remove)."""
         present = self.names()
         new = sorted((present - before) | (self._still_mapped & present))
+        if new == self._recorded:
+            return  # (written already: while the engine starts, this runs every second)
         tmp = self.record.with_suffix(".tmp")
         try:
             tmp.unlink(missing_ok=True)
             with os.fdopen(open_private(tmp), "w") as f:
                 f.write(json.dumps({"pid": os.getpid(), "segments": new}))
             os.replace(tmp, self.record)
+            self._recorded = new
         except OSError as exc:
             logger.warning("could not record the engine's shared memory in %s (%s): a kill "
                            "of this server would leave %s in %s", self.record, exc,
@@ -104,6 +108,7 @@ class EngineSegments:
     def forget(self) -> None:
         """A clean shutdown: the engine unlinked its own segments."""
         self.record.unlink(missing_ok=True)
+        self._recorded = None
 
 
 def _mapped_segment_names(shm_dir: Path) -> set[str]:

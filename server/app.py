@@ -45,15 +45,24 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
         segments = EngineSegments(config.sessions.data_dir)
         segments.sweep()  # those a killed predecessor's engine left in /dev/shm
         before = segments.names()
-        if not await _start_engine(ctx, engine):  # a shutdown was asked for meanwhile
-            segments.remember(before)  # what an engine killed in its load left, if any
+        # Recorded as they appear: the engine's start takes minutes on a first start (it
+        # profiles), and a kill then left segments no record named. A failed start records
+        # too: a predecessor's still mapped (`sweep` keeps them for `remember`) were lost.
+        recording = asyncio.create_task(_keep_recording(segments, before))
+        try:
+            started = await _start_engine(ctx, engine)
+        finally:
+            recording.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await recording
+            segments.remember(before)
+        if not started:  # a shutdown was asked for meanwhile
             yield  # uvicorn, told to exit, serves nothing and shuts down
             ctx.store.close()
             ctx.batch_store.close()
             return
         tasks: list[asyncio.Task[None]] = []
         try:  # (from here on, whatever fails, the engine started is stopped)
-            segments.remember(before)
             await ctx.batches.start()
             ctx.turns.eraser.start()
             tasks += [asyncio.create_task(ctx.dashboard.run()),
@@ -140,6 +149,14 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
 
 
 ENGINE_WATCH_INTERVAL_S = 0.5
+
+
+async def _keep_recording(segments: EngineSegments, before: set[str],
+                          interval_s: float = 1.0) -> None:
+    """`segments.remember(before)` every `interval_s` seconds, until cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        await asyncio.to_thread(segments.remember, before)
 
 
 async def _start_engine(ctx: AppContext, engine: Engine) -> bool:
