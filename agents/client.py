@@ -403,7 +403,13 @@ class AsyncAntiphon:
                         connect(self.ws_url, additional_headers=headers, compression=None,
                                 max_size=self.max_frame_bytes, logger=WS_LOGGER),
                         self.timeout_s)
-                except (OSError, TimeoutError, InvalidStatus, WebSocketException) as exc:
+                except InvalidStatus as exc:
+                    refused = _refused_upgrade(exc)
+                    if refused is not None:
+                        raise refused from None
+                    last = exc
+                    continue
+                except (OSError, TimeoutError, WebSocketException) as exc:
                     last = exc
                     continue
                 if self._is_closed:  # `close` ran while this connected
@@ -681,4 +687,21 @@ def _encode(payload: dict[str, Any]) -> str:
 
 # The ids a client may choose, as the server checks them (`server.protocol.ID_PATTERN`): one
 # it refuses comes back in an error frame without its id, which no turn waits for.
+def _refused_upgrade(exc: InvalidStatus) -> AntiphonError | None:
+    """The typed error of a websocket upgrade the server (or a proxy) refuses for good: a
+    4xx but 408 and 429 (a Host it does not serve, a missing key), which trying again does
+    not change; None for one worth trying again. (Retried, it came as `ConnectionLostError`
+    after 6 s, where the same refusal over REST is typed at once.)"""
+    status = exc.response.status_code
+    if not 400 <= status < 500 or status in (408, 429):
+        return None
+    body = bytes(exc.response.body or b"")
+    try:
+        error = json.loads(body)["error"]
+        code, message = str(error["code"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        code, message = f"http_{status}", body.decode(errors="replace")[:200]
+    return error_for(code, message, status)
+
+
 REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")

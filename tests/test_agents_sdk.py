@@ -880,3 +880,35 @@ async def test_waiting_for_a_batch_rides_out_a_proxys_gateway_errors_and_slow_an
     finally:
         server.shutdown()
         server.server_close()
+
+
+async def test_a_websocket_upgrade_refused_for_good_is_a_typed_error_at_once() -> None:
+    # A 403 (a Host the server does not serve) was tried five times with backoff, then came
+    # as ConnectionLostError, "check get_session and reconnect" (found by a review).
+    body = json.dumps({"error": {"code": "forbidden_origin", "message": "Host 'vm' is not "
+                                 "this server's"}}).encode()
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # (websockets reads no HTTP/1.0 answer)
+
+        def do_GET(self) -> None:
+            self.send_response(403)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        async with AsyncAntiphon(f"http://127.0.0.1:{server.server_address[1]}") as client:
+            started = time.monotonic()
+            with pytest.raises(InvalidRequestError, match="forbidden_origin"):
+                await client.chat("s_x", "hi")
+            assert time.monotonic() - started < 2.0
+    finally:
+        server.shutdown()
+        server.server_close()
