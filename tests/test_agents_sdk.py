@@ -345,12 +345,14 @@ async def test_a_closed_client_says_so_and_paths_upload_as_files(scripted: Scrip
 
 
 @contextlib.contextmanager
-def proxy_page(status: int, body: bytes) -> Iterator[str]:
-    """A local HTTP server that answers every GET with `status` and an HTML `body`."""
+def proxy_page(status: int, body: bytes, content_type: str = "text/html") -> Iterator[str]:
+    """A local HTTP server that answers every GET with `status` and `body`."""
     class Page(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # (websockets reads no HTTP/1.0 answer)
+
         def do_GET(self) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -358,7 +360,14 @@ def proxy_page(status: int, body: bytes) -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    with local_http(Page) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def local_http(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A local HTTP server answering with `handler`, on a thread; yields its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -864,10 +873,7 @@ async def test_waiting_for_a_batch_rides_out_a_proxys_gateway_errors_and_slow_an
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Restarting)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with local_http(Restarting) as url:
         for steps in ([502, 503, 504], ["hang"]):
             plan[:] = steps
             async with AsyncAntiphon(url, timeout_s=1.0) as client:
@@ -877,9 +883,6 @@ async def test_waiting_for_a_batch_rides_out_a_proxys_gateway_errors_and_slow_an
         async with AsyncAntiphon(url, timeout_s=1.0) as client:
             with pytest.raises(AntiphonError):
                 await client.wait_batch("batch_1", poll_s=0.05)
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 async def test_a_websocket_upgrade_refused_for_good_is_a_typed_error_at_once() -> None:
@@ -888,27 +891,9 @@ async def test_a_websocket_upgrade_refused_for_good_is_a_typed_error_at_once() -
     body = json.dumps({"error": {"code": "forbidden_origin", "message": "Host 'vm' is not "
                                  "this server's"}}).encode()
 
-    class Refusing(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # (websockets reads no HTTP/1.0 answer)
-
-        def do_GET(self) -> None:
-            self.send_response(403)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        async with AsyncAntiphon(f"http://127.0.0.1:{server.server_address[1]}") as client:
+    with proxy_page(403, body, "application/json") as url:
+        async with AsyncAntiphon(url) as client:
             started = time.monotonic()
             with pytest.raises(InvalidRequestError, match="forbidden_origin"):
                 await client.chat("s_x", "hi")
             assert time.monotonic() - started < 2.0
-    finally:
-        server.shutdown()
-        server.server_close()
