@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import PurePath
 from typing import Any, TypeVar
 
@@ -32,14 +32,16 @@ def _base_type(tp: Any) -> Any:
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
-                       defaults: Mapping[str, Any] | None = None) -> None:
-    """Add one `--<prefix><field>` option per field of `cls`; defaults stay in the dataclass,
-    except the command's own `defaults` (by field name)."""
+                       defaults: Mapping[str, Any] | None = None,
+                       exclude: Collection[str] = ()) -> None:
+    """Add one `--<prefix><field>` option per field of `cls` but those named in `exclude`
+    (fields the command sets itself, or that do nothing there); defaults stay in the
+    dataclass, except the command's own `defaults` (by field name)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     defaults = defaults or {}  # of scalar fields (an appended option keeps its own)
     for f in dataclasses.fields(cls):
-        if not f.init or "help" not in f.metadata:
+        if not f.init or "help" not in f.metadata or f.name in exclude:
             continue
         flag = "--" + prefix + f.name.replace("_", "-")
         base = _base_type(hints[f.name])

@@ -119,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+PROFILE_IGNORES = frozenset({"cost_model", "policy", "rt_ttft_slo_s", "rt_tpot_slo_s",
+                             "slo_headroom", "be_step_limit_s", "served_model_name"})
+
+
 def add_profile_parser(commands: Any) -> None:
     profile = commands.add_parser(
         "profile", help="fit the step cost model on this machine and model, for serve")
@@ -128,5 +132,7 @@ def add_profile_parser(commands: Any) -> None:
                               "made eager serves only `serve --enforce-eager`")
     profile.add_argument("--out", help="also write the measured steps and the fit to this "
                                        "JSON file")
-    add_dataclass_args(profile, EngineConfig)
+    # (not the options profiling ignores: it runs FCFS, with no targets, no API, and makes
+    # the fit `--cost-model` would choose)
+    add_dataclass_args(profile, EngineConfig, exclude=PROFILE_IGNORES)
     profile.set_defaults(func=run)

@@ -181,6 +181,12 @@ def test_small_cli_mistakes_are_refused_at_once(tmp_path: Path,
     # --out into no folder: said before minutes of profiling, not as a traceback after them
     assert main(["profile", "--quick", "--out", str(tmp_path / "no" / "fit.json")]) == 2
     assert "no folder for --out" in capsys.readouterr().err
+    # options profiling would ignore (it runs FCFS, and makes the fit) are not taken (they
+    # were listed, "--cost-model (default: 'stored')", and did nothing: found by a review)
+    for flags in (["--policy", "hygen"], ["--cost-model", "auto"], ["--rt-ttft-slo-s", "0.2"]):
+        with pytest.raises(SystemExit) as refused:
+            main(["profile", "--quick", *flags])
+        assert refused.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
     for flags in (["--poll-interval", "-1"], ["--max-unreachable-s", "nan"]):
         with pytest.raises(SystemExit) as refused:
             main(["batch", "status", "batch_x", "--wait", *flags])
