@@ -123,6 +123,8 @@ class _Turn:
     ws: ClientConnection | None = None  # the socket it was last sent on
     is_sent: bool = False  # the message has gone out on `ws`
     is_cancel_asked: bool = False  # `cancel` came before that: the cancel follows it
+    # set by `cancel` while the turn waits for its place in flight (it is then never sent)
+    cancelled_queued: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 class AsyncAntiphon:
@@ -528,13 +530,44 @@ class AsyncAntiphon:
             raise InvalidRequestError("bad_message", f"request_id {request_id[:80]!r} must be 1 "
                                       "to 64 letters, digits or _ . : -")
         payload = {**payload, **{k: v for k, v in fields.items() if v is not None}}
-        await self._inflight.acquire()  # given back once the server has ended the turn
         if request_id in self._turns:
-            self._inflight.release()
             raise InvalidRequestError("duplicate_request",
                                       f"request {request_id} is in flight on this client")
+        # Known while it waits for its place in flight, for `cancel` (a stop button's, from
+        # another thread: it found no such turn, and the turn then ran to its end).
         turn = self._turns[request_id] = _Turn(asyncio.Queue())
+        try:
+            if not await self._take_place(turn):
+                self._turns.pop(request_id, None)
+                return ChatReply(request_id, payload["session_id"], "", "cancelled", 0, 0,
+                                 0.0, None, 0.0, 0.0)
+        except BaseException:
+            self._turns.pop(request_id, None)
+            raise
         return await self._chat(payload, request_id, turn, on_token)
+
+    async def _take_place(self, turn: _Turn) -> bool:
+        """Wait for a place in flight (given back once the server has ended the turn); False,
+        holding none, when `cancel` came first."""
+        if not self._inflight.locked():
+            await self._inflight.acquire()
+            return True
+        taking = asyncio.ensure_future(self._inflight.acquire())
+        stopping = asyncio.ensure_future(turn.cancelled_queued.wait())
+        try:
+            await asyncio.wait((taking, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not taking.done():
+                taking.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await taking
+        if taking.cancelled():
+            return False
+        if turn.cancelled_queued.is_set():  # (both at once: the place goes back)
+            self._inflight.release()
+            return False
+        return True
 
     async def _chat(self, payload: dict[str, Any], request_id: str, turn: _Turn,
                     on_token: Callable[[str], Any] | None) -> ChatReply:
@@ -639,12 +672,15 @@ class AsyncAntiphon:
 
     async def cancel(self, request_id: str) -> None:
         """Stop a turn in flight on this client; its `chat` returns finish_reason
-        "cancelled" with the text so far. Raises `NotFoundError` when no turn of this
-        client's has that request id (finished, or never sent)."""
+        "cancelled" with the text so far (none, and the message not sent, for a turn still
+        waiting for its place in flight). Raises `NotFoundError` when no turn of this
+        client's has that request id (finished, or never asked for)."""
         turn = self._turns.get(request_id)
         if turn is None:
             raise NotFoundError("request_not_found", f"no request {request_id} in flight on "
                                 "this client")
+        if turn.ws is None and not turn.is_sent and not turn.is_cancel_asked:
+            turn.cancelled_queued.set()  # (waiting for its place: never sent; else no-op)
         if not turn.is_sent:  # still connecting: sent now, the cancel would come first
             turn.is_cancel_asked = True
             return

@@ -897,3 +897,24 @@ async def test_a_websocket_upgrade_refused_for_good_is_a_typed_error_at_once() -
             with pytest.raises(InvalidRequestError, match="forbidden_origin"):
                 await client.chat("s_x", "hi")
             assert time.monotonic() - started < 2.0
+
+
+async def test_a_turn_waiting_for_its_place_in_flight_can_be_cancelled(
+        scripted: Scripted) -> None:
+    # Registered only once it had its place, it was unknown to `cancel` (NotFoundError), and
+    # then went out and ran to its end: a stop button's cancel was lost (found by a review).
+    scripted.engine.token_delay_s = 0.05
+    async with AsyncAntiphon(scripted.url, max_inflight=1) as client:
+        first = (await client.create_session()).session_id
+        second = (await client.create_session()).session_id
+        running = asyncio.ensure_future(client.chat(first, "a b c d e f", request_id="a"))
+        queued = asyncio.ensure_future(client.chat(second, "g h", request_id="b"))
+        await asyncio.sleep(0.2)
+        await client.cancel("b")
+        reply = await asyncio.wait_for(queued, 1.0)  # at once, not once "a" has ended
+        assert (reply.finish_reason, reply.text) == ("cancelled", "")
+        assert not running.done()
+        assert (await running).finish_reason == "stop"
+        assert (await client.get_session(second))[1] == []  # never sent
+        again = await client.chat(second, "g h", request_id="b")  # its id free again
+        assert again.finish_reason == "stop"
