@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import socket
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -48,13 +49,16 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
         # Recorded as they appear: the engine's start takes minutes on a first start (it
         # profiles), and a kill then left segments no record named. A failed start records
         # too: a predecessor's still mapped (`sweep` keeps them for `remember`) were lost.
-        recording = asyncio.create_task(_keep_recording(segments, before))
+        # A thread: vLLM's model load blocks the event loop for minutes.
+        recorded = threading.Event()
+        recorder = threading.Thread(target=_keep_recording, args=(segments, before, recorded),
+                                    name="engine-shm-record", daemon=True)
+        recorder.start()
         try:
             started = await _start_engine(ctx, engine)
         finally:
-            recording.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await recording
+            recorded.set()
+            recorder.join()  # (its last write lands before this one: none is stale)
             segments.remember(before)
         if not started:  # a shutdown was asked for meanwhile
             yield  # uvicorn, told to exit, serves nothing and shuts down
@@ -151,12 +155,14 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
 ENGINE_WATCH_INTERVAL_S = 0.5
 
 
-async def _keep_recording(segments: EngineSegments, before: set[str],
-                          interval_s: float = 1.0) -> None:
-    """`segments.remember(before)` every `interval_s` seconds, until cancelled."""
+def _keep_recording(segments: EngineSegments, before: set[str], stop: threading.Event,
+                    interval_s: float = 1.0) -> None:
+    """`segments.remember(before)` now and every `interval_s` seconds until `stop` is set
+    (a thread's: a predecessor's segments `sweep` held back are on record again at once)."""
     while True:
-        await asyncio.sleep(interval_s)
-        await asyncio.to_thread(segments.remember, before)
+        segments.remember(before)
+        if stop.wait(interval_s):
+            return
 
 
 async def _start_engine(ctx: AppContext, engine: Engine) -> bool:

@@ -72,71 +72,74 @@ def test_no_shm_folder_tracks_nothing(tmp_path: Path) -> None:
     assert segments.sweep() == []
 
 
-def _lifespan(tmp_path: Path, engine: object) -> None:
-    """Run the app's start-up and shutdown over `engine` (no server)."""
+def _lifespan(tmp_path: Path, engine: object, shm: Path) -> None:
+    """Run the app's start-up and shutdown over `engine` (no server), its engine's segments
+    looked for in `shm` (not /dev/shm: another process's would come and go there)."""
     import asyncio
 
-    from antiphon.server.app import create_app
+    import pytest
+
+    from antiphon.server import app as app_module
     from tests.conftest import scripted_config
 
-    app = create_app(scripted_config(tmp_path), engine)  # type: ignore[arg-type]
+    class Segments(EngineSegments):
+        def __init__(self, data_dir: Path) -> None:
+            super().__init__(data_dir, shm)
 
-    async def run() -> None:
-        async with app.router.lifespan_context(app):
-            pass
-    asyncio.run(run())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(app_module, "EngineSegments", Segments)
+        app = app_module.create_app(scripted_config(tmp_path), engine)  # type: ignore[arg-type]
+
+        async def run() -> None:
+            async with app.router.lifespan_context(app):
+                pass
+        asyncio.run(run())
 
 
 def test_the_segments_are_recorded_while_the_engine_still_starts(tmp_path: Path) -> None:
     # Recorded once the engine's start had returned, after a first start's profiling (up to
-    # 2 minutes): a kill then left segments no record named (found by a review).
-    import asyncio
-    import os
+    # 2 minutes) and vLLM's model load (which blocks the event loop): a kill then left
+    # segments no record named (found by a review).
+    import threading
+    import time
 
     from antiphon.engine_ext.scripted import ScriptedEngine
-    from antiphon.shmsweep import SHM_DIR
 
-    name = f"psm_antiphontest{os.getpid()}"
+    shm = tmp_path / "shm"
+    shm.mkdir()
     seen: list[object] = []
 
-    class Profiling(ScriptedEngine):
+    class Loading(ScriptedEngine):
         async def start(self) -> None:
-            (SHM_DIR / name).write_bytes(b"x")  # vLLM's engine is up
-            await asyncio.sleep(1.5)  # the cost model is being profiled
+            _segment(shm, "psm_engine")  # vLLM's engine is up
+            time.sleep(1.5)  # the model's load blocks the event loop
             record = tmp_path / RECORD_NAME  # (a kill now)
             seen.append(json.loads(record.read_text())["segments"] if record.exists() else None)
             await super().start()
 
-    try:
-        _lifespan(tmp_path, Profiling())
-    finally:
-        (SHM_DIR / name).unlink(missing_ok=True)
-    assert seen == [[name]]
+    _lifespan(tmp_path, Loading(), shm)
+    assert seen == [["psm_engine"]]
+    assert all(t.name != "engine-shm-record" for t in threading.enumerate())  # (joined)
 
 
 def test_a_failed_start_keeps_a_predecessors_segments_still_mapped_on_record(
         tmp_path: Path) -> None:
     # `sweep` keeps a killed predecessor's segments its orphaned engine still maps for the
     # next `remember`, which a failed start never reached: no later start removed them.
-    import os
-
     import pytest
 
     from antiphon.engine_ext.scripted import ScriptedEngine
-    from antiphon.shmsweep import SHM_DIR
 
     class FailingStart(ScriptedEngine):
         async def start(self) -> None:
             raise RuntimeError("Engine core initialization failed")
 
-    name = f"psm_antiphontest{os.getpid()}"
-    segment = SHM_DIR / name
-    segment.write_bytes(bytes(4096))
-    try:
-        with segment.open("r+b") as f, mmap.mmap(f.fileno(), 4096):  # the orphan maps it
-            (tmp_path / RECORD_NAME).write_text(json.dumps({"pid": 1, "segments": [name]}))
-            with pytest.raises(RuntimeError, match="initialization failed"):
-                _lifespan(tmp_path, FailingStart())
-        assert EngineSegments(tmp_path).sweep() == [name]  # the orphan gone: the next start
-    finally:
-        segment.unlink(missing_ok=True)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    segment = _segment(shm, "psm_predecessor")
+    with segment.open("r+b") as f, mmap.mmap(f.fileno(), 4096):  # the orphan maps it
+        (tmp_path / RECORD_NAME).write_text(json.dumps({"pid": 1,
+                                                        "segments": ["psm_predecessor"]}))
+        with pytest.raises(RuntimeError, match="initialization failed"):
+            _lifespan(tmp_path, FailingStart(), shm)
+    assert EngineSegments(tmp_path, shm).sweep() == ["psm_predecessor"]  # the next start
