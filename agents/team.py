@@ -232,7 +232,10 @@ async def stop_all(advisings: Sequence[Advising]) -> None:
     advising for up to `ADVISING_MAX_S`, and so did one whose send had failed."""
     for advising in advisings:
         advising.stop_soon()
-    await asyncio.gather(*(advising.stop() for advising in advisings), return_exceptions=True)
+    for result in await asyncio.gather(*(advising.stop() for advising in advisings),
+                                       return_exceptions=True):
+        if isinstance(result, Exception):  # (a hook's bug: said, not lost)
+            logger.error("an advising failed", exc_info=result)
 
 
 class Environment:
