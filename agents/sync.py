@@ -105,6 +105,9 @@ class Antiphon:
     def close(self) -> None:
         """Close the client; calls other threads are making end with `ConnectionLostError`.
         Safe to call twice, and from two threads (the second waits for the first)."""
+        if threading.current_thread() is self._thread:  # (it would wait for itself)
+            raise RuntimeError("Antiphon.close from a callback (on_token runs on the "
+                               "client's own thread): close it after the call")
         with self._lock:
             first = not self._is_closing
             self._is_closing = True

@@ -918,3 +918,26 @@ async def test_a_turn_waiting_for_its_place_in_flight_can_be_cancelled(
         assert (await client.get_session(second))[1] == []  # never sent
         again = await client.chat(second, "g h", request_id="b")  # its id free again
         assert again.finish_reason == "stop"
+
+
+def test_closing_the_blocking_client_from_its_own_callback_is_refused(
+        scripted: Scripted) -> None:
+    # From on_token (the client's own thread) close waited 6 s on itself, then stopped the
+    # loop under the call, whose caller waited for ever (found by a review).
+    client = Antiphon(scripted.url)
+    session = client.create_session().session_id
+    raised: list[BaseException] = []
+
+    def on_token(text: str) -> None:
+        try:
+            client.close()
+        except RuntimeError as exc:
+            raised.append(exc)
+            raise
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="from a callback"):
+        client.chat(session, "a b c", on_token=on_token)
+    assert time.monotonic() - started < 5 and len(raised) == 1
+    assert client.chat(session, "again").finish_reason == "stop"  # still open
+    client.close()
