@@ -556,13 +556,15 @@ class AsyncAntiphon:
         stopping = asyncio.ensure_future(turn.cancelled_queued.wait())
         try:
             await asyncio.wait((taking, stopping), return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        except BaseException:  # this call cancelled: a place taken meanwhile goes back
             stopping.cancel()
-            if not taking.done():
-                taking.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await taking
-        if taking.cancelled():
+            if not taking.cancel() and not taking.cancelled():
+                self._inflight.release()
+            raise
+        stopping.cancel()
+        # Still waiting: cancelled, `acquire` gives back a place it was just given (no await
+        # here: a cancel of this call meanwhile was swallowed with taking's)
+        if taking.cancel() or taking.cancelled():
             return False
         if turn.cancelled_queued.is_set():  # (both at once: the place goes back)
             self._inflight.release()
@@ -721,8 +723,6 @@ def _encode(payload: dict[str, Any]) -> str:
     return text
 
 
-# The ids a client may choose, as the server checks them (`server.protocol.ID_PATTERN`): one
-# it refuses comes back in an error frame without its id, which no turn waits for.
 def _refused_upgrade(exc: InvalidStatus) -> AntiphonError | None:
     """The typed error of a websocket upgrade the server (or a proxy) refuses for good: a
     4xx but 408 and 429 (a Host it does not serve, a missing key), which trying again does
@@ -740,4 +740,6 @@ def _refused_upgrade(exc: InvalidStatus) -> AntiphonError | None:
     return error_for(code, message, status)
 
 
+# The ids a client may choose, as the server checks them (`server.protocol.ID_PATTERN`): one
+# it refuses comes back in an error frame without its id, which no turn waits for.
 REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")

@@ -941,3 +941,22 @@ def test_closing_the_blocking_client_from_its_own_callback_is_refused(
     assert time.monotonic() - started < 5 and len(raised) == 1
     assert client.chat(session, "again").finish_reason == "stop"  # still open
     client.close()
+
+
+async def test_a_waiting_turn_cancelled_as_a_place_frees_gives_the_place_back() -> None:
+    # The place taken for it by a helper task in that same loop iteration was never given
+    # back: max_inflight shrank by one for good (found by a review of this stop's diff).
+    client = AsyncAntiphon("http://127.0.0.1:9", max_inflight=1, timeout_s=2,
+                           connect_attempts=1)
+    await client._inflight.acquire()  # another turn holds the only place
+    waiting = asyncio.ensure_future(client.chat("s1", "hi"))
+    await asyncio.sleep(0.05)
+    client._inflight.release()  # that turn ends ...
+    waiting.cancel()  # ... as the caller gives up on this one
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await asyncio.sleep(0.05)
+    assert not client._inflight.locked() and client._turns == {}
+    with pytest.raises(ConnectionLostError):  # it has a place, and goes on to connect
+        await asyncio.wait_for(client.chat("s1", "next"), 5.0)
+    await client.close()
