@@ -46,10 +46,10 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
         segments = EngineSegments(config.sessions.data_dir)
         segments.sweep()  # those a killed predecessor's engine left in /dev/shm
         before = segments.names()
-        # Recorded as they appear: the engine's start takes minutes on a first start (it
-        # profiles), and a kill then left segments no record named. A failed start records
-        # too: a predecessor's still mapped (`sweep` keeps them for `remember`) were lost.
-        # A thread: vLLM's model load blocks the event loop for minutes.
+        # Recorded as they appear, by a thread (vLLM's model load blocks the event loop for
+        # minutes, and a first start profiles after it: a kill meanwhile left segments no
+        # record named), and once more as the start ends, well or not (a failed start lost
+        # a predecessor's segments still mapped, which `sweep` keeps for `remember`).
         recorded = threading.Event()
         recorder = threading.Thread(target=_keep_recording, args=(segments, before, recorded),
                                     name="engine-shm-record", daemon=True)
