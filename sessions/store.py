@@ -374,7 +374,8 @@ class SessionStore:
         """Queue the erasure of `chains` for `session_id` if it has been deleted (an advisory
         sent for it as the deletion ran: its prefetch may have brought back KV the deletion's
         erasure had removed, and the engine holds its advisory). True if queued."""
-        with self._db.transaction() as db:
+        with self._db.locked() as db:  # (a transaction on every advisory: no, a read; a
+            # session deleted stays deleted, so the insert after it needs none)
             if db.execute("SELECT 1 FROM sessions WHERE session_id = ?",
                           (session_id,)).fetchone() is not None:
                 return False
@@ -393,8 +394,12 @@ class SessionStore:
 
     def finish_erasure(self, erasure_id: int) -> None:
         with self._db.locked() as db:
-            db.execute("DELETE FROM kv_erasures WHERE erasure_id = ?", (erasure_id,))
-        self._db.scrub()  # (the row named a deleted session's tokens)
+            rows = db.execute("DELETE FROM kv_erasures WHERE erasure_id = ?"
+                              " RETURNING session_id", (erasure_id,)).fetchall()
+            deleted = bool(rows) and db.execute(
+                "SELECT 1 FROM sessions WHERE session_id = ?", rows[0]).fetchone() is None
+        if deleted:  # the row named a deleted session's tokens (a live session's old chains
+            self._db.scrub()  # are erased at every regenerate past `kv_chains_kept`: not those)
 
     def kv_chains(self, session_id: str) -> list[tuple[int, ...]]:
         """The token sequences the session ran that its stored context does not extend."""
