@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -347,10 +347,24 @@ async def test_a_closed_client_says_so_and_paths_upload_as_files(scripted: Scrip
 @contextlib.contextmanager
 def proxy_page(status: int, body: bytes, content_type: str = "text/html") -> Iterator[str]:
     """A local HTTP server that answers every GET with `status` and `body`."""
+    with scripted_pages(lambda: (status, body, content_type)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def scripted_pages(answer: Callable[[], tuple[int, bytes, str] | None]) -> Iterator[str]:
+    """A local HTTP server that answers each GET with what `answer()` says, (status, body,
+    content type); None: no answer (the request is left to time out)."""
     class Page(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # (websockets reads no HTTP/1.0 answer)
 
         def do_GET(self) -> None:
+            answered = answer()
+            if answered is None:
+                time.sleep(1.5)
+                self.close_connection = True
+                return
+            status, body, content_type = answered
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
@@ -857,23 +871,16 @@ async def test_waiting_for_a_batch_rides_out_a_proxys_gateway_errors_and_slow_an
     # first 502 (a proxy before a restarting server) or read timeout (found by a review).
     plan: list[object] = []
 
-    class Restarting(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            step = plan.pop(0) if plan else 200
-            if step == "hang":
-                time.sleep(1.5)  # accepted, not answered in time
-                return
-            body = (json.dumps({"id": "batch_1", "status": "completed"}).encode()
-                    if step == 200 else b"<html>Bad Gateway</html>")
-            self.send_response(int(step))  # type: ignore[call-overload]
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def restarting() -> tuple[int, bytes, str] | None:
+        step = plan.pop(0) if plan else 200
+        if step == "hang":
+            return None  # accepted, not answered in time
+        if step == 200:
+            return 200, json.dumps({"id": "batch_1", "status": "completed"}).encode(), \
+                "application/json"
+        return int(step), b"<html>Bad Gateway</html>", "text/html"  # type: ignore[call-overload]
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    with local_http(Restarting) as url:
+    with scripted_pages(restarting) as url:
         for steps in ([502, 503, 504], ["hang"]):
             plan[:] = steps
             async with AsyncAntiphon(url, timeout_s=1.0) as client:
