@@ -81,10 +81,24 @@ _BY_CODE: dict[str, type[AntiphonError]] = {
 }
 
 
+# The class of an answer with no server error in it (a proxy's plain page, `http_<status>`),
+# by its status alone.
+_BY_STATUS: dict[int, type[AntiphonError]] = {
+    401: AuthenticationError,
+    403: AuthenticationError,
+    404: NotFoundError,
+    429: BusyError,
+}
+
+
 def error_for(code: str, message: str, status: int | None = None) -> AntiphonError:
     """The typed error for a server error `code`; unknown 5xx codes are server errors, any
-    other unknown code an invalid request."""
+    other unknown code an invalid request, but an answer that carried no code (a proxy's
+    page) is typed by its status: a proxy's 401 asking for its own credentials is an
+    `AuthenticationError`, not a bad request."""
     cls = _BY_CODE.get(code)
+    if cls is None and status is not None and code == f"http_{status}":
+        cls = _BY_STATUS.get(status)
     if cls is None:
         cls = ServerError if status is not None and status >= 500 else InvalidRequestError
     return cls(code, message, status)

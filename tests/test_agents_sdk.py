@@ -906,6 +906,21 @@ async def test_a_websocket_upgrade_refused_for_good_is_a_typed_error_at_once() -
             assert time.monotonic() - started < 2.0
 
 
+async def test_a_proxys_plain_page_is_typed_by_its_status() -> None:
+    # A proxy's plain-text 401 (its own login) came as InvalidRequestError, over the
+    # websocket upgrade and over REST alike: only a coded error was typed (found by a review).
+    with proxy_page(401, b"401 Authorization Required", "text/plain") as url:
+        async with AsyncAntiphon(url) as client:
+            with pytest.raises(AuthenticationError, match="Authorization Required"):
+                await client.chat("s_x", "hi")
+            with pytest.raises(AuthenticationError):
+                await client.list_sessions()
+    with proxy_page(404, b"<html>Not Found</html>") as url:
+        async with AsyncAntiphon(url) as client:
+            with pytest.raises(NotFoundError):
+                await client.list_sessions()
+
+
 async def test_a_turn_waiting_for_its_place_in_flight_can_be_cancelled(
         scripted: Scripted) -> None:
     # Registered only once it had its place, it was unknown to `cancel` (NotFoundError), and
