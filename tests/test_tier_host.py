@@ -160,6 +160,29 @@ def test_reserve_commit_abort(tier: HostTier) -> None:
     tier.check_integrity()
 
 
+def test_a_short_entry_leaves_nothing_of_the_one_before_it_in_its_slot() -> None:
+    """A turn's tail (a short entry) in the slot of an evicted full chunk-layer kept the
+    rest of that one's KV in shared memory, also after its session's deletion; and removing
+    the tail zeroed only its own bytes (found by a review)."""
+    secret = b"SECRET-KV!" * (SLOT // 10) + b"SECRET"[:SLOT % 10]
+    tier = HostTier.create(shm_name(), capacity_bytes=SLOT, slot_bytes=SLOT)
+    try:
+        assert tier.put(key("deleted"), secret, owner=b"deleted")
+        assert tier.put(key("tail"), b"t" * 20, owner=b"other")  # evicts it, same slot
+        assert tier.owned_by(b"deleted") == [] and tier.get(key("tail")) == b"t" * 20
+        assert tier.arena.read(0) == b"t" * 20 + bytes(SLOT - 20)
+        slot = tier.reserve(key("saved"))  # the save path: evicts the tail
+        assert slot == 0
+        tier.arena.write(slot, b"s" * 10)
+        assert tier.commit(key("saved"), 10)
+        assert tier.arena.read(0) == b"s" * 10 + bytes(SLOT - 10)
+        assert tier.remove(key("saved"))
+        assert tier.arena.read(0) == bytes(SLOT)
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
 def test_layer_priority_in_host_tier() -> None:
     tier = HostTier.create(shm_name(), 3 * SLOT, SLOT, policy=LayerPriorityPolicy())
     try:

@@ -265,6 +265,34 @@ def test_an_erasure_done_leaves_no_record_a_restart_finds(tmp_path: Path) -> Non
         assert again.keys() == []
 
 
+def test_a_shorter_record_leaves_nothing_of_the_one_before_it_in_its_slot(
+        tmp_path: Path) -> None:
+    """A deleted session's record whose slot a turn's short tail took before its clear ran
+    (the clear then skipped: "its new record replaced the old"), or after its eviction: the
+    tail wrote its own bytes only, and the rest of the deleted KV stayed in the file for good
+    (found by a review). Also after a restart, where the tier cannot know what a slot held."""
+    secret = b"SECRET-KV!" * (SLOT // 10)
+    with open_tier(tmp_path, num_slots=1) as tier:
+        tier.put(key(0, 0), secret, owner=b"deleted")
+        tier.flush()
+        removed, slot = tier.remove_later(key(0, 0))
+        assert removed
+        assert tier.put(key(1, 0), b"t" * 10) and tier.slot_of(key(1, 0)) == slot
+        tier.flush()
+        tier.clear_slots([slot])
+        tier.barrier(sync=True).result(5)
+        assert b"SECRET" not in (tmp_path / FILE_NAME).read_bytes()
+        assert tier.get(key(1, 0)) == b"t" * 10
+        tier.put(key(2, 0), secret)  # evicts the tail
+        tier.flush()
+    with open_tier(tmp_path, num_slots=1) as again:  # what the slot held, unknown now
+        assert again.contains(key(2, 0))
+        again.put(key(3, 0), b"u" * 10)  # evicts the full record
+        again.flush()
+        assert again.get(key(3, 0)) == b"u" * 10
+    assert b"SECRET" not in (tmp_path / FILE_NAME).read_bytes()
+
+
 @pytest.mark.parametrize(("where", "offset"), [("payload", RECORD_HEADER_BYTES + 50),
                                                 ("header", 20), ("key", 60)])
 def test_damaged_record_is_a_miss_and_cleared(ssd: SsdTier, where: str, offset: int) -> None:

@@ -95,10 +95,12 @@ class HostTier(IndexedTier[HostSlot]):
                 return False
             self._index.release(self.slot_bytes)
             if key in self._index:  # stored meanwhile (a key names its bytes): keep that copy
+                self._zero_behind(slot, 0)  # (and no second one to outlive its removal)
                 self._slots.free(slot)
                 if pin:
                     self._index.pin(key)
                 return True
+            self._zero_behind(slot, num_bytes)
             self._index.insert(key, (slot, num_bytes), self.slot_bytes, pin=pin)
             self._own(key, owner)
             self.stats.bytes_in += num_bytes
@@ -137,8 +139,7 @@ class HostTier(IndexedTier[HostSlot]):
             location = self.location_of(key)
             removed = super().remove(key)
             if removed and location is not None:
-                slot, num_bytes = location
-                self.arena.write(slot, bytes(num_bytes))
+                self.arena.write(location[0], bytes(self.slot_bytes))
             return removed
 
     def close(self) -> None:
@@ -154,8 +155,16 @@ class HostTier(IndexedTier[HostSlot]):
     def _store(self, key: ChunkKey, data: memoryview, owner: bytes) -> HostSlot:
         slot = self._slots.allocate()
         self.arena.write(slot, data)
+        self._zero_behind(slot, len(data))
         self._own(key, owner)
         return slot, len(data)
+
+    def _zero_behind(self, slot: int, num_bytes: int) -> None:
+        """Zero `slot` past its first `num_bytes`: a short entry (a turn's tail) in the slot
+        of an evicted longer one kept the rest of that one's KV in shared memory, also once
+        its session was deleted."""
+        if num_bytes < self.slot_bytes:
+            self.arena.write(slot, bytes(self.slot_bytes - num_bytes), num_bytes)
 
     def _own(self, key: ChunkKey, owner: bytes) -> None:
         if owner:

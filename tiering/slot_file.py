@@ -155,6 +155,7 @@ class SlotFile:
         self.stride = stride_for(slot_bytes)
         self.fsync = fsync
         self._zero_slot = b""  # `clear`'s zeros, made on its first use
+        self._payload_ends: dict[int, int] = {}  # slot -> payload bytes last written there
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self.was_reset = False
         try:
@@ -182,11 +183,36 @@ class SlotFile:
                              f"{self.slot_bytes}-byte slot")
         header = encode_record_header(key, payload, sequence, owner)
         offset = self.offset(slot)
-        written = os.pwritev(self._fd, [header, payload], offset)
-        if written != len(header) + len(payload):  # a short write: the disk is full
+        end = len(payload)
+        stale = self._stale_end(slot)
+        # A shorter record zeroes what an older, longer one left behind it: the slot of a
+        # deleted session's chunk-layer, taken by a turn's short tail before its clear (which
+        # it then skips) or after its eviction, kept most of that KV in the file.
+        pad = _ZERO_PAGE[:-end % PAGE] if end < stale else b""
+        written = os.pwritev(self._fd, [header, payload, pad], offset)
+        if written != len(header) + end + len(pad):  # a short write: the disk is full
             raise OSError(f"short write into slot {slot}: {written} bytes")
+        if end + len(pad) < stale:
+            self._zero(offset + RECORD_HEADER_BYTES + end + len(pad), stale - end - len(pad))
+        self._payload_ends[slot] = end
         if self.fsync:
             os.fdatasync(self._fd)
+
+    def _stale_end(self, slot: int) -> int:
+        """How far into `slot`'s payload an older record may reach: what was last written
+        there, or (a slot not written since the file was opened) all of it the file holds."""
+        end = self._payload_ends.get(slot)
+        if end is None:
+            reach = os.fstat(self._fd).st_size - self.offset(slot) - RECORD_HEADER_BYTES
+            end = max(0, min(self.slot_bytes, reach))
+        return end
+
+    def _zero(self, offset: int, length: int) -> None:
+        """Zero `length` bytes the file holds at `offset`."""
+        if not _zero_range(self._fd, offset, length):
+            written = os.pwrite(self._fd, bytes(length), offset)
+            if written != length:
+                raise OSError(f"short write of zeros at {offset}: {written} bytes")
 
     def sync(self) -> None:
         """Everything written so far, on the device (`fsync` does this after each write)."""
@@ -219,6 +245,8 @@ class SlotFile:
             if not _zero_range(self._fd, offset, min(count * self.stride, size - offset)):
                 for slot in range(start, start + count):
                     self._write_zeros(slot)
+            for slot in range(start, start + count):
+                self._payload_ends[slot] = 0
         if self.fsync:
             os.fdatasync(self._fd)
 
@@ -260,6 +288,8 @@ class SlotFile:
         """Drop every slot from `num_slots` on from the file."""
         if num_slots < self.num_slots_on_disk:
             os.ftruncate(self._fd, self.offset(num_slots))
+            for slot in [s for s in self._payload_ends if s >= num_slots]:
+                del self._payload_ends[slot]
 
     def close(self) -> None:
         if self._fd >= 0:
