@@ -98,22 +98,34 @@ def test_promotion_on_lower_tier_hit() -> None:
     assert no_promotion.get(GRID[0][0]) == b"x" and not no_promotion.tiers[0].contains(GRID[0][0])
 
 
+@pytest.mark.parametrize("evicted_between", [False, True])
 @pytest.mark.parametrize("how", ["hit", "prefetch"])
-def test_a_copy_brought_up_from_the_ssd_tier_keeps_its_owner(tmp_path: Path, how: str) -> None:
+def test_a_copy_brought_up_from_the_ssd_tier_keeps_its_owner(tmp_path: Path, how: str,
+                                                             evicted_between: bool) -> None:
     # Brought up into host RAM without its owner, a chunk-layer only the owner names (a
-    # reply's run-on) outlived a deleted session's erasure once the SSD tier evicted its record.
+    # reply's run-on) outlived a deleted session's erasure once the SSD tier evicted its record;
+    # so it did where the record was evicted between its read and its owner's (a review).
     host = HostTier.create(f"antiphon-test-{uuid.uuid4().hex[:12]}", 4 * 64, 64)
     owner, key = b"o" * 16, GRID[0][0]
     with TieredStore([host, SsdTier(tmp_path, 100_000, slot_bytes=64)]) as store:
         ssd = store.tiers[1]
         assert ssd.put(key, data(key), owner=owner)
         store.flush()
+        if evicted_between:
+            read = ssd.get
+
+            def read_then_evicted(k: ChunkKey) -> bytes | memoryview | None:
+                found = read(k)
+                ssd.remove(k)
+                return found
+
+            ssd.get = read_then_evicted  # type: ignore[method-assign]
         if how == "hit":
             assert store.get(key) == data(key)
         else:
             handle = store.prefetch([key], upto_tier=0, pin=False)
             assert handle.wait(timeout_s=10)
-        assert host.contains(key) and ssd.remove(key)
+        assert host.contains(key) and (evicted_between or ssd.remove(key))
         assert host.owned_by(owner) == [key] and host.owner_of(key) == owner
         assert ssd.owner_of(key) == b"" and host.owner_of(GRID[1][0]) == b""
         store.check_integrity()

@@ -6,7 +6,9 @@ import gc
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from antiphon.tiering.slot_file import (
     stride_for,
 )
 from antiphon.tiering.ssd_tier import SsdTier
+from antiphon.tiering.write_behind import WriteBehind
 
 HASHES = prefix_hashes(list(range(64)), 8, "m")
 SLOT = 100  # largest payload
@@ -709,3 +712,34 @@ def test_a_record_leaves_the_garbage_collector_few_objects_to_track(tmp_path: Pa
     assert len(tier.keys()) == len(keys)
     assert _tracked_objects() - before <= 3 * len(keys) + 32  # and the key it read back
     tier.close()
+
+
+def test_a_job_submitted_as_the_writer_closes_runs_or_is_refused() -> None:
+    """A submit that passed the closed check as `close` ran put its job behind the writer's
+    end: the job never ran, its future never resolved, and a `flush` after it (an erasure's
+    wait at shutdown) blocked for good (found by a review)."""
+    writer = WriteBehind("test", max_pending=4)
+    putting, may_put = threading.Event(), threading.Event()
+    put = writer._queue.put
+
+    def slow_put(item: object) -> None:  # the submitting thread loses the core here
+        if item is not None:
+            putting.set()
+            may_put.wait(5)
+        put(item)  # type: ignore[arg-type]
+
+    writer._queue.put = slow_put  # type: ignore[method-assign]
+    submitted: list[Future[bool]] = []
+    submitter = threading.Thread(target=lambda: submitted.append(writer.submit(lambda: True)))
+    submitter.start()
+    assert putting.wait(5)
+    closer = threading.Thread(target=writer.close)
+    closer.start()
+    time.sleep(0.2)
+    may_put.set()
+    submitter.join(5)
+    closer.join(5)
+    assert not closer.is_alive()
+    assert submitted[0].result(2) is True
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.submit(lambda: True)

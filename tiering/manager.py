@@ -125,10 +125,13 @@ class TieredStore:
         (which may evict there, per that tier's policy), when `promote_on_hit`.
         """
         for index, tier in enumerate(self.tiers):
+            # (whose it is, read first: an eviction between the two left the copy no one's)
+            promote = self.promote_on_hit and index > 0
+            owner = tier.owner_of(key) if promote else b""
             data = tier.get(key)
             if data is not None:
-                if self.promote_on_hit:
-                    self._promote(key, data, index)
+                if promote:
+                    self._promote(key, data, index, owner)
                 return data
         return None
 
@@ -220,8 +223,8 @@ class TieredStore:
                  tb: TracebackType | None) -> None:
         self.close()
 
-    def _promote(self, key: ChunkKey, data: bytes | memoryview, hit_index: int) -> None:
-        owner = self.tiers[hit_index].owner_of(key)
+    def _promote(self, key: ChunkKey, data: bytes | memoryview, hit_index: int,
+                 owner: bytes) -> None:
         for tier in self.tiers[:hit_index]:
             if tier.put(key, data, owner=owner):
                 return

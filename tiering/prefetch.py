@@ -168,10 +168,12 @@ class PrefetchHandle:
             if tier.pin(key) if self.pin else tier.contains(key):
                 return index
         for lower in self._tiers[self.upto_tier + 1:]:
+            # (kept, an erasure finds the copy too; read first: an eviction between the two
+            # left the copy no one's)
+            owner = lower.owner_of(key)
             data = lower.get(key)  # a hit of the lower tier: the chunk is being used
             if data is not None:
                 target = self._tiers[self.upto_tier]
-                owner = lower.owner_of(key)  # (kept, an erasure finds the copy too)
                 return self.upto_tier if target.put(key, data, pin=self.pin,
                                                     owner=owner) else None
         return None

@@ -42,10 +42,13 @@ class WriteBehind:
     def submit(self, job: Job, future: Future[bool] | None = None) -> Future[bool]:
         """Queue `job`, whose result resolves `future` (a new one if None); blocks while
         `max_pending` jobs are queued. RuntimeError once closed."""
-        if self._closed:
-            raise RuntimeError("write-behind queue is closed")
         future = Future() if future is None else future
-        self._queue.put((job, future))
+        # (under the lock: a job put after `close`'s end-of-jobs was never run, and a
+        # `flush` behind it, an erasure's wait at shutdown, blocked for good)
+        with self._close_lock:
+            if self._closed:
+                raise RuntimeError("write-behind queue is closed")
+            self._queue.put((job, future))
         return future
 
     def flush(self) -> None:
@@ -58,7 +61,7 @@ class WriteBehind:
             if self._closed:
                 return
             self._closed = True
-        self._queue.put(None)
+            self._queue.put(None)
         self._thread.join()
 
     def _run(self) -> None:
