@@ -19,10 +19,12 @@ from antiphon.engine_ext.costforms import BrosForm, EchoForm
 from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.policies import POLICIES, make_policy, policy_class
 from antiphon.engine_ext.policies.base import admission_pages, new_pages
+from antiphon.engine_ext.policies.bros import BrosPolicy
 from antiphon.engine_ext.policies.echo import EchoPolicy
 from antiphon.engine_ext.policies.hygen import HygenPolicy
 from antiphon.engine_ext.policies.larry import LarryPolicy
 from antiphon.engine_ext.policies.prefix import ResidentPrefixes, dfs_order
+from antiphon.engine_ext.policies.stepbatch import StepBatch, ttft_floor
 from antiphon.engine_ext.types import RequestClass
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 from tests.test_policies import PAGE, budget, constant_cost, decoding, per_request_cost, view
@@ -312,6 +314,27 @@ def test_hygen_running_be_decodes_do_not_shrink_an_rt_prompts_ttft_floor() -> No
     assert HygenPolicy(cost).plan([rtd, new], budget()).token_limits == {"new": 225}
     mixed = HygenPolicy(cost).plan([rtd, new, *bes], budget())
     assert mixed.token_limits["new"] >= -(-2000 // 9)
+
+
+def test_an_rt_prompt_of_several_steps_gets_the_floor_its_whole_prompt_needs() -> None:
+    # The floor spread one step's tokens (2,048) over the 8 steps left, whatever the prompt's
+    # length: a 6,000-token prompt got 256 tokens a step of the 750 it needed (found by a
+    # review). One that cannot make its TTFT even alone gets none (its prefill, 8 steps of
+    # 0.22 s, outlasts the 0.95 s left), as one of a single step did.
+    cost = CostModel("hygen", {"prefill_token_s": 1e-4, "intercept_s": 0.02})
+    batch = StepBatch(budget(now=0.05), cost)
+    floors = {n: ttft_floor(view("t", prompt=n), batch, 0.1, 0.05) for n in (2000, 6000, 16000)}
+    assert floors == {2000: 250, 6000: 750, 16000: 0}
+
+
+def test_bros_sends_a_prompt_too_long_for_its_ttft_in_several_steps_to_the_back() -> None:
+    # Judged by its first step's chunk, a 6,000-token prompt (1.26 s of prefill alone against
+    # a 1 s TTFT) kept its earliest-deadline place and took every step's tokens from the short
+    # turn behind it (found by a review).
+    cost = CostModel("hygen", {"prefill_token_s": 2e-4, "intercept_s": 0.02})
+    long, short = view("long", prompt=6000, arrival=10.0), view("short", prompt=200, arrival=10.01)
+    plan = BrosPolicy(cost).plan([long, short], budget(now=10.05, free_pages=10_000))
+    assert plan.order[0] == "short" and plan.token_limits.get("short", 200) == 200
 
 
 @pytest.mark.parametrize("name", ["bros", "hygen", "echo"])

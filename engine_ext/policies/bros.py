@@ -31,14 +31,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from antiphon.engine_ext.costmodel import CostModel, StepShape
+from antiphon.engine_ext.costmodel import CostModel
 from antiphon.engine_ext.policies.base import (
     Policy,
     admission_pages,
     new_pages,
     tokens_within_pages,
 )
-from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims, preempt, ttft_floor
+from antiphon.engine_ext.policies.stepbatch import (
+    StepBatch,
+    Victims,
+    preempt,
+    prefill_alone_s,
+    ttft_floor,
+)
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
 MIN_RT_PREFILL_CHUNK = 16  # tokens a late RT prefill computes at least, per step
@@ -218,9 +224,9 @@ class BrosPolicy(Policy):
         (fresh turns went first, and it got 16 tokens a step of a 3,000-token context)."""
         if not view.is_prefill or view.ttft_slo_s is None or view.num_output_tokens > 0:
             return False
-        new = min(view.num_new_tokens, budget.max_num_tokens)
-        alone = StepShape().plus(new, view.num_computed_tokens + new, is_prefill=True)
-        return self.cost_model.planning_s(alone) > view.ttft_slo_s
+        # (all its steps: judged by its first chunk alone, a prompt of several steps' tokens
+        # kept its place, and took every step's tokens from the turns behind it)
+        return prefill_alone_s(self.cost_model, view, budget.max_num_tokens) > view.ttft_slo_s
 
     def _adapt_batch_size(self, is_at_risk: bool, max_num_seqs: int) -> None:
         if is_at_risk:

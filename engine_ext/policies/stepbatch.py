@@ -21,12 +21,13 @@ class StepBatch:
         # members computing less than all they could, and every waiting one seated
         self.token_limits: dict[str, int] = {}
         self.page_tokens = budget.page_tokens
+        self.max_num_tokens = budget.max_num_tokens
         self.seqs_left = budget.max_num_seqs
         self.tokens_left = budget.max_num_tokens
         self.pages_left = budget.num_free_pages
         self.pages_next_step = budget.num_pages_next_step  # (the victims' start)
         self.is_waiting_for_pages = False  # see `keep_free_pages`
-        self._cost_model = cost_model
+        self.cost_model = cost_model
         self._shape = StepShape(after_prefill=int(budget.after_prefill))  # of the members
 
     def keep_free_pages(self) -> None:
@@ -53,7 +54,7 @@ class StepBatch:
         shape = self._shape
         if num_new_tokens > 0:
             shape = shape.plus(num_new_tokens, num_context_tokens, is_prefill)
-        return self._cost_model.planning_s(shape)
+        return self.cost_model.planning_s(shape)
 
     def time_with_decodes_s(self, views: Iterable[RequestView]) -> float:
         """Predicted step latency (seconds, as `time_s`) with one more decode token for each
@@ -61,7 +62,7 @@ class StepBatch:
         shape = self._shape
         for view in views:
             shape = shape.plus(1, view.num_computed_tokens + 1, False)
-        return self._cost_model.planning_s(shape)
+        return self.cost_model.planning_s(shape)
 
     def max_chunk(self, view: RequestView, limit_s: float, num_cached_tokens: int = 0,
                   first_tokens: float = math.inf, min_tokens: int = 0
@@ -127,16 +128,29 @@ class StepBatch:
 
 def ttft_floor(view: RequestView, batch: StepBatch, limit_s: float, now_s: float) -> int:
     """The prefill tokens RT `view` must compute in this step to still meet its TTFT, with
-    the steps before its first token is due `limit_s` long: its remaining prompt (what the
-    step's token budget allows) spread over them. 0 when even the whole of it alone would
-    come too late: then nothing this step does saves the TTFT."""
+    the steps before its first token is due `limit_s` long: its whole remaining prompt
+    spread over them (at most what the step's tokens allow). 0 when even the whole of it
+    alone would come too late: then nothing this step does saves the TTFT. (Spread was
+    what one step's tokens allowed: a 6,000-token prompt got 256 tokens a step of the 750
+    it needed, and missed a TTFT it could make.)"""
     wanted = min(view.num_new_tokens, batch.tokens_left)
     slack = view.slack_s(now_s)
-    context = view.num_computed_tokens + wanted
-    if wanted <= 0 or batch.time_s(wanted, context, is_prefill=True) > slack:
+    if wanted <= 0 or prefill_alone_s(batch.cost_model, view, batch.max_num_tokens) > slack:
         return 0
     steps_left = max(1, int(slack / max(limit_s, 1e-3)) - 1)
-    return -(-wanted // steps_left)
+    return min(wanted, -(-view.num_new_tokens // steps_left))
+
+
+def prefill_alone_s(cost_model: CostModel, view: RequestView, max_num_tokens: int) -> float:
+    """Predicted time (seconds, as `CostModel.planning_s`) of `view`'s remaining prefill
+    run alone, a step per `max_num_tokens` (a step's token budget) of it."""
+    total, context, left = 0.0, view.num_computed_tokens, view.num_new_tokens
+    while left > 0:
+        chunk = min(left, max(1, max_num_tokens))
+        context += chunk
+        left -= chunk
+        total += cost_model.planning_s(StepShape().plus(chunk, context, is_prefill=True))
+    return total
 
 
 class Victims:
