@@ -337,6 +337,39 @@ def test_bros_sends_a_prompt_too_long_for_its_ttft_in_several_steps_to_the_back(
     assert plan.order[0] == "short" and plan.token_limits.get("short", 200) == 200
 
 
+def test_hygen_gives_an_rt_prefill_the_time_of_the_be_decodes_preempted_for_it() -> None:
+    # Its chunk was cut by the time of all running BE decodes, also those then preempted for
+    # its pages; the time kept went to a BE request not yet started (found by a review).
+    cost = CostModel("hygen", {"prefill_token_s": 1e-4, "decode_request_s": 2e-3,
+                               "intercept_s": 0.02})
+    views = [view("stream", prompt=100, computed=104, output=5, running=True, arrival=99.0,
+                  first_token_s=99.5),
+             view("turn", prompt=4000, arrival=99.9),
+             *(RequestView(f"be{i}", BE, 90.0 + i, 1599, 1600, 2, True) for i in range(10)),
+             view("fresh_be", BE, prompt=300, arrival=95.0)]
+    roomy = HygenPolicy(cost).plan(views, dataclasses.replace(budget(now=100.0), max_num_tokens=8192))
+    assert roomy.preempt == [] and roomy.token_limits == {"turn": 580}
+    short = HygenPolicy(cost).plan(views, dataclasses.replace(budget(now=100.0, free_pages=0),
+                                                              max_num_tokens=8192))
+    assert len(short.preempt) == 3 and "fresh_be" not in short.order
+    assert short.token_limits["turn"] >= 580 + 3 * 20 - 1  # each decode's 2 ms: 20 tokens
+
+
+@pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
+def test_no_fresh_be_request_starts_on_pages_be_requests_preempted_for_rt_left_over(
+        name: str) -> None:
+    # BROS seated a document item not yet started on the pages left over by the one it
+    # preempted for the turn, which then resumed short of them (found by a review).
+    cost = CostModel("hygen", {"prefill_token_s": 1e-4, "decode_request_s": 2e-3,
+                               "intercept_s": 0.02})
+    views = [view("turn", prompt=1000, arrival=99.9),
+             *(RequestView(f"be{i}", BE, 90.0 + i, 1599, 1600, 2, True) for i in range(4)),
+             view("fresh_be", BE, prompt=300, arrival=95.5)]
+    plan = make_policy(name, cost).plan(views, dataclasses.replace(
+        budget(now=100.0, free_pages=0), max_num_tokens=8192, num_total_pages=400))
+    assert len(plan.preempt) == 1 and "turn" in plan.order and "fresh_be" not in plan.order
+
+
 @pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
 def test_pages_a_victim_gives_back_only_next_step_seat_no_one_this_step(name: str) -> None:
     # An overlapped engine (a GPU's) with a KV connector returns a preempted request's pages

@@ -192,8 +192,12 @@ class BrosPolicy(Policy):
         is_resume_waiting = False
         for view in bes:
             if view.request_id in preempted or (not view.is_running and (
-                    is_admission_blocked or (is_resume_waiting and not view.num_preemptions))):
-                continue  # nor may a BE request start on the pages a waiting RT turn needs
+                    is_admission_blocked or (is_resume_waiting and not view.num_preemptions)
+                    or (preempted and not view.num_preemptions))):
+                # nor may a BE request start on the pages a waiting RT turn needs, nor a fresh
+                # one on those the BE requests preempted for RT ones leave over (they would
+                # resume short of them)
+                continue
             if len(batch.ids) >= cap or batch.tokens_left <= 0:
                 break
             chunk, pages, is_short_of_pages = batch.max_chunk(view, be_limit,

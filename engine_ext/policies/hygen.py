@@ -81,8 +81,11 @@ class HygenPolicy(Policy):
         # No BE request starts on the pages a waiting RT turn waits for (not in the paper:
         # fresh items took each page as it freed while the turns queued behind it waited).
         can_pages_free = any(v.is_running for v in views)
+        # Nor on the pages BE requests preempted for RT ones leave over (not in the paper):
+        # a fresh one took them, with 1 token of prefill, and the preempted ones resumed
+        # short of them.
         waiting_bes = [] if is_rt_short and can_pages_free else [
-            v for v in bes if not v.is_running]
+            v for v in bes if not v.is_running and (v.num_preemptions or not plan.preempt)]
         # (not the requests preempted for RT ones: their pages go back to the pool)
         resident = self._resident.update(
             [v for v in views if v.request_id not in preempted], budget.page_tokens)
@@ -124,8 +127,14 @@ class HygenPolicy(Policy):
         prefills = [v for v in rts if v.is_running and v.is_prefill]
         prefills += [v for v in rts if not v.is_running]
         step_s = limit_s  # a step lasts about L whatever share BE decodes take of it
-        if be_decodes and prefills:
-            limit_s -= max(0.0, batch.time_with_decodes_s(be_decodes) - batch.time_s())
+
+        def prefill_limit_s() -> float:
+            """L less the time the running BE decodes still to come take: not those
+            preempted for RT pages meanwhile (their reserve, kept, went to a BE request
+            not yet started, and the turn's chunk stayed cut short)."""
+            decodes = [v for v in be_decodes if v.request_id not in plan.preempt]
+            return step_s - max(0.0, batch.time_with_decodes_s(decodes) - batch.time_s())
+
         is_short = False
         for i, view in enumerate(prefills):
             if batch.is_full:
@@ -141,7 +150,8 @@ class HygenPolicy(Policy):
             # their TTFT by up to 0.5 s while every stream held its TPOT with room to spare.
             floor = max(self.min_prefill_tokens if i == 0 else 0,
                         ttft_floor(view, batch, step_s, now_s))
-            chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s, min_tokens=floor)
+            chunk, pages, is_short_of_pages = batch.max_chunk(view, prefill_limit_s(),
+                                                              min_tokens=floor)
             needed = admission_pages(view, pages, batch.page_tokens)
             # vLLM admits a waiting request only where its whole sequence fits: where it would
             # not even with every BE request preempted, none is, and it waits for pages
@@ -150,7 +160,7 @@ class HygenPolicy(Policy):
                     and (not victims.pages_next_step
                          or needed > batch.pages_left + victims.pages_next_step):
                 victims.take_one(batch, plan)
-                chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_s,
+                chunk, pages, is_short_of_pages = batch.max_chunk(view, prefill_limit_s(),
                                                                   min_tokens=floor)
                 needed = admission_pages(view, pages, batch.page_tokens)
             if needed > batch.pages_left:
