@@ -371,6 +371,17 @@ def test_no_fresh_be_request_starts_on_pages_be_requests_preempted_for_rt_left_o
 
 
 @pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
+def test_a_running_be_prefill_short_of_pages_computes_the_chunk_they_allow(name: str) -> None:
+    # bros and echo left it out whole: a step of only such requests was empty, and the
+    # engine's own step then preempted one to recompute (found by a review).
+    cost = CostModel("hygen", {"prefill_token_s": 1e-4, "intercept_s": 0.02})
+    views = [view("docA", BE, prompt=4000, computed=1024, running=True, arrival=1.0),
+             view("docB", BE, prompt=4000, computed=512, running=True, arrival=2.0)]
+    plan = make_policy(name, cost).plan(views, budget(now=10.0, free_pages=3))
+    assert plan.order == ["docA"] and plan.token_limits == {"docA": 3 * PAGE}
+
+
+@pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
 def test_pages_a_victim_gives_back_only_next_step_seat_no_one_this_step(name: str) -> None:
     # An overlapped engine (a GPU's) with a KV connector returns a preempted request's pages
     # only once the step in flight has run: an RT request seated on them failed its

@@ -205,6 +205,10 @@ class BrosPolicy(Policy):
             if is_short_of_pages:
                 if not self.block_preemption and view.is_running:
                     preempt(view, batch, plan)
+                elif view.is_running and chunk > 0:
+                    # a running prefill computes the chunk the pages allow (left out whole, a
+                    # step of only such requests was empty, and vLLM's own step preempted one)
+                    batch.add(view, chunk, pages)
                 elif not view.is_running and view.num_preemptions:
                     is_resume_waiting = is_resume_waiting or can_pages_free
                 continue  # a smaller BE request may still fit

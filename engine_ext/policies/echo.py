@@ -207,9 +207,13 @@ class EchoPolicy(Policy):
                 return is_short
             new, pages, is_short_of_pages = batch.max_chunk(view, limit_s, cached,
                                                             first_tokens=batch.page_tokens)
-            if is_short_of_pages or pages > batch.pages_left - (reserve if batch.ids else 0):
+            room = batch.pages_left - (reserve if batch.ids else 0)
+            if is_short_of_pages or pages > room:
                 is_short = is_short or new > 0 or is_short_of_pages
-                continue
+                # (but a running prefill computes the chunk the pages allow: left out whole,
+                # a step of only such requests was empty, and vLLM's own step preempted one)
+                if not (view.is_running and 0 < new and pages <= room):
+                    continue
             if new <= 0:
                 continue
             if rt_slacks:  # else nothing is punished: the net is the tokens, positive
