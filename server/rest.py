@@ -272,7 +272,8 @@ _TIERING_COUNTERS = (
     ("pages_handed_over", "antiphon_kv_pages_handed_over_total",
      "KV pages of preempted requests that a tier already held (given up at no cost)"),
     ("checkpoint_short_tokens", "antiphon_kv_checkpoint_short_tokens_total",
-     "Tokens of preempted requests the full host tier could not take (to recompute)"),
+     "Tokens of preempted requests recomputed: the full host tier could not take them, "
+     "a full tier evicted them, or their restore loaded less"),
     ("restores", "antiphon_kv_restores_total", "Checkpointed requests admitted again"),
     ("pages_restored", "antiphon_kv_pages_restored_total",
      "KV pages checkpointed requests loaded back from the tiers"),

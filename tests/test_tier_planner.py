@@ -1661,3 +1661,74 @@ def test_an_advisory_does_not_count_its_own_host_kv_as_room(tmp_path: Path) -> N
         planner.store.check_integrity()
     finally:
         planner.close()
+
+
+@pytest.mark.parametrize("how", ["evicted_in_the_same_schedule", "no_host_room_at_restore"])
+def test_a_restore_that_loads_less_than_its_checkpoint_counts_what_it_recomputes(
+        tmp_path: Path, how: str) -> None:
+    """Two ways a restore matched less than its checkpoint held, and the tokens it recomputed
+    went uncounted (`recomputed_tokens` and `checkpoint_short_tokens` disagreed; found by a
+    review): its chunks evicted by another checkpoint's reservation in the very schedule that
+    admitted it, before any settled the eviction; its SSD chunks with no host room to load
+    them into at that moment."""
+    if how == "evicted_in_the_same_schedule":
+        p = make_planner(tmp_path / "ssd", host_tier_bytes=2 * PAGE_BYTES, ssd_tier_bytes=0)
+        tokens = [1, 2, 3, 4]
+        held, meta = preempt_after(p, "a", tokens, [5], [3], background=True)
+        fake_worker_saves(p, meta.checkpoints)
+        p.step_done({meta.step}, set())
+        admit(p, TokenView("b", [9, 8, 7, 6], background=True), [6])
+        run_step(p, [("b", 3)])
+        assert p.checkpoint("b", 3, [6]) == 3  # its tail's slots evict a's from the full arena
+        blocks = [7]
+    else:
+        p = make_planner(tmp_path / "ssd", host_tier_bytes=8 * PAGE_BYTES)
+        tokens = [*TURN1, 110]
+        held, meta = preempt_after(p, "a", tokens, [7, 8, 9], [10], background=True)
+        fake_worker_saves(p, meta.checkpoints)
+        p.step_done({meta.step}, set())
+        p.store.flush()
+        for i in range(8):  # other work pins the whole host arena for a moment
+            p.host.put(ChunkKey("test-model", bytes([i]) * 32, 0, 0), b"x" * PAGE_BYTES,
+                       pin=True)
+        blocks = [3, 4, 5]
+    try:
+        assert held == len(tokens) - 1
+        matched = p.num_new_matched_tokens(TokenView("a", tokens, background=True), 0)
+        assert matched == 0
+        p.plan_load("a", blocks, 0, len(tokens))
+        assert p.stats()["checkpoint_short_tokens"] == held
+    finally:
+        p.close()
+
+
+def test_a_chunk_evicted_while_its_checkpoint_is_taken_cuts_the_checkpoint(
+        tmp_path: Path) -> None:
+    """The SSD tier's writer evicted a chunk the checkpoint had just found held, before the
+    preemption table knew the chunk: the notice was dropped, and the checkpoint listed a chunk
+    no tier held (its restore recomputed it, uncounted; found by a review)."""
+    p = make_planner(tmp_path / "ssd")
+    try:
+        tokens = [*TURN1, 110]
+        admit(p, TokenView("be", tokens, background=True), [7, 8, 9])
+        run_step(p, [("be", 10)])  # chunks 0 and 1 saved to the host tier
+        ssd = p.store.tiers[1]
+        for index, prefix_hash in enumerate(p._requests["be"].hashes[:2]):
+            for layer in range(LAYERS):
+                p.store.write_through(ChunkKey("test-model", prefix_hash, index, layer))
+        p.store.flush()
+        for key in list(p.host.keys()):
+            p.host.remove(key)  # host pressure took them: the SSD copies remain
+        reserve = p._reserve
+
+        def evicting_reserve(*args: Any, **kwargs: Any) -> Any:
+            p._reserve = reserve  # type: ignore[method-assign]
+            assert ssd.evict(ssd.capacity_bytes)  # the SSD writer thread, meanwhile
+            return reserve(*args, **kwargs)
+
+        p._reserve = evicting_reserve  # type: ignore[method-assign]
+        assert p.checkpoint("be", 10, [7, 8, 9]) == 0
+        assert p.check_integrity() == []
+        assert p.stats()["checkpoint_short_tokens"] == 10
+    finally:
+        p.close()

@@ -132,7 +132,9 @@ class TieringCounters:
     checkpoints: int = 0  # preempted requests whose KV went to the tiers (lazy checkpoints)
     pages_checkpointed: int = 0  # device pages copied at preemption (not yet written through)
     pages_handed_over: int = 0  # preempted pages a tier already held: given up at no cost
-    checkpoint_short_tokens: int = 0  # preempted tokens the full host arena could not take
+    # preempted tokens recomputed: the full host arena could not take them, a full tier
+    # evicted them, or their restore loaded less
+    checkpoint_short_tokens: int = 0
     restores: int = 0  # checkpointed requests admitted again
     pages_restored: int = 0  # pages those loaded back from the tiers
     copy_steps_failed: int = 0  # steps whose page copies the worker failed (saves dropped)

@@ -140,6 +140,10 @@ class TierPlanner:
         while a prefetch this turn needs is still moving."""
         with self.lock:
             self.advisories.expire()
+            # (a checkpoint another's reservation evicted in this very schedule is cut first:
+            # admitted on the chunks it listed, it matched less and the shortfall went
+            # uncounted)
+            self._settle_evictions()
             st = self._requests.setdefault(view.request_id, RequestState(view))
             st.view = view
             if not st.advisory_settled:  # (a turn admitted again after a preemption: the
@@ -289,6 +293,11 @@ class TierPlanner:
                 return
             fetched = st.fetched_layers  # (`_count_admission` starts the next admission's)
             self._count_admission(st, num_external, num_tokens)
+            checkpoint = self.preemption.get(request_id)
+            if checkpoint is not None:  # what it restores short of it is recomputed: counted
+                loaded = st.local_tokens + num_external
+                self.counters.checkpoint_short_tokens += max(
+                    0, min(checkpoint.held_tokens, len(st.view.token_ids) - 1) - loaded)
             # (a restore loads something: a checkpoint evictions cut to nothing is recomputed)
             if self._drop_checkpoint(request_id) and num_external:
                 self.counters.restores += 1
@@ -555,6 +564,13 @@ class TierPlanner:
             c.pages_handed_over += -(-held // self.page_tokens) - copied
             self.preemption.record(request_id, Checkpoint(num_computed, held, tuple(restore),
                                                           tuple(reserved)))
+            # A chunk the SSD tier's writer evicted since it was found held (before the table
+            # knew it: the notice was dropped) is cut now, as a later eviction would be.
+            gone = [key for key in restore if not self.held(key)]
+            if gone:
+                self.preemption.note_evicted(gone)
+                self._settle_evictions()
+                held = self.preemption.get(request_id).held_tokens  # type: ignore[union-attr]
             self.erasure.keep({key.prefix_hash for key in restore})
             if not self._durable(st):  # down to the SSD tier, so a full host tier keeps it
                 self._write_down(restore, owner)
