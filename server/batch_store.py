@@ -66,7 +66,8 @@ CREATE TABLE IF NOT EXISTS items (
     batch_id   TEXT NOT NULL REFERENCES batches(batch_id),
     line_index INTEGER NOT NULL,  -- 0-based line of the input file
     custom_id  TEXT,
-    body       TEXT,              -- the request; NULL when the line failed validation
+    body       TEXT,              -- the request; NULL when the line failed validation,
+                                  -- and once the batch finished (as `response`)
     state      INTEGER NOT NULL,  -- ItemState
     request_id TEXT, response TEXT, error_code TEXT, error_message TEXT,  -- the result
     num_attempts INTEGER NOT NULL DEFAULT 0,  -- times started
@@ -324,6 +325,7 @@ class BatchStore:
                     _insert_file(db, f)
             db.execute("UPDATE items SET state = ? WHERE batch_id = ? AND state = ?",
                        (ItemState.SKIPPED, batch.batch_id, ItemState.PENDING))
+            _forget_bodies(db, "batch_id = ?", (batch.batch_id,))
             db.execute(
                 "UPDATE batches SET output_file_id = ?, error_file_id = ? WHERE batch_id = ?",
                 (output.file_id if output else None, error.file_id if error else None,
@@ -331,6 +333,7 @@ class BatchStore:
             is_moved = _move(db, batch.batch_id,
                              (BatchStatus.FINALIZING, BatchStatus.CANCELLING), batch.final_status)
             assert is_moved, f"{batch.batch_id} left {batch.status} while finalizing"
+        self.db.scrub()  # (the requests and answers it forgot, out of the log too)
 
     # Items.
 
@@ -396,8 +399,12 @@ class BatchStore:
         self.db.check({
             "items committed other than once": "SELECT COUNT(*) FROM items WHERE"
             " num_commits != (CASE WHEN state IN (1, 2) THEN 1 ELSE 0 END)",
-            "successes without a response": "SELECT COUNT(*) FROM items WHERE state = 1"
-            " AND (response IS NULL OR request_id IS NULL OR error_code IS NOT NULL)",
+            "successes without a response": "SELECT COUNT(*) FROM items i JOIN batches b"
+            f" USING (batch_id) WHERE i.state = 1 AND (request_id IS NULL OR error_code IS"
+            f" NOT NULL OR (response IS NULL AND b.status NOT IN {_FINISHED}))",
+            "requests or answers kept past their batch's end": "SELECT COUNT(*) FROM items i"
+            f" JOIN batches b USING (batch_id) WHERE b.status IN {_FINISHED}"
+            " AND (i.body IS NOT NULL OR i.response IS NOT NULL)",
             "failures without an error": "SELECT COUNT(*) FROM items WHERE state = 2"
             " AND (error_code IS NULL OR response IS NOT NULL)",
             "pending items of finished batches": "SELECT COUNT(*) FROM items i JOIN batches b"
@@ -447,6 +454,19 @@ def _migrate(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE items ADD COLUMN status_code INTEGER")
     for trigger in _COUNT_TRIGGERS:
         db.execute(trigger)
+    (version,) = db.execute("PRAGMA user_version").fetchone()
+    if version < 1:  # from before a finished batch forgot its items' requests and answers
+        _forget_bodies(db, f"batch_id IN (SELECT batch_id FROM batches"
+                           f" WHERE status IN {_FINISHED})", ())
+        db.execute("PRAGMA user_version = 1")
+
+
+def _forget_bodies(db: sqlite3.Connection, where: str, args: Sequence[Any]) -> None:
+    """The items `where` picks keep no request and no answer: once their batch has finished,
+    its result files hold the answers, and a key that deleted them (and its input) had every
+    prompt and reply kept in the database for good, outside its quota of stored bytes."""
+    db.execute(f"UPDATE items SET body = NULL, response = NULL WHERE {where}"
+               " AND (body IS NOT NULL OR response IS NOT NULL)", args)
 
 
 def _fail_pending(db: sqlite3.Connection, batch_id: str, code: ErrorCode, message: str) -> int:

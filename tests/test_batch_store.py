@@ -284,6 +284,33 @@ def test_a_database_from_before_file_deletion_opens_and_deletes(tmp_path: Path) 
         store.close()
 
 
+def test_a_database_from_before_finished_batches_forgot_their_items_forgets_them(
+        tmp_path: Path) -> None:
+    path = tmp_path / "b.sqlite3"
+    store = BatchStore(path)
+    finished, running = make_batch(store), make_batch(store)
+    for bid in (finished, running):
+        store.start_batch(bid, items(2))
+        store.commit_item(bid, 0, ok(0))
+    store.request_cancel("alice", finished)
+    store.finish_batch(store.get_batch("alice", finished), None, None)  # type: ignore[arg-type]
+    store.close()
+    old = sqlite3.connect(path)  # as an older server left it
+    old.execute("UPDATE items SET body = '{}', response = '{}' WHERE state = 1")
+    old.execute("PRAGMA user_version = 0")
+    old.commit()
+    old.close()
+    store = BatchStore(path)
+    try:
+        with store.db.locked() as db:
+            kept = db.execute("SELECT batch_id, line_index FROM items WHERE body IS NOT NULL"
+                              " OR response IS NOT NULL").fetchall()
+        assert sorted(kept) == [(running, 0), (running, 1)]
+        store.check_integrity()
+    finally:
+        store.close()
+
+
 def test_batch_counts_are_kept_through_every_change_of_an_item(tmp_path: Path) -> None:
     """The counts a batch reports are kept by triggers, not counted on read: every way an item
     changes (validation failure, commit, expiry, skip on cancel) moves them, and the integrity

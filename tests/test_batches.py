@@ -125,6 +125,26 @@ def test_round_trip_with_the_openai_client(tmp_path: Path) -> None:
         assert "antiphon_batch_queue_items 0.0" in metrics
 
 
+def test_a_finished_batch_keeps_its_requests_and_answers_only_in_its_files(
+        tmp_path: Path) -> None:
+    # Each item's request and answer stayed in the database for good: deleting the input and
+    # the output file left every prompt and reply on disk, outside the key's quota of stored
+    # bytes (found by a review).
+    with batch_server(tmp_path) as live:
+        client = live.client()
+        data = "".join(request_line(f"i{i}", f"SECRET-{i}") + "\n" for i in range(5)).encode()
+        batch_id = submit(client, data)
+        batch = wait_finished(live.url, batch_id)
+        assert batch["status"] == "completed"
+        out = lines_of(client, batch["output_file_id"])
+        assert out[0]["response"]["body"]["choices"][0]["message"]["content"] == \
+            "You said: SECRET-0"
+        client.files.delete(batch["input_file_id"])
+        client.files.delete(batch["output_file_id"])
+    for path in tmp_path.glob("batches.sqlite3*"):
+        assert b"SECRET" not in path.read_bytes(), path.name
+
+
 def test_a_batch_of_text_completions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A batch whose endpoint is /v1/completions: its lines are text completions (plain
     prompts, run as BE), answered with text_completion bodies; a line naming another url, or
