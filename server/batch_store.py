@@ -292,10 +292,15 @@ class BatchStore:
 
     def expire_batch(self, batch_id: str) -> int:
         """IN_PROGRESS -> FINALIZING towards EXPIRED, failing every unanswered item with
-        `batch_expired` in the same transaction. Returns the number of items failed."""
+        `batch_expired` in the same transaction (towards COMPLETED where none is left: the
+        last was answered after the caller looked). Returns the number of items failed."""
         with self.db.transaction() as db:
+            # (every item answered meanwhile, the last as the window ended: it completed)
+            row = db.execute("SELECT num_items - num_succeeded - num_failed FROM batches"
+                             " WHERE batch_id = ?", (batch_id,)).fetchone()
+            final = BatchStatus.EXPIRED if row is None or row[0] else BatchStatus.COMPLETED
             if not _move(db, batch_id, (BatchStatus.IN_PROGRESS,), BatchStatus.FINALIZING,
-                         BatchStatus.EXPIRED):
+                         final):
                 return 0
             return _fail_pending(db, batch_id, ErrorCode.BATCH_EXPIRED,
                                  "the batch expired before this request ran")

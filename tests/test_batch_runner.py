@@ -334,6 +334,29 @@ async def test_a_batch_answered_in_full_completes_even_past_its_window(tmp_path:
     assert (batch.counts.completed, batch.counts.failed) == (3, 0)
 
 
+async def test_a_batch_whose_last_answer_lands_as_its_window_ends_completes(
+        tmp_path: Path) -> None:
+    # The step read the batch with one item pending, the item's answer committed before the
+    # step expired it: "expired" with every item answered (found by a review).
+    store, files, _, runner = direct_runner(tmp_path)
+    batch_id = add_input(store, files, 3, window_s=0.0)
+    store.start_batch(batch_id, [InputItem(i, f"item-{i}", "{}") for i in range(3)])
+    for i in range(2):
+        store.commit_item(batch_id, i, ItemResult(f"r{i}", json.dumps({"n": i})))
+    read = store.unfinished_batches
+
+    def read_then_the_last_answer() -> list[Batch]:
+        store.unfinished_batches = read  # type: ignore[method-assign]
+        batches = read()
+        store.commit_item(batch_id, 2, ItemResult("r2", json.dumps({"n": 2})))
+        return batches
+
+    store.unfinished_batches = read_then_the_last_answer  # type: ignore[method-assign]
+    batch = await run_until_finished(store, runner, batch_id)
+    assert batch.status == BatchStatus.COMPLETED
+    assert (batch.counts.completed, batch.counts.failed) == (3, 0)
+
+
 async def test_a_stop_while_starts_are_counted_takes_them_back(tmp_path: Path) -> None:
     # The count committed in its thread after the stop: items that never ran came back as
     # suspects, and a few such stops failed them.
