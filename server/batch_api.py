@@ -71,6 +71,14 @@ def _files_full(stored: int, most: int, in_flight: int = 0) -> ApiError:
         "(DELETE /v1/files/ID)"))
 
 
+def _check_num_files(num_files: int, most: int) -> None:
+    if num_files >= most:
+        raise ApiError(ErrorCode.TOO_MANY_FILES, (
+            f"this API key keeps {num_files} files, the most it may keep "
+            "(--max-files-per-key), results included: delete some first "
+            "(DELETE /v1/files/ID)"))
+
+
 @router.post("/v1/files")
 async def upload_file(request: Request) -> dict[str, Any]:
     """Multipart upload (`file`, `purpose=batch`), streamed to disk under a new id. Each
@@ -83,7 +91,8 @@ async def upload_file(request: Request) -> dict[str, Any]:
     most = limits.max_stored_file_bytes
     in_flight = ctx.files.uploads_in_flight
     async with ctx.upload_locks[owner]:  # a file kept meanwhile is in `stored`, or reserved
-        stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
+        stored, num_files = await asyncio.to_thread(ctx.batch_store.stored, owner)
+        _check_num_files(num_files, limits.max_files_per_key)
         reserved = in_flight.num_reserved(owner)
         room = most - stored - reserved
         if room <= 0:
@@ -112,10 +121,13 @@ async def _receive_file(request: Request, ctx: AppContext, owner: str,
         upload = await receive_upload(request, writer, limits.max_batch_items)
         if upload.fields.get("purpose") != INPUT_PURPOSE:
             raise ApiError(ErrorCode.BAD_MESSAGE, f"purpose must be {INPUT_PURPOSE!r}")
+        if upload.num_bytes == 0:  # (free of the stored bytes: files without end)
+            raise ApiError(ErrorCode.INVALID_FILE, "the file is empty", param="file")
         record = FileRecord(file_id, owner, INPUT_PURPOSE, upload.filename, upload.num_bytes,
                             time.time())
         async with ctx.upload_locks[owner]:
-            stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
+            stored, num_files = await asyncio.to_thread(ctx.batch_store.stored, owner)
+            _check_num_files(num_files, limits.max_files_per_key)
             most = limits.max_stored_file_bytes
             if stored + upload.num_bytes > most:  # batch results written meanwhile
                 raise _files_full(stored, most)

@@ -146,9 +146,15 @@ class BatchStore:
 
     def stored_bytes(self, owner: str) -> int:
         """Bytes of `owner`'s files not deleted (inputs and results)."""
+        return self.stored(owner)[0]
+
+    def stored(self, owner: str) -> tuple[int, int]:
+        """(bytes, number) of `owner`'s files not deleted (inputs and results)."""
         with self.db.locked() as db:
-            return int(db.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM files WHERE owner = ?"
-                                  " AND deleted_at IS NULL", (owner,)).fetchone()[0])
+            num_bytes, num_files = db.execute(
+                "SELECT COALESCE(SUM(num_bytes), 0), COUNT(*) FROM files WHERE owner = ?"
+                " AND deleted_at IS NULL", (owner,)).fetchone()
+        return int(num_bytes), int(num_files)
 
     def get_file(self, owner: str, file_id: str) -> FileRecord | None:
         with self.db.locked() as db:

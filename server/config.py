@@ -133,6 +133,11 @@ class ServerConfig:
         "and a batch is created only while the key has room (its results, written as it "
         "finishes, may pass it by their size)",
         default=8 * 1024 ** 3)
+    max_files_per_key: int = doc(
+        "Most files (batch inputs, outputs and errors) one API key keeps, all keys together "
+        "without keys; an upload past it is refused with too_many_files until files are "
+        "deleted (each costs a file on disk and a row read at every start, whatever its "
+        "size)", default=10_000)
     max_batch_items: int = doc("Most requests (lines) in one batch input file", default=50_000)
     max_custom_id_chars: int = doc("Longest custom_id of a batch input line, in characters "
                                    "(a line's longest is --max-frame-bytes)", default=512)
@@ -219,7 +224,8 @@ class ServerConfig:
                      "max_choices", "max_tools", "max_prompt_logprobs_tokens",
                      "max_inflight_per_connection", "max_connections", "max_connections_per_key",
                      "max_inflight_per_key", "max_sessions_listed", "max_sessions_per_key",
-                     "max_session_messages", "max_batch_file_bytes", "max_stored_file_bytes", "max_batch_items",
+                     "max_session_messages", "max_batch_file_bytes", "max_stored_file_bytes",
+                     "max_files_per_key", "max_batch_items",
                      "max_custom_id_chars", "max_unfinished_batches", "max_batch_item_attempts",
                      "max_batch_concurrency", "dashboard_history", "dashboard_max_requests"):
             value = getattr(self, name)

@@ -33,6 +33,7 @@ class ErrorCode(enum.StrEnum):
     TOO_MANY_REQUESTS = "too_many_requests"
     SESSION_BUSY = "session_busy"
     TOO_MANY_SESSIONS = "too_many_sessions"
+    TOO_MANY_FILES = "too_many_files"
     SESSION_FULL = "session_full"
     ENGINE_ERROR = "engine_error"
     SHUTTING_DOWN = "shutting_down"
@@ -70,6 +71,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.TOO_MANY_REQUESTS: 429,
     ErrorCode.SESSION_BUSY: 409,
     ErrorCode.TOO_MANY_SESSIONS: 429,
+    ErrorCode.TOO_MANY_FILES: 429,
     ErrorCode.SESSION_FULL: 409,
     ErrorCode.ENGINE_ERROR: 500,
     ErrorCode.SHUTTING_DOWN: 503,

@@ -376,6 +376,23 @@ def test_stored_files_are_limited_per_key(tmp_path: Path) -> None:
         assert client.files.create(file=("c.jsonl", one), purpose="batch").bytes == len(one)
 
 
+def test_files_are_limited_in_number_per_key_and_none_is_empty(tmp_path: Path) -> None:
+    # An empty file cost nothing of the stored bytes, and a key's files had no limit in
+    # number: each one a file on disk and a row read at every start (found by a review).
+    with batch_server(tmp_path, max_files_per_key=2, max_stored_file_bytes=10_000) as live:
+        client = live.client()
+        with pytest.raises(openai.BadRequestError, match="empty"):
+            client.files.create(file=("e.jsonl", b""), purpose="batch")
+        first = client.files.create(file=("a.jsonl", b"{}\n"), purpose="batch")
+        client.files.create(file=("b.jsonl", b"{}\n"), purpose="batch")
+        with pytest.raises(openai.RateLimitError, match="--max-files-per-key"):
+            client.files.create(file=("c.jsonl", b"{}\n"), purpose="batch")
+        assert len(client.files.list().data) == 2
+        client.files.delete(first.id)
+        client.files.create(file=("c.jsonl", b"{}\n"), purpose="batch")
+    assert len(list((tmp_path / "files").iterdir())) == 2
+
+
 def test_uploads_in_flight_together_cannot_pass_the_stored_bytes_limit(tmp_path: Path) -> None:
     """Two uploads that each fit alone stream in at the same time: one is kept, the other is
     refused at the end, and nothing of it stays on disk."""
