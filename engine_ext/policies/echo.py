@@ -212,7 +212,7 @@ class EchoPolicy(Policy):
                 is_short = is_short or new > 0 or is_short_of_pages
                 # (but a running prefill computes the chunk the pages allow: left out whole,
                 # a step of only such requests was empty, and vLLM's own step preempted one)
-                if not (view.is_running and 0 < new and pages <= room):
+                if not (view.is_running and new > 0 and pages <= room):
                     continue
             if new <= 0:
                 continue
