@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -145,8 +145,18 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
             return FileResponse(str(static / name))
         return serve_page
 
-    for path, name in (("/", "index.html"), ("/dashboard", "dashboard.html"),
-                       ("/batches", "batches.html")):
+    # The chat page knows the server's message limits: a message over the websocket's frame
+    # limit closed the connection (1009) with no word of why, cutting every reply on it.
+    limits = config.server
+    chat_page = (static / "index.html").read_text(encoding="utf-8").replace(
+        "<body ", f'<body data-max-content-chars="{limits.max_content_chars}" '
+                  f'data-max-frame-bytes="{limits.max_frame_bytes}" ', 1)
+
+    async def serve_chat_page() -> HTMLResponse:
+        return HTMLResponse(chat_page)
+
+    app.add_api_route("/", serve_chat_page, methods=["GET"], include_in_schema=False)
+    for path, name in (("/dashboard", "dashboard.html"), ("/batches", "batches.html")):
         app.add_api_route(path, page(name), methods=["GET"], include_in_schema=False)
 
     return app

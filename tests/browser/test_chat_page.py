@@ -399,6 +399,32 @@ def test_a_new_chat_whose_session_is_refused_gives_the_message_back(
         assert len(sessions(base)) == (1 if refusal == "too_many_sessions" else 0)
 
 
+@pytest.mark.parametrize("limit", ["max_content_chars", "max_frame_bytes"])
+def test_a_message_over_the_servers_limits_is_refused_before_it_is_sent(
+        tmp_path: Path, page: Any, limit: str) -> None:
+    """A message over the websocket's frame limit (a pasted log) closed the connection (1009)
+    with no word of why: the text came back in the composer, every reply streaming on the
+    socket was cut, and a new chat's session was left empty (found by a review)."""
+    config = scripted_config(tmp_path, max_content_chars=1500, max_frame_bytes=1000)
+    # (a frame up to 4 times the limit reaches the server, which refuses it as too_large)
+    text = "x" * 1501 if limit == "max_content_chars" else "😀" * 1100  # 4,400 bytes
+    with live_server(config, ScriptedEngine()) as base:
+        open_chat(page, base)
+        page.locator("#composer").fill(text)
+        page.locator("#composer").press("Enter")
+        page.locator("#error:not([hidden])").wait_for()
+        shown = page.locator("#error").inner_text()
+        assert "too_large" in shown
+        assert ("1501 characters" in shown) if limit == "max_content_chars" else ("1000" in shown)
+        assert page.locator("#composer").input_value() == text
+        assert page.locator("body[data-connected=true]").count() == 1
+        assert sessions(base) == []
+        page.locator("#composer").fill("a short one")
+        page.locator("#composer").press("Enter")
+        page.locator("#messages > .msg.assistant:not(.streaming)").wait_for()
+        assert len(sessions(base)) == 1
+
+
 def test_the_dashboard_counts_down_to_its_next_try(url: str, page: Any) -> None:
     """"Offline, retrying in 8 s…" stayed as it was until the next try (the chat page's
     status counts down)."""

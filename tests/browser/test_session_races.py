@@ -246,6 +246,13 @@ def two_chats_showing_the_first(page: Any, url: str) -> Any:
     return one
 
 
+def without_the_pages_limits(page: Any) -> None:
+    """The chat page without the server's message limits, as an older page was: it sends a
+    message over them, for the server to refuse."""
+    page.evaluate("delete document.body.dataset.maxContentChars;"
+                  "delete document.body.dataset.maxFrameBytes")
+
+
 def errors_after_the_next_session(held: list[Any]) -> Any:
     """A `relay` filter: the server's errors held until its next `session` frame."""
     def hold(frame: Any, send: Any) -> None:
@@ -277,6 +284,7 @@ def test_a_message_refused_after_going_to_another_chat_goes_back_to_its_own(
     text went into chat two's composer, and Enter sent it there."""
     page.route_web_socket("**/v1/ws", lambda ws: relay(ws, errors_after_the_next_session([])))
     one = two_chats_showing_the_first(page, url)
+    without_the_pages_limits(page)
     page.locator("#composer").fill("y" * 1001)  # refused: too long
     page.locator("#composer").press("Enter")
     page.locator(".session-row", has_text="chat two").locator(".session-item").click()
@@ -406,6 +414,7 @@ def test_two_new_chats_refused_while_another_is_shown_each_give_their_message_ba
     deleted and one message came back; the other was lost."""
     page.route_web_socket("**/v1/ws", lambda ws: relay(ws, errors_after_the_next_session([])))
     open_chat(page, url)
+    without_the_pages_limits(page)
     send(page, "chat x")
     for text in ("y" * 1001, "z" * 1001):  # refused: too long
         page.locator("#new-session").click()

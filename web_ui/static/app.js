@@ -322,11 +322,34 @@ function regenerate() {
   refreshControls();
 }
 
+/** Why the server would refuse `content` for its size, or null. The page is served with the
+ * server's limits: a message over the websocket's frame limit closed the connection (1009)
+ * with no word of why, cutting every reply on it. */
+function overLimit(content) {
+  const limits = ui.body.dataset;
+  const maxChars = Number(limits.maxContentChars) || Infinity;
+  const maxBytes = Number(limits.maxFrameBytes) || Infinity;
+  const chars = [...content].length; // (code points, as the server counts them)
+  if (chars > maxChars) return `The message has ${chars} characters; the limit is ${maxChars}.`;
+  const frame = JSON.stringify({
+    type: "message", session_id: state.currentId ?? "s_" + "0".repeat(32), content,
+    request_id: newRequestId(),
+  });
+  const bytes = new TextEncoder().encode(frame).length;
+  if (bytes > maxBytes) return `The message takes ${bytes} bytes to send; the limit is ${maxBytes}.`;
+  return null;
+}
+
 function submit() {
   const content = composer.value;
   if (composer.isBlank() || isGenerating() || state.queued !== null || answeredElsewhere()) return;
   if (!client.connected) {
     showError("disconnected", "Not connected to the server; reconnecting…");
+    return;
+  }
+  const tooLarge = overLimit(content);
+  if (tooLarge !== null) {
+    showError("too_large", tooLarge);
     return;
   }
   hideError();
@@ -628,11 +651,14 @@ client.addEventListener("open", () => {
 
 client.addEventListener("close", (ev) => {
   ui.body.dataset.connected = "false";
-  const { retryInMs } = ev.detail;
+  const { code, reason, retryInMs } = ev.detail;
   clearInterval(countdown);
   if (client.authRequired) ui.status.textContent = "API key required";
   else if (retryInMs === null) ui.status.textContent = "Disconnected";
   else showReconnecting(retryInMs);
+  if (code === 1009) {  // a frame over the server's limit (one past the page's own check)
+    showError("too_large", `The server closed the connection: a message was too large (${reason}).`);
+  }
   for (const [rid, entry] of [...state.pending.entries()]) {
     // A message the server never said it kept goes back to the composer of its chat (the
     // session, opened again once connected, shows what the server kept): it was lost.
