@@ -1732,3 +1732,57 @@ def test_a_chunk_evicted_while_its_checkpoint_is_taken_cuts_the_checkpoint(
         assert p.stats()["checkpoint_short_tokens"] == 10
     finally:
         p.close()
+
+
+def test_an_overtaken_advisory_gives_its_pins_back_once_its_turn_has_pinned_its_kv(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The turn came while its session's advisory waited in the prefetch queue behind
+    another's slow fetch: the advisory kept the pins it was given until the prefetch thread
+    reached it, long past the turn, and the session's deletion meanwhile erased around them,
+    leaving its KV in host memory (found by a review)."""
+    import antiphon.tiering.planner as planner_module
+    from antiphon.tiering.keys import chain_hashes
+
+    first = make_planner(tmp_path / "ssd")
+    run_turn(first, "r9", OTHER, [20, 21, 22], session="s9")
+    first.close()
+    planner = make_planner(tmp_path / "ssd")  # s9's KV on the SSD tier only
+    ssd = planner.store.tiers[1]
+    read, gate, reads = ssd.get, threading.Event(), [0]
+
+    def slow_read(key: ChunkKey) -> Any:
+        reads[0] += 1
+        gate.wait(30)
+        return read(key)
+
+    try:
+        context = [*TURN1, 110]
+        run_turn(planner, "r1", context, [7, 8, 9], session="s1")  # in host memory
+        planner.store.flush()
+        ssd.get = slow_read  # type: ignore[method-assign]
+        planner.advise("s9", OTHER, expected_arrival_s=0.0)  # its fetch runs, and waits
+        deadline = time.monotonic() + 10
+        while reads[0] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        planner.advise("s1", context, expected_arrival_s=60.0)  # queued behind it
+        assert planner.host._index.pinned_bytes > 0
+        view = TokenView("r2", [*context, 111], session="s1")
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) == 10
+        planner.test_blocks["r2"] = [30, 31, 32]
+        planner.plan_load("r2", [30, 31, 32], 10, len(view.token_ids))
+        meta = planner.build_metadata([("r2", 11)])
+        planner.step_done({meta.step}, set())
+        planner.request_finished("r2", 11, [30, 31, 32])
+        done = planner.build_metadata([])
+        planner.step_done({done.step}, set())
+        assert planner.host._index.pinned_bytes == 0  # the turn is over: nothing held for it
+        monkeypatch.setattr(planner_module, "PREFETCH_SETTLE_TIMEOUT_S", 0.5)
+        erased, kept = planner.erasure.forget("s1", [[*context, 111]]).result(20)
+        assert erased and kept == 0
+        hashes = chain_hashes([[*context, 111]], CHUNK, planner.model_id)
+        stored = planner.host.keys()
+        assert [k for k in stored if k.prefix_hash in hashes] == []
+    finally:
+        gate.set()
+        planner.close()

@@ -92,7 +92,7 @@ class AdvisoryBook:
         advisory = self._advisories.get(session)
         handle = None if advisory is None else advisory.handle
         due = self.due(expected_arrival_s)
-        if (advisory is None or handle is None or handle.failed_keys()
+        if (advisory is None or handle is None or advisory.overtaken or handle.failed_keys()
                 or priority > advisory.priority
                 or (due < advisory.due_at and not handle.is_done)
                 or len(handle.keys) != len(keys) or set(handle.keys) != set(keys)):
@@ -114,9 +114,11 @@ class AdvisoryBook:
         advisory = self._advisories.get(session)
         if advisory is not None and advisory.handle is not None \
                 and not advisory.handle.is_done:
-            # its pins kept until it settles: the turn has not pinned its KV yet
-            self._prefetcher.retire(advisory.handle, release_now=False)
-            advisory.handle, advisory.overtaken = None, True
+            # Its pins are kept until the turn has pinned its KV (`use`). (Retired here, they
+            # went only once the prefetch thread reached it: a queued prefetch behind others'
+            # kept them long past the turn, and a deletion meanwhile erased around them.)
+            advisory.handle.cancel()
+            advisory.overtaken = True
 
     def use(self, session: str) -> None:
         """A turn of `session` came: its advisory, if any, is used (counted, released)."""
@@ -132,6 +134,8 @@ class AdvisoryBook:
             return  # its KV went back to the tiers below; the turn loaded what it needed
         if advisory.overtaken:
             c.advisories_late += 1  # (its prefetch was stopped when the turn came)
+            if advisory.handle is not None:
+                self._prefetcher.retire(advisory.handle)
             return
         handle = advisory.handle
         if handle is None:

@@ -135,10 +135,8 @@ class PrefetchQueue:
 
     def _overtaken(self, running: Order) -> bool:
         """A prefetch that goes before the one running (`running`: its order) is waiting:
-        a turn's, or an advisory's of higher priority (one as high due sooner waits: each
-        would stop the other as their expected arrivals came and went)."""
+        a turn's, an advisory's of higher priority, or one as high due sooner (an advisory
+        due now waited for the whole fetch of one due in ten minutes). Orders are fixed at
+        submission, so two never stop each other in turn."""
         with self._cond:
-            if not self._heap:
-                return False
-            first = self._heap[0][0]
-            return first < running and (first[0] < running[0] or first[0] == -math.inf)
+            return bool(self._heap) and self._heap[0][0] < running
