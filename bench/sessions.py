@@ -171,7 +171,10 @@ async def run_user(chat: ChatClient, messages: Sequence[str], advise: Sequence[b
     """One simulated user's conversation: type, send, read the reply, type the next; each
     follow-up probed (`probe`) while the reply before it is read (the follow-up goes at read
     plus type time, as the think-time model has it: probed after the typing, it went a probe
-    later, and the typing advisory had that much more lead)."""
+    later, and the typing advisory had that much more lead). The typing starts when the
+    reading ends whatever the probe: a probe that outlasts reading and typing holds back
+    only the send (typing after the probe, the slower system's users thought longer and
+    offered less load, and its advisories came late; found by a review)."""
     results: list[TurnResult] = []
     await asyncio.sleep(think_time_s("", messages[0], time_scale)[1])
     async with chat:
@@ -181,12 +184,12 @@ async def run_user(chat: ChatClient, messages: Sequence[str], advise: Sequence[b
                 probed = None if probe is None else asyncio.ensure_future(probe(turn, message))
                 try:
                     await asyncio.sleep(read_s)
+                    await type_message(chat, type_s, advise[turn])
                     if probed is not None:
-                        await probed  # (longer than the reading: typing starts after it)
+                        await probed
                 finally:
                     if probed is not None and not probed.done():
                         probed.cancel()
-                await type_message(chat, type_s, advise[turn])
             results.append(await chat.turn(message))
     return results
 
@@ -261,7 +264,10 @@ async def measure_systems(systems: Sequence[System], server: ServerProcess, swee
     """The whole sweep of each of `systems` on one running server (stock vLLM alone; the
     Antiphon systems each with its key): at point `p` they run one after another, in their
     order rotated by `rotate + p`. Returns each system's result by name."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # (idle connections dropped after 1 s, as `bench mixed` does: at httpx's 5 s, vLLM's
+    # uvicorn keep-alive, a request could go out on a connection the server was closing)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                          keepalive_expiry=1.0)
     is_stock = systems[0].is_stock_vllm
     headers = {} if is_stock else {"Authorization": f"Bearer {system_key(systems[0])}"}
     async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits,
