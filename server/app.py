@@ -93,6 +93,7 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
             segments.forget()
             ctx.store.close()
             ctx.batch_store.close()
+            ctx.chat.close()
             gc.unfreeze()  # (an app run in a test's process leaves it as it found it)
 
     # No /docs or /redoc: FastAPI's pages load their scripts from a CDN, which the pages'

@@ -22,6 +22,7 @@ import logging
 import time
 from typing import Any
 
+from antiphon.engine_ext.types import RequestClass
 from antiphon.server.batch_endpoints import ENDPOINTS, check_batch_line
 from antiphon.server.batch_input import parse_body, read_items
 from antiphon.server.batch_store import BatchStore
@@ -34,7 +35,7 @@ from antiphon.server.batch_types import (
     PendingItem,
     new_file_id,
 )
-from antiphon.server.chat import ChatService
+from antiphon.server.chat import ChatService, Generation
 from antiphon.server.choices import run_choices
 from antiphon.server.errors import ApiError, ErrorCode, is_storage_full
 from antiphon.server.file_store import FileStore
@@ -349,10 +350,14 @@ class BatchRunner:
         """Run one request of `batch` on the engine as BE; None when the engine failed (not the
         request), so the item stays pending and runs again."""
         endpoint = ENDPOINTS[batch.endpoint]
-        try:
+        def prepare() -> tuple[Any, list[Generation]]:
             body: Any = parse_body(item.body, batch.endpoint)  # has `model`
             check_batch_line(body)  # (an item an older server checked may ask for a session)
-            gens = endpoint.prepare(self.chat, body, batch.owner)
+            return body, endpoint.prepare(self.chat, body, batch.owner)
+
+        try:
+            # (off the event loop, on the batch items' own render thread)
+            body, gens = await self.chat.off_loop(prepare, request_class=RequestClass.BE)
             await run_choices(self.chat, gens, api="batch")
         except ApiError as err:
             if err.http_status < 500:

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 from antiphon.engine_ext.engine import (
     Engine,
@@ -40,6 +42,8 @@ from antiphon.server.metrics import FinishedRequest, ServerMetrics
 from antiphon.server.protocol import SEED_RANGE
 from antiphon.server.tools import ToolUse
 from antiphon.sessions.store import TurnUndo
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +205,25 @@ class ChatService:
         # Set when a shutdown's drain ends with replies still streaming: REST responses
         # (`choices.stream_choices`) then end with a `shutting_down` error.
         self.cut_short = asyncio.Event()
+        # Rendering and tokenizing a conversation (tens of ms for a long one, more for a turn
+        # that cuts its window) runs off the event loop, where it held every stream's next
+        # token: a thread for chat turns, completions and advisories, and one for batch items
+        # (a batch's renders do not queue ahead of a turn's).
+        self._render_threads = {
+            cls: concurrent.futures.ThreadPoolExecutor(1, f"render-{cls.value}")
+            for cls in RequestClass}
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any,
+                       request_class: RequestClass = RequestClass.RT, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` (a render, a request's preparation) on the render thread of
+        `request_class`."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._render_threads[request_class], functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        """Let the render threads go (what they run finishes)."""
+        for pool in self._render_threads.values():
+            pool.shutdown(wait=False)
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -89,7 +89,8 @@ async def chat_completions(request: Request) -> Response:
     session_id = session_xarg(body)
     if session_id is not None:
         await ctx.turns.get(owner, session_id)
-    gens = prepare_completion(ctx.chat, body, owner, session_id=session_id)
+    gens = await ctx.chat.off_loop(prepare_completion, ctx.chat, body, owner,
+                                   session_id=session_id)
     slot = ctx.inflight_per_key.take(owner, len(gens))
     if session_id is not None:
         hold = None
@@ -114,7 +115,7 @@ async def completions(request: Request) -> Response:
     owner = authorize(request)
     ctx.chat.check_open()
     body = await read_model(request, TextCompletionRequest)
-    gens = prepare_text_completion(ctx.chat, body, owner)
+    gens = await ctx.chat.off_loop(prepare_text_completion, ctx.chat, body, owner)
     slot = ctx.inflight_per_key.take(owner, len(gens))
     return await _respond(request, gens, slot, body)
 

@@ -229,7 +229,8 @@ class SessionTurns:
             # with tools would differ: the next turn's tools are not known yet.)
             tokens = list(context.token_ids)
         elif seen.history:
-            tokens = self.chat.engine.continue_chat(seen.turns, context, open_reply=False)
+            tokens = await self.chat.off_loop(self.chat.engine.continue_chat, seen.turns,
+                                              context, open_reply=False)
         else:
             tokens = []  # a new session: no conversation to bring forward yet
         held = 0 if not tokens else await self.chat.engine.advise(
@@ -297,8 +298,8 @@ class SessionTurns:
                 raise ApiError(ErrorCode.BAD_MESSAGE, f"session {msg.session_id} has no "
                                "message to answer again")
             self._check_room(session, len(turns) - seen.lead - len(seen.history) + 1)
-            gen, cut = self._prepare_in_window(owner, msg, request_id, turns, seen.lead,
-                                               seen.context)
+            gen, cut = await self.chat.off_loop(self._prepare_in_window, owner, msg,
+                                                request_id, turns, seen.lead, seen.context)
             gen.tool_use = msg.tool_use()
             gen.context_start = start + cut
             gen.replaces_reply = replaces_reply

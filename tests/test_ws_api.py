@@ -1164,3 +1164,28 @@ async def test_a_frame_answered_after_the_client_left_is_no_server_error(
     with caplog.at_level(logging.ERROR), pytest.raises(WebSocketDisconnected):
         await connection._handle_frame('{"type": "session.list"}')  # serve() returns on it
     assert not caplog.records and errors == []
+
+
+async def test_conversations_render_off_the_event_loop(scripted: Scripted,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A websocket turn rendered its conversation (three times with a stored context, more
+    where it cut the window) on the event loop, and so did a REST completion: every stream's
+    next token waited (a 40,000-token session held another's tokens for 244 ms; found by a
+    review)."""
+    threads: list[str] = []
+    render = ScriptedEngine.continue_chat
+
+    def recorded(self: ScriptedEngine, *args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return render(self, *args, **kwargs)
+
+    monkeypatch.setattr(ScriptedEngine, "continue_chat", recorded)
+    async with connect(scripted.ws_url) as ws:
+        sid = (await open_session(ws))["session"]["session_id"]
+        await chat(ws, sid, "hello there")
+        await chat(ws, sid, "and again")
+    async with httpx.AsyncClient(base_url=scripted.url) as http:
+        r = await http.post("/v1/chat/completions", json={
+            "model": "scripted", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200
+    assert len(threads) >= 3 and all(name.startswith("render-rt") for name in threads), threads
