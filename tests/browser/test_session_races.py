@@ -434,3 +434,36 @@ def test_two_new_chats_refused_while_another_is_shown_each_give_their_message_ba
         given_back.append(page.locator("#composer").input_value())
         page.locator("#composer").fill("")
     assert sorted(given_back) == ["y" * 1001, "z" * 1001]
+
+
+def test_an_open_answered_after_new_chat_was_clicked_leaves_the_new_chat_shown(
+        url: str, page: Any) -> None:
+    """A chat's open (a sidebar pick, the resync when the page is shown again) answered after
+    "+ New chat" was clicked took the view back to that chat, and the next message, a fresh
+    topic, went into it (found by a review)."""
+    held: list[Any] = []
+    armed = [False]
+
+    def hold_the_next_session(frame: Any, send_on: Any) -> None:
+        if armed[0] and json.loads(frame).get("type") == "session":
+            armed[0] = False
+            held.append(lambda: send_on(frame))
+            return
+        send_on(frame)
+
+    page.route_web_socket("**/v1/ws", lambda ws: relay(ws, hold_the_next_session))
+    open_chat(page, url)
+    send(page, "chat A message")
+    armed[0] = True
+    page.locator(".session-row", has_text="chat A message").locator(".session-item").click()
+    wait_on_page(page, lambda: bool(held), "the open held")
+    page.locator("#new-session").click()
+    held[0]()  # its answer comes now
+    page.wait_for_timeout(300)
+    title_is(page, "New chat")
+    send(page, "a fresh topic")
+    listed = sessions(url)
+    assert len(listed) == 2
+    first = next(s for s in listed if s["title"] == "chat A message")
+    assert [m["content"] for m in messages_of(url, first["session_id"])][0::2] == [
+        "chat A message"]

@@ -24,6 +24,7 @@ const state = {
   queued: null, // message content waiting for a freshly opened session
   queuedSystem: null, // the system message that session is opened with
   queuedOpen: null, // the request id of that session's open (its `session` frame names it)
+  viewOpen: null, // the request id of the open of the chat to show (`showSession`)
   // Renames and deletions sent: request id -> {kind, sessionId} (an error names its frame).
   sessionOps: new Map(),
   blankAfterQueued: false, // "New chat" was clicked while the queued message's session opened
@@ -174,6 +175,7 @@ function restoreDraft(key) {
 }
 
 function showBlankChat() {
+  state.viewOpen = null; // (an open in flight no longer decides what is shown)
   setCurrentSession(null);
   ui.messages.replaceChildren();
   ui.title.textContent = "New chat";
@@ -228,10 +230,20 @@ function renderEntry(entry, now = false) {
   }
 }
 
+/** Open `id` to show it. Only the `session` frame answering the latest such open (or a new
+ * chat's, `openForQueued`) sets what the page shows, and none once "+ New chat" blanked it:
+ * an open's answer landing after the user had gone on (a sidebar pick, the resync when the
+ * page is shown again, then a click on "+ New chat") took the view back, and the next
+ * message went into that chat. */
+function showSession(id) {
+  state.viewOpen = newRequestId();
+  return client.openSession(id, null, state.viewOpen);
+}
+
 function pickSession(id) {
   setSidebar(false);
   if (!client.connected) showError("disconnected", "Not connected to the server; reconnecting…");
-  else client.openSession(id);
+  else showSession(id);
 }
 
 function renameSession(id, title) {
@@ -414,6 +426,13 @@ const handlers = {
 
   session(msg) {
     const s = msg.session || {};
+    const forView = msg.request_id !== undefined
+      && (msg.request_id === state.viewOpen || msg.request_id === state.queuedOpen);
+    if (!forView) { // an open the user has gone on from: listed, not shown
+      if (s.session_id) upsertSession(s);
+      renderSessions();
+      return;
+    }
     state.restoring = false;
     // Opened again to see whether another tab's reply is in: the reader's scroll stays.
     const polled = answeredElsewhere() && s.session_id === state.currentId;
@@ -467,7 +486,7 @@ const handlers = {
       state.replyingPoll = setTimeout(() => {
         if (state.replyingElsewhere === id && state.currentId === id && client.connected
             && !document.hidden) {
-          client.openSession(id);
+          showSession(id);
         }
       }, REPLYING_POLL_MS);
     }
@@ -522,7 +541,7 @@ const handlers = {
     const cancelled = msg.finish_reason === "cancelled";
     finishEntry(msg.request_id, { cls: cancelled ? "cancelled" : null });
     if (entry.regenerate && entry.raw === "" && msg.session_id === state.currentId) {
-      client.openSession(msg.session_id); // stopped before its first word: the old reply stays
+      showSession(msg.session_id); // stopped before its first word: the old reply stays
     }
     if (msg.session_id === state.currentId) markContextStart(ui.messages, msg.context_start);
     scrollToBottom();
@@ -563,7 +582,10 @@ const handlers = {
       else renderSessions();
       return;
     }
-    const silent = msg.code === "session_not_found" && !msg.request_id && state.restoring;
+    // (the open of the chat shown: an earlier one's, or a typing notice's, leaves it be)
+    const isViewOpen = Boolean(msg.request_id) && msg.request_id === state.viewOpen;
+    const silent = msg.code === "session_not_found" && (isViewOpen ? state.restoring
+      : !msg.request_id); // (a typing notice's, of a chat deleted meanwhile: nothing to say)
     if (!silent) showError(msg.code, msg.message);
     if (state.queued !== null && msg.request_id === state.queuedOpen) {
       // The session a new chat's first message waited for was refused (the key's sessions at
@@ -606,9 +628,9 @@ const handlers = {
       }
       finishEntry(msg.request_id, { cls: "failed", note: `${msg.code}: ${msg.message}` });
       if (entry.regenerate && entry.sessionId === state.currentId) {
-        client.openSession(entry.sessionId); // what the server kept (the old reply, if any)
+        showSession(entry.sessionId); // what the server kept (the old reply, if any)
       }
-    } else if (msg.code === "session_not_found") {
+    } else if (msg.code === "session_not_found" && isViewOpen) {
       // A remembered or listed session that no longer exists: start fresh (a new chat's
       // first message waiting for its session still goes to it: it was dropped).
       state.restoring = false;
@@ -645,7 +667,7 @@ client.addEventListener("open", () => {
   // shown meanwhile, picked just before it, gives way: left waiting, it was lost for good).
   state.restoring = Boolean(state.currentId) && state.queued === null;
   if (state.queued !== null) openForQueued();
-  else if (state.currentId) client.openSession(state.currentId);
+  else if (state.currentId) showSession(state.currentId);
   refreshControls();
 });
 
@@ -710,7 +732,7 @@ function resync() {
   if (!client.connected || document.hidden) return;
   client.listSessions();
   if (state.currentId && !isGenerating() && state.queued === null) {
-    client.openSession(state.currentId);
+    showSession(state.currentId);
   }
 }
 // When the user comes back to the page (another tab, another window) it resyncs, or, while
