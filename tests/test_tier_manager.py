@@ -529,3 +529,32 @@ def test_kv_tiering_refuses_a_model_without_full_attention_in_every_layer() -> N
             check_supported(1, config(*groups))
     with pytest.raises(ValueError, match="one worker"):
         check_supported(2, config(full))
+
+
+@pytest.mark.parametrize("due", ["turn", "advisory"])
+def test_closing_the_prefetch_queue_stops_the_fetch_running(due: str) -> None:
+    # A running fetch ran to its last key before the queue closed: a long context on a slow
+    # disk held the engine's shutdown (found by a review).
+    import time
+
+    from antiphon.tiering.prefetch_queue import URGENT, PrefetchQueue
+
+    fast = MemoryTier(10_000, name="fast")
+    slow = MemoryTier(10_000, name="slow")
+    keys = [k for chunk in GRID for k in chunk]
+    for k in keys:
+        slow.put(k, data(k))
+    read, reads = slow.get, [0]
+
+    def slow_read(key: ChunkKey) -> bytes | memoryview | None:
+        reads[0] += 1
+        time.sleep(0.05)
+        return read(key)
+
+    slow.get = slow_read  # type: ignore[method-assign]
+    queue = PrefetchQueue([fast, slow])
+    handle = queue.submit(keys, due=URGENT if due == "turn" else time.monotonic() + 600)
+    time.sleep(0.12)
+    queue.close()
+    assert handle.is_done and not handle.wait(0)
+    assert reads[0] < len(keys) // 2

@@ -121,8 +121,7 @@ class PrefetchQueue:
             # A turn's fetch does not wait for an advisory's (a long context's thousands of
             # chunk-layers), nor a chat turn's for a batch item's restore, nor an advisory's
             # for one of lower priority: the one running stops between keys and goes on after.
-            if not handle.run(None if order[1] == URGENT
-                              else functools.partial(self._overtaken, order)):
+            if not handle.run(functools.partial(self._overtaken, order)):
                 with self._cond:
                     if not self._closed:
                         heapq.heappush(self._heap, (order, seq, handle))
@@ -138,5 +137,6 @@ class PrefetchQueue:
         a turn's, an advisory's of higher priority, or one as high due sooner (an advisory
         due now waited for the whole fetch of one due in ten minutes). Orders are fixed at
         submission, so two never stop each other in turn."""
-        with self._cond:
-            return bool(self._heap) and self._heap[0][0] < running
+        with self._cond:  # (and every one stops once the queue closes: a long context's
+            # fetch on a slow disk held the engine's shutdown until its last key)
+            return self._closed or (bool(self._heap) and self._heap[0][0] < running)
