@@ -246,6 +246,9 @@ _TIERING_COUNTERS = (
      "or no host room)"),
     ("advisories_expired", "antiphon_kv_advisories_expired_total",
      "Advisories that expired unused"),
+    ("advisories_dropped", "antiphon_kv_advisories_dropped_total",
+     "Advisories let go unused before their expiry: replaced by a newer one of their "
+     "session, or their session deleted"),
     ("advisories_reclaimed", "antiphon_kv_advisories_reclaimed_total",
      "Advisories whose prefetched KV was given up for a running turn's host room, or an "
      "advisory expected sooner"),

@@ -1786,3 +1786,29 @@ def test_an_overtaken_advisory_gives_its_pins_back_once_its_turn_has_pinned_its_
     finally:
         gate.set()
         planner.close()
+
+
+def test_every_advisory_received_is_counted_used_expired_dropped_renewed_or_live(
+        tmp_path: Path) -> None:
+    """An advisory replaced by a newer one of its session (due sooner while its fetch still
+    moved: not renewed), or let go by a deletion, was counted neither used nor expired:
+    received advisories added up to more than the rest (found by a review)."""
+    planner = restarted_planner(tmp_path)
+    ssd = planner.store.tiers[1]
+    read, gate = ssd.get, threading.Event()
+    ssd.get = lambda key: (gate.wait(10), read(key))[1]  # type: ignore[method-assign]
+    try:
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=60.0)
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=0.0)  # sooner, still moving
+        gate.set()
+        view = TokenView("r2", [*TURN1, 110, 111], session="s1")
+        planner.add_request(view)
+        assert wait_for_admission(planner, view) == 10
+        planner.advise("s2", [*TURN1, 110], expected_arrival_s=60.0)
+        planner.erasure.forget("s2", []).result(10)
+        s = planner.stats()
+        assert (s["advisories_received"], s["advisories_dropped"]) == (3, 2)
+        assert s["advisories_received"] == s["advisories_used"] + s["advisories_expired"] \
+            + s["advisories_dropped"] + s["advisories_renewed"] + s["advisories_live"]
+    finally:
+        planner.close()

@@ -102,11 +102,19 @@ class AdvisoryBook:
         self._counters.advisories_renewed += 1
         return True
 
-    def release(self, session: str) -> None:
-        """Drop the session's advisory, if any, and its prefetch."""
+    def release(self, session: str) -> bool:
+        """Drop the session's advisory, if any, and its prefetch; whether there was one."""
         advisory = self._advisories.pop(session, None)
         if advisory is not None and advisory.handle is not None:
             self._prefetcher.retire(advisory.handle)
+        return advisory is not None
+
+    def drop(self, session: str) -> None:
+        """`release` the session's advisory unused (replaced by a newer one, or the session
+        deleted): counted dropped (uncounted, received advisories added up to more than those
+        used, expired and live)."""
+        if self.release(session):
+            self._counters.advisories_dropped += 1
 
     def overtake(self, session: str) -> None:
         """The session's turn came before its advised prefetch finished: that one stops, and

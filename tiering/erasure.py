@@ -58,7 +58,7 @@ class SessionErasure:
         done: Future[tuple[int, int]] = Future()
         with p.lock:
             if deleted:
-                p.advisories.release(session)
+                p.advisories.drop(session)
                 p.store.clear_hint(session)
                 self._deleting[session] += 1
             self._forgetting[session] = done

@@ -622,7 +622,7 @@ class TierPlanner:
                 # (the same KV, fetched or on its way: released and fetched again, a refresh
                 # let go of the pins it held, and queued their return behind others)
                 return match.num_tokens
-            self.advisories.release(session)  # (its pins hold no room for this one)
+            self.advisories.drop(session)  # (its pins hold no room for this one)
             # What the host holds of it is pinned first, the pins then handed to its prefetch:
             # counted as room, it was evicted by the prefetch's puts of the rest (layer 0
             # first: the session's own upper layers went), which then failed partway.
