@@ -467,3 +467,36 @@ def test_an_open_answered_after_new_chat_was_clicked_leaves_the_new_chat_shown(
     first = next(s for s in listed if s["title"] == "chat A message")
     assert [m["content"] for m in messages_of(url, first["session_id"])][0::2] == [
         "chat A message"]
+
+
+def test_a_message_the_server_took_as_the_connection_dropped_is_not_offered_again(
+        url: str, page: Any) -> None:
+    """The connection dropped after the server took a message and before its `accepted`
+    reached the page: the page gave the message back to the composer as never received,
+    the chat opened again showed it kept, and Enter sent it a second time (found by a
+    review)."""
+    armed = [False]
+
+    def route(ws: Any) -> None:
+        def from_server(frame: Any, send_on: Any) -> None:
+            if armed[0] and json.loads(frame).get("type") == "accepted":
+                armed[0] = False
+                ws.close()  # its `accepted` never reaches the page
+                return
+            send_on(frame)
+        relay(ws, from_server)
+
+    page.route_web_socket("**/v1/ws", route)
+    open_chat(page, url)
+    send(page, "first")
+    armed[0] = True
+    page.locator("#composer").fill("second question")
+    page.locator("#composer").press("Enter")
+    page.wait_for_selector("body[data-connected=false]")
+    page.wait_for_selector("body[data-connected=true]")
+    page.locator(".msg.user", has_text="second question").wait_for()
+    page.wait_for_timeout(500)
+    assert page.locator("#composer").input_value() == ""
+    sid = sessions(url)[0]["session_id"]
+    users = [m["content"] for m in messages_of(url, sid) if m["role"] == "user"]
+    assert users == ["first", "second question"]

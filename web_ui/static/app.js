@@ -25,6 +25,7 @@ const state = {
   queuedSystem: null, // the system message that session is opened with
   queuedOpen: null, // the request id of that session's open (its `session` frame names it)
   viewOpen: null, // the request id of the open of the chat to show (`showSession`)
+  givenBack: null, // the message the composer got back as the connection dropped (`wasReceived`)
   // Renames and deletions sent: request id -> {kind, sessionId} (an error names its frame).
   sessionOps: new Map(),
   blankAfterQueued: false, // "New chat" was clicked while the queued message's session opened
@@ -156,11 +157,36 @@ function upsertSession(session) {
 
 /** Keep a message the server refused or never got for the chat it was written in (`key`;
  * several new chats' first messages share NEW_CHAT, each given back in turn). */
-function keepDraft(key, entry) {
+function keepDraft(key, entry, lost = false) {
   const kept = state.drafts.get(key) ?? [];
-  kept.push({ content: entry.content, system: entry.system });
+  // (`lost`: given back as the connection dropped, it may have been received: `wasReceived`)
+  kept.push({ content: entry.content, system: entry.system, lost,
+              usersBefore: entry.usersBefore });
   state.drafts.set(key, kept);
   if (key === (state.currentId ?? NEW_CHAT)) restoreDraft(key); // (a new chat is shown)
+}
+
+/** Whether `messages` (a chat as the server keeps it) hold `given` (a message given back as
+ * the connection dropped, `{content, usersBefore}`) after all: the server took it, and its
+ * `accepted` was lost with the connection. Offered again, Enter sent it twice. */
+function wasReceived(messages, given) {
+  const users = messages.filter((m) => m.role === "user");
+  return users.length > (given.usersBefore ?? Infinity) && users.at(-1).content === given.content;
+}
+
+/** Drop what was given back for `sessionId` as the connection dropped and the server holds
+ * after all (`wasReceived`): from the composer, where the chat is shown, and its drafts. */
+function forgetReceived(sessionId, messages) {
+  const given = state.givenBack;
+  if (given?.sessionId === sessionId) {
+    state.givenBack = null;
+    if (wasReceived(messages, given) && composer.value === given.content) composer.clear();
+  }
+  const kept = state.drafts.get(sessionId);
+  if (kept === undefined) return;
+  const left = kept.filter((d) => !(d.lost && wasReceived(messages, d)));
+  if (left.length) state.drafts.set(sessionId, left);
+  else state.drafts.delete(sessionId);
 }
 
 /** The chat shown (`key`) gets back a message kept for it, when the composer is empty. */
@@ -293,6 +319,7 @@ function newSession() {
 
 function sendMessage(content, { opened = false, system = null } = {}) {
   const requestId = newRequestId();
+  const usersBefore = ui.messages.querySelectorAll(":scope > .msg.user").length;
   const user = makeBubble("user", content, requestId);
   ui.messages.append(user.root);
   const entry = addAssistantBubble(requestId, state.currentId);
@@ -300,6 +327,7 @@ function sendMessage(content, { opened = false, system = null } = {}) {
   entry.userRoot = user.root;
   entry.opened = opened; // the session was opened for this message: gone if it is refused
   entry.system = system; // (the system message it was opened with, given back with it)
+  entry.usersBefore = usersBefore; // (the chat's user messages before it: `wasReceived`)
   markSent();
   if (!client.sendMessage(state.currentId, content, requestId)) {
     finishEntry(requestId, { cls: "failed", note: "Not sent: connection lost." });
@@ -492,6 +520,7 @@ const handlers = {
     }
     if (s.session_id) upsertSession(s);
     renderSessions();
+    if (s.session_id) forgetReceived(s.session_id, Array.isArray(msg.messages) ? msg.messages : []);
     if (s.session_id) restoreDraft(s.session_id);
     refreshControls();
     scrollToBottom(stick); // with the Regenerate row refreshControls drew
@@ -685,8 +714,11 @@ client.addEventListener("close", (ev) => {
     // A message the server never said it kept goes back to the composer of its chat (the
     // session, opened again once connected, shows what the server kept): it was lost.
     if (entry.content && entry.root.dataset.accepted !== "true") {
-      if (entry.sessionId === state.currentId && composer.isBlank()) composer.value = entry.content;
-      else keepDraft(entry.sessionId, entry);
+      if (entry.sessionId === state.currentId && composer.isBlank()) {
+        composer.value = entry.content;
+        state.givenBack = { sessionId: entry.sessionId, content: entry.content,
+                            usersBefore: entry.usersBefore };
+      } else keepDraft(entry.sessionId, entry, true);
     }
     finishEntry(rid, { cls: "failed", note: "Connection lost before the reply finished." });
   }
