@@ -9,7 +9,9 @@ prove it. Files and batches belong to one owner; a read by another owner finds n
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
@@ -30,6 +32,8 @@ from antiphon.server.batch_types import (
 )
 from antiphon.server.errors import ErrorCode
 from antiphon.sqlite import SqliteDb
+
+logger = logging.getLogger(__name__)
 
 _STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
            "cancelling_at", "cancelled_at")
@@ -134,6 +138,47 @@ class BatchStore:
 
     def __init__(self, path: Path, synchronous: str = "FULL") -> None:
         self.db = SqliteDb(path, _SCHEMA, synchronous, migrate=_migrate)
+        with self.db.locked() as db:
+            (version,) = db.execute("PRAGMA user_version").fetchone()
+        if version < 1:  # from before a finished batch forgot its items' requests and answers
+            with self.db.locked() as db:
+                finished = [row[0] for row in db.execute(
+                    f"SELECT batch_id FROM batches WHERE status IN {_FINISHED}")]
+            if all(self.forget_items(batch_id, scrub=False) for batch_id in finished):
+                with self.db.locked() as db:
+                    db.execute("PRAGMA user_version = 1")
+            self.db.scrub()
+
+    # A finished batch's items forgotten this many at a time, each batch its own transaction:
+    # in one, the write-ahead log grew by every page of its items (a batch on a nearly full
+    # disk did not finish) and other batches' commits waited for all of it.
+    FORGET_ROWS = 1000
+
+    def forget_items(self, batch_id: str, *, scrub: bool = True) -> bool:
+        """A finished batch's items keep no request and no answer (its result files hold the
+        answers; each item keeps its state and error): a key that deleted the files had every
+        prompt and reply kept in the database for good, outside its quota of stored bytes.
+        Best effort (a full disk: logged, False, and done at the next start), a
+        `FORGET_ROWS` at a time, then (`scrub`) the log emptied."""
+        try:
+            while True:
+                with self.db.transaction() as db:
+                    forgotten = db.execute(
+                        "UPDATE items SET body = NULL, response = NULL WHERE rowid IN"
+                        " (SELECT rowid FROM items WHERE batch_id = ? AND"
+                        " (body IS NOT NULL OR response IS NOT NULL) LIMIT ?)",
+                        (batch_id, self.FORGET_ROWS)).rowcount
+                if forgotten < self.FORGET_ROWS:
+                    break
+        except sqlite3.Error as exc:
+            logger.warning("batch %s: its items' requests and answers were not forgotten "
+                           "(%s); the next start forgets them", batch_id, exc)
+            with contextlib.suppress(sqlite3.Error), self.db.locked() as db:
+                db.execute("PRAGMA user_version = 0")
+            return False
+        if scrub:
+            self.db.scrub()
+        return True
 
     def close(self) -> None:
         self.db.close()
@@ -336,7 +381,6 @@ class BatchStore:
                     _insert_file(db, f)
             db.execute("UPDATE items SET state = ? WHERE batch_id = ? AND state = ?",
                        (ItemState.SKIPPED, batch.batch_id, ItemState.PENDING))
-            _forget_bodies(db, "batch_id = ?", (batch.batch_id,))
             db.execute(
                 "UPDATE batches SET output_file_id = ?, error_file_id = ? WHERE batch_id = ?",
                 (output.file_id if output else None, error.file_id if error else None,
@@ -344,7 +388,7 @@ class BatchStore:
             is_moved = _move(db, batch.batch_id,
                              (BatchStatus.FINALIZING, BatchStatus.CANCELLING), batch.final_status)
             assert is_moved, f"{batch.batch_id} left {batch.status} while finalizing"
-        self.db.scrub()  # (the requests and answers it forgot, out of the log too)
+        self.forget_items(batch.batch_id)
 
     # Items.
 
@@ -413,9 +457,11 @@ class BatchStore:
             "successes without a response": "SELECT COUNT(*) FROM items i JOIN batches b"
             f" USING (batch_id) WHERE i.state = 1 AND (request_id IS NULL OR error_code IS"
             f" NOT NULL OR (response IS NULL AND b.status NOT IN {_FINISHED}))",
+            # (0 while a forgetting failed: the next start does it)
             "requests or answers kept past their batch's end": "SELECT COUNT(*) FROM items i"
             f" JOIN batches b USING (batch_id) WHERE b.status IN {_FINISHED}"
-            " AND (i.body IS NOT NULL OR i.response IS NOT NULL)",
+            " AND (i.body IS NOT NULL OR i.response IS NOT NULL)"
+            " AND (SELECT user_version FROM pragma_user_version) >= 1",
             "failures without an error": "SELECT COUNT(*) FROM items WHERE state = 2"
             " AND (error_code IS NULL OR response IS NOT NULL)",
             "pending items of finished batches": "SELECT COUNT(*) FROM items i JOIN batches b"
@@ -465,19 +511,6 @@ def _migrate(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE items ADD COLUMN status_code INTEGER")
     for trigger in _COUNT_TRIGGERS:
         db.execute(trigger)
-    (version,) = db.execute("PRAGMA user_version").fetchone()
-    if version < 1:  # from before a finished batch forgot its items' requests and answers
-        _forget_bodies(db, f"batch_id IN (SELECT batch_id FROM batches"
-                           f" WHERE status IN {_FINISHED})", ())
-        db.execute("PRAGMA user_version = 1")
-
-
-def _forget_bodies(db: sqlite3.Connection, where: str, args: Sequence[Any]) -> None:
-    """The items `where` picks keep no request and no answer: once their batch has finished,
-    its result files hold the answers, and a key that deleted them (and its input) had every
-    prompt and reply kept in the database for good, outside its quota of stored bytes."""
-    db.execute(f"UPDATE items SET body = NULL, response = NULL WHERE {where}"
-               " AND (body IS NOT NULL OR response IS NOT NULL)", args)
 
 
 def _fail_pending(db: sqlite3.Connection, batch_id: str, code: ErrorCode, message: str) -> int:

@@ -311,6 +311,54 @@ def test_a_database_from_before_finished_batches_forgot_their_items_forgets_them
         store.close()
 
 
+def test_a_batch_finishes_though_its_items_cannot_be_forgotten_then_and_a_restart_does_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Forgotten in the transaction that finished the batch, the items' pages all went into
+    # the write-ahead log at once: on a nearly full disk the batch never finished, and other
+    # batches' commits waited for it (found by a review). Now a few rows at a time, after.
+    path = tmp_path / "b.sqlite3"
+    store = BatchStore(path)
+    monkeypatch.setattr(BatchStore, "FORGET_ROWS", 2)
+    bid = make_batch(store)
+    store.start_batch(bid, items(5))
+    for i in range(5):
+        store.commit_item(bid, i, ok(i))
+    assert store.begin_finalize(bid)
+
+    class FullForForgetting:
+        """The connection, on a disk with no room for the forgetting's log."""
+
+        def __init__(self, connection: sqlite3.Connection) -> None:
+            self._connection = connection
+
+        def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+            if sql.startswith("UPDATE items SET body = NULL"):
+                raise sqlite3.OperationalError("database or disk is full")
+            return self._connection.execute(sql, *args)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._connection, name)
+
+    connection = store.db._db
+    store.db._db = FullForForgetting(connection)  # type: ignore[assignment]
+    try:
+        store.finish_batch(store.get_batch("alice", bid), None, None)  # type: ignore[arg-type]
+    finally:
+        store.db._db = connection
+    assert store.get_batch("alice", bid).status == BatchStatus.COMPLETED  # type: ignore[union-attr]
+    store.check_integrity()
+    store.close()
+    store = BatchStore(path)  # the next start forgets them
+    try:
+        with store.db.locked() as db:
+            assert db.execute("SELECT COUNT(*) FROM items WHERE body IS NOT NULL"
+                              " OR response IS NOT NULL").fetchone() == (0,)
+            assert db.execute("PRAGMA user_version").fetchone() == (1,)
+        store.check_integrity()
+    finally:
+        store.close()
+
+
 def test_batch_counts_are_kept_through_every_change_of_an_item(tmp_path: Path) -> None:
     """The counts a batch reports are kept by triggers, not counted on read: every way an item
     changes (validation failure, commit, expiry, skip on cancel) moves them, and the integrity
