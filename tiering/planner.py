@@ -547,30 +547,40 @@ class TierPlanner:
                     self.matcher.index_tail(st, key_end, key)
                 held = key_end
                 restore.append(key)
+            c = self.counters
+            c.checkpoint_short_tokens += num_computed - held
+            if held:
+                self.preemption.record(request_id, Checkpoint(num_computed, held,
+                                                              tuple(restore), tuple(reserved)))
+                # Noticed from now on (`note_evicted` keeps those of recorded chunks): a chunk
+                # the SSD tier's writer evicted since it was found held (its notice dropped)
+                # is among the planner's own notices, and cuts the checkpoint now (its restore
+                # recomputed it, uncounted).
+                restored = {key.prefix_hash for key in restore}
+                gone = [key for key in tuple(self._evicted)
+                        if key.prefix_hash in restored and not self.held(key)]
+                if gone:
+                    self.preemption.note_evicted(gone)
+                    self._settle_evictions()  # (counts what it cuts)
+                    cut = self.preemption.get(request_id)
+                    assert cut is not None
+                    held, restore = cut.held_tokens, list(cut.chunks)
+                    if not held:
+                        self.preemption.drop(request_id)
             st.saved_chunks = min(st.saved_chunks, held // self.chunk_tokens)
             st.stored_tokens = None  # (looked up by its length, which a preemption mid-prefill
             # leaves as it was: policies saw the tiers hold none of the checkpoint)
             self._lost_chunks.pop(request_id, None)  # (those below `held` are reserved again)
-            c = self.counters
-            c.checkpoint_short_tokens += num_computed - held
+            # (copies reserved go on, to be committed, also of a checkpoint cut to nothing)
+            self._pending_checkpoints.extend(copies)
+            self._final_keys.extend(commits)
             if not held:  # no room even for its first chunk: no checkpoint, all recomputed
                 self.host.unpin_all(guard)
                 return 0
-            self._pending_checkpoints.extend(copies)
-            self._final_keys.extend(commits)
             copied = sum(len(copy.blocks) for copy in copies)
             c.checkpoints += 1
             c.pages_checkpointed += copied
-            c.pages_handed_over += -(-held // self.page_tokens) - copied
-            self.preemption.record(request_id, Checkpoint(num_computed, held, tuple(restore),
-                                                          tuple(reserved)))
-            # A chunk the SSD tier's writer evicted since it was found held (before the table
-            # knew it: the notice was dropped) is cut now, as a later eviction would be.
-            gone = [key for key in restore if not self.held(key)]
-            if gone:
-                self.preemption.note_evicted(gone)
-                self._settle_evictions()
-                held = self.preemption.get(request_id).held_tokens  # type: ignore[union-attr]
+            c.pages_handed_over += max(0, -(-held // self.page_tokens) - copied)
             self.erasure.keep({key.prefix_hash for key in restore})
             if not self._durable(st):  # down to the SSD tier, so a full host tier keeps it
                 self._write_down(restore, owner)
