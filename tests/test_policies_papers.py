@@ -327,6 +327,25 @@ def test_an_rt_prompt_of_several_steps_gets_the_floor_its_whole_prompt_needs() -
     assert floors == {2000: 250, 6000: 750, 16000: 0}
 
 
+@pytest.mark.parametrize("name", ["bros", "hygen"])
+def test_a_prompt_late_by_the_decodes_seated_before_it_is_not_forced_in_whole(
+        name: str) -> None:
+    # Judged as if alone (0.42 s against 0.45 s of slack), it got the floor of a prompt that
+    # still makes its TTFT, the whole prompt: the step took 0.5 s, and the 16 streams seated
+    # before it, due in 0.15 s, were all late with it (found by a review of the fix above).
+    cost = CostModel("hygen", {"prefill_token_s": 1e-4, "decode_request_s": 5e-3,
+                               "intercept_s": 0.02})
+    now = 100.0
+    streams = [view(f"s{i}", prompt=100, computed=120, output=21, running=True, arrival=90.0,
+                    tpot_slo_s=0.2, first_token_s=now - 21 * 0.2 + 0.15) for i in range(16)]
+    prompt = view("P", prompt=4000, arrival=now - 0.55, tpot_slo_s=0.2)
+    views = [*streams, prompt]
+    plan = make_policy(name, cost).plan(views, dataclasses.replace(
+        budget(now=now, free_pages=10_000), max_num_tokens=8192))
+    assert len(plan.order) == 17 and plan.token_limits["P"] <= 1000
+    assert predicted_s(cost, views, plan) <= 0.2 + 1e-9
+
+
 def test_bros_sends_a_prompt_too_long_for_its_ttft_in_several_steps_to_the_back() -> None:
     # Judged by its first step's chunk, a 6,000-token prompt (1.26 s of prefill alone against
     # a 1 s TTFT) kept its earliest-deadline place and took every step's tokens from the short

@@ -127,13 +127,20 @@ class HygenPolicy(Policy):
         prefills = [v for v in rts if v.is_running and v.is_prefill]
         prefills += [v for v in rts if not v.is_running]
         step_s = limit_s  # a step lasts about L whatever share BE decodes take of it
+        reserve_s, marginal_s = 0.0, {}
+        if be_decodes and prefills:  # (each decode's share, found once: walked again at
+            # every victim taken, a long turn under memory pressure cost 30 ms a step)
+            base_s = batch.time_s()
+            reserve_s = max(0.0, batch.time_with_decodes_s(be_decodes) - base_s)
+            marginal_s = {v.request_id: batch.time_with_decodes_s((v,)) - base_s
+                          for v in be_decodes}
 
         def prefill_limit_s() -> float:
             """L less the time the running BE decodes still to come take: not those
             preempted for RT pages meanwhile (their reserve, kept, went to a BE request
             not yet started, and the turn's chunk stayed cut short)."""
-            decodes = [v for v in be_decodes if v.request_id not in plan.preempt]
-            return step_s - max(0.0, batch.time_with_decodes_s(decodes) - batch.time_s())
+            freed_s = sum(marginal_s.get(request_id, 0.0) for request_id in plan.preempt)
+            return step_s - max(0.0, reserve_s - freed_s)
 
         is_short = False
         for i, view in enumerate(prefills):

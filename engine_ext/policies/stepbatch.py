@@ -134,17 +134,25 @@ def ttft_floor(view: RequestView, batch: StepBatch, limit_s: float, now_s: float
     what one step's tokens allowed: a 6,000-token prompt got 256 tokens a step of the 750
     it needed, and missed a TTFT it could make.)"""
     wanted = min(view.num_new_tokens, batch.tokens_left)
+    if wanted <= 0:
+        return 0
+    # (this step with what is seated in it, the rest alone: judged alone, a prompt late by
+    # the decodes seated before it was forced in whole, and every stream with it)
+    first_s = batch.time_s(wanted, view.num_computed_tokens + wanted, is_prefill=True)
     slack = view.slack_s(now_s)
-    if wanted <= 0 or prefill_alone_s(batch.cost_model, view, batch.max_num_tokens) > slack:
+    if first_s + prefill_alone_s(batch.cost_model, view, batch.max_num_tokens, wanted) > slack:
         return 0
     steps_left = max(1, int(slack / max(limit_s, 1e-3)) - 1)
     return min(wanted, -(-view.num_new_tokens // steps_left))
 
 
-def prefill_alone_s(cost_model: CostModel, view: RequestView, max_num_tokens: int) -> float:
-    """Predicted time (seconds, as `CostModel.planning_s`) of `view`'s remaining prefill
-    run alone, a step per `max_num_tokens` (a step's token budget) of it."""
-    total, context, left = 0.0, view.num_computed_tokens, view.num_new_tokens
+def prefill_alone_s(cost_model: CostModel, view: RequestView, max_num_tokens: int,
+                    done: int = 0) -> float:
+    """Predicted time (seconds, as `CostModel.planning_s`) of `view`'s remaining prefill,
+    after its first `done` tokens, run alone, a step per `max_num_tokens` (a step's token
+    budget) of it."""
+    total, context = 0.0, view.num_computed_tokens + done
+    left = view.num_new_tokens - done
     while left > 0:
         chunk = min(left, max(1, max_num_tokens))
         context += chunk
