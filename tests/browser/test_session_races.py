@@ -500,3 +500,18 @@ def test_a_message_the_server_took_as_the_connection_dropped_is_not_offered_agai
     sid = sessions(url)[0]["session_id"]
     users = [m["content"] for m in messages_of(url, sid) if m["role"] == "user"]
     assert users == ["first", "second question"]
+
+
+def test_a_chat_deleted_elsewhere_is_left_for_a_new_one_when_typed_in(
+        url: str, page: Any) -> None:
+    """The chat shown, deleted by another tab: the typing notice's refusal no longer blanked
+    it (an earlier fix), and every message sent to it came back refused (found by a review
+    of that fix)."""
+    open_chat(page, url)
+    send(page, "chat one")
+    sid = sessions(url)[0]["session_id"]
+    assert httpx.delete(f"{url}/v1/sessions/{sid}").status_code in (200, 204)
+    page.locator("#composer").fill("next message")  # its typing notice is refused
+    title_is(page, "New chat")
+    page.locator("#composer").press("Enter")
+    wait_until(lambda: [s["title"] for s in sessions(url)] == ["next message"], "sent")

@@ -365,18 +365,18 @@ function regenerate() {
 /** Why the server would refuse `content` for its size, or null. The page is served with the
  * server's limits: a message over the websocket's frame limit closed the connection (1009)
  * with no word of why, cutting every reply on it. */
-function overLimit(content) {
+function overLimit(content, what = "message") {
   const limits = ui.body.dataset;
   const maxChars = Number(limits.maxContentChars) || Infinity;
   const maxBytes = Number(limits.maxFrameBytes) || Infinity;
   const chars = [...content].length; // (code points, as the server counts them)
-  if (chars > maxChars) return `The message has ${chars} characters; the limit is ${maxChars}.`;
+  if (chars > maxChars) return `The ${what} has ${chars} characters; the limit is ${maxChars}.`;
   const frame = JSON.stringify({
     type: "message", session_id: state.currentId ?? "s_" + "0".repeat(32), content,
     request_id: newRequestId(),
   });
   const bytes = new TextEncoder().encode(frame).length;
-  if (bytes > maxBytes) return `The message takes ${bytes} bytes to send; the limit is ${maxBytes}.`;
+  if (bytes > maxBytes) return `The ${what} takes ${bytes} bytes to send; the limit is ${maxBytes}.`;
   return null;
 }
 
@@ -387,7 +387,8 @@ function submit() {
     showError("disconnected", "Not connected to the server; reconnecting…");
     return;
   }
-  const tooLarge = overLimit(content);
+  const system = state.currentId ? "" : ui.systemInput.value.trim(); // (a new chat's)
+  const tooLarge = overLimit(content) ?? (system ? overLimit(system, "system message") : null);
   if (tooLarge !== null) {
     showError("too_large", tooLarge);
     return;
@@ -613,9 +614,14 @@ const handlers = {
     }
     // (the open of the chat shown: an earlier one's, or a typing notice's, leaves it be)
     const isViewOpen = Boolean(msg.request_id) && msg.request_id === state.viewOpen;
+    const isTypingGone = msg.code === "session_not_found" && !msg.request_id;
     const silent = msg.code === "session_not_found" && (isViewOpen ? state.restoring
-      : !msg.request_id); // (a typing notice's, of a chat deleted meanwhile: nothing to say)
+      : !msg.request_id);
     if (!silent) showError(msg.code, msg.message);
+    // A typing notice's chat is gone: the one shown, deleted elsewhere, or one left since.
+    // Opened again, the chat shown is blanked if it is gone (left shown, every message sent
+    // to it came back refused), and shown as it is if not.
+    if (isTypingGone && state.currentId && !isGenerating()) showSession(state.currentId);
     if (state.queued !== null && msg.request_id === state.queuedOpen) {
       // The session a new chat's first message waited for was refused (the key's sessions at
       // their limit, a system message too long): the message goes back to the composer.
@@ -650,6 +656,8 @@ const handlers = {
             ui.systemInput.value = entry.system ?? "";
           }
         } else if (msg.code === "session_busy" && shown) resync(); // another tab is answering
+        else if (msg.code === "session_not_found" && shown) showSession(entry.sessionId); // gone:
+        // the open's own refusal blanks the chat, and the message starts a new one
         if (shown) composer.value = entry.content;
         else keepDraft(entry.opened ? NEW_CHAT : entry.sessionId, entry);
         refreshControls();
@@ -709,6 +717,10 @@ client.addEventListener("close", (ev) => {
   else showReconnecting(retryInMs);
   if (code === 1009) {  // a frame over the server's limit (one past the page's own check)
     showError("too_large", `The server closed the connection: a message was too large (${reason}).`);
+    if (state.queued !== null) { // (sent again at every reconnect, it closed each one)
+      if (composer.isBlank()) composer.value = state.queued;
+      state.queued = null;
+    }
   }
   for (const [rid, entry] of [...state.pending.entries()]) {
     // A message the server never said it kept goes back to the composer of its chat (the
