@@ -9,7 +9,6 @@ prove it. Files and batches belong to one owner; a read by another owner finds n
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import sqlite3
@@ -82,6 +81,10 @@ CREATE TABLE IF NOT EXISTS items (
 CREATE UNIQUE INDEX IF NOT EXISTS items_custom_id ON items(batch_id, custom_id)
     WHERE body IS NOT NULL;
 CREATE INDEX IF NOT EXISTS items_state ON items(batch_id, state, line_index);
+-- Finished batches whose items still hold requests or answers (`BatchStore.forget_items`):
+-- queued in the transaction that finishes the batch, gone once forgotten; a start forgets
+-- what a crash left here.
+CREATE TABLE IF NOT EXISTS forgetting (batch_id TEXT PRIMARY KEY REFERENCES batches(batch_id));
 """
 _BATCH_COLUMNS = ("batch_id, owner, input_file_id, completion_window, metadata, status, "
                   "final_status, output_file_id, error_file_id, errors, created_at, expires_at, "
@@ -138,15 +141,11 @@ class BatchStore:
 
     def __init__(self, path: Path, synchronous: str = "FULL") -> None:
         self.db = SqliteDb(path, _SCHEMA, synchronous, migrate=_migrate)
-        with self.db.locked() as db:
-            (version,) = db.execute("PRAGMA user_version").fetchone()
-        if version < 1:  # from before a finished batch forgot its items' requests and answers
-            with self.db.locked() as db:
-                finished = [row[0] for row in db.execute(
-                    f"SELECT batch_id FROM batches WHERE status IN {_FINISHED}")]
-            if all(self.forget_items(batch_id, scrub=False) for batch_id in finished):
-                with self.db.locked() as db:
-                    db.execute("PRAGMA user_version = 1")
+        with self.db.locked() as db:  # what a crash, or a full disk, left to forget
+            unforgotten = [row[0] for row in db.execute("SELECT batch_id FROM forgetting")]
+        if unforgotten:
+            for batch_id in unforgotten:
+                self.forget_items(batch_id, scrub=False)
             self.db.scrub()
 
     # A finished batch's items forgotten this many at a time, each batch its own transaction:
@@ -158,8 +157,8 @@ class BatchStore:
         """A finished batch's items keep no request and no answer (its result files hold the
         answers; each item keeps its state and error): a key that deleted the files had every
         prompt and reply kept in the database for good, outside its quota of stored bytes.
-        Best effort (a full disk: logged, False, and done at the next start), a
-        `FORGET_ROWS` at a time, then (`scrub`) the log emptied."""
+        Best effort (a full disk, a crash: the batch stays in `forgetting`, and the next
+        start does it), a `FORGET_ROWS` at a time, then (`scrub`) the log emptied."""
         try:
             while True:
                 with self.db.transaction() as db:
@@ -168,13 +167,13 @@ class BatchStore:
                         " (SELECT rowid FROM items WHERE batch_id = ? AND"
                         " (body IS NOT NULL OR response IS NOT NULL) LIMIT ?)",
                         (batch_id, self.FORGET_ROWS)).rowcount
+                    if forgotten < self.FORGET_ROWS:
+                        db.execute("DELETE FROM forgetting WHERE batch_id = ?", (batch_id,))
                 if forgotten < self.FORGET_ROWS:
                     break
         except sqlite3.Error as exc:
             logger.warning("batch %s: its items' requests and answers were not forgotten "
                            "(%s); the next start forgets them", batch_id, exc)
-            with contextlib.suppress(sqlite3.Error), self.db.locked() as db:
-                db.execute("PRAGMA user_version = 0")
             return False
         if scrub:
             self.db.scrub()
@@ -388,6 +387,7 @@ class BatchStore:
             is_moved = _move(db, batch.batch_id,
                              (BatchStatus.FINALIZING, BatchStatus.CANCELLING), batch.final_status)
             assert is_moved, f"{batch.batch_id} left {batch.status} while finalizing"
+            db.execute("INSERT OR IGNORE INTO forgetting VALUES (?)", (batch.batch_id,))
         self.forget_items(batch.batch_id)
 
     # Items.
@@ -457,11 +457,10 @@ class BatchStore:
             "successes without a response": "SELECT COUNT(*) FROM items i JOIN batches b"
             f" USING (batch_id) WHERE i.state = 1 AND (request_id IS NULL OR error_code IS"
             f" NOT NULL OR (response IS NULL AND b.status NOT IN {_FINISHED}))",
-            # (0 while a forgetting failed: the next start does it)
             "requests or answers kept past their batch's end": "SELECT COUNT(*) FROM items i"
             f" JOIN batches b USING (batch_id) WHERE b.status IN {_FINISHED}"
             " AND (i.body IS NOT NULL OR i.response IS NOT NULL)"
-            " AND (SELECT user_version FROM pragma_user_version) >= 1",
+            " AND batch_id NOT IN (SELECT batch_id FROM forgetting)",
             "failures without an error": "SELECT COUNT(*) FROM items WHERE state = 2"
             " AND (error_code IS NULL OR response IS NOT NULL)",
             "pending items of finished batches": "SELECT COUNT(*) FROM items i JOIN batches b"
@@ -511,6 +510,11 @@ def _migrate(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE items ADD COLUMN status_code INTEGER")
     for trigger in _COUNT_TRIGGERS:
         db.execute(trigger)
+    (version,) = db.execute("PRAGMA user_version").fetchone()
+    if version < 1:  # from before finished batches forgot their items' requests and answers
+        db.execute(f"INSERT OR IGNORE INTO forgetting SELECT batch_id FROM batches"
+                   f" WHERE status IN {_FINISHED}")
+        db.execute("PRAGMA user_version = 1")
 
 
 def _fail_pending(db: sqlite3.Connection, batch_id: str, code: ErrorCode, message: str) -> int:

@@ -359,6 +359,36 @@ def test_a_batch_finishes_though_its_items_cannot_be_forgotten_then_and_a_restar
         store.close()
 
 
+def test_a_batch_finished_as_the_server_is_killed_has_its_items_forgotten_at_the_next_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Killed between the finish and the end of its forgetting, its items kept their requests
+    # and answers for good (found by a review).
+    path = tmp_path / "b.sqlite3"
+    store = BatchStore(path)
+    bid = make_batch(store)
+    store.start_batch(bid, items(3))
+    for i in range(3):
+        store.commit_item(bid, i, ok(i))
+    assert store.begin_finalize(bid)
+
+    def killed(*args: Any, **kwargs: Any) -> bool:
+        raise KeyboardInterrupt  # (as a kill -9 would stop it)
+
+    monkeypatch.setattr(store, "forget_items", killed)
+    with pytest.raises(KeyboardInterrupt):
+        store.finish_batch(store.get_batch("alice", bid), None, None)  # type: ignore[arg-type]
+    store.close()
+    store = BatchStore(path)
+    try:
+        assert store.get_batch("alice", bid).status == BatchStatus.COMPLETED  # type: ignore[union-attr]
+        with store.db.locked() as db:
+            assert db.execute("SELECT COUNT(*) FROM items WHERE body IS NOT NULL"
+                              " OR response IS NOT NULL").fetchone() == (0,)
+        store.check_integrity()
+    finally:
+        store.close()
+
+
 def test_batch_counts_are_kept_through_every_change_of_an_item(tmp_path: Path) -> None:
     """The counts a batch reports are kept by triggers, not counted on read: every way an item
     changes (validation failure, commit, expiry, skip on cancel) moves them, and the integrity
