@@ -117,8 +117,8 @@ class TieringCounters:
     advisories_used: int = 0  # a turn of the session arrived while the advisory was live
     advisories_expired: int = 0
     # let go unused before their expiry: replaced by a newer one of their session (one it did
-    # not renew), or their session deleted (received = renewed + used + expired + dropped +
-    # live)
+    # not renew), or their session deleted (received = used + expired + dropped + live; a
+    # renewal is counted renewed, not received)
     advisories_dropped: int = 0
     prefetches_timed: int = 0  # used advisories whose prefetch finished before the turn came
     prefetch_load_s_sum: float = 0.0  # over those: advisory received -> all in host

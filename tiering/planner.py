@@ -866,8 +866,8 @@ class TierPlanner:
 
     def _note_evicted(self, keys: list[ChunkKey]) -> None:
         """A tier evicted `keys` (from its thread, its lock held: only noted here)."""
-        self.preemption.note_evicted(keys)
-        self._evicted.extend(keys)
+        self._evicted.extend(keys)  # (first: a checkpoint recorded meanwhile finds them
+        self.preemption.note_evicted(keys)  # here, or the table notes them)
 
     def _settle_evictions(self) -> None:
         """Cut the checkpoints whose chunks a full tier evicted (lock held): those requests

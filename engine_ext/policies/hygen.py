@@ -135,12 +135,19 @@ class HygenPolicy(Policy):
             marginal_s = {v.request_id: batch.time_with_decodes_s((v,)) - base_s
                           for v in be_decodes}
 
+        # What the decodes' shares count more than once (a decode step's fixed cost, in each
+        # share and once in their sum): each one's part, taken off what a preemption frees.
+        shared_s = 0.0 if len(marginal_s) < 2 else max(
+            0.0, (sum(marginal_s.values()) - reserve_s) / (len(marginal_s) - 1))
+
         def prefill_limit_s() -> float:
             """L less the time the running BE decodes still to come take: not those
             preempted for RT pages meanwhile (their reserve, kept, went to a BE request
             not yet started, and the turn's chunk stayed cut short)."""
-            freed_s = sum(marginal_s.get(request_id, 0.0) for request_id in plan.preempt)
-            return step_s - max(0.0, reserve_s - freed_s)
+            gone = [marginal_s[rid] for rid in plan.preempt if rid in marginal_s]
+            if len(gone) == len(marginal_s):
+                return step_s
+            return step_s - max(0.0, reserve_s - sum(gone) + shared_s * len(gone))
 
         is_short = False
         for i, view in enumerate(prefills):

@@ -719,6 +719,7 @@ client.addEventListener("close", (ev) => {
     showError("too_large", `The server closed the connection: a message was too large (${reason}).`);
     if (state.queued !== null) { // (sent again at every reconnect, it closed each one)
       if (composer.isBlank()) composer.value = state.queued;
+      if (!state.currentId) ui.systemInput.value = state.queuedSystem ?? "";
       state.queued = null;
     }
   }
