@@ -374,6 +374,21 @@ def test_hygen_gives_an_rt_prefill_the_time_of_the_be_decodes_preempted_for_it()
     assert short.token_limits["turn"] >= 580 + 3 * 20 - 1  # each decode's 2 ms: 20 tokens
 
 
+def test_hygen_credits_a_preempted_decode_only_with_its_own_share_of_the_step() -> None:
+    # A decode step's fixed cost is in every decode's share and once in their sum: preempting
+    # one of three was credited it, the second turn's chunk took the time the decodes still
+    # in the step needed, and none of them was seated (found by a review).
+    cost = CostModel("bros", {"prefill_token_s": 1e-4, "decode_token_s": 1e-4,
+                              "decode_step_s": 0.02})
+    views = [view("first", prompt=320, arrival=99.8), view("turn", prompt=1500, arrival=99.9),
+             *(RequestView(f"be{i}", BE, 90.0 + i, 1599, 1600, 2, True) for i in range(3))]
+    plan = HygenPolicy(cost, latency_budget_s=0.12).plan(views, dataclasses.replace(
+        budget(now=100.0, free_pages=20), max_num_tokens=8192))
+    assert plan.preempt == ["be2"] and plan.order[:2] == ["first", "turn"]
+    assert {"be0", "be1"} & set(plan.order)
+    assert predicted_s(cost, views, plan) <= 0.12 + 1e-9
+
+
 @pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
 def test_no_fresh_be_request_starts_on_pages_be_requests_preempted_for_rt_left_over(
         name: str) -> None:
