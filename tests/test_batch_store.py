@@ -311,6 +311,30 @@ def test_a_database_from_before_finished_batches_forgot_their_items_forgets_them
         store.close()
 
 
+def answered_batch(store: BatchStore, n: int) -> str:
+    """A batch of `n` items, each answered, finalizing."""
+    bid = make_batch(store)
+    store.start_batch(bid, items(n))
+    for i in range(n):
+        store.commit_item(bid, i, ok(i))
+    assert store.begin_finalize(bid)
+    return bid
+
+
+def assert_forgotten_at_start(path: Path, bid: str) -> None:
+    """The store at `path`, opened again, holds batch `bid` completed and its items with no
+    request or answer."""
+    store = BatchStore(path)
+    try:
+        assert store.get_batch("alice", bid).status == BatchStatus.COMPLETED  # type: ignore[union-attr]
+        with store.db.locked() as db:
+            assert db.execute("SELECT COUNT(*) FROM items WHERE body IS NOT NULL"
+                              " OR response IS NOT NULL").fetchone() == (0,)
+        store.check_integrity()
+    finally:
+        store.close()
+
+
 def test_a_batch_finishes_though_its_items_cannot_be_forgotten_then_and_a_restart_does_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Forgotten in the transaction that finished the batch, the items' pages all went into
@@ -319,11 +343,7 @@ def test_a_batch_finishes_though_its_items_cannot_be_forgotten_then_and_a_restar
     path = tmp_path / "b.sqlite3"
     store = BatchStore(path)
     monkeypatch.setattr(BatchStore, "FORGET_ROWS", 2)
-    bid = make_batch(store)
-    store.start_batch(bid, items(5))
-    for i in range(5):
-        store.commit_item(bid, i, ok(i))
-    assert store.begin_finalize(bid)
+    bid = answered_batch(store, 5)
 
     class FullForForgetting:
         """The connection, on a disk with no room for the forgetting's log."""
@@ -348,15 +368,7 @@ def test_a_batch_finishes_though_its_items_cannot_be_forgotten_then_and_a_restar
     assert store.get_batch("alice", bid).status == BatchStatus.COMPLETED  # type: ignore[union-attr]
     store.check_integrity()
     store.close()
-    store = BatchStore(path)  # the next start forgets them
-    try:
-        with store.db.locked() as db:
-            assert db.execute("SELECT COUNT(*) FROM items WHERE body IS NOT NULL"
-                              " OR response IS NOT NULL").fetchone() == (0,)
-            assert db.execute("PRAGMA user_version").fetchone() == (1,)
-        store.check_integrity()
-    finally:
-        store.close()
+    assert_forgotten_at_start(path, bid)
 
 
 def test_a_batch_finished_as_the_server_is_killed_has_its_items_forgotten_at_the_next_start(
@@ -365,11 +377,7 @@ def test_a_batch_finished_as_the_server_is_killed_has_its_items_forgotten_at_the
     # and answers for good (found by a review).
     path = tmp_path / "b.sqlite3"
     store = BatchStore(path)
-    bid = make_batch(store)
-    store.start_batch(bid, items(3))
-    for i in range(3):
-        store.commit_item(bid, i, ok(i))
-    assert store.begin_finalize(bid)
+    bid = answered_batch(store, 3)
 
     def killed(*args: Any, **kwargs: Any) -> bool:
         raise KeyboardInterrupt  # (as a kill -9 would stop it)
@@ -378,15 +386,7 @@ def test_a_batch_finished_as_the_server_is_killed_has_its_items_forgotten_at_the
     with pytest.raises(KeyboardInterrupt):
         store.finish_batch(store.get_batch("alice", bid), None, None)  # type: ignore[arg-type]
     store.close()
-    store = BatchStore(path)
-    try:
-        assert store.get_batch("alice", bid).status == BatchStatus.COMPLETED  # type: ignore[union-attr]
-        with store.db.locked() as db:
-            assert db.execute("SELECT COUNT(*) FROM items WHERE body IS NOT NULL"
-                              " OR response IS NOT NULL").fetchone() == (0,)
-        store.check_integrity()
-    finally:
-        store.close()
+    assert_forgotten_at_start(path, bid)
 
 
 def test_batch_counts_are_kept_through_every_change_of_an_item(tmp_path: Path) -> None:
