@@ -111,7 +111,10 @@ def main(args: argparse.Namespace) -> int:
                                                    args.max_tokens, args.stagger_s))
         write_json(out, {"benchmark": "agents", "config": args_config(args) | {"copies": copies},
                          "systems": results})
-    print_table({n: {k: float(v or 0) for k, v in s.items()} for n, s in results.items()},
+    # (a figure no run measured, None, shows as n/a: shown as 0, a run with no prior context
+    # read as one that recomputed none of it)
+    print_table({n: {k: None if v is None else float(v) for k, v in s.items()}
+                 for n, s in results.items()},
                 baseline="no_hints" if "no_hints" in results else next(iter(results)))
     return 0
 
