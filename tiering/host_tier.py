@@ -121,7 +121,7 @@ class HostTier(IndexedTier[HostSlot]):
             slot = self._reserved.pop(key, None)
             if slot is not None:
                 if erase:
-                    self.arena.write(slot, bytes(self.slot_bytes))
+                    self._zero_behind(slot, 0)
                 self._index.release(self.slot_bytes)
                 self._slots.free(slot)
 
@@ -139,7 +139,7 @@ class HostTier(IndexedTier[HostSlot]):
             location = self.location_of(key)
             removed = super().remove(key)
             if removed and location is not None:
-                self.arena.write(location[0], bytes(self.slot_bytes))
+                self._zero_behind(location[0], 0)
             return removed
 
     def close(self) -> None:
