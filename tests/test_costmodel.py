@@ -316,7 +316,11 @@ def test_a_fit_from_another_machine_or_model_is_not_used(
     '{"format": 1, "model": "m", "machine": {}, "form": "bros", "coefficients":'
     ' [NaN, 0, 0, 0, 0, 0], "heldout_mape": 0.1, "num_steps": 1, "scores": []}',
     '{"format": 1, "model": "m", "machine": {}, "form": "bros", "coefficients":'
-    ' [-1, 0, 0, 0, 0, Infinity], "heldout_mape": 0.1, "num_steps": 1, "scores": []}'])
+    ' [-1, 0, 0, 0, 0, Infinity], "heldout_mape": 0.1, "num_steps": 1, "scores": []}',
+    # lambda above 1: a mixed step took less than its longer phase, down to below zero
+    '{"format": 1, "model": "m", "machine": {}, "form": "echo", "coefficients":'
+    ' [1e-8, 2e-4, 0.02, 1e-5, 1e-5, 3.0], "heldout_mape": 0.1, "num_steps": 1,'
+    ' "scores": []}'])
 def test_a_corrupt_fit_is_a_clear_error_and_ignored_at_start(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, content: str) -> None:
     path = tmp_path / "fit.json"
@@ -373,6 +377,20 @@ def test_the_online_model_learns_what_page_copies_cost() -> None:
     assert model.copy_coefficients == pytest.approx((0.008, 4e-5), rel=0.1)
     assert model.coefficients == pytest.approx(TRUTH["bros_after"], rel=0.1, abs=1e-9)
     assert model.mape is not None and model.mape < 0.012
+
+
+def test_a_profiled_fit_holds_the_forms_terms_without_the_page_copies() -> None:
+    """`serve` profiles with its KV connector saving: fitted whole, the form took the copies in
+    (and the online model, which keeps its own copy terms, counted them twice)."""
+    steps = [ProfiledStep(shape, latency, group=i // 10)
+             for i, (shape, latency) in enumerate(copying_steps(400))]
+    fit = choose_fit(steps, MODEL, MACHINE, forms=[FORMS["bros_after"]])
+    assert fit.coefficients == pytest.approx(TRUTH["bros_after"], rel=0.15, abs=1e-9)
+    assert fit.heldout_mape < 0.015  # the copies predicted, not left as error
+    plain = [random_shape(np.random.default_rng(9)) for _ in range(50)]
+    planned = FORMS["bros_after"].predict_all(fit.coefficients, plain)
+    truth = FORMS["bros_after"].predict_all(TRUTH["bros_after"], plain)
+    assert np.mean(planned / truth) == pytest.approx(1.0, abs=0.02)
 
 
 def test_a_plan_counts_the_copies_of_an_average_recent_step() -> None:
