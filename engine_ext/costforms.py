@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import ClassVar
 
 import numpy as np
 
@@ -165,6 +167,8 @@ class CostForm(abc.ABC):
     extends: str | None = None
     terms: tuple[str, ...]  # coefficient names, in order
     prior: tuple[float, ...]  # a conservative start (seconds) for a small model on a CPU
+    # terms bounded above, besides all being >= 0
+    upper_bounds: ClassVar[Mapping[str, float]] = MappingProxyType({})
 
     @abc.abstractmethod
     def predict_s(self, coefficients: Sequence[float], shape: StepShape) -> float:
@@ -204,6 +208,11 @@ class CostForm(abc.ABC):
         if bad:
             raise ValueError(f"{self.name}: coefficients of {', '.join(bad)} are not finite "
                              "numbers >= 0")
+        over = [f"{t} ({c} > {self.upper_bounds[t]})"
+                for t, c in zip(self.terms, coefficients, strict=True)
+                if c > self.upper_bounds.get(t, math.inf)]
+        if over:
+            raise ValueError(f"{self.name}: coefficients out of range: {', '.join(over)}")
         return coefficients
 
 
@@ -292,6 +301,8 @@ class EchoForm(CostForm):
     name = "echo"
     terms = ("alpha", "beta", "c", "gamma", "delta", "lambda")
     prior = (1e-8, 2e-4, 0.02, 1e-5, 1e-5, 0.0)
+    # Above 1 a mixed step would take less than its longer phase, down to below zero.
+    upper_bounds = MappingProxyType({"lambda": 1.0})
     _KAPPAS = np.linspace(0.0, 1.0, 11)  # 1 - lambda, searched on a grid
 
     @staticmethod
