@@ -250,7 +250,18 @@ def fit_covers(fit: CostFit, limits: EngineLimits) -> bool:
         profiled = EngineLimits(**fit.limits)
     except TypeError:  # (limits of another version's fields)
         return False
-    return set(grid_points(FULL, limits)) <= set(grid_points(FULL, profiled))
+    return (set(grid_points(FULL, limits)) <= set(grid_points(FULL, profiled))
+            and largest_step(limits) <= largest_step(profiled))
+
+
+def largest_step(limits: EngineLimits) -> int:
+    """Tokens of the largest step the full grid forms on an engine of `limits`: its prompts
+    are chunked to the step's token budget, so a larger budget makes larger steps of the same
+    points (a fit profiled at 4,096 tokens a step predicted a 16,384-token step at 2.5 times
+    its time)."""
+    reach = max((p.num_prefills * p.prefill_tokens + p.num_decodes
+                 for p in grid_points(FULL, limits)), default=0)
+    return min(reach, limits.max_num_tokens)
 
 
 async def prepare_cost_model(engine: VllmEngine) -> CostFit | None:

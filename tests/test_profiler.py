@@ -165,8 +165,13 @@ async def test_a_fit_profiled_within_smaller_engine_limits_is_profiled_again(
              fit_path(env.cache_dir(), MODEL, MACHINE))
     bigger = StandInEngine("stored")
     bigger.engine_limits = dataclasses.replace(engine.engine_limits, max_num_seqs=128,
-                                               kv_tokens=1_000_000, max_num_tokens=8192)
+                                               kv_tokens=1_000_000)
     assert await prepare_cost_model(bigger) is not None  # type: ignore[arg-type]
+    # a larger step budget chunks the same prompts into larger steps than any profiled
+    bigger.engine_limits = dataclasses.replace(bigger.engine_limits, max_num_tokens=8192)
+    assert profiler.largest_step(bigger.engine_limits) > profiler.largest_step(
+        engine.engine_limits)
+    assert await prepare_cost_model(bigger) is None  # type: ignore[arg-type]
 
 
 def test_a_fit_file_with_numbers_out_of_range_is_corrupt(cache: Path) -> None:
