@@ -122,6 +122,10 @@ class ServerConfig:
         "(cancelled, or its client gone) waits for that turn to keep what it has and let go of "
         "the session, before it is refused with session_busy (a client cut off mid-reply "
         "reconnects and asks again at once). 0: refused at once", default=5.0)
+    kv_erasure_retry_s: float = doc(
+        "How long after a failed erasure of a deleted session's KV (the engine busy, down or "
+        "a disk write failing) it is tried again, in seconds; doubled after each failure up "
+        "to 64 times this, and the rest of the queue goes on meanwhile", default=5.0)
     max_advisory_lead_s: float = doc(
         "Latest expected_arrival an advisory may name, in seconds from now: the prefetched KV "
         "stays reserved until then (plus the engine's --advisory-ttl-s)", default=600.0)
@@ -244,6 +248,8 @@ class ServerConfig:
         for name in ("typing_interval_s", "advisory_repeat_interval_s", "session_free_wait_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be at least 0 and finite")
+        if not 0 < self.kv_erasure_retry_s < math.inf:
+            raise ValueError("kv_erasure_retry_s must be positive and finite")
         if self.reply_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed "
                              f"max_tokens_limit ({self.max_tokens_limit})")

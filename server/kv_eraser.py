@@ -14,11 +14,17 @@ logger = logging.getLogger(__name__)
 
 
 class KvEraser:
+    # A failed erasure is tried again after `kv_erasure_retry_s`, doubled after each failure
+    # up to this many times it.
+    MAX_RETRY_FACTOR = 64
+
     def __init__(self, store: SessionStore, chat: ChatService) -> None:
         self.store = store
         self.chat = chat
         self._task: asyncio.Task[None] | None = None
         self._wanted = False  # an erasure was queued since the task read the queue
+        self._retry_factor = 1  # times kv_erasure_retry_s until the next try of a failed one
+        self._retry: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         """Erase what the store has queued (from before a restart, if any is left), and from
@@ -40,14 +46,18 @@ class KvEraser:
     async def stop(self) -> None:
         """Stop erasing; what is left stays queued, for the next start."""
         self.store.on_erasure_queued = None
+        if self._retry is not None:
+            self._retry.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
     async def _erase(self) -> None:
+        failed = False
         while self._wanted:
             self._wanted = False
+            failed = False
             for erasure_id, session_id, owner, chains in await asyncio.to_thread(
                     self.store.pending_erasures):
                 # A live session's old chains spare what it still runs (None: deleted).
@@ -56,12 +66,24 @@ class KvEraser:
                     erased = await self.chat.engine.forget(
                         session_id, chains, self.chat.cache_salt(owner), keep=keep)
                 except Exception as exc:  # the engine is down, or the KV may not all be off
-                    # the disk: the erasure stays queued; the next one, or the next start,
-                    # runs it again
+                    # the disk: the erasure stays queued, tried again later (or at the next
+                    # start); the rest of the queue goes on
                     logger.warning("session %s: its KV could not be erased yet (kept queued): "
                                    "%s", session_id, exc)
-                    return
+                    failed = True
+                    continue
                 logger.info("session %s %s: %d chunk-layers of its KV erased", session_id,
                             "deleted" if keep is None else "ran on past its kept chains",
                             erased or 0)
                 await asyncio.to_thread(self.store.finish_erasure, erasure_id)
+        if failed:
+            self._retry_later()
+        else:
+            self._retry_factor = 1
+
+    def _retry_later(self) -> None:
+        delay = self.chat.config.kv_erasure_retry_s * self._retry_factor
+        self._retry_factor = min(2 * self._retry_factor, self.MAX_RETRY_FACTOR)
+        if self._retry is not None:
+            self._retry.cancel()
+        self._retry = asyncio.get_running_loop().call_later(delay, self.erase_queued)

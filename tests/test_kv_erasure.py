@@ -783,6 +783,49 @@ async def test_deleting_a_session_has_the_engine_erase_its_kv_even_after_a_resta
     store.close()
 
 
+class ForgetFailingOnce(ScriptedEngine):
+    """Its first erasure fails after a while (an engine busy past the erasure's timeout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    async def forget(self, session_id: str, chains: Any, cache_salt: str | None = None,
+                     keep: Any = None) -> int | None:
+        self.calls += 1
+        if self.calls == 1:
+            await asyncio.sleep(0.3)  # (the second deletion is queued meanwhile)
+            raise TimeoutError("the erasure did not finish in time")
+        return await super().forget(session_id, chains, cache_salt, keep)
+
+
+async def test_a_failed_erasure_is_tried_again_and_holds_back_none_queued_behind_it(
+        tmp_path: Path) -> None:
+    """An erasure that failed ended the eraser's run: neither it nor one queued meanwhile was
+    tried again until another session was deleted, or the server restarted (the deleted
+    conversations' tokens stayed in the erasure queue meanwhile)."""
+    engine = ForgetFailingOnce()
+    with live_server(scripted_config(tmp_path, kv_erasure_retry_s=0.2), engine) as url:
+        async with connect(url.replace("http://", "ws://") + "/v1/ws") as ws:
+            sids = []
+            for text in ("a first chat", "a second chat"):
+                sid = (await open_session(ws))["session"]["session_id"]
+                await chat(ws, sid, text)
+                sids.append(sid)
+            for sid in sids:
+                await send(ws, type="session.delete", session_id=sid)
+                await recv_until(ws, "session.deleted")
+                await asyncio.sleep(0.1)
+            for _ in range(100):
+                if len(engine.forgotten) == 2:
+                    break
+                await asyncio.sleep(0.05)
+    assert sorted(f[0] for f in engine.forgotten) == sorted(sids)
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    assert store.pending_erasures() == []
+    store.close()
+
+
 @pytest.mark.parametrize("owner_key", [None, "key-0001"])
 async def test_the_erasure_names_the_owners_kv(tmp_path: Path, owner_key: str | None) -> None:
     engine = ScriptedEngine()
