@@ -454,9 +454,9 @@ class AsyncAntiphon:
                 if turn.ws is ws:  # (one sent on a newer socket since goes on there)
                     turn.queue.put_nowait((ws, closed))
 
-    async def _send(self, payload: dict[str, Any], turn: _Turn | None = None) -> None:
+    async def _send(self, payload: dict[str, Any], turn: _Turn | None = None) -> bool:
         """Send `payload` (for `turn`, whose frames are then read from the socket it went
-        on)."""
+        on); False, sending nothing, when the turn was cancelled while the socket opened."""
         frame = _encode(payload)
         if len(frame) > self.max_send_bytes // 4 and len(frame.encode()) > self.max_send_bytes:
             raise InvalidRequestError("too_large", f"the message is over {self.max_send_bytes} "
@@ -464,6 +464,8 @@ class AsyncAntiphon:
         ws = await self._socket()
         try:
             if turn is not None:
+                if turn.is_cancel_asked:
+                    return False
                 turn.ws = ws
             await ws.send(frame)
         except ConnectionClosed as exc:
@@ -472,11 +474,14 @@ class AsyncAntiphon:
             ws = await self._socket()
             try:
                 if turn is not None:
+                    if turn.is_cancel_asked:
+                        return False
                     turn.ws = ws
                 await ws.send(frame)
             except ConnectionClosed as exc:
                 _raise_if_refused(exc)
                 raise ConnectionLostError(f"cannot send to {self.ws_url}: {exc}") from exc
+        return True
 
     async def typing(self, session_id: str) -> None:
         """The user started typing in `session_id` (a websocket advisory; fire and forget)."""
@@ -581,7 +586,9 @@ class AsyncAntiphon:
         settling = False  # given up on, and left to `_settle`
         try:
             sent_at = time.perf_counter()
-            await self._send(payload, turn)
+            if not await self._send(payload, turn):
+                return ChatReply(request_id, session_id, "", "cancelled", 0, 0, 0.0, None,
+                                 0.0, 0.0)
             sent = turn.is_sent = True
             if turn.is_cancel_asked:  # (lost, the turn ran to its end)
                 await self._cancel_on_its_socket(request_id, turn)
@@ -621,6 +628,10 @@ class AsyncAntiphon:
                         timings.get("tpot_s"), timings["total_s"],
                         (first_token_at or end) - sent_at, tuple(frame.get("tool_calls") or ()))
                 elif kind == "error":
+                    if frame["code"] == "request_not_found":
+                        # Only a cancel is answered so: that of an earlier turn of this id,
+                        # which had ended as the cancel went out (it is no answer to this one)
+                        continue
                     raise error_for(frame["code"], frame["message"])
                 elif kind == "_closed":
                     if "code" in frame:

@@ -176,6 +176,33 @@ async def test_a_cancel_before_the_turn_went_out_stops_it(scripted: Scripted) ->
         await client.cancel("early")
         reply = await turn
         assert reply.finish_reason == "cancelled" and reply.completion_tokens < 80
+        # Nothing had gone out: the message is not sent (it was, with the cancel behind it,
+        # and the session kept it for the next turn's model to read).
+        await asyncio.sleep(0.2)
+        _, messages = await client.get_session(sid)
+        assert messages == []
+
+
+async def test_a_late_cancels_answer_is_not_taken_for_a_later_turn_of_the_same_id(
+        scripted: Scripted) -> None:
+    """A turn given up on as it ended sends a cancel the server answers with
+    request_not_found; a retry under the same request id took that answer for its own."""
+    class Stop(Exception):
+        pass
+
+    async def give_up_at_the_end(piece: str) -> None:
+        if piece.strip() == "hi":  # the reply's last token: the server ends the turn
+            await asyncio.sleep(0.1)
+            raise Stop
+
+    async with AsyncAntiphon(scripted.url) as client:
+        sid = (await client.create_session()).session_id
+        with pytest.raises(Stop):
+            await client.chat(sid, "hi", request_id="turn-1", on_token=give_up_at_the_end)
+        for _ in range(3):
+            await asyncio.sleep(0)  # (its settling ends: its done was in)
+        reply = await client.chat(sid, "hi again", request_id="turn-1")
+        assert reply.finish_reason != "cancelled" and reply.text.endswith("hi again")
 
 
 def test_blocking_client(scripted: Scripted) -> None:
