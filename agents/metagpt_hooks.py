@@ -152,6 +152,13 @@ class MetaGPTAdvisor:
             sending.add(task)
             task.add_done_callback(sending.discard)
 
+    def _stop(self, advising: Advising) -> None:
+        """No more advisories from `advising`; one being sent finishes beside the caller (a
+        call waited for it: an advisory answered late, between an engine's long steps, held
+        up the model call's own reply)."""
+        advising.stop_soon()
+        self._spawn(stop_all([advising]))
+
     async def _advisory_sent(self, session_id: str) -> None:
         """Let the advisories to `session_id` still being sent reach the server first (at most
         `advisory_wait_s`)."""
@@ -178,11 +185,11 @@ class MetaGPTAdvisor:
                 await self._advisory_sent(session_id)
                 response = await create(*args, **with_session(kwargs, session_id))
             except BaseException:
-                await advising.stop()
+                self._stop(advising)
                 raise
             if kwargs.get("stream"):
                 return self._timed(response, view, action, started, lead, advising)
-            await advising.stop()
+            self._stop(advising)
             await self._finish(view, action, started, time.perf_counter() - started, lead)
             return response
 
@@ -198,7 +205,7 @@ class MetaGPTAdvisor:
                     ttft_s = time.perf_counter() - started
                 yield chunk
         finally:
-            await advising.stop()
+            self._stop(advising)
         total_s = time.perf_counter() - started
         await self._finish(view, action, started, total_s if ttft_s is None else ttft_s, lead)
 
@@ -215,6 +222,10 @@ class MetaGPTAdvisor:
         def hooked_publish(message: Any, *args: Any, **kwargs: Any) -> Any:
             result = publish(message, *args, **kwargs)
             if not self.hooks.send_advisories:  # measuring only (`run.py --no-hints`)
+                return result
+            try:  # (MetaGPT publishes the idea before `asyncio.run(company.run())`)
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop to send on: an advisory is only a hint
                 return result
             for role in self.graph.recipients(message.cause_by, message.send_to):
                 # Due now. Renewed for roles advised at the call's start: that advisory was due

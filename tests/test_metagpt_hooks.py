@@ -4,7 +4,9 @@ engine: it echoes the last user message, 10 ms a token)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -169,6 +171,49 @@ async def test_a_call_right_after_a_publish_waits_for_its_advisory(scripted: Scr
     assert advisor.calls[-1].advisory_lead_s is not None
     with pytest.raises(ValueError, match="advisory_wait_s"):
         MetaGPTAdvisor(client, advisory_wait_s=-1)
+
+
+async def test_an_advisory_answered_late_does_not_hold_up_the_call_that_sent_it(
+        scripted: Scripted) -> None:
+    """The call waited for its advisories still being sent once its own reply was in: the
+    engine answers an advisory between steps, and a slow one held the reply back."""
+    url = scripted.url
+    architect = role(url, "architect", UserRequirement)
+    engineer = role(url, "engineer", WriteDesign)
+    answered: list[float] = []
+    async with AsyncAntiphon(url) as client:
+        advise = client.advise
+
+        async def slow_advise(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(1.5)
+            answered.append(time.perf_counter())
+            return await advise(*args, **kwargs)
+
+        client.advise = slow_advise  # type: ignore[method-assign]
+        advisor = MetaGPTAdvisor(client)
+        await advisor.attach(Environment([architect, engineer]))
+        started = time.perf_counter()
+        await call(architect, WriteDesign, "design it")  # advises the engineer meanwhile
+        returned = time.perf_counter() - started
+        await advisor.drain()  # (which does wait for it)
+    assert returned < 1.0 and answered, returned
+
+
+def test_a_message_published_outside_an_event_loop_is_delivered(scripted: Scripted) -> None:
+    """MetaGPT publishes the idea (`run_project`) before `asyncio.run(company.run())`: sending
+    its advisories needed a running loop, and the publish raised."""
+    env = Environment([role(scripted.url, "engineer", WriteDesign)])
+
+    async def attach() -> MetaGPTAdvisor:
+        client = AsyncAntiphon(scripted.url)
+        advisor = MetaGPTAdvisor(client)
+        await advisor.attach(env)
+        await client.close()
+        return advisor
+
+    asyncio.run(attach())
+    assert env.publish_message(Message("design done", action_name(WriteDesign)))
+    assert len(env.published) == 1
 
 
 async def test_measuring_only_sends_no_advisory_on_publish(scripted: Scripted) -> None:
