@@ -428,9 +428,12 @@ class AsyncAntiphon:
         """Route frames to their turns; when the socket closes, tell every turn in flight."""
         closed: dict[str, Any] = {"type": "_closed", "message": "the connection closed"}
         # An error frame that may refuse the connection (a wrong key, a connection limit) does
-        # only if the socket closes right behind it: the same codes answer single frames too
-        # (a typing advisory over the connection's limit), and the connection goes on.
+        # only if it is the socket's first and the socket closes right behind it: the same
+        # codes answer single frames too (a typing advisory over the connection's limit), and
+        # the connection goes on (a refused typing frame before a dropped connection made
+        # the turns in flight a BusyError, though the server had kept their messages).
         refusal: dict[str, Any] | None = None
+        is_first = True
         try:
             async for raw in ws:
                 frame = json.loads(raw)
@@ -438,8 +441,10 @@ class AsyncAntiphon:
                 refusal = None
                 if turn is not None:
                     turn.queue.put_nowait((ws, frame))
-                elif frame.get("type") == "error" and frame.get("code") in CONNECTION_ERRORS:
+                elif is_first and frame.get("type") == "error" \
+                        and frame.get("code") in CONNECTION_ERRORS:
                     refusal = frame
+                is_first = False
         except ConnectionClosed as exc:
             try:
                 _raise_if_refused(exc)

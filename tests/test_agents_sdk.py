@@ -669,6 +669,29 @@ async def test_a_refused_typing_frame_does_not_turn_a_lost_connection_into_a_ref
             assert reply.finish_reason == "cancelled" and reply.text == "".join(seen)
 
 
+async def test_a_refused_typing_frame_before_a_dropped_connection_is_no_refusal(
+        tmp_path: Path) -> None:
+    """A turn accepted and waiting for its first token when a typing frame is refused and
+    then the network drops: the turn ended a BusyError (try again: its message sent twice),
+    not a ConnectionLostError saying the server had taken it."""
+    engine = ScriptedEngine(token_delay_s=1.0, max_model_len=1000)
+    config = scripted_config(tmp_path, max_inflight_per_connection=1)
+    with live_server(config, engine) as url:
+        async with AsyncAntiphon(url, connect_attempts=1) as client:
+            sid, a, b = [(await client.create_session()).session_id for _ in range(3)]
+            turn = asyncio.create_task(client.chat(sid, "a long question"))
+            while not client._turns or client._ws is None:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # accepted; its first token a second away
+            await client.typing(a)
+            await client.typing(b)  # over the connection's limit: refused
+            await asyncio.sleep(0.1)
+            client._ws.transport.abort()  # the network drops
+            with pytest.raises(ConnectionLostError) as lost:
+                await turn
+            assert lost.value.accepted
+
+
 async def test_text_in_any_script_counts_as_utf8_and_errors_are_typed_alike(
         scripted: Scripted) -> None:
     """A message is sent as UTF-8, as the server counts --max-frame-bytes (escaped, text
