@@ -33,6 +33,7 @@ from antiphon.datalock import (
     UNFINISHED_BACKUP,
     UnfinishedBackupError,
     check_not_unfinished_backup,
+    lock_data_dir,
 )
 from antiphon.private import private_dir, private_file
 from antiphon.server.file_store import FileStore, fsync_dir
@@ -47,13 +48,32 @@ def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
     copied. Raises FileExistsError (`dest` holds files), FileNotFoundError (no database in
     `data_dir`), DatabaseDamaged (a copy fails SQLite's integrity check)."""
     check_not_unfinished_backup(data_dir)  # (its copy would look whole)
-    if dest.exists() and any(dest.iterdir()):
+    if dest.exists() and _holds_files(dest):
         raise FileExistsError(f"{dest} is not empty")
     found = [name for name in DATABASES if (data_dir / name).is_file()]
     if not found:
         raise FileNotFoundError(f"{data_dir} holds no Antiphon database")
     made = not dest.exists()
     private_dir(dest)
+    # Held to the end: a server started on `dest` meanwhile would write databases the
+    # backup's then replace under it (it refuses a held lock, as this does).
+    try:
+        lock = lock_data_dir(dest)
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):
+                dest.rmdir()
+        raise
+    try:
+        return _backup_into(data_dir, dest, found, made)
+    finally:
+        os.close(lock)
+
+
+def _backup_into(data_dir: Path, dest: Path, found: list[str], made: bool) -> dict[str, Any]:
+    """`backup`, `dest`'s lock held."""
+    if _holds_files(dest):  # (a server came and went)
+        raise FileExistsError(f"{dest} is not empty")
     unfinished = dest / UNFINISHED_BACKUP
     # What the backup writes, under its temporary name and its own, in the order they take
     # their names: the batch files, then the databases, the sessions one last.
@@ -83,11 +103,17 @@ def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
                 else:
                     path.unlink(missing_ok=True)
         unfinished.unlink(missing_ok=True)  # last: until it goes, no server starts here
+        (dest / ".lock").unlink(missing_ok=True)
         if made:
             with contextlib.suppress(OSError):
                 dest.rmdir()
         raise
     return summary
+
+
+def _holds_files(folder: Path) -> bool:
+    """Whether `folder` holds anything but a data folder's lock (a failed backup's, say)."""
+    return any(path.name != ".lock" for path in folder.iterdir())
 
 
 def _copy_database(source: Path, target: Path) -> dict[str, int]:

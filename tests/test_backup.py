@@ -4,6 +4,7 @@ server starts from with every session, message and batch result."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -13,7 +14,7 @@ import openai
 import pytest
 from websockets.asyncio.client import connect
 
-from antiphon import backup_cli
+from antiphon import backup_cli, datalock
 from antiphon.cli import main
 from antiphon.engine_ext.scripted import ScriptedEngine
 from tests.conftest import scripted_config
@@ -78,6 +79,43 @@ def test_backup_refuses_a_folder_without_a_database(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["backup", str(tmp_path / "out"), "--data-dir", str(tmp_path)]) == 2
     assert "holds no Antiphon database" in capsys.readouterr().err
+
+
+def test_a_backup_holds_its_folder_from_servers_and_leaves_it_as_found_when_refused(
+        tmp_path: Path) -> None:
+    """A server started on the backup's folder as it began made databases the backup's then
+    replaced under it: the backup now locks the folder as a server does."""
+    from antiphon.datalock import DataDirInUseError, lock_data_dir
+
+    data = tmp_path / "data"
+    data.mkdir()
+    sqlite3.connect(data / "sessions.sqlite3").close()
+    dest = tmp_path / "out"
+    fd = lock_data_dir(dest)  # a server holds it (its databases not made yet)
+    try:
+        with pytest.raises(DataDirInUseError):
+            backup_cli.backup(data, dest)
+        assert [p.name for p in dest.iterdir()] == [".lock"]
+    finally:
+        os.close(fd)
+    (dest / ".lock").unlink()
+    locked = []
+    real_copy = backup_cli._copy_database
+
+    def copy_while_a_server_starts(source: Path, target: Path) -> dict[str, int]:
+        fd = datalock.try_lock(dest / ".lock")
+        locked.append(fd is not None)
+        if fd is not None:
+            os.close(fd)
+        return real_copy(source, target)
+
+    backup_cli._copy_database = copy_while_a_server_starts  # type: ignore[assignment]
+    try:
+        backup_cli.backup(data, dest)
+    finally:
+        backup_cli._copy_database = real_copy  # type: ignore[assignment]
+    assert locked == [False]  # the backup held it
+    assert (dest / "sessions.sqlite3").is_file()
 
 
 def test_a_backup_that_cannot_copy_a_file_fails_and_one_deleted_meanwhile_is_marked(
