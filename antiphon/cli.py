@@ -20,6 +20,8 @@ from antiphon.server.config import ServerConfig
 from antiphon.sessions.config import SessionConfig
 from antiphon.tiering.config import TieringConfig
 
+MIN_TIER_BYTES = 1 << 20  # smallest KV tier `serve` takes
+
 
 def serve_config(args: argparse.Namespace) -> AppConfig:
     """The deployment `antiphon serve ARGS` runs: the command line's options, the
@@ -41,10 +43,21 @@ def serve_config(args: argparse.Namespace) -> AppConfig:
         # (both lock `.lock` in it: the server waited on its own lock, then blamed another)
         raise ValueError(f"ssd_dir {tiering.ssd_dir} is the data folder: give the SSD tier a "
                          "folder of its own (by default <data-dir>/kv)")
+    files = (config.sessions.data_dir / "files").resolve()
+    if tiering.ssd_dir is not None and tiering.ssd_dir.resolve().is_relative_to(files):
+        # (the batch runner's start-up sweep deletes what no batch file record names there)
+        raise ValueError(f"ssd_dir {tiering.ssd_dir} is in the batch files' folder {files}: "
+                         "give the SSD tier a folder of its own (by default <data-dir>/kv)")
     if tiering.kv_tiering:
         if not tiering.host_tier_bytes:
             raise ValueError("host_tier_bytes is 0: the KV connector moves every load and save "
                              "through the host tier (give it room, or --no-kv-tiering)")
+        for name in ("host_tier_bytes", "ssd_tier_bytes"):
+            # (said now, not by the engine once the model has loaded: a size under one
+            # chunk-layer of KV, which is hundreds of KiB, is a unit mistake)
+            if 0 < getattr(tiering, name) < MIN_TIER_BYTES:
+                raise ValueError(f"{name} ({getattr(tiering, name)}) is under 1 MiB: it is in "
+                                 "bytes (2147483648 for 2 GiB)")
         # Against its size, not what is free: a killed server's arena there is reclaimed at
         # start (`HostArena`), after this check.
         size = shm_size_bytes()

@@ -13,17 +13,19 @@ from pathlib import Path
 def cache_dir() -> Path:
     """ANTIPHON_CACHE_DIR: where prepared models live (default `~/.cache/antiphon`)."""
     value = os.environ.get("ANTIPHON_CACHE_DIR")
-    if value:
-        return Path(value)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "antiphon"
+    if value:  # (a `~` no shell expanded: a systemd unit's, a Docker env file's)
+        return Path(value).expanduser().absolute()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # (a relative XDG_CACHE_HOME is invalid, the XDG spec says, and is ignored)
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return base / "antiphon"
 
 
 def data_dir() -> Path | None:
     """ANTIPHON_DATA_DIR: sessions database, batch files and the SSD tier (`--data-dir`
     overrides it; unset, `~/.local/share/antiphon`)."""
     value = os.environ.get("ANTIPHON_DATA_DIR")
-    return Path(value) if value else None
+    return Path(value).expanduser().absolute() if value else None
 
 
 def api_keys() -> tuple[str, ...]:

@@ -149,7 +149,8 @@ def test_the_command_line_beats_the_environment(tmp_path: Path,
     ["--kv-cache-gib", "nan"], ["--kv-cache-gib", "inf"], ["--rt-ttft-slo-s", "nan"],
     ["--rt-tpot-slo-s", "inf"], ["--advisory-ttl-s", "nan"], ["--host-tier-bytes", "0"],
     ["--host-tier-bytes", "99999999999999999999"], ["--seed", "-1"], ["--seed", "4294967296"],
-    ["--kv-cache-gib", "1e-12"], ["--step-trace", "/tmp"]])
+    ["--kv-cache-gib", "1e-12"], ["--step-trace", "/tmp"], ["--host-tier-bytes", "2048"],
+    ["--ssd-tier-bytes", "32768"]])
 def test_serve_refuses_settings_that_would_fail_in_the_engine(
         tmp_path: Path, flags: list[str]) -> None:
     """Refused with the flag's name before the model loads (they failed in the engine after
@@ -171,6 +172,28 @@ def test_serve_refuses_an_ssd_dir_that_is_the_data_folder(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match=r"ssd_dir .* is the data folder"):
         serve_config(build_parser().parse_args(
             ["serve", "--data-dir", str(tmp_path), "--ssd-dir", str(tmp_path / ".")]))
+    # nor in its batch files' folder, whose start-up sweep deleted the tier's file and lock
+    for inside in ("files", "files/kv"):
+        with pytest.raises(ValueError, match=r"ssd_dir .* is in the batch files' folder"):
+            serve_config(build_parser().parse_args(
+                ["serve", "--data-dir", str(tmp_path), "--ssd-dir", str(tmp_path / inside)]))
+
+
+def test_folders_named_in_the_environment_are_expanded_and_absolute(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`~` no shell expanded (a systemd unit's Environment=) stayed a folder named `~` under
+    the working directory: cost-model fits went there, the model elsewhere."""
+    from antiphon import env
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ANTIPHON_CACHE_DIR", "~/cache")
+    assert env.cache_dir() == tmp_path / "cache"
+    monkeypatch.setenv("ANTIPHON_DATA_DIR", "~/data")
+    assert env.data_dir() == tmp_path / "data"
+    monkeypatch.delenv("ANTIPHON_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # invalid, the XDG spec says: ignored
+    assert env.cache_dir() == tmp_path / ".cache" / "antiphon"
 
 
 def test_small_cli_mistakes_are_refused_at_once(tmp_path: Path,
