@@ -7,6 +7,7 @@ import ipaddress
 import math
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
 from antiphon.configfields import doc
 
@@ -25,6 +26,33 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_name(host_header: str) -> str:
+    """The name in a `Host` header, without its port: `[::1]:8000` -> `::1`."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def web_origin(origin: str) -> str | None:
+    """`origin` as browsers send it (`scheme://host[:port]`, lower case, the scheme's default
+    port left out), or None where it is no http(s) origin."""
+    try:
+        parts = urlsplit(origin.strip().rstrip("/").lower())
+        port = parts.port
+    except ValueError:  # (a port that is no number)
+        return None
+    if parts.scheme not in DEFAULT_PORTS or not parts.hostname or parts.path or parts.query \
+            or parts.fragment or parts.username is not None:
+        return None
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return (f"{parts.scheme}://{host}" if port in (None, DEFAULT_PORTS[parts.scheme])
+            else f"{parts.scheme}://{host}:{port}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     host: str = doc("Address to bind", default="127.0.0.1")
@@ -38,7 +66,7 @@ class ServerConfig:
         "(vllm_xargs.request_class), such as an evaluation harness or a crawler; such a key's "
         "request that asks for rt is refused. Also ANTIPHON_BEST_EFFORT_API_KEYS", default=())
     allowed_origins: tuple[str, ...] = doc(
-        "Web origin (scheme://host:port) besides the server's own whose pages may use a server "
+        "Web origin (scheme://host[:port]) besides the server's own whose pages may use a server "
         "without API keys through the user's browser (repeat for several); other sites' pages "
         "are refused", default=())
     allowed_hosts: tuple[str, ...] = doc(
@@ -202,6 +230,14 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not (0 < self.port < 65536):
             raise ValueError(f"port must be 1..65535, got {self.port}")
+        for origin in self.allowed_origins:
+            if web_origin(origin) is None:
+                raise ValueError(f"allowed_origins: {origin!r} is no web origin: give "
+                                 "scheme://host[:port], e.g. https://chat.example.com")
+        for host in self.allowed_hosts:
+            if not host_name(host) or any(c in host for c in "/@ \t"):
+                raise ValueError(f"allowed_hosts: {host!r} is no host name: give the name "
+                                 "alone, e.g. chat.example.com")
         if not self.accepted_api_keys and not is_loopback(self.host):
             raise ValueError(
                 f"binding to {self.host} needs at least one API key (--api-keys or "

@@ -24,17 +24,9 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from antiphon.server.config import is_loopback
+from antiphon.server.config import host_name, is_loopback, web_origin
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.http import error_response
-
-
-def host_name(host_header: str) -> str:
-    """The name in a `Host` header, without its port: `[::1]:8000` -> `::1`."""
-    host = host_header.strip().lower()
-    if host.startswith("["):
-        return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 class BrowserGuard:
@@ -44,8 +36,8 @@ class BrowserGuard:
                  allowed_hosts: Sequence[str] = (),
                  on_refused: Callable[[], None] = lambda: None) -> None:
         self.app = app
-        self.allowed_origins = {origin.rstrip("/").lower() for origin in allowed_origins}
-        self.allowed_hosts = {host.lower() for host in allowed_hosts}
+        self.allowed_origins = {web_origin(origin) for origin in allowed_origins} - {None}
+        self.allowed_hosts = {host_name(host) for host in allowed_hosts}
         self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -73,9 +65,9 @@ class BrowserGuard:
                         "answers only to localhost or a loopback address (see --allowed-hosts)")
         if origin is None:
             return None
-        origin = origin.strip().rstrip("/").lower()
-        if origin in self.allowed_origins:
+        if web_origin(origin) in self.allowed_origins:
             return None
+        origin = origin.strip().rstrip("/").lower()
         parts = urlsplit(origin)
         if host is not None and parts.scheme in ("http", "https") and (
                 parts.netloc == host.strip().lower()):

@@ -89,3 +89,22 @@ def test_host_names_and_origins() -> None:
                          ("localhost:8000", "http://localhost:8001"),
                          ("localhost:8000", "file://localhost:8000")):
         assert guard.refusal(host, origin) is not None, (host, origin)
+
+
+def test_allowed_origins_and_hosts_match_as_browsers_send_them() -> None:
+    """An origin given with its scheme's default port (as the option's help once showed it)
+    never matched, since browsers leave that port out; nor did a host given with a port, or
+    an IPv6 address in brackets. Entries that can never match are refused."""
+    from antiphon.server.config import ServerConfig
+
+    guard = BrowserGuard(lambda *a: None,  # type: ignore[arg-type,return-value]
+                         allowed_hosts=("chat.lan:8000", "[fe80::1]"),
+                         allowed_origins=("https://chat.lan:443", "http://chat.lan:8080"))
+    assert guard.refusal("chat.lan:8000", "https://chat.lan") is None
+    assert guard.refusal("[fe80::1]:8000", "http://chat.lan:8080") is None
+    assert guard.refusal("chat.lan", "https://chat.lan:8443") is not None
+    for origins, hosts in ((("chat.lan",), ()), (("https://chat.lan/app",), ()),
+                           (("ftp://chat.lan",), ()), ((), ("https://chat.lan",)),
+                           ((), ("",))):
+        with pytest.raises(ValueError, match="allowed_"):
+            ServerConfig(allowed_origins=origins, allowed_hosts=hosts)
