@@ -126,7 +126,8 @@ async def tokenize_route(request: Request) -> dict[str, Any]:
     (`vllm bench serve` checks its own tokenizer against it)."""
     ctx: AppContext = request.app.state.ctx
     authorize(request)
-    return tokenize(ctx.chat, await read_model(request, TokenizeRequest))
+    body = await read_model(request, TokenizeRequest)
+    return await ctx.chat.off_loop(tokenize, ctx.chat, body)  # (a render: off the loop)
 
 
 @router.post("/detokenize")
@@ -134,7 +135,8 @@ async def detokenize_route(request: Request) -> dict[str, Any]:
     """vLLM's `/detokenize`: the text of token ids."""
     ctx: AppContext = request.app.state.ctx
     authorize(request)
-    return detokenize(ctx.chat, await read_model(request, DetokenizeRequest))
+    body = await read_model(request, DetokenizeRequest)
+    return await ctx.chat.off_loop(detokenize, ctx.chat, body)
 
 
 async def _respond(request: Request, gens: list[Generation], slot: Slot,

@@ -80,6 +80,7 @@ class SessionTurns:
         self.arrival_order = ArrivalOrder()
         self.claims = SessionClaims(chat.config.session_free_wait_s, chat.check_open)
         self.eraser = KvEraser(store, chat)
+        self._deleting: dict[str, asyncio.Event] = {}  # session id -> set once deleted
 
     def turn_began(self, session_id: str) -> None:
         """A turn of `session_id` (or its deletion) claimed it, and is going to the engine:
@@ -106,7 +107,7 @@ class SessionTurns:
                                     param="system")
             system = system if system.strip() else None
         if system is not None:
-            self._check_system(system)
+            await self.chat.off_loop(self._check_system, system)  # (a render)
         if session_id is None:
             title = "New chat" if title is None else clean_title(title)
             limit = self.chat.config.max_sessions_per_key
@@ -119,6 +120,12 @@ class SessionTurns:
             return session, []
         session = await self.get(owner, session_id)
         return session, await asyncio.to_thread(self.store.messages, session_id)
+
+    async def _count_tokens(self, contents: Sequence[str]) -> list[int]:
+        """The tokens of each of `contents`, counted off the event loop (a 256 KiB frame of
+        tool results took 290 ms of it)."""
+        count = self.chat.engine.count_tokens
+        return await self.chat.off_loop(lambda: [count(content) for content in contents])
 
     def _check_system(self, system: str) -> None:
         """A system message every turn of a session can use, which is set for good: the
@@ -167,19 +174,29 @@ class SessionTurns:
         """Delete one of `owner`'s sessions with its messages. Refused (`session_busy`, nothing
         changed) while a reply of it is streaming: stop that first."""
         session = await self.get(owner, session_id)  # another's stays "not found"
-        await self.claims.wait_for_ending_turn(session_id)
-        if self.claims.is_held(session_id):
-            raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is answering a "
-                           "message; stop the reply before deleting the session")
-        hold = self.claims.claim(session_id)  # no turn starts while the deletion runs
-        self.turn_began(session_id)
+        # A deletion of it already running (a second click, a client's retry) is waited for:
+        # it found the session claimed, and was told to stop a reply there was none of.
+        while (deleting := self._deleting.get(session_id)) is not None:
+            await deleting.wait()
+            session = await self.get(owner, session_id)  # gone now, unless that one failed
+        done = self._deleting[session_id] = asyncio.Event()
         try:
-            last_prompt = await asyncio.to_thread(self._last_prompt, session)
-            if not await asyncio.to_thread(self.store.delete_session, owner, session_id,
-                                           last_prompt):
-                raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
+            await self.claims.wait_for_ending_turn(session_id)
+            if self.claims.is_held(session_id):
+                raise ApiError(ErrorCode.SESSION_BUSY, f"session {session_id} is answering a "
+                               "message; stop the reply before deleting the session")
+            hold = self.claims.claim(session_id)  # no turn starts while the deletion runs
+            self.turn_began(session_id)
+            try:
+                last_prompt = await asyncio.to_thread(self._last_prompt, session)
+                if not await asyncio.to_thread(self.store.delete_session, owner, session_id,
+                                               last_prompt):
+                    raise ApiError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
+            finally:
+                self.claims.release(session_id, hold)
         finally:
-            self.claims.release(session_id, hold)
+            del self._deleting[session_id]
+            done.set()
         self.eraser.erase_queued()
 
     def _last_prompt(self, session: Session) -> list[int] | None:
@@ -308,14 +325,15 @@ class SessionTurns:
             if cut:
                 logger.info("session %s outgrew the model's context: the model sees it from "
                             "message %d on", msg.session_id, start + cut)
-            count = self.chat.engine.count_tokens
             title = None  # (a session's first message names it)
             messages: list[tuple[str, int, str | None]] | None = None
             if isinstance(msg, protocol.ToolResults):
-                role, messages = "tool", [(r.content, count(r.content), r.tool_call_id)
-                                          for r in msg.results]
+                counts = await self._count_tokens([r.content for r in msg.results])
+                role, messages = "tool", [(r.content, n, r.tool_call_id)
+                                          for r, n in zip(msg.results, counts, strict=True)]
             elif isinstance(msg, protocol.ChatMessage):
-                role, messages = "user", [(msg.content, count(msg.content), None)]
+                (num_tokens,) = await self._count_tokens([msg.content])
+                role, messages = "user", [(msg.content, num_tokens, None)]
                 title = None if seen.history else title_from(msg.content) or None
             else:  # a regenerate adds no message: the window moves with its reply, if the
                 # engine takes the turn and it has one (a refused turn changes nothing, and

@@ -22,6 +22,7 @@ from antiphon.server import protocol
 from antiphon.server.config import ServerConfig
 from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode
+from antiphon.server.turns import SessionTurns
 from antiphon.sessions.config import SessionConfig
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -327,3 +328,24 @@ def test_the_store_reads_a_sessions_messages_from_a_start(tmp_path: Path) -> Non
     assert [m.content for m in ctx.store.messages(session.session_id, 3)] == ["m3", "m4"]
     assert len(ctx.store.messages(session.session_id)) == 5
     ctx.store.close()
+
+
+async def test_a_second_deletion_of_a_session_being_deleted_finds_it_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A double click or a client's retry: the second deletion found the first's claim and
+    was told to stop a reply there was none of (409, session_busy)."""
+    real = SessionTurns._last_prompt
+
+    def slow(self: SessionTurns, session: Any) -> Any:
+        time.sleep(0.3)  # a long conversation, rendered by a real tokenizer
+        return real(self, session)
+
+    monkeypatch.setattr(SessionTurns, "_last_prompt", slow)
+    ctx = build(tmp_path)
+    session, _ = await ctx.turns.open("o", None)
+    first, second = await asyncio.gather(ctx.turns.delete("o", session.session_id),
+                                         ctx.turns.delete("o", session.session_id),
+                                         return_exceptions=True)
+    assert first is None
+    assert isinstance(second, ApiError) and second.code is ErrorCode.SESSION_NOT_FOUND
+

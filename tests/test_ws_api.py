@@ -1180,12 +1180,25 @@ async def test_conversations_render_off_the_event_loop(scripted: Scripted,
         return render(self, *args, **kwargs)
 
     monkeypatch.setattr(ScriptedEngine, "continue_chat", recorded)
+    counting: list[str] = []  # (a message's tokens were counted on the loop too)
+    count = ScriptedEngine.count_tokens
+
+    def recorded_count(self: ScriptedEngine, text: str) -> int:
+        counting.append(threading.current_thread().name)
+        return count(self, text)
+
+    monkeypatch.setattr(ScriptedEngine, "count_tokens", recorded_count)
     async with connect(scripted.ws_url) as ws:
-        sid = (await open_session(ws))["session"]["session_id"]
+        sid = (await open_session(ws, system="Be brief."))["session"]["session_id"]
         await chat(ws, sid, "hello there")
         await chat(ws, sid, "and again")
+    assert counting and all(name.startswith("render-rt") for name in counting), counting
     async with httpx.AsyncClient(base_url=scripted.url) as http:
         r = await http.post("/v1/chat/completions", json={
             "model": "scripted", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200
-    assert len(threads) >= 3 and all(name.startswith("render-rt") for name in threads), threads
+        before = len(threads)
+        r = await http.post("/tokenize", json={  # (/tokenize rendered on the loop too)
+            "model": "scripted", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and len(threads) == before + 1
+    assert len(threads) >= 4 and all(name.startswith("render-rt") for name in threads), threads
