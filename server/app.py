@@ -17,9 +17,10 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.protocol import State
 
@@ -132,6 +133,12 @@ def create_app(config: AppConfig, engine: Engine) -> FastAPI:
         what = "no route" if code is ErrorCode.NOT_FOUND else "method not allowed"
         return await on_api_error(request, ApiError(
             code, f"{what}: {request.method} {request.url.path}"))
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_gone(_request: Request, _exc: ClientDisconnect) -> Response:
+        # The client left while its body was read (or a body deadline closed it): no
+        # server error to count or log, and nobody to answer (nginx's "client closed").
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -140,8 +140,9 @@ class Sampling(BaseModel):
     temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
     """0 (which OpenAI takes, and vLLM does not): the likeliest token alone, as top_k 1."""
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
-    """vLLM's: sample from the k likeliest tokens; 0 or -1 for all."""
+    top_k: Annotated[StrictInt, Field(ge=-1, le=2**31 - 1)] | None = None
+    """vLLM's: sample from the k likeliest tokens; 0 or -1 for all (bounded: past 2**64,
+    vLLM's request encoding failed, a 500; past the vocabulary, k is all of it)."""
     min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
     presence_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] | None = None

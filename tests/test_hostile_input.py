@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,7 @@ def test_json_no_part_of_the_server_could_use_is_refused(scripted: Scripted, raw
     ({"presence_penalty": 2.5}, 400, "bad_message", "presence_penalty"),
     ({"repetition_penalty": 0}, 400, "bad_message", "repetition_penalty"),
     ({"top_k": -2}, 400, "bad_message", "top_k"),
+    ({"top_k": 10**30}, 400, "bad_message", "top_k"),
     ({"min_tokens": 1000}, 400, "bad_message", "min_tokens (1000) exceeds the reply's max_tokens"),
     # what an engine would honour but this server does not: refused, never silently dropped
     ({"guided_choice": ["yes", "no"]}, 400, "bad_message",
@@ -504,3 +507,20 @@ async def test_a_reply_that_cannot_be_saved_ends_with_an_error_not_a_hang(
         monkeypatch.setattr(SessionStore, "append_message", real)
         await send(ws, type="message", session_id=sid, content="again")  # not left busy
         assert (await recv_until(ws, "done"))[-1]["text"] == "You said: again"
+
+
+def test_a_client_gone_while_its_body_is_read_is_no_server_error(
+        scripted: Scripted, caplog: pytest.LogCaptureFixture) -> None:
+    """It was counted and logged as an internal error, with a traceback: every client cut
+    off mid-upload (or closed by --body-timeout-s) looked like a server fault."""
+    port = int(scripted.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as raw:
+        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                    b'{"model":')
+        time.sleep(0.3)
+    time.sleep(0.3)
+    metrics = httpx.get(scripted.url + "/metrics").text
+    assert 'antiphon_errors_total{code="internal_error"}' not in metrics
+    assert "ClientDisconnect" not in caplog.text
+
