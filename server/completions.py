@@ -62,10 +62,10 @@ class OpenAIMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an option not taken is refused, not dropped
-    include_usage: StrictBool = False
-    continuous_usage_stats: Literal[False] = False
+    include_usage: StrictBool | None = False  # (null: the default, as every field's)
+    continuous_usage_stats: Literal[False] | None = False
     """vLLM's usage in every chunk: not implemented (true is refused)."""
-    include_obfuscation: Literal[False] = False
+    include_obfuscation: Literal[False] | None = False
     """OpenAI's random padding of each chunk (the `openai` client offers it): not implemented
     (true is refused)."""
 

@@ -94,7 +94,7 @@ def test_streaming_chat_completion(scripted: Scripted) -> None:
             model="scripted", messages=[{"role": "user", "content": "a"}], stream=True,
             stream_options={"include_obfuscation": True})
     # every chunk has usage, null but in the last, as OpenAI's; none without include_usage
-    for include, expected in ((True, {"usage": None}), (False, {})):
+    for include, expected in ((True, {"usage": None}), (False, {}), (None, {})):
         with httpx.stream("POST", scripted.url + "/v1/chat/completions", json={
                 "model": "scripted", "messages": [{"role": "user", "content": "a"}],
                 "stream": True, "stream_options": {"include_usage": include}}) as r:
