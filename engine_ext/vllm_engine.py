@@ -270,7 +270,7 @@ class VllmEngine(Engine):
                 repetition_penalty=params.repetition_penalty,
                 min_tokens=params.min_tokens,
                 stop=list(params.stop) or None,
-                seed=params.seed,
+                seed=vllm_seed(params.seed),
                 ignore_eos=params.ignore_eos,
                 output_kind=RequestOutputKind.DELTA,
                 extra_args=_extra_args(params),
@@ -470,3 +470,10 @@ class VllmEngine(Engine):
                 from antiphon.tiering.host_arena import remove_arenas_of
 
                 remove_arenas_of(engines)
+
+
+def vllm_seed(seed: int | None) -> int | None:
+    """`seed` as vLLM takes it: vLLM reads -1 as no seed (a reply that does not repeat), so -1
+    goes as 2**64 - 1, the seed torch's generator makes of -1 (a choice's seed + offset
+    wraps onto -1 too)."""
+    return 2**64 - 1 if seed == -1 else seed

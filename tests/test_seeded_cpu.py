@@ -62,3 +62,17 @@ def test_a_discarded_sample_leaves_the_generator_as_it_was() -> None:
     chunked._bookkeeping_sync()
     assert second[0] == first[0] == first[1]  # as if the thrown-away sample was never drawn
     assert second[1] != first[1]  # request 1's sample was kept: its generator went on
+
+
+def test_a_seed_of_minus_one_reaches_vllm_as_a_seed() -> None:
+    """vLLM reads seed -1 as none: a request (or a choice whose seed + offset wrapped onto
+    -1) with it got a reply that did not repeat."""
+    from vllm import SamplingParams
+
+    from antiphon.engine_ext.vllm_engine import vllm_seed
+
+    seed = vllm_seed(-1)
+    assert SamplingParams(seed=seed).seed == seed
+    drawn = [torch.rand(4, generator=torch.Generator().manual_seed(s)) for s in (-1, seed)]
+    assert torch.equal(*drawn)  # the generator torch makes of -1
+    assert vllm_seed(7) == 7 and vllm_seed(None) is None
