@@ -43,7 +43,9 @@ POLICIES = ("fcfs", "priority", "bros", "hygen", "echo")
 # was checkpointed to host RAM, and its write-through cost was in the baseline's figures).
 STOCK_POLICIES = ("fcfs", "priority")
 MEMORY_ARGUMENTS = {"stock": ["--no-biblocks", "--no-kv-tiering"], "antiphon": [],
-                    "host": ["--ssd-tier-bytes", "0"]}
+                    "host": ["--ssd-tier-bytes", "0"],
+                    "eager": ["--background-saves", "through"],
+                    "lazy": ["--background-saves", "checkpoint"]}
 # Printed per run when a benchmark repeats its systems.
 KEY_METRICS = ("rt_ttft_slo_attainment", "rt_tpot_slo_attainment", "rt_normalized_latency_s",
                "rt_failed", "be_tokens_per_s", "be_recomputed_tokens", "cost_model_mape", "host_decode_step_s",
@@ -291,8 +293,9 @@ def system_arguments(entry: str) -> list[str]:
     """The `serve` arguments of a `--policies` entry, `POLICY[@SECONDS][:MEMORY]`: the policy,
     its BE step limit, and its memory management, `stock` (recompute preemption, the device's
     prefix cache alone), `antiphon` (the server's defaults: bidirectional blocks, KV tiers)
-    or `host` (Antiphon's with the host tier alone: no SSD write-through); by default stock
-    for the stock policies, Antiphon's for the others."""
+    or `host` (Antiphon's with the host tier alone: no SSD write-through), `eager` or `lazy`
+    (Antiphon's with BE work's KV copied to the host tier as it fills, or only when it is
+    checkpointed); by default stock for the stock policies, Antiphon's for the others."""
     entry, _, memory = entry.partition(":")
     policy, _, guard = entry.partition("@")
     if memory not in ("", *MEMORY_ARGUMENTS):
@@ -527,9 +530,9 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated; POLICY@SECONDS runs POLICY with that BE step limit "
                         "(--be-step-limit-s, the arrival guard), e.g. bros@inf for none; "
-                        "POLICY:stock, POLICY:antiphon or POLICY:host with that memory "
-                        "management (default: stock for fcfs and priority, Antiphon's for the "
-                        "others)")
+                        "POLICY:stock, POLICY:antiphon, POLICY:host, POLICY:eager or "
+                        "POLICY:lazy with that memory management (default: stock for fcfs "
+                        "and priority, Antiphon's for the others)")
     add_workload_arguments(p, kv_pages=64)
     p.set_defaults(bench_func=main)
 

@@ -893,6 +893,52 @@ def test_whose_kv_is_written_through_to_the_ssd_tier(tmp_path: Path, mode: str,
         planner.close()
 
 
+def test_be_work_saved_at_checkpoint_copies_all_of_it_when_preempted(tmp_path: Path) -> None:
+    # `background_saves="checkpoint"`: a BE request's steps copy nothing to the host tier;
+    # preempted, its checkpoint copies every page, and its restore loads every token.
+    planner = make_planner(tmp_path / "ssd", background_saves="checkpoint")
+    try:
+        tokens = [*TURN1, 110]
+        admit(planner, TokenView("be", tokens, background=True), [7, 8, 9])
+        meta = run_step(planner, [("be", 10)])
+        assert not meta.saves
+        assert planner.checkpoint_cost_pages("be", 10) == 3
+        held = planner.checkpoint("be", 10, [7, 8, 9])
+        meta = planner.build_metadata([])
+        assert held == 10
+        assert [c.blocks for c in meta.checkpoints] == [(7,), (8,), (9,)]
+        stats = planner.stats()
+        assert (stats["pages_checkpointed"], stats["pages_handed_over"]) == (3, 0)
+        fake_worker_saves(planner, meta.checkpoints)
+        planner.step_done({meta.step}, set())
+        assert planner.check_integrity() == []
+        assert ssd_chunks(planner) == {0, 1, 2}  # written down, as every checkpoint is
+        view = TokenView("be", tokens, background=True)
+        assert planner.num_new_matched_tokens(view, 0) == 10
+        planner.plan_load("be", [3, 4, 5], 10, len(tokens))
+        planner.test_blocks["be"] = [3, 4, 5]  # type: ignore[attr-defined]
+        # Restored: the chunks its checkpoint saved are not copied again, nor counted in
+        # what preempting it once more would copy.
+        assert planner.checkpoint_cost_pages("be", 12) == 1
+        assert not run_step(planner, [("be", 12)]).saves
+    finally:
+        planner.close()
+
+
+def test_finished_be_work_saved_at_checkpoint_leaves_nothing_in_the_tiers(tmp_path: Path
+                                                                          ) -> None:
+    planner = make_planner(tmp_path / "ssd", background_saves="checkpoint")
+    try:
+        be, turn = list(range(300, 311)), list(range(400, 411))
+        run_turn(planner, "be", be, [7, 8, 9], session=None, background=True)
+        assert planner.stored_prefix_tokens(TokenView("be2", [*be, 1])) == 0
+        assert planner.stats()["saved_chunks"] == 0
+        run_turn(planner, "turn", turn, [7, 8, 9])  # chat turns are saved as they fill
+        assert planner.stored_prefix_tokens(TokenView("turn2", [*turn, 1])) == 10
+    finally:
+        planner.close()
+
+
 def test_a_chunk_a_checkpoint_takes_while_it_is_copied_is_written_down(
         planner: TierPlanner) -> None:
     tokens = [*TURN1, 110]

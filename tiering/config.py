@@ -11,6 +11,7 @@ from antiphon.configfields import doc
 MiB = 1 << 20
 GiB = 1 << 30
 SSD_WRITE_THROUGH = ("sessions", "rt", "all")  # `ssd_write_through`: narrowest first
+BACKGROUND_SAVES = ("through", "checkpoint")  # `background_saves`
 KV_COPY_MODES = ("auto", "pagewise", "batched")  # `kv_copy_mode`
 
 
@@ -74,6 +75,13 @@ class TieringConfig:
         "reuse and lazy checkpoints find it; a checkpoint writes its chunks down. On 2 cores "
         "in bench mixed, writing every request through took 16% off the BE tokens/s",
         default="sessions")
+    background_saves: str = doc(
+        "When BE work's KV is copied to the host tier: through (as its chunks fill, so a "
+        "lazy checkpoint copies only the newest pages, and another request over the same "
+        "document finds its prefix in host RAM) or checkpoint (only when the request is "
+        "preempted: every page no tier holds, copied before the step that may overwrite "
+        "it; a checkpoint costs more, but most BE requests are never preempted)",
+        default="through")
     ssd_fetch_wait_s: float = doc(
         "How long the engine waits, in the step that admits a chat turn, for the SSD fetch "
         "of the turn's context (seconds); a fetch not done by then holds the turn to a later "
@@ -137,6 +145,9 @@ class TieringConfig:
         if self.ssd_write_through not in SSD_WRITE_THROUGH:
             raise ValueError(f"ssd_write_through must be one of {', '.join(SSD_WRITE_THROUGH)}, "
                              f"got {self.ssd_write_through!r}")
+        if self.background_saves not in BACKGROUND_SAVES:
+            raise ValueError(f"background_saves must be one of {', '.join(BACKGROUND_SAVES)}, "
+                             f"got {self.background_saves!r}")
         from antiphon.tiering.eviction import eviction_policy_class
 
         eviction_policy_class(self.eviction_policy)  # fails with the list of valid names

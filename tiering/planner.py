@@ -474,6 +474,9 @@ class TierPlanner:
             self._unpin(st)
             self._drop_prefetch(st)
             num_computed = known_tokens(st, num_computed)
+            if self._saves_at_checkpoint(st):  # nothing reads it again
+                self.retirement.request_finished(st, num_computed, None)
+                return False
             full = num_computed // self.chunk_tokens
             # With async scheduling the step computing a chunk's last token was planned
             # before that token was known: a reply ending there lost the chunk (its next turn
@@ -567,7 +570,9 @@ class TierPlanner:
                     held, restore = cut.held_tokens, list(cut.chunks)
                     if not held:
                         self.preemption.drop(request_id)
-            st.saved_chunks = min(st.saved_chunks, held // self.chunk_tokens)
+            # (saved by this checkpoint: not copied again, and a lost one found by `_unsave`)
+            st.saved_chunks = (held // self.chunk_tokens if self._saves_at_checkpoint(st)
+                               else min(st.saved_chunks, held // self.chunk_tokens))
             st.stored_tokens = None  # (looked up by its length, which a preemption mid-prefill
             # leaves as it was: policies saw the tiers hold none of the checkpoint)
             self._lost_chunks.pop(request_id, None)  # (those below `held` are reserved again)
@@ -729,7 +734,7 @@ class TierPlanner:
     def _plan_saves(self, st: RequestState, num_done: int, meta: TieringMetadata,
                     in_flight: StepInFlight) -> None:
         full = known_tokens(st, num_done) // self.chunk_tokens
-        if full > st.saved_chunks:
+        if full > st.saved_chunks and not self._saves_at_checkpoint(st):
             in_flight.num_saved_chunks += self._save_chunks(
                 st, full, self._block_ids_of(st.view.request_id), meta.saves,
                 in_flight.commits)
@@ -821,6 +826,11 @@ class TierPlanner:
         if mode == "all":
             return True
         return not st.view.background and (mode == "rt" or st.view.session is not None)
+
+    def _saves_at_checkpoint(self, st: RequestState) -> bool:
+        """Whether the request's KV reaches the host tier only when it is checkpointed
+        (`background_saves`), not as its chunks fill."""
+        return st.view.background and self.config.background_saves == "checkpoint"
 
     def _write_down(self, chunks: Sequence[ChunkKey], owner: bytes) -> None:
         """Write the layers of `chunks` the host tier holds through to the slowest tier (saved
