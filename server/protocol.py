@@ -69,7 +69,7 @@ from pydantic import (
 
 from antiphon.engine_ext.types import JsonTooDeep, ToolSpec, strict_json
 from antiphon.server.errors import ApiError, ErrorCode, bad_message
-from antiphon.server.schemas import SchemaObject
+from antiphon.server.schemas import MAX_SCHEMA_LENGTH_BOUNDS, SchemaObject, length_bounds
 from antiphon.server.tools import (
     NamedToolChoice,
     ToolChoice,
@@ -168,6 +168,21 @@ class Sampling(BaseModel):
                                  f'{{"50256": -100}}), not {key[:20]!r}')
         return bias
 
+    @model_validator(mode="after")
+    def _schemas_compile(self) -> Sampling:
+        bounds = length_bounds(*self.schemas())
+        if bounds > MAX_SCHEMA_LENGTH_BOUNDS:
+            raise ValueError(f"the schemas (response_format and tools) bound the length of "
+                             f"{bounds} strings; at most {MAX_SCHEMA_LENGTH_BOUNDS} may be "
+                             "(each costs the engine's grammar compiler up to seconds)")
+        return self
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """The JSON schemas the request holds the reply to, or may."""
+        form = self.response_format
+        return [] if form is None or form.json_schema is None \
+            or form.json_schema.json_schema is None else [form.json_schema.json_schema]
+
     @property
     def stop_sequences(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -214,6 +229,10 @@ class ToolOffer(Sampling):
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one "
                              "of the tools")
         return self
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return [*super().schemas(), *(t.function.parameters for t in self.tools or ()
+                                     if t.function.parameters is not None)]
 
     def tool_use(self) -> ToolUse | None:
         """How the reply holds tool calls; None where it holds none (no tools, or

@@ -1,13 +1,23 @@
 """JSON schemas a request carries (a `response_format`'s, a tool's parameters): bounded in
-depth, since the server walks and rebuilds them."""
+depth, since the server walks and rebuilds them, and in what the engine's grammar compiler
+pays for (`length_bounds`)."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
 MAX_SCHEMA_DEPTH = 100  # JSON levels of a schema the server walks (tools' rebuild them)
+# Strings bounded in length (minLength, maxLength, or a pattern's {m,n}) that one request's
+# schemas may hold, all of them together. vLLM compiles a request's schema into a grammar
+# (xgrammar) on a pool of (cores + 1) // 2 threads, one on 2 cores, and a compile once started
+# runs to its end: each bounded string costs it 0.4 s (a bound of 32) to 3 s (a bound of 512
+# or more) on this host, and every structured request behind it waits. 16 of them: under a
+# minute of compile at worst, against hours for a 256 KiB body of them.
+MAX_SCHEMA_LENGTH_BOUNDS = 16
+_QUANTIFIER = re.compile(r"\{\s*\d+\s*(,\s*\d*\s*)?\}")
 
 
 def check_schema_depth(schema: Any) -> Any:
@@ -23,3 +33,22 @@ def check_schema_depth(schema: Any) -> Any:
 
 
 SchemaObject = Annotated[dict[str, Any], AfterValidator(check_schema_depth)]
+
+
+def length_bounds(*schemas: Any) -> int:
+    """Strings bounded in length in `schemas`: nodes with minLength or maxLength, and the
+    `{m,n}` repetitions of their patterns. Walked without recursion (depth is bounded)."""
+    count = 0
+    stack = list(schemas)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            count += "minLength" in node or "maxLength" in node
+            pattern = node.get("pattern")
+            if isinstance(pattern, str):
+                count += len(_QUANTIFIER.findall(pattern))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count
+

@@ -97,6 +97,14 @@ def test_json_no_part_of_the_server_could_use_is_refused(scripted: Scripted, raw
     ({"repetition_penalty": 0}, 400, "bad_message", "repetition_penalty"),
     ({"top_k": -2}, 400, "bad_message", "top_k"),
     ({"top_k": 10**30}, 400, "bad_message", "top_k"),
+    # strings bounded in length each cost vLLM's one grammar-compiler thread up to seconds
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 100 + i}
+                                         for i in range(17)}}}}},
+     400, "bad_message", "bound the length of 17 strings"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^a{1,9}b{2}$"}}}}}
+        for i in range(9)]}, 400, "bad_message", "bound the length of 18 strings"),
     ({"min_tokens": 1000}, 400, "bad_message", "min_tokens (1000) exceeds the reply's max_tokens"),
     # what an engine would honour but this server does not: refused, never silently dropped
     ({"guided_choice": ["yes", "no"]}, 400, "bad_message",
