@@ -826,6 +826,48 @@ async def test_a_failed_erasure_is_tried_again_and_holds_back_none_queued_behind
     store.close()
 
 
+async def test_an_engine_failing_every_erasure_is_asked_a_few_times_until_the_retry(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Going on past a failed erasure tried the whole queue on every deletion while the
+    engine failed them all (500 queued: 500 calls and warnings each time): a pass stops at
+    its third failure and none runs before the retry, which then erases them all."""
+    from types import SimpleNamespace
+
+    from antiphon.server.kv_eraser import KvEraser
+
+    rows = [(i, f"s{i}", "o", [[1, 2, 3]]) for i in range(50)]
+    calls: list[str] = []
+    down = True
+
+    async def forget(session_id: str, *args: Any, **kwargs: Any) -> int:
+        calls.append(session_id)
+        if down:
+            raise RuntimeError("the engine is not answering")
+        return 1
+
+    def finish(erasure_id: int) -> None:
+        rows[:] = [r for r in rows if r[0] != erasure_id]
+
+    store = SimpleNamespace(on_erasure_queued=None, pending_erasures=lambda: list(rows),
+                            kept_chains=lambda _s: None, finish_erasure=finish)
+    chat = SimpleNamespace(engine=SimpleNamespace(forget=forget), cache_salt=lambda _o: None,
+                           config=SimpleNamespace(kv_erasure_retry_s=0.3))
+    eraser = KvEraser(store, chat)  # type: ignore[arg-type]
+    eraser.start()
+    for _ in range(5):  # sessions deleted meanwhile
+        await asyncio.sleep(0.02)
+        eraser.erase_queued()
+    await asyncio.sleep(0.1)
+    assert len(calls) == KvEraser.MAX_FAILURES_A_PASS
+    down = False
+    for _ in range(100):
+        if not rows:
+            break
+        await asyncio.sleep(0.02)
+    await eraser.stop()
+    assert not rows
+
+
 @pytest.mark.parametrize("owner_key", [None, "key-0001"])
 async def test_the_erasure_names_the_owners_kv(tmp_path: Path, owner_key: str | None) -> None:
     engine = ScriptedEngine()
