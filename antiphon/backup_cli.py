@@ -31,8 +31,10 @@ from typing import Any
 from antiphon import env
 from antiphon.datalock import (
     UNFINISHED_BACKUP,
+    DataDirInUseError,
     UnfinishedBackupError,
     check_not_unfinished_backup,
+    holder,
     lock_data_dir,
 )
 from antiphon.private import private_dir, private_file
@@ -59,10 +61,14 @@ def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
     # backup's then replace under it (it refuses a held lock, as this does).
     try:
         lock = lock_data_dir(dest)
-    except BaseException:
+    except BaseException as exc:
         if made:
             with contextlib.suppress(OSError):
                 dest.rmdir()
+        if isinstance(exc, DataDirInUseError):
+            raise DataDirInUseError(f"{dest} is in use by another antiphon process (pid "
+                                    f"{holder(dest / '.lock')}): back up into another "
+                                    "folder") from None
         raise
     try:
         return _backup_into(data_dir, dest, found, made)
@@ -187,7 +193,8 @@ def _backup(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir or env.data_dir() or SessionConfig().data_dir).expanduser()
     try:
         summary = backup(data_dir, Path(args.dest))
-    except (OSError, DatabaseDamaged, sqlite3.Error, UnfinishedBackupError) as exc:
+    except (OSError, DatabaseDamaged, sqlite3.Error, UnfinishedBackupError,
+            DataDirInUseError) as exc:
         print(f"antiphon backup: {exc}", file=sys.stderr)
         return 2
     for name, counts in summary.items():

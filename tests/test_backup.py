@@ -93,9 +93,10 @@ def test_a_backup_holds_its_folder_from_servers_and_leaves_it_as_found_when_refu
     dest = tmp_path / "out"
     fd = lock_data_dir(dest)  # a server holds it (its databases not made yet)
     try:
-        with pytest.raises(DataDirInUseError):
+        with pytest.raises(DataDirInUseError, match="back up into another folder"):
             backup_cli.backup(data, dest)
         assert [p.name for p in dest.iterdir()] == [".lock"]
+        assert main(["backup", str(dest), "--data-dir", str(data)]) == 2  # said, no traceback
     finally:
         os.close(fd)
     (dest / ".lock").unlink()
