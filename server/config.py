@@ -38,16 +38,23 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def web_origin(origin: str) -> str | None:
-    """`origin` as browsers send it (`scheme://host[:port]`, lower case, the scheme's default
-    port left out), or None where it is no http(s) origin."""
+    """`origin` as browsers send it: `scheme://host[:port]` in lower case, an http(s) one
+    without its scheme's default port; another scheme's (a browser extension's
+    `chrome-extension://id`, an app shell's `tauri://localhost`) as it is, and `null` (a
+    `file://` page's). None where it is no origin (a path, no host)."""
+    text = origin.strip().rstrip("/").lower()
+    if text == "null":
+        return text
     try:
-        parts = urlsplit(origin.strip().rstrip("/").lower())
+        parts = urlsplit(text)
         port = parts.port
     except ValueError:  # (a port that is no number)
         return None
-    if parts.scheme not in DEFAULT_PORTS or not parts.hostname or parts.path or parts.query \
+    if not parts.scheme or not parts.hostname or parts.path or parts.query \
             or parts.fragment or parts.username is not None:
         return None
+    if parts.scheme not in DEFAULT_PORTS:
+        return text
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return (f"{parts.scheme}://{host}" if port in (None, DEFAULT_PORTS[parts.scheme])
             else f"{parts.scheme}://{host}:{port}")
