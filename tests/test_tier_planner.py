@@ -925,6 +925,31 @@ def test_be_work_saved_at_checkpoint_copies_all_of_it_when_preempted(tmp_path: P
         planner.close()
 
 
+def test_a_checkpoint_is_written_down_off_the_schedulers_thread(tmp_path: Path) -> None:
+    """A checkpoint's copies were written through to the SSD tier in `step_done`, on the
+    engine's scheduler thread: saved only at checkpoint, a BE request's whole KV (hundreds
+    of chunk-layers) held the step that preempted it for an RT turn."""
+    planner = make_planner(tmp_path / "ssd", background_saves="checkpoint")
+    try:
+        threads: list[str] = []
+        write_through = planner.store.write_through
+
+        def recorded(key: ChunkKey, *args: Any, **kwargs: Any) -> bool:
+            threads.append(threading.current_thread().name)
+            return write_through(key, *args, **kwargs)
+
+        planner.store.write_through = recorded  # type: ignore[method-assign]
+        tokens = [*TURN1, 110]
+        _, meta = preempt_after(planner, "be", tokens, [7, 8, 9], [10], background=True)
+        fake_worker_saves(planner, meta.checkpoints)
+        planner.step_done({meta.step}, set())
+        assert ssd_chunks(planner) == {0, 1, 2}  # (flushed)
+        assert threads and threading.current_thread().name not in threads, threads
+        assert planner.check_integrity() == []
+    finally:
+        planner.close()
+
+
 def test_finished_be_work_saved_at_checkpoint_leaves_nothing_in_the_tiers(tmp_path: Path
                                                                           ) -> None:
     planner = make_planner(tmp_path / "ssd", background_saves="checkpoint")
@@ -1858,5 +1883,29 @@ def test_every_advisory_received_is_counted_used_expired_dropped_renewed_or_live
         assert (s["advisories_received"], s["advisories_dropped"]) == (3, 2)
         assert s["advisories_received"] == s["advisories_used"] + s["advisories_expired"] \
             + s["advisories_dropped"] + s["advisories_live"]
+    finally:
+        planner.close()
+
+
+def test_be_work_saved_at_checkpoint_counts_the_prefix_it_loaded_as_held(tmp_path: Path
+                                                                         ) -> None:
+    """A BE request over a document whose chunks the tiers hold: its checkpoint hands them
+    over, but the cost policies weigh (`checkpoint_cost_pages`) counted every page."""
+    planner = make_planner(tmp_path / "ssd", background_saves="checkpoint")
+    try:
+        doc = list(range(100, 108))  # 2 chunks, saved by a chat turn over them
+        run_turn(planner, "chat", [*doc, 1, 2, 3], [7, 8, 9])
+        tokens = [*doc, 300, 301, 302, 303, 304]
+        view = TokenView("be", tokens, background=True)
+        planner.add_request(view)
+        matched = planner.num_new_matched_tokens(view, 0)
+        assert matched == 8
+        planner.test_blocks["be"] = [1, 2, 3, 4]  # type: ignore[attr-defined]
+        planner.plan_load("be", [1, 2, 3, 4], matched, len(tokens))
+        run_step(planner, [("be", 12)])
+        cost = planner.checkpoint_cost_pages("be", 12)
+        planner.checkpoint("be", 12, [1, 2, 3, 4])
+        copied = sum(len(c.blocks) for c in planner.build_metadata([]).checkpoints)
+        assert cost == copied == 1
     finally:
         planner.close()

@@ -89,6 +89,9 @@ class SlotCommit(NamedTuple):
     # the bytes of the slot its copy fills (a partial chunk's pages); None: the whole slot.
     # The rest holds what the slot's last occupant left, another session's KV.
     num_bytes: int | None = None
+    # written through on the store's thread, not the scheduler's (a checkpoint's: with
+    # `background_saves` "checkpoint", hundreds of chunk-layers of one BE request)
+    in_background: bool = False
 
 
 @dataclasses.dataclass

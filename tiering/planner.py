@@ -308,6 +308,9 @@ class TierPlanner:
                 self._unpin(st)
                 return
             start, end = st.local_tokens, st.local_tokens + num_external
+            if self._saves_at_checkpoint(st):  # (what its saves would have found held: a
+                # checkpoint hands it over, and policies weigh it so)
+                st.saved_chunks = max(st.saved_chunks, end // self.chunk_tokens)
             first_page = start // self.page_tokens
             end_page = -(-end // self.page_tokens)
             for index in range(first_page // self.pages_per_chunk,
@@ -385,7 +388,9 @@ class TierPlanner:
                     self.host.unpin(key)
                 erased: list[ChunkKey] = []
                 failed: list[ChunkKey] = []
-                for key, durable, owner, num_bytes in in_flight.commits:
+                later: dict[bytes, list[ChunkKey]] = {}  # by owner: written down in the
+                # store's thread (pinned there until written)
+                for key, durable, owner, num_bytes, in_background in in_flight.commits:
                     if self.erasure.drops(key):
                         self.host.abort(key, erase=True)
                         erased.append(key)
@@ -396,7 +401,11 @@ class TierPlanner:
                         # Pinned until it is on SSD: published unpinned, a put from the
                         # prefetch thread could evict it first, and a checkpoint's only copy
                         # of a BE tail was gone though the SSD tier had room.
-                        if self.host.commit(key, num_bytes, pin=True, owner=owner):
+                        if not self.host.commit(key, num_bytes, pin=True, owner=owner):
+                            pass
+                        elif in_background:
+                            later.setdefault(owner, []).append(key)
+                        else:
                             try:
                                 self.store.write_through(key, owner=owner)
                             finally:
@@ -405,6 +414,10 @@ class TierPlanner:
                         self.host.commit(key, num_bytes, owner=owner)
                     if step not in failed_steps:
                         landed.add(key.prefix_hash)
+                for owner, keys in later.items():
+                    self.store.write_through_later(keys, owner=owner)  # (pins them again)
+                    for key in keys:
+                        self.host.unpin(key)
                 # (a checkpoint holding one is cut, as if evicted)
                 self.preemption.note_evicted(erased + failed)
                 self._unsave(erased, save_again=False)
@@ -545,7 +558,8 @@ class TierPlanner:
                         break  # no host room: recompute from here
                     copies.append(copy)
                     reserved.extend(keys)
-                    commits.extend(self._slot_commits(keys, copy, True, owner))
+                    commits.extend(c._replace(in_background=True)
+                                   for c in self._slot_commits(keys, copy, True, owner))
                 if key_end % self.chunk_tokens:
                     self.matcher.index_tail(st, key_end, key)
                 held = key_end
