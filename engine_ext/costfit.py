@@ -29,6 +29,7 @@ import numpy as np
 from antiphon.engine_ext.costforms import (
     FORMS,
     CostForm,
+    LinearForm,
     cost_form,
     extended_forms,
     mape,
@@ -134,11 +135,12 @@ def copy_features(shapes: Sequence[StepShape]) -> np.ndarray:
 def fit_less_copies(form: CostForm, shapes: Sequence[StepShape],
                     latencies: np.ndarray) -> tuple[tuple[float, ...], np.ndarray]:
     """The form's coefficients fitted to the steps less their page copies, and the copy terms
-    (per step that copies, per page-layer) fitted to what the form leaves of the steps that
-    copied, in `COPY_ROUNDS` alternating rounds. `serve` profiles with its KV connector on,
-    whose saves no form has a term for: fitted whole, the form took them in (a copy-free
-    step then planned 9% long) and the online model, which learns the copy terms apart
-    (`CostModel`), added them a second time."""
+    (per step that copies, per page-layer): for a linear form in one least-squares fit, for
+    another (echo's) to what the form leaves of the steps that copied, in `COPY_ROUNDS`
+    alternating rounds. `serve` profiles with its KV connector on, whose saves no form has a
+    term for: fitted whole, the form took them in (a copy-free step then planned 9% long) and
+    the online model, which learns the copy terms apart (`CostModel`), added them a second
+    time."""
     weights = relative_weights(latencies)  # (of the measured steps, not of the part fitted)
     copy_x = copy_features(shapes)
     copied = copy_x[:, 0] > 0
@@ -146,6 +148,14 @@ def fit_less_copies(form: CostForm, shapes: Sequence[StepShape],
     coefficients = form.fit(shapes, latencies, weights=weights)
     if not copied.any():
         return coefficients, copy_terms
+    if isinstance(form, LinearForm):
+        # One least-squares fit of both, exact: `serve` profiles with its connector saving
+        # each prompt's chunks as they fill, so a step's copies grow with its prefill tokens,
+        # and alternating fits of the two (each taking what the other leaves) moved a
+        # quarter of the copy cost out of the prefill term in three rounds.
+        x = np.column_stack([np.array([form.features(shape) for shape in shapes]), copy_x])
+        joint = nnls(x * weights[:, None], latencies * weights)
+        return tuple(float(c) for c in joint[:-2]), joint[-2:]
     copied_shapes = [shape for shape, c in zip(shapes, copied, strict=True) if c]
     for _ in range(COPY_ROUNDS):
         residual = latencies[copied] - form.predict_all(coefficients, copied_shapes)

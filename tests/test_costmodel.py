@@ -354,14 +354,19 @@ def test_calibration_and_error_track_their_windows_as_numpy_computes_them() -> N
     assert model.mape == pytest.approx(float(np.mean(np.abs(0.1 - recent) / recent)))
 
 
-def copying_steps(num_steps: int, seed: int = 4) -> list[tuple[StepShape, float]]:
+def copying_steps(num_steps: int, seed: int = 4,
+                  with_prefill: bool = False) -> list[tuple[StepShape, float]]:
     """Steps timed by bros_after under TRUTH with 1% noise, a third of them also copying 1 to 6
-    pages of 30 layers at 8 ms a step plus 40 us a page-layer (as served on a 2-core CPU)."""
+    pages of 30 layers at 8 ms a step plus 40 us a page-layer (as served on a 2-core CPU);
+    `with_prefill`: instead, every step the pages its prefill filled (a 128-token page each)."""
     rng = np.random.default_rng(seed)
     steps = []
     for _ in range(num_steps):
         shape = random_shape(rng)
-        if rng.random() < 1 / 3:
+        if with_prefill:
+            shape = dataclasses.replace(shape, page_copies=30 * (shape.num_prefill_tokens
+                                                                 // 128))
+        elif rng.random() < 1 / 3:
             shape = dataclasses.replace(shape, page_copies=30 * int(rng.integers(1, 7)))
         latency = FORMS["bros_after"].predict_s(TRUTH["bros_after"], shape)
         latency += (0.008 + 4e-5 * shape.page_copies) if shape.page_copies else 0.0
@@ -379,11 +384,14 @@ def test_the_online_model_learns_what_page_copies_cost() -> None:
     assert model.mape is not None and model.mape < 0.012
 
 
-def test_a_profiled_fit_holds_the_forms_terms_without_the_page_copies() -> None:
+@pytest.mark.parametrize("with_prefill", [False, True])
+def test_a_profiled_fit_holds_the_forms_terms_without_the_page_copies(
+        with_prefill: bool) -> None:
     """`serve` profiles with its KV connector saving: fitted whole, the form took the copies in
-    (and the online model, which keeps its own copy terms, counted them twice)."""
+    (and the online model, which keeps its own copy terms, counted them twice). Also where a
+    step's copies grow with its prefill tokens, as a prompt's chunks are saved as they fill."""
     steps = [ProfiledStep(shape, latency, group=i // 10)
-             for i, (shape, latency) in enumerate(copying_steps(400))]
+             for i, (shape, latency) in enumerate(copying_steps(400, with_prefill=with_prefill))]
     fit = choose_fit(steps, MODEL, MACHINE, forms=[FORMS["bros_after"]])
     assert fit.coefficients == pytest.approx(TRUTH["bros_after"], rel=0.15, abs=1e-9)
     assert fit.heldout_mape < 0.015  # the copies predicted, not left as error
