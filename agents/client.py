@@ -666,7 +666,11 @@ class AsyncAntiphon:
             async with asyncio.timeout(self.timeout_s):
                 while True:
                     source, frame = await turn.queue.get()
-                    if source is turn.ws and frame["type"] in FINAL_FRAMES:
+                    # (the server's answer to the cancel, request_not_found, may come before
+                    # the turn's own end: taken for it, a retry under the same request id was
+                    # given this turn's `done`)
+                    if source is turn.ws and frame["type"] in FINAL_FRAMES \
+                            and frame.get("code") != "request_not_found":
                         return
         except TimeoutError:
             pass

@@ -142,22 +142,25 @@ class MetaGPTAdvisor:
         while self._pending:
             await asyncio.gather(*self._pending)
 
-    def _spawn(self, advising: Awaitable[None], session_id: str | None = None) -> None:
-        # Advisories go out beside the calls; only a call to the advised session waits for it.
+    def _spawn(self, advising: Awaitable[None], *session_ids: str | None) -> None:
+        # Advisories go out beside the calls; only a call to an advised session waits for it.
         task = asyncio.ensure_future(advising)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
-        if session_id is not None:
-            sending = self._advising.setdefault(session_id, set())
-            sending.add(task)
-            task.add_done_callback(sending.discard)
+        for session_id in session_ids:
+            if session_id is not None:
+                sending = self._advising.setdefault(session_id, set())
+                sending.add(task)
+                task.add_done_callback(sending.discard)
 
-    def _stop(self, advising: Advising) -> None:
+    def _stop(self, advising: Advising, action: ActionName) -> None:
         """No more advisories from `advising`; one being sent finishes beside the caller (a
         call waited for it: an advisory answered late, between an engine's long steps, held
-        up the model call's own reply)."""
+        up the model call's own reply), and the calls of the roles it advises (those that
+        watch `action`, which run once this call is done) wait for it as for any advisory."""
         advising.stop_soon()
-        self._spawn(stop_all([advising]))
+        self._spawn(stop_all([advising]),
+                    *(role.session_id for role in self.graph.subscribers(action.name)))
 
     async def _advisory_sent(self, session_id: str) -> None:
         """Let the advisories to `session_id` still being sent reach the server first (at most
@@ -185,11 +188,11 @@ class MetaGPTAdvisor:
                 await self._advisory_sent(session_id)
                 response = await create(*args, **with_session(kwargs, session_id))
             except BaseException:
-                self._stop(advising)
+                self._stop(advising, action)
                 raise
             if kwargs.get("stream"):
                 return self._timed(response, view, action, started, lead, advising)
-            self._stop(advising)
+            self._stop(advising, action)
             await self._finish(view, action, started, time.perf_counter() - started, lead)
             return response
 
@@ -205,7 +208,7 @@ class MetaGPTAdvisor:
                     ttft_s = time.perf_counter() - started
                 yield chunk
         finally:
-            self._stop(advising)
+            self._stop(advising, action)
         total_s = time.perf_counter() - started
         await self._finish(view, action, started, total_s if ttft_s is None else ttft_s, lead)
 

@@ -191,10 +191,13 @@ async def test_an_advisory_answered_late_does_not_hold_up_the_call_that_sent_it(
 
         client.advise = slow_advise  # type: ignore[method-assign]
         advisor = MetaGPTAdvisor(client)
-        await advisor.attach(Environment([architect, engineer]))
+        graph = await advisor.attach(Environment([architect, engineer]))
+        engineer_session = next(r.session_id for r in graph.roles if r.name == "engineer")
         started = time.perf_counter()
         await call(architect, WriteDesign, "design it")  # advises the engineer meanwhile
         returned = time.perf_counter() - started
+        # The engineer's call, which comes next, still waits for it (`advisory_wait_s`).
+        assert advisor._advising.get(engineer_session)
         await advisor.drain()  # (which does wait for it)
     assert returned < 1.0 and answered, returned
 
