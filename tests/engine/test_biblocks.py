@@ -25,15 +25,18 @@ BE_PROMPTS = [f"Document {i}. {DOC * 4} Summarise it." for i in range(2)]
 RT_PROMPTS = [f"Answer briefly ({i}): {DOC} What is this about?" for i in range(3)]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def biblock_engine(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmEngine]:
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["through", "checkpoint"])
+async def biblock_engine(tmp_path_factory: pytest.TempPathFactory,
+                         request: pytest.FixtureRequest) -> AsyncIterator[VllmEngine]:
     # 20 pages of 128 tokens: the two BE jobs (about 1,120 prompt tokens each) hold 18 of
-    # them, so every RT turn must take pages from BE work.
+    # them, so every RT turn must take pages from BE work. BE work's KV saved as it fills
+    # (the default) or only when checkpointed (`background_saves`).
     config = EngineConfig(max_model_len=2048, kv_cache_gib=0.5, num_kv_pages=20,
                           enforce_eager=True, policy="bros", cost_model="online",
                           biblocks=True, shared_block_pages=4, dtype=TEST_DTYPE)
     ssd: Path = tmp_path_factory.mktemp("biblocks-ssd")
-    tiering = TieringConfig(host_tier_bytes=64 * MiB, ssd_tier_bytes=256 * MiB, ssd_dir=ssd)
+    tiering = TieringConfig(host_tier_bytes=64 * MiB, ssd_tier_bytes=256 * MiB, ssd_dir=ssd,
+                            background_saves=request.param)
     eng = VllmEngine(config, resolve_model(None), tiering)
     await eng.start()
     yield eng
