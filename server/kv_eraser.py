@@ -18,8 +18,10 @@ class KvEraser:
     # A failed erasure is tried again after `kv_erasure_retry_s`, doubled after each failure
     # up to this many times it; meanwhile passes skip it and go on with the rest of the queue.
     MAX_RETRY_FACTOR = 64
-    # Failures in one pass that end it: the engine, not one erasure, is failing them (down, or
-    # its SSD tier's file not open), and each of the queue's would fail alike.
+    # Failures in one pass, of erasures not failed before, that end it: the engine, not one
+    # erasure, is failing them (down, or its SSD tier's file not open), and each of the
+    # queue's would fail alike. (Failed ones tried again do not count: three that keep
+    # failing at the head of the queue held back every erasure behind them.)
     MAX_FAILURES_A_PASS = 3
 
     def __init__(self, store: SessionStore, chat: ChatService) -> None:
@@ -27,8 +29,8 @@ class KvEraser:
         self.chat = chat
         self._task: asyncio.Task[None] | None = None
         self._wanted = False  # an erasure was queued since the task read the queue
-        self._retry_factor = 1  # times kv_erasure_retry_s until the next try of a failed one
-        self._not_before: dict[int, float] = {}  # failed erasure id -> when to try it again
+        # failed erasure id -> (when to try it again, times kv_erasure_retry_s it waited)
+        self._retries: dict[int, tuple[float, int]] = {}
         self._paused_until = 0.0  # a pass that failed MAX_FAILURES_A_PASS: none before it
         self._retry: asyncio.TimerHandle | None = None
 
@@ -60,15 +62,15 @@ class KvEraser:
                 await self._task
 
     async def _erase(self) -> None:
-        failed = False
         while self._wanted and time.monotonic() >= self._paused_until:
             self._wanted = False
             failures = 0
             pending = await asyncio.to_thread(self.store.pending_erasures)
-            for gone in self._not_before.keys() - {row[0] for row in pending}:
-                del self._not_before[gone]  # (no longer queued)
+            for gone in self._retries.keys() - {row[0] for row in pending}:
+                del self._retries[gone]  # (no longer queued)
             for erasure_id, session_id, owner, chains in pending:
-                if self._not_before.get(erasure_id, 0.0) > time.monotonic():
+                due, factor = self._retries.get(erasure_id, (0.0, 0))
+                if due > time.monotonic():
                     continue  # failed: its retry comes
                 # A live session's old chains spare what it still runs (None: deleted).
                 keep = await asyncio.to_thread(self.store.kept_chains, session_id)
@@ -80,31 +82,26 @@ class KvEraser:
                     # start); the rest of the queue goes on
                     logger.warning("session %s: its KV could not be erased yet (kept queued): "
                                    "%s", session_id, exc)
-                    failed = True
-                    failures += 1
-                    self._not_before[erasure_id] = time.monotonic() + self._retry_delay_s()
+                    factor = min(2 * factor, self.MAX_RETRY_FACTOR) if factor else 1
+                    due = time.monotonic() + self.chat.config.kv_erasure_retry_s * factor
+                    failures += erasure_id not in self._retries
+                    self._retries[erasure_id] = (due, factor)
                     if failures >= self.MAX_FAILURES_A_PASS:
-                        self._paused_until = self._not_before[erasure_id]
+                        self._paused_until = due
                         break
                     continue
-                self._not_before.pop(erasure_id, None)
+                self._retries.pop(erasure_id, None)
                 logger.info("session %s %s: %d chunk-layers of its KV erased", session_id,
                             "deleted" if keep is None else "ran on past its kept chains",
                             erased or 0)
                 await asyncio.to_thread(self.store.finish_erasure, erasure_id)
-        if failed:
-            self._retry_factor = min(2 * self._retry_factor, self.MAX_RETRY_FACTOR)
+        if self._retries:  # (also those this pass skipped: the timer that woke it is gone)
             self._retry_later()
-        elif not self._not_before:
-            self._retry_factor = 1
-
-    def _retry_delay_s(self) -> float:
-        return self.chat.config.kv_erasure_retry_s * self._retry_factor
 
     def _retry_later(self) -> None:
         """A pass at the first time a failed erasure may be tried again."""
         if self._retry is not None:
             self._retry.cancel()
-        due = max(min(self._not_before.values(), default=0.0), self._paused_until)
+        due = max(min(due for due, _ in self._retries.values()), self._paused_until)
         self._retry = asyncio.get_running_loop().call_later(
             max(0.0, due - time.monotonic()), self.erase_queued)

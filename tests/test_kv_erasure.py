@@ -826,46 +826,85 @@ async def test_a_failed_erasure_is_tried_again_and_holds_back_none_queued_behind
     store.close()
 
 
-async def test_an_engine_failing_every_erasure_is_asked_a_few_times_until_the_retry(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """Going on past a failed erasure tried the whole queue on every deletion while the
-    engine failed them all (500 queued: 500 calls and warnings each time): a pass stops at
-    its third failure and none runs before the retry, which then erases them all."""
-    from types import SimpleNamespace
+class ErasureQueue:
+    """The store's erasure queue and an engine whose `forget` fails the sessions in `failing`,
+    for a `KvEraser` (retrying after 0.1 s)."""
 
-    from antiphon.server.kv_eraser import KvEraser
+    def __init__(self, sessions: list[str]) -> None:
+        from types import SimpleNamespace
 
-    rows = [(i, f"s{i}", "o", [[1, 2, 3]]) for i in range(50)]
-    calls: list[str] = []
-    down = True
+        from antiphon.server.kv_eraser import KvEraser
 
-    async def forget(session_id: str, *args: Any, **kwargs: Any) -> int:
-        calls.append(session_id)
-        if down:
+        self.rows = [(i, session, "o", [[1, 2, 3]]) for i, session in enumerate(sessions)]
+        self.failing: set[str] = set()
+        self.calls: list[str] = []
+        store = SimpleNamespace(on_erasure_queued=None, pending_erasures=lambda: list(self.rows),
+                                kept_chains=lambda _s: None, finish_erasure=self.finish)
+        chat = SimpleNamespace(engine=SimpleNamespace(forget=self.forget),
+                               cache_salt=lambda _o: None,
+                               config=SimpleNamespace(kv_erasure_retry_s=0.1))
+        self.eraser = KvEraser(store, chat)  # type: ignore[arg-type]
+
+    async def forget(self, session_id: str, *args: Any, **kwargs: Any) -> int:
+        self.calls.append(session_id)
+        if session_id in self.failing or "*" in self.failing:
             raise RuntimeError("the engine is not answering")
         return 1
 
-    def finish(erasure_id: int) -> None:
-        rows[:] = [r for r in rows if r[0] != erasure_id]
+    def finish(self, erasure_id: int) -> None:
+        self.rows[:] = [r for r in self.rows if r[0] != erasure_id]
 
-    store = SimpleNamespace(on_erasure_queued=None, pending_erasures=lambda: list(rows),
-                            kept_chains=lambda _s: None, finish_erasure=finish)
-    chat = SimpleNamespace(engine=SimpleNamespace(forget=forget), cache_salt=lambda _o: None,
-                           config=SimpleNamespace(kv_erasure_retry_s=0.3))
-    eraser = KvEraser(store, chat)  # type: ignore[arg-type]
-    eraser.start()
-    for _ in range(5):  # sessions deleted meanwhile
+    def queue(self, session: str) -> None:
+        self.rows.append((max((r[0] for r in self.rows), default=0) + 1, session, "o", [[1]]))
+        self.eraser.erase_queued()
+
+    def left(self) -> list[str]:
+        return [r[1] for r in self.rows]
+
+
+async def test_an_engine_failing_every_erasure_is_asked_a_few_times_until_the_retry() -> None:
+    """Going on past a failed erasure tried the whole queue on every deletion while the
+    engine failed them all (500 queued: 500 calls and warnings each time): a pass stops at
+    its third failure and none runs before the retry, which then erases them all."""
+    from antiphon.server.kv_eraser import KvEraser
+
+    q = ErasureQueue([f"s{i}" for i in range(50)])
+    q.failing = {"*"}
+    q.eraser.start()
+    for _ in range(3):  # sessions deleted meanwhile
         await asyncio.sleep(0.02)
-        eraser.erase_queued()
-    await asyncio.sleep(0.1)
-    assert len(calls) == KvEraser.MAX_FAILURES_A_PASS
-    down = False
+        q.queue("new")
+    await asyncio.sleep(0.02)
+    assert len(q.calls) == KvEraser.MAX_FAILURES_A_PASS
+    q.failing = set()
     for _ in range(100):
-        if not rows:
+        if not q.rows:
             break
         await asyncio.sleep(0.02)
-    await eraser.stop()
-    assert not rows
+    await q.eraser.stop()
+    assert not q.rows
+
+
+async def test_every_failed_erasure_gets_its_retry_and_holds_back_no_other() -> None:
+    """A pass woken by one failed erasure's retry skipped another not due yet and set no
+    timer for it (left until another deletion); three that kept failing at the head of the
+    queue paused every pass before the erasures behind them."""
+    q = ErasureQueue([])
+    q.eraser.start()
+    q.failing = {"a", "b"}
+    q.queue("a")
+    await asyncio.sleep(0.05)
+    q.queue("b")  # due 50 ms after a
+    await asyncio.sleep(0.01)
+    q.failing = set()
+    await asyncio.sleep(0.5)
+    assert q.left() == []
+    q.failing = {"x", "y", "z"}  # for good
+    q.rows += [(10 + i, session, "o", [[1]]) for i, session in enumerate("xyzw")]
+    q.eraser.erase_queued()  # (x, y and z fail: a pause, then w's turn)
+    await asyncio.sleep(0.8)
+    await q.eraser.stop()
+    assert q.left() == ["x", "y", "z"]
 
 
 @pytest.mark.parametrize("owner_key", [None, "key-0001"])
@@ -933,5 +972,45 @@ def test_a_run_on_chunk_the_host_tier_alone_holds_is_erased(tmp_path: Path, ssd:
                 for key in tier.keys() if key.prefix_hash not in kept}  # noqa: SIM118
         assert left == set()
         planner.store.check_integrity()
+    finally:
+        planner.close()
+
+
+@pytest.mark.parametrize("background_saves", ["through", "checkpoint"])
+def test_a_checkpoint_written_down_as_its_session_is_erased_is_erased_too(
+        tmp_path: Path, background_saves: str) -> None:
+    """A BE request of the session checkpointed, its step landing after the erasure waited
+    for the write-downs: its chunks, on their way to SSD (pinned in the host tier), were
+    missed in both tiers and kept for good."""
+    from antiphon.tiering.keys import owner_tag
+    from tests.test_tier_planner import admit, fake_worker_saves, run_step
+
+    planner = make_planner(tmp_path / "ssd", background_saves=background_saves)
+    try:
+        tokens = [*TURN1, 110]
+        admit(planner, TokenView("be", tokens, "sdel", background=True), [7, 8, 9])
+        run_step(planner, [("be", 10)])
+        planner.checkpoint("be", 10, [7, 8, 9])  # preempted: its copies run in this step
+        meta = planner.build_metadata([])
+        fake_worker_saves(planner, meta.checkpoints)
+        planner.request_finished("be", 10, [7, 8, 9])  # the session deleted: aborted
+        release = threading.Event()
+        waits = planner.store.wait_for_write_downs
+        calls = []
+
+        def wait_then_the_step_lands() -> None:
+            waits()
+            calls.append(1)
+            if len(calls) == 1:
+                planner.store._write_down.submit(release.wait)  # the thread busy a while
+                threading.Timer(0.3, release.set).start()
+                planner.step_done({meta.step}, set())  # the scheduler's, meanwhile
+
+        planner.store.wait_for_write_downs = wait_then_the_step_lands  # type: ignore[method-assign]
+        planner.erasure.forget("sdel", [tokens]).result(20)
+        planner.store.flush()
+        tag = owner_tag("sdel")
+        assert not planner.store.tiers[0].owned_by(tag)
+        assert not planner.store.tiers[1].owned_by(tag)
     finally:
         planner.close()

@@ -91,6 +91,10 @@ class SessionErasure:
                     # were dropped for as long as a step with copies was in flight)
                     self._dropped |= {c.key for c in p.commits_pending()
                                       if c.key.prefix_hash in wanted}
+                # and a checkpoint's chunks a step published since the wait above, on their
+                # way down to SSD (pinned in the host tier, not on SSD yet): both copies
+                # would have been missed. Published from now on, they are dropped.
+                p.store.wait_for_write_downs()
                 done.set_result(self._erase(wanted))
             except BaseException as exc:
                 done.set_exception(exc)
