@@ -169,19 +169,19 @@ class Sampling(BaseModel):
         return bias
 
     @model_validator(mode="after")
-    def _schemas_compile(self) -> Sampling:
-        bounds = length_bounds(*self.schemas())
-        if bounds > MAX_SCHEMA_LENGTH_BOUNDS:
-            raise ValueError(f"the schemas (response_format and tools) bound the length of "
-                             f"{bounds} strings; at most {MAX_SCHEMA_LENGTH_BOUNDS} may be "
-                             "(each costs the engine's grammar compiler up to seconds)")
+    def _schema_compiles(self) -> Sampling:
+        if not isinstance(self, ToolOffer):  # (which checks once its tools are consistent)
+            self._check_schema_bounds()
         return self
 
-    def schemas(self) -> list[dict[str, Any]]:
-        """The JSON schemas the request holds the reply to, or may."""
-        form = self.response_format
-        return [] if form is None or form.json_schema is None \
-            or form.json_schema.json_schema is None else [form.json_schema.json_schema]
+    def _check_schema_bounds(self) -> None:
+        schema = self.sampling().get("json_schema")  # what the engine compiles, if anything
+        bounds = 0 if schema is None else length_bounds(json.loads(schema))
+        if bounds > MAX_SCHEMA_LENGTH_BOUNDS:
+            raise ValueError(f"the schema the reply is held to (response_format, tools) bounds "
+                             f"the length of {bounds} strings; at most "
+                             f"{MAX_SCHEMA_LENGTH_BOUNDS} may be (each costs the engine's "
+                             "grammar compiler up to seconds)")
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -228,11 +228,8 @@ class ToolOffer(Sampling):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one "
                              "of the tools")
+        self._check_schema_bounds()
         return self
-
-    def schemas(self) -> list[dict[str, Any]]:
-        return [*super().schemas(), *(t.function.parameters for t in self.tools or ()
-                                     if t.function.parameters is not None)]
 
     def tool_use(self) -> ToolUse | None:
         """How the reply holds tool calls; None where it holds none (no tools, or

@@ -17,7 +17,7 @@ MAX_SCHEMA_DEPTH = 100  # JSON levels of a schema the server walks (tools' rebui
 # or more) on this host, and every structured request behind it waits. 16 of them: under a
 # minute of compile at worst, against hours for a 256 KiB body of them.
 MAX_SCHEMA_LENGTH_BOUNDS = 16
-_QUANTIFIER = re.compile(r"\{\s*\d+\s*(,\s*\d*\s*)?\}")
+_QUANTIFIER = re.compile(r"(?<!\\)\{\s*\d+\s*(,\s*\d*\s*)?\}")  # (not an escaped brace)
 
 
 def check_schema_depth(schema: Any) -> Any:
@@ -35,20 +35,30 @@ def check_schema_depth(schema: Any) -> Any:
 SchemaObject = Annotated[dict[str, Any], AfterValidator(check_schema_depth)]
 
 
+# JSON values, not schemas, under these keywords
+SCHEMA_VALUES = frozenset({"const", "enum", "default", "examples"})
+# schemas by name (the names are not keywords: a property may be called "enum")
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                           "dependentSchemas"})
+
+
 def length_bounds(*schemas: Any) -> int:
-    """Strings bounded in length in `schemas`: nodes with minLength or maxLength, and the
-    `{m,n}` repetitions of their patterns. Walked without recursion (depth is bounded)."""
+    """Strings bounded in length in `schemas`: schema nodes with minLength or maxLength, and
+    the `{m,n}` repetitions of their patterns (not values, nor property names). Walked
+    without recursion (depth is bounded)."""
     count = 0
-    stack = list(schemas)
+    stack: list[tuple[Any, bool]] = [(schema, True) for schema in schemas]
     while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
+        node, is_schema = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, is_schema) for item in node)
+        elif isinstance(node, dict) and not is_schema:  # names -> schemas
+            stack.extend((value, True) for value in node.values())
+        elif isinstance(node, dict):
             count += "minLength" in node or "maxLength" in node
             pattern = node.get("pattern")
             if isinstance(pattern, str):
                 count += len(_QUANTIFIER.findall(pattern))
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
+            stack.extend((value, key not in NAMED_SCHEMAS) for key, value in node.items()
+                         if key not in SCHEMA_VALUES)
     return count
-

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from antiphon.engine_ext.tool_calls import HermesReader, parse_calls, read_reply
 from antiphon.engine_ext.types import ToolSpec
-from antiphon.server.schemas import SchemaObject
+from antiphon.server.schemas import NAMED_SCHEMAS, SCHEMA_VALUES, SchemaObject
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's
 
@@ -259,10 +259,6 @@ def _arguments(tool: ToolSpec) -> dict[str, Any]:
     return {"type": "object", **schema}
 
 
-_VALUES = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
-# schemas by name (the names are not keywords: a property may be called "enum")
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                            "dependentSchemas"})
 _OPEN_OBJECT = frozenset({"properties", "additionalProperties", "patternProperties",
                           "unevaluatedProperties"})
 
@@ -285,11 +281,11 @@ def _rebased(schema: Any, base: str) -> Any:
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
-        if key in _VALUES:
+        if key in SCHEMA_VALUES:
             out[key] = value
         elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
             out[key] = base + value[1:]
-        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+        elif key in NAMED_SCHEMAS and isinstance(value, dict):
             out[key] = {name: _rebased(v, base) for name, v in value.items()}
         else:
             out[key] = _rebased(value, base)

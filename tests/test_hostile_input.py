@@ -101,10 +101,11 @@ def test_json_no_part_of_the_server_could_use_is_refused(scripted: Scripted, raw
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
         "type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 100 + i}
                                          for i in range(17)}}}}},
-     400, "bad_message", "bound the length of 17 strings"),
+     400, "bad_message", "bounds the length of 17 strings"),
     ({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "^a{1,9}b{2}$"}}}}}
-        for i in range(9)]}, 400, "bad_message", "bound the length of 18 strings"),
+        for i in range(9)], "tool_choice": "required"},
+     400, "bad_message", "bounds the length of 18 strings"),
     ({"min_tokens": 1000}, 400, "bad_message", "min_tokens (1000) exceeds the reply's max_tokens"),
     # what an engine would honour but this server does not: refused, never silently dropped
     ({"guided_choice": ["yes", "no"]}, 400, "bad_message",
@@ -517,6 +518,22 @@ async def test_a_reply_that_cannot_be_saved_ends_with_an_error_not_a_hang(
         assert (await recv_until(ws, "done"))[-1]["text"] == "You said: again"
 
 
+def test_schemas_the_engine_does_not_compile_bound_what_they_like() -> None:
+    """Tools offered under "auto" (no grammar: the reply is free text) were refused for the
+    length bounds of their parameters, as were values and names that only look like them."""
+    from antiphon.server.completions import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {"maxLength": {"type": "string", "maxLength": 9,
+                                                       "default": "a{2}"}}}}}
+        for i in range(17)]
+    ChatCompletionRequest.model_validate(chat_body(tools=tools))
+    named = {"type": "function", "function": {"name": "f0"}}  # one tool compiled: 1 bound
+    ChatCompletionRequest.model_validate(chat_body(tools=tools, tool_choice=named))
+    with pytest.raises(ValueError, match="bounds the length of 17 strings"):
+        ChatCompletionRequest.model_validate(chat_body(tools=tools, tool_choice="required"))
+
+
 def test_a_client_gone_while_its_body_is_read_is_no_server_error(
         scripted: Scripted, caplog: pytest.LogCaptureFixture) -> None:
     """It was counted and logged as an internal error, with a traceback: every client cut
@@ -531,4 +548,3 @@ def test_a_client_gone_while_its_body_is_read_is_no_server_error(
     metrics = httpx.get(scripted.url + "/metrics").text
     assert 'antiphon_errors_total{code="internal_error"}' not in metrics
     assert "ClientDisconnect" not in caplog.text
-

@@ -348,4 +348,3 @@ async def test_a_second_deletion_of_a_session_being_deleted_finds_it_gone(
                                          return_exceptions=True)
     assert first is None
     assert isinstance(second, ApiError) and second.code is ErrorCode.SESSION_NOT_FOUND
-
