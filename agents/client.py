@@ -611,6 +611,10 @@ class AsyncAntiphon:
                 if source is not turn.ws:
                     continue  # an older socket's, closing as the turn went out on a new one
                 kind = frame["type"]
+                if kind == "error" and frame["code"] == "request_not_found":
+                    # Only a cancel is answered so: that of an earlier turn of this id, which
+                    # had ended as the cancel went out (no answer to this one, nor its end)
+                    continue
                 ended = kind in FINAL_FRAMES
                 if kind == "accepted":
                     accepted = True
@@ -633,10 +637,6 @@ class AsyncAntiphon:
                         timings.get("tpot_s"), timings["total_s"],
                         (first_token_at or end) - sent_at, tuple(frame.get("tool_calls") or ()))
                 elif kind == "error":
-                    if frame["code"] == "request_not_found":
-                        # Only a cancel is answered so: that of an earlier turn of this id,
-                        # which had ended as the cancel went out (it is no answer to this one)
-                        continue
                     raise error_for(frame["code"], frame["message"])
                 elif kind == "_closed":
                     if "code" in frame:
