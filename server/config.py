@@ -238,6 +238,11 @@ class ServerConfig:
         if not (0 < self.port < 65536):
             raise ValueError(f"port must be 1..65535, got {self.port}")
         for origin in self.allowed_origins:
+            if web_origin(origin) == "null":
+                raise ValueError("allowed_origins: null is the origin of file:// pages, and "
+                                 "of sandboxed frames any web site can make: allowed, every "
+                                 "site's pages could use this server (serve the page "
+                                 "instead, and allow its origin)")
             if web_origin(origin) is None:
                 raise ValueError(f"allowed_origins: {origin!r} is no web origin: give "
                                  "scheme://host[:port], e.g. https://chat.example.com")

@@ -105,11 +105,12 @@ def test_allowed_origins_and_hosts_match_as_browsers_send_them() -> None:
     assert guard.refusal("chat.lan", "https://chat.lan:8443") is not None
     # other schemes' origins (an extension's, an app shell's) and a file page's, as given
     others = BrowserGuard(lambda *a: None,  # type: ignore[arg-type,return-value]
-                          allowed_origins=("chrome-extension://AbC", "tauri://localhost",
-                                           "null"))
-    for origin in ("chrome-extension://abc", "tauri://localhost", "null"):
+                          allowed_origins=("chrome-extension://AbC", "tauri://localhost"))
+    for origin in ("chrome-extension://abc", "tauri://localhost"):
         assert others.refusal("localhost:8000", origin) is None, origin
+    assert ServerConfig(allowed_origins=("chrome-extension://abc",))
+    # null: file:// pages, but also any site's sandboxed frames
     for origins, hosts in ((("chat.lan",), ()), (("https://chat.lan/app",), ()),
-                           ((), ("https://chat.lan",)), ((), ("",))):
+                           (("null",), ()), ((), ("https://chat.lan",)), ((), ("",))):
         with pytest.raises(ValueError, match="allowed_"):
             ServerConfig(allowed_origins=origins, allowed_hosts=hosts)
