@@ -17,7 +17,8 @@ MAX_SCHEMA_DEPTH = 100  # JSON levels of a schema the server walks (tools' rebui
 # or more) on this host, and every structured request behind it waits. 16 of them: under a
 # minute of compile at worst, against hours for a 256 KiB body of them.
 MAX_SCHEMA_LENGTH_BOUNDS = 16
-_QUANTIFIER = re.compile(r"(?<!\\)\{\s*\d+\s*(,\s*\d*\s*)?\}")  # (not an escaped brace)
+# an escape (skipped: `\{` is a brace, `\\{` a backslash before a quantifier) or a `{m,n}`
+_QUANTIFIER = re.compile(r"\\.|(\{\s*\d+\s*(?:,\s*\d*\s*)?\})", re.S)
 
 
 def check_schema_depth(schema: Any) -> Any:
@@ -43,9 +44,10 @@ NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definiti
 
 
 def length_bounds(*schemas: Any) -> int:
-    """Strings bounded in length in `schemas`: schema nodes with minLength or maxLength, and
-    the `{m,n}` repetitions of their patterns (not values, nor property names). Walked
-    without recursion (depth is bounded)."""
+    """Strings bounded in length in `schemas`: nodes with minLength or maxLength, and the
+    `{m,n}` repetitions of patterns (`patternProperties`' too). Values are walked as if they
+    were schemas (a `$ref` may point into a `default`, which the compiler then takes for
+    one), property names are not. Walked without recursion (depth is bounded)."""
     count = 0
     stack: list[tuple[Any, bool]] = [(schema, True) for schema in schemas]
     while stack:
@@ -56,9 +58,13 @@ def length_bounds(*schemas: Any) -> int:
             stack.extend((value, True) for value in node.values())
         elif isinstance(node, dict):
             count += "minLength" in node or "maxLength" in node
-            pattern = node.get("pattern")
-            if isinstance(pattern, str):
-                count += len(_QUANTIFIER.findall(pattern))
-            stack.extend((value, key not in NAMED_SCHEMAS) for key, value in node.items()
-                         if key not in SCHEMA_VALUES)
+            patterns = [node.get("pattern")]
+            if isinstance(node.get("patternProperties"), dict):
+                patterns += list(node["patternProperties"])
+            count += sum(_quantifiers(p) for p in patterns if isinstance(p, str))
+            stack.extend((value, key not in NAMED_SCHEMAS) for key, value in node.items())
     return count
+
+
+def _quantifiers(pattern: str) -> int:
+    return sum(1 for match in _QUANTIFIER.finditer(pattern) if match.group(1))

@@ -532,6 +532,14 @@ def test_schemas_the_engine_does_not_compile_bound_what_they_like() -> None:
     ChatCompletionRequest.model_validate(chat_body(tools=tools, tool_choice=named))
     with pytest.raises(ValueError, match="bounds the length of 17 strings"):
         ChatCompletionRequest.model_validate(chat_body(tools=tools, tool_choice="required"))
+    # nor do values and escapes hide them: a `$ref` into a default, a backslash before `{`
+    hidden = {"type": "object",
+              "properties": {f"p{i}": {"$ref": f"#/default/d{i}"} for i in range(17)},
+              "default": {f"d{i}": {"type": "string", "maxLength": 300} for i in range(17)}}
+    for schema in (hidden, {"type": "string", "pattern": "\\\\{1,300}" * 17}):
+        form = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+        with pytest.raises(ValueError, match="bounds the length of 17 strings"):
+            ChatCompletionRequest.model_validate(chat_body(response_format=form))
 
 
 def test_a_client_gone_while_its_body_is_read_is_no_server_error(
