@@ -145,10 +145,7 @@ def fit_less_copies(form: CostForm, shapes: Sequence[StepShape],
     copy_x = copy_features(shapes)
     copied = copy_x[:, 0] > 0
     copy_terms = np.zeros(2)
-    coefficients = form.fit(shapes, latencies, weights=weights)
-    if not copied.any():
-        return coefficients, copy_terms
-    if isinstance(form, LinearForm):
+    if copied.any() and isinstance(form, LinearForm):
         # One least-squares fit of both, exact: `serve` profiles with its connector saving
         # each prompt's chunks as they fill, so a step's copies grow with its prefill tokens,
         # and alternating fits of the two (each taking what the other leaves) moved a
@@ -156,6 +153,9 @@ def fit_less_copies(form: CostForm, shapes: Sequence[StepShape],
         x = np.column_stack([np.array([form.features(shape) for shape in shapes]), copy_x])
         joint = nnls(x * weights[:, None], latencies * weights)
         return tuple(float(c) for c in joint[:-2]), joint[-2:]
+    coefficients = form.fit(shapes, latencies, weights=weights)
+    if not copied.any():
+        return coefficients, copy_terms
     copied_shapes = [shape for shape, c in zip(shapes, copied, strict=True) if c]
     for _ in range(COPY_ROUNDS):
         residual = latencies[copied] - form.predict_all(coefficients, copied_shapes)

@@ -401,15 +401,14 @@ class TierPlanner:
                         # Pinned until it is on SSD: published unpinned, a put from the
                         # prefetch thread could evict it first, and a checkpoint's only copy
                         # of a BE tail was gone though the SSD tier had room.
-                        if not self.host.commit(key, num_bytes, pin=True, owner=owner):
-                            pass
-                        elif in_background:
-                            later.setdefault(owner, []).append(key)
-                        else:
-                            try:
-                                self.store.write_through(key, owner=owner)
-                            finally:
-                                self.host.unpin(key)
+                        if self.host.commit(key, num_bytes, pin=True, owner=owner):
+                            if in_background:
+                                later.setdefault(owner, []).append(key)
+                            else:
+                                try:
+                                    self.store.write_through(key, owner=owner)
+                                finally:
+                                    self.host.unpin(key)
                     else:
                         self.host.commit(key, num_bytes, owner=owner)
                     if step not in failed_steps:
@@ -558,8 +557,8 @@ class TierPlanner:
                         break  # no host room: recompute from here
                     copies.append(copy)
                     reserved.extend(keys)
-                    commits.extend(c._replace(in_background=True)
-                                   for c in self._slot_commits(keys, copy, True, owner))
+                    commits.extend(self._slot_commits(keys, copy, True, owner,
+                                                      in_background=True))
                 if key_end % self.chunk_tokens:
                     self.matcher.index_tail(st, key_end, key)
                 held = key_end
@@ -825,13 +824,13 @@ class TierPlanner:
         return PageCopy(pages, tuple(slots)), reserved
 
     def _slot_commits(self, keys: Sequence[ChunkKey], copy: PageCopy, durable: bool,
-                      owner: bytes) -> Iterator[SlotCommit]:
+                      owner: bytes, in_background: bool = False) -> Iterator[SlotCommit]:
         """The commits of the slots `copy` fills for `keys`: a partial chunk's publish only
         its pages' bytes (the rest of a slot is its last occupant's, which the SSD tier would
         otherwise keep under this session's tag past that one's erasure)."""
         num_pages = copy.first_page + len(copy.blocks)
         num_bytes = None if num_pages == self.pages_per_chunk else num_pages * self.page_bytes
-        return (SlotCommit(key, durable, owner, num_bytes) for key in keys)
+        return (SlotCommit(key, durable, owner, num_bytes, in_background) for key in keys)
 
     def _durable(self, st: RequestState) -> bool:
         """Whether the request's KV is written through to the slowest tier as it is saved
