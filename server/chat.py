@@ -16,7 +16,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -260,6 +260,16 @@ class ChatService:
             raise ApiError(ErrorCode.BAD_MESSAGE, "this API key's requests run as best-effort "
                            "work (--best-effort-api-keys): it cannot ask for rt")
         return RequestClass.BE
+
+    def render_class(self, owner: str, xargs: Mapping[str, Any] | None = None) -> RequestClass:
+        """The render thread (`off_loop`) a request of `owner`'s with `xargs` is prepared on:
+        BE work's (a best-effort key's, or a request that asks for be) on the batch items', so
+        an evaluation harness's renders do not queue ahead of chat turns'. (Bad `xargs` are
+        refused by the preparation itself, on either thread.)"""
+        asked_be = (xargs or {}).get("request_class") == RequestClass.BE.value
+        if owner in self.best_effort_owners or asked_be:
+            return RequestClass.BE
+        return RequestClass.RT
 
     def check_choices(self, count: int) -> None:
         """Raises `too_large` past `--max-choices` choices in one request."""

@@ -90,7 +90,8 @@ async def chat_completions(request: Request) -> Response:
     if session_id is not None:
         await ctx.turns.get(owner, session_id)
     gens = await ctx.chat.off_loop(prepare_completion, ctx.chat, body, owner,
-                                   session_id=session_id)
+                                   session_id=session_id,
+                                   request_class=ctx.chat.render_class(owner, body.vllm_xargs))
     slot = ctx.inflight_per_key.take(owner, len(gens))
     if session_id is not None:
         hold = None
@@ -115,7 +116,8 @@ async def completions(request: Request) -> Response:
     owner = authorize(request)
     ctx.chat.check_open()
     body = await read_model(request, TextCompletionRequest)
-    gens = await ctx.chat.off_loop(prepare_text_completion, ctx.chat, body, owner)
+    gens = await ctx.chat.off_loop(prepare_text_completion, ctx.chat, body, owner,
+                                   request_class=ctx.chat.render_class(owner, body.vllm_xargs))
     slot = ctx.inflight_per_key.take(owner, len(gens))
     return await _respond(request, gens, slot, body)
 
@@ -125,9 +127,10 @@ async def tokenize_route(request: Request) -> dict[str, Any]:
     """vLLM's `/tokenize`: the token ids the served model gives a prompt or a conversation
     (`vllm bench serve` checks its own tokenizer against it)."""
     ctx: AppContext = request.app.state.ctx
-    authorize(request)
+    owner = authorize(request)
     body = await read_model(request, TokenizeRequest)
-    return await ctx.chat.off_loop(tokenize, ctx.chat, body)  # (a render: off the loop)
+    return await ctx.chat.off_loop(tokenize, ctx.chat, body,  # (a render: off the loop)
+                                   request_class=ctx.chat.render_class(owner))
 
 
 @router.post("/detokenize")

@@ -316,7 +316,8 @@ class SessionTurns:
                                "message to answer again")
             self._check_room(session, len(turns) - seen.lead - len(seen.history) + 1)
             gen, cut = await self.chat.off_loop(self._prepare_in_window, owner, msg,
-                                                request_id, turns, seen.lead, seen.context)
+                                                request_id, turns, seen.lead, seen.context,
+                                                request_class=self.chat.render_class(owner))
             gen.tool_use = msg.tool_use()
             gen.context_start = start + cut
             gen.replaces_reply = replaces_reply

@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -175,6 +177,54 @@ async def test_a_best_effort_keys_requests_all_run_as_be(tmp_path: Path) -> None
             assert (await client.post(**completion(A))).status_code == 200
             assert engine.params[-1].request_class.value == "rt"
             assert (await client.post(**completion("not-a-key"))).status_code == 401
+
+
+async def test_best_effort_work_renders_on_the_batch_items_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A best-effort key's requests (chat and text completions, /tokenize, websocket turns)
+    and a request that asks for be are rendered on BE's render thread: an evaluation
+    harness's renders queued ahead of chat turns' on RT's. Other requests render on RT's."""
+    threads: list[str] = []
+
+    def recorded(method: Any) -> Any:
+        def call(self: ScriptedEngine, *args: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name.rsplit("_", 1)[0])
+            return method(self, *args, **kwargs)
+        return call
+
+    for name in ("render_chat", "encode_prompt"):
+        monkeypatch.setattr(ScriptedEngine, name, recorded(getattr(ScriptedEngine, name)))
+    evals = "eval-harness-key"
+    config = scripted_config(tmp_path, api_keys=(A,), best_effort_api_keys=(evals,))
+
+    def rendered_on() -> set[str]:
+        on = set(threads)
+        threads.clear()
+        return on
+
+    with live_server(config, ScriptedEngine()) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            assert (await client.post(**completion(evals))).status_code == 200
+            assert rendered_on() == {"render-be"}
+            text = {"url": "/v1/completions", "headers": {"Authorization": f"Bearer {evals}"},
+                    "json": {"model": "scripted", "prompt": "hi", "max_tokens": 2}}
+            assert (await client.post(**text)).status_code == 200
+            assert rendered_on() == {"render-be"}
+            tokenize = {"url": "/tokenize", "headers": {"Authorization": f"Bearer {evals}"},
+                        "json": {"model": "scripted", "prompt": "hi"}}
+            assert (await client.post(**tokenize)).status_code == 200
+            assert rendered_on() == {"render-be"}
+            async with connect(url.replace("http://", "ws://") + f"/v1/ws?api_key={evals}") as ws:
+                sid = (await open_session(ws))["session"]["session_id"]
+                await send(ws, type="message", session_id=sid, content="hello")
+                await recv_until(ws, "done")
+            assert rendered_on() == {"render-be"}
+            as_be = completion(A)
+            as_be["json"] = {**as_be["json"], "vllm_xargs": {"request_class": "be"}}  # type: ignore[dict-item]
+            assert (await client.post(**as_be)).status_code == 200
+            assert rendered_on() == {"render-be"}
+            assert (await client.post(**completion(A))).status_code == 200
+            assert rendered_on() == {"render-rt"}
 
 
 async def test_without_keys_only_the_server_wide_limits_apply(tmp_path: Path) -> None:
