@@ -211,10 +211,12 @@ async def create_batch(request: Request) -> dict[str, Any]:
                        f"file {input_file.file_id} has purpose {input_file.purpose!r}, not "
                        f"{INPUT_PURPOSE!r}")
     limits = ctx.config.server
-    # A batch's results are files of the key's too: no room, no batch.
-    stored = await asyncio.to_thread(ctx.batch_store.stored_bytes, owner)
+    # A batch's results are files of the key's too: no room, no batch (nor one past the
+    # key's files: batches made from one input again and again kept files without end).
+    stored, num_files = await asyncio.to_thread(ctx.batch_store.stored, owner)
     if stored >= limits.max_stored_file_bytes:
         raise _files_full(stored, limits.max_stored_file_bytes)
+    _check_num_files(num_files, limits.max_files_per_key)
     try:
         batch = await asyncio.to_thread(
             ctx.batch_store.create_batch, owner, input_file.file_id, body.completion_window,

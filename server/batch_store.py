@@ -188,10 +188,6 @@ class BatchStore:
         with self.db.locked() as db:
             _insert_file(db, f)
 
-    def stored_bytes(self, owner: str) -> int:
-        """Bytes of `owner`'s files not deleted (inputs and results)."""
-        return self.stored(owner)[0]
-
     def stored(self, owner: str) -> tuple[int, int]:
         """(bytes, number) of `owner`'s files not deleted (inputs and results)."""
         with self.db.locked() as db:

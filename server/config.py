@@ -174,9 +174,10 @@ class ServerConfig:
         default=8 * 1024 ** 3)
     max_files_per_key: int = doc(
         "Most files (batch inputs, outputs and errors) one API key keeps, all keys together "
-        "without keys; an upload past it is refused with too_many_files until files are "
-        "deleted (each costs a file on disk and a row read at every start, whatever its "
-        "size)", default=10_000)
+        "without keys; an upload or a new batch past it is refused with too_many_files until "
+        "files are deleted (each costs a file on disk and a row read at every start, whatever "
+        "its size); the batches still running may add their results (two files each) past "
+        "it", default=10_000)
     max_batch_items: int = doc("Most requests (lines) in one batch input file", default=50_000)
     max_custom_id_chars: int = doc("Longest custom_id of a batch input line, in characters "
                                    "(a line's longest is --max-frame-bytes)", default=512)

@@ -54,6 +54,13 @@ class ErrorCode(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"
 
 
+# Refusals that asking again cannot change until the caller does something (deletes files or
+# sessions, waits for a batch's end): their responses say `x-should-retry: false`, which the
+# `openai` client honours (it resends a 409 or a 429 twice, with any upload's body, otherwise).
+NOT_RETRIABLE = frozenset({
+    ErrorCode.TOO_MANY_FILES, ErrorCode.TOO_MANY_SESSIONS, ErrorCode.FILE_IN_USE,
+    ErrorCode.BATCH_NOT_CANCELLABLE, ErrorCode.DUPLICATE_REQUEST, ErrorCode.SESSION_FULL})
+
 # HTTP status for each code, used by the REST layer.
 HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.BAD_JSON: 400,

@@ -11,7 +11,7 @@ from starlette.types import Receive, Scope, Send
 
 from antiphon.server.auth import key_from_headers
 from antiphon.server.context import AppContext
-from antiphon.server.errors import ApiError, ErrorCode, bad_message
+from antiphon.server.errors import NOT_RETRIABLE, ApiError, ErrorCode, bad_message
 from antiphon.server.protocol import parse_json
 
 M = TypeVar("M", bound=BaseModel)
@@ -67,8 +67,11 @@ def error_body(err: ApiError) -> dict[str, Any]:
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    # A 401 says how to authenticate (RFC 9110), as OpenAI's does.
-    headers = {"WWW-Authenticate": 'Bearer realm="antiphon"'} if err.http_status == 401 else None
+    headers = {}
+    if err.http_status == 401:  # says how to authenticate (RFC 9110), as OpenAI's does
+        headers["WWW-Authenticate"] = 'Bearer realm="antiphon"'
+    if err.code in NOT_RETRIABLE:
+        headers["x-should-retry"] = "false"
     return JSONResponse(error_body(err), status_code=err.http_status, headers=headers)
 
 

@@ -393,6 +393,29 @@ def test_files_are_limited_in_number_per_key_and_none_is_empty(tmp_path: Path) -
     assert len(list((tmp_path / "files").iterdir())) == 2
 
 
+def test_batches_cannot_take_a_key_past_its_files(tmp_path: Path) -> None:
+    """Each finished batch keeps its output and error files: batches made again and again
+    from one input took a key's files past --max-files-per-key without end (found by a
+    review). A batch is refused once the key keeps that many; the running ones may finish."""
+    with batch_server(tmp_path, max_files_per_key=3) as live:
+        client = live.client()
+        uploaded = client.files.create(file=("in.jsonl", jsonl(1)), purpose="batch")
+        first = client.batches.create(input_file_id=uploaded.id, completion_window="24h",
+                                      endpoint="/v1/chat/completions")
+        assert wait_finished(live.url, first.id)["status"] == "completed"
+        second = client.batches.create(input_file_id=uploaded.id, completion_window="24h",
+                                       endpoint="/v1/chat/completions")
+        assert wait_finished(live.url, second.id)["status"] == "completed"
+        assert len(client.files.list().data) == 3  # the input and two outputs
+        with pytest.raises(openai.RateLimitError, match="--max-files-per-key") as refused:
+            client.batches.create(input_file_id=uploaded.id, completion_window="24h",
+                                  endpoint="/v1/chat/completions")
+        assert refused.value.code == "too_many_files"
+        # (a refusal that holds until files are deleted: the openai client does not resend it)
+        assert refused.value.response.headers["x-should-retry"] == "false"
+        assert len(client.batches.list().data) == 2 and len(client.files.list().data) == 3
+
+
 def test_uploads_in_flight_together_cannot_pass_the_stored_bytes_limit(tmp_path: Path) -> None:
     """Two uploads that each fit alone stream in at the same time: one is kept, the other is
     refused at the end, and nothing of it stays on disk."""
@@ -799,13 +822,13 @@ def test_a_file_deleted_as_its_batch_is_created_gives_one_of_them(
     with batch_server(tmp_path) as live:
         client = live.client()
         uploaded = client.files.create(file=("in.jsonl", jsonl(2)), purpose="batch")
-        stored_bytes = BatchStore.stored_bytes
+        stored = BatchStore.stored
 
-        def delete_then_count(store: BatchStore, owner: str) -> int:
+        def delete_then_count(store: BatchStore, owner: str) -> tuple[int, int]:
             assert httpx.delete(f"{live.url}/v1/files/{uploaded.id}").status_code == 200
-            return stored_bytes(store, owner)
+            return stored(store, owner)
 
-        monkeypatch.setattr(BatchStore, "stored_bytes", delete_then_count)
+        monkeypatch.setattr(BatchStore, "stored", delete_then_count)
         with pytest.raises(openai.NotFoundError) as refused:
             client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")
