@@ -1616,6 +1616,39 @@ def test_a_session_turn_writes_down_the_prefix_another_request_left_in_host_ram(
         planner.close()
 
 
+@pytest.mark.parametrize("other", ["be", "sessionless"])
+def test_a_session_turn_writes_through_a_prefix_another_request_is_saving(
+        tmp_path: Path, other: str) -> None:
+    """A session's turn computed its first chunk in the step where BE work (or a sessionless
+    request) with the same prefix did: the other's save had reserved the host slots, kept in
+    host RAM alone, and the turn's write-down found nothing there to write. The session's
+    later chunks on the SSD were out of reach after a restart, or once the host let the first
+    go (found by a review)."""
+    first = make_planner(tmp_path / "ssd")
+    shared = list(range(100, 100 + CHUNK))
+    chat, rest = [*shared, 200, 201, 202, 203, 204], [*shared, 300, 301, 302]
+    for request_id, tokens, session, blocks in (("other", rest, None, [1, 2]),
+                                                ("chat", chat, "s1", [5, 6, 7])):
+        view = TokenView(request_id, tokens, session,
+                         background=request_id == "other" and other == "be")
+        first.add_request(view)
+        assert first.num_new_matched_tokens(view, 0) == 0
+        first.test_blocks[request_id] = blocks  # type: ignore[attr-defined]
+        first.plan_load(request_id, blocks, 0, len(tokens))
+    meta = first.build_metadata([("other", len(rest) - 1), ("chat", len(chat) - 1)])
+    assert [c.blocks for c in meta.saves] == [(1,), (6,)]  # chunk 0 saved once, the other's
+    fake_worker_saves(first, meta.saves)
+    first.step_done({meta.step}, set())
+    first.store.wait_for_write_downs()
+    first.store.flush()
+    first.close()
+    planner = make_planner(tmp_path / "ssd")
+    try:
+        assert planner.stored_prefix_tokens(TokenView("chat2", [*chat, 205], "s1")) == 8
+    finally:
+        planner.close()
+
+
 def test_the_step_built_before_a_failed_load_was_reported_publishes_nothing(
         planner: TierPlanner) -> None:
     # Async scheduling (a GPU's): step N + 1 is built before N's output says N's loads failed,

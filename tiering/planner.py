@@ -792,6 +792,7 @@ class TierPlanner:
             st.saved_chunks = full
         if held_before:
             self.store.write_through_later(held_before, owner=owner)
+            self._write_through_pending(held_before, commits)
         return saved
 
     def _reserve(self, key: ChunkKey, pages: tuple[int, ...], count_refusal: bool = True,
@@ -849,13 +850,22 @@ class TierPlanner:
         """Write the layers of `chunks` the host tier holds through to the slowest tier (saved
         by `owner`), in the background; those still being copied, when `step_done` publishes
         them."""
-        self.store.write_through_later(
-            [chunk.with_layer(layer) for chunk in chunks for layer in range(self.num_layers)],
-            owner=owner)
-        hashes = {chunk.prefix_hash for chunk in chunks}
-        for in_flight in self._in_flight.values():
-            in_flight.commits = [c._replace(durable=True) if c.key.prefix_hash in hashes else c
-                                 for c in in_flight.commits]
+        keys = [chunk.with_layer(layer) for chunk in chunks for layer in range(self.num_layers)]
+        self.store.write_through_later(keys, owner=owner)
+        self._write_through_pending(keys)
+
+    def _write_through_pending(self, keys: Iterable[ChunkKey],
+                               building: list[SlotCommit] | None = None) -> None:
+        """Make the saves of `keys` still to be published (another request's, reserved: in
+        `building`, the commits of the step being built, in steps in flight, or a finished
+        request's final saves) durable: `step_done` writes them through as they land. Skipped
+        by `write_through_later`, which writes down only what a tier holds, a chunk a chat
+        turn shared with BE work saving it at that moment stayed in host RAM alone, and the
+        session's later chunks on the SSD were out of reach once the host let it go."""
+        wanted = set(keys)
+        for commits in (building or [], self._final_keys,
+                        *(in_flight.commits for in_flight in self._in_flight.values())):
+            commits[:] = [c._replace(durable=True) if c.key in wanted else c for c in commits]
 
     @staticmethod
     def _owner(st: RequestState) -> bytes:
