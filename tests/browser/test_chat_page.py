@@ -253,6 +253,32 @@ def test_the_older_chats_listed_stay_listed_after_a_reply(url: str, page: Any) -
                            f"{3 * LISTED + 1}")
 
 
+def test_a_chat_deleted_elsewhere_leaves_the_sidebar_with_older_pages_listed(
+        url: str, page: Any) -> None:
+    """With older pages listed, a refresh kept every chat the fresh first page lacked: one
+    deleted in another tab stayed listed for good, and clicking it only showed an error
+    (found by a review). Now the refresh drops it; and a listed chat found gone when opened
+    leaves the sidebar."""
+    ids = [httpx.post(url + "/v1/sessions", json={"title": f"older chat {n}"}).json()[
+        "session_id"] for n in range(2 * LISTED)]
+    open_chat(page, url)
+    rows = page.locator(".session-row")
+    page.wait_for_function(f"document.querySelectorAll('.session-row').length === {LISTED}")
+    page.locator("#sessions-older").click()
+    page.wait_for_function(f"document.querySelectorAll('.session-row').length === {2 * LISTED}")
+    assert httpx.delete(f"{url}/v1/sessions/{ids[-1]}").status_code == 204  # the newest
+    page.evaluate("window.dispatchEvent(new Event('blur'));"
+                  "window.dispatchEvent(new Event('focus'))")  # (lists again)
+    page.wait_for_function(f"document.querySelectorAll('.session-row').length === "
+                           f"{2 * LISTED - 1}")
+    assert rows.filter(has_text=f"older chat {2 * LISTED - 1}").count() == 0
+    # A listed chat deleted since the last listing: opened, it goes from the sidebar.
+    assert httpx.delete(f"{url}/v1/sessions/{ids[0]}").status_code == 204  # the oldest
+    rows.filter(has_text="older chat 0").locator(".session-item").click()
+    page.wait_for_function(f"document.querySelectorAll('.session-row').length === "
+                           f"{2 * LISTED - 2}")
+
+
 def test_the_dashboard_draws_the_target_lines(url: str, page: Any) -> None:
     page.goto(url + "/dashboard")
     page.wait_for_selector("body[data-connected=true]")
@@ -339,6 +365,34 @@ def test_a_shutting_down_banner_goes_once_a_server_serves_again(tmp_path: Path,
     page.wait_for_function("document.body.dataset.connected === 'false'")
     assert page.locator("#error").is_visible()
     with running_server(config, ScriptedEngine(), port=port):
+        page.evaluate("window.dispatchEvent(new Event('focus'))")  # (tries at once)
+        page.wait_for_function("document.body.dataset.connected === 'true'", timeout=15000)
+        page.locator("#error").wait_for(state="hidden", timeout=5000)
+
+
+def test_a_server_at_its_connection_limit_is_asked_again_ever_more_slowly(
+        tmp_path: Path, page: Any) -> None:
+    """A server over --max-connections opens the socket, refuses in an error frame and closes
+    (1013): the page reset its backoff at every open and asked again twice a second, for as
+    long as the server was full (found by a review). The backoff grows until the server takes
+    a connection; then the refusal's banner goes."""
+    from websockets.sync.client import connect
+
+    page.add_init_script("""(() => {
+      const Real = window.WebSocket;
+      window.socketsOpened = 0;
+      window.WebSocket = class extends Real {
+        constructor(...args) { super(...args); window.socketsOpened += 1; }
+      };
+    })()""")
+    config = scripted_config(tmp_path, max_connections=1)
+    with running_server(config, ScriptedEngine()) as (base, _):
+        with connect(base.replace("http://", "ws://") + "/v1/ws"):  # the one it takes
+            page.goto(base + "/")
+            page.locator("#error:not([hidden])").wait_for()
+            assert "too_many_requests" in page.locator("#error").inner_text()
+            time.sleep(4.5)  # backoff 0.5, 1, 2 s (each +-25%): at most 4 sockets, not 9
+            assert page.evaluate("window.socketsOpened") <= 4
         page.evaluate("window.dispatchEvent(new Event('focus'))")  # (tries at once)
         page.wait_for_function("document.body.dataset.connected === 'true'", timeout=15000)
         page.locator("#error").wait_for(state="hidden", timeout=5000)

@@ -25,6 +25,7 @@ const state = {
   queuedSystem: null, // the system message that session is opened with
   queuedOpen: null, // the request id of that session's open (its `session` frame names it)
   viewOpen: null, // the request id of the open of the chat to show (`showSession`)
+  viewOpenId: null, // the session it opens
   givenBack: null, // the message the composer got back as the connection dropped (`wasReceived`)
   // Renames and deletions sent: request id -> {kind, sessionId} (an error names its frame).
   sessionOps: new Map(),
@@ -38,6 +39,7 @@ const state = {
   // no Retry under its last message, and the page opens it again until the reply is in.
   replyingElsewhere: null,
   replyingPoll: 0, // its one timer (one per open, each open started a chain of its own)
+  connectionRefused: false, // the last connection was refused (1013): its banner goes once one is taken
   // Messages the server refused or never got, of chats not shown then: session id (NEW_CHAT:
   // a new chat's, its session gone) -> [{content, system}]; back in the composer, one at a
   // time, when the chat is shown with the composer empty (into the one shown, they went to
@@ -263,6 +265,7 @@ function renderEntry(entry, now = false) {
  * message went into that chat. */
 function showSession(id) {
   state.viewOpen = newRequestId();
+  state.viewOpenId = id;
   return client.openSession(id, null, state.viewOpen);
 }
 
@@ -441,9 +444,15 @@ const handlers = {
       state.nextBefore = nextBefore;
     } else if (state.olderListed) {
       // A refresh of the most recent page: the older pages the user opened stay listed, and
-      // so does the cursor past the oldest of them.
+      // so does the cursor past the oldest of them. One listed before that now falls within
+      // the fresh page's span (or a page that is all of them) and is not in it was deleted
+      // elsewhere: kept, it stayed in the sidebar for good, and opened only an error.
       const fresh = new Set(listed.map((s) => s.session_id));
-      state.sessions = [...listed, ...state.sessions.filter((s) => !fresh.has(s.session_id))];
+      const last = listed[listed.length - 1];
+      const older = (s) => msg.has_more && (s.updated_at < last.updated_at
+        || (s.updated_at === last.updated_at && s.session_id < last.session_id));
+      state.sessions = [...listed, ...state.sessions.filter(
+        (s) => !fresh.has(s.session_id) && older(s))];
     } else {
       state.sessions = listed;
       state.nextBefore = nextBefore;
@@ -669,8 +678,10 @@ const handlers = {
       }
     } else if (msg.code === "session_not_found" && isViewOpen) {
       // A remembered or listed session that no longer exists: start fresh (a new chat's
-      // first message waiting for its session still goes to it: it was dropped).
+      // first message waiting for its session still goes to it: it was dropped), and no
+      // longer listed.
       state.restoring = false;
+      state.sessions = state.sessions.filter((s) => s.session_id !== state.viewOpenId);
       showBlankChat();
     }
   },
@@ -708,6 +719,16 @@ client.addEventListener("open", () => {
   refreshControls();
 });
 
+client.addEventListener("accepted", () => {
+  // A server over its connection limits refused the last connection (too_many_requests,
+  // then closed): this one it took.
+  const box = $("#error");
+  if (!box.hidden && box.dataset.code === "too_many_requests" && state.connectionRefused) {
+    hideError();
+  }
+  state.connectionRefused = false;
+});
+
 client.addEventListener("close", (ev) => {
   ui.body.dataset.connected = "false";
   const { code, reason, retryInMs } = ev.detail;
@@ -715,6 +736,7 @@ client.addEventListener("close", (ev) => {
   if (client.authRequired) ui.status.textContent = "API key required";
   else if (retryInMs === null) ui.status.textContent = "Disconnected";
   else showReconnecting(retryInMs);
+  if (code === 1013) state.connectionRefused = true;  // over the server's connection limits
   if (code === 1009) {  // a frame over the server's limit (one past the page's own check)
     showError("too_large", `The server closed the connection: a message was too large (${reason}).`);
     if (state.queued !== null) { // (sent again at every reconnect, it closed each one)

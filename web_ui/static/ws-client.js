@@ -3,6 +3,9 @@
 // Owns the socket, reconnects with exponential backoff, and surfaces auth failures.
 // Events (all CustomEvent, payload in `detail`):
 //   "open"          {}                        socket connected
+//   "accepted"      {}                        the server's first frame that is not an error:
+//                                             it took the connection (one over its limits is
+//                                             refused in an error frame, then closed)
 //   "close"         {code, reason, retryInMs} socket closed; retryInMs is null when not retrying
 //   "message"       <server message object>   every decoded server frame
 //   "auth-required" {reason}                  close code 4401 or an "unauthorized" error
@@ -68,9 +71,9 @@ export class ChatClient extends EventTarget {
       return;
     }
     this._ws = ws;
+    let accepted = false;
     ws.addEventListener("open", () => {
       if (this._ws !== ws) return;
-      this._attempt = 0;
       this._emit("open", {});
     });
     ws.addEventListener("message", (ev) => {
@@ -83,6 +86,13 @@ export class ChatClient extends EventTarget {
       }
       if (!msg || typeof msg !== "object") return;
       if (msg.type === "error" && msg.code === "unauthorized") this._authFailed(msg.message);
+      if (msg.type !== "error" && !accepted) {
+        // The backoff starts again only now: reset at "open", a server over its connection
+        // limits (which opens, refuses in a frame and closes) was asked twice a second.
+        accepted = true;
+        this._attempt = 0;
+        this._emit("accepted", {});
+      }
       this._emit("message", msg);
     });
     ws.addEventListener("close", (ev) => {
