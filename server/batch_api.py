@@ -259,7 +259,8 @@ async def get_batch(batch_id: str, request: Request) -> dict[str, Any]:
 async def batch_errors(batch_id: str, request: Request,
                        limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict[str, Any]:
     """Antiphon's extension: the batch's failed items so far, in line order. Lines that failed
-    validation are here as soon as the batch is in progress, before the error file exists."""
+    validation are here as soon as the batch is in progress, before the error file exists;
+    none once the finished batch's result files are all deleted (its items go with them)."""
     ctx, owner = _ctx(request), authorize(request)
     await _batch(ctx, owner, batch_id)
 

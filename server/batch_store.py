@@ -57,6 +57,7 @@ CREATE TABLE IF NOT EXISTS batches (
     errors TEXT,  -- why the batch failed as a whole, JSON
     created_at REAL NOT NULL, expires_at REAL NOT NULL,
     endpoint TEXT NOT NULL DEFAULT '{CHAT_ENDPOINT}',  -- every line's url
+    items_dropped_at REAL,  -- its result files were all deleted, and its items with them
     {", ".join(f"{s} REAL" for s in _STAMPS)},
     {_COUNT_COLUMNS_SQL}
 );
@@ -112,8 +113,9 @@ _COUNT_TRIGGERS = (
             num_failed = num_failed + (NEW.state = {_FAILED}) - (OLD.state = {_FAILED})
         WHERE batch_id = NEW.batch_id;
     END""",
-    """CREATE TRIGGER IF NOT EXISTS items_kept BEFORE DELETE ON items BEGIN
-        SELECT RAISE(ABORT, 'batch items are never deleted: their batch counts them');
+    """CREATE TRIGGER IF NOT EXISTS items_dropped_with_results BEFORE DELETE ON items
+    WHEN (SELECT items_dropped_at FROM batches WHERE batch_id = OLD.batch_id) IS NULL BEGIN
+        SELECT RAISE(ABORT, 'batch items go only with the last of their result files');
     END""",
 )
 _FILE_COLUMNS = "file_id, owner, purpose, filename, num_bytes, created_at"  # FileRecord's
@@ -157,16 +159,21 @@ class BatchStore:
         """A finished batch's items keep no request and no answer (its result files hold the
         answers; each item keeps its state and error): a key that deleted the files had every
         prompt and reply kept in the database for good, outside its quota of stored bytes.
-        Best effort (a full disk, a crash: the batch stays in `forgetting`, and the next
+        Once its result files are all deleted (`delete_file`), the items go altogether: their
+        custom ids and errors, kept, grew the database by every batch a key ran and cleared
+        away. Best effort (a full disk, a crash: the batch stays in `forgetting`, and the next
         start does it), a `FORGET_ROWS` at a time, then (`scrub`) the log emptied."""
         try:
             while True:
                 with self.db.transaction() as db:
+                    (dropped,) = db.execute("SELECT items_dropped_at IS NOT NULL FROM batches"
+                                            " WHERE batch_id = ?", (batch_id,)).fetchone()
+                    forget = ("DELETE FROM items" if dropped
+                              else "UPDATE items SET body = NULL, response = NULL")
                     forgotten = db.execute(
-                        "UPDATE items SET body = NULL, response = NULL WHERE rowid IN"
-                        " (SELECT rowid FROM items WHERE batch_id = ? AND"
-                        " (body IS NOT NULL OR response IS NOT NULL) LIMIT ?)",
-                        (batch_id, self.FORGET_ROWS)).rowcount
+                        f"{forget} WHERE rowid IN (SELECT rowid FROM items WHERE batch_id = ?"
+                        f"{'' if dropped else ' AND (body IS NOT NULL OR response IS NOT NULL)'}"
+                        " LIMIT ?)", (batch_id, self.FORGET_ROWS)).rowcount
                     if forgotten < self.FORGET_ROWS:
                         db.execute("DELETE FROM forgetting WHERE batch_id = ?", (batch_id,))
                 if forgotten < self.FORGET_ROWS:
@@ -220,7 +227,9 @@ class BatchStore:
     def delete_file(self, owner: str, file_id: str) -> str | None:
         """Mark one of `owner`'s files deleted (the caller then removes it from disk; a crash
         before that leaves it to `FileStore.sweep`). Returns None when deleted, else why not:
-        "not found", or "in use" while an unfinished batch reads it."""
+        "not found", or "in use" while an unfinished batch reads it. The last of a finished
+        batch's result files takes the batch's items with it (`forget_items`); the batch
+        keeps its counts."""
         with self.db.transaction() as db:
             if db.execute("SELECT 1 FROM files WHERE file_id = ? AND owner = ? AND"
                           " deleted_at IS NULL", (file_id, owner)).fetchone() is None:
@@ -230,6 +239,17 @@ class BatchStore:
                 return "in use"
             db.execute("UPDATE files SET deleted_at = ? WHERE file_id = ?",
                        (time.time(), file_id))
+            row = db.execute(
+                "SELECT batch_id FROM batches b WHERE ? IN (output_file_id, error_file_id) AND"
+                f" status IN {_FINISHED} AND NOT EXISTS (SELECT 1 FROM files f WHERE"
+                " f.file_id IN (b.output_file_id, b.error_file_id) AND f.deleted_at IS NULL)",
+                (file_id,)).fetchone()
+            if row is not None:
+                db.execute("UPDATE batches SET items_dropped_at = ? WHERE batch_id = ?",
+                           (time.time(), row[0]))
+                db.execute("INSERT OR IGNORE INTO forgetting VALUES (?)", row)
+        if row is not None:
+            self.forget_items(row[0])
         return None
 
     def file_sizes(self) -> dict[str, int]:
@@ -466,7 +486,10 @@ class BatchStore:
             "finalizing batches without a final status": "SELECT COUNT(*) FROM batches WHERE"
             " status IN ('finalizing', 'cancelling') AND final_status IS NULL",
             "batches whose kept counts differ from their items": "SELECT COUNT(*) FROM batches b"
-            f" WHERE ({', '.join(_COUNT_COLUMNS)}) != ({_COUNTED})",
+            f" WHERE ({', '.join(_COUNT_COLUMNS)}) != ({_COUNTED}) AND items_dropped_at IS NULL",
+            "items kept past their batch's result files": "SELECT COUNT(*) FROM items i JOIN"
+            " batches b USING (batch_id) WHERE b.items_dropped_at IS NOT NULL"
+            " AND batch_id NOT IN (SELECT batch_id FROM forgetting)",
         })
 
 
@@ -501,9 +524,12 @@ def _migrate(db: sqlite3.Connection) -> None:
         for column in _COUNT_COLUMNS:
             db.execute(f"ALTER TABLE batches ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
         db.execute(f"UPDATE batches AS b SET ({', '.join(_COUNT_COLUMNS)}) = ({_COUNTED})")
+    if "items_dropped_at" not in columns:  # from before items went with their results
+        db.execute("ALTER TABLE batches ADD COLUMN items_dropped_at REAL")
     columns = {row[1] for row in db.execute("PRAGMA table_info(items)")}
     if "status_code" not in columns:  # from before refusals kept their status
         db.execute("ALTER TABLE items ADD COLUMN status_code INTEGER")
+    db.execute("DROP TRIGGER IF EXISTS items_kept")  # (items were never deleted)
     for trigger in _COUNT_TRIGGERS:
         db.execute(trigger)
     (version,) = db.execute("PRAGMA user_version").fetchone()

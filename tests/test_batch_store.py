@@ -413,7 +413,7 @@ def test_batch_counts_are_kept_through_every_change_of_an_item(tmp_path: Path) -
     assert codes == {"bad_json", "context_length_exceeded", "batch_cancelled"}
     store.check_integrity()
     with store.db.locked() as db:
-        with pytest.raises(sqlite3.IntegrityError, match="never deleted"):
+        with pytest.raises(sqlite3.IntegrityError, match="last of their result files"):
             db.execute("DELETE FROM items WHERE batch_id = ?", (expired,))
         db.execute("UPDATE batches SET num_items = num_items + 1 WHERE batch_id = ?",
                    (expired,))
@@ -442,6 +442,46 @@ def test_a_database_from_before_text_completion_batches_opens_with_chat_batches(
         store.close()
 
 
+def test_a_database_from_before_items_went_with_their_results_drops_them(
+        tmp_path: Path) -> None:
+    """A database whose trigger kept items for good, without the column that marks a batch's
+    items gone: opened, deleting a finished batch's last result file deletes its items, and a
+    crash before they went (the batch left in `forgetting`) is finished on the next open."""
+    path = tmp_path / "old.sqlite3"
+    store = BatchStore(path)
+    bid = make_batch(store)
+    store.start_batch(bid, items(3))
+    for i in range(3):
+        store.commit_item(bid, i, ok(i))
+    assert store.begin_finalize(bid)
+    out = FileRecord(new_file_id(), "alice", "batch_output", "o.jsonl", 3, 1.0)
+    store.finish_batch(store.get_batch("alice", bid), out, None)  # type: ignore[arg-type]
+    store.close()
+    old = sqlite3.connect(path)
+    old.execute("DROP TRIGGER items_dropped_with_results")
+    old.execute("CREATE TRIGGER items_kept BEFORE DELETE ON items BEGIN"
+                " SELECT RAISE(ABORT, 'batch items are never deleted'); END")
+    old.execute("ALTER TABLE batches DROP COLUMN items_dropped_at")
+    old.commit()
+    old.close()
+    store = BatchStore(path)
+    forget = store.forget_items
+    store.forget_items = lambda batch_id, scrub=True: False  # type: ignore[method-assign]
+    try:
+        assert store.delete_file("alice", out.file_id) is None  # a crash before the items go
+    finally:
+        store.forget_items = forget  # type: ignore[method-assign]
+        store.close()
+    store = BatchStore(path)
+    try:
+        assert list(store.results(bid, ItemState.SUCCEEDED)) == []
+        counts = store.get_batch("alice", bid).counts  # type: ignore[union-attr]
+        assert (counts.total, counts.completed) == (3, 3)
+        store.check_integrity()
+    finally:
+        store.close()
+
+
 def test_a_database_from_before_kept_counts_is_counted_once_on_open(tmp_path: Path) -> None:
     path = tmp_path / "old.sqlite3"
     store = BatchStore(path)
@@ -450,7 +490,7 @@ def test_a_database_from_before_kept_counts_is_counted_once_on_open(tmp_path: Pa
     store.commit_item(bid, 0, ok(0))
     store.close()
     old = sqlite3.connect(path)  # as the store was before it kept counts
-    for trigger in ("items_counted", "items_recounted", "items_kept"):
+    for trigger in ("items_counted", "items_recounted", "items_dropped_with_results"):
         old.execute(f"DROP TRIGGER {trigger}")
     for column in ("num_items", "num_succeeded", "num_failed"):
         old.execute(f"ALTER TABLE batches DROP COLUMN {column}")

@@ -416,6 +416,49 @@ def test_batches_cannot_take_a_key_past_its_files(tmp_path: Path) -> None:
         assert len(client.batches.list().data) == 2 and len(client.files.list().data) == 3
 
 
+def test_a_finished_batchs_items_go_with_its_last_result_file(tmp_path: Path) -> None:
+    """A finished batch's items (custom ids, errors) stayed in the database for good, outside
+    the key's quota: a key could run and clear away batches until the disk filled (found by
+    a review). Deleting the last of its result files deletes them; the batch keeps its
+    counts, and nothing else is touched."""
+    bad = json.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                      "body": {}})
+    with batch_server(tmp_path) as live:
+        client = live.client()
+        batch_id = submit(client, jsonl(2) + (bad + "\n").encode())
+        other_id = submit(client, jsonl(1) + (bad + "\n").encode())
+        for b in (batch_id, other_id):
+            wait_finished(live.url, b)
+        batch = client.batches.retrieve(batch_id)
+        assert batch.output_file_id and batch.error_file_id
+
+        def errors() -> list[dict[str, Any]]:
+            listed: list[dict[str, Any]] = httpx.get(
+                f"{live.url}/v1/batches/{batch_id}/errors").json()["data"]
+            return listed
+
+        def items(b: str) -> int:
+            store = BatchStore(tmp_path / "batches.sqlite3")
+            try:
+                with store.db.locked() as db:
+                    (n,) = db.execute("SELECT COUNT(*) FROM items WHERE batch_id = ?",
+                                      (b,)).fetchone()
+                return int(n)
+            finally:
+                store.close()
+
+        client.files.delete(batch.output_file_id)
+        assert [e["custom_id"] for e in errors()] == ["bad"] and items(batch_id) == 3
+        client.files.delete(batch.error_file_id)
+        assert errors() == [] and items(batch_id) == 0
+        kept = client.batches.retrieve(batch_id)
+        assert kept.status == "completed" and kept.request_counts is not None
+        assert (kept.request_counts.total, kept.request_counts.completed,
+                kept.request_counts.failed) == (3, 2, 1)
+        assert items(other_id) == 2  # another batch's are its own
+    # (check_stores: the integrity checks hold over a batch without its items)
+
+
 def test_uploads_in_flight_together_cannot_pass_the_stored_bytes_limit(tmp_path: Path) -> None:
     """Two uploads that each fit alone stream in at the same time: one is kept, the other is
     refused at the end, and nothing of it stays on disk."""
