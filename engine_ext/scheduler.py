@@ -42,7 +42,7 @@ from antiphon.engine_ext.policies import make_policy
 from antiphon.engine_ext.policies.prefix import leading_run
 from antiphon.engine_ext.schedstats import SchedulerStats
 from antiphon.engine_ext.steptrace import StepTrace
-from antiphon.engine_ext.types import TIER_TOKENS_KEY, RequestClass
+from antiphon.engine_ext.types import MAX_REQUEST_SLO_S, TIER_TOKENS_KEY, RequestClass
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
 # Under vLLM's logger tree, so the message shows in the EngineCore process's log.
@@ -53,6 +53,12 @@ DEVICE_HIT_REFRESH_STEPS = 64
 # The invariants are checked when the engine goes idle, at most this often: on a GPU pool of
 # 10^5 pages a check takes tens of milliseconds, which a request arriving then would wait for.
 IDLE_CHECK_INTERVAL_S = 60.0
+
+
+def _slo_s(extra: dict[str, Any], key: str, default_s: float) -> float:
+    """The request's own target `key` where it set one (at most `MAX_REQUEST_SLO_S`, as the
+    server allows: a larger one overflowed the policies' planning), else `default_s`."""
+    return min(extra.get(key, default_s), MAX_REQUEST_SLO_S)
 
 
 def request_class_of(request: Request) -> RequestClass:
@@ -388,8 +394,8 @@ class AntiphonScheduler(Scheduler):
             num_output_tokens=request.num_output_tokens + min(request.num_output_placeholders, 1),
             is_running=is_running,
             # the targets the policy plans to, with the configured headroom kept in reserve
-            ttft_slo_s=extra.get("ttft_slo_s", settings.rt_ttft_slo_s) * aim if is_rt else None,
-            tpot_slo_s=extra.get("tpot_slo_s", settings.rt_tpot_slo_s) * aim if is_rt else None,
+            ttft_slo_s=_slo_s(extra, "ttft_slo_s", settings.rt_ttft_slo_s) * aim if is_rt else None,
+            tpot_slo_s=_slo_s(extra, "tpot_slo_s", settings.rt_tpot_slo_s) * aim if is_rt else None,
             priority=request.priority,
             num_preemptions=request.num_preemptions,
             num_restore_tokens=num_restore,

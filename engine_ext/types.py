@@ -128,6 +128,12 @@ class ChatContext:
     token_ids: tuple[int, ...]
 
 
+# The loosest TTFT or TPOT target one request may set (seconds: a day). Past it, planning
+# arithmetic with the target (steps before a first token is due) overflowed, and one
+# request's `vllm_xargs.ttft_slo_s` of 1e308 stopped the engine (found by a review).
+MAX_REQUEST_SLO_S = 86_400.0
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int  # output tokens, at most

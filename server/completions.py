@@ -3,7 +3,6 @@ the `chat.completion` response object. Shared by `/v1/chat/completions` and the 
 
 from __future__ import annotations
 
-import math
 import re
 import secrets
 from collections.abc import Sequence
@@ -11,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from antiphon.engine_ext.types import ChatTurn, RequestClass, ToolCall
+from antiphon.engine_ext.types import MAX_REQUEST_SLO_S, ChatTurn, RequestClass, ToolCall
 from antiphon.server.chat import ChatService, Generation, total_usage
 from antiphon.server.errors import ApiError, ErrorCode, over_limit
 from antiphon.server.protocol import ID_PATTERN, Sampling, StrictBool, StrictInt, ToolOffer
@@ -321,9 +320,9 @@ def slo_overrides(chat: ChatService, xargs: dict[str, Any]) -> dict[str, Any]:
         if key in xargs:
             value = xargs[key]
             if (not isinstance(value, (int, float)) or isinstance(value, bool)
-                    or not 0 < value < math.inf):
-                raise ApiError(ErrorCode.BAD_MESSAGE,
-                               f"vllm_xargs.{key} must be a positive, finite number of seconds")
+                    or not 0 < value <= MAX_REQUEST_SLO_S):
+                raise ApiError(ErrorCode.BAD_MESSAGE, f"vllm_xargs.{key} must be a positive "
+                               f"number of seconds, at most {MAX_REQUEST_SLO_S:g}")
             if value < frac * deployment_s:
                 raise ApiError(ErrorCode.BAD_MESSAGE, (
                     f"vllm_xargs.{key} {value:g} is tighter than this server allows: at least "

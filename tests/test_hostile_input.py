@@ -116,6 +116,8 @@ def test_json_no_part_of_the_server_could_use_is_refused(scripted: Scripted, raw
     ({"reasoning_effort": "high"}, 400, "bad_message", "reasoning_effort is not supported"),
     ({"vllm_xargs": {"tpot_slo_s": 1e308 * 10}}, 400, "bad_json", "not valid JSON"),
     ({"vllm_xargs": {"ttft_slo_s": -1}}, 400, "bad_message", "ttft_slo_s"),
+    # (1e308 overflowed the engine's planning, which stopped it)
+    ({"vllm_xargs": {"ttft_slo_s": 1e308}}, 400, "bad_message", "at most 86400"),
     # a request may not claim step time from every other one with a target tighter than the
     # deployment's (0.1 s per token by default)
     ({"vllm_xargs": {"tpot_slo_s": 1e-9}}, 400, "bad_message",

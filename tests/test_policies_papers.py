@@ -327,6 +327,19 @@ def test_an_rt_prompt_of_several_steps_gets_the_floor_its_whole_prompt_needs() -
     assert floors == {2000: 250, 6000: 750, 16000: 0}
 
 
+@pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
+def test_a_target_of_1e308_seconds_plans_without_overflow(name: str) -> None:
+    # `ttft_floor` counted the steps to the first token's deadline with int(slack / L): a
+    # request's ttft_slo_s of 1e308 made that inf, and the OverflowError stopped the engine
+    # (found by a review; the server now refuses more than a day, and the planning holds).
+    cost = CostModel("hygen", {"prefill_token_s": 1e-4, "intercept_s": 0.02})
+    rt = view("huge", prompt=6000, ttft_slo_s=1e308, tpot_slo_s=1e308)
+    plan = make_policy(name, cost).plan([decoding("rtd"), rt], budget())
+    assert "huge" in plan.order
+    batch = StepBatch(budget(), cost)
+    assert ttft_floor(rt, batch, 0.1, 0.0) >= 1
+
+
 @pytest.mark.parametrize("name", ["bros", "hygen"])
 def test_a_prompt_late_by_the_decodes_seated_before_it_is_not_forced_in_whole(
         name: str) -> None:

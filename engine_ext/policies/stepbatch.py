@@ -14,6 +14,10 @@ from antiphon.engine_ext.costmodel import CostModel, StepShape
 from antiphon.engine_ext.policies.base import admission_pages, freed_pages, held_pages, pages_for
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
+# The most steps ahead a prefill's first token is planned over (`ttft_floor`): a slack of a
+# day over a 1 ms step is 8.6e7 of them; a target of 1e308 s overflowed `int`.
+MAX_STEPS_AHEAD = 1e9
+
 
 class StepBatch:
     def __init__(self, budget: StepBudget, cost_model: CostModel) -> None:
@@ -142,7 +146,7 @@ def ttft_floor(view: RequestView, batch: StepBatch, limit_s: float, now_s: float
     slack = view.slack_s(now_s)
     if first_s + prefill_alone_s(batch.cost_model, view, batch.max_num_tokens, wanted) > slack:
         return 0
-    steps_left = max(1, int(slack / max(limit_s, 1e-3)) - 1)
+    steps_left = max(1, int(min(slack / max(limit_s, 1e-3), MAX_STEPS_AHEAD)) - 1)
     return min(wanted, -(-view.num_new_tokens // steps_left))
 
 
