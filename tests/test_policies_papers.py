@@ -327,6 +327,36 @@ def test_an_rt_prompt_of_several_steps_gets_the_floor_its_whole_prompt_needs() -
     assert floors == {2000: 250, 6000: 750, 16000: 0}
 
 
+def test_hygen_a_turn_too_late_for_its_ttft_takes_the_step_from_be_decodes() -> None:
+    # A turn that could no longer make its TTFT (`ttft_floor` 0) got its prefill chunk cut to
+    # L less the running BE decodes' time: with those filling L, 16 tokens a step while they
+    # ran at full speed (first token at 33 s beside 12 of them, 1.9 s without; found by a
+    # review). Simulated step by step, time moving by each step's predicted latency.
+    cost = CostModel("hygen", {"intercept_s": 0.02, "prefill_token_s": 2e-4,
+                               "decode_request_s": 0.006})
+
+    def first_token_s(num_be: int) -> float:
+        policy, now = HygenPolicy(cost), 0.0
+        turn = view("turn", prompt=6000, ttft_slo_s=0.9, tpot_slo_s=0.09)
+        bes = [decoding(f"be{i}", BE) for i in range(num_be)]
+        while turn.num_computed_tokens < 6000:
+            streams = [decoding(f"s{i}", tpot_slo_s=0.09, first_token_s=now - 0.36)
+                       for i in range(2)]  # on time, due within the step
+            plan = policy.plan([turn, *streams, *bes], budget(now=now))
+            done = plan.token_limits.get("turn", turn.num_new_tokens) \
+                if "turn" in plan.order else 0
+            shape = StepShape().plus(done, turn.num_computed_tokens + done, is_prefill=True)
+            for _ in range(len(plan.order) - ("turn" in plan.order)):
+                shape = shape.plus(1, 40, is_prefill=False)
+            turn = dataclasses.replace(turn, num_computed_tokens=turn.num_computed_tokens + done,
+                                       is_running=True)
+            now += cost.predict_s(shape)
+        return now
+
+    alone = first_token_s(0)
+    assert first_token_s(12) <= 1.1 * alone
+
+
 @pytest.mark.parametrize("name", ["bros", "hygen", "echo"])
 def test_a_target_of_1e308_seconds_plans_without_overflow(name: str) -> None:
     # `ttft_floor` counted the steps to the first token's deadline with int(slack / L): a

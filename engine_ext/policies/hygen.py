@@ -162,9 +162,14 @@ class HygenPolicy(Policy):
             # chunk that still meets its TTFT (`ttft_floor`, not in the paper), past `L` if it
             # must: measured at 3 turns/s on a 2-core CPU, bursts of 16-19 turns in 2 s missed
             # their TTFT by up to 0.5 s while every stream held its TPOT with room to spare.
-            floor = max(self.min_prefill_tokens if i == 0 else 0,
-                        ttft_floor(view, batch, step_s, now_s))
-            chunk, pages, is_short_of_pages = batch.max_chunk(view, prefill_limit_s(),
+            on_time = ttft_floor(view, batch, step_s, now_s)
+            floor = max(self.min_prefill_tokens if i == 0 else 0, on_time)
+            # One already too late for its TTFT takes the whole of L: BE decodes kept their
+            # time, it advanced `min_prefill_tokens` a step while they ran at full speed (a
+            # 6,000-token turn beside 12 of them: its first token at 33 s, against 1.6 s
+            # alone; found by a review). RT takes step time from BE, never the reverse.
+            limit_of = prefill_limit_s if on_time else (lambda: step_s)
+            chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_of(),
                                                               min_tokens=floor)
             needed = admission_pages(view, pages, batch.page_tokens)
             # vLLM admits a waiting request only where its whole sequence fits: where it would
@@ -174,7 +179,7 @@ class HygenPolicy(Policy):
                     and (not victims.pages_next_step
                          or needed > batch.pages_left + victims.pages_next_step):
                 victims.take_one(batch, plan)
-                chunk, pages, is_short_of_pages = batch.max_chunk(view, prefill_limit_s(),
+                chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_of(),
                                                                   min_tokens=floor)
                 needed = admission_pages(view, pages, batch.page_tokens)
             if needed > batch.pages_left:
