@@ -524,8 +524,16 @@ def _migrate(db: sqlite3.Connection) -> None:
         for column in _COUNT_COLUMNS:
             db.execute(f"ALTER TABLE batches ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
         db.execute(f"UPDATE batches AS b SET ({', '.join(_COUNT_COLUMNS)}) = ({_COUNTED})")
-    if "items_dropped_at" not in columns:  # from before items went with their results
+    if "items_dropped_at" not in columns:  # from before items went with their results:
+        # those of batches whose result files are all deleted go now (`forgetting`)
         db.execute("ALTER TABLE batches ADD COLUMN items_dropped_at REAL")
+        db.execute(
+            "UPDATE batches AS b SET items_dropped_at = ? WHERE status IN"
+            f" {_FINISHED} AND COALESCE(output_file_id, error_file_id) IS NOT NULL AND NOT"
+            " EXISTS (SELECT 1 FROM files f WHERE f.file_id IN (b.output_file_id,"
+            " b.error_file_id) AND f.deleted_at IS NULL)", (time.time(),))
+        db.execute("INSERT OR IGNORE INTO forgetting SELECT batch_id FROM batches"
+                   " WHERE items_dropped_at IS NOT NULL")
     columns = {row[1] for row in db.execute("PRAGMA table_info(items)")}
     if "status_code" not in columns:  # from before refusals kept their status
         db.execute("ALTER TABLE items ADD COLUMN status_code INTEGER")

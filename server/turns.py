@@ -107,7 +107,8 @@ class SessionTurns:
                                     param="system")
             system = system if system.strip() else None
         if system is not None:
-            await self.chat.off_loop(self._check_system, system)  # (a render)
+            await self.chat.off_loop(self._check_system, system,  # (a render)
+                                     request_class=self.chat.render_class(owner))
         if session_id is None:
             title = "New chat" if title is None else clean_title(title)
             limit = self.chat.config.max_sessions_per_key
@@ -121,11 +122,12 @@ class SessionTurns:
         session = await self.get(owner, session_id)
         return session, await asyncio.to_thread(self.store.messages, session_id)
 
-    async def _count_tokens(self, contents: Sequence[str]) -> list[int]:
-        """The tokens of each of `contents`, counted off the event loop (a 256 KiB frame of
-        tool results took 290 ms of it)."""
+    async def _count_tokens(self, owner: str, contents: Sequence[str]) -> list[int]:
+        """The tokens of each of `owner`'s `contents`, counted off the event loop (a 256 KiB
+        frame of tool results took 290 ms of it), on its class's render thread."""
         count = self.chat.engine.count_tokens
-        return await self.chat.off_loop(lambda: [count(content) for content in contents])
+        return await self.chat.off_loop(lambda: [count(content) for content in contents],
+                                        request_class=self.chat.render_class(owner))
 
     def _check_system(self, system: str) -> None:
         """A system message every turn of a session can use, which is set for good: the
@@ -247,7 +249,8 @@ class SessionTurns:
             tokens = list(context.token_ids)
         elif seen.history:
             tokens = await self.chat.off_loop(self.chat.engine.continue_chat, seen.turns,
-                                              context, open_reply=False)
+                                              context, open_reply=False,
+                                              request_class=self.chat.render_class(owner))
         else:
             tokens = []  # a new session: no conversation to bring forward yet
         held = 0 if not tokens else await self.chat.engine.advise(
@@ -329,11 +332,11 @@ class SessionTurns:
             title = None  # (a session's first message names it)
             messages: list[tuple[str, int, str | None]] | None = None
             if isinstance(msg, protocol.ToolResults):
-                counts = await self._count_tokens([r.content for r in msg.results])
+                counts = await self._count_tokens(owner, [r.content for r in msg.results])
                 role, messages = "tool", [(r.content, n, r.tool_call_id)
                                           for r, n in zip(msg.results, counts, strict=True)]
             elif isinstance(msg, protocol.ChatMessage):
-                (num_tokens,) = await self._count_tokens([msg.content])
+                (num_tokens,) = await self._count_tokens(owner, [msg.content])
                 role, messages = "user", [(msg.content, num_tokens, None)]
                 title = None if seen.history else title_from(msg.content) or None
             else:  # a regenerate adds no message: the window moves with its reply, if the

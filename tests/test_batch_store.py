@@ -445,26 +445,34 @@ def test_a_database_from_before_text_completion_batches_opens_with_chat_batches(
 def test_a_database_from_before_items_went_with_their_results_drops_them(
         tmp_path: Path) -> None:
     """A database whose trigger kept items for good, without the column that marks a batch's
-    items gone: opened, deleting a finished batch's last result file deletes its items, and a
-    crash before they went (the batch left in `forgetting`) is finished on the next open."""
+    items gone: opened, the items of a batch whose result files the old server deleted go,
+    deleting a finished batch's last result file deletes its items, and a crash before they
+    went (the batch left in `forgetting`) is finished on the next open."""
     path = tmp_path / "old.sqlite3"
     store = BatchStore(path)
-    bid = make_batch(store)
-    store.start_batch(bid, items(3))
-    for i in range(3):
-        store.commit_item(bid, i, ok(i))
-    assert store.begin_finalize(bid)
-    out = FileRecord(new_file_id(), "alice", "batch_output", "o.jsonl", 3, 1.0)
-    store.finish_batch(store.get_batch("alice", bid), out, None)  # type: ignore[arg-type]
+    finished = []
+    for _ in range(2):
+        bid = make_batch(store)
+        store.start_batch(bid, items(3))
+        for i in range(3):
+            store.commit_item(bid, i, ok(i))
+        assert store.begin_finalize(bid)
+        out = FileRecord(new_file_id(), "alice", "batch_output", "o.jsonl", 3, 1.0)
+        store.finish_batch(store.get_batch("alice", bid), out, None)  # type: ignore[arg-type]
+        finished.append((bid, out))
     store.close()
     old = sqlite3.connect(path)
     old.execute("DROP TRIGGER items_dropped_with_results")
     old.execute("CREATE TRIGGER items_kept BEFORE DELETE ON items BEGIN"
                 " SELECT RAISE(ABORT, 'batch items are never deleted'); END")
     old.execute("ALTER TABLE batches DROP COLUMN items_dropped_at")
+    old.execute("UPDATE files SET deleted_at = 1.0 WHERE file_id = ?",  # (the old server's)
+                (finished[0][1].file_id,))
     old.commit()
     old.close()
     store = BatchStore(path)
+    assert list(store.results(finished[0][0], ItemState.SUCCEEDED)) == []
+    assert len(list(store.results(bid, ItemState.SUCCEEDED))) == 3  # its file kept: kept
     forget = store.forget_items
     store.forget_items = lambda batch_id, scrub=True: False  # type: ignore[method-assign]
     try:

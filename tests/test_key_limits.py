@@ -192,7 +192,7 @@ async def test_best_effort_work_renders_on_the_batch_items_thread(
             return method(self, *args, **kwargs)
         return call
 
-    for name in ("render_chat", "encode_prompt"):
+    for name in ("render_chat", "encode_prompt", "count_tokens"):
         monkeypatch.setattr(ScriptedEngine, name, recorded(getattr(ScriptedEngine, name)))
     evals = "eval-harness-key"
     config = scripted_config(tmp_path, api_keys=(A,), best_effort_api_keys=(evals,))
@@ -215,8 +215,11 @@ async def test_best_effort_work_renders_on_the_batch_items_thread(
             assert (await client.post(**tokenize)).status_code == 200
             assert rendered_on() == {"render-be"}
             async with connect(url.replace("http://", "ws://") + f"/v1/ws?api_key={evals}") as ws:
-                sid = (await open_session(ws))["session"]["session_id"]
+                sid = (await open_session(ws, system="Be brief."))["session"]["session_id"]
                 await send(ws, type="message", session_id=sid, content="hello")
+                await recv_until(ws, "done")
+                await send(ws, type="typing", session_id=sid)  # (its context rendered)
+                await send(ws, type="message", session_id=sid, content="again")
                 await recv_until(ws, "done")
             assert rendered_on() == {"render-be"}
             as_be = completion(A)

@@ -446,7 +446,9 @@ const handlers = {
       // A refresh of the most recent page: the older pages the user opened stay listed, and
       // so does the cursor past the oldest of them. One listed before that now falls within
       // the fresh page's span (or a page that is all of them) and is not in it was deleted
-      // elsewhere: kept, it stayed in the sidebar for good, and opened only an error.
+      // elsewhere: kept, it stayed in the sidebar for good, and opened only an error. (One
+      // of an older page, past the fresh page's span, is not listed again: deleted
+      // elsewhere, it stays until it is opened, and leaves then.)
       const fresh = new Set(listed.map((s) => s.session_id));
       const last = listed[listed.length - 1];
       const older = (s) => msg.has_more && (s.updated_at < last.updated_at
