@@ -67,6 +67,8 @@ BE_SAMPLE_S = 2.0
 GENERATION_TOKENS = "antiphon_generation_tokens_total"
 # Seconds an idle client connection is kept open, under the server's keep-alive.
 CLIENT_KEEPALIVE_S = 1.0
+# The server's --max-batch-concurrency unless --be-concurrency says otherwise.
+BATCH_CONCURRENCY_DEFAULT = 8
 # Steps of one batch size on either side whose median a step's noise is measured from.
 NOISE_NEIGHBOURS = 5
 
@@ -76,9 +78,13 @@ async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival
     """One streamed RT turn at its trace time; TTFT and TPOT measured at the client, TPOT
     over the tokens the server counted (a chunk may carry several). A turn that fails (an
     error status or event, a lost connection) or ends short of its `output_tokens` is
-    `failed`: it misses both targets, and its latency is spread over the tokens it got."""
-    await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))
-    sent = time.perf_counter()
+    `failed`: it misses both targets, and its latency is spread over the tokens it got. Its
+    times run from its trace arrival, not from when it was sent: a bench whose event loop
+    was held then (other streams parsed, a collection) sent it late, and that wait fell out
+    of its TTFT (`send_lag_s` says how late it went)."""
+    sent = start + arrival.at_s
+    await asyncio.sleep(max(0.0, sent - time.perf_counter()))
+    send_lag_s = time.perf_counter() - sent
     first = last = None
     received, chunks, finish, error = 0, 0, None, None
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
@@ -111,7 +117,7 @@ async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival
     return {"at_s": arrival.at_s, "ttft_s": (first or end) - sent,
             "tpot_s": ((last or end) - (first or end)) / max(1, received - 1),
             "latency_s": end - sent, "output_tokens": received, "failed": failed,
-            **({"error": error} if error else {})}
+            "send_lag_s": send_lag_s, **({"error": error} if error else {})}
 
 
 def be_batch_file(path: Path, model: str, num_items: int, max_tokens: tuple[int, int],
@@ -249,6 +255,8 @@ def rt_summary(results: list[dict[str, Any]], ttft_slo_s: float, tpot_slo_s: flo
         "rt_ttft_p50_s": _finite_percentile(ttfts, 0.5),
         "rt_ttft_p99_s": _finite_percentile(ttfts, 0.99),
         "rt_failed": len(results) - len(served),
+        # (how late the bench sent a turn: the times count from its arrival all the same)
+        "rt_send_lag_max_s": max(r.get("send_lag_s", 0.0) for r in results),
     }
 
 
@@ -347,14 +355,18 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
         timelines[name] = result.pop("timeline")
         return result
 
+    def summaries(runs: Runs, failures: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return {n: summarise_runs(r, sum(f["system"] == n for f in failures))
+                for n, r in runs.items() if r}
+
     def record(runs: Runs, failures: list[dict[str, Any]]) -> None:
         # Written after every run, so a run stopped part way keeps what it measured.
         write_json(out, {"benchmark": benchmark, "config": config,
-                         "systems": {n: summarise_runs(r) for n, r in runs.items() if r},
+                         "systems": summaries(runs, failures),
                          "timelines": timelines, "failures": failures})
 
     runs, failures = interleaved_runs(args.repeats, list(systems), run_one, record)
-    results = {n: summarise_runs(r) for n, r in runs.items() if r}
+    results = summaries(runs, failures)
     if not results:
         print("every run failed")
         return 1
@@ -363,12 +375,21 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     print_table({p: {k: None if v is None else float(v) for k, v in s.items() if k != "runs"}
                  for p, s in results.items()},
                 baseline=baseline if baseline in results else None)
+    for name, summary in results.items():
+        if summary.get("runs_failed"):
+            print(f"warning: {summary['runs_failed']} of {name}'s runs failed (below): its "
+                  "figures are the mean of those that finished, and its ratios compare "
+                  "unlike samples")
+    # At most this many items run at once: with no more left to start, the job's end, not
+    # the system, held its BE throughput (the fastest system, the baseline's, first).
+    running = args.be_concurrency or BATCH_CONCURRENCY_DEFAULT
     ran_out = sorted({n for n, rs in runs.items() for r in rs
-                      if r.get("be_items_left_at_window_end") == 0})
+                      if (left := r.get("be_items_left_at_window_end")) is not None
+                      and left <= running})
     if ran_out:
-        print(f"warning: the BE job ran out of items inside the window ({', '.join(ran_out)}):"
-              " its be_tokens_per_s is the job's size, not the system's throughput; "
-              "raise --be-items")
+        print(f"warning: the BE job ran (nearly) out of items inside the window "
+              f"({', '.join(ran_out)}): its be_tokens_per_s is the job's size, not the "
+              "system's throughput; raise --be-items")
     drift = host_drift(runs)
     if drift > HOST_DRIFT_WARNING:
         print(f"warning: the host's speed differed by {drift:.0%} between runs "
@@ -487,16 +508,18 @@ def plain_decode_steps(trace: Path, start: float, end: float) -> list[tuple[int,
     return steps
 
 
-def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise_runs(runs: list[dict[str, Any]], num_failed: int = 0) -> dict[str, Any]:
     """The mean of every metric over a system's repeated runs (over those that measured
-    it; None where none did), and the runs themselves."""
+    it; None where none did), and the runs themselves; `runs_failed` where `num_failed` more
+    raised (their turns are in no figure: a table without it read as every run's)."""
     mean = {}
     for key in runs[0]:
         values = [r[key] for r in runs if r.get(key) is not None]
         if key in UNBOUNDED_WHEN_NONE and any(key in r and r[key] is None for r in runs):
             values = []  # one run's percentile among failed turns: the mean is unbounded
         mean[key] = statistics.mean(values) if values else None
-    return {**mean, "runs": runs} if len(runs) > 1 else mean
+    summary = {**mean, "runs": runs} if len(runs) > 1 else mean
+    return {**summary, "runs_failed": num_failed} if num_failed else summary
 
 
 def _plot(timelines: dict[str, Timeline], path: Path) -> None:

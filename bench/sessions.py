@@ -17,10 +17,12 @@ system finds another's conversations cached). One engine start differs from the 
 percent, as much as the 10%-missed advisories' cost that `advisory_miss10` measures.
 
 Per turn: client TTFT and TPOT, prompt and cached tokens, and how much of the prior context was
-recomputed (`sessions_metrics`), which is what tiering exists to avoid. Just before it sends a
-follow-up, a user sends the same message alone as a fresh one-turn chat: the TTFT that message
-costs with no context to bring back, at the same moment and under the same load (a prober that
-went through the messages on its own was done, at most points, before the first follow-up).
+recomputed (`sessions_metrics`), which is what tiering exists to avoid. While it reads the
+reply before a follow-up (the reading and typing time before it: seconds to minutes, scaled by
+`--time-scale`), a user sends the follow-up's message alone as a fresh one-turn chat: the TTFT
+that message costs with no context to bring back, under the load of that same point (a
+prober that went through the messages on its own was done, at most points, before the first
+follow-up). Probed just before the follow-up, it went a probe later (`run_user`).
 
 The KV pool holds `--pool-users` whole conversations at their last turn, so the lowest user
 counts fit and the highest need several times the pool (vLLM's prefix cache then evicts and
