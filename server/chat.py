@@ -437,7 +437,7 @@ class ChatService:
         """Run `gen` on the engine, yielding text pieces. Cancelling aborts the request."""
         cls = gen.params.request_class.value
         self.metrics.inflight.labels(cls).inc()
-        outcome = "error"
+        outcome, engine_failed = "error", False
         with self.live(gen) if api != "batch" else contextlib.nullcontext():
             try:
                 deltas = self.engine.generate(gen.engine_request_id, gen.prompt_token_ids,
@@ -458,14 +458,16 @@ class ChatService:
             except EngineRequestError as exc:
                 raise ApiError(ErrorCode.BAD_MESSAGE, str(exc)) from exc
             except EngineDeadError as exc:
+                engine_failed = True
                 raise ApiError(ErrorCode.ENGINE_ERROR, f"the engine failed: {exc}") from exc
             except EngineRequestFailedError as exc:
+                engine_failed = True
                 logger.error("request %s (engine %s) failed in the engine: %s", gen.request_id,
                              gen.engine_request_id, exc)
                 raise ApiError(ErrorCode.ENGINE_ERROR,
                                f"the engine failed this request: {exc}") from exc
             finally:
-                self._record(gen, api, outcome)
+                self._record(gen, api, outcome, engine_failed)
 
     def _apply(self, gen: Generation, delta: Delta) -> None:
         if delta.num_new_tokens:
@@ -488,7 +490,8 @@ class ChatService:
         gen.token_logprobs.extend(delta.logprobs)
         gen.prompt_logprobs.extend(delta.prompt_logprobs)
 
-    def _record(self, gen: Generation, api: str, outcome: str) -> None:
+    def _record(self, gen: Generation, api: str, outcome: str,
+                engine_failed: bool = False) -> None:
         m, cls = self.metrics, gen.params.request_class.value
         m.inflight.labels(cls).dec()
         m.requests.labels(api, cls, outcome).inc()
@@ -499,21 +502,36 @@ class ChatService:
         if gen.tpot_s is not None:
             m.tpot.labels(cls).observe(gen.tpot_s)
         met_slo = None
+        is_rt = gen.params.request_class is RequestClass.RT
         if outcome == "ok" and gen.last_token_at is not None:
             m.normalized_latency.labels(cls).observe(
                 (gen.last_token_at - gen.arrival) / max(1, gen.num_output_tokens))
-            if gen.params.request_class is RequestClass.RT:
+            if is_rt:
                 met_slo = self._record_rt_slo(gen)
+        elif is_rt and (engine_failed or outcome == "cancelled"):
+            met_slo = self._record_rt_slo(gen, cut_short=True)
         m.finished.append(FinishedRequest(cls, gen.ttft_s, gen.tpot_s, met_slo))
 
-    def _record_rt_slo(self, gen: Generation) -> bool:
-        """Count a completed RT request against its targets; whether it met both."""
+    def _record_rt_slo(self, gen: Generation, cut_short: bool = False) -> bool | None:
+        """Count an RT request against its targets; whether it met both. One `cut_short`
+        (failed in the engine, or cancelled) counts where it had missed them by then: a
+        failure always, a cancel only past a target (a user who stopped a reply on time is
+        not the server's miss; None, uncounted). Counted as completed only, the attainment
+        rose as an overloaded server failed turns, or its users gave up waiting (found by a
+        review)."""
         p, m = gen.params, self.metrics
         ttft_slo = self.rt_slo_s[0] if p.ttft_slo_s is None else p.ttft_slo_s
         tpot_slo = self.rt_slo_s[1] if p.tpot_slo_s is None else p.tpot_slo_s
-        met_ttft = gen.ttft_s is not None and gen.ttft_s <= ttft_slo
-        met_tpot = gen.tpot_s is None or gen.tpot_s <= tpot_slo
+        if cut_short and gen.finish_reason != "cancelled":  # failed: missed both
+            met_ttft = met_tpot = False
+        else:
+            waited_s = gen.ttft_s if gen.ttft_s is not None \
+                else time.perf_counter() - gen.arrival
+            met_ttft = waited_s <= ttft_slo
+            met_tpot = gen.tpot_s is None or gen.tpot_s <= tpot_slo
+            if cut_short and met_ttft and met_tpot:
+                return None
         m.rt_slo.labels("ttft", str(met_ttft).lower()).inc()
-        if gen.tpot_s is not None:
+        if gen.tpot_s is not None or not met_tpot:
             m.rt_slo.labels("tpot", str(met_tpot).lower()).inc()
         return met_ttft and met_tpot

@@ -18,7 +18,7 @@ class FinishedRequest:
     request_class: str
     ttft_s: float | None
     tpot_s: float | None
-    met_slo: bool | None  # RT that completed: met both its TTFT and TPOT targets
+    met_slo: bool | None  # RT judged (`ChatService._record_rt_slo`): met both its targets
 
 
 class ServerMetrics:
@@ -44,8 +44,9 @@ class ServerMetrics:
             buckets=(*_TPOT_BUCKETS, 2.56, 5.12, 10.24), registry=r)
         self.rt_slo = Counter(
             "antiphon_rt_slo_requests",
-            "Completed RT requests by target (ttft, tpot) and whether they met it; attainment "
-            "is met=true over both", ["target", "met"], registry=r)
+            "RT requests by target (ttft, tpot) and whether they met it: completed ones, ones "
+            "the engine failed (missed), and ones cancelled past a target; attainment is "
+            "met=true over both", ["target", "met"], registry=r)
         self.prompt_tokens = Counter(
             "antiphon_prompt_tokens", "Prompt tokens submitted (per choice, as the engine "
             "runs each)", ["request_class"], registry=r)

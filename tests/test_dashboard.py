@@ -72,3 +72,41 @@ async def test_an_engine_without_tiers_still_gives_points() -> None:
         point = await dash.sample()
     assert "kv_host_used" not in point and point["rt_slo_attainment"] is None
     assert len(dash.snapshot()["points"]) == 2  # history bound
+
+
+def test_rt_attainment_counts_turns_the_engine_failed_or_users_gave_up_on() -> None:
+    """Counted over completed requests only, the attainment rose as an overloaded server
+    failed turns or its users gave up waiting (found by a review). A turn the engine failed
+    missed; one cancelled past its TTFT target missed it; one cancelled in time is not the
+    server's miss and is not judged."""
+    import time
+
+    from antiphon.engine_ext.types import GenerationParams, RequestClass
+    from antiphon.server.chat import ChatService, Generation
+    from antiphon.server.config import ServerConfig
+    from antiphon.server.dashboard import _latencies
+
+    metrics = ServerMetrics()
+    chat = ChatService(engine=None, metrics=metrics, config=ServerConfig())  # type: ignore[arg-type]
+
+    def record(waited_s: float, tokens: int, outcome: str, engine_failed: bool = False
+               ) -> None:
+        gen = Generation("r", [1, 2, 3], GenerationParams(max_tokens=8,
+                                                          request_class=RequestClass.RT))
+        gen.arrival = time.perf_counter() - waited_s - 0.01 * tokens
+        if tokens:
+            gen.first_token_at = gen.arrival + waited_s
+            gen.last_token_at = gen.first_token_at + 0.01 * (tokens - 1)
+            gen.num_output_tokens = tokens
+        gen.finish_reason = "cancelled" if outcome == "cancelled" else None
+        chat._record(gen, "openai", outcome, engine_failed)
+
+    record(0.2, 8, "ok")  # on time
+    record(0.1, 0, "cancelled")  # stopped in time: not judged
+    assert _latencies(metrics.take_finished(), 1.0)["rt_slo_attainment"] == 1.0
+    record(0.2, 8, "ok")
+    record(9.0, 0, "cancelled")  # gave up past the TTFT target
+    record(9.0, 0, "error", engine_failed=True)
+    assert _latencies(metrics.take_finished(), 1.0)["rt_slo_attainment"] == 1 / 3
+    missed = metrics.value("antiphon_rt_slo_requests_total", target="ttft", met="false")
+    assert missed == 2
