@@ -104,13 +104,19 @@ def _serve(args: argparse.Namespace) -> int:
         lock_data_dir,
     )
     from antiphon.engine_ext.vllm_engine import VllmEngine
-    from antiphon.model import DEFAULT_MODEL_NAME, ModelPrepareError, resolve_model
+    from antiphon.model import (
+        DEFAULT_MODEL_NAME,
+        ModelPrepareError,
+        check_max_model_len,
+        resolve_model,
+    )
     from antiphon.server.app import DrainingServer, create_app
     from antiphon.sqlite import DatabaseDamaged, DatabaseUnavailable
 
     try:
         config = serve_config(args)
         model_dir = resolve_model(config.engine.model)
+        check_max_model_len(model_dir, config.engine.max_model_len)
         if config.engine.model is None and config.engine.served_model_name is None:
             config = dataclasses.replace(config, engine=dataclasses.replace(
                 config.engine, served_model_name=DEFAULT_MODEL_NAME))

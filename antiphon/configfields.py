@@ -18,6 +18,23 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+# The largest integer any option takes. A larger one (2**63, a natural "unlimited") was
+# accepted and then overflowed at request time: SQLite's 64-bit integers (a reply's save
+# failed and was lost, batches never ran), C sizes, float arithmetic (found by a review).
+MAX_INT_OPTION = 2**53
+
+
+def check_int_fields(config: Any) -> None:
+    """Raise ValueError, naming the field, for an integer field of dataclass `config`
+    beyond `MAX_INT_OPTION` either way."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, int) and not isinstance(value, bool) \
+                and abs(value) > MAX_INT_OPTION:
+            raise ValueError(f"{field.name} must be at most 2**53 ({MAX_INT_OPTION}), "
+                             f"got {value}")
+
+
 def doc(help_text: str, **kwargs: Any) -> Any:
     """A dataclass field with help text for `--help` (keyword arguments go to `field`)."""
     return dataclasses.field(metadata={"help": help_text}, **kwargs)

@@ -143,6 +143,23 @@ def resolve_model(model: str | None) -> Path:
     return path.resolve()
 
 
+def check_max_model_len(model_dir: Path, max_model_len: int) -> None:
+    """Raise ValueError for a `max_model_len` past the model's own (`max_position_embeddings`
+    of a model without rope scaling), which vLLM refuses only once the port is bound and the
+    engine half started, in a 50-line traceback. (vLLM's `VLLM_ALLOW_LONG_MAX_MODEL_LEN`
+    allows it, and so does this.)"""
+    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        return
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # (vLLM says what is wrong with it)
+    most = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if isinstance(most, int) and not config.get("rope_scaling") and max_model_len > most:
+        raise ValueError(f"max_model_len {max_model_len} is longer than the model takes: "
+                         f"{most} tokens (max_position_embeddings in its config.json)")
+
+
 def _build(gguf: Path, target: Path) -> None:
     """Convert into a temporary sibling of `target`, write the marker last, rename into place."""
     started = time.monotonic()

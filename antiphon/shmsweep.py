@@ -54,6 +54,9 @@ class EngineSegments:
         Returns the names unlinked; those still mapped are kept for the next `remember`."""
         try:
             recorded = json.loads(self.record.read_text())["segments"]
+            if not isinstance(recorded, list):  # (a record that parses, but not as ours:
+                # iterated, it failed every start until removed by hand)
+                raise TypeError(f"segments is a {type(recorded).__name__}, not a list")
         except FileNotFoundError:
             return []
         except (OSError, ValueError, KeyError, TypeError) as exc:

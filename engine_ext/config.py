@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from antiphon.configfields import doc
+from antiphon.configfields import MAX_INT_OPTION, check_int_fields, doc
 
 GiB = 1 << 30
 
@@ -100,11 +100,13 @@ class EngineConfig:
         "prior); it refits online in every mode", default="stored")
 
     def __post_init__(self) -> None:
+        check_int_fields(self)
         if self.max_model_len < 16:
             raise ValueError(f"max_model_len must be at least 16, got {self.max_model_len}")
         # (NaN fails too; a size that rounds to 0 bytes meant "unset" to vLLM on a GPU)
-        if not 0 < self.kv_cache_gib < math.inf or self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_gib must be positive and finite, got "
+        # (1e300 passed as finite, and its bytes overflowed int() at start)
+        if not 0 < self.kv_cache_gib * GiB <= MAX_INT_OPTION or self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_gib must be positive, at most 2**53 bytes, got "
                              f"{self.kv_cache_gib}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")

@@ -9,7 +9,7 @@ import re
 from typing import Any
 from urllib.parse import urlsplit
 
-from antiphon.configfields import doc
+from antiphon.configfields import check_int_fields, doc
 
 # A key as an `Authorization: Bearer` header carries it: printable ASCII (a header's value is
 # read as Latin-1 and a key hashed as UTF-8, so no other character compares equal), spaces
@@ -236,6 +236,7 @@ class ServerConfig:
         return self.api_keys + self.best_effort_api_keys
 
     def __post_init__(self) -> None:
+        check_int_fields(self)
         if not (0 < self.port < 65536):
             raise ValueError(f"port must be 1..65535, got {self.port}")
         for origin in self.allowed_origins:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from antiphon.configfields import doc
+from antiphon.configfields import check_int_fields, doc
 from antiphon.sessions.store import KV_CHAINS_KEPT
 
 
@@ -22,6 +22,7 @@ class SessionConfig:
         default=KV_CHAINS_KEPT)
 
     def __post_init__(self) -> None:
+        check_int_fields(self)
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
         if self.sqlite_synchronous not in ("FULL", "NORMAL"):
             raise ValueError("sqlite_synchronous must be FULL or NORMAL")

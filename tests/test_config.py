@@ -1,4 +1,5 @@
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -150,7 +151,12 @@ def test_the_command_line_beats_the_environment(tmp_path: Path,
     ["--rt-tpot-slo-s", "inf"], ["--advisory-ttl-s", "nan"], ["--host-tier-bytes", "0"],
     ["--host-tier-bytes", "99999999999999999999"], ["--seed", "-1"], ["--seed", "4294967296"],
     ["--kv-cache-gib", "1e-12"], ["--step-trace", "/tmp"], ["--host-tier-bytes", "2048"],
-    ["--ssd-tier-bytes", "32768"]])
+    ["--ssd-tier-bytes", "32768"],
+    # accepted, they overflowed later: int() at start, SQLite at every request (a reply's
+    # save failed, batches never ran), a C size (found by a review)
+    ["--kv-cache-gib", "1e300"], ["--max-batch-concurrency", str(2**63)],
+    ["--kv-chains-kept", str(2**63)], ["--max-sessions-listed", str(2**63 - 1)],
+    ["--dashboard-history", str(2**63)], ["--ssd-tier-bytes", str(2**63)]])
 def test_serve_refuses_settings_that_would_fail_in_the_engine(
         tmp_path: Path, flags: list[str]) -> None:
     """Refused with the flag's name before the model loads (they failed in the engine after
@@ -162,6 +168,22 @@ def test_serve_refuses_settings_that_would_fail_in_the_engine(
     assert list(tmp_path.iterdir()) == []
     serve_config(build_parser().parse_args(  # without the connector it needs no host tier
         ["serve", "--data-dir", str(tmp_path), "--host-tier-bytes", "0", "--no-kv-tiering"]))
+
+
+def test_a_max_model_len_past_the_models_own_is_refused(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM refused it only once the port was bound and the engine half started, in a
+    50-line traceback (found by a review); a model with rope scaling is left to vLLM."""
+    from antiphon.model import check_max_model_len
+
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    check_max_model_len(tmp_path, 8192)
+    with pytest.raises(ValueError, match="max_model_len 8193 is longer than the model takes"):
+        check_max_model_len(tmp_path, 8193)
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192,
+                                                      "rope_scaling": {"factor": 4.0}}))
+    check_max_model_len(tmp_path, 20000)
 
 
 def test_serve_refuses_an_ssd_dir_that_is_the_data_folder(tmp_path: Path) -> None:

@@ -59,7 +59,9 @@ def test_a_damaged_record_is_dropped_and_touches_nothing(tmp_path: Path) -> None
     shm = tmp_path / "shm"
     shm.mkdir()
     kept = _segment(shm, "psm_x")
-    for text in ("{not json", json.dumps({"segments": ["../etc", "/dev/shm/psm_x", 3]})):
+    # (a record that parses, but not as a list of names, failed every start: found by a review)
+    for text in ("{not json", json.dumps({"segments": ["../etc", "/dev/shm/psm_x", 3]}),
+                 json.dumps({"segments": None}), json.dumps({"segments": 5})):
         (tmp_path / RECORD_NAME).write_text(text)
         assert EngineSegments(tmp_path, shm).sweep() == []
         assert kept.exists() and not (tmp_path / RECORD_NAME).exists()

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from antiphon.configfields import doc
+from antiphon.configfields import check_int_fields, doc
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -103,6 +103,7 @@ class TieringConfig:
         default=256)
 
     def __post_init__(self) -> None:
+        check_int_fields(self)
         if self.ssd_dir is not None:
             object.__setattr__(self, "ssd_dir", Path(self.ssd_dir).expanduser())
         if self.host_tier_bytes < 0:
