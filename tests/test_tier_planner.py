@@ -531,6 +531,26 @@ def test_an_advisory_again_for_the_same_kv_keeps_the_prefetch_it_has(tmp_path: P
         planner.close()
 
 
+def test_an_advisory_again_for_more_kv_than_the_host_holds_keeps_the_prefetch_it_has(
+        tmp_path: Path) -> None:
+    """A context larger than the host is fetched cut to its leading chunks: compared with the
+    whole context, every refresh dropped that prefetch, pinned the same KV again and queued it
+    anew (counted dropped, and late where the turn came first; found by a review)."""
+    planner = restarted_planner(tmp_path, host_tier_bytes=2 * LAYERS * PAGE_BYTES)
+    try:
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=5.0)
+        first = planner.advisories.get("s1")
+        assert first is not None and first.handle is not None and first.handle.wait(10)
+        assert 0 < len(first.handle.keys) < 3 * LAYERS  # cut: the host holds 2 of 3 chunks
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=5.0)
+        again = planner.advisories.get("s1")
+        assert again is first and again.handle is first.handle
+        stats = planner.stats()
+        assert (stats["advisories_renewed"], stats["advisories_dropped"]) == (1, 0)
+    finally:
+        planner.close()
+
+
 def test_a_turn_overtaking_its_prefetch_keeps_what_it_pinned_until_it_settles(
         tmp_path: Path) -> None:
     """Let go at once, the chunk-layers it had brought up were unpinned before the turn had

@@ -646,7 +646,8 @@ class TierPlanner:
             self.advisories.expire()
             match = self.matcher.match(token_ids, len(token_ids), salt, None, session=session)
             wanted = match.layer_keys()
-            if self.advisories.renew(session, wanted, expected_arrival_s, priority):
+            if self.advisories.renew(session, self._fetch_again(session, wanted),
+                                     expected_arrival_s, priority):
                 # (the same KV, fetched or on its way: released and fetched again, a refresh
                 # let go of the pins it held, and queued their return behind others)
                 return match.num_tokens
@@ -713,6 +714,21 @@ class TierPlanner:
         last_fetched = max((key.chunk_index for key in st.prefetch.keys), default=-1)
         return st.fetch_attempts < MAX_FETCH_ATTEMPTS and any(
             key.chunk_index <= last_fetched for key in missing)
+
+    def _fetch_again(self, session: str, wanted: Sequence[ChunkKey]) -> Sequence[ChunkKey]:
+        """What an advisory again for `wanted` would fetch, to compare with the session's
+        live one: that one's keys where they were `wanted`'s leading chunks, cut to the
+        host's room, and the host has no room for the next chunk still; else `wanted`.
+        (Compared with `wanted`, a context larger than the host never matched: each refresh
+        dropped the prefetch, pinned the same KV again and queued it anew, counted dropped.)"""
+        advisory = self.advisories.get(session)
+        live = () if advisory is None or advisory.handle is None else advisory.handle.keys
+        if not 0 < len(live) < len(wanted) or set(wanted[:len(live)]) != set(live):
+            return wanted  # (`live` is in its fetch's order: lower layers first)
+        after = wanted[len(live)].chunk_index
+        next_chunk = [key for key in wanted[len(live):] if key.chunk_index == after]
+        needed = sum(not self.host.contains(key) for key in next_chunk)
+        return live if not self.host.can_make_room(needed * self.host.slot_bytes) else wanted
 
     def _leading_chunks_with_room(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         """The chunk-layers of `keys` (in chunk order) that belong to its leading chunks the
