@@ -19,9 +19,9 @@ T = TypeVar("T")
 
 
 # The largest integer any option takes. A larger one (2**63, a natural "unlimited") was
-# accepted and then overflowed at request time: SQLite's 64-bit integers (a reply's save
-# failed and was lost, batches never ran), C sizes, float arithmetic (found by a review).
-MAX_INT_OPTION = 2**53
+# accepted and then overflowed at request time: SQLite's 64-bit integers (`limit + 1`: a
+# reply's save failed and was lost, batches never ran), C sizes (found by a review).
+MAX_INT_OPTION = 2**62
 
 
 def check_int_fields(config: Any) -> None:
@@ -31,7 +31,7 @@ def check_int_fields(config: Any) -> None:
         value = getattr(config, field.name)
         if isinstance(value, int) and not isinstance(value, bool) \
                 and abs(value) > MAX_INT_OPTION:
-            raise ValueError(f"{field.name} must be at most 2**53 ({MAX_INT_OPTION}), "
+            raise ValueError(f"{field.name} must be at most 2**62 ({MAX_INT_OPTION}), "
                              f"got {value}")
 
 

@@ -106,7 +106,7 @@ class EngineConfig:
         # (NaN fails too; a size that rounds to 0 bytes meant "unset" to vLLM on a GPU)
         # (1e300 passed as finite, and its bytes overflowed int() at start)
         if not 0 < self.kv_cache_gib * GiB <= MAX_INT_OPTION or self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_gib must be positive, at most 2**53 bytes, got "
+            raise ValueError(f"kv_cache_gib must be positive, at most 2**62 bytes, got "
                              f"{self.kv_cache_gib}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")

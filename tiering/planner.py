@@ -646,7 +646,7 @@ class TierPlanner:
             self.advisories.expire()
             match = self.matcher.match(token_ids, len(token_ids), salt, None, session=session)
             wanted = match.layer_keys()
-            if self.advisories.renew(session, self._fetch_again(session, wanted),
+            if self.advisories.renew(session, self._advised_fetch(session, wanted),
                                      expected_arrival_s, priority):
                 # (the same KV, fetched or on its way: released and fetched again, a refresh
                 # let go of the pins it held, and queued their return behind others)
@@ -715,7 +715,7 @@ class TierPlanner:
         return st.fetch_attempts < MAX_FETCH_ATTEMPTS and any(
             key.chunk_index <= last_fetched for key in missing)
 
-    def _fetch_again(self, session: str, wanted: Sequence[ChunkKey]) -> Sequence[ChunkKey]:
+    def _advised_fetch(self, session: str, wanted: Sequence[ChunkKey]) -> Sequence[ChunkKey]:
         """What an advisory again for `wanted` would fetch, to compare with the session's
         live one: that one's keys where they were `wanted`'s leading chunks, cut to the
         host's room, and the host has no room for the next chunk still; else `wanted`.
