@@ -36,6 +36,7 @@ from antiphon.bench.workload import (
     workload_summary,
 )
 from antiphon.quantiles import percentile_of_sorted
+from antiphon.server.config import ServerConfig
 
 POLICIES = ("fcfs", "priority", "bros", "hygen", "echo")
 # The stock baselines run on stock vLLM's memory management too: a preempted request
@@ -67,8 +68,6 @@ BE_SAMPLE_S = 2.0
 GENERATION_TOKENS = "antiphon_generation_tokens_total"
 # Seconds an idle client connection is kept open, under the server's keep-alive.
 CLIENT_KEEPALIVE_S = 1.0
-# The server's --max-batch-concurrency unless --be-concurrency says otherwise.
-BATCH_CONCURRENCY_DEFAULT = 8
 # Steps of one batch size on either side whose median a step's noise is measured from.
 NOISE_NEIGHBOURS = 5
 
@@ -382,7 +381,7 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
                   "unlike samples")
     # At most this many items run at once: with no more left to start, the job's end, not
     # the system, held its BE throughput (the fastest system, the baseline's, first).
-    running = args.be_concurrency or BATCH_CONCURRENCY_DEFAULT
+    running = args.be_concurrency or ServerConfig.max_batch_concurrency  # (its default)
     ran_out = sorted({n for n, rs in runs.items() for r in rs
                       if (left := r.get("be_items_left_at_window_end")) is not None
                       and left <= running})

@@ -601,7 +601,8 @@ class TierPlanner:
             c.pages_handed_over += max(0, -(-held // self.page_tokens) - copied)
             self.erasure.keep({key.prefix_hash for key in restore})
             if not self._durable(st):  # down to the SSD tier, so a full host tier keeps it
-                self._write_down(restore, owner)
+                self._write_down([key.with_layer(layer) for key in restore
+                                  for layer in range(self.num_layers)], owner)
             # The tiers keep the checkpoint until the restore: its chunks are evicted after
             # everything no checkpoint or advisory holds (a host tier full of write-through
             # evicted handed-over chunks first, and the request recomputed them).
@@ -807,8 +808,7 @@ class TierPlanner:
         else:
             st.saved_chunks = full
         if held_before:
-            self.store.write_through_later(held_before, owner=owner)
-            self._write_through_pending(held_before, commits)
+            self._write_down(held_before, owner, commits)
         return saved
 
     def _reserve(self, key: ChunkKey, pages: tuple[int, ...], count_refusal: bool = True,
@@ -862,22 +862,18 @@ class TierPlanner:
         (`background_saves`), not as its chunks fill."""
         return st.view.background and self.config.background_saves == "checkpoint"
 
-    def _write_down(self, chunks: Sequence[ChunkKey], owner: bytes) -> None:
-        """Write the layers of `chunks` the host tier holds through to the slowest tier (saved
-        by `owner`), in the background; those still being copied, when `step_done` publishes
-        them."""
-        keys = [chunk.with_layer(layer) for chunk in chunks for layer in range(self.num_layers)]
+    def _write_down(self, keys: Iterable[ChunkKey], owner: bytes,
+                    building: list[SlotCommit] | None = None) -> None:
+        """Write the chunk-layers `keys` the host tier holds through to the slowest tier
+        (saved by `owner`), in the background; those still to be published (another
+        request's saves, reserved: in `building`, the commits of the step being built, in
+        steps in flight, or a finished request's final saves), when `step_done` publishes
+        them, made durable here. (Left to `write_through_later`, which writes down only what
+        a tier holds, a chunk a chat turn shared with BE work saving it at that moment stayed
+        in host RAM alone, and the session's later chunks on the SSD were out of reach once
+        the host let it go.)"""
+        keys = list(keys)
         self.store.write_through_later(keys, owner=owner)
-        self._write_through_pending(keys)
-
-    def _write_through_pending(self, keys: Iterable[ChunkKey],
-                               building: list[SlotCommit] | None = None) -> None:
-        """Make the saves of `keys` still to be published (another request's, reserved: in
-        `building`, the commits of the step being built, in steps in flight, or a finished
-        request's final saves) durable: `step_done` writes them through as they land. Skipped
-        by `write_through_later`, which writes down only what a tier holds, a chunk a chat
-        turn shared with BE work saving it at that moment stayed in host RAM alone, and the
-        session's later chunks on the SSD were out of reach once the host let it go."""
         wanted = set(keys)
         for commits in (building or [], self._final_keys,
                         *(in_flight.commits for in_flight in self._in_flight.values())):
