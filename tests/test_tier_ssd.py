@@ -743,3 +743,45 @@ def test_a_job_submitted_as_the_writer_closes_runs_or_is_refused() -> None:
     assert submitted[0].result(2) is True
     with pytest.raises(RuntimeError, match="closed"):
         writer.submit(lambda: True)
+
+
+def test_a_short_record_takes_its_whole_slot_on_disk(tmp_path: Path) -> None:
+    """The tier counts every slot the file reaches as used disk: a short record (a turn's
+    tail) into a new slot, and the slots the file skipped before it, get all their blocks,
+    so no hole is left for a later, longer record to fill past the free-space reserve."""
+    with SlotFile(tmp_path, SLOT) as slot_file:
+        slot_file.write(3, key(), memoryview(b"tail"), sequence=1)
+        assert os.fstat(slot_file._fd).st_blocks * 512 >= slot_file.offset(4)
+        assert slot_file.read(3, key()) == b"tail"
+        slot_file.write(3, key(), memoryview(payload()), sequence=2)  # longer, then shorter
+        slot_file.write(3, key(), memoryview(b"t2"), sequence=3)
+        assert slot_file.read(3, key()) == b"t2"
+        with open(slot_file.path, "rb") as f:
+            f.seek(slot_file.offset(3) + RECORD_HEADER_BYTES + 2)
+            assert f.read(SLOT - 2) == bytes(SLOT - 2)  # the longer record's bytes are gone
+        slot_file.truncate(2)
+        slot_file.write(5, key(1), memoryview(b"x"), sequence=4)  # regrown after a truncate
+        assert os.fstat(slot_file._fd).st_blocks * 512 >= slot_file.offset(6)
+
+
+def test_short_records_leave_the_tier_no_holes_past_its_reserve(tmp_path: Path) -> None:
+    """Disk the tier holds is disk it has allocated: after short puts, the file's blocks
+    cover every slot the tier charged, so the free space it reads is really free."""
+    slot_bytes = 8 * 4096  # a chunk-layer of many pages, whose short tails leave most bare
+    with SsdTier(tmp_path / "kv", 8 * stride_for(slot_bytes), slot_bytes=slot_bytes) as tier:
+        for chunk in range(6):
+            tier.put(key(chunk), payload(chunk, size=3))
+        tier.flush()
+        assert os.stat(tier.path).st_blocks * 512 >= tier._file.offset(tier._file_slots)
+
+
+@pytest.mark.parametrize("refused", [{"capacity_bytes": -1}, {"max_pending_writes": 0}])
+def test_a_refused_argument_leaves_the_folder_free(tmp_path: Path, refused: dict[str, int]) -> None:
+    """A tier refused for its arguments releases the slot file and the folder's lock: the
+    next tier on the folder opens."""
+    arguments: dict[str, int] = {"capacity_bytes": 4 * STRIDE, "max_pending_writes": 8, **refused}
+    with pytest.raises(ValueError):
+        SsdTier(tmp_path, arguments["capacity_bytes"], slot_bytes=SLOT,
+                max_pending_writes=arguments["max_pending_writes"])
+    with open_tier(tmp_path) as tier:
+        tier.put(key(), payload())

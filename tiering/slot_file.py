@@ -1,6 +1,6 @@
 """The SSD tier's on-disk format: one file of fixed-size slots, one chunk-layer record per slot.
 
-    <directory>/kv-slots.bin  (grows as slots are used; slots never written take no disk)
+    <directory>/kv-slots.bin  (grows as slots are used, each slot given its blocks whole)
       [file header, 4 KiB][slot 0][slot 1] ... [slot n-1]
     file header, little-endian:  magic "AKVF" | version u16 | pad u16 | slot_bytes u64 | crc32 u32
     slot, `stride` = 4 KiB + slot_bytes rounded up to 4 KiB:
@@ -19,7 +19,10 @@ before it was added have `owner_len` 0 in what was padding, and read as owned by
 A record is written with one `pwritev` of whole pages into a slot that already exists on disk
 after its first use, so a write is a copy into the page cache: no file to create, rename or
 allocate (a file per chunk-layer cost 95 µs of CPU against 8 µs here, and slowed the model's
-decode steps by 12-20%; docs/benchmarks.md). `header_check` covers the header bytes before it
+decode steps by 12-20%; docs/benchmarks.md). A slot's first write in a process allocates all of
+its blocks (and any the file would skip before it): the SSD tier counts every slot the file
+reaches as used disk, and a short record (a turn's tail) left the rest of its slot a hole that
+a later, longer record filled past the disk's free-space reserve. `header_check` covers the header bytes before it
 and the key and owner bytes, so a damaged header is caught before its lengths are trusted; the
 payload has its own checksum, so a torn write (new header, old payload) fails verification. A slot
 whose header page is all zeros is empty. `sequence` grows with every write: after a restart
@@ -33,10 +36,12 @@ follow-up turn and on cores the model's threads share with the writer (docs/benc
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import struct
 import sys
 import zlib
+from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -57,6 +62,11 @@ _RECORD_MAGIC = b"AKVC"
 _CHECK_OFFSET = _RECORD.size - 4  # header_check is the last fixed field
 _ZERO_PAGE = bytes(PAGE)
 MAX_OWNER_BYTES = 64
+# `SlotFile`'s per-slot payload ends: 4 bytes a slot (a dict of them took 106 bytes a slot, a
+# GiB at a TiB of slots); UNWRITTEN for a slot not written since the file was opened.
+_ENDS_TYPE = "I"
+UNWRITTEN = 0xFFFFFFFF
+MAX_SLOT_BYTES = UNWRITTEN - 1
 
 
 class CorruptChunk(Exception):
@@ -148,14 +158,16 @@ class SlotFile:
     def __init__(self, directory: Path, slot_bytes: int, *, fsync: bool = False) -> None:
         """Open `<directory>/kv-slots.bin`, creating it if absent. A file of another format or
         slot size is emptied (`was_reset` says so): its records could not be read."""
-        if slot_bytes < 1:
-            raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
+        if not 1 <= slot_bytes <= MAX_SLOT_BYTES:
+            raise ValueError(f"slot_bytes must be 1 to {MAX_SLOT_BYTES}, got {slot_bytes}")
         self.path = Path(directory) / FILE_NAME
         self.slot_bytes = slot_bytes
         self.stride = stride_for(slot_bytes)
         self.fsync = fsync
         self._zero_slot = b""  # `clear`'s zeros, made on its first use
-        self._payload_ends: dict[int, int] = {}  # slot -> payload bytes last written there
+        # slot -> payload bytes last written there (UNWRITTEN: not since the file was opened)
+        self._payload_ends = array(_ENDS_TYPE)
+        self._can_allocate = hasattr(os, "posix_fallocate")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self.was_reset = False
         try:
@@ -185,6 +197,8 @@ class SlotFile:
         offset = self.offset(slot)
         end = len(payload)
         stale = self._stale_end(slot)
+        if self._end_of(slot) == UNWRITTEN:
+            self._allocate(slot)
         # A shorter record zeroes what an older, longer one left behind it: the slot of a
         # deleted session's chunk-layer, taken by a turn's short tail before its clear (which
         # it then skips) or after its eviction, kept most of that KV in the file.
@@ -194,15 +208,39 @@ class SlotFile:
             raise OSError(f"short write into slot {slot}: {written} bytes")
         if end + len(pad) < stale:
             self._zero(offset + RECORD_HEADER_BYTES + end + len(pad), stale - end - len(pad))
-        self._payload_ends[slot] = end
+        self._set_end(slot, end)
         if self.fsync:
             os.fdatasync(self._fd)
+
+    def _end_of(self, slot: int) -> int:
+        return self._payload_ends[slot] if slot < len(self._payload_ends) else UNWRITTEN
+
+    def _set_end(self, slot: int, end: int) -> None:
+        missing = slot + 1 - len(self._payload_ends)
+        if missing > 0:
+            self._payload_ends.frombytes(b"\xff" * (missing * self._payload_ends.itemsize))
+        self._payload_ends[slot] = end
+
+    def _allocate(self, slot: int) -> None:
+        """Give `slot`, and the slots between the file's end and it, their disk blocks
+        (OSError on a full disk). The slots added are empty: nothing stale to zero."""
+        on_disk = self.num_slots_on_disk
+        start = min(self.offset(slot), os.fstat(self._fd).st_size)
+        if self._can_allocate:
+            try:
+                os.posix_fallocate(self._fd, start, self.offset(slot) + self.stride - start)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                self._can_allocate = False  # (a file system that cannot: holes stay)
+        for added in range(on_disk, slot):
+            self._set_end(added, 0)
 
     def _stale_end(self, slot: int) -> int:
         """How far into `slot`'s payload an older record may reach: what was last written
         there, or (a slot not written since the file was opened) all of it the file holds."""
-        end = self._payload_ends.get(slot)
-        if end is None:
+        end = self._end_of(slot)
+        if end == UNWRITTEN:
             reach = os.fstat(self._fd).st_size - self.offset(slot) - RECORD_HEADER_BYTES
             end = max(0, min(self.slot_bytes, reach))
         return end
@@ -246,7 +284,7 @@ class SlotFile:
                 for slot in range(start, start + count):
                     self._write_zeros(slot)
             for slot in range(start, start + count):
-                self._payload_ends[slot] = 0
+                self._set_end(slot, 0)
         if self.fsync:
             os.fdatasync(self._fd)
 
@@ -288,8 +326,7 @@ class SlotFile:
         """Drop every slot from `num_slots` on from the file."""
         if num_slots < self.num_slots_on_disk:
             os.ftruncate(self._fd, self.offset(num_slots))
-            for slot in [s for s in self._payload_ends if s >= num_slots]:
-                del self._payload_ends[slot]
+            del self._payload_ends[num_slots:]
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -101,22 +101,18 @@ class SsdTier(IndexedTier[SsdSlot]):
         # Allocated slots whose record is not yet on disk (its write queued, or dropped): a
         # slot's old record is still there, and a clear queued before the write must erase it.
         self._unwritten_slots: set[int] = set()
-        try:
+        try:  # (a refused argument or a failed scan releases the file and the lock)
             self._file = SlotFile(self.directory, slot_bytes, fsync=fsync)
-        except BaseException:
-            self.close()
-            raise
-        num_slots = capacity_bytes // self._file.stride
-        super().__init__(name, num_slots * self._file.stride, policy or LruPolicy())
-        self._budget_slots = num_slots
-        self._min_free_disk_bytes = min_free_disk_bytes
-        self._file_slots = 0  # slots the file covers, written or allocated: set by `_rebuild`
-        self._is_disk_short = False  # capped below the budget by the disk's free space
-        self._slots: SlotAllocator  # built by `_rebuild` from the slots found in use
-        self._next_sequence = 1  # of the next record written; `_rebuild` moves it past the file's
-        self._owners = OwnerIndex()  # (a key's slot keeps its owner's one copy of the tag)
-        self._writer = WriteBehind(name, max_pending_writes, nice=writer_nice)
-        try:
+            num_slots = capacity_bytes // self._file.stride
+            super().__init__(name, num_slots * self._file.stride, policy or LruPolicy())
+            self._budget_slots = num_slots
+            self._min_free_disk_bytes = min_free_disk_bytes
+            self._file_slots = 0  # slots the file covers, written or allocated: by `_rebuild`
+            self._is_disk_short = False  # capped below the budget by the disk's free space
+            self._slots: SlotAllocator  # built by `_rebuild` from the slots found in use
+            self._next_sequence = 1  # of the next record written; `_rebuild` moves it on
+            self._owners = OwnerIndex()  # (a key's slot keeps its owner's one copy of the tag)
+            self._writer = WriteBehind(name, max_pending_writes, nice=writer_nice)
             self.scan_report = self._rebuild(num_slots, verify_on_start, model_id)
         except BaseException:
             self.close()
