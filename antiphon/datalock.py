@@ -6,6 +6,7 @@ flight as strays; the SSD tier's own lock covers only its folder, and only with 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -68,7 +69,8 @@ def lock_data_dir(data_dir: Path) -> int:
     if fd is None:
         raise DataDirInUseError(f"{data_dir} is in use by another antiphon server (pid "
                                 f"{holder(path)}); give this one its own --data-dir")
-    record_holder(fd)
+    with contextlib.suppress(OSError):  # (the pid only names the holder: a full disk may
+        record_holder(fd)               # refuse it, and the lock holds all the same)
     return fd
 
 
@@ -93,7 +95,7 @@ def check_ssd_dir_free(ssd_dir: Path, wait_s: float = SSD_LOCK_WAIT_S) -> None:
         return
     deadline = time.monotonic() + wait_s
     waited = False
-    while (fd := try_lock(path)) is None:
+    while (fd := _probe_lock(path)) is None:
         if time.monotonic() >= deadline:
             raise DataDirInUseError(f"{ssd_dir} is in use by another server's SSD tier (pid "
                                     f"{holder(path)}); give this one its own --ssd-dir")
@@ -103,4 +105,22 @@ def check_ssd_dir_free(ssd_dir: Path, wait_s: float = SSD_LOCK_WAIT_S) -> None:
                            holder(path), wait_s)
             waited = True
         time.sleep(0.2)
-    os.close(fd)
+    if fd >= 0:
+        os.close(fd)
+
+
+def _probe_lock(path: Path) -> int | None:
+    """`try_lock` for a look, read-only (a flock needs no write access): -1 where the file
+    cannot be opened at all, a folder on a disk gone read-only for one, which is not another
+    server's: the SSD tier finds it unusable when it starts, and serves from the host tier."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        logger.warning("cannot look at %s (%s): leaving it to the SSD tier", path, e)
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -95,3 +96,44 @@ def test_the_ssd_tier_takes_its_lock_on_a_full_disk(tmp_path: Path,
     monkeypatch.undo()
     assert try_lock(tmp_path / ".lock") is None  # held
     os.close(fd)
+
+
+def test_an_ssd_folder_on_a_read_only_disk_is_left_to_the_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder used before (its `.lock` there) on a disk gone read-only: the look before the
+    engine needs no write access, and does not refuse the start (the SSD tier then finds the
+    folder unusable and serves from the host tier)."""
+    from antiphon import datalock
+    from antiphon.datalock import check_ssd_dir_free
+
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / ".lock").write_text("123")
+    real_open = os.open
+
+    def read_only_disk(path: object, flags: int, *args: object) -> int:
+        if flags & (os.O_RDWR | os.O_WRONLY | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(datalock.os, "open", read_only_disk)
+    check_ssd_dir_free(tmp_path / "kv", wait_s=0.1)
+
+
+def test_a_full_disk_refusing_the_pid_still_locks_the_data_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pid in `.lock` only names the holder: a disk too full to take it leaves the lock
+    held and the start going (it failed and left the lock held by a leaked descriptor)."""
+    from antiphon import datalock
+
+    def full(*_: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(datalock.os, "pwrite", full)
+    fd = lock_data_dir(tmp_path)
+    try:
+        assert try_lock(tmp_path / ".lock") is None  # held, by this descriptor
+    finally:
+        os.close(fd)
+    again = try_lock(tmp_path / ".lock")
+    assert again is not None
+    os.close(again)
