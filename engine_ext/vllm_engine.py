@@ -270,6 +270,7 @@ class VllmEngine(Engine):
                 repetition_penalty=params.repetition_penalty,
                 min_tokens=params.min_tokens,
                 stop=list(params.stop) or None,
+                skip_special_tokens=params.skip_special_tokens,
                 seed=vllm_seed(params.seed),
                 ignore_eos=params.ignore_eos,
                 output_kind=RequestOutputKind.DELTA,

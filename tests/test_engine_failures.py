@@ -45,3 +45,33 @@ async def test_a_failed_request_tells_the_client_no_internals(
     assert "secret-path" not in str(failed.value) and "KeyError" in str(failed.value)
     assert "secret-path" in caplog.text and "q_1" in caplog.text  # the operator's to see
     assert llm.aborted == ["q_1"]
+
+
+class CapturingLLM:
+    """vLLM's AsyncLLM taking a request, which it ends at once: the sampling it was given."""
+
+    def __init__(self) -> None:
+        self.sampling: list[Any] = []
+
+    def generate(self, prompt: Any, sampling: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        self.sampling.append(sampling)
+
+        async def outputs() -> AsyncIterator[Any]:
+            return
+            yield None  # (an async generator)
+        return outputs()
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+
+async def test_special_tokens_stay_in_the_text_while_tools_are_offered() -> None:
+    """A model whose <tool_call> tags are special tokens: vLLM drops those from the text
+    unless told not to, and the calls read as content."""
+    engine = VllmEngine(EngineConfig(), default_model_or_skip())
+    engine._llm = llm = CapturingLLM()  # type: ignore[assignment]
+    for keep in (True, False):
+        params = GenerationParams(max_tokens=4, skip_special_tokens=keep)
+        async for _ in engine.generate(f"q_{keep}", [1, 2, 3], params):
+            pass
+    assert [s.skip_special_tokens for s in llm.sampling] == [True, False]
