@@ -82,7 +82,7 @@ def call_json(call: ToolCall) -> str:
 class HermesReader:
     """Reads a reply as it streams: the text outside `<tool_call>` blocks, and the calls of
     the blocks. A block that does not hold a call stays text, and so does one the reply leaves
-    open. Whitespace next to a call is dropped; other text is kept as it is. Text that may be
+    open, unless the reply ended on its own (`finish`). Whitespace next to a call is dropped; other text is kept as it is. Text that may be
     the start of a block, and whitespace, are held back until it is known what they are: the
     events are the same however the reply is cut into pieces."""
 
@@ -123,11 +123,20 @@ class HermesReader:
             self._buffer = self._buffer[len(head):]
             return
 
-    def finish(self) -> Iterator[str]:
-        """The reply ended: what is held back, as text."""
+    def finish(self, ended: bool = True) -> Iterator[str | list[tuple[str, str]]]:
+        """The reply ended: what is held back, as text, but for a last block left open that
+        holds calls where the reply `ended` on its own (finish reason "stop": a model that
+        ends its turn right after the call, or a client's stop string "</tool_call>"; as
+        vLLM's Hermes parser reads it). A reply cut short keeps it as text."""
+        calls = (parse_calls(self._buffer[len(CALL_OPEN):], self.names)
+                 if self._inside and ended else None)
         rest = (self._gap if self._inside else "") + self._buffer
         self._buffer, self._inside, self._gap = "", False, ""
-        yield from self._text(rest)
+        if calls is not None:
+            self._after_call = True
+            yield calls
+        else:
+            yield from self._text(rest)
 
     def _text(self, text: str) -> Iterator[str]:
         if self._after_call:
@@ -137,14 +146,15 @@ class HermesReader:
             yield text
 
 
-def read_reply(text: str, names: Collection[str] | None = None,
+def read_reply(text: str, names: Collection[str] | None = None, ended: bool = True,
                ) -> tuple[str | None, list[tuple[str, str]]]:
     """A whole reply's text and calls (of `names` only, where given); the text is None where
-    the reply holds calls and nothing else."""
+    the reply holds calls and nothing else. `ended`: the reply ended on its own
+    (`HermesReader.finish`)."""
     reader = HermesReader(names=names)
     texts: list[str] = []
     calls: list[tuple[str, str]] = []
-    for event in [*reader.feed(text), *reader.finish()]:
+    for event in [*reader.feed(text), *reader.finish(ended)]:
         if isinstance(event, str):
             texts.append(event)
         else:

@@ -110,12 +110,13 @@ class ToolUse:
             return start == "["
         return start in ("[", "{")
 
-    def read(self, text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    def read(self, text: str, ended: bool = True) -> tuple[str | None, list[tuple[str, str]]]:
         """A whole reply's content and calls (name, arguments as JSON text). A named
         function's reply is its call's arguments, as generated (cut short too). In
         "required", and "auto" with a response_format, calls are a JSON list (a reply cut
         short is content). In "auto", calls are `<tool_call>` blocks, or (as Llama 3.1 and
-        Mistral models write them) the whole reply as JSON of calls of the tools."""
+        Mistral models write them) the whole reply as JSON of calls of the tools. `ended`:
+        the reply ended on its own (a last block left open may then be calls)."""
         if self.mode == "function":
             return None, [(self.function or "", text)]
         whole = parse_calls(text, self.names) if self.holds_whole(text.lstrip()[:1]) else None
@@ -125,7 +126,7 @@ class ToolUse:
         elif self.mode == "required" or self.structured:
             return text, []
         else:
-            content, calls = read_reply(text, self.names)
+            content, calls = read_reply(text, self.names, ended)
         return content, calls if self.parallel else calls[:1]
 
 
@@ -134,7 +135,7 @@ def reply_message(text: str, finish_reason: str | None,
     """A choice's `message` and finish reason, its calls in `tool_calls`."""
     if use is None:
         return {"role": "assistant", "content": text}, finish_reason
-    content, calls = use.read(text)
+    content, calls = use.read(text, ended=finish_reason == "stop")
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [call_object(name, arguments) for name, arguments in calls]
@@ -198,9 +199,9 @@ class ToolStream:
         if self.use.mode == "function":
             deltas = [] if self.num_calls else [self._delta([(self.use.function or "", "")])]
         elif self._whole is False:
-            deltas = [self._delta(e) for e in self._reader.finish()]
+            deltas = [self._delta(e) for e in self._reader.finish(finish_reason == "stop")]
         else:
-            content, calls = self.use.read("".join(self._held))
+            content, calls = self.use.read("".join(self._held), ended=finish_reason == "stop")
             deltas = [{"content": content} if content else {}, self._delta(calls)]
         if self.num_calls and finish_reason == "stop":
             finish_reason = self.use.finish_with_calls

@@ -272,7 +272,8 @@ class SessionTurns:
         if session_id is None or not gen.output_token_ids:
             return
         tokens = self.chat.engine.context_tokens(gen.prompt_token_ids, gen.output_token_ids)
-        if gen.tool_use is not None and gen.tool_use.read(gen.text)[1]:
+        if gen.tool_use is not None and gen.tool_use.read(
+                gen.text, ended=gen.finish_reason == "stop")[1]:
             # The next request writes the calls back its own way (`tool_calls`, rendered
             # again), never as the tokens generated: its prompt extends this one's alone.
             tokens = tuple(gen.prompt_token_ids)

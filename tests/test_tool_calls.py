@@ -135,6 +135,33 @@ def test_each_tool_choice_reads_its_replies_the_same_whole_and_streamed(
                 for i, a in arguments.items()] == calls
 
 
+OPEN_CALL = "Checking.\n" + CALL.removesuffix("</tool_call>")  # a last block left open
+
+
+@pytest.mark.parametrize(("finish_reason", "content", "calls", "finish"), [
+    # ended on its own (EOS right after the call, or a client's stop "</tool_call>"): a call
+    ("stop", "Checking.", [("get_weather", '{"city": "Paris"}')], "tool_calls"),
+    # cut short: its JSON may be cut too, so it stays text
+    ("length", OPEN_CALL, [], "length"),
+])
+def test_a_last_block_left_open_is_a_call_where_the_reply_ended_on_its_own(
+        finish_reason: str, content: str, calls: list[tuple[str, str]], finish: str) -> None:
+    message, given_finish = reply_message(OPEN_CALL, finish_reason, AUTO)
+    assert (message["content"], given_finish) == (content, finish)
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in message.get("tool_calls", [])] == calls
+    for size in (1, 5):
+        stream = ToolStream(AUTO)
+        deltas = [d for i in range(0, len(OPEN_CALL), size)
+                  for d in stream.feed(OPEN_CALL[i:i + size])]
+        rest, streamed_finish = stream.finish(finish_reason)
+        deltas += rest
+        assert streamed_finish == finish
+        assert "".join(d.get("content", "") for d in deltas) == content
+        assert [(e["function"]["name"], e["function"]["arguments"])
+                for d in deltas for e in d.get("tool_calls", [])] == calls
+
+
 def test_a_reply_message_holds_calls_with_ids() -> None:
     message, finish = reply_message("Checking. " + CALL, "stop", AUTO)
     assert message["content"] == "Checking." and finish == "tool_calls"
