@@ -44,6 +44,11 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
+# A reply's length where the request names none: OpenAI's legacy completions (and vLLM's) stop
+# at 16 tokens, and clients and scorers written for them count on it (a chat reply runs on).
+DEFAULT_MAX_TOKENS = 16
+
+
 class TextCompletionRequest(Sampling):
     """OpenAI's completion request with vLLM's sampling extensions (`Sampling`, `ignore_eos`).
     Unknown parameters are refused, as in a chat completion."""
@@ -54,7 +59,7 @@ class TextCompletionRequest(Sampling):
         list[TokenIds], Field(min_length=1)]
     """A text, or the prompt's token ids; or a list of several of either."""
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
-    """0 with `echo`: the prompt alone (and its logprobs), no reply."""
+    """0 with `echo`: the prompt alone (and its logprobs), no reply; unset: 16."""
     n: Annotated[StrictInt, Field(ge=1)] | None = None
     """Choices per prompt (with the prompts, `--max-choices` at most)."""
     echo: StrictBool | None = None
@@ -201,7 +206,8 @@ def prepare_text_completion(chat: ChatService, body: TextCompletionRequest, owne
         request_class = request_class_xarg(xargs)
     request_id, n, prompts = secrets.token_hex(12), body.n or 1, body.prompts()
     # An echo alone (max_tokens 0) generates one token, as vLLM's does, which it does not give.
-    max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+    max_tokens = (DEFAULT_MAX_TOKENS if body.max_tokens is None
+                  else 1 if body.max_tokens == 0 else body.max_tokens)
     gens: list[Generation] = []
     limit, logprob_tokens = chat.config.max_prompt_logprobs_tokens, 0
     for prompt_index, prompt in enumerate(prompts):

@@ -287,6 +287,7 @@ def test_text_completions_take_a_plain_prompt(scripted: Scripted) -> None:
     assert out.choices[0].text == "You said: a b c" and out.choices[0].finish_reason == "stop"
     assert out.usage is not None and out.usage.prompt_tokens == len("a b c")
     assert scripted.engine.params[-1].request_class.value == "rt"
+    assert scripted.engine.params[-1].max_tokens == 16  # unset: OpenAI's and vLLM's default
 
     by_ids = c.completions.create(model="scripted", prompt=[ord(ch) for ch in "a b c"])
     assert by_ids.choices[0].text == out.choices[0].text
