@@ -12,8 +12,11 @@ A backup that fails (a full disk: status 2) leaves nothing behind: every copy is
 under a temporary name (`.part`) and takes its own name only once all are done. A backup
 killed midway cannot clean up: its folder keeps the `BACKUP-UNFINISHED` file it wrote first
 (and removes last), and `serve` refuses a folder that holds it (some databases may be
-missing, and a server would make them anew, empty). A file deleted after the snapshot is
-marked deleted in the copy's database, as the server marks it.
+missing, and a server would make them anew, empty). A batch file deleted after the snapshot
+sends the backup back for a newer snapshot of the batch database, which holds what the deletion
+changed (the server marks a file deleted in its database before it removes it: a batch failed
+for its input gone, a batch's items dropped with its last results); after `SNAPSHOT_TRIES`
+snapshots, a file still missing is marked deleted in the copy.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ from antiphon.sessions.config import SessionConfig
 from antiphon.sqlite import DatabaseDamaged
 
 DATABASES = ("sessions.sqlite3", "batches.sqlite3")
+# Snapshots of the batch database a backup takes at most while files it names are deleted
+# under it (each snapshot's files not copied yet are copied; a copied file never changes).
+SNAPSHOT_TRIES = 5
 
 
 def backup(data_dir: Path, dest: Path) -> dict[str, Any]:
@@ -91,10 +97,11 @@ def _backup_into(data_dir: Path, dest: Path, found: list[str], made: bool) -> di
         fsync_dir(dest)
         summary: dict[str, Any] = {}
         for name in found:
-            summary[name] = _copy_database(data_dir / name, parts[name])
-        if "batches.sqlite3" in found:
-            summary["files"] = _copy_files(parts["batches.sqlite3"], data_dir / "files",
-                                           parts["files"])
+            if name == "batches.sqlite3":
+                summary[name], summary["files"] = _copy_batches(data_dir, parts[name],
+                                                                parts["files"])
+            else:
+                summary[name] = _copy_database(data_dir / name, parts[name])
         for name in names:
             os.replace(parts[name], dest / name)
         fsync_dir(dest)  # the names, on disk before the folder says it is whole
@@ -138,31 +145,54 @@ def _copy_database(source: Path, target: Path) -> dict[str, int]:
         src.close()
 
 
-def _copy_files(database: Path, source: Path, target: Path) -> dict[str, Any]:
-    """The batch files `database` names (not deleted), from `source` into `target`, each
-    durable and of the size the database gives it; a file deleted after the snapshot is
-    marked deleted in `database`. Raises OSError where a copy fails (none is left)."""
+def _copy_batches(data_dir: Path, database: Path,
+                  target: Path) -> tuple[dict[str, int], dict[str, Any]]:
+    """The batch database into `database` and the files it names into `target`: snapshots
+    until one names no file deleted since (`SNAPSHOT_TRIES` at most). What was copied."""
+    private_dir(target)
+    copied: dict[str, Path] = {}  # file id -> its copy
+    for _ in range(SNAPSHOT_TRIES):
+        counts = _copy_database(data_dir / "batches.sqlite3", database)
+        sizes, missing = _copy_files(database, data_dir / "files", target, copied)
+        if not missing:
+            break
+    else:  # deleted faster than snapshots are taken: as the server's DELETE /v1/files
+        db = sqlite3.connect(database, isolation_level=None)  # marks them, bar what follows
+        try:
+            db.executemany("UPDATE files SET deleted_at = ? WHERE file_id = ?",
+                           [(time.time(), file_id) for file_id in missing])
+        finally:
+            db.close()
+    for file_id in copied.keys() - sizes.keys():  # deleted before the last snapshot
+        copied.pop(file_id).unlink()
+    fsync_dir(target)  # the copies' names, renamed into it (and the ones removed)
+    num_bytes = sum(sizes[file_id] for file_id in copied)
+    return counts, {"copied": len(copied), "bytes": num_bytes, "missing": missing}
+
+
+def _copy_files(database: Path, source: Path, target: Path,
+                copied: dict[str, Path]) -> tuple[dict[str, int], list[str]]:
+    """The batch files `database` names (not deleted) and not in `copied`, from `source` into
+    `target`, each durable and of the size the database gives it, added to `copied`; the
+    sizes of the files named, and those gone from `source` (deleted after the snapshot).
+    Raises OSError where a copy fails (none is left)."""
     db = sqlite3.connect(database, isolation_level=None)
     try:
         rows = db.execute("SELECT file_id, num_bytes FROM files WHERE deleted_at IS NULL")
         sizes = dict(rows.fetchall())
-        files = FileStore(source)
-        private_dir(target)
-        copied, missing, num_bytes = 0, [], 0
-        for file_id, size in sizes.items():
-            path = files.path(file_id)
-            if not _copy_file(path, target / path.name, size):
-                missing.append(file_id)
-                continue
-            copied += 1
-            num_bytes += size
-        fsync_dir(target)  # the copies' names, renamed into it
-        if missing:  # as the server's DELETE /v1/files leaves them
-            db.executemany("UPDATE files SET deleted_at = ? WHERE file_id = ?",
-                           [(time.time(), file_id) for file_id in missing])
     finally:
         db.close()
-    return {"copied": copied, "bytes": num_bytes, "missing": missing}
+    files = FileStore(source)
+    missing = []
+    for file_id, size in sizes.items():
+        if file_id in copied:
+            continue
+        path = files.path(file_id)
+        if _copy_file(path, target / path.name, size):
+            copied[file_id] = target / path.name
+        else:
+            missing.append(file_id)
+    return sizes, missing
 
 
 def _copy_file(source: Path, target: Path, size: int) -> bool:

@@ -226,3 +226,42 @@ def test_a_backup_killed_between_its_renames_is_no_folder_a_server_starts_from(
     # A whole backup has no marker: a server starts from it.
     assert main(["backup", str(tmp_path / "whole"), "--data-dir", str(data)]) == 0
     assert "BACKUP-UNFINISHED" not in {p.name for p in (tmp_path / "whole").iterdir()}
+
+
+def test_a_file_deleted_while_the_backup_copies_is_deleted_in_the_copy_as_the_server_did_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's last result file deleted between the snapshot and the copy: the copy's
+    database held only the file marked deleted, not the rest of the deletion (the batch's
+    items kept for good; a batch still validating at the snapshot, its input deleted once it
+    finished, was failed by a server started on the copy). A newer snapshot holds it all."""
+    data, dest = tmp_path / "data", tmp_path / "backup"
+    snapshots = []
+    copy_database = backup_cli._copy_database
+    with live_server(scripted_config(data), ScriptedEngine()) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        batch = wait_finished(url, submit(client, jsonl(3)))
+
+        def then_delete(source: Path, target: Path) -> dict[str, int]:
+            counts = copy_database(source, target)
+            if source.name == "batches.sqlite3":
+                snapshots.append(target)
+                if len(snapshots) == 1:  # after the snapshot, before the files' copies
+                    gone = httpx.delete(f"{url}/v1/files/{batch['output_file_id']}")
+                    assert gone.status_code == 200
+            return counts
+
+        monkeypatch.setattr(backup_cli, "_copy_database", then_delete)
+        summary = backup_cli.backup(data, dest)
+    assert len(snapshots) == 2 and summary["files"]["missing"] == []
+    assert summary["files"]["copied"] == 1  # the input; the output's copy (none) not kept
+    db = sqlite3.connect(dest / "batches.sqlite3")
+    try:
+        (dropped,) = db.execute("SELECT items_dropped_at FROM batches WHERE batch_id = ?",
+                                (batch["id"],)).fetchone()
+        (deleted,) = db.execute("SELECT deleted_at FROM files WHERE file_id = ?",
+                                (batch["output_file_id"],)).fetchone()
+    finally:
+        db.close()
+    assert dropped is not None and deleted is not None
+    assert sorted(p.name for p in (dest / "files").iterdir()) == [
+        batch["input_file_id"] + ".jsonl"]
