@@ -83,9 +83,12 @@ async def _profile(config: EngineConfig, quick: bool
 def run(args: argparse.Namespace) -> int:
     from antiphon.model import ModelPrepareError
 
-    if args.out and not Path(args.out).resolve().parent.is_dir():  # known before minutes
-        print(f"antiphon profile: no folder for --out {args.out}", file=sys.stderr)
-        return 2
+    if args.out:  # known before minutes of profiling, not after
+        problem = _unwritable(Path(args.out))
+        if problem:
+            print(f"antiphon profile: cannot write --out {args.out}: {problem}",
+                  file=sys.stderr)
+            return 2
     started = time.monotonic()
     try:
         eager = args.enforce_eager if args.enforce_eager is not None else (args.quick or None)
@@ -100,9 +103,14 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(fit))
     print(f"\nchosen: {fit.form}, held-out MAPE {fit.heldout_mape:.1%} over {fit.num_steps} "
           f"steps; refitted on all of them: {coefficients_text(fit.form, fit.coefficients)}")
+    written = True
     if args.out:
-        Path(args.out).write_text(json.dumps(_report(fit, steps, wall_s), indent=1) + "\n")
-        print(f"steps and fit written to {args.out}")
+        try:
+            Path(args.out).write_text(json.dumps(_report(fit, steps, wall_s), indent=1) + "\n")
+            print(f"steps and fit written to {args.out}")
+        except OSError as exc:  # (the fit is stored all the same: said below)
+            print(f"antiphon profile: cannot write --out {args.out}: {exc}", file=sys.stderr)
+            written = False
     if isinstance(path, OSError):
         return 1
     if path is None:
@@ -116,7 +124,23 @@ def run(args: argparse.Namespace) -> int:
     print("`antiphon serve` starts from it when it runs " + (
         "with --enforce-eager" if config.enforce_eager else "without --enforce-eager")
         + ", on this model and machine")
-    return 0
+    return 0 if written else 1
+
+
+def _unwritable(out: Path) -> str | None:
+    """Why `out` cannot take the report (None: it can): checked by opening it to append,
+    which changes nothing in a file there (a new one made for the check is removed)."""
+    if out.is_dir():
+        return "it is a folder"
+    existed = out.exists()
+    try:
+        with open(out, "a"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        out.unlink(missing_ok=True)
+    return None
 
 
 PROFILE_IGNORES = frozenset({"cost_model", "policy", "rt_ttft_slo_s", "rt_tpot_slo_s",

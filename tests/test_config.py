@@ -225,7 +225,14 @@ def test_small_cli_mistakes_are_refused_at_once(tmp_path: Path,
 
     # --out into no folder: said before minutes of profiling, not as a traceback after them
     assert main(["profile", "--quick", "--out", str(tmp_path / "no" / "fit.json")]) == 2
-    assert "no folder for --out" in capsys.readouterr().err
+    assert "No such file or directory" in capsys.readouterr().err
+    # --out naming a folder: it passed the check, and the report's write failed after the
+    # profile, as a traceback (the fit stored, and not said)
+    assert main(["profile", "--quick", "--out", str(tmp_path)]) == 2
+    assert "it is a folder" in capsys.readouterr().err
+    from antiphon.profile_cli import _unwritable
+    assert _unwritable(tmp_path / "fit.json") is None
+    assert not (tmp_path / "fit.json").exists()  # (the check leaves nothing behind)
     # options profiling would ignore (it runs FCFS, and makes the fit) are not taken (they
     # were listed, "--cost-model (default: 'stored')", and did nothing: found by a review)
     for flags in (["--policy", "hygen"], ["--cost-model", "auto"], ["--rt-ttft-slo-s", "0.2"]):
