@@ -6,12 +6,14 @@ semaphores (`/dev/shm/sem.mp-<name>`), and unlinks them when it shuts down. A se
 with SIGKILL never does, and nothing else will: they stay until the machine reboots, each
 holding whatever pages were written to it.
 
-A server records the segments that appeared while its engine started, in
-`<data-dir>/engine-shm.json`, and deletes the record when it shuts down cleanly. A server that
-finds a record at start (its predecessor on this data folder was killed) unlinks the recorded
-segments that no live process still maps. Only recorded names are touched: a segment another
-program created is left alone, and one a live process still maps (an engine core that outlived
-its server) stays recorded, for the start after.
+A server records the segments its own processes (itself, its engine core and workers: the
+processes under it) map or hold open while its engine starts, in `<data-dir>/engine-shm.json`,
+and deletes the record when it shuts down cleanly. A server that finds a record at start (its
+predecessor on this data folder was killed) unlinks the recorded segments that no live process
+still maps. Only recorded names are touched: a segment another program created in the
+meantime is left alone (it was recorded too, and swept, when whatever appeared in /dev/shm
+while the engine started counted), and one a live process still maps (an engine core that
+outlived its server) stays recorded, for the start after.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from antiphon.private import open_private
@@ -41,6 +44,7 @@ class EngineSegments:
         self.shm_dir = shm_dir
         self._still_mapped: set[str] = set()  # recorded by a predecessor, in use at `sweep`
         self._recorded: list[str] | None = None  # what `remember` wrote last
+        self._ours: set[str] = set()  # new segments this server's processes were seen to map
 
     def names(self) -> set[str]:
         """The segment names present now."""
@@ -87,11 +91,14 @@ class EngineSegments:
 
     def remember(self, before: set[str]) -> None:
         """Record the segments that appeared since `before` (taken before the engine
-        started), written atomically. A record that cannot be written (a full disk) is
-        logged, not raised: the server serves without it (a kill then leaves the segments
-        for the operator to remove)."""
+        started) that this process or one under it maps or holds open, written atomically.
+        A record that cannot be written (a full disk) is logged, not raised: the server
+        serves without it (a kill then leaves the segments for the operator to remove)."""
         present = self.names()
-        new = sorted((present - before) | (self._still_mapped & present))
+        if present - before - self._ours:
+            self._ours |= (present - before) & _mapped_segment_names(
+                self.shm_dir, _process_tree(os.getpid()))
+        new = sorted((self._ours | self._still_mapped) & present)
         if new == self._recorded:
             return  # (written already: while the engine starts, this runs every second)
         tmp = self.record.with_suffix(".tmp")
@@ -114,13 +121,33 @@ class EngineSegments:
         self._recorded = None
 
 
-def _mapped_segment_names(shm_dir: Path) -> set[str]:
-    """Names of segments under `shm_dir` that a live process maps or holds open."""
-    prefix = f"{shm_dir}/"
-    names: set[str] = set()
+def _process_tree(root: int) -> list[int]:
+    """`root` and every live process under it (children, theirs, and so on)."""
+    children: dict[int, list[int]] = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
+        try:  # the parent is the 2nd field after the name, which may hold spaces and ')'
+            parent = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(proc.name))
+    tree, queue = [], [root]
+    while queue:
+        pid = queue.pop()
+        tree.append(pid)
+        queue.extend(children.get(pid, ()))
+    return tree
+
+
+def _mapped_segment_names(shm_dir: Path, pids: Iterable[int] | None = None) -> set[str]:
+    """Names of segments under `shm_dir` that a live process (of `pids`, where given) maps or
+    holds open."""
+    prefix = f"{shm_dir}/"
+    names: set[str] = set()
+    procs = (Path("/proc") / str(pid) for pid in pids) if pids is not None else (
+        proc for proc in Path("/proc").iterdir() if proc.name.isdigit())
+    for proc in procs:
         try:
             with open(proc / "maps", encoding="utf-8", errors="replace") as maps:
                 # a line ends with the mapped file's path, the only field with a '/'

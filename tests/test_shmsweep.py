@@ -9,9 +9,14 @@ from pathlib import Path
 from antiphon.shmsweep import RECORD_NAME, EngineSegments
 
 
-def _segment(shm: Path, name: str) -> Path:
+def _segment(shm: Path, name: str, held: list[mmap.mmap] | None = None) -> Path:
+    """A segment, mapped into this process (as the engine's processes map theirs) and kept
+    in `held` where given; else another program's, mapped by none."""
     path = shm / name
     path.write_bytes(bytes(4096))
+    if held is not None:
+        with open(path, "r+b") as f:
+            held.append(mmap.mmap(f.fileno(), 4096))
     return path
 
 
@@ -20,7 +25,8 @@ def test_a_clean_shutdown_leaves_no_record(tmp_path: Path) -> None:
     shm.mkdir()
     segments = EngineSegments(tmp_path, shm)
     before = segments.names()
-    _segment(shm, "psm_engine")
+    held: list[mmap.mmap] = []
+    _segment(shm, "psm_engine", held)
     segments.remember(before)
     assert json.loads((tmp_path / RECORD_NAME).read_text())["segments"] == ["psm_engine"]
     segments.forget()
@@ -36,19 +42,27 @@ def test_the_next_start_removes_what_a_killed_engine_left_and_nothing_else(
     other = _segment(shm, "psm_someone_else")  # there before the engine: not ours
     first = EngineSegments(tmp_path, shm)
     before = first.names()
-    left = _segment(shm, "psm_killed")
-    in_use = _segment(shm, "psm_orphan_core")
-    semaphore = _segment(shm, "sem.mp-killed")
+    engine: list[mmap.mmap] = []  # the engine's processes' mappings
+    left = _segment(shm, "psm_killed", engine)
+    semaphore = _segment(shm, "sem.mp-killed", engine)
+    core: list[mmap.mmap] = []
+    in_use = _segment(shm, "psm_orphan_core", core)
+    # Another program's, made while the engine started (a process in another container
+    # sharing /dev/shm, or one that made it and handed its name on): it was recorded, and
+    # swept from under its owner.
+    meanwhile = _segment(shm, "psm_made_meanwhile")
     first.remember(before)  # ... and the server is killed: no `forget`
+    for mapping in engine:
+        mapping.close()  # (its processes are gone; the orphaned core maps on)
     unrelated = _segment(shm, "psm_later")  # another program's, after the record
 
-    with open(in_use, "r+b") as f, mmap.mmap(f.fileno(), 4096):  # a live process maps it
-        second = EngineSegments(tmp_path, shm)
-        assert second.sweep() == ["psm_killed", "sem.mp-killed"]
-        assert not semaphore.exists()
-        assert not left.exists()
-        assert other.exists() and unrelated.exists() and in_use.exists()
-        second.remember(second.names())
+    second = EngineSegments(tmp_path, shm)
+    assert second.sweep() == ["psm_killed", "sem.mp-killed"]
+    assert not semaphore.exists()
+    assert not left.exists()
+    assert other.exists() and unrelated.exists() and in_use.exists() and meanwhile.exists()
+    second.remember(second.names())
+    core[0].close()
     # Still mapped at the sweep, so still recorded: the start after removes it.
     assert json.loads((tmp_path / RECORD_NAME).read_text())["segments"] == ["psm_orphan_core"]
     assert EngineSegments(tmp_path, shm).sweep() == ["psm_orphan_core"]
@@ -111,9 +125,11 @@ def test_the_segments_are_recorded_while_the_engine_still_starts(tmp_path: Path)
     shm.mkdir()
     seen: list[object] = []
 
+    held: list[mmap.mmap] = []
+
     class Loading(ScriptedEngine):
         async def start(self) -> None:
-            _segment(shm, "psm_engine")  # vLLM's engine is up
+            _segment(shm, "psm_engine", held)  # vLLM's engine is up
             time.sleep(1.5)  # the model's load blocks the event loop
             record = tmp_path / RECORD_NAME  # (a kill now)
             seen.append(json.loads(record.read_text())["segments"] if record.exists() else None)
