@@ -882,8 +882,8 @@ def test_be_work_restored_from_ssd_is_held_while_a_turn_would_wait(tmp_path: Pat
         # The step's RT streams do not wait for BE work's fetch: it is held to a later step.
         assert planner.num_new_matched_tokens(view, 0) is None
         assert wait_for_admission(planner, view) == 10
-        stats = planner.stats()
-        assert (stats["turns_fetched_in_step"], stats["turns_held"]) == (0, 1)
+        stats = planner.stats()  # (turns: chat turns, which BE work's holds are not)
+        assert (stats["turns_fetched_in_step"], stats["turns_held"]) == (0, 0)
     finally:
         planner.close()
 
@@ -1960,5 +1960,33 @@ def test_be_work_saved_at_checkpoint_counts_the_prefix_it_loaded_as_held(tmp_pat
         planner.checkpoint("be", 12, [1, 2, 3, 4])
         copied = sum(len(c.blocks) for c in planner.build_metadata([]).checkpoints)
         assert cost == copied == 1
+    finally:
+        planner.close()
+
+
+def test_be_work_never_takes_the_host_room_an_advised_chat_holds(tmp_path: Path) -> None:
+    """An advisory's prefetched KV fills the host: a batch item restoring its document from
+    SSD reclaimed it (and the typing user's turn then waited for the SSD); it goes without
+    host room instead (recomputing what it could not load), and the turn finds its KV."""
+    document = [t + 700 for t in TURN1] + [810]
+    first = make_planner(tmp_path / "ssd", ssd_write_through="all")
+    run_turn(first, "r1", [*TURN1, 110], [7, 8, 9], session="s1")
+    run_turn(first, "b1", document, [20, 21, 22], session=None, background=True)
+    first.close()
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=3 * LAYERS * PAGE_BYTES,
+                           ssd_fetch_wait_s=0)
+    try:
+        planner.advise("s1", [*TURN1, 110], expected_arrival_s=5.0)  # the user is typing
+        advisory = planner.advisories.get("s1")
+        assert advisory is not None and advisory.handle is not None
+        assert advisory.handle.wait(10) and not advisory.handle.failed_keys()
+        item = TokenView("b2", [*document, 811], None, background=True)
+        planner.add_request(item)
+        assert wait_for_admission(planner, item) == 0  # no room: recomputed, not restored
+        assert not advisory.reclaimed and planner.stats()["advisories_reclaimed"] == 0
+        turn = TokenView("r2", [*TURN1, 110, 111], session="s1")
+        planner.add_request(turn)
+        assert planner.num_new_matched_tokens(turn, 0) == len(TURN1)  # not held for SSD
+        assert planner.stats()["turns_held"] == 0  # (and BE work's fetches are never turns)
     finally:
         planner.close()

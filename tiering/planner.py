@@ -177,7 +177,7 @@ class TierPlanner:
                 # on 2 cores is 25-50 ms; a 400-token context comes up from SSD in a few).
                 # The prefetch thread takes no planner lock.
                 matched = self._admit_again(st, view, num_computed)
-            if is_first_fetch:
+            if is_first_fetch and not view.background:  # (BE work is never waited for)
                 if matched is None:
                     self.counters.turns_held += 1
                 else:
@@ -227,8 +227,8 @@ class TierPlanner:
             st.pins = [key for key in wanted if key not in missing and self.host.pin(key)]
             self._drop_prefetch(st)
             st.fetch_attempts += 1
-            self.advisories.make_room(len(absent), view.session)
-            if not view.background:
+            if not view.background:  # (BE work never takes an advised chat's room)
+                self.advisories.make_room(len(absent), view.session)
                 self._take_back_background_room(len(absent), st)
             absent = self._leading_chunks_with_room(absent)
             if absent:
@@ -552,7 +552,7 @@ class TierPlanner:
             owner = self._owner(st)  # copies are done
             for key, pages, key_end in spans:
                 if not self.held(key):
-                    copy, keys = self._reserve(key, pages)
+                    copy, keys = self._reserve(key, pages, for_chat=not st.view.background)
                     if copy is None:
                         break  # no host room: recompute from here
                     copies.append(copy)
@@ -815,7 +815,9 @@ class TierPlanner:
                  for_chat: bool = False) -> tuple[PageCopy | None, list[ChunkKey]]:
         """Host slots for the layers of `key` no tier holds; (None, []) if none are needed or
         the arena has no room (then nothing is reserved, and `saves_refused` counts it where
-        `count_refusal`). A chat turn's (`for_chat`) also takes waiting BE work's room."""
+        `count_refusal`). Only a chat turn's (`for_chat`) takes room from advisories and
+        waiting BE work: BE work never takes a chat's (an advised session's KV, reclaimed for
+        a batch item's saves or checkpoint, left its turn waiting for SSD)."""
         slots: list[int] = []
         reserved: list[ChunkKey] = []
         for layer in range(self.num_layers):
@@ -824,10 +826,9 @@ class TierPlanner:
                 slots.append(NO_SLOT)
                 continue
             slot = self.host.reserve(layer_key)
-            if slot is None:  # the arena is all pins: take advisories' back, try once more
-                self.advisories.make_room(1, None)
-                if for_chat:
-                    self._take_back_background_room(1)
+            if slot is None and for_chat:  # the arena is all pins: take advisories' and
+                self.advisories.make_room(1, None)  # BE work's back, try once more
+                self._take_back_background_room(1)
                 slot = self.host.reserve(layer_key)
             if slot is None:
                 for done in reserved:
