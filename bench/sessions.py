@@ -22,7 +22,12 @@ reply before a follow-up (the reading and typing time before it: seconds to minu
 `--time-scale`), a user sends the follow-up's message alone as a fresh one-turn chat: the TTFT
 that message costs with no context to bring back, under the load of that same point (a
 prober that went through the messages on its own was done, at most points, before the first
-follow-up). Probed just before the follow-up, it went a probe later (`run_user`).
+follow-up). The probe never holds the follow-up back: that goes at its think time, and each
+turn records how late it went all the same (`send_lag_s`, per point its max and p99).
+
+The JSON record is written after each server's systems are done, marked `"complete": false`
+until the last (with the error that ended the run, if one did): a failed turn ends the run,
+and keeps what was measured before it.
 
 The KV pool holds `--pool-users` whole conversations at their last turn, so the lowest user
 counts fit and the highest need several times the pool (vLLM's prefix cache then evicts and
@@ -41,6 +46,7 @@ import random
 import shlex
 import sys
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,7 +54,7 @@ from typing import Any
 import httpx
 
 from antiphon.bench.args import names_in, positive_int
-from antiphon.bench.report import args_config
+from antiphon.bench.report import args_config, write_json
 from antiphon.bench.serverproc import ServerProcess
 from antiphon.bench.sessions_clients import ChatClient, OpenAIChat, TurnResult, WsChat
 from antiphon.bench.sessions_metrics import (
@@ -170,30 +176,48 @@ Probe = Callable[[int, str], Awaitable[None]]  # (turn, message) -> its fresh TT
 
 async def run_user(chat: ChatClient, messages: Sequence[str], advise: Sequence[bool],
                    time_scale: float, probe: Probe | None = None) -> list[TurnResult]:
-    """One simulated user's conversation: type, send, read the reply, type the next; each
-    follow-up probed (`probe`) while the reply before it is read (the follow-up goes at read
-    plus type time, as the think-time model has it: probed after the typing, it went a probe
-    later, and the typing advisory had that much more lead). The typing starts when the
-    reading ends whatever the probe: a probe that outlasts reading and typing holds back
-    only the send (typing after the probe, the slower system's users thought longer and
-    offered less load, and its advisories came late; found by a review)."""
+    """One simulated user's conversation: type, send, read the reply, type the next, each
+    turn sent at its think time and its `send_lag_s` how much later it went. Each follow-up
+    is probed (`probe`) from when the reply before it is read, beside the reading, typing and
+    send, never holding them back: awaited before the send, a probe that outlasted reading
+    and typing (stock vLLM's, at many users) sent the follow-up late, so that system's users
+    thought longer than the reading and typing rates say and offered less load (found by a
+    review). A user's probes go one after another (one connection beside its own), and all
+    are done when it returns."""
     results: list[TurnResult] = []
-    await asyncio.sleep(think_time_s("", messages[0], time_scale)[1])
-    async with chat:
-        for turn, message in enumerate(messages):
-            if turn:
-                read_s, type_s = think_time_s(results[-1].text, message, time_scale)
-                probed = None if probe is None else asyncio.ensure_future(probe(turn, message))
-                try:
+    probes: asyncio.Future[None] | None = None  # the latest probe, run after those before it
+    type_s = think_time_s("", messages[0], time_scale)[1]
+    due = time.perf_counter() + type_s
+    try:
+        async with chat:  # (opened while the first message is typed: not late for it)
+            for turn, message in enumerate(messages):
+                if not turn:
+                    await asyncio.sleep(due - time.perf_counter())
+                else:
+                    read_s, type_s = think_time_s(results[-1].text, message, time_scale)
+                    due = time.perf_counter() + read_s + type_s
+                    if probe is not None:
+                        probes = asyncio.ensure_future(
+                            _probe_after(probes, probe, turn, message))
                     await asyncio.sleep(read_s)
                     await type_message(chat, type_s, advise[turn])
-                    if probed is not None:
-                        await probed
-                finally:
-                    if probed is not None and not probed.done():
-                        probed.cancel()
-            results.append(await chat.turn(message))
+                send_lag_s = time.perf_counter() - due
+                results.append(dataclasses.replace(await chat.turn(message),
+                                                   send_lag_s=send_lag_s))
+        if probes is not None:
+            await probes
+    finally:
+        if probes is not None and not probes.done():
+            probes.cancel()
     return results
+
+
+async def _probe_after(previous: asyncio.Future[None] | None, probe: Probe, turn: int,
+                       message: str) -> None:
+    """`probe` of `turn`'s `message` once the probe before it (`previous`) is done."""
+    if previous is not None:
+        await previous
+    await probe(turn, message)
 
 
 ChatFactory = Callable[[int], ChatClient]  # max_tokens -> a new conversation
@@ -238,10 +262,14 @@ async def measure_point(chat: ChatFactory, read_counters: CounterReader, system:
     before = await read_counters()
     advised = advisory_flags([len(m) for m in messages], system.advisory_miss, rng)
     fresh: dict[tuple[int, int], float] = {}
-    per_user = await asyncio.gather(*(
-        run_user(chat(args.max_tokens), m, flags, args.time_scale,
-                 fresh_prober(chat, user, fresh))
-        for user, (m, flags) in enumerate(zip(messages, advised, strict=True))))
+    try:
+        per_user = await asyncio.gather(*(
+            run_user(chat(args.max_tokens), m, flags, args.time_scale,
+                     fresh_prober(chat, user, fresh))
+            for user, (m, flags) in enumerate(zip(messages, advised, strict=True))))
+    except Exception as exc:  # which point of the sweep failed, besides how
+        raise RuntimeError(f"{system.name} at {users} users: a conversation failed: "
+                           f"{exc!r}") from exc
     tiering = counter_deltas(before, await read_counters())
     records = [r for user, results in enumerate(per_user)
                for r in turn_records(users, user, results, advised[user])]
@@ -391,25 +419,54 @@ def main(args: argparse.Namespace) -> int:
                    "server_ssd_tier_bytes": sharing * args.ssd_tier_bytes}
     print("config: " + json.dumps(config), flush=True)
     out = Path(args.out)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    groups = [[SYSTEMS[n] for n in names if SYSTEMS[n].is_stock_vllm],
-              [SYSTEMS[n] for n in names if not SYSTEMS[n].is_stock_vllm]]
-    for repeat in range(args.repeats):
-        for group in alternated(groups, repeat):
-            label = "vllm" if group[0].is_stock_vllm else "antiphon"
-            if args.repeats > 1:
-                print(f"[{label}] run {repeat + 1}/{args.repeats}", flush=True)
-            with tempfile.TemporaryDirectory(prefix=f"antiphon-bench-{label}-") as tmp:
-                cmd = server_command(group[0], model_dir, sweep, args, Path(tmp), len(group))
-                with ServerProcess(cmd, log_path=out.with_suffix(f".{label}.log"),
-                                   health_path="/health" if label == "vllm" else "/healthz",
-                                   ) as server:
-                    measured = asyncio.run(measure_systems(group, server, sweep, args, repeat))
-            for name, result in measured.items():
-                runs[name].append(result)
-    systems = {name: merge_runs(r) for name, r in runs.items()}
-    report({"benchmark": "sessions", "config": config, "systems": systems}, out)
+    runs = measure_all([SYSTEMS[n] for n in names], model_dir, sweep, args, config, out)
+    report(sessions_record(config, runs, complete=True), out)
     return 0
+
+
+def measure_all(systems: Sequence[System], model_dir: Path, sweep: Sweep,
+                args: argparse.Namespace, config: dict[str, Any], out: Path,
+                ) -> dict[str, list[dict[str, Any]]]:
+    """Every repeat of each server's systems (stock vLLM's, the Antiphon ones'; in
+    `alternated` order); each system's runs by name. After each server, what was measured so
+    far is written to `out`, incomplete (`sessions_record`): one failed turn ended the run
+    and took every finished system's results with it (found by a review). On a failure it
+    is written with the error, which goes on up (the command fails)."""
+    runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in systems}
+    groups = [[s for s in systems if s.is_stock_vllm], [s for s in systems if not s.is_stock_vllm]]
+    try:
+        for repeat in range(args.repeats):
+            for group in alternated(groups, repeat):
+                label = "vllm" if group[0].is_stock_vllm else "antiphon"
+                if args.repeats > 1:
+                    print(f"[{label}] run {repeat + 1}/{args.repeats}", flush=True)
+                with tempfile.TemporaryDirectory(prefix=f"antiphon-bench-{label}-") as tmp:
+                    cmd = server_command(group[0], model_dir, sweep, args, Path(tmp),
+                                         len(group))
+                    with ServerProcess(cmd, log_path=out.with_suffix(f".{label}.log"),
+                                       health_path="/health" if label == "vllm" else "/healthz",
+                                       ) as server:
+                        measured = asyncio.run(measure_systems(group, server, sweep, args,
+                                                               repeat))
+                for name, result in measured.items():
+                    runs[name].append(result)
+                write_json(out, sessions_record(config, runs, complete=False))
+    except BaseException as exc:  # a SIGTERM (`timeout`) or Ctrl-C too: the record says so
+        error = f"{type(exc).__name__}: {exc}"
+        write_json(out, sessions_record(config, runs, complete=False, error=error))
+        print(f"bench sessions stopped ({error}); what was measured before is in {out}",
+              file=sys.stderr, flush=True)
+        raise
+    return runs
+
+
+def sessions_record(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
+                    complete: bool, error: str | None = None) -> dict[str, Any]:
+    """The JSON record of the systems with a run (`runs`, by name; each merged over its
+    repeats); `complete` false while a run is still to come or where one failed (`error`)."""
+    return {"benchmark": "sessions", "complete": complete,
+            **({"error": error} if error is not None else {}), "config": config,
+            "systems": {name: merge_runs(r) for name, r in runs.items() if r}}
 
 
 def add_parser(kinds: Any) -> None:

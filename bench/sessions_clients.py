@@ -20,7 +20,9 @@ import httpx
 @dataclasses.dataclass(frozen=True)
 class TurnResult:
     ttft_s: float  # message sent to first token, at the client
-    tpot_s: float  # mean gap between output tokens after the first, at the client
+    # mean gap between the reply's text frames after the first, at the client; None where
+    # fewer than two came (no gap to time)
+    tpot_s: float | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose KV the server did not compute for this turn
@@ -28,6 +30,9 @@ class TurnResult:
     # Of the cached tokens, those Antiphon's KV tiers loaded: (host arena, SSD); None where
     # the server does not say (stock vLLM)
     tier_tokens: tuple[int, int] | None = None
+    # how much later than its think time the turn was sent (`run_user`; the client's TTFT
+    # counts from the send): a held event loop, or a turn held back, shows here
+    send_lag_s: float = 0.0
 
 
 class ChatClient(Protocol):
@@ -48,10 +53,14 @@ class ChatClient(Protocol):
 
 
 def _timed(sent: float, first: float | None, last: float | None, end: float,
-           completion_tokens: int) -> tuple[float, float]:
-    """(TTFT, TPOT) in seconds from the client's clock readings of one turn."""
-    first = first or end
-    return first - sent, ((last or end) - first) / max(1, completion_tokens - 1)
+           num_frames: int) -> tuple[float, float | None]:
+    """(TTFT, TPOT) in seconds from the client's clock readings of one turn: TPOT is the
+    mean gap between the `num_frames` text frames received, first to last. Not over the
+    server's completion tokens: the end-of-sequence token counts among them and brings no
+    frame, so a reply that ended on it had one gap too many (two tokens, [a, EOS]: a TPOT
+    of 0; found by a review)."""
+    return (first or end) - sent, (None if first is None or last is None or num_frames < 2
+                                   else (last - first) / (num_frames - 1))
 
 
 class OpenAIChat:
@@ -76,7 +85,7 @@ class OpenAIChat:
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
         sent = time.perf_counter()
         first = last = None
-        pieces: list[str] = []
+        pieces: list[str] = []  # the reply's text frames
         usage: dict[str, Any] = {}
         async with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
             resp.raise_for_status()
@@ -92,7 +101,7 @@ class OpenAIChat:
         end = time.perf_counter()
         text = "".join(pieces)
         self.history.append({"role": "assistant", "content": text})
-        ttft, tpot = _timed(sent, first, last, end, usage["completion_tokens"])
+        ttft, tpot = _timed(sent, first, last, end, len(pieces))
         details = usage.get("prompt_tokens_details") or {}
         return TurnResult(ttft, tpot, usage["prompt_tokens"], usage["completion_tokens"],
                           int(details.get("cached_tokens") or 0), text)
@@ -127,12 +136,14 @@ class WsChat:
         await self._send(type="message", session_id=self.session_id, content=message,
                          max_tokens=self.max_tokens, temperature=0.0)
         first = last = None
+        num_frames = 0  # of the reply's text (an empty one, as for an EOS, is not timed)
         while (frame := await self._recv()).get("type") != "done":
-            if frame["type"] == "token":
+            if frame["type"] == "token" and frame.get("text"):
                 last = time.perf_counter()
                 first = first or last
+                num_frames += 1
         usage = frame["usage"]
-        ttft, tpot = _timed(sent, first, last, time.perf_counter(), usage["completion_tokens"])
+        ttft, tpot = _timed(sent, first, last, time.perf_counter(), num_frames)
         tiers = usage.get("tier_prompt_tokens")
         return TurnResult(ttft, tpot, usage["prompt_tokens"], usage["completion_tokens"],
                           usage["cached_prompt_tokens"], frame["text"],

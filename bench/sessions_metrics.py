@@ -24,7 +24,7 @@ COUNTERS = ("prompt_tokens", "tokens_from_device", "tokens_from_host", "tokens_f
 POINT_METRICS = ("recomputed_context_frac", "preemption_recomputed_frac", "followup_ttft_p50_s",
                  "followup_ttft_p99_s", "fresh_ttft_p50_s", "followup_over_fresh_p50",
                  "tpot_p50_s", "host_hit_frac", "ssd_hit_frac", "missed_advisories",
-                 "missed_over_advised_p50")
+                 "missed_over_advised_p50", "send_lag_max_s", "send_lag_p99_s")
 
 
 def prior_context_tokens(prev_prompt: int, prev_completion: int, prompt: int) -> int:
@@ -55,7 +55,8 @@ def turn_records(users: int, user: int, results: Sequence[TurnResult],
                             prior, r.cached_tokens), "fresh_ttft_s": None,
                         "host_tokens": r.tier_tokens[0] if r.tier_tokens else None,
                         "ssd_tokens": r.tier_tokens[1] if r.tier_tokens else None,
-                        "advised": bool(advised[turn]) if advised else False})
+                        "advised": bool(advised[turn]) if advised else False,
+                        "send_lag_s": r.send_lag_s})
     return records
 
 
@@ -111,7 +112,8 @@ def summarise_point(records: Sequence[dict[str, Any]], tiering: dict[str, int] |
         "fresh_ttft_p50_s": percentile([r["fresh_ttft_s"] for r in probed], 0.5),
         "followup_over_fresh_p50": percentile([r["ttft_s"] / r["fresh_ttft_s"] for r in probed],
                                               0.5),
-        "tpot_p50_s": percentile([r["tpot_s"] for r in records if r["completion_tokens"] > 1],
+        # (of the replies with a gap between text frames to time: `TurnResult.tpot_s`)
+        "tpot_p50_s": percentile([r["tpot_s"] for r in records if r["tpot_s"] is not None],
                                  0.5),
         "host_hit_frac": tier_share("host"),
         "ssd_hit_frac": tier_share("ssd"),
@@ -119,6 +121,12 @@ def summarise_point(records: Sequence[dict[str, Any]], tiering: dict[str, int] |
         if any_advised else None,
         "missed_over_advised_p50": missed_p50 / advised_p50
         if missed_p50 is not None and advised_p50 else None,
+        # How late turns went against their think times: near 0 where the users kept to
+        # the reading and typing rates, and the point's load is the one the model says.
+        "send_lag_max_s": max((r["send_lag_s"] for r in records if "send_lag_s" in r),
+                              default=None),
+        "send_lag_p99_s": percentile([r["send_lag_s"] for r in records if "send_lag_s" in r],
+                                     0.99),
     }
 
 

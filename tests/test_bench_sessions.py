@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -265,11 +266,14 @@ async def test_each_follow_up_is_probed_as_a_fresh_chat_while_the_reply_is_read(
     assert [c.events for c in chats] == [["open", "m1", "close"], ["open", "m2", "close"]]
 
 
-async def test_a_slow_probe_holds_back_only_the_send_not_the_typing(
+async def test_a_slow_probe_holds_back_neither_the_typing_nor_the_send(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Typing (and its advisory) waited for the probe: where the probe outlasted the reading
-    # (the slower system's), its users thought longer and its advisories came late (found by
-    # a review).
+    """The follow-up goes at reading plus typing time, a probe that outlasts them running on
+    beside it, and the user's run ends only once the probe is done. Typing first waited for
+    the probe, then the send did (this test held that behaviour): either way, where the
+    probe outlasted reading and typing (stock vLLM's, at many users), that system's users
+    thought longer than the reading and typing rates say and offered less load (found by
+    reviews)."""
     monkeypatch.setattr(sessions, "think_time_s", lambda *_: (0.1, 0.1))
     started = time.monotonic()
     at: dict[str, float] = {}
@@ -284,11 +288,157 @@ async def test_a_slow_probe_holds_back_only_the_send_not_the_typing(
 
     async def slow_probe(turn: int, message: str) -> None:
         await asyncio.sleep(0.4)
+        at["probed"] = time.monotonic() - started
 
-    await sessions.run_user(Timed(), ["m0", "m1"], (False, True), 1.0, slow_probe)
+    results = await sessions.run_user(Timed(), ["m0", "m1"], (False, True), 1.0, slow_probe)
+    returned = time.monotonic() - started
     first = at["m0"]
     assert at["typing"] - first == pytest.approx(0.1, abs=0.08)  # as the reading ends
-    assert at["m1"] - first == pytest.approx(0.4, abs=0.1)  # the probe's end: not 0.5
+    assert at["m1"] - first == pytest.approx(0.2, abs=0.08)  # read plus type: not the probe's 0.4
+    assert at["probed"] - first == pytest.approx(0.4, abs=0.1)  # the probe ran to its end,
+    assert returned >= at["probed"]  # before the user's run did
+    assert [r.send_lag_s for r in results] == [pytest.approx(0.0, abs=0.05)] * 2
+
+
+async def test_a_turn_sent_late_says_how_late() -> None:
+    # A typing advisory that took 0.3 s to go out held the send back by as much.
+    class SlowTyping(FakeChat):
+        async def typing(self) -> None:
+            await asyncio.sleep(0.3)
+
+    results = await sessions.run_user(SlowTyping(), ["m0", "m1"], (False, True), 0.0)
+    assert results[0].send_lag_s == pytest.approx(0.0, abs=0.05)
+    assert results[1].send_lag_s == pytest.approx(0.3, abs=0.1)
+    records = turn_records(1, 0, results)
+    assert [r["send_lag_s"] for r in records] == [r.send_lag_s for r in results]
+    summary = summarise_point(records, None)
+    assert summary["send_lag_max_s"] == results[1].send_lag_s
+    assert summary["send_lag_p99_s"] == pytest.approx(
+        results[0].send_lag_s + 0.99 * (results[1].send_lag_s - results[0].send_lag_s))
+
+
+async def test_a_failed_probe_fails_the_user_and_a_pending_one_is_cancelled() -> None:
+    # The probe overlaps the turns now: its failure still ends the user's run (its fresh TTFT
+    # is missing), and a turn's failure leaves no probe running behind it.
+    async def failing_probe(turn: int, message: str) -> None:
+        raise ConnectionError("probe refused")
+
+    with pytest.raises(ConnectionError, match="probe refused"):
+        await sessions.run_user(FakeChat(), ["m0", "m1"], (False, False), 0.0, failing_probe)
+    probes: list[asyncio.Task[None]] = []
+
+    async def hanging_probe(turn: int, message: str) -> None:
+        probes.append(asyncio.current_task())  # type: ignore[arg-type]
+        await asyncio.sleep(10)
+
+    class FailingTurn(FakeChat):
+        async def turn(self, message: str) -> TurnResult:
+            if message == "m1":
+                raise ConnectionError("turn refused")
+            return await super().turn(message)
+
+    with pytest.raises(ConnectionError, match="turn refused"):
+        await sessions.run_user(FailingTurn(), ["m0", "m1"], (False, False), 0.0, hanging_probe)
+    await asyncio.sleep(0)
+    assert len(probes) == 1 and probes[0].cancelled()
+
+
+async def test_a_users_probes_go_one_after_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each user's probe on a connection beside its own, as the server's per-key limits allow
+    # (`server_command`): a probe that outlasts a whole turn holds back the next probe, never
+    # the user.
+    monkeypatch.setattr(sessions, "think_time_s", lambda *_: (0.05, 0.05))
+    started = time.monotonic()
+    spans: list[tuple[float, float]] = []
+    sent: list[float] = []
+
+    class Timed(FakeChat):
+        async def turn(self, message: str) -> TurnResult:
+            sent.append(time.monotonic() - started)
+            return await super().turn(message)
+
+    async def slow_probe(turn: int, message: str) -> None:
+        begun = time.monotonic() - started
+        await asyncio.sleep(0.3)
+        spans.append((begun, time.monotonic() - started))
+
+    await sessions.run_user(Timed(), ["m0", "m1", "m2"], (False,) * 3, 1.0, slow_probe)
+    assert len(spans) == 2 and spans[1][0] >= spans[0][1]
+    assert [b - a for a, b in itertools.pairwise(sent)] == [pytest.approx(0.1, abs=0.06)] * 2
+
+
+class ScriptedClock:
+    """`time` for `sessions_clients`: `perf_counter` reads the given instants in turn."""
+
+    def __init__(self, *instants: float) -> None:
+        self.instants = iter(instants)
+
+    def perf_counter(self) -> float:
+        return next(self.instants)
+
+
+def sse(*chunks: dict) -> bytes:
+    """An OpenAI chat completion stream of `chunks`."""
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
+
+
+def content(text: str, finish: str | None = None) -> dict:
+    return {"choices": [{"delta": {"content": text}, "finish_reason": finish}]}
+
+
+async def test_tpot_is_timed_over_the_text_frames_received(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The end-of-sequence token counts in the server's completion tokens and brings no text:
+    TPOT over completion tokens had a gap too many, and a reply [a, EOS] a TPOT of 0 (found
+    by a review). It is the mean gap between the frames received; None with one frame."""
+    import httpx
+
+    from antiphon.bench import sessions_clients
+    from antiphon.bench.sessions_clients import OpenAIChat, WsChat
+
+    usage = {"prompt_tokens": 5, "completion_tokens": 3}
+    stream = sse(content("a"), content("b"), content("", "stop"),
+                 {"choices": [], "usage": usage})
+    async with httpx.AsyncClient(base_url="http://vllm", transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, content=stream))) as http:
+        # sent at 0, "a" at 1.0, "b" at 1.2, the stream's end at 1.5
+        monkeypatch.setattr(sessions_clients, "time", ScriptedClock(0.0, 1.0, 1.2, 1.5))
+        three = await OpenAIChat(http, "m", 8).turn("hi")
+        assert (three.ttft_s, three.tpot_s, three.text) == (1.0, pytest.approx(0.2), "ab")
+        stream = sse(content("a"), content("", "stop"),
+                     {"choices": [], "usage": {**usage, "completion_tokens": 2}})
+        monkeypatch.setattr(sessions_clients, "time", ScriptedClock(0.0, 1.0, 1.5))
+        two = await OpenAIChat(http, "m", 8).turn("hi")
+        assert (two.ttft_s, two.tpot_s, two.completion_tokens) == (1.0, None, 2)
+
+    class FakeSocket:
+        def __init__(self, *frames: dict) -> None:
+            self.frames = [json.dumps(f) for f in frames]
+
+        async def send(self, text: str) -> None:
+            pass
+
+        async def recv(self) -> str:
+            return self.frames.pop(0)
+
+    chat = WsChat("ws://antiphon/v1/ws", 8)
+    done = {"type": "done", "text": "ab", "usage": {
+        **usage, "cached_prompt_tokens": 0, "tier_prompt_tokens": None}}
+    chat._ws = FakeSocket({"type": "token", "text": "a"}, {"type": "token", "text": "b"},
+                          {"type": "token", "text": ""}, done)
+    monkeypatch.setattr(sessions_clients, "time", ScriptedClock(0.0, 1.0, 1.2, 1.5))
+    assert (await chat.turn("hi")).tpot_s == pytest.approx(0.2)
+    chat._ws = FakeSocket({"type": "token", "text": "a"},
+                          {**done, "text": "a", "usage": {**done["usage"], "completion_tokens": 2}})
+    monkeypatch.setattr(sessions_clients, "time", ScriptedClock(0.0, 1.0, 1.5))
+    assert (await chat.turn("hi")).tpot_s is None
+
+
+def test_replies_without_a_gap_to_time_stay_out_of_the_tpot_median() -> None:
+    records = turn_records(1, 0, [result(50, 30, 0), result(120, 2, 0), result(200, 30, 0)])
+    records[1]["tpot_s"] = None  # [a, EOS]: one text frame
+    records[2]["tpot_s"] = 0.03
+    assert summarise_point(records, None)["tpot_p50_s"] == pytest.approx(0.02)
 
 
 def test_quick_fills_in_sizes_and_systems_are_checked() -> None:
@@ -416,6 +566,71 @@ async def test_antiphon_systems_share_one_server_each_with_its_key(tmp_path: Pat
         assert result["users"] == [1, 2] and len(result["turns"]) == 2 + 4
     salts = set(engine.cache_salts)
     assert salts == {Authenticator.fingerprint(k) for k in keys}  # each key's own, and no other
+
+
+async def test_a_failed_turn_names_its_system_and_point() -> None:
+    class Refused(FakeChat):
+        async def turn(self, message: str) -> TurnResult:
+            if message == "b1":
+                raise ConnectionError("refused")
+            return await super().turn(message)
+
+    async def no_counters() -> None:
+        return None
+
+    args = argparse.Namespace(seed=0, max_tokens=4, time_scale=0.0)
+    with pytest.raises(RuntimeError, match=r"^vllm at 2 users: .*refused"):
+        await sessions.measure_point(lambda max_tokens: Refused(), no_counters,
+                                     sessions.SYSTEMS["vllm"], 2, [("a0", "a1"), ("b0", "b1")],
+                                     args)
+
+
+def test_what_was_measured_before_a_failure_is_written(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """One failed turn ended the run and took every finished system's results with it: the
+    record is written after each server's systems, incomplete until the end, and with the
+    error where one ended the run (found by a review)."""
+    out = tmp_path / "sessions.json"
+    sweep = sessions.Sweep(users=(2,), messages=((("a0", "a1"), ("b0", "b1")),),
+                           max_model_len=640, kv_pages=8, pages_per_user=1.0)
+    args = argparse.Namespace(repeats=1)
+    measured: list[str] = []
+
+    class Server:
+        def __init__(self, cmd: list[str], **kwargs: object) -> None:
+            pass
+
+        def __enter__(self) -> Server:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    async def measure_systems(group, server, sweep, args, repeat):  # type: ignore[no-untyped-def]
+        if group[0].is_stock_vllm:
+            raise RuntimeError("vllm at 2 users: a conversation failed")
+        measured.extend(s.name for s in group)
+        return {s.name: {"users": [2], "turns": []} for s in group}
+
+    monkeypatch.setattr(sessions, "ServerProcess", Server)
+    monkeypatch.setattr(sessions, "server_command", lambda *a: ["serve"])
+    monkeypatch.setattr(sessions, "measure_systems", measure_systems)
+    systems = [sessions.SYSTEMS[n] for n in ("vllm", "tiers", "advisory")]
+    # the Antiphon server first, stock vLLM's failing after it
+    monkeypatch.setattr(sessions, "alternated", lambda groups, repeat: [groups[1], groups[0]])
+    with pytest.raises(RuntimeError, match="vllm at 2 users"):
+        sessions.measure_all(systems, tmp_path, sweep, args, {"seed": 0}, out)
+    assert measured == ["tiers", "advisory"]
+    record = json.loads(out.read_text())
+    assert record["complete"] is False and record["config"] == {"seed": 0}
+    assert sorted(record["systems"]) == ["advisory", "tiers"]  # kept; vllm has no run
+    assert record["error"] == "RuntimeError: vllm at 2 users: a conversation failed"
+
+    monkeypatch.setattr(sessions, "alternated", lambda groups, repeat: [groups[1]])
+    runs = sessions.measure_all(systems[1:], tmp_path, sweep, args, {}, out)
+    assert json.loads(out.read_text())["complete"] is False  # written before the report
+    final = sessions.sessions_record({}, runs, complete=True)
+    assert final["complete"] is True and "error" not in final
 
 
 def test_the_shared_antiphon_server_takes_a_key_per_system(tmp_path: Path) -> None:
