@@ -34,6 +34,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,21 +79,16 @@ def kv_bytes_per_token_layer(model: Any) -> int:
 def prefill_times(model: Any, context: int, new: int, repeats: int,
                   device: torch.device) -> dict[str, float]:
     """Seconds to prefill `new` tokens alone, after `context` cached tokens, and all of them."""
-    from transformers import DynamicCache
+    from transformers import StaticCache
 
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(context)
     ctx_ids = torch.randint(vocab, (1, context), generator=gen).to(device)
     new_ids = torch.randint(vocab, (1, new), generator=gen).to(device)
     all_ids = torch.cat([ctx_ids, new_ids], dim=1)
-    cache = DynamicCache(config=model.config)
-    model(ctx_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-
-    def with_context() -> None:
-        if (extra := cache.get_seq_length() - context) > 0:
-            cache.crop(-extra)  # drop the last run's new tokens
-        model(new_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-
+    with_context = context_step(model, StaticCache(config=model.config,
+                                                   max_cache_len=context + new),
+                                ctx_ids, new_ids)
     return {
         "fresh": timed(repeats, lambda: model(new_ids, use_cache=False, logits_to_keep=1),
                        device),
@@ -100,6 +96,32 @@ def prefill_times(model: Any, context: int, new: int, repeats: int,
         "recompute": timed(repeats, lambda: model(all_ids, use_cache=False, logits_to_keep=1),
                            device),
     }
+
+
+def context_step(model: Any, cache: Any, ctx_ids: torch.Tensor,
+                 new_ids: torch.Tensor) -> Callable[[], Any]:
+    """A prefill of `new_ids` after `ctx_ids`, to be timed again and again: `ctx_ids` is
+    prefilled into `cache` (a `StaticCache` of exactly context + new slots) once here; each
+    call writes the new tokens' KV into the same last slots and returns their last logits.
+
+        slots  [ context ...................... | new ...... ]
+                 written once, here               rewritten by every call
+
+    A `DynamicCache` concatenated the whole context's K/V into a new tensor on every call,
+    a copy a paged cache never makes, and the "with context" time counted it (found by a
+    review). This transformers' static layers write at their `cumulative_length`, not at a
+    position passed in: it is set back to the context's end before each call."""
+    context, new = ctx_ids.shape[1], new_ids.shape[1]
+    model(ctx_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    positions = torch.arange(context, context + new, device=new_ids.device).unsqueeze(0)
+
+    def step() -> Any:  # (the logits; `timed` takes a body that returns None)
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(context)
+        return model(new_ids, past_key_values=cache, use_cache=True, position_ids=positions,
+                     logits_to_keep=1).logits
+
+    return step
 
 
 def _drop_cached_pages(path: Path) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from antiphon.bench import ttft_parts
 
 
@@ -25,3 +27,27 @@ def test_every_part_is_timed_and_the_sums_follow(tmp_path: Path) -> None:
         assert row["ttft_host_ms"] == row["host_to_device_ms"] + row["with_context_ms"]
         assert row["ttft_ssd_ms"] == row["ssd_read_ms"] + row["ttft_host_ms"]
     assert not list(tmp_path.glob("tmp*"))  # the SSD tier's scratch files are gone
+
+
+def test_the_with_context_step_writes_in_place_and_matches_a_whole_prefill() -> None:
+    """Each timed call of the "with context" prefill writes the new tokens' KV into the
+    same slots after the context's: a `DynamicCache` copied the whole context's K/V into a
+    new tensor on every call, which the time counted and a paged cache never does."""
+    from transformers import StaticCache
+
+    model = ttft_parts.build_model("tiny", torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    ctx_ids = torch.randint(model.config.vocab_size, (1, 200), generator=gen)
+    new_ids = torch.randint(model.config.vocab_size, (1, 8), generator=gen)
+    with torch.inference_mode():
+        whole = model(torch.cat([ctx_ids, new_ids], dim=1), use_cache=False,
+                      logits_to_keep=1).logits
+        cache = StaticCache(config=model.config, max_cache_len=208)
+        step = ttft_parts.context_step(model, cache, ctx_ids, new_ids)
+        keys = [layer.keys for layer in cache.layers]
+        storage = [k.data_ptr() for k in keys]
+        for _ in range(3):
+            assert torch.equal(step(), whole)  # the context's KV attended, at its positions
+            assert int(cache.get_seq_length()) == 208
+            assert all(layer.keys is k for layer, k in zip(cache.layers, keys, strict=True))
+            assert [layer.keys.data_ptr() for layer in cache.layers] == storage
