@@ -1,9 +1,13 @@
 """`antiphon bench serve`: what the server costs over vLLM alone.
 
-Runs one workload twice in one run, side by side: through vLLM's own `AsyncLLM` in this process
-(stock scheduler), and through a real `antiphon serve` process over websockets (one connection
-and session per simulated user). Reports short-prompt TTFT and output tokens/s at 1 and at 16
-concurrent sessions, each system started with the same engine settings.
+Runs one workload on each system in one run, side by side (`--systems`): `vllm`, vLLM's own
+`AsyncLLM` in this process (stock scheduler, no server); `vllm_serve`, stock vLLM's OpenAI
+server (`vllm.entrypoints.openai.api_server`) over REST; `antiphon`, a real `antiphon serve`
+process over websockets (one connection and session per simulated user); `antiphon_rest`, the
+same server over REST (streamed chat completions, as `vllm_serve` is driven). Reports
+short-prompt TTFT and output tokens/s at 1 and at 16 concurrent sessions, each system started
+with the same engine settings. Server against server (`vllm_serve`, `antiphon_rest`) is the
+comparison of two deployments; `vllm` is the engine with no server's costs at all.
 
 Every request opens with a system message of its own (`opening`), the same on both sides: a
 prompt sent again is a cache hit in Antiphon's KV tiers, which keep partly filled pages, and a
@@ -27,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from antiphon.bench.args import names_in
 from antiphon.bench.report import print_table, write_json
 from antiphon.bench.serverproc import ServerProcess, scratch_data_dir
 from antiphon.engine_ext.config import WORKER_EXTENSION_CLS, set_cpu_threading
@@ -152,6 +157,44 @@ async def run_server(ws_url: str, **workload: Any) -> dict:
     return await measure(run, **workload)
 
 
+async def run_rest(base_url: str, model: str, **workload: Any) -> dict:
+    """The workload through an OpenAI-compatible server's streamed chat completions (stock
+    vLLM's, or Antiphon's REST API), one request per user, greedy as the others."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        async def run(system: str, prompt: str, max_tokens: int) -> tuple[float, int, float]:
+            body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                    "messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": prompt}],
+                    "stream": True, "stream_options": {"include_usage": True}}
+            started, first, tokens = time.perf_counter(), None, 0
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                resp.raise_for_status()
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        raise RuntimeError(f"server error: {chunk['error']}")
+                    if first is None and any(c["delta"].get("content")
+                                             for c in chunk.get("choices", ())):
+                        first = time.perf_counter()
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+            end = time.perf_counter()
+            return (first or end) - started, tokens, end - started
+
+        return await measure(run, **workload)
+
+
+SYSTEMS = {"vllm": "vLLM AsyncLLM directly", "vllm_serve": "stock vLLM's server over REST",
+           "antiphon": "antiphon serve over websockets",
+           "antiphon_rest": "antiphon serve over REST"}
+MODEL_NAME = "bench-model"  # the name both servers serve the model under
+
+
 def main(args: argparse.Namespace) -> int:
     from antiphon.engine_ext.model_defaults import resolve_dtype
     from antiphon.model import resolve_model
@@ -169,26 +212,41 @@ def main(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     data_dir = Path(args.out).with_suffix(".data")
     cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
-           "--max-model-len", "2048", "--kv-cache-gib", "2", "--max-num-seqs", "64",
-           "--dtype", dtype, "--data-dir", str(data_dir)]
+           "--served-model-name", MODEL_NAME, "--max-model-len", "2048", "--kv-cache-gib", "2",
+           "--max-num-seqs", "64", "--dtype", dtype, "--data-dir", str(data_dir)]
     cmd += ["--enforce-eager"] if args.enforce_eager else ["--no-enforce-eager"]
     cmd += args.server_arg  # an ablation: `--server-arg=--no-kv-tiering`
+    # stock vLLM's server on the same engine settings (and, as for `vllm`, the compiled
+    # model's reuse on CPU that `antiphon serve` has: WORKER_EXTENSION_CLS)
+    stock = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+             str(model_dir), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
+             "--max-model-len", "2048", "--max-num-seqs", "64", "--dtype", dtype, "--seed", "0",
+             "--kv-cache-memory-bytes", str(2 << 30), "--enable-prefix-caching",
+             "--max-num-batched-tokens", "2048", "--worker-extension-cls",
+             WORKER_EXTENSION_CLS, "--disable-uvicorn-access-log"]
+    stock += ["--enforce-eager"] if args.enforce_eager else []
 
     def run_vllm() -> dict[str, float]:
         return asyncio.run(run_direct(model_dir, engine, **workload))
 
-    def run_antiphon() -> dict[str, float]:
-        with scratch_data_dir(data_dir), ServerProcess(cmd) as server:
-            return asyncio.run(run_server(server.ws_url, **workload))
+    def run_vllm_serve() -> dict[str, float]:
+        with ServerProcess(stock, health_path="/health") as server:
+            return asyncio.run(run_rest(server.url, MODEL_NAME, **workload))
 
-    to_run = {"vllm": (run_vllm, "vLLM AsyncLLM directly"),
-            "antiphon": (run_antiphon, "antiphon serve over websockets")}
+    def run_antiphon(rest: bool = False) -> dict[str, float]:
+        with scratch_data_dir(data_dir), ServerProcess(cmd) as server:
+            return asyncio.run(run_rest(server.url, MODEL_NAME, **workload) if rest
+                               else run_server(server.ws_url, **workload))
+
+    to_run: dict[str, Callable[[], dict[str, float]]] = {
+        "vllm": run_vllm, "vllm_serve": run_vllm_serve, "antiphon": run_antiphon,
+        "antiphon_rest": lambda: run_antiphon(rest=True)}
+    names = args.systems.split(",")
     for repeat in range(args.repeats):
         # the order alternates, so a host that drifts does not always favour the same one
-        for name in (("vllm", "antiphon") if repeat % 2 == 0 else ("antiphon", "vllm")):
-            run, what = to_run[name]
-            print(f"[repeat {repeat + 1}/{args.repeats}] {what} ...", flush=True)
-            results.setdefault(name, []).append(run())
+        for name in (names if repeat % 2 == 0 else names[::-1]):
+            print(f"[repeat {repeat + 1}/{args.repeats}] {SYSTEMS[name]} ...", flush=True)
+            results.setdefault(name, []).append(to_run[name]())
     systems = {name: _median_of(runs) for name, runs in results.items()}
     record = {"benchmark": "serve", "config": {"model": str(model_dir), "engine": engine,
                                               "workload": workload, "repeats": args.repeats,
@@ -196,7 +254,7 @@ def main(args: argparse.Namespace) -> int:
                                               "machine": _machine()},
               "systems": systems}
     write_json(args.out, record)
-    print_table(systems, baseline="vllm")
+    print_table(systems, baseline="vllm_serve" if "vllm_serve" in systems else names[0])
     return 0
 
 
@@ -221,6 +279,9 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="skip graph compilation (default: on with --quick)")
+    p.add_argument("--systems", type=names_in(SYSTEMS), default="vllm,antiphon",
+                   help=f"comma-separated, run in this order (of {', '.join(SYSTEMS)}; "
+                        "default vllm,antiphon)")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="an argument for `antiphon serve` (repeat for several; an ablation, "
                         "e.g. --server-arg=--no-kv-tiering)")

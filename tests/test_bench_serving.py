@@ -26,6 +26,20 @@ async def test_the_servers_workload_is_greedy_as_the_direct_engines(scripted: Sc
     assert len(prompts) == 1 + 1 + 1 + 2 and len(openings) == len(prompts)
 
 
+async def test_the_rest_workload_is_greedy_and_counts_the_served_tokens(
+        scripted: Scripted) -> None:
+    """Server against server (stock vLLM's, Antiphon's) goes over OpenAI's streamed chat
+    completions, greedy as the other systems, each request with an opening of its own."""
+    from antiphon.bench.serving import run_rest
+
+    result = await run_rest(scripted.url, "scripted", concurrency=(1, 2), max_tokens=4,
+                            rounds=1, ttft_repeats=1)
+    assert result["c2_output_tokens"] > 0 and result["c1_output_tokens_per_s"] > 0
+    assert scripted.engine.params and all(p.temperature == 0 for p in scripted.engine.params)
+    prompts = [scripted.engine.decode(p) for p in scripted.engine.request_prompts]
+    assert len({p.split(": a conversation of its own")[0] for p in prompts}) == len(prompts)
+
+
 def test_a_server_stops_with_every_process_of_its_group() -> None:
     """vLLM's worker, orphaned when the server exits, ran on for seconds: `stop` returned with
     it alive, and the next system measured started beside it."""
@@ -79,11 +93,17 @@ def test_bench_serve_alternates_which_system_runs_first(
 
     monkeypatch.setattr(serving, "run_direct", direct)
     monkeypatch.setattr(serving, "run_server", served)
+    async def rest(url: str, model: str, **kwargs: Any) -> dict[str, float]:
+        order.append(f"{url} over REST")
+        return {"x": 1.0}
+
+    monkeypatch.setattr(serving, "run_rest", rest)
     commands: list[list[str]] = []
 
-    def server(cmd: list[str]) -> Any:
+    def server(cmd: list[str], **kwargs: Any) -> Any:
         commands.append(cmd)
-        return contextlib.nullcontext(argparse.Namespace(ws_url="ws://x"))
+        url = "stock" if "vllm.entrypoints.openai.api_server" in cmd else "antiphon"
+        return contextlib.nullcontext(argparse.Namespace(ws_url="ws://x", url=url))
 
     monkeypatch.setattr(serving, "ServerProcess", server)
     monkeypatch.setattr(serving, "scratch_data_dir", contextlib.nullcontext)
@@ -91,9 +111,16 @@ def test_bench_serve_alternates_which_system_runs_first(
     monkeypatch.setattr(antiphon.model, "resolve_model", lambda model: tmp_path)
     serving.main(argparse.Namespace(model=None, quick=True, rounds=1, repeats=2, max_tokens=4,
                                     enforce_eager=True, out=str(tmp_path / "s.json"),
-                                    server_arg=["--no-kv-tiering"]))
+                                    server_arg=["--no-kv-tiering"], systems="vllm,antiphon"))
     assert order == ["vllm", "antiphon", "antiphon", "vllm"]
     assert all(cmd[-1] == "--no-kv-tiering" for cmd in commands) and len(commands) == 2
+    # server against server: stock vLLM's and Antiphon's, both over REST
+    order.clear()
+    serving.main(argparse.Namespace(model=None, quick=True, rounds=1, repeats=2, max_tokens=4,
+                                    enforce_eager=True, out=str(tmp_path / "s.json"),
+                                    server_arg=[], systems="vllm_serve,antiphon_rest"))
+    assert order == ["stock over REST", "antiphon over REST", "antiphon over REST",
+                     "stock over REST"]
 
 
 def test_scheduler_ab_rotates_which_variant_runs_first(
