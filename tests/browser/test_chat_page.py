@@ -200,7 +200,8 @@ def test_while_the_server_is_away_the_page_counts_down_and_retries_when_the_user
         tmp_path: Path, page: Any) -> None:
     """The status said "Reconnecting in 9s…" until the next try (no countdown), and a user
     coming back to the page (another tab, another window) waited out the rest of a backoff of
-    up to 15 s after the server was back."""
+    up to 15 s after the server was back. The countdown is outside the live regions: screen
+    readers announced each tick of it."""
     config = scripted_config(tmp_path)
     port = free_port()
     with running_server(config, ScriptedEngine(), port=port) as (base, _):
@@ -208,11 +209,15 @@ def test_while_the_server_is_away_the_page_counts_down_and_retries_when_the_user
     page.wait_for_function("document.body.dataset.connected === 'false'")
     time.sleep(8)  # failed tries: the backoff is now 4 to 10 s
     page.evaluate("window.dispatchEvent(new Event('blur'))")  # the user leaves
-    readings = []
+    readings, announced = [], []
     for _ in range(3):
         readings.append(page.locator("#conn-status").inner_text())
+        announced.append(page.evaluate("""() => [...document.querySelectorAll(
+          '[role=status], [role=alert], [aria-live]:not([aria-live=off])')]
+          .map((e) => e.textContent)"""))
         time.sleep(1.1)
     assert all(text.startswith("Reconnecting in ") for text in readings), readings
+    assert announced[0] == announced[1] == announced[2], announced
     seconds = [int(text.removeprefix("Reconnecting in ").rstrip("s…")) for text in readings]
     # counting down (a try between two readings starts a longer wait: a rise)
     assert any(b < a for a, b in itertools.pairwise(seconds)), readings

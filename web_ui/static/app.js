@@ -1,6 +1,6 @@
 // Chat page controller: wires the websocket client to the DOM.
 import { ChatClient, newRequestId } from "/static/ws-client.js";
-import { setupComposer } from "/static/composer.js";
+import { isComposing, setupComposer } from "/static/composer.js";
 import { setupAuthDialog } from "/static/auth-dialog.js";
 import { KEYS, load, store } from "/static/storage.js";
 import {
@@ -10,7 +10,8 @@ import {
 
 const ui = {
   body: document.body, messages: $("#messages"), send: $("#send"), stop: $("#stop"),
-  sessionList: $("#session-list"), title: $("#session-title"), status: $("#conn-status"),
+  sessionList: $("#session-list"), title: $("#session-title"),
+  status: $("#conn-state"), countdown: $("#conn-countdown"),
   sidebarToggle: $("#sidebar-toggle"), backdrop: $("#backdrop"),
   systemBox: $("#system-box"), systemInput: $("#system-input"),
 };
@@ -91,6 +92,7 @@ function answeredElsewhere() {
 }
 
 function refreshControls() {
+  const focused = document.activeElement;
   const generating = isGenerating();
   ui.stop.hidden = !generating;
   ui.send.hidden = generating;
@@ -103,6 +105,12 @@ function refreshControls() {
     || performance.now() - state.sentAt < STOP_GRACE_MS;
   ui.body.dataset.generating = String(generating);
   refreshRegenerate(generating);
+  // A control clicked or pressed that this hid, disabled or removed (Send as the reply starts,
+  // Stop once pressed or the reply is in, Regenerate) took the focus with it to the top of the
+  // page, and a keyboard user had to tab back down: it goes to the composer.
+  const isControl = focused === ui.send || focused === ui.stop
+    || focused?.classList.contains("regenerate");
+  if (isControl && (!focused.isConnected || focused.hidden || focused.disabled)) composer.focus();
 }
 
 /**
@@ -221,6 +229,9 @@ function setSidebar(open) {
 function addAssistantBubble(requestId, sessionId, text = "") {
   const bubble = makeBubble("assistant", text, requestId);
   if (!text) bubble.root.classList.add("waiting");
+  // Redrawn at every frame while it streams, inside the conversation's live region: screen
+  // readers wait for the whole reply (`finishEntry`) rather than read each redraw.
+  bubble.root.setAttribute("aria-busy", "true");
   const entry = {
     sessionId, root: bubble.root, body: bubble.body, raw: text, streamed: text !== "",
     cancelling: false, frame: 0,
@@ -235,6 +246,7 @@ function finishEntry(requestId, { cls = null, note = null } = {}) {
   if (!entry) return;
   state.pending.delete(requestId);
   entry.root.classList.remove("waiting", "streaming");
+  entry.root.removeAttribute("aria-busy");
   if (cls) entry.root.classList.add(cls);
   if (entry.raw === "") entry.root.classList.add("empty");
   if (note) entry.root.append(el("div", "msg-note", note));
@@ -691,6 +703,14 @@ const handlers = {
 
 // ---------- wiring ----------
 
+/** Say the connection's `text` in the status line, and `countdown` after it. The state is a
+ * live region, set only when it changes; the countdown is not: a screen reader read out every
+ * tick of it. */
+function setStatus(text, countdown = "") {
+  if (ui.status.textContent !== text) ui.status.textContent = text;
+  ui.countdown.textContent = countdown;
+}
+
 // While a reconnect waits, the status counts down to it.
 let countdown = null;
 function showReconnecting(retryInMs) {
@@ -698,7 +718,7 @@ function showReconnecting(retryInMs) {
   const at = Date.now() + retryInMs;
   const show = () => {
     const left = Math.max(1, Math.ceil((at - Date.now()) / 1000));
-    ui.status.textContent = `Reconnecting in ${left}s…`;
+    setStatus("Reconnecting", ` in ${left}s…`);
   };
   show();
   countdown = setInterval(show, 1000);
@@ -707,7 +727,7 @@ function showReconnecting(retryInMs) {
 client.addEventListener("open", () => {
   clearInterval(countdown);
   ui.body.dataset.connected = "true";
-  ui.status.textContent = "Connected";
+  setStatus("Connected");
   const box = $("#error");
   // (a server that was shutting down has been replaced by one that serves)
   const gone = ["disconnected", "unauthorized", "shutting_down"];
@@ -735,8 +755,8 @@ client.addEventListener("close", (ev) => {
   ui.body.dataset.connected = "false";
   const { code, reason, retryInMs } = ev.detail;
   clearInterval(countdown);
-  if (client.authRequired) ui.status.textContent = "API key required";
-  else if (retryInMs === null) ui.status.textContent = "Disconnected";
+  if (client.authRequired) setStatus("API key required");
+  else if (retryInMs === null) setStatus("Disconnected");
   else showReconnecting(retryInMs);
   if (code === 1013) state.connectionRefused = true;  // over the server's connection limits
   if (code === 1009) {  // a frame over the server's limit (one past the page's own check)
@@ -767,7 +787,7 @@ client.addEventListener("close", (ev) => {
 });
 
 client.addEventListener("auth-required", (ev) => {
-  ui.status.textContent = "API key required";
+  setStatus("API key required");
   showError("unauthorized", ev.detail.reason || "The server requires an API key.");
   promptForKey(ev.detail.reason);
 });
@@ -792,7 +812,7 @@ $("#error .error-close").addEventListener("click", hideError);
 $("#api-key-button").addEventListener("click", () => promptForKey(""));
 ui.messages.addEventListener("scroll", () => (state.stick = nearBottom()));
 document.addEventListener("keydown", (ev) => {
-  if (ev.key === "Escape") setSidebar(false);
+  if (ev.key === "Escape" && !isComposing(ev)) setSidebar(false);
 });
 
 /** Show the current session as the server keeps it, and the list: another tab or app may have

@@ -35,6 +35,13 @@ export class TypingBurst {
   }
 }
 
+/** Whether key event `ev` belongs to an input method's composition (the Enter that picks a
+ * candidate, the Escape that drops one): Safari sends the confirming Enter with isComposing
+ * false, and keyCode 229 alone tells it. */
+export function isComposing(ev) {
+  return ev.isComposing || ev.keyCode === 229;
+}
+
 /**
  * Wire a textarea. `onSubmit()` fires on Enter (not Shift+Enter, not mid-IME-composition);
  * `onChange()` after every edit; `onTyping()` once per typing burst (in the chat
@@ -49,7 +56,7 @@ export function setupComposer(textarea, { onSubmit, onChange, onTyping, typingTa
   };
 
   textarea.addEventListener("keydown", (ev) => {
-    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
+    if (ev.key === "Enter" && !ev.shiftKey && !isComposing(ev)) {
       ev.preventDefault();
       onSubmit();
     }

@@ -4,12 +4,17 @@
 // ever parsed as HTML, and links keep only http(s) and mailto targets. So neither the model nor a
 // user can inject markup or script, whatever the reply contains.
 //
-// Supported: fenced code blocks (``` with an optional language; an unterminated fence, as while a
-// reply streams, runs to the end), headings, bullet and numbered lists, block quotes, horizontal
+// Supported: fenced code blocks (``` with an optional info string, its first word the language;
+// an unterminated fence, as while a reply streams, runs to the end; one indented under a list
+// item belongs to it), headings, bullet and numbered lists, block quotes, horizontal
 // rules, paragraphs with line breaks, and inline `code`, **bold**, *italic* / _italic_ and
 // [links](https://...).
 
-const FENCE = /^\s{0,3}(`{3,}|~{3,})\s*([\w+#.-]*)\s*$/;
+// A fence line: its indent, its characters, and an info string of any words ("```js {2}",
+// "```python title=a.py", R Markdown's "```{r}"); a backtick fence's holds no backtick (a line
+// "```x```" is inline code).
+const FENCE = /^( *)(?:(`{3,})([^`]*)|(~{3,})(.*))$/;
+const FENCE_LANG = /^\{?\.?([\w+#.-]+)/; // the info string's first word, braces and dot off
 const HEADING = /^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
 const BULLET = /^\s{0,3}[-*+]\s+(.*)$/;
 const NUMBERED = /^\s{0,3}(\d{1,9})[.)]\s+(.*)$/;
@@ -48,15 +53,10 @@ export function renderMarkdown(text, depth = 0) {
   while (i < lines.length) {
     const line = lines[i];
     let m;
-    if ((m = FENCE.exec(line))) {
+    let fence;
+    if ((fence = openFence(line, 3))) {
       flushPara();
-      const fence = m[1];
-      const body = [];
-      i += 1;
-      const closing = closingFence(fence);
-      while (i < lines.length && !closing.test(lines[i])) body.push(lines[i++]);
-      i += 1; // the closing fence, if any
-      frag.append(codeBlock(body.join("\n"), m[2]));
+      i = fencedCode(lines, i, fence, 3, frag);
     } else if ((m = HEADING.exec(line))) {
       flushPara();
       const h = node(`h${Math.min(6, m[1].length + 2)}`, "md-heading");
@@ -75,9 +75,10 @@ export function renderMarkdown(text, depth = 0) {
       if (ordered) list.start = Number(NUMBERED.exec(line)[1]);
       while (i < lines.length && (m = pattern.exec(lines[i]))) {
         const li = node("li");
-        appendInline(li, ordered ? m[2] : m[1]);
+        const text = ordered ? m[2] : m[1];
+        appendInline(li, text);
         list.append(li);
-        i += 1;
+        i = itemFences(lines, i + 1, lines[i].search(/\S/), lines[i].length - text.length, li);
       }
       frag.append(list);
     } else if (QUOTE.test(line)) {
@@ -104,11 +105,52 @@ export function renderMarkdown(text, depth = 0) {
   return frag;
 }
 
-/** The line that closes a block opened by `fence` (CommonMark): indented 3 spaces at most, the
- * fence's character at least as many times, nothing after it. An indented fence line with a
- * language inside the code (a snippet about Markdown) does not. */
-function closingFence(fence) {
-  return new RegExp(`^ {0,3}${fence[0]}{${fence.length},}\\s*$`);
+/** The fence `line` opens, indented `maxIndent` spaces at most: {indent, chars, lang}, or null. */
+function openFence(line, maxIndent) {
+  const m = FENCE.exec(line);
+  if (!m || m[1].length > maxIndent) return null;
+  const info = (m[3] ?? m[5]).trim();
+  return { indent: m[1].length, chars: m[2] ?? m[4], lang: FENCE_LANG.exec(info)?.[1] ?? "" };
+}
+
+/**
+ * Append to `parent` the code block `fence` opens at `lines[start]`; returns the index of the
+ * line after its closing fence. The code loses the fence's indent (up to as many spaces of
+ * each line, CommonMark), so code indented under a list item keeps its own indentation.
+ */
+function fencedCode(lines, start, fence, maxIndent, parent) {
+  const closing = closingFence(fence.chars, maxIndent);
+  const strip = new RegExp(`^ {0,${fence.indent}}`);
+  const body = [];
+  let i = start + 1;
+  while (i < lines.length && !closing.test(lines[i])) body.push(lines[i++].replace(strip, ""));
+  parent.append(codeBlock(body.join("\n"), fence.lang));
+  return i + 1; // past the closing fence, if any
+}
+
+/**
+ * Append to `li` the fences indented under it from `lines[start]` (a model's "- Install it:"
+ * then its commands, 4 spaces in, blank lines between or not); returns the index of the first
+ * line not taken. One belongs to the item indented past its marker (`markerIndent`) and 3
+ * spaces past its text (`contentIndent`) at most; nearer the margin it ends the list.
+ */
+function itemFences(lines, start, markerIndent, contentIndent, li) {
+  let i = start;
+  for (;;) {
+    let next = i;
+    while (next < lines.length && lines[next].trim() === "") next += 1;
+    const fence = next < lines.length ? openFence(lines[next], contentIndent + 3) : null;
+    if (!fence || fence.indent <= markerIndent) return i;
+    i = fencedCode(lines, next, fence, contentIndent + 3, li);
+  }
+}
+
+/** The line that closes a block opened by `chars` (CommonMark): indented `maxIndent` spaces at
+ * most (3, or 3 past a list item's text), the fence's character at least as many times,
+ * nothing after it. An indented fence line with a language inside the code (a snippet about
+ * Markdown) does not. */
+function closingFence(chars, maxIndent) {
+  return new RegExp(`^ {0,${maxIndent}}${chars[0]}{${chars.length},}\\s*$`);
 }
 
 /** Put `text` on the clipboard: the Clipboard API where the page may use it (a secure
@@ -154,12 +196,23 @@ function codeBlock(code, lang) {
   return wrap;
 }
 
-// Inline spans, tried in this order at each position: code, link, bold, italic.
+// Inline spans, tried in this order where their character (`opens`) is: code, link, bold,
+// italic. The patterns are sticky (matched at the span's start, with no copy of the rest of the
+// line per marker), and `failsUntil(text, i)` says, of a span that failed at i, before which
+// position it fails again (text is one line: no span crosses a newline). Tried again at each
+// marker, every unclosed "*" of a long line scanned the rest of it: "*a " * 20000 took over a
+// second to render, at every frame of a streaming reply.
 const INLINE = [
-  { re: /^`([^`\n]+)`/, make: (m) => textEl("code", m[1]) },
   {
+    opens: "`",
+    re: /`([^`\n]+)`/y,
+    make: (m) => textEl("code", m[1]),
+    failsUntil: (_, i) => i + 1, // (it met a backtick at once, or none is left)
+  },
+  {
+    opens: "[",
     // The target may hold one level of balanced parentheses (Wikipedia's "Python_(language)").
-    re: /^\[([^\]\n]+)\]\(((?:[^()\s]|\([^()\s]*\))+)\)/,
+    re: /\[([^\]\n]+)\]\(((?:[^()\s]|\([^()\s]*\))+)\)/y,
     make: (m) => {
       if (!SAFE_URL.test(m[2])) return null;
       const a = node("a");
@@ -169,12 +222,36 @@ const INLINE = [
       appendInline(a, m[1]);
       return a;
     },
+    // (a "[" before the "]" that ended this one's text ends its text there too)
+    failsUntil: (text, i) => nextOf(text, /[\]\n]/g, i + 1),
   },
-  { re: /^\*\*(?=\S)([\s\S]*?\S)\*\*/, make: (m) => nested("strong", m[1]) },
-  { re: /^__(?=\S)([\s\S]*?\S)__(?!\w)/, make: (m) => nested("strong", m[1]) },
-  { re: /^\*(?=\S)([\s\S]*?\S)\*(?!\*)/, make: (m) => nested("em", m[1]) },
-  { re: /^_(?=\S)([\s\S]*?\S)_(?!\w)/, make: (m) => nested("em", m[1]) },
+  emphasis("strong", "*", /\*\*(?=\S)/y, /\*\*(?=\S)([\s\S]*?\S)\*\*/y),
+  emphasis("strong", "_", /__(?=\S)/y, /__(?=\S)([\s\S]*?\S)__(?!\w)/y),
+  emphasis("em", "*", /\*(?=\S)/y, /\*(?=\S)([\s\S]*?\S)\*(?!\*)/y),
+  emphasis("em", "_", /_(?=\S)/y, /_(?=\S)([\s\S]*?\S)_(?!\w)/y),
 ];
+
+/** An emphasis span's rule. It closes at the first closer past its opener (`open`), so one
+ * opener that finds none means none after it does either: the rule fails to the line's end. */
+function emphasis(tag, opens, open, re) {
+  return {
+    opens,
+    re,
+    make: (m) => nested(tag, m[1]),
+    failsUntil: (text, i) => (stickyTest(open, text, i) ? text.length : i + 1),
+  };
+}
+
+function stickyTest(re, text, i) {
+  re.lastIndex = i;
+  return re.test(text);
+}
+
+/** Where `re` (global) first matches `text` at or after `from`; the text's length if nowhere. */
+function nextOf(text, re, from) {
+  re.lastIndex = from;
+  return re.exec(text)?.index ?? text.length;
+}
 
 function textEl(tag, text) {
   const el = node(tag);
@@ -188,8 +265,9 @@ function nested(tag, text) {
   return el;
 }
 
-/** Append `text` with its inline markup to `parent`. */
+/** Append `text` (one line) with its inline markup to `parent`. */
 function appendInline(parent, text) {
+  const failing = INLINE.map(() => 0); // per rule: it fails at any position before this
   let plain = "";
   let i = 0;
   while (i < text.length) {
@@ -198,9 +276,10 @@ function appendInline(parent, text) {
     // Underscores inside a word (snake_case, __dunder__) are text, as in CommonMark.
     const intraword = ch === "_" && i > 0 && /\w/.test(text[i - 1]);
     if (!intraword && (ch === "`" || ch === "[" || ch === "*" || ch === "_")) {
-      const rest = text.slice(i);
-      for (const rule of INLINE) {
-        const m = rule.re.exec(rest);
+      for (const [r, rule] of INLINE.entries()) {
+        if (rule.opens !== ch || i < failing[r]) continue;
+        rule.re.lastIndex = i;
+        const m = rule.re.exec(text);
         if (m && (made = rule.make(m))) {
           if (plain) parent.append(document.createTextNode(plain));
           plain = "";
@@ -208,6 +287,7 @@ function appendInline(parent, text) {
           i += m[0].length;
           break;
         }
+        failing[r] = rule.failsUntil(text, i);
       }
     }
     if (!made) {

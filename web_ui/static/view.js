@@ -1,5 +1,6 @@
 // DOM rendering helpers. Dynamic text is only ever set through textContent or the DOM-building
 // Markdown renderer; nothing here parses strings as HTML.
+import { isComposing } from "/static/composer.js";
 import { renderMarkdown } from "/static/markdown.js";
 
 export const $ = (sel) => document.querySelector(sel);
@@ -99,6 +100,7 @@ function editTitle(li, session, onRename) {
     if (save && title && title !== sessionTitle(session)) onRename(session.session_id, title);
   };
   input.addEventListener("keydown", (ev) => {
+    if (isComposing(ev)) return; // (the Enter or Escape is the input method's)
     if (ev.key === "Enter") {
       ev.preventDefault();
       finish(true);
