@@ -571,19 +571,27 @@ def test_hygen_rt_takes_pages_from_be_never_the_reverse() -> None:
 
 # --- Echo -----------------------------------------------------------------------------------
 
-def test_echo_refuses_a_be_addition_whose_punishment_exceeds_its_benefit() -> None:
+def test_echo_cuts_a_be_prefill_to_the_rt_slack_it_would_overrun() -> None:
     cost = token_cost(1e-4)
     rt = decoding("rt", arrival=0.0)  # next token due at 1.5 s
-    doc = view("doc", BE, prompt=1000)  # 0.1 s of prefill: pushes the RT token late
+    doc = view("doc", BE, prompt=1000)  # 0.1 s of prefill: whole, it pushes the RT token late
     small = view("small", BE, prompt=100)  # 0.01 s: fits
     at = budget(now=1.45)
     plan = EchoPolicy(cost).plan([rt, doc, small], at)
-    assert plan.order == ["rt", "small"]
-    # Priced low enough, the document's 1,000 tokens outweigh one late RT token.
-    plan = EchoPolicy(cost, late_token_penalty=500).plan([rt, doc], at)
-    assert plan.order == ["rt", "doc"]
-    plan = EchoPolicy(cost, late_token_penalty=5000).plan([rt, doc], at)
-    assert plan.order == ["rt"]
+    # The document computes the chunk that keeps the RT token on time (priced whole, it got
+    # nothing, and the step's time went unused; found by a review).
+    assert plan.order == ["rt", "small", "doc"]
+    assert 300 <= plan.token_limits["doc"] <= 399  # (1 + 100 + 399) * 1e-4 s = 0.05 s
+
+
+def test_echo_refuses_a_be_addition_whose_punishment_exceeds_its_benefit() -> None:
+    rt = decoding("rt", arrival=0.0)  # due at 1.5 s
+    bes = [decoding(f"be{i}", BE, arrival=i) for i in range(3)]  # a decode cannot be cut
+    at = budget(now=1.475)  # 0.025 s: two requests of 0.01 s each fit, a third does not
+    assert len(EchoPolicy(per_request_cost(0.01)).plan([rt, *bes], at).order) == 2
+    # Priced below its benefit (a token), one late RT token is worth the BE decodes' tokens.
+    cheap = EchoPolicy(per_request_cost(0.01), late_token_penalty=0.5).plan([rt, *bes], at)
+    assert cheap.order == ["rt", "be0", "be1", "be2"]
 
 
 def test_echo_evicts_the_cheapest_be_when_rt_needs_pages() -> None:
@@ -856,3 +864,23 @@ def test_no_be_item_starts_on_the_pages_a_waiting_turn_waits_for(name: str) -> N
                         page_tokens=16)
     plan = make_policy(name, CostModel()).plan(views, budget)
     assert "decoding" in plan.order and "be_item" not in plan.order
+
+
+def test_echo_cuts_an_rt_prefill_to_the_batch_slo_of_the_streams_seated_before_it() -> None:
+    """Eq. 3's SLO is the least time any RT request in the batch is due in: a turn seated
+    whole beside five streams due in 0.08 s made the step 0.51 s, and every stream late
+    (found by a review). Its chunk keeps them on time; it still gets its TTFT floor."""
+    cost = token_cost(0.00025, 0.01)
+    now = 10.0
+    streams = [view(f"d{i}", prompt=32, computed=36, output=5, running=True,
+                    first_token_s=now - 0.42) for i in range(5)]  # next tokens due in 0.08 s
+    turn = view("turn", arrival=now, prompt=2000)  # 1 s to its first token
+    views = [turn, *streams]
+    plan = EchoPolicy(cost).plan(views, budget(now=now))
+    assert plan.order == [*(s.request_id for s in streams), "turn"]  # the streams first
+    assert 0 < plan.token_limits["turn"] < 2000 and predicted_s(cost, views, plan) <= 0.08
+    # a prompt the streams' room would leave too slow for its TTFT gets the chunk that
+    # keeps it on time, past their room: RT streams and an RT turn weigh alike
+    late = view("turn", arrival=now - 0.3, prompt=2000)  # 0.7 s: 6 steps of 0.1 s left
+    plan = EchoPolicy(cost).plan([late, *streams], budget(now=now))
+    assert plan.token_limits["turn"] >= 334  # 2000 over the steps left, not the streams' 275

@@ -4,9 +4,14 @@ Benefit is the tokens a step processes (Eq. 1). Punishment is the KV of evicted 
 which must be computed again (Eq. 2: a victim's `num_computed_tokens`), plus
 `late_token_penalty` benefit tokens for each RT token whose deadline the step's predicted
 latency overruns (Eq. 3's SLO constraint, made a price). Each step:
-1. RT requests, running then waiting, in arrival order (Echo keeps online work FCFS). An RT
-   request short of pages evicts the running BE request whose eviction costs least (Eq. 4 with
-   nothing else changed: the fewest computed tokens to redo).
+1. RT requests, running then waiting, in arrival order (Echo keeps online work FCFS), running
+   decodes before prefills. An RT prefill computes the chunk that keeps the step within the
+   batch SLO (Eq. 3: the least time any RT request seated before it is due in), but at least
+   the chunk that still meets its own TTFT (`ttft_floor`), and the oldest at least
+   `min_prefill_tokens` (one arriving turn, seated whole, made every stream late: 0.55 s at
+   3,000 tokens on a 2-core CPU; found by a review). An RT request short of pages evicts the
+   running BE request whose eviction costs least (Eq. 4 with nothing else changed: the
+   fewest computed tokens to redo).
 2. Running BE requests (the last batch, Echo's starting point) stay in the step, best marginal
    (benefit - punishment) / time first, while that net is positive; those that would push an
    RT token late sit the step out keeping their pages ("evict to fit tight SLOs").
@@ -25,7 +30,9 @@ latency overruns (Eq. 3's SLO constraint, made a price). Each step:
    recomputed (docs/benchmarks.md).
 4. The time headroom beside the memory one (not in the paper): BE work keeps each step within
    the arrival guard `StepBudget.max_be_step_s`, a BE prefill cut to the chunk that fits, so a
-   turn arriving during the step waits at most that long to start.
+   turn arriving during the step waits at most that long to start. A prefill's chunk also
+   keeps every seated RT token on time (cut to the least time one is due in): priced whole,
+   one that would have made a token late got nothing, where a smaller chunk fitted.
 Echo rescans every candidate after each addition; here candidates are ranked once by their own
 marginal ratio, as a request's marginal time in a linear cost model does not depend on the
 batch: O(n log n) per step instead of O(n^2). Requests not chosen keep their pages.
@@ -47,7 +54,7 @@ from antiphon.engine_ext.policies.base import (
     tokens_within_pages,
 )
 from antiphon.engine_ext.policies.prefix import ResidentPrefixes
-from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims
+from antiphon.engine_ext.policies.stepbatch import StepBatch, Victims, ttft_floor
 from antiphon.engine_ext.views import RequestView, StepBudget, StepPlan
 
 
@@ -57,7 +64,7 @@ class EchoPolicy(Policy):
     def __init__(self, cost_model: CostModel, headroom_fraction: float = 0.1,
                  burst_sigmas: float = 2.0, window_steps: int = 4096,
                  late_token_penalty: float = 1e6,
-                 checkpointed_burst_sigmas: float = 0.0) -> None:
+                 checkpointed_burst_sigmas: float = 0.0, min_prefill_tokens: int = 16) -> None:
         super().__init__(cost_model)
         self._resident = ResidentPrefixes()  # pages the running requests hold, kept across steps
         if not 0.0 <= headroom_fraction < 1.0 or burst_sigmas < 0 or window_steps < 1 \
@@ -71,17 +78,19 @@ class EchoPolicy(Policy):
         # engine's setting: it does not change while the policy runs).
         self._evictions_checkpointed = False
         self.late_token_penalty = late_token_penalty  # benefit tokens one late RT token costs
+        self.min_prefill_tokens = min_prefill_tokens  # the oldest RT prefill's progress a step
         self._rt_pages: collections.deque[int] = collections.deque(maxlen=window_steps)
         self._rt_pages_sum = 0  # of the window, for its mean (pages)
         self._rt_pages_sum_sq = 0  # of the window, for its variance (pages^2)
 
     def plan(self, views: Sequence[RequestView], budget: StepBudget) -> StepPlan:
         reserve = self.headroom_pages(views, budget)
-        rts = sorted((v for v in views if v.is_rt), key=lambda v: (not v.is_running, v.arrival_s))
+        rts = sorted((v for v in views if v.is_rt),
+                     key=lambda v: (not v.is_running, v.is_prefill, v.arrival_s))
         bes = sorted((v for v in views if not v.is_rt), key=lambda v: v.arrival_s)
         batch = StepBatch(budget, self.cost_model)
         plan = StepPlan(is_restrictive=True)
-        is_rt_short = self._add_rt(rts, bes, batch, plan)
+        is_rt_short = self._add_rt(rts, bes, batch, plan, budget.now_s)
         batch.keep_free_pages()
         seated = set(batch.ids)
         # `due_in_s`: a token already late carried no punishment, and BE work stretched its
@@ -150,19 +159,25 @@ class EchoPolicy(Policy):
         return min(total, max(0, math.ceil(self.headroom_fraction * total), burst))
 
     def _add_rt(self, rts: list[RequestView], bes: list[RequestView], batch: StepBatch,
-                plan: StepPlan) -> bool:
-        """Step 1: RT requests in FCFS order, evicting the cheapest running BE for pages.
-        Returns whether a waiting one was left out for want of pages."""
+                plan: StepPlan, now_s: float) -> bool:
+        """Step 1: RT requests in FCFS order, decodes first, a prefill's chunk within the
+        batch SLO (`_rt_chunk`), evicting the cheapest running BE for pages. Returns whether
+        a waiting one was left out for want of pages."""
         victims = Victims(sorted((v for v in bes if v.is_running),
                                  key=lambda v: v.num_computed_tokens), batch.page_tokens,
                           kept=rts, pages_next_step=batch.pages_next_step)
         is_short = is_deferred = False
+        due_in_s = math.inf  # the least time an RT request seated so far is due in
+        num_prefills = 0
         for view in rts:
             if batch.is_full:
                 return is_short
             if is_deferred and not view.is_running:
                 continue  # one ahead waits for pages the next step brings: none takes them
             new = min(view.num_new_tokens, batch.tokens_left)
+            if view.is_prefill:
+                new = self._rt_chunk(view, new, batch, due_in_s, now_s, num_prefills == 0)
+                num_prefills += 1
             pages = new_pages(view, new, batch.page_tokens)
             # vLLM admits a waiting request only where its whole sequence fits
             needed = admission_pages(view, pages, batch.page_tokens)
@@ -179,9 +194,25 @@ class EchoPolicy(Policy):
                 continue  # those behind
             if victims.take_until(needed, batch, plan):
                 batch.add(view, new, pages)
+                due_in_s = min(due_in_s, view.due_in_s(now_s))
                 continue
             is_short = is_deferred = True  # its pages come at the next step
         return is_short
+
+    def _rt_chunk(self, view: RequestView, wanted: int, batch: StepBatch, due_in_s: float,
+                  now_s: float, is_oldest: bool) -> int:
+        """The tokens of RT prefill `view` (of `wanted`) the step takes: within `due_in_s`
+        (the batch SLO of the RT requests seated before it), but at least its TTFT floor
+        over steps of one TPOT target, and the oldest prefill `min_prefill_tokens`."""
+        if due_in_s == math.inf:
+            return wanted
+        within = batch.tokens_within(view, due_in_s, wanted)
+        if within >= wanted:
+            return wanted
+        floor = ttft_floor(view, batch, view.tpot_slo_s or due_in_s, now_s)
+        if is_oldest:
+            floor = max(floor, self.min_prefill_tokens)
+        return max(within, min(wanted, floor))
 
     def _add_be(self, candidates: list[RequestView], batch: StepBatch, rt_slacks: list[float],
                 resident: ResidentPrefixes, reserve: int, limit_s: float) -> bool:
@@ -205,8 +236,11 @@ class EchoPolicy(Policy):
         for _, _, _, view, cached in ranked:
             if batch.is_full:
                 return is_short
-            new, pages, is_short_of_pages = batch.max_chunk(view, limit_s, cached,
-                                                            first_tokens=batch.page_tokens)
+            # A prefill within the least time a seated RT token is due in: the chunk that
+            # fits (a decode, which cannot be cut, is priced below)
+            new, pages, is_short_of_pages = batch.max_chunk(
+                view, min(limit_s, rt_slacks[0]) if rt_slacks and view.is_prefill else limit_s,
+                cached, first_tokens=batch.page_tokens)
             room = batch.pages_left - (reserve if batch.ids else 0)
             if is_short_of_pages or pages > room:
                 is_short = is_short or new > 0 or is_short_of_pages
