@@ -884,3 +884,33 @@ def test_echo_cuts_an_rt_prefill_to_the_batch_slo_of_the_streams_seated_before_i
     late = view("turn", arrival=now - 0.3, prompt=2000)  # 0.7 s: 6 steps of 0.1 s left
     plan = EchoPolicy(cost).plan([late, *streams], budget(now=now))
     assert plan.token_limits["turn"] >= 334  # 2000 over the steps left, not the streams' 275
+
+
+def test_bros_chunks_the_first_rt_prefill_of_a_step_where_streams_wait_on_it() -> None:
+    """Algorithm 1 compares every candidate with T_res, the first too: a turn come to the
+    front of the slack order was seated whole (0.51 s) beside five streams due in 0.08 s,
+    and each of them skipped that step (found by a review). Alone, it takes what it will."""
+    cost = token_cost(0.00025, 0.01)
+    now = 10.0
+    turn = view("turn", arrival=now - 0.95, prompt=2000)  # 0.05 s to its first token
+    streams = [view(f"d{i}", prompt=32, computed=36, output=5, running=True,
+                    first_token_s=now - 0.42) for i in range(5)]
+    plan = BrosPolicy(cost).plan([turn, *streams], budget(now=now))
+    assert plan.order[0] == "turn" and predicted_s(cost, [turn, *streams], plan) <= 0.1 + 1e-9
+    assert BrosPolicy(cost).plan([turn], budget(now=now)).token_limits == {"turn": 2000}  # alone
+
+
+def test_bros_judges_a_prompt_that_misses_its_ttft_once_not_on_its_remainder() -> None:
+    """A prompt too long to make its TTFT goes after the streams; judged on its remainder at
+    each step, it came back to the front once that was short, by its long-missed deadline,
+    and took whole steps from them (found by a review)."""
+    cost = token_cost(0.00025, 0.01)
+    now = 10.0
+    streams = [view(f"d{i}", prompt=32, computed=36, output=5, running=True,
+                    first_token_s=now - 0.42) for i in range(5)]
+    policy = BrosPolicy(cost)
+    for computed in (0, 4096, 6144):
+        long = view("long", arrival=now - 3.0, prompt=8000, computed=computed,
+                    running=computed > 0)
+        plan = policy.plan([long, *streams], budget(now=now))
+        assert plan.order == [*(s.request_id for s in streams), "long"], computed

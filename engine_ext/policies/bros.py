@@ -90,11 +90,21 @@ class BrosPolicy(Policy):
         # beyond the eighth decoding stream skipped steps and missed its TPOT.
         self.base_batch_size = base_batch_size
         self.batch_size = base_batch_size  # B_curr
+        # `_misses_ttft`'s verdict on each RT prefill, judged when first planned (judged on its
+        # remainder, a long prompt went to the back, then, its rest short enough, came first
+        # by its long-missed deadline and took whole steps from the streams; found by a review)
+        self._ttft_verdicts: dict[str, bool] = {}
 
     def plan(self, views: Sequence[RequestView], budget: StepBudget) -> StepPlan:
         now = budget.now_s
+        known = self._ttft_verdicts
+        # (a prompt's, while it is one: a stream's first token has come, late or not)
+        verdicts = {v.request_id: known[v.request_id] if v.request_id in known
+                    else self._misses_ttft(v, budget) for v in views
+                    if v.is_rt and v.is_prefill and v.num_output_tokens == 0}
+        self._ttft_verdicts = verdicts  # (the others' go)
         rts = sorted((v for v in views if v.is_rt),
-                     key=lambda v: (self._misses_ttft(v, budget), v.slack_s(now)))
+                     key=lambda v: (verdicts.get(v.request_id, False), v.slack_s(now)))
         bes = sorted((v for v in views if not v.is_rt), key=lambda v: (
             not v.is_running, v.num_preemptions == 0, v.num_restore_tokens, v.arrival_s))
         cap = min(self.batch_size, budget.max_num_seqs)
@@ -117,7 +127,12 @@ class BrosPolicy(Policy):
                 break
             new = min(view.num_new_tokens, batch.tokens_left)
             context = view.num_computed_tokens + new
-            if batch.ids and batch.time_s(new, context, view.is_prefill) > time_limit:
+            # The first of the step too, where it is a prefill and other RT requests wait on
+            # the step (Algorithm 1 compares every candidate with T_res): seated whole, a turn
+            # come to the front of the slack order made the step 0.5 s, and every stream
+            # skipped it (found by a review). Alone, it takes what it will.
+            limited = bool(batch.ids) or (view.is_prefill and len(rts) > 1)
+            if limited and batch.time_s(new, context, view.is_prefill) > time_limit:
                 is_at_risk = True
                 if view.is_prefill:
                     new = rt_prefill_chunk(view, batch, time_limit, now)
