@@ -914,3 +914,30 @@ def test_bros_judges_a_prompt_that_misses_its_ttft_once_not_on_its_remainder() -
                     running=computed > 0)
         plan = policy.plan([long, *streams], budget(now=now))
         assert plan.order == [*(s.request_id for s in streams), "long"], computed
+
+
+def test_hygen_be_work_leaves_streams_behind_their_deadline_time_to_catch_up() -> None:
+    """Streams due in less than L (a step ran over): BE chunks filled every step back to L
+    and the streams stayed late for good (found by a review). BE work gets what their
+    due time leaves."""
+    cost = token_cost(0.00025, 0.01)
+    now = 10.0
+    streams = [view(f"d{i}", prompt=32, computed=36, output=5, running=True,
+                    first_token_s=now - 0.42) for i in range(5)]  # due in 0.08 s, L 0.1 s
+    doc = view("doc", BE, arrival=0.0, prompt=2000)
+    plan = HygenPolicy(cost).plan([*streams, doc], budget(now=now))
+    assert "doc" in plan.order and predicted_s(cost, [*streams, doc], plan) <= 0.08 + 1e-9
+
+
+def test_hygen_cuts_a_lone_rt_prefill_to_the_budget_where_be_decodes_would_sit_out() -> None:
+    """The first request of an empty step took all it wanted: a 4,000-token turn beside 40
+    running BE decodes made a 0.52 s step they all sat out (found by a review). Alone, with
+    no BE decode to keep waiting, it still takes the whole of it."""
+    cost = token_cost(0.00025, 0.01)
+    now = 10.0
+    turn = view("turn", arrival=now, prompt=4000)
+    decodes = [view(f"be{i}", BE, prompt=512, computed=520, output=9, running=True)
+               for i in range(40)]
+    plan = HygenPolicy(cost).plan([turn, *decodes], budget(now=now))
+    assert predicted_s(cost, [turn, *decodes], plan) <= 0.1 + 1e-9
+    assert HygenPolicy(cost).plan([turn], budget(now=now)).token_limits == {"turn": 2048}

@@ -14,7 +14,8 @@ predicts the step as it grows.
    millisecond, its pages are held whether it runs or not, and a BE request that sits out a
    step holds them one step longer. Measured at 3 turns/s on a 2-core CPU, RT prefills that
    filled `L` left 28% of steps with every BE decode sitting out.
-2. Offline phase (Algorithm 3), on what is left of `L`: running BE requests in arrival order,
+2. Offline phase (Algorithm 3), on what is left of `L` (and of the least time a seated RT
+   token is due in, not in the paper): running BE requests in arrival order,
    decodes before prefills (not in the paper: a prefill chunk fills the budget, and decodes
    after it would sit out holding their pages), then waiting BE requests, each taken either
    from the depth-first order of the prefix tree over their page hashes (prefix-sharing
@@ -90,9 +91,16 @@ class HygenPolicy(Policy):
         resident = self._resident.update(
             [v for v in views if v.request_id not in preempted], budget.page_tokens)
         # BE work also keeps the step within the arrival guard, so a turn arriving meanwhile
-        # does not wait behind a long document prefill.
-        self._offline_phase(running_bes, waiting_bes, batch, min(limit_s, budget.max_be_step_s),
-                            resident)
+        # does not wait behind a long document prefill; and within the least time a seated
+        # RT token is due in (not in the paper, whose L is fixed): after a step ran over, BE
+        # chunks stretched every step after it back to L, and the streams never caught up
+        # (150 of 150 tokens late over 30 steps in a review's simulation). RT takes step time
+        # from BE, never the reverse.
+        seated = set(batch.ids)
+        rt_due_s = min((v.due_in_s(budget.now_s) for v in rts if v.request_id in seated),
+                       default=math.inf)
+        self._offline_phase(running_bes, waiting_bes, batch,
+                            min(limit_s, budget.max_be_step_s, rt_due_s), resident)
         plan.order = batch.ids
         plan.token_limits = batch.token_limits
         return plan
@@ -169,7 +177,12 @@ class HygenPolicy(Policy):
             # 6,000-token turn beside 12 of them: its first token at 33 s, against 1.6 s
             # alone; found by a review). RT takes step time from BE, never the reverse.
             limit_of = prefill_limit_s if on_time else (lambda: step_s)
-            chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_of(),
+            # Alone in the step it takes the whole of what it wants only where no BE decode
+            # would sit that step out (Algorithm 1's get_max_prefill cuts it to the budget: a
+            # 4,000-token turn beside 40 BE decodes made a 0.52 s step they all sat out,
+            # holding their pages; found by a review).
+            first = floor if be_decodes else math.inf
+            chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_of(), first_tokens=first,
                                                               min_tokens=floor)
             needed = admission_pages(view, pages, batch.page_tokens)
             # vLLM admits a waiting request only where its whole sequence fits: where it would
@@ -180,6 +193,7 @@ class HygenPolicy(Policy):
                          or needed > batch.pages_left + victims.pages_next_step):
                 victims.take_one(batch, plan)
                 chunk, pages, is_short_of_pages = batch.max_chunk(view, limit_of(),
+                                                                  first_tokens=first,
                                                                   min_tokens=floor)
                 needed = admission_pages(view, pages, batch.page_tokens)
             if needed > batch.pages_left:
