@@ -941,3 +941,16 @@ def test_hygen_cuts_a_lone_rt_prefill_to_the_budget_where_be_decodes_would_sit_o
     plan = HygenPolicy(cost).plan([turn, *decodes], budget(now=now))
     assert predicted_s(cost, [turn, *decodes], plan) <= 0.1 + 1e-9
     assert HygenPolicy(cost).plan([turn], budget(now=now)).token_limits == {"turn": 2048}
+
+
+def test_echo_be_prefills_go_on_while_rt_streams_are_behind_their_pace() -> None:
+    """Streams behind their pace are due in one TPOT, which their own decodes overrun: a BE
+    prefill cut to that got no token, and batch work stopped while RT was overloaded (found
+    by a review). Tokens late already are not punished: it gets its chunk."""
+    now = 100.0
+    cost = CostModel("hygen", {"prefill_token_s": 1e-4, "decode_request_s": 0.015})
+    streams = [view(f"s{i}", prompt=32, computed=36, output=5, running=True,
+                    first_token_s=now - 5) for i in range(8)]  # 0.12 s of decodes, TPOT 0.1
+    half = view("half", BE, prompt=1000, computed=496, running=True)
+    plan = EchoPolicy(cost).plan([*streams, half], budget(now=now))
+    assert "half" in plan.order

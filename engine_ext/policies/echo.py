@@ -236,11 +236,18 @@ class EchoPolicy(Policy):
         for _, _, _, view, cached in ranked:
             if batch.is_full:
                 return is_short
-            # A prefill within the least time a seated RT token is due in: the chunk that
-            # fits (a decode, which cannot be cut, is priced below)
-            new, pages, is_short_of_pages = batch.max_chunk(
-                view, min(limit_s, rt_slacks[0]) if rt_slacks and view.is_prefill else limit_s,
-                cached, first_tokens=batch.page_tokens)
+            # A prefill within the least time a seated RT token is due in that the step does
+            # not overrun already: the chunk that fits (a decode, which cannot be cut, is
+            # priced below; past every due time, as with streams behind their pace, tokens
+            # already late are not punished, and the chunk is the arrival guard's: cut to
+            # the least of them, BE prefills got nothing while RT was overloaded)
+            fits_s = limit_s
+            if rt_slacks and view.is_prefill:
+                ahead = bisect.bisect_right(rt_slacks, batch.time_s())
+                if ahead < len(rt_slacks):
+                    fits_s = min(limit_s, rt_slacks[ahead])
+            new, pages, is_short_of_pages = batch.max_chunk(view, fits_s, cached,
+                                                            first_tokens=batch.page_tokens)
             room = batch.pages_left - (reserve if batch.ids else 0)
             if is_short_of_pages or pages > room:
                 is_short = is_short or new > 0 or is_short_of_pages
