@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from antiphon.engine_ext.engine import EngineRequestError
-from antiphon.engine_ext.tool_calls import hermes_turns, tool_message
+from antiphon.engine_ext.tool_calls import CALL_CLOSE, CALL_OPEN, hermes_turns, tool_message
 from antiphon.engine_ext.types import ChatTurn, ToolSpec
 
 
@@ -24,6 +24,14 @@ class ChatTokenizer:
         # specified maximum" warning, which said it "will result in indexing errors").
         self.hf.model_max_length = int(1e30)  # transformers' own "no limit"
         self.special_token_ids = frozenset(self.hf.all_special_ids)
+        # Whether this model's <tool_call> tags are special tokens, which vLLM drops from a
+        # reply's text unless told not to (Hermes-family models mark them so): only then are
+        # special tokens kept while tools are offered, as vLLM's Hermes parser has it. Kept
+        # for every model, Mistral's [TOOL_CALLS] and Llama 3.1's <|python_tag|> came with the
+        # calls, which were then read as text.
+        specials = {token.content for token in self.hf.added_tokens_decoder.values()
+                    if token.special}
+        self.tool_tags_are_special = bool({CALL_OPEN, CALL_CLOSE} & specials)
 
     def render_chat(self, turns: Sequence[ChatTurn], *, open_reply: bool = True,
                     tools: Sequence[ToolSpec] = ()) -> list[int]:

@@ -153,9 +153,9 @@ class GenerationParams:
     stop_token_logprob: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     stop: tuple[str, ...] = ()
-    # False while tools are offered: a model whose <tool_call> tags are special tokens lost
-    # them from the text, and the calls became content (vLLM's Hermes parser does the same)
-    skip_special_tokens: bool = True
+    # Tools are offered: a model's <tool_call> tags stay in the text where they are special
+    # tokens (`ChatTokenizer.tool_tags_are_special`); dropped, the calls became content
+    keep_tool_tags: bool = False
     seed: int | None = None
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
     ttft_slo_s: float | None = None  # RT targets for this request; None: deployment default

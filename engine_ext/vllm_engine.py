@@ -270,7 +270,8 @@ class VllmEngine(Engine):
                 repetition_penalty=params.repetition_penalty,
                 min_tokens=params.min_tokens,
                 stop=list(params.stop) or None,
-                skip_special_tokens=params.skip_special_tokens,
+                skip_special_tokens=not (params.keep_tool_tags
+                                         and self.tokenizer.tool_tags_are_special),
                 seed=vllm_seed(params.seed),
                 ignore_eos=params.ignore_eos,
                 output_kind=RequestOutputKind.DELTA,

@@ -259,7 +259,7 @@ class ToolOffer(Sampling):
             schema = reply_schema(use, self.tool_specs(), given.pop("json_schema", None))
             if schema is not None:
                 given["json_schema"] = schema
-            given["skip_special_tokens"] = False  # (the calls' tags may be special tokens)
+            given["keep_tool_tags"] = True  # (the calls' tags may be special tokens)
         return given
 
 

@@ -65,13 +65,19 @@ class CapturingLLM:
         pass
 
 
-async def test_special_tokens_stay_in_the_text_while_tools_are_offered() -> None:
+async def test_special_tokens_stay_in_the_text_while_tools_are_offered_where_tags_are_them(
+        ) -> None:
     """A model whose <tool_call> tags are special tokens: vLLM drops those from the text
-    unless told not to, and the calls read as content."""
+    unless told not to, and the calls read as content. Other models' special tokens are
+    dropped all the same (kept, Mistral's [TOOL_CALLS] came with its calls, read as text)."""
     engine = VllmEngine(EngineConfig(), default_model_or_skip())
+    engine.load_tokenizer()
+    assert engine.tokenizer.tool_tags_are_special is False  # (SmolLM2's are plain text)
     engine._llm = llm = CapturingLLM()  # type: ignore[assignment]
-    for keep in (True, False):
-        params = GenerationParams(max_tokens=4, skip_special_tokens=keep)
-        async for _ in engine.generate(f"q_{keep}", [1, 2, 3], params):
-            pass
-    assert [s.skip_special_tokens for s in llm.sampling] == [True, False]
+    for special in (False, True):
+        engine.tokenizer.tool_tags_are_special = special
+        for keep in (False, True):
+            params = GenerationParams(max_tokens=4, keep_tool_tags=keep)
+            async for _ in engine.generate(f"q_{special}_{keep}", [1, 2, 3], params):
+                pass
+    assert [s.skip_special_tokens for s in llm.sampling] == [True, True, True, False]

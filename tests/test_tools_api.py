@@ -54,7 +54,7 @@ def test_a_tool_is_called_and_its_result_answered(agent: Scripted) -> None:
     prompt = "".join(map(chr, _last_prompt(agent)))
     assert "<tools>" in prompt and '"name": "get_weather"' in prompt
     # (the calls' tags may be special tokens, which the engine drops from text unless told)
-    assert agent.engine.params[-1].skip_special_tokens is False
+    assert agent.engine.params[-1].keep_tool_tags is True
 
     messages: list[Any] = [*ASK, choice.message.model_dump(exclude_none=True),
                            {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
@@ -142,7 +142,7 @@ def test_tool_choice_none_hides_the_tools(agent: Scripted) -> None:
                                                 tools=[WEATHER], tool_choice="none")
     assert out.choices[0].message.content == "I cannot look that up."
     assert agent.engine.params[-1].json_schema is None
-    assert agent.engine.params[-1].skip_special_tokens is True  # no calls to read
+    assert agent.engine.params[-1].keep_tool_tags is False  # no calls to read
 
 
 def _last_prompt(s: Scripted) -> list[int]:
