@@ -96,8 +96,12 @@ class EngineSegments:
         serves without it (a kill then leaves the segments for the operator to remove)."""
         present = self.names()
         if present - before - self._ours:
-            self._ours |= (present - before) & _mapped_segment_names(
-                self.shm_dir, _process_tree(os.getpid()))
+            try:
+                self._ours |= (present - before) & _mapped_segment_names(
+                    self.shm_dir, _process_tree(os.getpid()))
+            except OSError as exc:  # (a /proc this process may not list: nothing new known)
+                logger.warning("cannot tell which shared-memory segments the engine maps "
+                               "(%s): a kill of this server would leave them", exc)
         new = sorted((self._ours | self._still_mapped) & present)
         if new == self._recorded:
             return  # (written already: while the engine starts, this runs every second)

@@ -161,3 +161,26 @@ def test_a_failed_start_keeps_a_predecessors_segments_still_mapped_on_record(
         with pytest.raises(RuntimeError, match="initialization failed"):
             _lifespan(tmp_path, FailingStart(), shm)
     assert EngineSegments(tmp_path, shm).sweep() == ["psm_predecessor"]  # the next start
+
+
+def test_a_proc_that_cannot_be_listed_records_nothing_new_and_raises_nothing(
+        tmp_path: Path) -> None:
+    import pytest
+
+    from antiphon import shmsweep
+
+    def denied(root: int) -> list[int]:
+        raise PermissionError(13, "Permission denied", "/proc")
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    segments = EngineSegments(tmp_path, shm)
+    before = segments.names()
+    held: list[mmap.mmap] = []
+    _segment(shm, "psm_engine", held)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shmsweep, "_process_tree", denied)
+        segments.remember(before)  # (it stopped the server's start)
+    assert json.loads((tmp_path / RECORD_NAME).read_text())["segments"] == []
+    segments.remember(before)  # listed again later: recorded
+    assert json.loads((tmp_path / RECORD_NAME).read_text())["segments"] == ["psm_engine"]

@@ -167,7 +167,7 @@ class SlotFile:
         self._zero_slot = b""  # `clear`'s zeros, made on its first use
         # slot -> payload bytes last written there (UNWRITTEN: not since the file was opened)
         self._payload_ends = array(_ENDS_TYPE)
-        self._can_allocate = hasattr(os, "posix_fallocate")
+        self._can_allocate = True  # False once the file system turned `fallocate` down
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self.was_reset = False
         try:
@@ -227,12 +227,8 @@ class SlotFile:
         on_disk = self.num_slots_on_disk
         start = min(self.offset(slot), os.fstat(self._fd).st_size)
         if self._can_allocate:
-            try:
-                os.posix_fallocate(self._fd, start, self.offset(slot) + self.stride - start)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    raise
-                self._can_allocate = False  # (a file system that cannot: holes stay)
+            self._can_allocate = _allocate_range(self._fd, start,
+                                                 self.offset(slot) + self.stride - start)
         for added in range(on_disk, slot):
             self._set_end(added, 0)
 
@@ -382,19 +378,36 @@ _FALLOC_FL_ZERO_RANGE = 0x10
 _libc: ctypes.CDLL | None = None
 
 
-def _zero_range(fd: int, offset: int, length: int) -> bool:
-    """Zero `length` bytes of `fd` at `offset` in the file system (Linux `fallocate`
-    ZERO_RANGE: the range reads as zeros and keeps its blocks). False where the platform or
-    the file system cannot, whatever the reason: the caller writes zeros instead."""
+def _fallocate(fd: int, mode: int, offset: int, length: int) -> int:
+    """Linux `fallocate(2)` on `fd`: 0, or its error number (ENOSYS off Linux)."""
     global _libc
     if not sys.platform.startswith("linux"):
-        return False
+        return errno.ENOSYS
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
         _libc.fallocate.restype = ctypes.c_int
-    return bool(_libc.fallocate(fd, _FALLOC_FL_ZERO_RANGE | _FALLOC_FL_KEEP_SIZE, offset,
-                                length) == 0)
+    return 0 if _libc.fallocate(fd, mode, offset, length) == 0 else ctypes.get_errno()
+
+
+def _zero_range(fd: int, offset: int, length: int) -> bool:
+    """Zero `length` bytes of `fd` at `offset` in the file system (`fallocate` ZERO_RANGE:
+    the range reads as zeros and keeps its blocks). False where the platform or the file
+    system cannot, whatever the reason: the caller writes zeros instead."""
+    return _fallocate(fd, _FALLOC_FL_ZERO_RANGE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0
+
+
+def _allocate_range(fd: int, offset: int, length: int) -> bool:
+    """Give `length` bytes of `fd` at `offset` their blocks (`fallocate` mode 0: the file
+    grows to cover them). False where the file system or platform cannot, the range then
+    left as it is (glibc's `posix_fallocate` would write a byte into every block instead,
+    two system calls per 4 KiB: on NFS, round trips); OSError on a full disk."""
+    err = _fallocate(fd, 0, offset, length)
+    if err in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+        return False
+    if err:
+        raise OSError(err, os.strerror(err))
+    return True
 
 
 def stored_slot_bytes(directory: Path) -> int | None:
