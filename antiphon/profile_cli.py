@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -128,18 +129,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _unwritable(out: Path) -> str | None:
-    """Why `out` cannot take the report (None: it can): checked by opening it to append,
-    which changes nothing in a file there (a new one made for the check is removed)."""
+    """Why `out` cannot take the report (None: it can), found without changing anything: a
+    file there is opened to append; where there is none (or a link to none), its folder is
+    asked for write access (a file made for the check, then removed, took a dangling link
+    with it and left its target)."""
     if out.is_dir():
         return "it is a folder"
-    existed = out.exists()
+    if not out.exists():
+        folder = out.resolve().parent
+        if not folder.is_dir():
+            return f"no folder {folder}"
+        return None if os.access(folder, os.W_OK) else f"{folder} is not writable"
     try:
         with open(out, "a"):
             pass
     except OSError as exc:
         return exc.strerror or str(exc)
-    if not existed:
-        out.unlink(missing_ok=True)
     return None
 
 

@@ -225,7 +225,7 @@ def test_small_cli_mistakes_are_refused_at_once(tmp_path: Path,
 
     # --out into no folder: said before minutes of profiling, not as a traceback after them
     assert main(["profile", "--quick", "--out", str(tmp_path / "no" / "fit.json")]) == 2
-    assert "No such file or directory" in capsys.readouterr().err
+    assert "no folder" in capsys.readouterr().err
     # --out naming a folder: it passed the check, and the report's write failed after the
     # profile, as a traceback (the fit stored, and not said)
     assert main(["profile", "--quick", "--out", str(tmp_path)]) == 2
@@ -233,6 +233,9 @@ def test_small_cli_mistakes_are_refused_at_once(tmp_path: Path,
     from antiphon.profile_cli import _unwritable
     assert _unwritable(tmp_path / "fit.json") is None
     assert not (tmp_path / "fit.json").exists()  # (the check leaves nothing behind)
+    (tmp_path / "link.json").symlink_to(tmp_path / "target.json")  # a link to no file yet
+    assert _unwritable(tmp_path / "link.json") is None
+    assert (tmp_path / "link.json").is_symlink() and not (tmp_path / "target.json").exists()
     # options profiling would ignore (it runs FCFS, and makes the fit) are not taken (they
     # were listed, "--cost-model (default: 'stored')", and did nothing: found by a review)
     for flags in (["--policy", "hygen"], ["--cost-model", "auto"], ["--rt-ttft-slo-s", "0.2"]):
