@@ -53,14 +53,17 @@ class ChatClient(Protocol):
 
 
 def _timed(sent: float, first: float | None, last: float | None, end: float,
-           num_frames: int) -> tuple[float, float | None]:
+           completion_tokens: int, finish_reason: str | None) -> tuple[float, float | None]:
     """(TTFT, TPOT) in seconds from the client's clock readings of one turn: TPOT is the
-    mean gap between the `num_frames` text frames received, first to last. Not over the
-    server's completion tokens: the end-of-sequence token counts among them and brings no
-    frame, so a reply that ended on it had one gap too many (two tokens, [a, EOS]: a TPOT
-    of 0; found by a review)."""
-    return (first or end) - sent, (None if first is None or last is None or num_frames < 2
-                                   else (last - first) / (num_frames - 1))
+    time from the first text frame to the last over the tokens between them. A reply that
+    ended on its own ("stop") ended on a token with no text (the end-of-sequence token, or a
+    stop string's), counted in the server's completion tokens: over all of them, it had a
+    gap too many ([a, EOS]: a TPOT of 0). Not over the frames: a server merges tokens into
+    one frame when the client falls behind, and the TPOT of frames came out high (both found
+    by reviews). None where there is no gap to time."""
+    gaps = completion_tokens - 1 - (finish_reason == "stop")
+    return (first or end) - sent, (None if first is None or last is None or gaps < 1
+                                   else (last - first) / gaps)
 
 
 class OpenAIChat:
@@ -87,6 +90,7 @@ class OpenAIChat:
         first = last = None
         pieces: list[str] = []  # the reply's text frames
         usage: dict[str, Any] = {}
+        finish_reason = None
         async with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
             resp.raise_for_status()
             async for line in resp.aiter_lines():
@@ -94,6 +98,8 @@ class OpenAIChat:
                     continue
                 chunk = json.loads(line[6:])
                 usage = chunk.get("usage") or usage
+                if chunk.get("choices"):
+                    finish_reason = chunk["choices"][0].get("finish_reason") or finish_reason
                 if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                     last = time.perf_counter()
                     first = first or last
@@ -101,7 +107,7 @@ class OpenAIChat:
         end = time.perf_counter()
         text = "".join(pieces)
         self.history.append({"role": "assistant", "content": text})
-        ttft, tpot = _timed(sent, first, last, end, len(pieces))
+        ttft, tpot = _timed(sent, first, last, end, usage["completion_tokens"], finish_reason)
         details = usage.get("prompt_tokens_details") or {}
         return TurnResult(ttft, tpot, usage["prompt_tokens"], usage["completion_tokens"],
                           int(details.get("cached_tokens") or 0), text)
@@ -136,14 +142,13 @@ class WsChat:
         await self._send(type="message", session_id=self.session_id, content=message,
                          max_tokens=self.max_tokens, temperature=0.0)
         first = last = None
-        num_frames = 0  # of the reply's text (an empty one, as for an EOS, is not timed)
         while (frame := await self._recv()).get("type") != "done":
-            if frame["type"] == "token" and frame.get("text"):
+            if frame["type"] == "token" and frame.get("text"):  # (an EOS's is empty)
                 last = time.perf_counter()
                 first = first or last
-                num_frames += 1
         usage = frame["usage"]
-        ttft, tpot = _timed(sent, first, last, time.perf_counter(), num_frames)
+        ttft, tpot = _timed(sent, first, last, time.perf_counter(), usage["completion_tokens"],
+                            frame.get("finish_reason"))
         tiers = usage.get("tier_prompt_tokens")
         return TurnResult(ttft, tpot, usage["prompt_tokens"], usage["completion_tokens"],
                           usage["cached_prompt_tokens"], frame["text"],

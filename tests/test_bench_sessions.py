@@ -386,11 +386,12 @@ def content(text: str, finish: str | None = None) -> dict:
     return {"choices": [{"delta": {"content": text}, "finish_reason": finish}]}
 
 
-async def test_tpot_is_timed_over_the_text_frames_received(
+async def test_tpot_leaves_out_the_token_a_reply_ended_on(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The end-of-sequence token counts in the server's completion tokens and brings no text:
     TPOT over completion tokens had a gap too many, and a reply [a, EOS] a TPOT of 0 (found
-    by a review). It is the mean gap between the frames received; None with one frame."""
+    by a review). Over the frames, tokens merged into one frame read slow: it is over the
+    tokens between the first text and the last; None with no gap."""
     import httpx
 
     from antiphon.bench import sessions_clients
@@ -422,7 +423,7 @@ async def test_tpot_is_timed_over_the_text_frames_received(
             return self.frames.pop(0)
 
     chat = WsChat("ws://antiphon/v1/ws", 8)
-    done = {"type": "done", "text": "ab", "usage": {
+    done = {"type": "done", "text": "ab", "finish_reason": "stop", "usage": {
         **usage, "cached_prompt_tokens": 0, "tier_prompt_tokens": None}}
     chat._ws = FakeSocket({"type": "token", "text": "a"}, {"type": "token", "text": "b"},
                           {"type": "token", "text": ""}, done)
@@ -432,6 +433,12 @@ async def test_tpot_is_timed_over_the_text_frames_received(
                           {**done, "text": "a", "usage": {**done["usage"], "completion_tokens": 2}})
     monkeypatch.setattr(sessions_clients, "time", ScriptedClock(0.0, 1.0, 1.5))
     assert (await chat.turn("hi")).tpot_s is None
+    # four tokens cut short ("length") in two frames, a server's merge: three gaps
+    chat._ws = FakeSocket({"type": "token", "text": "ab"}, {"type": "token", "text": "cd"},
+                          {**done, "text": "abcd", "finish_reason": "length",
+                           "usage": {**done["usage"], "completion_tokens": 4}})
+    monkeypatch.setattr(sessions_clients, "time", ScriptedClock(0.0, 1.0, 1.6, 1.7))
+    assert (await chat.turn("hi")).tpot_s == pytest.approx(0.2)
 
 
 def test_replies_without_a_gap_to_time_stay_out_of_the_tpot_median() -> None:
