@@ -50,7 +50,11 @@ def try_lock(path: Path, mode: int = 0o644) -> int | None:
     """An exclusive flock on `path` (created if missing) for this process: its file
     descriptor (closing it, or the process ending, releases the lock), or None when another
     process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    return _locked(os.open(path, os.O_RDWR | os.O_CREAT, mode))
+
+
+def _locked(fd: int) -> int | None:
+    """`fd`, exclusively flocked for this process; None (closed) where another holds it."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -118,9 +122,4 @@ def _probe_lock(path: Path) -> int | None:
     except OSError as e:
         logger.warning("cannot look at %s (%s): leaving it to the SSD tier", path, e)
         return -1
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    return _locked(fd)
