@@ -4,9 +4,11 @@ Runs one workload on each system in one run, side by side (`--systems`): `vllm`,
 `AsyncLLM` in this process (stock scheduler, no server); `vllm_serve`, stock vLLM's OpenAI
 server (`vllm.entrypoints.openai.api_server`) over REST; `antiphon`, a real `antiphon serve`
 process over websockets (one connection and session per simulated user); `antiphon_rest`, the
-same server over REST (streamed chat completions, as `vllm_serve` is driven). Reports
-short-prompt TTFT and output tokens/s at 1 and at 16 concurrent sessions, each system started
-with the same engine settings. Server against server (`vllm_serve`, `antiphon_rest`) is the
+same server over REST (streamed chat completions, as `vllm_serve` is driven);
+`antiphon_rest_be`, the same with every request best-effort (issue 3's "BE only"). Reports
+short-prompt TTFT and output tokens/s at 1 and at 16 concurrent sessions, in rounds of
+requests started together and under a sustained load (closed-loop users, counted after a
+ramp-up), each system started with the same engine settings. Server against server (`vllm_serve`, `antiphon_rest`) is the
 comparison of two deployments; `vllm` is the engine with no server's costs at all.
 
 Every request opens with a system message of its own (`opening`), the same on both sides: a
@@ -56,9 +58,44 @@ def opening(n: int) -> str:
     return f"{hashlib.sha256(str(n).encode()).hexdigest()[:8]}: a conversation of its own."
 
 
+# A sustained load's first seconds, left out of its window: the ramp-up of its first requests
+SUSTAIN_WARMUP_S = 5.0
+
+
+def tokens_within(first: float, end: float, tokens: int, lo: float, hi: float) -> float:
+    """A request's output tokens that came in [lo, hi): spread evenly between its first
+    token's time and its end's."""
+    if end <= first:
+        return float(tokens) if lo <= first < hi else 0.0
+    return tokens * max(0.0, min(end, hi) - max(first, lo)) / (end - first)
+
+
+async def sustained(fresh: Callable[[str, int], Awaitable[tuple[float, int, float]]],
+                    users: int, max_tokens: int, window_s: float) -> float:
+    """Output tokens/s of `users` closed-loop users, each sending its next request when its
+    last one ends, counted over `window_s` seconds after `SUSTAIN_WARMUP_S`: throughput at a
+    steady load, where a round of requests started together also times their ramp-up and
+    their tail (a round's figure moved by 5-10% between two runs of one system)."""
+    lo = time.perf_counter() + SUSTAIN_WARMUP_S
+    hi = lo + window_s
+    spans: list[tuple[float, float, int]] = []
+
+    async def user(k: int) -> None:
+        for i in itertools.count():
+            if time.perf_counter() >= hi:
+                return
+            sent = time.perf_counter()
+            ttft, tokens, total = await fresh(story_prompt(k + i * users), max_tokens)
+            spans.append((sent + ttft, sent + total, tokens))
+
+    await asyncio.gather(*(user(k) for k in range(users)))
+    return sum(tokens_within(*span, lo, hi) for span in spans) / window_s
+
+
 async def measure(run: Runner, concurrency: tuple[int, ...], max_tokens: int, rounds: int,
-                  ttft_repeats: int) -> dict[str, Any]:
-    """Run the workload through `run` and summarise it."""
+                  ttft_repeats: int, sustain_s: float = 0.0) -> dict[str, Any]:
+    """Run the workload through `run` and summarise it: per concurrency, `rounds` rounds of
+    requests started together, then (where `sustain_s` > 0) a sustained load."""
     numbers = itertools.count()
 
     def fresh(prompt: str, tokens: int) -> Awaitable[tuple[float, int, float]]:
@@ -80,6 +117,9 @@ async def measure(run: Runner, concurrency: tuple[int, ...], max_tokens: int, ro
         result[f"c{c}_output_tokens_per_s"] = tokens / wall
         result[f"c{c}_output_tokens"] = tokens
         result[f"c{c}_ttft_p50_s"] = statistics.median(load_ttfts)
+        if sustain_s > 0:
+            result[f"c{c}_sustained_tokens_per_s"] = await sustained(fresh, c, max_tokens,
+                                                                     sustain_s)
     return result
 
 
@@ -157,9 +197,11 @@ async def run_server(ws_url: str, **workload: Any) -> dict:
     return await measure(run, **workload)
 
 
-async def run_rest(base_url: str, model: str, **workload: Any) -> dict:
+async def run_rest(base_url: str, model: str, request_class: str | None = None,
+                   **workload: Any) -> dict:
     """The workload through an OpenAI-compatible server's streamed chat completions (stock
-    vLLM's, or Antiphon's REST API), one request per user, greedy as the others."""
+    vLLM's, or Antiphon's REST API), one request per user, greedy as the others; every
+    request of `request_class` ("rt", "be": Antiphon's `vllm_xargs`) where given."""
     import httpx
 
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
@@ -169,6 +211,8 @@ async def run_rest(base_url: str, model: str, **workload: Any) -> dict:
                     "messages": [{"role": "system", "content": system},
                                  {"role": "user", "content": prompt}],
                     "stream": True, "stream_options": {"include_usage": True}}
+            if request_class is not None:
+                body["vllm_xargs"] = {"request_class": request_class}
             started, first, tokens = time.perf_counter(), None, 0
             async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 resp.raise_for_status()
@@ -191,7 +235,8 @@ async def run_rest(base_url: str, model: str, **workload: Any) -> dict:
 
 SYSTEMS = {"vllm": "vLLM AsyncLLM directly", "vllm_serve": "stock vLLM's server over REST",
            "antiphon": "antiphon serve over websockets",
-           "antiphon_rest": "antiphon serve over REST"}
+           "antiphon_rest": "antiphon serve over REST",
+           "antiphon_rest_be": "antiphon serve over REST, every request best-effort"}
 MODEL_NAME = "bench-model"  # the name both servers serve the model under
 
 
@@ -208,7 +253,7 @@ def main(args: argparse.Namespace) -> int:
               "enable_prefix_caching": True, "max_num_batched_tokens": 2048}
     workload = {"concurrency": (1, 16), "max_tokens": args.max_tokens,
                 "rounds": 1 if args.quick else args.rounds,
-                "ttft_repeats": 5 if args.quick else 10}
+                "ttft_repeats": 5 if args.quick else 10, "sustain_s": args.sustain_s}
     results: dict[str, Any] = {}
     data_dir = Path(args.out).with_suffix(".data")
     cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
@@ -233,14 +278,16 @@ def main(args: argparse.Namespace) -> int:
         with ServerProcess(stock, health_path="/health") as server:
             return asyncio.run(run_rest(server.url, MODEL_NAME, **workload))
 
-    def run_antiphon(rest: bool = False) -> dict[str, float]:
+    def run_antiphon(rest: bool = False, request_class: str | None = None
+                     ) -> dict[str, float]:
         with scratch_data_dir(data_dir), ServerProcess(cmd) as server:
-            return asyncio.run(run_rest(server.url, MODEL_NAME, **workload) if rest
-                               else run_server(server.ws_url, **workload))
+            return asyncio.run(run_rest(server.url, MODEL_NAME, request_class, **workload)
+                               if rest else run_server(server.ws_url, **workload))
 
     to_run: dict[str, Callable[[], dict[str, float]]] = {
         "vllm": run_vllm, "vllm_serve": run_vllm_serve, "antiphon": run_antiphon,
-        "antiphon_rest": lambda: run_antiphon(rest=True)}
+        "antiphon_rest": lambda: run_antiphon(rest=True),
+        "antiphon_rest_be": lambda: run_antiphon(rest=True, request_class="be")}
     names = args.systems.split(",")
     for repeat in range(args.repeats):
         # the order alternates, so a host that drifts does not always favour the same one
@@ -277,6 +324,9 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds per concurrency level")
     p.add_argument("--repeats", type=int, default=1, help="run both systems this many times")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--sustain-s", type=float, default=None,
+                   help="seconds of sustained load counted per concurrency, after "
+                        f"{SUSTAIN_WARMUP_S:g} s of ramp-up; 0: none (default 60; --quick: 30)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="skip graph compilation (default: on with --quick)")
     p.add_argument("--systems", type=names_in(SYSTEMS), default="vllm,antiphon",
@@ -291,4 +341,8 @@ def add_parser(kinds: Any) -> None:
 def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.enforce_eager is None:
         args.enforce_eager = bool(args.quick)
+    if args.sustain_s is None:
+        args.sustain_s = 30.0 if args.quick else 60.0
+    if args.sustain_s < 0:
+        raise SystemExit("--sustain-s: at least 0 seconds")
     return args

@@ -40,6 +40,33 @@ async def test_the_rest_workload_is_greedy_and_counts_the_served_tokens(
     assert len({p.split(": a conversation of its own")[0] for p in prompts}) == len(prompts)
 
 
+async def test_a_sustained_load_counts_the_tokens_of_its_window(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round of requests started together also timed their ramp-up and their tail: its
+    tokens/s moved by 5-10% between two runs of one system. The sustained load keeps every
+    user busy and counts what came in a window; "BE only" marks every request best-effort."""
+    from antiphon.bench import serving
+    from antiphon.engine_ext.types import RequestClass
+
+    monkeypatch.setattr(serving, "SUSTAIN_WARMUP_S", 0.2)
+    result = await serving.run_rest(scripted.url, "scripted", "be", concurrency=(2,),
+                                    max_tokens=4, rounds=1, ttft_repeats=1, sustain_s=1.0)
+    # the scripted engine echoes the message, one word a token every 10 ms: two users
+    # make at most 200 tokens a second, less the gaps between a user's requests
+    assert 40 < result["c2_sustained_tokens_per_s"] <= 200
+    assert {p.request_class for p in scripted.engine.params} == {RequestClass.BE}
+
+
+def test_tokens_within_a_window_are_spread_over_their_request() -> None:
+    from antiphon.bench.serving import tokens_within
+
+    assert tokens_within(1.0, 3.0, 10, 0.0, 10.0) == 10  # wholly inside
+    assert tokens_within(1.0, 3.0, 10, 2.0, 10.0) == 5  # half of it after the window opens
+    assert tokens_within(1.0, 3.0, 10, 1.5, 2.0) == 2.5
+    assert tokens_within(4.0, 5.0, 10, 0.0, 3.0) == 0  # after the window
+    assert tokens_within(2.0, 2.0, 1, 0.0, 3.0) == 1 and tokens_within(3.0, 3.0, 1, 0, 3) == 0
+
+
 def test_a_server_stops_with_every_process_of_its_group() -> None:
     """vLLM's worker, orphaned when the server exits, ran on for seconds: `stop` returned with
     it alive, and the next system measured started beside it."""
@@ -93,7 +120,7 @@ def test_bench_serve_alternates_which_system_runs_first(
 
     monkeypatch.setattr(serving, "run_direct", direct)
     monkeypatch.setattr(serving, "run_server", served)
-    async def rest(url: str, model: str, **kwargs: Any) -> dict[str, float]:
+    async def rest(url: str, model: str, *args: Any, **kwargs: Any) -> dict[str, float]:
         order.append(f"{url} over REST")
         return {"x": 1.0}
 
@@ -111,14 +138,16 @@ def test_bench_serve_alternates_which_system_runs_first(
     monkeypatch.setattr(antiphon.model, "resolve_model", lambda model: tmp_path)
     serving.main(argparse.Namespace(model=None, quick=True, rounds=1, repeats=2, max_tokens=4,
                                     enforce_eager=True, out=str(tmp_path / "s.json"),
-                                    server_arg=["--no-kv-tiering"], systems="vllm,antiphon"))
+                                    server_arg=["--no-kv-tiering"], systems="vllm,antiphon",
+                                    sustain_s=0.0))
     assert order == ["vllm", "antiphon", "antiphon", "vllm"]
     assert all(cmd[-1] == "--no-kv-tiering" for cmd in commands) and len(commands) == 2
     # server against server: stock vLLM's and Antiphon's, both over REST
     order.clear()
     serving.main(argparse.Namespace(model=None, quick=True, rounds=1, repeats=2, max_tokens=4,
                                     enforce_eager=True, out=str(tmp_path / "s.json"),
-                                    server_arg=[], systems="vllm_serve,antiphon_rest"))
+                                    server_arg=[], systems="vllm_serve,antiphon_rest",
+                                    sustain_s=0.0))
     assert order == ["stock over REST", "antiphon over REST", "antiphon over REST",
                      "stock over REST"]
 
