@@ -24,6 +24,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -244,6 +245,7 @@ def main(args: argparse.Namespace) -> int:
     from antiphon.engine_ext.model_defaults import resolve_dtype
     from antiphon.model import resolve_model
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     model_dir = resolve_model(args.model)
     # Both systems in the dtype `antiphon serve` picks for this machine (bfloat16 is emulated,
     # about 5 times slower, on CPUs without bfloat16 instructions).
@@ -299,7 +301,7 @@ def main(args: argparse.Namespace) -> int:
                                               "workload": workload, "repeats": args.repeats,
                                               "server_args": args.server_arg,
                                               "machine": _machine()},
-              "systems": systems}
+              "systems": systems, "runs": results}
     write_json(args.out, record)
     print_table(systems, baseline="vllm_serve" if "vllm_serve" in systems else names[0])
     return 0
