@@ -8,8 +8,9 @@ same server over REST (streamed chat completions, as `vllm_serve` is driven);
 `antiphon_rest_be`, the same with every request best-effort (issue 3's "BE only"). Reports
 short-prompt TTFT and output tokens/s at 1 and at 16 concurrent sessions, in rounds of
 requests started together and under a sustained load (closed-loop users, counted after a
-ramp-up), each system started with the same engine settings. Server against server (`vllm_serve`, `antiphon_rest`) is the
-comparison of two deployments; `vllm` is the engine with no server's costs at all.
+ramp-up), each system started with the same engine settings. Server against server
+(`vllm_serve`, `antiphon_rest`) is the comparison of two deployments; `vllm` is the engine
+with no server's costs at all.
 
 Every request opens with a system message of its own (`opening`), the same on both sides: a
 prompt sent again is a cache hit in Antiphon's KV tiers, which keep partly filled pages, and a

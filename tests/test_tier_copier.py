@@ -310,9 +310,9 @@ def test_a_step_that_moves_no_kv_skips_the_per_layer_hooks() -> None:
     assert not connector.has_connector_metadata()
     copy = PageCopy(blocks=(1,), slots=(0, 1))
     for step, meta, hooks in [
-            (1, {}, False), (2, {"final_saves": {"r": [copy]}}, False), (3, {"loads": [copy]}, True),
-            (4, {"early_loads": [copy]}, True), (5, {"saves": [copy]}, True),
-            (6, {"checkpoints": [copy]}, True)]:
+            (1, {}, False), (2, {"final_saves": {"r": [copy]}}, False),
+            (3, {"loads": [copy]}, True), (4, {"early_loads": [copy]}, True),
+            (5, {"saves": [copy]}, True), (6, {"checkpoints": [copy]}, True)]:
         connector.bind_connector_metadata(TieringMetadata(step=step, arena_name="a", **meta))
         assert connector.has_connector_metadata() is hooks, meta
         connector.wait_for_save()
