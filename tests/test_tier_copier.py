@@ -293,3 +293,28 @@ def test_a_layout_that_splits_pages_is_refused() -> None:
     kv = {name: torch.zeros((3, NUM_BLOCKS, 16, 8)).permute(1, 0, 2, 3) for name in LAYERS}
     with pytest.raises(ValueError, match=r"not one contiguous run.*VLLM_KV_CACHE_LAYOUT"):
         new_copier().register(kv)
+
+
+def test_a_step_that_moves_no_kv_skips_the_per_layer_hooks() -> None:
+    """vLLM calls `wait_for_layer_load` and `save_kv_layer` around every attention layer while
+    `has_connector_metadata()` is true: a lone decode step took 16.1 ms on 2 cores with
+    tiering against 15.6 ms without, most steps copying nothing. Steps that copy layer by
+    layer keep their hooks; a finished request's last pages are still copied after the step."""
+    from antiphon.tiering.connector import AntiphonKVConnector
+
+    finished: list[int] = []
+    connector = object.__new__(AntiphonKVConnector)
+    connector._copier = type("Copier", (), {"finish_step": lambda self, meta: finished.append(
+        meta.step)})()  # type: ignore[assignment]
+    connector._connector_metadata = None
+    assert not connector.has_connector_metadata()
+    copy = PageCopy(blocks=(1,), slots=(0, 1))
+    for step, meta, hooks in [
+            (1, {}, False), (2, {"final_saves": {"r": [copy]}}, False),
+            (3, {"loads": [copy]}, True), (4, {"early_loads": [copy]}, True),
+            (5, {"saves": [copy]}, True), (6, {"checkpoints": [copy]}, True)]:
+        connector.bind_connector_metadata(TieringMetadata(step=step, arena_name="a", **meta))
+        assert connector.has_connector_metadata() is hooks, meta
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+    assert finished == [1, 2, 3, 4, 5, 6]  # every step's end, hooks or not

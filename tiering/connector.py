@@ -224,6 +224,20 @@ class AntiphonKVConnector(KVConnectorBase_V1):
         assert self._copier is not None, "worker-side call on the scheduler connector"
         return self._copier
 
+    def has_connector_metadata(self) -> bool:
+        # vLLM asks this around every attention layer, and calls `wait_for_layer_load` and
+        # `save_kv_layer` there only when it is true: a step that moves no KV layer by layer
+        # skips both calls in every layer (with them, a lone decode step took 16.1 ms on 2
+        # cores against 15.6 without tiering). Our own calls ask `_bound_meta`.
+        meta = self._bound_meta()
+        return meta is not None and meta.has_layer_work
+
+    def _bound_meta(self) -> TieringMetadata | None:
+        """This step's metadata, or None outside a step (`_get_connector_metadata` asserts)."""
+        meta = self._connector_metadata
+        assert meta is None or isinstance(meta, TieringMetadata)
+        return meta
+
     def _meta(self) -> TieringMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieringMetadata)
@@ -259,8 +273,9 @@ class AntiphonKVConnector(KVConnectorBase_V1):
         self.copier.save_layer(self._meta(), layer_name)
 
     def wait_for_save(self) -> None:
-        if self.has_connector_metadata():
-            self.copier.finish_step(self._meta())
+        meta = self._bound_meta()
+        if meta is not None:
+            self.copier.finish_step(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.copier.take_finished_sending() or None, None

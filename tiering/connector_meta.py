@@ -62,6 +62,13 @@ class TieringMetadata(KVConnectorMetadata):
         return bool(self.loads or self.early_loads or self.saves or self.final_saves
                     or self.checkpoints)
 
+    @property
+    def has_layer_work(self) -> bool:
+        """The forward pass's per-layer hooks have something to do: layer loads or saves, or
+        (for the check that its checkpoints came before the forward) checkpoints. A finished
+        request's last pages are copied after the forward (`final_saves`)."""
+        return bool(self.loads or self.early_loads or self.saves or self.checkpoints)
+
 
 @dataclasses.dataclass
 class TieringWorkerMetadata(KVConnectorWorkerMetadata):
