@@ -71,6 +71,40 @@ def test_arena_geometry_and_bounds() -> None:
         HostArena.attach(name)  # the owner unlinked it on close
 
 
+def _resident_bytes(name: str) -> int:
+    """Bytes of shared-memory segment `name` mapped into this process (its `Rss`)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and ":" not in line.split(" ", 1)[0]:
+            inside = line.endswith(f"/dev/shm/{name}")
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux only")
+def test_prefaulting_maps_every_page_and_changes_no_byte() -> None:
+    """tmpfs zeroes an arena page at its first touch (a VM may only back it then): in a step
+    that saved into untouched slots, that took 15-100 ms. The owner touches every page on a
+    background thread instead, and the bytes stay as they were."""
+    name, slot_bytes = shm_name(), 1 << 16
+    with HostArena.create(name, num_slots=128, slot_bytes=slot_bytes) as arena:
+        arena.write(7, b"kept")
+        assert _resident_bytes(name) < arena.size_bytes // 2  # (not touched yet)
+        arena.prefault_in_background()
+        deadline = time.monotonic() + 60
+        while _resident_bytes(name) < arena.size_bytes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _resident_bytes(name) >= arena.size_bytes
+        assert arena.read(7, 5) == b"kept\0"
+        assert arena.read(100) == bytes(slot_bytes)
+    big = shm_name()
+    with HostArena.create(big, num_slots=1024, slot_bytes=slot_bytes) as arena:
+        arena.prefault_in_background()  # closed at once, while it runs: it stops first
+    with pytest.raises(FileNotFoundError):
+        HostArena.attach(big)
+
+
 def test_arena_larger_than_shared_memory_fails_at_creation() -> None:
     """The memory is reserved when the arena is created: one larger than /dev/shm's room fails
     there with a typed error naming the fix, not later with SIGBUS in the writing process, and

@@ -15,12 +15,15 @@ The header lets an attaching process check the geometry. Slots start page-aligne
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import logging
 import mmap
 import os
 import secrets
 import struct
+import sys
+import threading
 import time
 from collections.abc import Collection
 from multiprocessing import resource_tracker
@@ -37,6 +40,10 @@ HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIQQ")  # magic, version, slot_bytes, num_slots
 _MAGIC = b"AKVARENA"
 _VERSION = 1
+_MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
+# Mapped per madvise call: the call holds this process's memory-map lock, which a thread
+# that allocates or frees memory then waits for (32 MiB a call held vLLM's worker for 1 s).
+PREFAULT_STEP_BYTES = 1 << 20
 
 
 def _open_in_use(name: str) -> int:
@@ -78,8 +85,8 @@ def _reserve(name: str, size: int) -> None:
     """Allocate the segment's memory now, as vLLM allocates its KV pool at start: a segment
     larger than the room left in /dev/shm is accepted by `ftruncate`, then kills the process
     that writes past the room with SIGBUS, mid-step; here it fails at creation instead, with
-    the sizes in the message. (It also moves the page allocations out of the steps that first
-    write each slot; each process still maps a page at its first touch.)"""
+    the sizes in the message. (The pages are not zeroed yet: tmpfs clears each at its first
+    touch, which `HostArena.prefault_in_background` moves out of the steps.)"""
     import _posixshmem
 
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
@@ -114,6 +121,7 @@ class HostArena:
         self._mapping = mapping  # the attacher's mapping (None when created)
         self._in_use_fd: int | None = in_use_fd  # holds the in-use lock (`_open_in_use`)
         self._tracked = tracked  # the owner's name is known to the resource tracker
+        self._prefault: tuple[threading.Thread, threading.Event] | None = None
 
     @classmethod
     def create(cls, name: str, num_slots: int, slot_bytes: int, *,
@@ -238,6 +246,27 @@ class HostArena:
         array = np.frombuffer(self.slot_view(slot), dtype=dtype)
         return array if shape is None else array.reshape(shape)
 
+    def prefault_in_background(self) -> None:
+        """Touch every page of the arena now, on a background thread that runs only on
+        idle cores, rather than in the steps that first write each slot. tmpfs zeroes a page
+        at its first touch, and a VM may only back it with host memory then: on this
+        project's 2-core VM, touching a new 2-GiB arena took 11 s (21 us a 4-KiB page), and
+        in vLLM's worker a step's save of 720 pages took 15-100 ms once the saves reached
+        such pages, against 1-3 ms before in the same run. Touching maps the pages into this
+        process too (the worker maps them again at its own first touch, about 2 us a page).
+        No byte changes. Linux only (`MADV_POPULATE_WRITE`, 5.14 and later); elsewhere, or
+        where the kernel refuses it, a page is touched at its first use. `close` stops it."""
+        if self._prefault is not None or not sys.platform.startswith("linux"):
+            return
+        anchor = ctypes.c_char.from_buffer(self._buffer)
+        address = ctypes.addressof(anchor)  # page-aligned: the mapping's start
+        del anchor  # (an export held past `close` would keep the mapping)
+        stop = threading.Event()
+        thread = threading.Thread(target=_prefault, args=(self.name, address, len(self._buffer), stop),
+                                  name=f"prefault-{self.name}", daemon=True)
+        self._prefault = (thread, stop)
+        thread.start()
+
     def check_integrity(self) -> None:
         """Assert the header still describes this arena."""
         header = _HEADER.unpack_from(self._buffer, 0)
@@ -248,6 +277,11 @@ class HostArena:
         """Unmap (the owner also unlinks the name, so no new process can attach)."""
         if self._buf is None:
             return
+        if self._prefault is not None:
+            thread, stop = self._prefault
+            stop.set()
+            thread.join()  # (before the unmap: it would fault in pages of a reused range)
+            self._prefault = None
         self._buf.release()
         self._buf = None
         try:
@@ -281,6 +315,32 @@ class HostArena:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range 0..{self.num_slots - 1}")
         return HEADER_BYTES + slot * self.slot_bytes
+
+
+def _prefault(name: str, address: int, size: int, stop: threading.Event) -> None:
+    """`madvise(MADV_POPULATE_WRITE)` over `size` bytes at `address`, a step at a time until
+    done or `stop` is set: maps the pages writable without changing a byte. The thread runs
+    under `SCHED_IDLE` (at nice 19 where that is refused): it takes cores nothing else
+    wants, and never one from the forward pass's threads."""
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    started = time.monotonic()
+    for offset in range(0, size, PREFAULT_STEP_BYTES):
+        if stop.is_set():
+            return
+        if libc.madvise(address + offset, min(PREFAULT_STEP_BYTES, size - offset),
+                        _MADV_POPULATE_WRITE) != 0:
+            logger.info("host arena %s: pages are touched at their first use (madvise: %s)",
+                        name, os.strerror(ctypes.get_errno()))
+            return
+    logger.info("host arena %s: %d MiB touched in %.1f s", name, size >> 20,
+                time.monotonic() - started)
 
 
 ARENA_PREFIX = "antiphon-kv-"

@@ -50,6 +50,7 @@ class HostTier(IndexedTier[HostSlot]):
         (`tracked`: as `HostArena.create`)."""
         arena = HostArena.create(shm_name, capacity_bytes // slot_bytes, slot_bytes,
                                  tracked=tracked)
+        arena.prefault_in_background()
         return cls(arena, name=name, policy=policy)
 
     @property
