@@ -84,9 +84,9 @@ def _resident_bytes(name: str) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux only")
 def test_prefaulting_maps_every_page_and_changes_no_byte() -> None:
-    """tmpfs zeroes an arena page at its first touch (a VM may only back it then): in a step
-    that saved into untouched slots, that took 15-100 ms. The owner touches every page on a
-    background thread instead, and the bytes stay as they were."""
+    """tmpfs zeroes an arena page at its first touch (a VM may only back it then): a step's
+    saves into untouched slots took 29-108 ms. The owner touches every page on a background
+    thread instead, and the bytes stay as they were."""
     name, slot_bytes = shm_name(), 1 << 16
     with HostArena.create(name, num_slots=128, slot_bytes=slot_bytes) as arena:
         arena.write(7, b"kept")

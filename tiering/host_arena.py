@@ -41,8 +41,9 @@ _HEADER = struct.Struct("<8sIQQ")  # magic, version, slot_bytes, num_slots
 _MAGIC = b"AKVARENA"
 _VERSION = 1
 _MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
-# Mapped per madvise call: the call holds this process's memory-map lock, which a thread
-# that allocates or frees memory then waits for (32 MiB a call held vLLM's worker for 1 s).
+# Touched per madvise call, between checks for `close`: short, since the call holds the
+# process's memory-map lock (32 MiB a call, on a normal-priority thread in vLLM's worker,
+# stretched its steps to 0.4-1.4 s for 10 s).
 PREFAULT_STEP_BYTES = 1 << 20
 
 
@@ -251,8 +252,8 @@ class HostArena:
         idle cores, rather than in the steps that first write each slot. tmpfs zeroes a page
         at its first touch, and a VM may only back it with host memory then: on this
         project's 2-core VM, touching a new 2-GiB arena took 11 s (21 us a 4-KiB page), and
-        in vLLM's worker a step's save of 720 pages took 15-100 ms once the saves reached
-        such pages, against 1-3 ms before in the same run. Touching maps the pages into this
+        in vLLM's worker the saves of a step, 720 to 2,160 pages, took 29-108 ms once they
+        reached such pages, against 1-4 ms before in the same run. Touching maps the pages into this
         process too (the worker maps them again at its own first touch, about 2 us a page).
         No byte changes. Linux only (`MADV_POPULATE_WRITE`, 5.14 and later); elsewhere, or
         where the kernel refuses it, a page is touched at its first use. `close` stops it."""
@@ -262,8 +263,8 @@ class HostArena:
         address = ctypes.addressof(anchor)  # page-aligned: the mapping's start
         del anchor  # (an export held past `close` would keep the mapping)
         stop = threading.Event()
-        thread = threading.Thread(target=_prefault, args=(self.name, address, len(self._buffer), stop),
-                                  name=f"prefault-{self.name}", daemon=True)
+        thread = threading.Thread(target=_prefault, name=f"prefault-{self.name}", daemon=True,
+                                  args=(self.name, address, len(self._buffer), stop))
         self._prefault = (thread, stop)
         thread.start()
 
