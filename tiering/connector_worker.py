@@ -117,12 +117,10 @@ class PagewiseMover:
         pass
 
     def load(self, pages: torch.Tensor, slots: torch.Tensor, runs: Runs) -> None:
-        _copy_pages(pages, slots, [(block, row + i) for row, blocks in runs
-                                   for i, block in enumerate(blocks)])
+        _copy_runs(pages, slots, runs, to_pages=True)
 
     def save(self, pages: torch.Tensor, slots: torch.Tensor, runs: Runs) -> None:
-        _copy_pages(slots, pages, [(row + i, block) for row, blocks in runs
-                                   for i, block in enumerate(blocks)])
+        _copy_runs(pages, slots, runs, to_pages=False)
 
     def layer_loaded(self, layer: int) -> None:
         pass
@@ -312,16 +310,19 @@ class BatchedMover:
 Mover = PagewiseMover | BatchedMover
 
 
-def _copy_pages(dst: torch.Tensor, src: torch.Tensor, rows: Sequence[tuple[int, int]]) -> None:
-    """`dst[d] = src[s]` for each `(d, s)` of `rows`: between CPU tensors on this thread alone
-    (`PagewiseMover`), otherwise through `Tensor.copy_`."""
-    if dst.device.type == "cpu" and src.device.type == "cpu":
-        dst_rows, src_rows = dst.numpy(), src.numpy()
-        for d, s in rows:
-            numpy.copyto(dst_rows[d], src_rows[s])
-        return
-    for d, s in rows:
-        dst[d].copy_(src[s])
+def _copy_runs(pages: torch.Tensor, slots: torch.Tensor, runs: Runs, *, to_pages: bool) -> None:
+    """Copy each run's slot rows into its device pages (`to_pages`) or back, a page at a
+    time: between CPU tensors on this thread alone (`PagewiseMover`), otherwise through
+    `Tensor.copy_`."""
+    on_cpu = pages.device.type == "cpu" and slots.device.type == "cpu"
+    page_rows, slot_rows = (pages.numpy(), slots.numpy()) if on_cpu else (pages, slots)
+    copy: Any = numpy.copyto if on_cpu else torch.Tensor.copy_  # (dst, src)
+    for row, blocks in runs:
+        for i, block in enumerate(blocks):
+            if to_pages:
+                copy(page_rows[block], slot_rows[row + i])
+            else:
+                copy(slot_rows[row + i], page_rows[block])
 
 
 class KvPageCopier:
