@@ -52,6 +52,6 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), type=names_in(ALL_SYSTEMS),
                    help="comma-separated, of " + ", ".join(ALL_SYSTEMS))
     p.add_argument("--shared-block-pages", type=int, default=4)
-    add_workload_arguments(p, kv_pages=24)
+    add_workload_arguments(p, kv_pages=24, rt_rate=1.0)
     p.set_defaults(bench_func=main)
 

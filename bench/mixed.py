@@ -25,6 +25,13 @@ from typing import Any
 import httpx
 
 from antiphon.bench.args import positive_int
+from antiphon.bench.host_gauge import (
+    host_decode_step_s,
+    host_drift,
+    host_step_noise,
+    plain_decode_steps,
+    rt_rate_for,
+)
 from antiphon.bench.report import args_config, fmt, print_table, write_json
 from antiphon.bench.serverproc import ServerProcess, scratch_data_dir
 from antiphon.bench.workload import (
@@ -55,10 +62,13 @@ KEY_METRICS = ("rt_ttft_slo_attainment", "rt_tpot_slo_attainment", "rt_normalize
 # mean over turns one of which failed), not "not measured": averaged with other runs' values
 # it made failures flatter the figure.
 UNBOUNDED_WHEN_NONE = frozenset({"rt_ttft_p50_s", "rt_ttft_p99_s", "rt_normalized_latency_s"})
-# Decode-only steps of this many requests (inclusive) gauge the host's speed per run.
-HOST_GAUGE_REQUESTS = (8, 12)
 # A spread of host gauges between runs beyond which the table is flagged as confounded.
 HOST_DRIFT_WARNING = 0.05
+# `--rt-rate auto`'s calibration: requests decoding together (inside `HOST_GAUGE_REQUESTS`),
+# the tokens each, and how many times.
+CALIBRATION_STREAMS = 10
+CALIBRATION_TOKENS = 96
+CALIBRATION_ROUNDS = 2
 # Each system's runs: their metrics, by system name.
 Runs = dict[str, list[dict[str, Any]]]
 # A run over time: its RT turns ("rt", `rt_request`'s results) and BE rate samples ("be").
@@ -68,8 +78,6 @@ BE_SAMPLE_S = 2.0
 GENERATION_TOKENS = "antiphon_generation_tokens_total"
 # Seconds an idle client connection is kept open, under the server's keep-alive.
 CLIENT_KEEPALIVE_S = 1.0
-# Steps of one batch size on either side whose median a step's noise is measured from.
-NOISE_NEIGHBOURS = 5
 
 
 async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival: RtArrival,
@@ -331,13 +339,22 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     model_dir = resolve_model(args.model)
     duration = trace_duration(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per chat turn otherwise
-    arrivals = azure_arrivals(duration, args.rt_rate, args.rt_prompt_tokens,
-                              args.rt_output_tokens, seed=args.seed)
-    conversations = sharegpt_conversations(len(arrivals), seed=args.seed)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.model_max_length = int(1e30)  # documents are cut to size here, not by it
+    if args.rt_rate is None:
+        print("[calibration] measuring the host's decode step for --rt-rate auto ...", flush=True)
+        # set in `args`, so the record's config says the rate run and the gauge it came from
+        args.rt_rate_gauge_s = calibrate_host(args, model_dir,
+                                              calibration_prompts(args, tokenizer))
+        args.rt_rate = rt_rate_for(args.rt_rate_gauge_s)
+        print(f"[calibration] {args.rt_rate_gauge_s * 1000:.1f} ms a decode step of "
+              f"{CALIBRATION_STREAMS} requests: {args.rt_rate:.2f} RT turns a second",
+              flush=True)
+    arrivals = azure_arrivals(duration, args.rt_rate, args.rt_prompt_tokens,
+                              args.rt_output_tokens, seed=args.seed)
+    conversations = sharegpt_conversations(len(arrivals), seed=args.seed)
     prompts = [fit_tokens(c[0][1], a.prompt_tokens, c[-1][1], tokenizer)
                for c, a in zip(conversations, arrivals, strict=False)]
     config = {**args_config(args), **workload_summary(arrivals, duration)}  # what ran
@@ -434,7 +451,21 @@ def run_system(args: argparse.Namespace, model_dir: Path, name: str, extra: list
     out = Path(args.out)
     data_dir = out.with_suffix(f".{name}.data")
     trace = out.with_suffix(f".{name}.steps.jsonl")
-    trace.unlink(missing_ok=True)  # the scheduler appends
+    cmd = server_command(args, model_dir, data_dir, trace, extra)
+    with scratch_data_dir(data_dir), \
+            ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
+        result = asyncio.run(run_policy(server, args, prompts, arrivals, batch_path))
+    steps = plain_decode_steps(trace, *result.pop("window_wall"))  # the trace, read once
+    result["host_decode_step_s"] = host_decode_step_s(steps)
+    result["host_step_noise"] = host_step_noise(steps)
+    return result
+
+
+def server_command(args: argparse.Namespace, model_dir: Path, data_dir: Path, trace: Path,
+                   extra: list[str]) -> list[str]:
+    """`antiphon serve` on the benchmark's engine settings, with a system's `extra` arguments,
+    its data in `data_dir` and its step trace in `trace` (emptied: the scheduler appends)."""
+    trace.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "antiphon", "serve", "--model", str(model_dir),
            "--max-model-len", "2048", "--num-kv-pages", str(args.kv_pages), "--rt-ttft-slo-s",
            str(args.ttft_slo), "--rt-tpot-slo-s", str(args.tpot_slo), "--data-dir",
@@ -446,65 +477,57 @@ def run_system(args: argparse.Namespace, model_dir: Path, name: str, extra: list
     cmd += ["--enforce-eager"] if args.quick else []
     if args.model is None:
         cmd += ["--served-model-name", "SmolLM2-135M-Instruct"]
+    return cmd
+
+
+def calibrate_host(args: argparse.Namespace, model_dir: Path, prompts: list[str]) -> float:
+    """The host gauge (`host_decode_step_s`, seconds) of one server start of the baseline,
+    stock fcfs, on the benchmark's engine settings, decoding `prompts` together for
+    `CALIBRATION_TOKENS` tokens each, `CALIBRATION_ROUNDS` times: what `--rt-rate auto`
+    scales the RT trace by."""
+    out = Path(args.out)
+    data_dir, trace = out.with_suffix(".calibration.data"), out.with_suffix(
+        ".calibration.steps.jsonl")
+    cmd = server_command(args, model_dir, data_dir, trace, system_arguments("fcfs"))
     with scratch_data_dir(data_dir), \
-            ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
-        result = asyncio.run(run_policy(server, args, prompts, arrivals, batch_path))
-    steps = plain_decode_steps(trace, *result.pop("window_wall"))  # the trace, read once
-    result["host_decode_step_s"] = host_decode_step_s(steps)
-    result["host_step_noise"] = host_step_noise(steps)
-    return result
+            ServerProcess(cmd, log_path=out.with_suffix(".calibration.log")) as server:
+        start, end = asyncio.run(decode_together(server.url, prompts))
+    gauge = host_decode_step_s(plain_decode_steps(trace, start, end))
+    if not gauge:
+        raise RuntimeError(f"the calibration ran no decode step of {CALIBRATION_STREAMS} "
+                           f"requests (its steps: {trace}); give --rt-rate")
+    return gauge
 
 
-def host_drift(runs: Runs) -> float:
-    """How much slower the slowest run's host gauge was than the fastest's (0.1: 10%)."""
-    gauges = [r["host_decode_step_s"] for rs in runs.values() for r in rs
-              if r.get("host_decode_step_s")]
-    return max(gauges) / min(gauges) - 1 if gauges else 0.0
+async def decode_together(url: str, prompts: list[str],
+                          transport: httpx.AsyncBaseTransport | None = None
+                          ) -> tuple[float, float]:
+    """Stream every prompt at once, `CALIBRATION_ROUNDS` times, for `CALIBRATION_TOKENS`
+    tokens each, from the server at `url` (through `transport` where given); the wall-clock
+    window (`time.time()`) of the rounds. A failed turn fails the calibration: its steps
+    would not be the gauge's."""
+    async with httpx.AsyncClient(base_url=url, timeout=600, transport=transport) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        start = time.time()
+        for _ in range(CALIBRATION_ROUNDS):
+            at = time.perf_counter()
+            results = await asyncio.gather(*(
+                rt_request(client, model, prompt, RtArrival(0, 0, CALIBRATION_TOKENS), at)
+                for prompt in prompts))
+            if failed := [r for r in results if r["failed"]]:
+                raise RuntimeError(f"a calibration turn failed: {failed[0].get('error')}")
+        return start, time.time()
 
 
-def host_decode_step_s(steps: list[tuple[int, float]]) -> float:
-    """How fast the host ran a system: the median latency of its plain decode `steps`
-    (`plain_decode_steps`) of `HOST_GAUGE_REQUESTS` requests; 0 when there were none. Every
-    policy runs such steps, and they cost about the same under any of them, so a system whose
-    figure differs from the others' ran on a faster or slower host (these CPUs drift by up to
-    half within an hour), and a comparison with it is confounded."""
-    low, high = HOST_GAUGE_REQUESTS
-    latencies = [lat for n, lat in steps if low <= n <= high]
-    return statistics.median(latencies) if latencies else 0.0
-
-
-def host_step_noise(steps: list[tuple[int, float]]) -> float:
-    """How much the host's step latency jitters, as the cost-model error is measured
-    (mean |predicted - measured| / measured): how far the plain decode `steps`
-    (`plain_decode_steps`) lie from the median of their `NOISE_NEIGHBOURS` nearest steps of
-    the same batch size on either side, which had the same shape and nearly the same time.
-    A model that predicts from a step's shape cannot do much better on those steps (on this
-    2-core host the model's error on them came within 0.8 points of this figure). 0 when no
-    step had enough such neighbours."""
-    by_size: dict[int, list[float]] = {}
-    for n, lat in steps:
-        by_size.setdefault(n, []).append(lat)
-    deviations = []
-    k = NOISE_NEIGHBOURS
-    for latencies in by_size.values():
-        for i, lat in enumerate(latencies):
-            near = latencies[max(0, i - k):i] + latencies[i + 1:i + 1 + k]
-            if len(near) >= k:
-                deviations.append(abs(lat - statistics.median(near)) / lat)
-    return statistics.mean(deviations) if deviations else 0.0
-
-
-def plain_decode_steps(trace: Path, start: float, end: float) -> list[tuple[int, float]]:
-    """(requests, latency in seconds) of each step in `trace` from `start` to `end`
-    (`time.time()`) that only decoded: no prefill, no KV copies."""
-    steps = []
-    with trace.open() as lines:
-        for line in lines:
-            step = json.loads(line)
-            if (start <= step["t"] <= end and not step["rt"][0] and not step["be"][0]
-                    and not step["copies"] and step.get("lat_s")):
-                steps.append((step["rt"][2] + step["be"][2], step["lat_s"]))
-    return steps
+def calibration_prompts(args: argparse.Namespace, tokenizer: Any) -> list[str]:
+    """`CALIBRATION_STREAMS` prompts, half RT chat turns of `--rt-prompt-tokens` and half BE
+    document chunks, as the benchmark's plain decode steps mix them."""
+    num_rt = CALIBRATION_STREAMS // 2
+    chats = sharegpt_conversations(num_rt, seed=args.seed)
+    documents = document_chunks(512, 1024, tokenizer, seed=args.seed)
+    return ([fit_tokens(c[0][1], args.rt_prompt_tokens, c[-1][1], tokenizer) for c in chats]
+            + [f"{instruction}\n\n{text}" for instruction, text
+               in documents[:CALIBRATION_STREAMS - num_rt]])
 
 
 def summarise_runs(runs: list[dict[str, Any]], num_failed: int = 0) -> dict[str, Any]:
@@ -555,17 +578,32 @@ def add_parser(kinds: Any) -> None:
                         "POLICY:stock, POLICY:antiphon, POLICY:host, POLICY:eager or "
                         "POLICY:lazy with that memory management (default: stock for fcfs "
                         "and priority, Antiphon's for the others)")
-    add_workload_arguments(p, kv_pages=64)
+    add_workload_arguments(p, kv_pages=64, rt_rate=None)
     p.set_defaults(bench_func=main)
 
 
-def add_workload_arguments(p: argparse.ArgumentParser, kv_pages: int) -> None:
+def rt_rate_arg(text: str) -> float | None:
+    """`--rt-rate`: RT turns a second, or `auto` (None) for the rate that loads this host as
+    the reference host was loaded (`host_gauge.rt_rate_for`)."""
+    if text == "auto":
+        return None
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 or auto, got {text}")
+    return value
+
+
+def add_workload_arguments(p: argparse.ArgumentParser, kv_pages: int,
+                           rt_rate: float | None) -> None:
     """The RT trace, BE job and engine settings `run_systems` reads."""
     p.add_argument("--model", default=None)
     p.add_argument("--quick", action="store_true", help="40 s traces, eager engines")
     p.add_argument("--duration", type=float, default=None,
                    help="RT trace length (s; default 120, with --quick 40)")
-    p.add_argument("--rt-rate", type=float, default=1.0, help="RT arrivals per second")
+    p.add_argument("--rt-rate", type=rt_rate_arg, default=rt_rate,
+                   help="RT arrivals per second, or auto: scaled to this host's speed, measured "
+                        "by one server start before the runs (default "
+                        f"{'auto' if rt_rate is None else rt_rate})")
     p.add_argument("--rt-prompt-tokens", type=int, default=300, help="mean RT prompt length")
     p.add_argument("--rt-output-tokens", type=int, default=48, help="mean RT output length")
     p.add_argument("--be-items", type=int, default=400, help="BE chunks in the batch job")

@@ -11,13 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from antiphon.bench.mixed import (
+from antiphon.bench.host_gauge import (
     host_decode_step_s,
     host_drift,
     host_step_noise,
+    plain_decode_steps,
+    rt_rate_for,
+)
+from antiphon.bench.mixed import (
     interleaved_runs,
     measurement_window_s,
-    plain_decode_steps,
     positive_int,
     rt_request,
     rt_summary,
@@ -233,7 +236,7 @@ def test_the_record_says_the_trace_length_run() -> None:
     from antiphon.bench.mixed import add_workload_arguments, trace_duration
 
     parser = argparse.ArgumentParser()
-    add_workload_arguments(parser, kv_pages=64)
+    add_workload_arguments(parser, kv_pages=64, rt_rate=None)
     for given, expected in ((["--quick"], 40.0), ([], 120.0),
                             (["--quick", "--duration", "15"], 15.0)):
         args = parser.parse_args(given)
@@ -354,3 +357,99 @@ def test_the_ratios_are_to_the_fcfs_entry_whatever_its_memory_or_step_limit() ->
     assert mixed.baseline_entry(["fcfs:host", "bros"]) == "fcfs:host"
     assert mixed.baseline_entry(["bros", "fcfs@1"]) == "fcfs@1"
     assert mixed.baseline_entry(["bros", "echo"]) == "fcfs"
+
+
+def test_the_auto_rt_rate_keeps_rt_turns_per_decode_step() -> None:
+    """`--rt-rate` was set by hand, and a load where the targets held on one day's host missed
+    them on a host 13% slower: auto scales the turns by the host's decode step."""
+    from antiphon.bench import host_gauge
+
+    reference = host_gauge.RT_TURNS_PER_GAUGE_STEP
+    assert rt_rate_for(0.030) == pytest.approx(reference / 0.030)
+    assert rt_rate_for(0.060) == pytest.approx(rt_rate_for(0.030) / 2)  # twice as slow
+    for unmeasured in (0.0, float("nan")):
+        with pytest.raises(ValueError, match="no host gauge"):
+            rt_rate_for(unmeasured)
+
+
+def test_rt_rate_is_a_positive_number_or_auto_and_auto_is_mixeds_default() -> None:
+    from antiphon.bench.blocks import add_parser as add_blocks
+    from antiphon.bench.mixed import add_parser as add_mixed
+
+    parser = argparse.ArgumentParser()
+    kinds = parser.add_subparsers()
+    add_mixed(kinds)
+    add_blocks(kinds)
+    assert parser.parse_args(["mixed"]).rt_rate is None  # auto
+    assert parser.parse_args(["mixed", "--rt-rate", "auto"]).rt_rate is None
+    assert parser.parse_args(["mixed", "--rt-rate", "1.5"]).rt_rate == 1.5
+    assert parser.parse_args(["blocks"]).rt_rate == 1.0  # (its runs are sized by hand)
+    for bad in ("0", "-1", "fast"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["mixed", "--rt-rate", bad])
+
+
+async def test_the_calibration_decodes_every_prompt_together_and_fails_on_a_failed_turn(
+        ) -> None:
+    import httpx
+
+    from antiphon.bench import mixed
+
+    sent: list[str] = []
+    short = False
+
+    def serve(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        body = json.loads(request.content)
+        sent.append(body["messages"][0]["content"])
+        assert body["max_tokens"] == mixed.CALIBRATION_TOKENS and body["ignore_eos"]
+        tokens = body["max_tokens"] - (1 if short else 0)
+        return httpx.Response(200, content=_sse(
+            _delta("a"), _delta("b", "length"),
+            {"choices": [], "usage": {"completion_tokens": tokens}}))
+
+    prompts = [f"prompt {i}" for i in range(mixed.CALIBRATION_STREAMS)]
+    before = time.time()
+    start, end = await mixed.decode_together("http://bench", prompts, httpx.MockTransport(serve))
+    assert before <= start <= end <= time.time()
+    assert sorted(sent) == sorted(prompts * mixed.CALIBRATION_ROUNDS)
+    short = True  # a turn cut short decoded fewer steps than the gauge reads
+    with pytest.raises(RuntimeError, match="calibration turn failed"):
+        await mixed.decode_together("http://bench", prompts, httpx.MockTransport(serve))
+
+
+def test_a_calibration_without_gauge_steps_says_to_give_the_rate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from antiphon.bench import mixed
+
+    class Server:
+        url = "http://bench"
+
+        def __init__(self, cmd: list[str], log_path: Path) -> None:
+            assert cmd[cmd.index("--policy") + 1] == "fcfs" and "--no-kv-tiering" in cmd
+            self.trace = Path(cmd[cmd.index("--step-trace") + 1])
+
+        def __enter__(self) -> Server:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    steps: list[str] = []
+
+    async def decode(url: str, prompts: list[str]) -> tuple[float, float]:
+        Path(args.out).with_suffix(".calibration.steps.jsonl").write_text("".join(steps))
+        return 0.0, 100.0
+
+    monkeypatch.setattr(mixed, "ServerProcess", Server)
+    monkeypatch.setattr(mixed, "decode_together", decode)
+    parser = argparse.ArgumentParser()
+    mixed.add_workload_arguments(parser, kv_pages=64, rt_rate=None)
+    args = parser.parse_args(["--quick"])
+    args.out = str(tmp_path / "m.json")
+    steps = [_step(10.0 + i, 0.030 + i / 1000, [0, 0, 10], [0, 0, 0]) for i in range(3)]
+    assert mixed.calibrate_host(args, tmp_path, ["p"]) == pytest.approx(0.031)
+    steps = [_step(10.0, 0.5, [1, 300, 0], [0, 0, 0])]  # a prefill: no gauge step
+    with pytest.raises(RuntimeError, match="give --rt-rate"):
+        mixed.calibrate_host(args, tmp_path, ["p"])
