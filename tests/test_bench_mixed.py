@@ -384,7 +384,7 @@ def test_rt_rate_is_a_positive_number_or_auto_and_auto_is_mixeds_default() -> No
     assert parser.parse_args(["mixed", "--rt-rate", "auto"]).rt_rate is None
     assert parser.parse_args(["mixed", "--rt-rate", "1.5"]).rt_rate == 1.5
     assert parser.parse_args(["blocks"]).rt_rate == 1.0  # (its runs are sized by hand)
-    for bad in ("0", "-1", "fast"):
+    for bad in ("0", "-1", "fast", "inf", "nan"):
         with pytest.raises(SystemExit):
             parser.parse_args(["mixed", "--rt-rate", bad])
 
