@@ -65,9 +65,9 @@ UNBOUNDED_WHEN_NONE = frozenset({"rt_ttft_p50_s", "rt_ttft_p99_s", "rt_normalize
 # A spread of host gauges between runs beyond which the table is flagged as confounded.
 HOST_DRIFT_WARNING = 0.05
 # `--rt-rate auto`'s calibration: requests decoding together (inside `HOST_GAUGE_REQUESTS`),
-# the tokens each, and how many times. Two rounds (8 s of steps) read 4-14% above the gauge of
-# the fcfs run after them in three benchmarks, and their halves differed by up to 30%: the host
-# drifts within seconds, and four rounds (about 16 s) average more of it.
+# the tokens each, and how many times. Streamed, two rounds (8 s of steps) read 4-14% above
+# the gauge of the fcfs run after them in three benchmarks, and their halves differed by up to
+# 30%: the host drifts within seconds, and four rounds (about 16 s) average more of it.
 CALIBRATION_STREAMS = 10
 CALIBRATION_TOKENS = 96
 CALIBRATION_ROUNDS = 4
@@ -504,21 +504,34 @@ def calibrate_host(args: argparse.Namespace, model_dir: Path, prompts: list[str]
 async def decode_together(url: str, prompts: list[str],
                           transport: httpx.AsyncBaseTransport | None = None
                           ) -> tuple[float, float]:
-    """Stream every prompt at once, `CALIBRATION_ROUNDS` times, for `CALIBRATION_TOKENS`
-    tokens each, from the server at `url` (through `transport` where given); the wall-clock
-    window (`time.time()`) of the rounds. A failed turn fails the calibration: its steps
-    would not be the gauge's."""
+    """Send every prompt at once, `CALIBRATION_ROUNDS` times, for `CALIBRATION_TOKENS` tokens
+    each, to the server at `url` (through `transport` where given); the wall-clock window
+    (`time.time()`) of the rounds. Not streamed: the runs' plain decode steps are mostly BE
+    work, which no client streams. A failed turn fails the calibration: its steps would not
+    be the gauge's."""
     async with httpx.AsyncClient(base_url=url, timeout=600, transport=transport) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         start = time.time()
         for _ in range(CALIBRATION_ROUNDS):
-            at = time.perf_counter()
-            results = await asyncio.gather(*(
-                rt_request(client, model, prompt, RtArrival(0, 0, CALIBRATION_TOKENS), at)
-                for prompt in prompts))
-            if failed := [r for r in results if r["failed"]]:
-                raise RuntimeError(f"a calibration turn failed: {failed[0].get('error')}")
+            errors = await asyncio.gather(*(decode_one(client, model, p) for p in prompts))
+            if failed := [e for e in errors if e is not None]:
+                raise RuntimeError(f"a calibration turn failed: {failed[0]}")
         return start, time.time()
+
+
+async def decode_one(client: httpx.AsyncClient, model: str, prompt: str) -> str | None:
+    """One chat completion of `CALIBRATION_TOKENS` tokens, not streamed: None, or what went
+    wrong."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": CALIBRATION_TOKENS, "temperature": 0, "ignore_eos": True}
+    try:
+        resp = await client.post("/v1/chat/completions", json=body)
+    except httpx.HTTPError as exc:
+        return repr(exc)
+    if resp.status_code != 200:
+        return f"HTTP {resp.status_code}: {resp.text[:200]!r}"
+    tokens = resp.json().get("usage", {}).get("completion_tokens", 0)
+    return None if tokens >= CALIBRATION_TOKENS else f"{tokens} of {CALIBRATION_TOKENS} tokens"
 
 
 def calibration_prompts(args: argparse.Namespace, tokenizer: Any) -> list[str]:

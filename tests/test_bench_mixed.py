@@ -404,10 +404,10 @@ async def test_the_calibration_decodes_every_prompt_together_and_fails_on_a_fail
         body = json.loads(request.content)
         sent.append(body["messages"][0]["content"])
         assert body["max_tokens"] == mixed.CALIBRATION_TOKENS and body["ignore_eos"]
+        assert not body.get("stream")  # as the runs' BE work, which is most of their steps
         tokens = body["max_tokens"] - (1 if short else 0)
-        return httpx.Response(200, content=_sse(
-            _delta("a"), _delta("b", "length"),
-            {"choices": [], "usage": {"completion_tokens": tokens}}))
+        return httpx.Response(200, json={"choices": [{"finish_reason": "length"}],
+                                         "usage": {"completion_tokens": tokens}})
 
     prompts = [f"prompt {i}" for i in range(mixed.CALIBRATION_STREAMS)]
     before = time.time()
@@ -415,8 +415,17 @@ async def test_the_calibration_decodes_every_prompt_together_and_fails_on_a_fail
     assert before <= start <= end <= time.time()
     assert sorted(sent) == sorted(prompts * mixed.CALIBRATION_ROUNDS)
     short = True  # a turn cut short decoded fewer steps than the gauge reads
-    with pytest.raises(RuntimeError, match="calibration turn failed"):
+    cut = f"{mixed.CALIBRATION_TOKENS - 1} of {mixed.CALIBRATION_TOKENS} tokens"
+    with pytest.raises(RuntimeError, match=f"calibration turn failed: {cut}"):
         await mixed.decode_together("http://bench", prompts, httpx.MockTransport(serve))
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(503, json={"error": {"message": "busy"}})
+
+    with pytest.raises(RuntimeError, match="HTTP 503"):
+        await mixed.decode_together("http://bench", prompts, httpx.MockTransport(refuse))
 
 
 def test_a_calibration_without_gauge_steps_says_to_give_the_rate(
