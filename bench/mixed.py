@@ -65,7 +65,7 @@ UNBOUNDED_WHEN_NONE = frozenset({"rt_ttft_p50_s", "rt_ttft_p99_s", "rt_normalize
 # A spread of host gauges between runs beyond which the table is flagged as confounded.
 HOST_DRIFT_WARNING = 0.05
 # `--rt-rate auto`'s calibration: requests decoding together (inside `HOST_GAUGE_REQUESTS`),
-# the tokens each, and how many times. Streamed, two rounds (8 s of steps) read 4-14% above
+# the tokens each, and how many times. Streamed, two rounds (8 s of steps) read 4-13% above
 # the gauge of the fcfs run after them in three benchmarks, and their halves differed by up to
 # 30%: the host drifts within seconds, and four rounds (about 16 s) average more of it.
 CALIBRATION_STREAMS = 10
