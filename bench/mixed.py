@@ -129,17 +129,22 @@ async def rt_request(client: httpx.AsyncClient, model: str, prompt: str, arrival
             "send_lag_s": send_lag_s, **({"error": error} if error else {})}
 
 
+def document_prompts(tokenizer: Any, seed: int) -> list[str]:
+    """The BE prompts: LEval chunks of 512 to 1024 tokens (as in BROS), each after its
+    document's instruction."""
+    return [f"{instruction}\n\n{text}"
+            for instruction, text in document_chunks(512, 1024, tokenizer, seed=seed)]
+
+
 def be_batch_file(path: Path, model: str, num_items: int, max_tokens: tuple[int, int],
-                  tokenizer: Any, seed: int) -> None:
-    """The BE batch job: `num_items` LEval chunks of 512 to 1024 tokens (as in BROS), each
-    answered with `max_tokens` (a range) tokens."""
-    chunks = document_chunks(512, 1024, tokenizer, seed=seed)
+                  documents: list[str]) -> None:
+    """The BE batch job: `num_items` of the `documents` prompts (in turn), each answered with
+    `max_tokens` (a range) tokens."""
     with path.open("w") as f:
         for i in range(num_items):
-            instruction, text = chunks[i % len(chunks)]
             body = {"model": model, "max_tokens": max_tokens[0] + (i * 37) % (
                 max_tokens[1] - max_tokens[0] + 1), "temperature": 0, "ignore_eos": True,
-                "messages": [{"role": "user", "content": f"{instruction}\n\n{text}"}]}
+                "messages": [{"role": "user", "content": documents[i % len(documents)]}]}
             f.write(json.dumps({"custom_id": f"doc-{i}", "method": "POST",
                                 "url": "/v1/chat/completions", "body": body}) + "\n")
 
@@ -345,11 +350,12 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.model_max_length = int(1e30)  # documents are cut to size here, not by it
+    documents = document_prompts(tokenizer, args.seed)
     if args.rt_rate is None:
         print("[calibration] measuring the host's decode step for --rt-rate auto ...", flush=True)
         # set in `args`, so the record's config says the rate run and the gauge it came from
         args.rt_rate_gauge_s = calibrate_host(args, model_dir,
-                                              calibration_prompts(args, tokenizer))
+                                              calibration_prompts(args, tokenizer, documents))
         args.rt_rate = rt_rate_for(args.rt_rate_gauge_s)
         print(f"[calibration] {args.rt_rate_gauge_s * 1000:.1f} ms a decode step of "
               f"{CALIBRATION_STREAMS} requests: {args.rt_rate:.2f} RT turns a second",
@@ -363,7 +369,7 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     out = Path(args.out)
     batch_path = out.with_suffix(".batch.jsonl")
     be_batch_file(batch_path, "SmolLM2-135M-Instruct" if args.model is None else model_dir.name,
-                  args.be_items, (32, 128), tokenizer, args.seed)
+                  args.be_items, (32, 128), documents)
     timelines: dict[str, Timeline] = {}  # of each system's last run
 
     def run_one(name: str, repeat: int) -> dict[str, Any]:
@@ -534,15 +540,14 @@ async def decode_one(client: httpx.AsyncClient, model: str, prompt: str) -> str 
     return None if tokens >= CALIBRATION_TOKENS else f"{tokens} of {CALIBRATION_TOKENS} tokens"
 
 
-def calibration_prompts(args: argparse.Namespace, tokenizer: Any) -> list[str]:
-    """`CALIBRATION_STREAMS` prompts, half RT chat turns of `--rt-prompt-tokens` and half BE
-    document chunks, as the benchmark's plain decode steps mix them."""
+def calibration_prompts(args: argparse.Namespace, tokenizer: Any,
+                        documents: list[str]) -> list[str]:
+    """`CALIBRATION_STREAMS` prompts, half RT chat turns of `--rt-prompt-tokens` and half the
+    first BE `documents` (`document_prompts`), as the benchmark's plain decode steps mix them."""
     num_rt = CALIBRATION_STREAMS // 2
     chats = sharegpt_conversations(num_rt, seed=args.seed)
-    documents = document_chunks(512, 1024, tokenizer, seed=args.seed)
     return ([fit_tokens(c[0][1], args.rt_prompt_tokens, c[-1][1], tokenizer) for c in chats]
-            + [f"{instruction}\n\n{text}" for instruction, text
-               in documents[:CALIBRATION_STREAMS - num_rt]])
+            + documents[:CALIBRATION_STREAMS - num_rt])
 
 
 def summarise_runs(runs: list[dict[str, Any]], num_failed: int = 0) -> dict[str, Any]:
