@@ -1,6 +1,7 @@
 """The host's speed, read from a server's step trace (`serve --step-trace`): how fast a run's
-host went (the gauge), how much its steps jitter, and the RT arrival rate that loads this host
-as the reference host was loaded (`bench mixed --rt-rate auto`).
+host went (the gauge), how much its steps jitter, what a prefill token costs it, and the RT
+arrival rate and prompt lengths that load this host as the reference host was loaded (`bench
+mixed --rt-rate auto`).
 
 These 2-vCPU hosts drift by up to half within an hour, so every run of `bench mixed` and `bench
 blocks` carries its own gauge, and a table whose runs' gauges differ says so.
@@ -24,6 +25,12 @@ NOISE_NEIGHBOURS = 5
 # second at 27.8 ms; stop 72, 1.7 at 32.5 ms), with fcfs at 9-24% TTFT attainment; at 0.064
 # (2 a second at 32 ms) HyGen's fell to 89%.
 RT_TURNS_PER_GAUGE_STEP = 0.055
+# The longest RT prompt of the trace, prefilled alone, may take at most this share of the TTFT
+# target; the rest is for waiting behind the step in flight and the turns ahead of it. The
+# reference hosts met it at the default lengths: the longest prompt of a 300-token mean (1,033
+# tokens) took 28 + 1,033 x 0.445 ms = 0.49 s on stop 70's. On stop 75's (0.92 ms a token) it
+# took about 1 s alone against the 1 s target, and no policy could make it (docs/benchmarks.md).
+LONGEST_PROMPT_TTFT_SHARE = 0.5
 
 
 def rt_rate_for(gauge_s: float) -> float:
@@ -32,6 +39,40 @@ def rt_rate_for(gauge_s: float) -> float:
     if not gauge_s > 0:
         raise ValueError(f"no host gauge to scale the RT rate by (read {gauge_s} s)")
     return RT_TURNS_PER_GAUGE_STEP / gauge_s
+
+
+def rt_prompt_tokens_for(gauge_s: float, prefill_s_per_token: float, ttft_slo_s: float,
+                         longest_per_mean: float, default: int) -> int:
+    """The mean RT prompt length (tokens) for `--rt-rate auto`: `default`, or less where the
+    trace's longest prompt (`longest_per_mean` times the mean) would take this host more than
+    `LONGEST_PROMPT_TTFT_SHARE` of the TTFT target alone: a step of the gauge's (`gauge_s`)
+    plus `prefill_s_per_token` a token. Prompt lengths scale with the host as the rate does:
+    where a prompt cannot make its target even alone, its misses measure the host, not the
+    scheduler. At least 16 tokens."""
+    if not prefill_s_per_token > 0 or not longest_per_mean > 0:
+        return default
+    longest = (LONGEST_PROMPT_TTFT_SHARE * ttft_slo_s - gauge_s) / prefill_s_per_token
+    return max(16, min(default, int(longest / longest_per_mean)))
+
+
+def prefill_s_per_token(trace: Path, start: float, end: float) -> float:
+    """Seconds a prefill token adds to a step, from the steps of `trace` from `start` to
+    `end` (`time.time()`): the least-squares fit of each step's latency to a constant, its
+    prefill tokens and its decoding requests. 0 when the window holds no prefill step, or too
+    few steps to fit three terms."""
+    import numpy as np
+
+    rows, latencies = [], []
+    with trace.open() as lines:
+        for line in lines:
+            step = json.loads(line)
+            if start <= step["t"] <= end and step.get("lat_s"):
+                rows.append([1.0, step["rt"][1] + step["be"][1], step["rt"][2] + step["be"][2]])
+                latencies.append(step["lat_s"])
+    if len(rows) < 4 or not any(row[1] for row in rows):
+        return 0.0
+    fit = np.linalg.lstsq(np.array(rows), np.array(latencies), rcond=None)[0]
+    return max(0.0, float(fit[1]))
 
 
 def host_drift(runs: Mapping[str, list[dict[str, Any]]]) -> float:

@@ -30,6 +30,8 @@ from antiphon.bench.host_gauge import (
     host_drift,
     host_step_noise,
     plain_decode_steps,
+    prefill_s_per_token,
+    rt_prompt_tokens_for,
     rt_rate_for,
 )
 from antiphon.bench.report import args_config, fmt, print_table, write_json
@@ -71,6 +73,7 @@ HOST_DRIFT_WARNING = 0.05
 CALIBRATION_STREAMS = 10
 CALIBRATION_TOKENS = 96
 CALIBRATION_ROUNDS = 4
+DEFAULT_RT_PROMPT_TOKENS = 300  # the mean RT prompt, where the host does not cut it (auto)
 # Each system's runs: their metrics, by system name.
 Runs = dict[str, list[dict[str, Any]]]
 # A run over time: its RT turns ("rt", `rt_request`'s results) and BE rate samples ("be").
@@ -351,15 +354,22 @@ def run_systems(args: argparse.Namespace, benchmark: str, systems: dict[str, lis
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.model_max_length = int(1e30)  # documents are cut to size here, not by it
     documents = document_prompts(tokenizer, args.seed)
-    if args.rt_rate is None:
+    is_auto = args.rt_rate is None
+    if is_auto:
         print("[calibration] measuring the host's decode step for --rt-rate auto ...", flush=True)
         # set in `args`, so the record's config says the rate run and the gauge it came from
-        args.rt_rate_gauge_s = calibrate_host(args, model_dir,
-                                              calibration_prompts(args, tokenizer, documents))
+        args.rt_rate_gauge_s, args.rt_prefill_s_per_token = calibrate_host(
+            args, model_dir, calibration_prompts(args, tokenizer, documents))
         args.rt_rate = rt_rate_for(args.rt_rate_gauge_s)
         print(f"[calibration] {args.rt_rate_gauge_s * 1000:.1f} ms a decode step of "
               f"{CALIBRATION_STREAMS} requests: {args.rt_rate:.2f} RT turns a second",
               flush=True)
+    if args.rt_prompt_tokens is None:
+        args.rt_prompt_tokens = mean_rt_prompt_tokens(args, duration, is_auto)
+        if is_auto:
+            print(f"[calibration] {args.rt_prefill_s_per_token * 1000:.2f} ms a prefill "
+                  f"token: RT prompts of {args.rt_prompt_tokens} tokens on average",
+                  flush=True)
     arrivals = azure_arrivals(duration, args.rt_rate, args.rt_prompt_tokens,
                               args.rt_output_tokens, seed=args.seed)
     conversations = sharegpt_conversations(len(arrivals), seed=args.seed)
@@ -488,11 +498,27 @@ def server_command(args: argparse.Namespace, model_dir: Path, data_dir: Path, tr
     return cmd
 
 
-def calibrate_host(args: argparse.Namespace, model_dir: Path, prompts: list[str]) -> float:
-    """The host gauge (`host_decode_step_s`, seconds) of one server start of the baseline,
+def mean_rt_prompt_tokens(args: argparse.Namespace, duration: float, calibrated: bool) -> int:
+    """The mean RT prompt length where `--rt-prompt-tokens` is not given: the default, cut
+    to the host (`rt_prompt_tokens_for`) where the rate was `calibrated` (`args` then holds
+    the calibration's gauge and prefill cost), by the trace window's longest prompt."""
+    if not calibrated:
+        return DEFAULT_RT_PROMPT_TOKENS
+    longest = max(a.prompt_tokens for a in azure_arrivals(
+        duration, args.rt_rate, DEFAULT_RT_PROMPT_TOKENS, args.rt_output_tokens,
+        seed=args.seed))
+    return rt_prompt_tokens_for(args.rt_rate_gauge_s, args.rt_prefill_s_per_token,
+                                args.ttft_slo, longest / DEFAULT_RT_PROMPT_TOKENS,
+                                DEFAULT_RT_PROMPT_TOKENS)
+
+
+def calibrate_host(args: argparse.Namespace, model_dir: Path, prompts: list[str]
+                   ) -> tuple[float, float]:
+    """The host gauge (`host_decode_step_s`, seconds) and the seconds a prefill token adds to
+    a step (`prefill_s_per_token`; 0 where unmeasured) of one server start of the baseline,
     stock fcfs, on the benchmark's engine settings, decoding `prompts` together for
     `CALIBRATION_TOKENS` tokens each, `CALIBRATION_ROUNDS` times: what `--rt-rate auto`
-    scales the RT trace by."""
+    scales the RT trace's rate and prompt lengths by."""
     out = Path(args.out)
     data_dir, trace = out.with_suffix(".calibration.data"), out.with_suffix(
         ".calibration.steps.jsonl")
@@ -504,7 +530,7 @@ def calibrate_host(args: argparse.Namespace, model_dir: Path, prompts: list[str]
     if not gauge:
         raise RuntimeError(f"the calibration ran no decode step of {CALIBRATION_STREAMS} "
                            f"requests (its steps: {trace}); give --rt-rate")
-    return gauge
+    return gauge, prefill_s_per_token(trace, start, end)
 
 
 async def decode_together(url: str, prompts: list[str],
@@ -546,7 +572,8 @@ def calibration_prompts(args: argparse.Namespace, tokenizer: Any,
     first BE `documents` (`document_prompts`), as the benchmark's plain decode steps mix them."""
     num_rt = CALIBRATION_STREAMS // 2
     chats = sharegpt_conversations(num_rt, seed=args.seed)
-    return ([fit_tokens(c[0][1], args.rt_prompt_tokens, c[-1][1], tokenizer) for c in chats]
+    length = args.rt_prompt_tokens or DEFAULT_RT_PROMPT_TOKENS
+    return ([fit_tokens(c[0][1], length, c[-1][1], tokenizer) for c in chats]
             + documents[:CALIBRATION_STREAMS - num_rt])
 
 
@@ -624,7 +651,10 @@ def add_workload_arguments(p: argparse.ArgumentParser, kv_pages: int,
                    help="RT arrivals per second, or auto: scaled to this host's speed, measured "
                         "by one server start before the runs (default "
                         f"{'auto' if rt_rate is None else rt_rate})")
-    p.add_argument("--rt-prompt-tokens", type=int, default=300, help="mean RT prompt length")
+    p.add_argument("--rt-prompt-tokens", type=positive_int, default=None,
+                   help=f"mean RT prompt length (default {DEFAULT_RT_PROMPT_TOKENS}; with "
+                        "--rt-rate auto, less on a host too slow to prefill the trace's longest "
+                        "prompt alone within half the TTFT target)")
     p.add_argument("--rt-output-tokens", type=int, default=48, help="mean RT output length")
     p.add_argument("--be-items", type=int, default=400, help="BE chunks in the batch job")
     p.add_argument("--be-concurrency", type=positive_int, default=None,

@@ -16,6 +16,8 @@ from antiphon.bench.host_gauge import (
     host_drift,
     host_step_noise,
     plain_decode_steps,
+    prefill_s_per_token,
+    rt_prompt_tokens_for,
     rt_rate_for,
 )
 from antiphon.bench.mixed import (
@@ -372,6 +374,60 @@ def test_the_auto_rt_rate_keeps_rt_turns_per_decode_step() -> None:
             rt_rate_for(unmeasured)
 
 
+def test_the_prefill_cost_is_fitted_beside_a_steps_constant_and_its_decodes(
+        tmp_path: Path) -> None:
+    trace = tmp_path / "steps.jsonl"
+    # 30 ms a step, 1 ms a prefill token, 2 ms a decoding request
+    lines = [_step(10.0 + i, 0.030 + 0.001 * p + 0.002 * d, [1 if p else 0, p, d], [0, 0, 0])
+             for i, (p, d) in enumerate([(0, 10), (0, 4), (300, 2), (1000, 8), (64, 5)])]
+    trace.write_text("".join(lines) + _step(99.0, 9.0, [1, 100, 0], [0, 0, 0]))  # outside
+    assert prefill_s_per_token(trace, 0.0, 50.0) == pytest.approx(0.001)
+    decodes_only = tmp_path / "decodes.jsonl"
+    decodes_only.write_text("".join(_step(10.0 + i, 0.03, [0, 0, 8], [0, 0, 0])
+                                    for i in range(6)))
+    assert prefill_s_per_token(decodes_only, 0.0, 50.0) == 0.0  # nothing to fit it on
+
+
+def test_auto_cuts_rt_prompts_on_a_host_too_slow_to_prefill_the_longest_in_time() -> None:
+    """On a host prefilling 0.92 ms a token, the trace's longest prompt at a 300-token mean
+    (1,033 tokens) took about 1 s alone: its 1 s TTFT target could not be met by any policy,
+    and the turn counted as the scheduler's miss."""
+    longest_per_mean = 1033 / 300
+    # the reference host (stop 70: 27.8 ms a decode step, 0.445 ms a prefill token) keeps them
+    assert rt_prompt_tokens_for(0.0278, 0.000445, 1.0, longest_per_mean, 300) == 300
+    slow = rt_prompt_tokens_for(0.045, 0.00092, 1.0, longest_per_mean, 300)
+    assert 100 < slow < 200
+    assert 0.045 + slow * longest_per_mean * 0.00092 <= 0.5  # half the target, alone
+    assert rt_prompt_tokens_for(0.045, 0.00092, 2.0, longest_per_mean, 300) > slow  # looser
+    assert rt_prompt_tokens_for(0.045, 0.0, 1.0, longest_per_mean, 300) == 300  # unmeasured
+    assert rt_prompt_tokens_for(0.6, 0.01, 1.0, longest_per_mean, 300) == 16  # at least
+
+
+def test_rt_prompts_keep_their_given_or_default_length_unless_the_rate_was_calibrated(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from antiphon.bench import mixed
+
+    # a trace of 48 turns a second apart, one of them four times as long as the others
+    rows = [f"2023-11-16 18:00:{i:02d}.000000,{400 if i == 7 else 100},20" for i in range(48)]
+    (tmp_path / "AzureLLMInferenceTrace_conv.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    monkeypatch.setenv("ANTIPHON_BENCH_DATA", str(tmp_path))
+
+    parser = argparse.ArgumentParser()
+    mixed.add_workload_arguments(parser, kv_pages=64, rt_rate=None)
+    args = parser.parse_args(["--quick"])
+    assert args.rt_prompt_tokens is None  # resolved by the run
+    assert parser.parse_args(["--rt-prompt-tokens", "120"]).rt_prompt_tokens == 120
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--rt-prompt-tokens", "0"])
+    args.rt_rate = 1.2
+    assert mixed.mean_rt_prompt_tokens(args, 40.0, calibrated=False) == 300
+    args.rt_rate_gauge_s, args.rt_prefill_s_per_token = 0.045, 0.00092
+    longest = round(400 * 300 / (47 * 100 + 400) * 48)  # at a 300-token mean
+    assert mixed.mean_rt_prompt_tokens(args, 40.0, calibrated=True) == rt_prompt_tokens_for(
+        0.045, 0.00092, 1.0, longest / 300, 300) < 300
+
+
 def test_rt_rate_is_a_positive_number_or_auto_and_auto_is_mixeds_default() -> None:
     from antiphon.bench.blocks import add_parser as add_blocks
     from antiphon.bench.mixed import add_parser as add_mixed
@@ -458,7 +514,12 @@ def test_a_calibration_without_gauge_steps_says_to_give_the_rate(
     args = parser.parse_args(["--quick"])
     args.out = str(tmp_path / "m.json")
     steps = [_step(10.0 + i, 0.030 + i / 1000, [0, 0, 10], [0, 0, 0]) for i in range(3)]
-    assert mixed.calibrate_host(args, tmp_path, ["p"]) == pytest.approx(0.031)
+    assert mixed.calibrate_host(args, tmp_path, ["p"]) == (pytest.approx(0.031), 0.0)
+    # with prefill steps, what a prefill token costs too
+    steps += [_step(20.0 + i, 0.030 + 0.001 * n, [1, n, 9], [0, 0, 0])
+              for i, n in enumerate((100, 500, 2000))]
+    assert mixed.calibrate_host(args, tmp_path, ["p"]) == (pytest.approx(0.031),
+                                                            pytest.approx(0.001, rel=0.05))
     steps = [_step(10.0, 0.5, [1, 300, 0], [0, 0, 0])]  # a prefill: no gauge step
     with pytest.raises(RuntimeError, match="give --rt-rate"):
         mixed.calibrate_host(args, tmp_path, ["p"])
