@@ -28,7 +28,7 @@ RT_TURNS_PER_GAUGE_STEP = 0.055
 # The longest RT prompt of the trace, prefilled alone, may take at most this share of the TTFT
 # target; the rest is for waiting behind the step in flight and the turns ahead of it. The
 # reference hosts met it at the default lengths: the longest prompt of a 300-token mean (1,033
-# tokens) took 28 + 1,033 x 0.445 ms = 0.49 s on stop 70's. On stop 75's (0.92 ms a token) it
+# tokens) took 28 ms + 1,033 x 0.445 ms = 0.49 s on stop 70's. On stop 75's (0.92 ms a token) it
 # took about 1 s alone against the 1 s target, and no policy could make it (docs/benchmarks.md).
 LONGEST_PROMPT_TTFT_SHARE = 0.5
 
