@@ -55,22 +55,19 @@ def rt_prompt_tokens_for(gauge_s: float, prefill_s_per_token: float, ttft_slo_s:
     return max(16, min(default, int(longest / longest_per_mean)))
 
 
-def prefill_s_per_token(trace: Path, start: float, end: float) -> float:
-    """Seconds a prefill token adds to a step, from the steps of `trace` from `start` to
-    `end` (`time.time()`): the least-squares fit of each step's latency to a constant, its
-    prefill tokens and its decoding requests. 0 when the window holds no prefill step, or too
-    few steps to fit three terms."""
+def prefill_s_per_token(steps: list[dict[str, Any]]) -> float:
+    """Seconds a prefill token adds to a step, from `steps` (`window_steps`): the
+    least-squares fit of each step's latency to a constant, its prefill tokens and its
+    decoding requests. 0 when they hold no prefill step, or too few steps to fit three
+    terms."""
     import numpy as np
 
-    rows, latencies = [], []
-    with trace.open() as lines:
-        for line in lines:
-            step = json.loads(line)
-            if start <= step["t"] <= end and step.get("lat_s"):
-                rows.append([1.0, step["rt"][1] + step["be"][1], step["rt"][2] + step["be"][2]])
-                latencies.append(step["lat_s"])
+    timed = [step for step in steps if step.get("lat_s")]
+    rows = [[1.0, step["rt"][1] + step["be"][1], step["rt"][2] + step["be"][2]]
+            for step in timed]
     if len(rows) < 4 or not any(row[1] for row in rows):
         return 0.0
+    latencies = [step["lat_s"] for step in timed]
     fit = np.linalg.lstsq(np.array(rows), np.array(latencies), rcond=None)[0]
     return max(0.0, float(fit[1]))
 
@@ -114,14 +111,16 @@ def host_step_noise(steps: list[tuple[int, float]]) -> float:
     return statistics.mean(deviations) if deviations else 0.0
 
 
-def plain_decode_steps(trace: Path, start: float, end: float) -> list[tuple[int, float]]:
-    """(requests, latency in seconds) of each step in `trace` from `start` to `end`
-    (`time.time()`) that only decoded: no prefill, no KV copies."""
-    steps = []
+def window_steps(trace: Path, start: float, end: float) -> list[dict[str, Any]]:
+    """The steps of `trace` (`serve --step-trace`, a JSON object a line) from `start` to
+    `end` (`time.time()`)."""
     with trace.open() as lines:
-        for line in lines:
-            step = json.loads(line)
-            if (start <= step["t"] <= end and not step["rt"][0] and not step["be"][0]
-                    and not step["copies"] and step.get("lat_s")):
-                steps.append((step["rt"][2] + step["be"][2], step["lat_s"]))
-    return steps
+        return [step for step in map(json.loads, lines) if start <= step["t"] <= end]
+
+
+def plain_decode_steps(steps: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(requests, latency in seconds) of each of `steps` (`window_steps`) that only decoded:
+    no prefill, no KV copies."""
+    return [(step["rt"][2] + step["be"][2], step["lat_s"]) for step in steps
+            if not step["rt"][0] and not step["be"][0] and not step["copies"]
+            and step.get("lat_s")]

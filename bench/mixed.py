@@ -33,6 +33,7 @@ from antiphon.bench.host_gauge import (
     prefill_s_per_token,
     rt_prompt_tokens_for,
     rt_rate_for,
+    window_steps,
 )
 from antiphon.bench.report import args_config, fmt, print_table, write_json
 from antiphon.bench.serverproc import ServerProcess, scratch_data_dir
@@ -473,7 +474,7 @@ def run_system(args: argparse.Namespace, model_dir: Path, name: str, extra: list
     with scratch_data_dir(data_dir), \
             ServerProcess(cmd, log_path=out.with_suffix(f".{name}.log")) as server:
         result = asyncio.run(run_policy(server, args, prompts, arrivals, batch_path))
-    steps = plain_decode_steps(trace, *result.pop("window_wall"))  # the trace, read once
+    steps = plain_decode_steps(window_steps(trace, *result.pop("window_wall")))
     result["host_decode_step_s"] = host_decode_step_s(steps)
     result["host_step_noise"] = host_step_noise(steps)
     return result
@@ -526,11 +527,12 @@ def calibrate_host(args: argparse.Namespace, model_dir: Path, prompts: list[str]
     with scratch_data_dir(data_dir), \
             ServerProcess(cmd, log_path=out.with_suffix(".calibration.log")) as server:
         start, end = asyncio.run(decode_together(server.url, prompts))
-    gauge = host_decode_step_s(plain_decode_steps(trace, start, end))
+    steps = window_steps(trace, start, end)
+    gauge = host_decode_step_s(plain_decode_steps(steps))
     if not gauge:
         raise RuntimeError(f"the calibration ran no decode step of {CALIBRATION_STREAMS} "
                            f"requests (its steps: {trace}); give --rt-rate")
-    return gauge, prefill_s_per_token(trace, start, end)
+    return gauge, prefill_s_per_token(steps)
 
 
 async def decode_together(url: str, prompts: list[str],

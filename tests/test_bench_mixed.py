@@ -19,6 +19,7 @@ from antiphon.bench.host_gauge import (
     prefill_s_per_token,
     rt_prompt_tokens_for,
     rt_rate_for,
+    window_steps,
 )
 from antiphon.bench.mixed import (
     interleaved_runs,
@@ -147,8 +148,8 @@ def test_the_host_gauge_reads_plain_decode_steps_of_the_window(tmp_path: Path) -
         _step(17.0, 0.020, [0, 0, 9], [0, 0, 4]),  # 13: too many
         _step(30.0, 0.500, [0, 0, 6], [0, 0, 4]),  # after the window
     ]))
-    assert host_decode_step_s(plain_decode_steps(trace, 10.0, 20.0)) == pytest.approx(0.050)
-    assert host_decode_step_s(plain_decode_steps(trace, 40.0, 50.0)) == 0.0
+    assert host_decode_step_s(plain_decode_steps(window_steps(trace, 10.0, 20.0))) == pytest.approx(0.050)
+    assert host_decode_step_s(plain_decode_steps(window_steps(trace, 40.0, 50.0))) == 0.0
 
 
 def test_host_drift_compares_the_slowest_run_with_the_fastest() -> None:
@@ -171,9 +172,9 @@ def test_host_noise_compares_each_plain_decode_step_with_its_neighbours_of_its_s
            _step(60.0, 0.500, [0, 0, 6], [0, 0, 4])]))  # after the window
     # Only the odd step deviates from the median of its neighbours, by 0.01 / 0.05; the
     # steps of 4 requests have too few neighbours to count.
-    assert host_step_noise(plain_decode_steps(trace, 0.0, 50.0)) == pytest.approx(
+    assert host_step_noise(plain_decode_steps(window_steps(trace, 0.0, 50.0))) == pytest.approx(
         0.2 / len(latencies))
-    assert host_step_noise(plain_decode_steps(trace, 30.0, 50.0)) == 0.0
+    assert host_step_noise(plain_decode_steps(window_steps(trace, 30.0, 50.0))) == 0.0
 
 
 def test_a_failed_run_is_recorded_and_the_runs_after_it_go_on() -> None:
@@ -381,11 +382,11 @@ def test_the_prefill_cost_is_fitted_beside_a_steps_constant_and_its_decodes(
     lines = [_step(10.0 + i, 0.030 + 0.001 * p + 0.002 * d, [1 if p else 0, p, d], [0, 0, 0])
              for i, (p, d) in enumerate([(0, 10), (0, 4), (300, 2), (1000, 8), (64, 5)])]
     trace.write_text("".join(lines) + _step(99.0, 9.0, [1, 100, 0], [0, 0, 0]))  # outside
-    assert prefill_s_per_token(trace, 0.0, 50.0) == pytest.approx(0.001)
+    assert prefill_s_per_token(window_steps(trace, 0.0, 50.0)) == pytest.approx(0.001)
     decodes_only = tmp_path / "decodes.jsonl"
     decodes_only.write_text("".join(_step(10.0 + i, 0.03, [0, 0, 8], [0, 0, 0])
                                     for i in range(6)))
-    assert prefill_s_per_token(decodes_only, 0.0, 50.0) == 0.0  # nothing to fit it on
+    assert prefill_s_per_token(window_steps(decodes_only, 0.0, 50.0)) == 0.0  # nothing to fit it on
 
 
 def test_auto_cuts_rt_prompts_on_a_host_too_slow_to_prefill_the_longest_in_time() -> None:
