@@ -24,6 +24,8 @@ MAX_FORM_OVERHEAD_BYTES = 64 * 1024
 # RFC 5987's extended parameter, `filename*=charset'language'percent-encoded`, which
 # python-multipart's header parser drops.
 _EXTENDED_FILENAME = re.compile(rb"(?:^|;)\s*filename\*\s*=\s*([^';\s]*)'[^';]*'([^;\s]*)", re.I)
+# The charsets of an extended file name (RFC 5987), as Python names their codecs.
+_FILENAME_CHARSETS = {"utf-8": "utf-8", "iso-8859-1": "iso-8859-1"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,9 +179,10 @@ def _filename(disposition: bytes, options: dict[bytes, bytes]) -> str | None:
     extended = _EXTENDED_FILENAME.search(disposition)
     if extended is None:
         return None
-    charset = extended.group(1).decode("ascii", "replace") or "utf-8"
+    # RFC 5987 allows UTF-8 and ISO-8859-1; another codec can decode to lone surrogates
+    # (utf-7's "+2AA-", unicode_escape's "\ud800"), which the file's database row cannot
+    # hold: its upload failed with an internal error. Other charsets read as UTF-8.
+    charset = extended.group(1).decode("ascii", "replace").lower()
     quoted = extended.group(2).decode("ascii", "replace")
-    try:
-        return urllib.parse.unquote(quoted, encoding=charset, errors="replace")
-    except LookupError:  # a charset Python does not know
-        return urllib.parse.unquote(quoted, errors="replace")
+    return urllib.parse.unquote(quoted, encoding=_FILENAME_CHARSETS.get(charset, "utf-8"),
+                                errors="replace")

@@ -983,6 +983,24 @@ def test_a_file_named_only_by_its_extended_filename_is_a_file(tmp_path: Path) ->
         assert r.json()["filename"] == "na\u00efve.jsonl" and r.json()["bytes"] == len(one)
 
 
+def test_an_extended_filename_in_another_charset_reads_as_utf8(tmp_path: Path) -> None:
+    """A charset other than RFC 5987's two decoded the name with that codec: utf-7 and
+    unicode_escape gave lone surrogates, which the file's row could not hold (500)."""
+    one = jsonl(2)
+    with batch_server(tmp_path) as live:
+        for charset, quoted, name in (("utf-7", "%2B2AA-", "+2AA-"),
+                                      ("unicode_escape", "%5Cud800", "\\ud800"),
+                                      ("no-such-codec", "a%C3%AF", "a\u00ef"),
+                                      ("ISO-8859-1", "a%EF", "a\u00ef")):
+            body = (form_part("purpose", b"batch")
+                    + (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; "
+                       f"filename*={charset}''{quoted}\r\n\r\n").encode() + one + b"\r\n"
+                    + f"--{BOUNDARY}--\r\n".encode())
+            r = httpx.post(live.url + "/v1/files", content=body, headers=MULTIPART)
+            assert r.status_code == 200, r.text
+            assert r.json()["filename"] == name, charset
+
+
 def test_a_form_field_too_long_is_not_reported_as_files_full(tmp_path: Path) -> None:
     """With less room left than a file may take, every `too_large` of an upload said the
     key's files were full, also that of a form field too long."""
