@@ -183,7 +183,11 @@ class BatchStore:
                            "(%s); the next start forgets them", batch_id, exc)
             return False
         if scrub:
-            self.db.scrub()
+            try:  # (after `finish_batch` committed: a raise here took its result files)
+                self.db.scrub()
+            except sqlite3.Error as exc:
+                logger.warning("batch %s: the write-ahead log was not emptied (%s)", batch_id,
+                               exc)
         return True
 
     def close(self) -> None:

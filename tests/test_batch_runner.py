@@ -402,6 +402,26 @@ async def test_a_failed_finalize_leaves_no_copy_of_the_results_behind(tmp_path: 
     assert sorted(p.stem for p in files.directory.iterdir()) == sorted(store.file_sizes())
 
 
+async def test_results_stay_when_the_log_is_not_emptied_after_the_finish(
+        tmp_path: Path) -> None:
+    """`finish_batch` commits, then forgets the items' answers and empties the write-ahead
+    log; a failure there reached the finalize's cleanup, which deleted the result files the
+    commit had registered: the answers were gone from both (found by a review)."""
+    from tests.test_storage_full import sqlite_full_error
+
+    store, files, engine, runner = direct_runner(tmp_path)
+    await engine.start()
+    batch_id = add_input(store, files, 3)
+
+    def scrub() -> None:
+        raise sqlite_full_error()
+
+    store.db.scrub = scrub  # type: ignore[method-assign]
+    batch = await run_until_finished(store, runner, batch_id)
+    assert batch.status == BatchStatus.COMPLETED and batch.output_file_id
+    assert len(files.path(batch.output_file_id).read_text().splitlines()) == 3
+
+
 async def test_an_item_committed_while_pending_items_are_read_does_not_run_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An item answered while the runner reads which items are pending (in a thread, a slow
