@@ -616,6 +616,29 @@ def test_an_unused_advisory_expires_and_releases_its_pins(tmp_path: Path) -> Non
         planner.close()
 
 
+def test_a_stale_advisory_expires_with_the_steps_and_background_saves_get_its_room(
+        tmp_path: Path) -> None:
+    """Advisories expired only when a turn was admitted, an advisory came, or the stats were
+    read: while a batch item ran alone, a session's advisory long past its time kept the
+    whole host arena pinned, and the item's saves were refused (found by a review)."""
+    context = list(range(100, 117))  # 4 full chunks
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=4 * LAYERS * PAGE_BYTES,
+                           advisory_ttl_s=0.05)
+    try:
+        run_turn(planner, "r1", context, [1, 2, 3, 4, 5])  # the arena full of s1's KV
+        planner.store.flush()
+        admit(planner, TokenView("be", list(range(500, 509)), None, background=True),
+              [20, 21, 22])
+        planner.advise("s1", context[:16], None)  # pins every slot
+        time.sleep(0.2)  # s1's user left
+        meta = planner.build_metadata([("be", 8)])  # the item's step fills 2 chunks
+        planner.step_done({meta.step}, set())
+        assert len(meta.saves) == 2 and planner.counters.saves_refused == 0
+        assert planner.stats()["advisories_expired"] == 1
+    finally:
+        planner.close()
+
+
 def test_a_failed_step_publishes_nothing(planner: TierPlanner) -> None:
     view = TokenView("r1", [*TURN1, 110])
     admit(planner, view, [7, 8, 9])

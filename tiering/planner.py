@@ -342,6 +342,9 @@ class TierPlanner:
     def build_metadata(self, scheduled: Sequence[tuple[str, int]]) -> TieringMetadata:
         """This step's copies; `scheduled` is (request id, tokens computed once the step ran)."""
         with self.lock:
+            # (once a step: a stale advisory's pins held the host room background saves
+            # need while no turn was admitted and no advisory came)
+            self.advisories.expire()
             self._settle_evictions()
             meta = TieringMetadata(self._step, self.arena_name, self._pending_loads,
                                    self._pending_early, checkpoints=self._pending_checkpoints)
