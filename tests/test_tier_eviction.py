@@ -150,6 +150,37 @@ def test_layer_priority_likelihood_then_size() -> None:
     assert order == [small[1], big[1], small[0], big[0], likely[1], likely[0]]
 
 
+def test_layer_priority_drops_the_smaller_sessions_first_also_without_hints() -> None:
+    """Only an advisory or a checkpoint gave a session a size: the sessions no hint covers,
+    most of them, ranked as size 0, and the largest session's last chunks went first, where
+    Symphony drops the smaller sessions' first (found by a review)."""
+    policy = LayerPriorityPolicy()
+    small = [key("s0", 0, layer) for layer in range(2)]
+    big = [key(f"b{c}", c, layer) for c in range(4) for layer in range(2)]
+    for k in small + big:
+        policy.on_insert(k)
+    policy.note_sequence([b"s0"])
+    policy.note_sequence([b"b0", b"b1", b"b2", b"b3"])
+    policy.note_sequence([b"b0", b"b1"])  # an earlier turn of it: the longest counts
+    assert [policy.pop_victim() for _ in range(2)] == [small[1], big[7]]
+    # A prefix two sequences share ranks by the longer: the big session's first chunk is
+    # kept like its others, though a 1-chunk session noted it too.
+    policy.note_sequence([b"b0"])
+    assert policy.priority(big[1])[2] == 4
+    # A hint ranks a session as before.
+    policy.set_hint("advised", [b"b0", b"b1", b"b2", b"b3"], 1.0)
+    assert policy.pop_victim() == small[0]
+    policy.check_integrity(set(big[:7]))
+    # A prefix whose keys all went forgets its size; sizes noted for keys that never came
+    # are kept only up to a bound.
+    for k in big[:7]:
+        policy.on_remove(k)
+    assert not policy._sizes
+    for i in range(5000):
+        policy.note_sequence([f"gone{i}".encode()])
+    assert len(policy._sizes) <= 1024 + 1
+
+
 def test_clearing_a_hint_makes_a_session_evictable_again() -> None:
     policy = LayerPriorityPolicy()
     kept, other = key("kept", 0, 5), key("other", 0, 0)
@@ -201,6 +232,8 @@ def test_heap_matches_naive_sort(policy_class: type[LayerPriorityPolicy]) -> Non
             policy.set_hint(rng.randrange(3), [f"p{rng.randrange(4)}".encode()], rng.random())
         elif op < 0.85:
             policy.clear_hint(rng.randrange(3))
+        elif op < 0.9:
+            policy.note_sequence([f"p{p}".encode() for p in range(rng.randrange(1, 5))])
         elif tracked:
             expected = min(tracked, key=policy.priority)
             assert policy.pop_victim() == expected

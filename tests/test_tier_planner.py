@@ -639,6 +639,28 @@ def test_a_stale_advisory_expires_with_the_steps_and_background_saves_get_its_ro
         planner.close()
 
 
+def test_a_full_host_drops_the_smaller_sessions_top_layers_first(tmp_path: Path) -> None:
+    """Sessions without an advisory had no size in the host tier's order: the largest
+    session's last chunk went first, not the smallest session's (Symphony's order)."""
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=5 * LAYERS * PAGE_BYTES)
+    try:
+        run_turn(planner, "r1", list(range(100, 105)), [1, 2], session="small")  # 1 chunk
+        run_turn(planner, "r2", list(range(200, 217)), [3, 4, 5, 6, 7], session="big")  # 4
+        planner.store.flush()
+        run_turn(planner, "r3", list(range(300, 305)), [8, 9], session="new")  # takes 2 slots
+        planner.store.flush()
+        host = set(planner.store.tiers[0].keys())
+        small = prefix_hashes(list(range(100, 104)), CHUNK, planner.model_id)
+        big_hashes = prefix_hashes(list(range(200, 216)), CHUNK, planner.model_id)
+        assert [k.layer for k in host if k.prefix_hash in small] == [0]  # its top layer went
+        big = sorted((k.chunk_index, k.layer) for k in host if k.prefix_hash in big_hashes)
+        assert big == [(c, layer) for c in range(4) for layer in range(LAYERS)
+                       if (c, layer) != (3, LAYERS - 1)]  # then the big one's last chunk's
+        planner.store.check_integrity()
+    finally:
+        planner.close()
+
+
 def test_a_failed_step_publishes_nothing(planner: TierPlanner) -> None:
     view = TokenView("r1", [*TURN1, 110])
     admit(planner, view, [7, 8, 9])

@@ -83,6 +83,12 @@ class EvictionPolicy(abc.ABC):
         """Forget `session`'s hint (unknown sessions are ignored)."""
         return None
 
+    def note_sequence(self, prefix_hashes: Sequence[bytes]) -> None:
+        """A sequence of these chunks (prefix hashes in chunk order) was stored: a policy
+        that ranks by size ranks each of them by the longest sequence noted through it.
+        Policies that ignore sizes keep this default."""
+        return None
+
     def check_integrity(self, evictable: Set[ChunkKey]) -> None:
         """Assert the policy tracks exactly `evictable`."""
         tracked = self.tracked_keys()
@@ -154,6 +160,10 @@ class LayerPriorityPolicy(EvictionPolicy):
         # `_session_rank` per prefix: a prefix every session shares (a system prompt) has one
         # hint per session, and each of its keys' priorities would otherwise scan them all.
         self._ranks: dict[bytes, tuple[float, int]] = {}
+        # The longest sequence noted through each prefix (`note_sequence`), in chunks: the
+        # size of a session no hint covers. Kept while the prefix has keys, and for a noted
+        # prefix whose keys are still being saved, up to `_prune_sizes`'s bound.
+        self._sizes: dict[bytes, int] = {}
         self._unbacked: set[ChunkKey] = set()  # tracked keys no tier below held when last used
 
     def priority(self, key: ChunkKey) -> Priority:
@@ -187,6 +197,7 @@ class LayerPriorityPolicy(EvictionPolicy):
         siblings.discard(key)
         if not siblings:
             del self._keys_by_prefix[key.prefix_hash]
+            self._sizes.pop(key.prefix_hash, None)
 
     def on_unbacked(self, key: ChunkKey) -> None:
         # (is_backed is looked at on insert and unpin: a key the tier below evicted since
@@ -234,6 +245,15 @@ class LayerPriorityPolicy(EvictionPolicy):
             self._ranks.pop(prefix, None)
         self._reprioritise(hint.prefix_hashes)
 
+    def note_sequence(self, prefix_hashes: Sequence[bytes]) -> None:
+        grown: set[bytes] = set()
+        for prefix in prefix_hashes:
+            if self._sizes.get(prefix, 0) < len(prefix_hashes):
+                self._sizes[prefix] = len(prefix_hashes)
+                grown.add(prefix)
+        self._prune_sizes()
+        self._reprioritise(grown - self._sessions_by_prefix.keys())  # (a hint ranks those)
+
     def check_integrity(self, evictable: Set[ChunkKey]) -> None:
         super().check_integrity(evictable)
         assert self._last_use.keys() == self._priority.keys(), "recency and priority disagree"
@@ -258,10 +278,20 @@ class LayerPriorityPolicy(EvictionPolicy):
         if rank is None:
             sessions = self._sessions_by_prefix.get(prefix)
             if not sessions:
-                return (self.default_likelihood, 0)
+                return (self.default_likelihood, self._sizes.get(prefix, 0))
             rank = self._ranks[prefix] = max(
                 (self._sessions[s].likelihood, self._sessions[s].num_chunks) for s in sessions)
         return rank
+
+    def _max_sizes(self) -> int:
+        """How many prefixes' sizes are kept at most: those with keys, and as many again of
+        prefixes noted whose keys have not come (a save still in flight, or refused)."""
+        return 2 * len(self._keys_by_prefix) + 1024
+
+    def _prune_sizes(self) -> None:
+        if len(self._sizes) > self._max_sizes():
+            self._sizes = {prefix: size for prefix, size in self._sizes.items()
+                           if prefix in self._keys_by_prefix}
 
     def _touch(self, key: ChunkKey) -> None:
         self._tick += 1

@@ -187,6 +187,10 @@ class IndexedTier(Tier, Generic[Location]):
         with self._lock:
             self._index.policy.clear_hint(session)
 
+    def note_sequence(self, prefix_hashes: Sequence[bytes]) -> None:
+        with self._lock:
+            self._index.policy.note_sequence(prefix_hashes)
+
     def check_integrity(self) -> None:
         with self._lock:
             self._index.check_integrity()

@@ -193,6 +193,13 @@ class TieredStore:
         for tier in self.tiers:
             tier.clear_hint(session)
 
+    def note_sequence(self, prefix_hashes: Sequence[bytes]) -> None:
+        """A turn stored a sequence of these chunks (prefix hashes in chunk order): every
+        tier's eviction policy learns its length (the size Symphony's order drops the
+        smallest of first, also of sessions no hint covers)."""
+        for tier in self.tiers:
+            tier.note_sequence(prefix_hashes)
+
     def stats(self) -> dict[str, TierStats]:
         """A snapshot of each tier's counters, by tier name, fastest first."""
         return {tier.name: tier.stats.snapshot() for tier in self.tiers}

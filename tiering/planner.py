@@ -499,6 +499,9 @@ class TierPlanner:
             copies: list[PageCopy] = []
             self._final_chunks += self._save_chunks(st, full, block_ids, copies,
                                                     self._final_keys)
+            # (Symphony's eviction drops the smaller sessions' KV first: the store learns
+            # this one's size, also without an advisory's hint)
+            self.store.note_sequence(st.hashes[:st.saved_chunks])
             if num_computed == full * self.chunk_tokens or st.saved_chunks != full:
                 # nothing partial, or the full chunks were not all saved
                 self.retirement.request_finished(st, num_computed, None)

@@ -149,6 +149,11 @@ class Tier(abc.ABC):
         """Forget a session's hint."""
 
     @abc.abstractmethod
+    def note_sequence(self, prefix_hashes: Sequence[bytes]) -> None:
+        """A sequence of these chunks (prefix hashes in chunk order) was stored: tell the
+        eviction policy its length (see `EvictionPolicy.note_sequence`)."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Finish pending writes and release resources; the tier is unusable afterwards."""
 
