@@ -780,6 +780,22 @@ def could_run(v: RequestView, step: StepBudget) -> bool:
     return admission_pages(v, pages, step.page_tokens) <= step.num_free_pages
 
 
+@pytest.mark.parametrize("cost", COSTS)
+def test_hygen_seats_the_next_turn_where_the_oldest_cannot_have_its_pages(
+        cost: tuple[str, dict[str, float] | tuple[float, ...]]) -> None:
+    """Only the first RT prefill in line was sure of `min_prefill_tokens`: where it could
+    not have its pages even with every BE request preempted, the next one, alone in the
+    step, got no token, and the BE decode was preempted for it all the same: an empty step
+    (found by the property test below)."""
+    views = [RequestView("r0", BE, 0.0, 2, 2, 1, True),
+             RequestView("r1", RT, 0.0, 17, 0, 0, False, ttft_slo_s=0.05, tpot_slo_s=0.01),
+             RequestView("r2", RT, 0.0, 2, 0, 0, False, ttft_slo_s=0.05, tpot_slo_s=0.01)]
+    step = StepBudget(now_s=1.0, max_num_seqs=1, max_num_tokens=1, num_free_pages=0,
+                      page_tokens=PAGE)
+    plan = make_policy("hygen", CostModel(*cost)).plan(views, step)
+    assert (plan.order, plan.preempt) == (["r2"], ["r0"])
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @settings(max_examples=150, deadline=None)
 @given(scenario=scenarios())
