@@ -24,6 +24,7 @@ and before running the team.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import time
@@ -33,6 +34,8 @@ from typing import Any
 from antiphon.agents.client import AsyncAntiphon
 from antiphon.agents.team import Advising, CallGraphHooks, stop_all
 
+# The attribute a hooked `completions.create` carries (`MetaGPTAdvisor.attach` hooks one once).
+_HOOKED = "_antiphon_advisor_hook"
 ROUTE_TO_ALL = "<all>"  # MetaGPT's MESSAGE_ROUTE_TO_ALL: a message for every role
 
 
@@ -118,18 +121,35 @@ class MetaGPTAdvisor:
         """Open a session for each of `env`'s roles and hook their model calls and
         `env.publish_message`. Raises ValueError, changing nothing, where roles share one
         LLM client (`Role(llm=shared)`): its calls cannot be told apart by role, and hooked
-        for each, every call ran in one role's session."""
+        for each, every call ran in one role's session; and where a role's client is hooked
+        already (an advisor attached before: hooked again, its calls ran in the first
+        advisor's sessions and this one's advisories went to sessions never called). Where
+        a session fails to open, those opened go again and nothing is hooked."""
         owners: dict[int, str] = {}
         for role in env.roles.values():
-            shared = owners.setdefault(id(role.llm.aclient.chat.completions), role.name)
+            completions = role.llm.aclient.chat.completions
+            shared = owners.setdefault(id(completions), role.name)
             if shared != role.name:
                 raise ValueError(f"roles {shared} and {role.name} share one LLM client: give "
                                  "each role its own, for each to run in its own session")
-        for role in env.roles.values():
-            view = TeamRole(role.name, frozenset(role.rc.watch),
-                            addresses=frozenset(getattr(role, "addresses", None) or {role.name}))
-            session = await self.client.create_session(f"{self.session_prefix}{role.name}")
-            view.session_id = session.session_id
+            if getattr(completions.create, _HOOKED, False):
+                raise ValueError(f"role {role.name}'s LLM client is hooked by an advisor "
+                                 "already: attach one advisor to a team")
+        views = []
+        try:
+            for role in env.roles.values():
+                view = TeamRole(role.name, frozenset(role.rc.watch), addresses=frozenset(
+                    getattr(role, "addresses", None) or {role.name}))
+                session = await self.client.create_session(f"{self.session_prefix}{role.name}")
+                view.session_id = session.session_id
+                views.append(view)
+        except BaseException:
+            for view in views:  # (a retry opened them all again, beside these)
+                assert view.session_id is not None
+                with contextlib.suppress(Exception):
+                    await self.client.delete_session(view.session_id)
+            raise
+        for role, view in zip(env.roles.values(), views, strict=True):
             self.graph.roles.append(view)
             self._hook_calls(role, view)
         self._hook_publish(env)
@@ -196,6 +216,7 @@ class MetaGPTAdvisor:
             await self._finish(view, action, started, time.perf_counter() - started, lead)
             return response
 
+        setattr(hooked_create, _HOOKED, True)
         completions.create = hooked_create
 
     async def _timed(self, stream: AsyncIterator[Any], view: TeamRole, action: ActionName,
@@ -217,7 +238,7 @@ class MetaGPTAdvisor:
         timing = CallTiming(view.name, action.name, started, ttft_s,
                             time.perf_counter() - started, lead)
         self.calls.append(timing)
-        await self.hooks.on_call_end(self.graph, view, action, timing)
+        await self.hooks.call_ended(self.graph, view, action, timing)
 
     def _hook_publish(self, env: Any) -> None:
         publish = env.publish_message

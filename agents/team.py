@@ -133,6 +133,7 @@ class CallGraphHooks:
         self.advised_at: dict[str, float] = {}
         self.num_advisories = 0
         self.num_advisory_errors = 0
+        self.num_hook_errors = 0  # `on_call_end`s that raised (`call_ended`)
 
     def expected_arrival(self, role: Caller) -> float | None:
         """Seconds until the roles after `role` call the model, at the soonest: the fastest
@@ -181,6 +182,18 @@ class CallGraphHooks:
         meanwhile finds it (a short lead)."""
         noted = session_id in self.advised_at
         return noted, self.advised_at.setdefault(session_id, time.perf_counter())
+
+    async def call_ended(self, graph: CallGraph, role: Caller, action: Named,
+                         reply: TimedReply) -> None:
+        """`on_call_end`, whose failure (an override's own bookkeeping) is logged and counted
+        (`num_hook_errors`), never raised: the call it reports on succeeded, and its reply
+        is the workflow's (raised, MetaGPT lost a reply the server had stored, and a team's
+        whole run was cancelled)."""
+        try:
+            await self.on_call_end(graph, role, action, reply)
+        except Exception:
+            self.num_hook_errors += 1
+            logger.exception("on_call_end for %s failed", role.name)
 
     async def on_call_end(self, graph: CallGraph, role: Caller, action: Named,
                           reply: TimedReply) -> None:
@@ -316,6 +329,6 @@ class Environment:
         self.calls.append(CallRecord(role.name, action.name, started, reply.client_ttft_s,
                                      time.perf_counter() - started, reply.prompt_tokens,
                                      reply.completion_tokens, lead))
-        await self.hooks.on_call_end(self, role, action, reply)
+        await self.hooks.call_ended(self, role, action, reply)
         return Message(reply.text, action.name, role.name)
 

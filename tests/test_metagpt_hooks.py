@@ -322,3 +322,88 @@ async def test_roles_sharing_one_llm_client_are_refused(scripted: Scripted) -> N
         with pytest.raises(ValueError, match="Alice and Bob share one LLM client"):
             await MetaGPTAdvisor(client).attach(Environment([alice, bob]))
         assert await client.list_sessions() == []  # nothing opened
+
+
+class FakeClient:
+    """The SDK client's session and advisory calls, in memory (`fail_create_at`: the
+    session open, counted from 1, that fails)."""
+
+    def __init__(self, fail_create_at: int | None = None) -> None:
+        self.sessions: list[str] = []
+        self.num_created = 0
+        self.fail_create_at = fail_create_at
+
+    async def create_session(self, title: str) -> SimpleNamespace:
+        self.num_created += 1
+        if self.num_created == self.fail_create_at:
+            raise ConnectionError("the connection dropped")
+        self.sessions.append(f"s_{self.num_created}")
+        return SimpleNamespace(session_id=self.sessions[-1])
+
+    async def delete_session(self, session_id: str) -> None:
+        self.sessions.remove(session_id)
+
+    async def advise(self, session_id: str, expected_arrival: float | None) -> None:
+        pass
+
+    async def chat(self, session_id: str, prompt: str, **kwargs: Any) -> SimpleNamespace:
+        return SimpleNamespace(text="ok", client_ttft_s=0.01, prompt_tokens=1,
+                               completion_tokens=1)
+
+
+def offline_role(name: str, watch: type, calls: list[tuple[str, str]]) -> Any:
+    """A MetaGPT-shaped role whose model call records (role, session) and answers "reply"."""
+    async def create(*args: Any, **kwargs: Any) -> str:
+        calls.append((name, kwargs["extra_body"]["vllm_xargs"]["session_id"]))
+        return "reply"
+    completions = SimpleNamespace(create=create)
+    return SimpleNamespace(name=name, rc=SimpleNamespace(watch={action_name(watch)}, todo=None),
+                           llm=SimpleNamespace(aclient=SimpleNamespace(
+                               chat=SimpleNamespace(completions=completions))))
+
+
+async def test_a_failing_on_call_end_hook_does_not_fail_the_call() -> None:
+    """`on_call_end` ran in the call's path unguarded: an override that raised lost MetaGPT
+    a reply the server had stored, and cancelled a team's whole run (found by a review)."""
+    from antiphon.agents.team import USER_REQUIREMENT, Action, CallGraphHooks
+    from antiphon.agents.team import Environment as Team
+    from antiphon.agents.team import Role as TeamMember
+
+    class Failing(CallGraphHooks):
+        async def on_call_end(self, *args: Any) -> None:
+            raise KeyError("a bug in the hook's own bookkeeping")
+
+    client, calls = FakeClient(), []
+    hooks = Failing(client)  # type: ignore[arg-type]
+    advisor = MetaGPTAdvisor(client, hooks)  # type: ignore[arg-type]
+    alice = offline_role("Alice", WriteDesign, calls)
+    await advisor.attach(Environment([alice]))
+    alice.rc.todo = WriteDesign()
+    assert await alice.llm.aclient.chat.completions.create(model="m", messages=[]) == "reply"
+    await advisor.drain()
+    assert hooks.num_hook_errors == 1
+    team = Team(client, [TeamMember("a", "p", [Action("X", "do")], [USER_REQUIREMENT])],
+                hooks)  # type: ignore[arg-type]
+    await team.run("task")
+    assert hooks.num_hook_errors == 2 and team.calls
+
+
+async def test_an_attach_that_fails_or_repeats_changes_nothing() -> None:
+    """A session failing to open left the roles before it hooked and their sessions open;
+    attached again, the hooks wrapped the first ones, whose session won: the calls ran in
+    the old sessions and the advisories went to new, empty ones (found by a review)."""
+    calls: list[tuple[str, str]] = []
+    alice, bob = offline_role("Alice", WriteDesign, calls), offline_role("Bob", WriteCode, calls)
+    env = Environment([alice, bob])
+    unhooked = alice.llm.aclient.chat.completions.create
+    client = FakeClient(fail_create_at=2)
+    with pytest.raises(ConnectionError):
+        await MetaGPTAdvisor(client).attach(env)  # type: ignore[arg-type]
+    assert client.sessions == [] and alice.llm.aclient.chat.completions.create is unhooked
+    graph = await MetaGPTAdvisor(client).attach(env)  # type: ignore[arg-type]
+    alice.rc.todo = WriteDesign()
+    await alice.llm.aclient.chat.completions.create(model="m", messages=[])
+    assert calls == [("Alice", graph.roles[0].session_id)]
+    with pytest.raises(ValueError, match="hooked by an advisor already"):
+        await MetaGPTAdvisor(client).attach(env)  # type: ignore[arg-type]
+    assert len(client.sessions) == 2
