@@ -54,7 +54,7 @@ class AppContext:
     @classmethod
     def build(cls, config: AppConfig, engine: Engine) -> AppContext:
         store = SessionStore(config.sessions.db_path, config.sessions.sqlite_synchronous,
-                             config.sessions.kv_chains_kept)
+                             config.sessions.kv_chains_kept, config.sessions.advisories_kept)
         metrics = ServerMetrics(config.server.dashboard_max_requests)
         targets_s = (config.engine.rt_ttft_slo_s, config.engine.rt_tpot_slo_s)
         chat = ChatService(engine, metrics, config.server, targets_s)

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from antiphon.configfields import check_int_fields, doc
-from antiphon.sessions.store import KV_CHAINS_KEPT
+from antiphon.sessions.store import ADVISORIES_KEPT, KV_CHAINS_KEPT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +20,10 @@ class SessionConfig:
         "Per session, the token chains its conversation no longer extends (regenerated replies,"
         " a moved context window) whose KV the tiers may keep; older ones are erased",
         default=KV_CHAINS_KEPT)
+    advisories_kept: int = doc(
+        "Per session, the most recent advisories it received that the database keeps (for "
+        "its detail and the dashboard); older ones are dropped as new ones come",
+        default=ADVISORIES_KEPT)
 
     def __post_init__(self) -> None:
         check_int_fields(self)
@@ -28,6 +32,8 @@ class SessionConfig:
             raise ValueError("sqlite_synchronous must be FULL or NORMAL")
         if self.kv_chains_kept < 1:
             raise ValueError("kv_chains_kept must be at least 1")
+        if self.advisories_kept < 1:
+            raise ValueError("advisories_kept must be at least 1")
 
     @property
     def db_path(self) -> Path:

@@ -76,7 +76,7 @@ CREATE TABLE IF NOT EXISTS kv_erasures (
 );
 """
 
-ADVISORIES_KEPT = 32  # per session, the most recent (`record_advisory`)
+ADVISORIES_KEPT = 32  # per session, the most recent (`SessionConfig.advisories_kept`)
 # Per session, the most recent token chains its stored context no longer extends (a reply
 # regenerated over and over leaves one each; `SessionConfig.kv_chains_kept`): older ones are
 # queued for erasure from the KV tiers, less what the session still runs (`kept_chains`).
@@ -209,11 +209,15 @@ class SessionStore:
     """Thread-safe; one connection guarded by a lock (SQLite serialises writers anyway)."""
 
     def __init__(self, path: Path, synchronous: str = "FULL",
-                 kv_chains_kept: int = KV_CHAINS_KEPT) -> None:
+                 kv_chains_kept: int = KV_CHAINS_KEPT,
+                 advisories_kept: int = ADVISORIES_KEPT) -> None:
         if kv_chains_kept < 1:
             raise ValueError(f"kv_chains_kept must be at least 1, not {kv_chains_kept}")
+        if advisories_kept < 1:
+            raise ValueError(f"advisories_kept must be at least 1, not {advisories_kept}")
         self.path = path
         self.kv_chains_kept = kv_chains_kept
+        self.advisories_kept = advisories_kept
         # Called (in the writing thread) once a write queued an erasure of a live session's
         # old chains; the server has its eraser run then.
         self.on_erasure_queued: Callable[[], None] | None = None
@@ -546,7 +550,7 @@ class SessionStore:
 
     def record_advisory(self, session_id: str, source: str, received_at: float) -> bool:
         """Keep an advisory the session received; a session keeps its last
-        `ADVISORIES_KEPT` (a client may send them as often as it likes). False (nothing
+        `advisories_kept` (a client may send them as often as it likes). False (nothing
         kept) when the session is gone (deleted meanwhile)."""
         with self._db.transaction() as db:
             if not db.execute(
@@ -556,7 +560,7 @@ class SessionStore:
             db.execute(
                 "DELETE FROM advisories WHERE session_id = :s AND rowid NOT IN (SELECT rowid"
                 " FROM advisories WHERE session_id = :s ORDER BY received_at DESC, rowid DESC"
-                " LIMIT :n)", {"s": session_id, "n": ADVISORIES_KEPT})
+                " LIMIT :n)", {"s": session_id, "n": self.advisories_kept})
         return True
 
     def advisories(self, session_id: str) -> list[tuple[str, float]]:

@@ -156,6 +156,7 @@ def test_the_command_line_beats_the_environment(tmp_path: Path,
     # save failed, batches never ran), a C size (found by a review)
     ["--kv-cache-gib", "1e300"], ["--max-batch-concurrency", str(2**63)],
     ["--kv-chains-kept", str(2**63)], ["--max-sessions-listed", str(2**63 - 1)],
+    ["--advisories-kept", "0"], ["--advisories-kept", str(2**63)],
     ["--dashboard-history", str(2**63)], ["--ssd-tier-bytes", str(2**63)]])
 def test_serve_refuses_settings_that_would_fail_in_the_engine(
         tmp_path: Path, flags: list[str]) -> None:

@@ -202,6 +202,14 @@ def test_a_session_keeps_only_its_latest_advisories(tmp_path: Path) -> None:
     kept = store.advisories(a.session_id)
     assert [t for _, t in kept] == [float(i) for i in range(10, ADVISORIES_KEPT + 10)]
     store.check_integrity()
+    # The number is a setting (`--advisories-kept`), checked like the others.
+    few = SessionStore(tmp_path / "few.sqlite3", advisories_kept=3)
+    b = few.create_session("o", "b")
+    for i in range(5):
+        few.record_advisory(b.session_id, "ws", float(i))
+    assert [t for _, t in few.advisories(b.session_id)] == [2.0, 3.0, 4.0]
+    with pytest.raises(ValueError, match="advisories_kept"):
+        SessionStore(tmp_path / "none.sqlite3", advisories_kept=0)
 
 
 def test_a_sessions_revision_changes_with_what_its_conversation_renders_to(
