@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +78,9 @@ def within_run_ratio(turns: list[dict[str, Any]], seed: int = 0
     that had their advisory, pooled over every point, with its 95% bootstrap interval (the
     follow-ups resampled with replacement, seeded). The advised turns ran beside the missed
     ones on the same engine start, so the few percent one start differs from the next, which
-    `all_over_advisory` carries, is not in it; what a missed turn's load on the critical path
-    costs the turns sharing its steps is (it slows both sides alike). None where no turn, or
-    every turn, went without its advisory."""
+    `all_over_advisory` carries, is not in it; nor is what a missed turn's load on the
+    critical path costs the turns sharing its steps (it slows both sides alike). None where
+    no turn, or every turn, went without its advisory."""
     probed = [(t["ttft_s"] / t["fresh_ttft_s"], bool(t.get("advised"))) for t in turns
               if t.get("fresh_ttft_s")]
 
@@ -93,10 +93,7 @@ def within_run_ratio(turns: list[dict[str, Any]], seed: int = 0
     cost = ratio(probed)
     if cost is None:
         return None, None, None
-    rng = random.Random(seed)
-    draws = sorted(d for d in (ratio(rng.choices(probed, k=len(probed)))
-                               for _ in range(BOOTSTRAP_DRAWS)) if d is not None)
-    return cost, draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]
+    return (cost, *_interval95(lambda rng: ratio(rng.choices(probed, k=len(probed))), seed))
 
 
 def fresh_ratios(turns: list[dict[str, Any]]) -> list[float]:
@@ -114,12 +111,17 @@ def pooled_ratio(mine: Sequence[float], theirs: Sequence[float], seed: int = 0
     can tell apart."""
     if not mine or not theirs:
         return None, None, None
+    return (statistics.fmean(mine) / statistics.fmean(theirs), *_interval95(
+        lambda rng: statistics.fmean(rng.choices(mine, k=len(mine)))
+        / statistics.fmean(rng.choices(theirs, k=len(theirs))), seed))
+
+
+def _interval95(draw: Callable[[random.Random], float | None], seed: int) -> tuple[float, float]:
+    """The 95% interval of `BOOTSTRAP_DRAWS` resampled estimates (`draw`, from a generator
+    seeded with `seed`; a draw of None, a resample the estimate does not cover, is left out)."""
     rng = random.Random(seed)
-    draws = sorted(statistics.fmean(rng.choices(mine, k=len(mine)))
-                   / statistics.fmean(rng.choices(theirs, k=len(theirs)))
-                   for _ in range(BOOTSTRAP_DRAWS))
-    return (statistics.fmean(mine) / statistics.fmean(theirs),
-            draws[int(0.025 * BOOTSTRAP_DRAWS)], draws[int(0.975 * BOOTSTRAP_DRAWS) - 1])
+    draws = sorted(d for d in (draw(rng) for _ in range(BOOTSTRAP_DRAWS)) if d is not None)
+    return draws[int(0.025 * len(draws))], draws[int(0.975 * len(draws)) - 1]
 
 
 def point_rows(system: dict[str, Any]) -> dict[str, float]:
