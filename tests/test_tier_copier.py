@@ -344,3 +344,28 @@ def test_a_step_that_moves_no_kv_skips_the_per_layer_hooks() -> None:
         connector.wait_for_save()
         connector.clear_connector_metadata()
     assert finished == [1, 2, 3, 4, 5, 6]  # every step's end, hooks or not
+
+
+def test_every_step_orders_its_copies_before_the_forward_pass(
+        arena: HostArena, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, `begin_step` makes the compute stream wait for the last step's saves on the
+    side stream: a page a save is still reading may be reallocated and written by this step's
+    forward pass, whether or not this step copies anything. vLLM calls `handle_preemptions`
+    (our `checkpoint`) before every forward pass, so the ordering is taken there, once a step,
+    and not at the step's first copy (which a step that copies nothing never makes)."""
+    copier, _ = make_copier(("batched", "cpu"))
+    begun: list[int] = []
+    monkeypatch.setattr(copier._mover, "begin_step", lambda: begun.append(len(begun)))
+    copy = PageCopy((4,), slots=(0, 1, 2))
+    for number, copies in enumerate([{"saves": [copy]}, {}, {}, {"loads": [copy]}], start=1):
+        meta = step(arena, number, **copies)
+        copier.checkpoint(meta)  # handle_preemptions
+        assert len(begun) == number, "no ordering before the forward pass"
+        copier.load_early(meta)
+        for name in LAYERS:
+            if meta.loads:
+                copier.load_layer(meta, name)
+            if meta.saves:
+                copier.save_layer(meta, name)
+        copier.finish_step(meta)
+        assert len(begun) == number, "ordered twice in one step"

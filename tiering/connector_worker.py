@@ -387,7 +387,9 @@ class KvPageCopier:
 
     def checkpoint(self, meta: TieringMetadata) -> None:
         """Before the forward pass: copy out the pages of requests preempted this step (this
-        step's forward may write another request's KV over them)."""
+        step's forward may write another request's KV over them). vLLM calls this before
+        every forward pass, so every step's copies are ordered here against the last step's,
+        a step that copies nothing too (its forward may reuse pages a save still reads)."""
         self._begin(meta)
         if not meta.checkpoints or self._checkpointed_step == meta.step:
             return
