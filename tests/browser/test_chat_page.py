@@ -523,3 +523,30 @@ def test_a_long_typing_burst_advises_again_before_the_advisory_expires(url: str,
         return sent;
     }""")
     assert sent == [0, 15000, 30000, 43000, 61000, 61500]
+
+
+def test_typing_on_through_a_reply_advises_the_conversation_with_it(
+        tmp_path: Path, page: Any) -> None:
+    """Someone sends a message and goes on typing the next one while the reply streams. That
+    was one typing burst: its one notice came before the reply existed (the advisory's
+    context lacked it), and none came after the reply was saved until the 15-s refresh. A sent
+    message and a saved reply each renew the burst."""
+    engine = ScriptedEngine(token_delay_s=0.05, reply=lambda turns: "word " * 40)  # about 2 s
+    with live_server(scripted_config(tmp_path), engine) as base:
+        open_chat(page, base)
+        send(page, "first")  # a session to type in
+        page.wait_for_timeout(2500)  # a pause: the next keystroke starts a burst
+        composer = page.locator("#composer")
+        composer.fill("second")
+        composer.press("Enter")
+        reply = page.locator(".msg.assistant").nth(1)
+        for _ in range(12):  # a key every 250 ms, as someone typing the next message
+            composer.press_sequentially("a")
+            page.wait_for_timeout(250)
+        reply.locator(".timings").wait_for()  # saved while the typing went on
+        for _ in range(4):
+            composer.press_sequentially("a")
+            page.wait_for_timeout(250)
+        contexts = ["".join(map(chr, tokens)) for _sid, tokens, _ in engine.advisories]
+        assert any("second\n<assistant>word" in c for c in contexts), (
+            f"no advisory covered the reply typed through: {[c[-40:] for c in contexts]}")

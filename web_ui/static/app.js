@@ -410,6 +410,7 @@ function submit() {
   }
   hideError();
   composer.clear();
+  composer.renewTyping(); // the next message's typing tells of this one
   if (state.currentId) {
     sendMessage(content);
   } else {
@@ -596,7 +597,10 @@ const handlers = {
     if (entry.regenerate && entry.raw === "" && msg.session_id === state.currentId) {
       showSession(msg.session_id); // stopped before its first word: the old reply stays
     }
-    if (msg.session_id === state.currentId) markContextStart(ui.messages, msg.context_start);
+    if (msg.session_id === state.currentId) {
+      markContextStart(ui.messages, msg.context_start);
+      composer.renewTyping(); // a notice that covers the reply, if the next one is being typed
+    }
     scrollToBottom();
     if (state.deleteWhenDone.delete(msg.session_id)) sessionOp("delete", msg.session_id);
     client.listSessions();

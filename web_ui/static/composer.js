@@ -33,6 +33,19 @@ export class TypingBurst {
     const isDue = this._notifiedAt === null || t - this._notifiedAt >= this._refreshMs;
     if (isDue && hasText && notify()) this._notifiedAt = t;
   }
+
+  /**
+   * The conversation changed (a message went out, a reply was saved): the last notice did not
+   * cover it. If a burst goes on in the same chat with text in the box, notify now; else the
+   * next keystroke does. (Typing the next message through a reply was one burst: its one
+   * notice came before the reply existed, and none came after it for `refreshMs`.)
+   */
+  renew(hasText, notify, target = null) {
+    const t = this._now();
+    this._notifiedAt = null;
+    const isTyping = t - this._lastKeyAt < this._idleMs && target === this._target;
+    if (isTyping && hasText && notify()) this._notifiedAt = t;
+  }
 }
 
 /** Whether key event `ev` belongs to an input method's composition (the Enter that picks a
@@ -77,6 +90,8 @@ export function setupComposer(textarea, { onSubmit, onChange, onTyping, typingTa
       onChange();
     },
     isBlank: () => textarea.value.trim() === "",
+    /** The chat shown changed under the typing (`TypingBurst.renew`). */
+    renewTyping: () => burst.renew(textarea.value.trim() !== "", onTyping, typingTarget()),
     clear() {
       textarea.value = "";
       autosize();
