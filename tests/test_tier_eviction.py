@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import random
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from antiphon.tiering.eviction import (
     EVICTION_POLICIES,
@@ -171,14 +175,34 @@ def test_layer_priority_drops_the_smaller_sessions_first_also_without_hints() ->
     policy.set_hint("advised", [b"b0", b"b1", b"b2", b"b3"], 1.0)
     assert policy.pop_victim() == small[0]
     policy.check_integrity(set(big[:7]))
-    # A prefix whose keys all went forgets its size; sizes noted for keys that never came
-    # are kept only up to a bound.
+    # A prefix whose keys left (pinned by a turn's loads, say) keeps its size for when they
+    # come back; the sizes of prefixes with no key here are kept up to a bound, the most
+    # recently noted first.
     for k in big[:7]:
         policy.on_remove(k)
-    assert not policy._sizes
+    policy.on_insert(big[3])  # (prefix b1's)
+    assert policy.priority(big[3])[2] == 4
     for i in range(5000):
         policy.note_sequence([f"gone{i}".encode()])
-    assert len(policy._sizes) <= 1024 + 1
+    assert len(policy._sizes) <= 1 + 1 + 1024 and b"gone4999" in policy._sizes
+    assert policy._sizes[b"b1"] == 4
+
+
+def test_a_pinned_chunk_keeps_its_sessions_size() -> None:
+    """A pin takes a key from the policy and the unpin gives it back: the size noted for
+    its prefix went with the pin, so a session whose turn had loaded its chunks ranked as
+    size 0 and lost its top layers before a 1-chunk session (found by a review)."""
+    tier = MemoryTier(10 * 8, policy=LayerPriorityPolicy())
+    small = [key("s0", 0, layer) for layer in range(2)]
+    big = [key(f"b{c}", c, layer) for c in range(4) for layer in range(2)]
+    for k in small + big:
+        assert tier.put(k, b"x" * 8)
+    tier.note_sequence([b"s0"])
+    tier.note_sequence([b"b0", b"b1", b"b2", b"b3"])
+    assert tier.pin_all(big)  # a turn of the big session loads it all
+    tier.unpin_all(big)  # its loads landed
+    assert tier.evict(8) == 1
+    assert set(tier.keys()) == set(small + big) - {small[1]}  # the smaller session's top
 
 
 def test_clearing_a_hint_makes_a_session_evictable_again() -> None:
@@ -355,3 +379,55 @@ def test_full_lowest_tier_keeps_the_recent_session_whole() -> None:
     held = {(k.prefix_hash, k.layer) for k in stored}
     assert held == {(p, layer) for p in (b"recent", b"newest") for layer in range(layers)}
     tier.check_integrity()
+
+
+SIZE_PREFIXES = [bytes([p]) * 8 for p in range(4)]
+SIZE_KEYS = [ChunkKey("m", p, i, layer) for i, p in enumerate(SIZE_PREFIXES)
+             for layer in range(2)]
+
+
+class SizesKept(RuleBasedStateMachine):
+    """In a tier under `LayerPriorityPolicy`, every evictable key ranks by the longest
+    sequence noted through its prefix, whatever was stored, evicted, pinned and unpinned
+    meanwhile (a review's state machine: `note(1); put(k); pin(k); unpin(k)` lost it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tier = MemoryTier(6 * 4, policy=LayerPriorityPolicy())
+        self.sizes: dict[bytes, int] = {}  # the longest sequence noted through each prefix
+        self.pins: collections.Counter[ChunkKey] = collections.Counter()
+
+    @rule(key=st.sampled_from(SIZE_KEYS))
+    def put(self, key: ChunkKey) -> None:
+        self.tier.put(key, b"abcd")
+
+    @rule(n=st.integers(1, 4))
+    def note(self, n: int) -> None:
+        self.tier.note_sequence(SIZE_PREFIXES[:n])
+        for prefix in SIZE_PREFIXES[:n]:
+            self.sizes[prefix] = max(self.sizes.get(prefix, 0), n)
+
+    @rule(key=st.sampled_from(SIZE_KEYS))
+    def pin(self, key: ChunkKey) -> None:
+        if self.tier.pin(key):
+            self.pins[key] += 1
+
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        pinned = sorted(self.pins.elements(), key=SIZE_KEYS.index)
+        if pinned:
+            key = data.draw(st.sampled_from(pinned))
+            self.tier.unpin(key)
+            self.pins[key] -= 1
+
+    @invariant()
+    def ranks_by_noted_size(self) -> None:
+        policy = self.tier.policy
+        assert isinstance(policy, LayerPriorityPolicy)
+        for key in policy.tracked_keys():
+            assert policy.priority(key)[2] == self.sizes.get(key.prefix_hash, 0), key
+        self.tier.check_integrity()
+
+
+SizesKept.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+test_sizes_are_kept_through_pins_and_evictions = SizesKept.TestCase

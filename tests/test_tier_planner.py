@@ -661,6 +661,38 @@ def test_a_full_host_drops_the_smaller_sessions_top_layers_first(tmp_path: Path)
         planner.close()
 
 
+def test_a_session_whose_turn_loaded_its_chunks_keeps_its_size(tmp_path: Path) -> None:
+    """As above, with the big session's next turn running when the host fills: its loads
+    pinned its chunks, and the pins took their noted size with them, so the big session
+    ranked as size 0 and lost two chunks' top layers before the small session lost its one
+    (found by a review)."""
+    planner = make_planner(tmp_path / "ssd", host_tier_bytes=5 * LAYERS * PAGE_BYTES)
+    try:
+        run_turn(planner, "r1", list(range(100, 105)), [1, 2], session="small")  # 1 chunk
+        big_tokens = list(range(200, 217))
+        run_turn(planner, "r2", big_tokens, [3, 4, 5, 6, 7], session="big")  # 4 chunks
+        planner.store.flush()
+        view = TokenView("r2b", [*big_tokens[:16], 900, 901, 902], "big")  # its next turn
+        planner.add_request(view)
+        assert planner.num_new_matched_tokens(view, 0) == 16
+        blocks = [10, 11, 12, 13, 14]
+        planner.test_blocks["r2b"] = blocks  # type: ignore[attr-defined]
+        planner.plan_load("r2b", blocks, 16, len(view.token_ids))
+        run_step(planner, [("r2b", 17)])  # its loads land and unpin; it decodes on
+        run_turn(planner, "r3", list(range(300, 305)), [8, 9], session="new")  # takes 2 slots
+        planner.store.flush()
+        host = set(planner.store.tiers[0].keys())
+        small = prefix_hashes(list(range(100, 104)), CHUNK, planner.model_id)
+        big_hashes = prefix_hashes(big_tokens[:16], CHUNK, planner.model_id)
+        assert [k.layer for k in host if k.prefix_hash in small] == [0]  # its top layer went
+        big = sorted((k.chunk_index, k.layer) for k in host if k.prefix_hash in big_hashes)
+        assert big == [(c, layer) for c in range(4) for layer in range(LAYERS)
+                       if (c, layer) != (3, LAYERS - 1)]
+        planner.store.check_integrity()
+    finally:
+        planner.close()
+
+
 def test_a_failed_step_publishes_nothing(planner: TierPlanner) -> None:
     view = TokenView("r1", [*TURN1, 110])
     admit(planner, view, [7, 8, 9])

@@ -161,8 +161,9 @@ class LayerPriorityPolicy(EvictionPolicy):
         # hint per session, and each of its keys' priorities would otherwise scan them all.
         self._ranks: dict[bytes, tuple[float, int]] = {}
         # The longest sequence noted through each prefix (`note_sequence`), in chunks: the
-        # size of a session no hint covers. Kept while the prefix has keys, and for a noted
-        # prefix whose keys are still being saved, up to `_prune_sizes`'s bound.
+        # size of a session no hint covers. In the order last noted; kept while the prefix
+        # has keys here, and otherwise (keys pinned, being saved, or gone) up to
+        # `_prune_sizes`'s bound, the most recently noted first.
         self._sizes: dict[bytes, int] = {}
         self._unbacked: set[ChunkKey] = set()  # tracked keys no tier below held when last used
 
@@ -197,7 +198,9 @@ class LayerPriorityPolicy(EvictionPolicy):
         siblings.discard(key)
         if not siblings:
             del self._keys_by_prefix[key.prefix_hash]
-            self._sizes.pop(key.prefix_hash, None)
+            # (its size stays: a pin removes a key too, and the key comes back with the
+            # unpin; a turn's loads pin its session's chunks, which then ranked as size 0
+            # until the turn ended. `_prune_sizes` forgets it once it is old.)
 
     def on_unbacked(self, key: ChunkKey) -> None:
         # (is_backed is looked at on insert and unpin: a key the tier below evicted since
@@ -247,9 +250,11 @@ class LayerPriorityPolicy(EvictionPolicy):
 
     def note_sequence(self, prefix_hashes: Sequence[bytes]) -> None:
         grown: set[bytes] = set()
+        sizes = self._sizes
         for prefix in prefix_hashes:
-            if self._sizes.get(prefix, 0) < len(prefix_hashes):
-                self._sizes[prefix] = len(prefix_hashes)
+            size = sizes.pop(prefix, 0)  # (noted again: to the end of the order)
+            sizes[prefix] = max(size, len(prefix_hashes))
+            if size < len(prefix_hashes):
                 grown.add(prefix)
         self._prune_sizes()
         self._reprioritise(grown - self._sessions_by_prefix.keys())  # (a hint ranks those)
@@ -283,15 +288,21 @@ class LayerPriorityPolicy(EvictionPolicy):
                 (self._sessions[s].likelihood, self._sessions[s].num_chunks) for s in sessions)
         return rank
 
-    def _max_sizes(self) -> int:
-        """How many prefixes' sizes are kept at most: those with keys, and as many again of
-        prefixes noted whose keys have not come (a save still in flight, or refused)."""
-        return 2 * len(self._keys_by_prefix) + 1024
+    def _max_untracked_sizes(self) -> int:
+        """How many sizes of prefixes with no evictable key here are kept at most: as many as
+        prefixes with keys, and 1,024 more (their keys pinned by a turn's loads, still being
+        saved, or gone)."""
+        return len(self._keys_by_prefix) + 1024
 
     def _prune_sizes(self) -> None:
-        if len(self._sizes) > self._max_sizes():
-            self._sizes = {prefix: size for prefix, size in self._sizes.items()
-                           if prefix in self._keys_by_prefix}
+        """Past the bound, forget the oldest noted of the prefixes with no evictable key here,
+        down to half the bound (so a prune is rare)."""
+        bound = self._max_untracked_sizes()
+        if len(self._sizes) <= len(self._keys_by_prefix) + bound:
+            return
+        untracked = [prefix for prefix in self._sizes if prefix not in self._keys_by_prefix]
+        for prefix in untracked[:max(0, len(untracked) - bound // 2)]:
+            del self._sizes[prefix]
 
     def _touch(self, key: ChunkKey) -> None:
         self._tick += 1
@@ -339,6 +350,10 @@ class SessionLruPolicy(LayerPriorityPolicy):
     def priority(self, key: ChunkKey) -> Priority:
         """`(likelihood, last_use_tick)`, smallest evicted first."""
         return (self._session_rank(key.prefix_hash)[0], self._last_use[key])
+
+    def note_sequence(self, prefix_hashes: Sequence[bytes]) -> None:
+        return None  # (sizes do not rank here: re-ranking a session's keys at each turn's
+        # end cost the SSD tier 17 ms a turn of a 32k-token context, for nothing)
 
 
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
