@@ -118,8 +118,9 @@ class ServerConfig:
         "Most open websocket connections of one API key (with keys only)", default=64)
     max_inflight_per_key: int = doc(
         "Most chat replies (websocket turns and REST completions) of one API key generating "
-        "at once (with keys only), and most of its REST advisories being recorded at once; "
-        "batch items share --max-batch-concurrency instead", default=64)
+        "at once (with keys only), and most of its REST advisories being recorded, and of its "
+        "/tokenize and /detokenize requests running, at once; batch items share "
+        "--max-batch-concurrency instead", default=64)
     max_sessions_listed: int = doc("Most sessions returned by one listing", default=200)
     share_kv_across_keys: bool = doc(
         "Let API keys share cached KV (vLLM's prefix cache and the KV tiers): a prompt prefix "

@@ -38,6 +38,9 @@ class AppContext:
     connections_per_key: PerKeyLimit
     inflight_per_key: PerKeyLimit  # chat replies generating (websocket and REST)
     advisories_per_key: PerKeyLimit  # REST advisories being recorded (each reaches the engine)
+    # /tokenize and /detokenize requests running: each renders on the thread chat turns'
+    # renders take, and one key's many held every other key's requests up
+    tokenizing_per_key: PerKeyLimit
     # Per API key: held while an upload is checked against the key's stored bytes and kept.
     upload_locks: defaultdict[str, asyncio.Lock] = dataclasses.field(
         default_factory=lambda: defaultdict(asyncio.Lock))
@@ -74,4 +77,6 @@ class AppContext:
                    PerKeyLimit(server.max_inflight_per_key, "replies generating",
                                "--max-inflight-per-key", applies=auth.is_required),
                    PerKeyLimit(server.max_inflight_per_key, "advisories being recorded",
+                               "--max-inflight-per-key", applies=auth.is_required),
+                   PerKeyLimit(server.max_inflight_per_key, "tokenize requests running",
                                "--max-inflight-per-key", applies=auth.is_required))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Any
 
@@ -89,10 +89,10 @@ async def chat_completions(request: Request) -> Response:
     session_id = session_xarg(body)
     if session_id is not None:
         await ctx.turns.get(owner, session_id)
-    gens = await ctx.chat.off_loop(prepare_completion, ctx.chat, body, owner,
-                                   session_id=session_id,
-                                   request_class=ctx.chat.render_class(owner, body.vllm_xargs))
-    slot = ctx.inflight_per_key.take(owner, len(gens))
+    slot = ctx.inflight_per_key.take(owner, body.num_choices)  # (before the render: _prepared)
+    gens = await _prepared(slot, ctx.chat.off_loop(
+        prepare_completion, ctx.chat, body, owner, session_id=session_id,
+        request_class=ctx.chat.render_class(owner, body.vllm_xargs)))
     if session_id is not None:
         hold = None
         try:
@@ -116,10 +116,23 @@ async def completions(request: Request) -> Response:
     owner = authorize(request)
     ctx.chat.check_open()
     body = await read_model(request, TextCompletionRequest)
-    gens = await ctx.chat.off_loop(prepare_text_completion, ctx.chat, body, owner,
-                                   request_class=ctx.chat.render_class(owner, body.vllm_xargs))
-    slot = ctx.inflight_per_key.take(owner, len(gens))
+    slot = ctx.inflight_per_key.take(owner, body.num_choices)
+    gens = await _prepared(slot, ctx.chat.off_loop(
+        prepare_text_completion, ctx.chat, body, owner,
+        request_class=ctx.chat.render_class(owner, body.vllm_xargs)))
     return await _respond(request, gens, slot, body)
+
+
+async def _prepared(slot: Slot, preparing: Awaitable[list[Generation]]) -> list[Generation]:
+    """The generations `preparing` (a render on the render thread) gives, `slot` released if
+    it raises. The key's slots are taken before the render: taken after, a key at its limit
+    still rendered every request it was refused, and those renders queued ahead of every
+    other key's (found by a review)."""
+    try:
+        return await preparing
+    except BaseException:
+        slot.release()
+        raise
 
 
 @router.post("/tokenize")
@@ -129,17 +142,25 @@ async def tokenize_route(request: Request) -> dict[str, Any]:
     ctx: AppContext = request.app.state.ctx
     owner = authorize(request)
     body = await read_model(request, TokenizeRequest)
-    return await ctx.chat.off_loop(tokenize, ctx.chat, body,  # (a render: off the loop)
-                                   request_class=ctx.chat.render_class(owner))
+    slot = ctx.tokenizing_per_key.take(owner)  # (a render: it queues with chat turns')
+    try:
+        return await ctx.chat.off_loop(tokenize, ctx.chat, body,
+                                       request_class=ctx.chat.render_class(owner))
+    finally:
+        slot.release()
 
 
 @router.post("/detokenize")
 async def detokenize_route(request: Request) -> dict[str, Any]:
     """vLLM's `/detokenize`: the text of token ids."""
     ctx: AppContext = request.app.state.ctx
-    authorize(request)
+    owner = authorize(request)
     body = await read_model(request, DetokenizeRequest)
-    return await ctx.chat.off_loop(detokenize, ctx.chat, body)
+    slot = ctx.tokenizing_per_key.take(owner)
+    try:
+        return await ctx.chat.off_loop(detokenize, ctx.chat, body)
+    finally:
+        slot.release()
 
 
 async def _respond(request: Request, gens: list[Generation], slot: Slot,

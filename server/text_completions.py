@@ -119,8 +119,9 @@ class TokenizeRequest(BaseModel):
     their default in vLLM: none added on top)."""
     return_token_strs: StrictBool | None = None
     """Also give each token's string (`token_strs`), as vLLM's does."""
-    add_generation_prompt: StrictBool = True
-    """Messages only: end with the assistant's turn opened, as a reply's prompt does."""
+    add_generation_prompt: StrictBool | None = None
+    """Messages only: end with the assistant's turn opened, as a reply's prompt does (the
+    default, as for null)."""
     tools: list[ToolDefinition] | None = None
     """Messages only: the tools offered, rendered as a chat completion renders them."""
 
@@ -156,7 +157,7 @@ def tokenize(chat: ChatService, body: TokenizeRequest) -> dict[str, Any]:
         turns = [m.turn() for m in body.messages]
         for turn in turns:
             chat.check_content(turn.content, may_be_empty=True)
-        tokens = chat.render(turns, open_reply=body.add_generation_prompt,
+        tokens = chat.render(turns, open_reply=body.add_generation_prompt is not False,
                              tools=[t.spec() for t in body.tools or ()])
     else:
         assert body.prompt is not None
@@ -206,7 +207,8 @@ def prepare_text_completion(chat: ChatService, body: TextCompletionRequest, owne
         request_class = request_class_xarg(xargs)
     request_id, n, prompts = secrets.token_hex(12), body.n or 1, body.prompts()
     # An echo alone (max_tokens 0) generates one token, as vLLM's does, which it does not give.
-    max_tokens = (DEFAULT_MAX_TOKENS if body.max_tokens is None
+    # Unset, OpenAI's 16, kept under --max-tokens-limit (it refused a request naming none).
+    max_tokens = (min(DEFAULT_MAX_TOKENS, chat.config.max_tokens_limit) if body.max_tokens is None
                   else 1 if body.max_tokens == 0 else body.max_tokens)
     gens: list[Generation] = []
     limit, logprob_tokens = chat.config.max_prompt_logprobs_tokens, 0

@@ -22,7 +22,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from antiphon.engine_ext.tool_calls import HermesReader, parse_calls, read_reply
 from antiphon.engine_ext.types import ToolSpec
@@ -44,7 +44,7 @@ class FunctionDefinition(BaseModel):
         if schema is not None and schema.get("type", "object") != "object":
             raise ValueError("parameters must be the JSON schema of an object (its arguments)")
         return schema
-    strict: bool | None = None
+    strict: StrictBool | None = None
     """Calls always match the schema where the reply is constrained ("required" or a named
     function), strict or not; with "auto" the model's calls are not checked."""
 

@@ -80,6 +80,69 @@ async def test_one_key_cannot_flood_the_engine(tmp_path: Path) -> None:
             assert (await client.post(**completion(A))).status_code == 200
 
 
+class CountedRenders(ScriptedEngine):
+    """An engine that counts its chat renders, and can hold one until `release` is set."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.renders = 0
+        self.hold = threading.Event()
+        self.holding = threading.Event()
+        self.release = threading.Event()
+
+    def render_chat(self, *args: Any, **kwargs: Any) -> Any:
+        self.renders += 1
+        if self.hold.is_set():
+            self.holding.set()
+            self.release.wait(10)
+        return super().render_chat(*args, **kwargs)
+
+
+async def test_a_key_at_its_limit_renders_nothing_it_is_refused(tmp_path: Path) -> None:
+    """The key's slots were taken after the request's render: a key at its limit still had
+    every refused request rendered, on the thread every other key's renders wait for (found
+    by a review: 40 refused requests held another key's reply 2.6 s)."""
+    config = scripted_config(tmp_path, api_keys=(A, B), max_inflight_per_key=1)
+    engine = CountedRenders(token_delay_s=0.05)
+    with live_server(config, engine) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            first = asyncio.create_task(client.post(**completion(A, "one two three " * 5)))
+            await asyncio.sleep(0.3)  # generating now
+            renders = engine.renders
+            refused = await client.post(**completion(A))
+            text = await client.post(url="/v1/completions", headers={
+                "Authorization": f"Bearer {A}"}, json={"model": "scripted", "prompt": "hi"})
+            assert (refused.status_code, text.status_code) == (429, 429)
+            assert engine.renders == renders
+            assert (await first).status_code == 200
+            assert (await client.post(**completion(A))).status_code == 200  # slot back
+
+
+async def test_one_key_cannot_queue_tokenize_renders_without_limit(tmp_path: Path) -> None:
+    """/tokenize and /detokenize run on the render thread chat turns use, and took no slot of
+    the key: one key's many held every other key's replies up."""
+    config = scripted_config(tmp_path, api_keys=(A, B), max_inflight_per_key=1)
+    engine = CountedRenders()
+    with live_server(config, engine) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            tokenize = {"url": "/tokenize", "headers": {"Authorization": f"Bearer {A}"},
+                        "json": {"messages": [{"role": "user", "content": "hi"}]}}
+            engine.hold.set()
+            held = asyncio.create_task(client.post(**tokenize))
+            assert await asyncio.to_thread(engine.holding.wait, 10)
+            engine.hold.clear()
+            again = await client.post(**tokenize)
+            detokenize = await client.post(url="/detokenize", headers={
+                "Authorization": f"Bearer {A}"}, json={"tokens": [104, 105]})
+            assert (again.status_code, again.json()["error"]["code"]) == (
+                429, "too_many_requests")
+            assert "--max-inflight-per-key" in again.json()["error"]["message"]
+            assert detokenize.status_code == 429
+            engine.release.set()
+            assert (await held).status_code == 200
+            assert (await client.post(**tokenize)).status_code == 200  # the slot came back
+
+
 class SlowAdvise(ScriptedEngine):
     """An engine that answers an advisory after a step's while (between two steps)."""
 

@@ -998,3 +998,33 @@ def test_an_advisory_during_the_sessions_turn_is_no_repeat(tmp_path: Path) -> No
         assert httpx.post(url + "/v1/advisory", json=advise).json()["repeat"] is False
         list(stream)
         assert len(engine.advisories) == 2
+
+
+def test_a_text_completion_naming_no_max_tokens_fits_a_lower_token_limit(
+        tmp_path: Path) -> None:
+    """Unset, a text completion's max_tokens is OpenAI's 16: under --max-tokens-limit 8 it
+    was refused for a max_tokens the client never sent (a chat completion's default is kept
+    under the limit)."""
+    config = scripted_config(tmp_path, max_tokens_limit=8)
+    with live_server(config, ScriptedEngine()) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": "scripted", "prompt": "a b c"})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 8
+
+
+def test_flags_are_json_booleans_and_null_is_the_default(scripted: Scripted) -> None:
+    """A tool's "strict": "yes" was taken as true (every other flag is a JSON boolean), and
+    /tokenize refused `add_generation_prompt: null` (null is the default everywhere else)."""
+    r = httpx.post(scripted.url + "/v1/chat/completions", json={
+        "model": "scripted", "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]})
+    assert r.status_code == 400 and "strict" in r.text, r.text
+    messages = [{"role": "user", "content": "hi"}]
+    null = httpx.post(scripted.url + "/tokenize", json={
+        "messages": messages, "add_generation_prompt": None})
+    default = httpx.post(scripted.url + "/tokenize", json={"messages": messages})
+    assert null.status_code == 200, null.text
+    assert null.json()["tokens"] == default.json()["tokens"]
+    closed = httpx.post(scripted.url + "/tokenize", json={
+        "messages": messages, "add_generation_prompt": False})
+    assert closed.json()["tokens"] != default.json()["tokens"]
