@@ -7,6 +7,7 @@ per session is in flight at a time, so the conversation has a single order.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -31,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 Emit = Callable[[str], Awaitable[None]]
 T = TypeVar("T")
+# Session creates remembered by the client's request id (`SessionTurns.open`): a page re-sends
+# its open after a reconnect within seconds; 4,096 covers that many opens in between.
+OPENS_REMEMBERED = 4096
 
 
 async def _through_user_cancel(work: asyncio.Future[T], is_user_cancel: Callable[[], bool],
@@ -81,6 +85,8 @@ class SessionTurns:
         self.claims = SessionClaims(chat.config.session_free_wait_s, chat.check_open)
         self.eraser = KvEraser(store, chat)
         self._deleting: dict[str, asyncio.Event] = {}  # session id -> set once deleted
+        # (owner, the client's request id) -> the session that open created, newest last
+        self._opened: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
 
     def turn_began(self, session_id: str) -> None:
         """A turn of `session_id` (or its deletion) claimed it, and is going to the engine:
@@ -91,9 +97,12 @@ class SessionTurns:
         self.arrival_order.arrived(session_id)
 
     async def open(self, owner: str, session_id: str | None, title: str | None = None,
-                   system: str | None = None) -> tuple[Session, list[Message]]:
+                   system: str | None = None, request_id: str | None = None
+                   ) -> tuple[Session, list[Message]]:
         """Create a session (no id), whose model sees `system` first, or load one of
-        `owner`'s; raises `session_not_found`, `bad_message` for a system message given for a
+        `owner`'s. A create named by the client's `request_id` is done once: the same request
+        again (sent again after a connection dropped before the answer came) gets the
+        session the first made, while it exists (`OPENS_REMEMBERED` at most). Raises `session_not_found`, `bad_message` for a system message given for a
         session that exists (its conversation was had under its own) or one the chat template
         refuses, or a title given for one (`session.rename` renames), `too_large` or `context_length_exceeded` for one too long."""
         if session_id is not None and system is not None:
@@ -109,6 +118,11 @@ class SessionTurns:
         if system is not None:
             await self.chat.off_loop(self._check_system, system,  # (a render)
                                      request_class=self.chat.render_class(owner))
+        if session_id is None and request_id is not None:
+            made = self._opened.get((owner, request_id))
+            if made is not None:
+                with contextlib.suppress(ApiError):  # (deleted since: a new one)
+                    return await self.open(owner, made)
         if session_id is None:
             title = "New chat" if title is None else clean_title(title)
             limit = self.chat.config.max_sessions_per_key
@@ -118,6 +132,10 @@ class SessionTurns:
                 raise ApiError(ErrorCode.TOO_MANY_SESSIONS, (
                     f"this API key has {limit} sessions, the most it may keep "
                     "(--max-sessions-per-key): delete some first"))
+            if request_id is not None:
+                self._opened[(owner, request_id)] = session.session_id
+                while len(self._opened) > OPENS_REMEMBERED:
+                    self._opened.popitem(last=False)
             return session, []
         session = await self.get(owner, session_id)
         return session, await asyncio.to_thread(self.store.messages, session_id)

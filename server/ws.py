@@ -149,7 +149,7 @@ class Connection:
         turns = self.ctx.turns
         if isinstance(msg, protocol.SessionOpen):
             session, messages = await turns.open(self.owner, msg.session_id, msg.title,
-                                                 msg.system)
+                                                 msg.system, msg.request_id)
             await self.send(protocol.encode("session", session=session.to_json(),
                                             messages=[m.to_json() for m in messages],
                                             replying=turns.is_replying(session.session_id),

@@ -61,6 +61,25 @@ async def test_session_frames_name_the_request_they_answer(scripted: Scripted) -
         assert (await recv(ws))["request_id"] == "open-2"
 
 
+async def test_a_new_sessions_open_sent_again_gets_the_session_it_made(
+        scripted: Scripted) -> None:
+    """A page whose connection dropped before its new chat's `session` frame came sends the
+    open again on reconnecting: a new session each time left the first behind, empty, in
+    the list and against the key's session limit (found by a review). The same request id
+    gets the session it made, while that exists."""
+    async with connect(scripted.ws_url) as ws:
+        first = (await open_session(ws, request_id="new-1"))["session"]["session_id"]
+    async with connect(scripted.ws_url) as ws:
+        again = await open_session(ws, request_id="new-1")
+        assert (again["session"]["session_id"], again["request_id"]) == (first, "new-1")
+        other = (await open_session(ws, request_id="new-2"))["session"]["session_id"]
+        assert other != first
+        await send(ws, type="session.delete", session_id=first)
+        assert (await recv(ws))["type"] == "session.deleted"
+        made = (await open_session(ws, request_id="new-1"))["session"]["session_id"]
+        assert made not in (first, other)  # (the one it made is gone: a new one)
+
+
 async def test_follow_up_sees_history_and_reopen_returns_it(scripted: Scripted) -> None:
     scripted.engine.reply = lambda turns: " ".join(t.content for t in turns if t.role == "user")
     async with connect(scripted.ws_url) as ws:

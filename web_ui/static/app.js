@@ -303,9 +303,12 @@ function sessionOp(kind, sessionId, fields = {}) {
 }
 
 /** Open a new session for the queued first message: only the frame answering this open
- * takes it (one opened just before, from the sidebar, got it, and a refusal deleted it). */
-function openForQueued() {
-  state.queuedOpen = newRequestId();
+ * takes it (one opened just before, from the sidebar, got it, and a refusal deleted it).
+ * `again`: the same open once more after a reconnect, under its request id, which the server
+ * answers with the session it made, if it made one before the connection dropped (a new id
+ * left that one behind, empty). */
+function openForQueued(again = false) {
+  if (!again || state.queuedOpen === null) state.queuedOpen = newRequestId();
   client.openSession(null, state.queuedSystem, state.queuedOpen);
 }
 
@@ -740,7 +743,7 @@ client.addEventListener("open", () => {
   // A new chat's first message still waiting for its session is sent to a new one (the chat
   // shown meanwhile, picked just before it, gives way: left waiting, it was lost for good).
   state.restoring = Boolean(state.currentId) && state.queued === null;
-  if (state.queued !== null) openForQueued();
+  if (state.queued !== null) openForQueued(true);
   else if (state.currentId) showSession(state.currentId);
   refreshControls();
 });
