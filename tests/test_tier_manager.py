@@ -175,6 +175,26 @@ def test_write_through_later_pins_until_written_and_skips_what_is_below() -> Non
         assert alone.write_through_later([GRID[0][0]]) == 0
 
 
+def test_a_failed_write_down_leaves_no_chunk_pinned(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A write that raised unpinned its own key only: the keys after it in the batch stayed
+    pinned in the host tier for good, and the error went unseen (found by a review)."""
+    with two_tiers() as store:
+        fast = store.tiers[0]
+        keys = [GRID[0][0], GRID[0][1], GRID[0][2]]
+        for key in keys:
+            assert fast.put(key, data(key))
+
+        def fails(*args: object, **kwargs: object) -> None:
+            raise OSError("disk gone")
+
+        monkeypatch.setattr(store, "write_through", fails)
+        assert store.write_through_later(keys) == 3
+        store.wait_for_write_downs()
+        assert "3 chunks down from fast failed; 2 left" in caplog.text
+        assert all(fast.remove(key) for key in keys)  # none pinned (a pinned key stays)
+
+
 def test_prefetch_moves_layer_zero_first_and_reports_progress() -> None:
     fast = RecordingTier(10_000, "fast")
     slow = RecordingTier(10_000, "slow", hold_layers=frozenset({1, 2}))

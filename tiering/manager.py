@@ -11,6 +11,7 @@ The store never branches on a tier's name or type: it uses only the `Tier` inter
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,8 @@ from antiphon.tiering.keys import ChunkKey
 from antiphon.tiering.prefetch import PrefetchHandle
 from antiphon.tiering.stats import TierStats
 from antiphon.tiering.tier import BytesLike, Tier
+
+log = logging.getLogger(__name__)
 
 
 class ErasureIncomplete(RuntimeError):
@@ -112,11 +115,23 @@ class TieredStore:
         self._write_down.submit(lambda: None).result()
 
     def _write_pinned(self, keys: Sequence[ChunkKey], from_tier: int, owner: bytes) -> None:
-        for key in keys:
-            try:
-                self.write_through(key, from_tier, owner=owner)
-            finally:
-                self.tiers[from_tier].unpin(key)
+        """Write each of `keys` through, unpinning each once written; a write that raises
+        unpins the rest too (they stayed pinned for good, and the error went unseen in the
+        executor's future)."""
+        tier, num_done = self.tiers[from_tier], 0
+        try:
+            for key in keys:
+                try:
+                    self.write_through(key, from_tier, owner=owner)
+                finally:
+                    num_done += 1
+                    tier.unpin(key)
+        except Exception:
+            log.exception("writing %d chunks down from %s failed; %d left in it unwritten",
+                          len(keys), tier.name, len(keys) - num_done)
+        finally:
+            for key in keys[num_done:]:
+                tier.unpin(key)
 
     def get(self, key: ChunkKey) -> bytes | memoryview | None:
         """The payload from the fastest tier holding `key`, or None.
