@@ -102,9 +102,11 @@ class SessionTurns:
         """Create a session (no id), whose model sees `system` first, or load one of
         `owner`'s. A create named by the client's `request_id` is done once: the same request
         again (sent again after a connection dropped before the answer came) gets the
-        session the first made, while it exists (`OPENS_REMEMBERED` at most). Raises `session_not_found`, `bad_message` for a system message given for a
-        session that exists (its conversation was had under its own) or one the chat template
-        refuses, or a title given for one (`session.rename` renames), `too_large` or `context_length_exceeded` for one too long."""
+        session the first made, while it exists (`OPENS_REMEMBERED` at most). Raises
+        `session_not_found`, `bad_message` for a system message given for a session that
+        exists (its conversation was had under its own) or one the chat template refuses, or
+        a title given for one (`session.rename` renames), `too_large` or
+        `context_length_exceeded` for one too long."""
         if session_id is not None and system is not None:
             raise ApiError(ErrorCode.BAD_MESSAGE, "a session's system message is set when it "
                            "is created: open a new session for another", param="system")

@@ -740,8 +740,9 @@ client.addEventListener("open", () => {
   const gone = ["disconnected", "unauthorized", "shutting_down"];
   if (!box.hidden && gone.includes(box.dataset.code)) hideError();
   client.listSessions();
-  // A new chat's first message still waiting for its session is sent to a new one (the chat
-  // shown meanwhile, picked just before it, gives way: left waiting, it was lost for good).
+  // A new chat's first message still waiting for its session is sent to a new one, or to the
+  // one its open made before the connection dropped (the chat shown meanwhile, picked just
+  // before it, gives way: left waiting, it was lost for good).
   state.restoring = Boolean(state.currentId) && state.queued === null;
   if (state.queued !== null) openForQueued(true);
   else if (state.currentId) showSession(state.currentId);
