@@ -144,9 +144,9 @@ class CallGraphHooks:
         if not self.send_advisories:
             return
         arrival = self.expected_arrival(role)
-        for nxt in graph.subscribers(action.name):
-            if nxt is not role:
-                await self.advise(nxt, arrival)
+        # (together: one after another, N roles' advisories took N answers' time)
+        await asyncio.gather(*(self.advise(nxt, arrival)
+                               for nxt in graph.subscribers(action.name) if nxt is not role))
 
     def advise_during_call(self, graph: CallGraph, role: Caller, action: Named) -> Advising:
         """`on_call_start` now, and again every `refresh_s` until the call ends
@@ -255,10 +255,17 @@ class Environment:
     """Routes published messages to watching roles and runs them until nobody has work."""
 
     def __init__(self, client: AsyncAntiphon, roles: Sequence[Role],
-                 hooks: CallGraphHooks | None = None, *, temperature: float = 0.0) -> None:
+                 hooks: CallGraphHooks | None = None, *, temperature: float = 0.0,
+                 advisory_wait_s: float = 0.25) -> None:
+        """`advisory_wait_s`: how long a round waits at most, once its calls are done, for
+        their advisories still being sent (to the roles of the next round): one answered late,
+        between an engine's long steps, held the next round up for as long as it took."""
         names = [r.name for r in roles]
         if len(set(names)) != len(names):
             raise ValueError(f"role names must be unique: {names}")
+        if not advisory_wait_s >= 0:
+            raise ValueError(f"advisory_wait_s must be >= 0, got {advisory_wait_s}")
+        self.advisory_wait_s = advisory_wait_s
         self.client = client
         self.roles = list(roles)
         self.hooks = hooks if hooks is not None else CallGraphHooks(client)
@@ -287,31 +294,48 @@ class Environment:
         failure stops the other roles of its round and is raised."""
         await self.open_sessions()
         self.publish_message(Message(requirement, USER_REQUIREMENT, "user"))
-        for _ in range(max_rounds):
-            ready = [(r, self._inbox[r.name]) for r in self.roles if self._inbox[r.name]]
-            if not ready:
-                break
-            for role, _mail in ready:
-                self._inbox[role.name] = []
-            # A call's advisories go on until the round ends: the roles it advised call only
-            # then, and refreshed during the call alone, an advisory expired while a longer
-            # call of the round ran on (found by a review).
-            advisings: list[Advising] = []
-            reactions = [asyncio.ensure_future(self._react(r, m, advisings)) for r, m in ready]
-            try:
-                messages = await asyncio.gather(*reactions)
-            except BaseException:
-                # A role that fails stops the others of its round (their turns are cancelled
-                # on the server too): they ran on with nothing awaiting them.
-                for reaction in reactions:
-                    reaction.cancel()
-                await asyncio.gather(*reactions, return_exceptions=True)
-                raise
-            finally:
-                await stop_all(advisings)
-            for message in messages:
-                self.publish_message(message)
+        stopping: set[asyncio.Future[None]] = set()  # advisories still being sent
+        try:
+            for _ in range(max_rounds):
+                ready = [(r, self._inbox[r.name]) for r in self.roles if self._inbox[r.name]]
+                if not ready:
+                    break
+                for role, _mail in ready:
+                    self._inbox[role.name] = []
+                await self._round(ready, stopping)
+        finally:  # (the run is over: no call is left for them to advise)
+            for task in stopping:
+                task.cancel()
+            await asyncio.gather(*stopping, return_exceptions=True)
         return self.history
+
+    async def _round(self, ready: Sequence[tuple[Role, list[Message]]],
+                     stopping: set[asyncio.Future[None]]) -> None:
+        """Run the `ready` roles' calls together and publish their replies. Their advisories
+        go on until the round ends (the roles they advise call only then; refreshed during
+        its own call alone, an advisory expired while a longer call of the round ran on:
+        found by a review); one still being sent then finishes beside the next round, which
+        waits for it `advisory_wait_s` at most, and is added to `stopping`."""
+        advisings: list[Advising] = []
+        reactions = [asyncio.ensure_future(self._react(r, m, advisings)) for r, m in ready]
+        try:
+            messages = await asyncio.gather(*reactions)
+        except BaseException:
+            # A role that fails stops the others of its round (their turns are cancelled on
+            # the server too): they ran on with nothing awaiting them.
+            for reaction in reactions:
+                reaction.cancel()
+            await asyncio.gather(*reactions, return_exceptions=True)
+            raise
+        finally:
+            for advising in advisings:
+                advising.stop_soon()
+            task = asyncio.ensure_future(stop_all(advisings))
+            stopping.add(task)
+            task.add_done_callback(stopping.discard)
+            await asyncio.wait({task}, timeout=self.advisory_wait_s)
+        for message in messages:
+            self.publish_message(message)
 
     async def _react(self, role: Role, incoming: Sequence[Message],
                      advisings: list[Advising]) -> Message:

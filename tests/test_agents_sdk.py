@@ -492,6 +492,53 @@ async def test_a_role_woken_by_a_short_call_is_advised_until_its_round_ends() ->
     assert max(tester) >= 0.4  # still advised while the backend's call ran
 
 
+async def test_a_slow_advisory_does_not_hold_up_the_next_round() -> None:
+    # The server answers an advisory between two engine steps: a busy engine answered it
+    # late, and the round's end waited for it, so the next round's roles (those it advised)
+    # started only once it came back (found by a review: 2 s between two 50-ms calls).
+    # Several roles' advisories go out together.
+    from types import SimpleNamespace
+
+    from antiphon.agents.team import USER_REQUIREMENT, Action, CallGraphHooks, Environment, Role
+
+    started = time.perf_counter()
+
+    class Client:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, float]] = []
+            self.advising = self.most_advising = 0
+
+        async def create_session(self, title: str) -> SimpleNamespace:
+            return SimpleNamespace(session_id=f"s_{title}")
+
+        async def advise(self, session_id: str, expected_arrival: float | None) -> None:
+            self.advising += 1
+            self.most_advising = max(self.most_advising, self.advising)
+            try:
+                await asyncio.sleep(2.0)
+            finally:
+                self.advising -= 1
+
+        async def chat(self, session_id: str, prompt: str, **kwargs: Any) -> SimpleNamespace:
+            self.calls.append((session_id, time.perf_counter() - started))
+            await asyncio.sleep(0.05)
+            return SimpleNamespace(text="ok", client_ttft_s=0.01, prompt_tokens=1,
+                                   completion_tokens=1)
+
+    client = Client()
+    roles = [Role("architect", "a", [Action("WriteDesign", "x")], [USER_REQUIREMENT]),
+             Role("engineer", "e", [Action("WriteCode", "x")], ["WriteDesign"]),
+             Role("tester", "t", [Action("WriteTests", "x")], ["WriteDesign"])]
+    env = Environment(client, roles, CallGraphHooks(client))  # type: ignore[arg-type]
+    await env.run("a todo app")
+    elapsed = time.perf_counter() - started
+    assert elapsed < 1.5, client.calls
+    assert client.most_advising == 2  # the engineer's and the tester's, together
+    assert client.advising == 0  # none left running past the run
+    with pytest.raises(ValueError):
+        Environment(client, roles, advisory_wait_s=-1)  # type: ignore[arg-type]
+
+
 async def test_a_refresh_that_fails_keeps_the_lead_of_the_advisory_that_went_out() -> None:
     from types import SimpleNamespace
 
