@@ -29,7 +29,7 @@ from antiphon.server.context import AppContext
 from antiphon.server.errors import ApiError, ErrorCode
 from antiphon.server.file_store import FileTooLarge
 from antiphon.server.http import authorize, declared_body_bytes, read_model
-from antiphon.server.uploads import receive_upload
+from antiphon.server.uploads import MAX_FORM_OVERHEAD_BYTES, receive_upload
 
 router = APIRouter()
 INPUT_PURPOSE = "batch"
@@ -63,12 +63,18 @@ async def _batch(ctx: AppContext, owner: str, batch_id: str) -> Batch:
     return batch
 
 
-def _files_full(stored: int, most: int, in_flight: int = 0) -> ApiError:
+def _files_full(stored: int, most: int, in_flight: int = 0,
+                file_limit: int | None = None) -> ApiError:
+    """`too_large` for a key whose stored files leave no room; with `file_limit`, for an
+    upload past the room they leave, which may be past a file's limit too."""
     uploading = f" (and holds {in_flight} more for its uploads in flight)" if in_flight else ""
+    also = "" if file_limit is None else (
+        f"; a file may have at most {file_limit} bytes (--max-batch-file-bytes) whatever "
+        "the key stores")
     return ApiError(ErrorCode.TOO_LARGE, (
         f"this API key stores {stored} bytes of files{uploading} and may store {most} "
         "(--max-stored-file-bytes), results included: delete some first "
-        "(DELETE /v1/files/ID)"))
+        f"(DELETE /v1/files/ID){also}"))
 
 
 def _check_num_files(num_files: int, most: int) -> None:
@@ -103,9 +109,16 @@ async def upload_file(request: Request) -> dict[str, Any]:
     try:
         record = await _receive_file(request, ctx, owner, max_bytes)
     except FileTooLarge as err:  # (not a form field too long: that is the client's fault)
-        if room < limits.max_batch_file_bytes:
-            raise _files_full(stored, most, reserved) from err
-        raise
+        file_limit = limits.max_batch_file_bytes
+        if room >= file_limit:
+            raise
+        declared = declared_body_bytes(request)
+        if declared is not None and declared > file_limit + MAX_FORM_OVERHEAD_BYTES:
+            raise FileTooLarge(file_limit) from err  # (too large for any key: no use deleting)
+        # The stream stopped at the key's room; whether the file is also past a file's limit
+        # is not known then (told only "delete some first", a key near its limit deleted
+        # files for an upload too large for any).
+        raise _files_full(stored, most, reserved, file_limit) from err
     finally:  # after the file is kept or gone
         in_flight.release(owner, max_bytes)
     return record.to_json()

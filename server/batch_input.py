@@ -111,13 +111,17 @@ def _failed(line_index: int, custom_id: str | None, err: ApiError) -> InputItem:
 
 def _lines(f: IO[bytes], max_line_bytes: int) -> Iterator[bytes | None]:
     """The file's lines without their newline, reading at most `max_line_bytes + 2` bytes at
-    a time; None stands for a line that is too long (its bytes are skipped)."""
+    a time; None stands for a line that is too long (its bytes are skipped), b"" for a blank
+    one of any length (the upload's line count skips those: counted here, one pushed the
+    last request of a file at `--max-batch-items` past it)."""
     while line := f.readline(max_line_bytes + 2):
         # Short of the read's size without a newline: the file's last line (a lone \r too).
         if line.endswith(b"\n") or len(line) <= max_line_bytes + 1:
             body = line.rstrip(b"\r\n")
-            yield body if len(body) <= max_line_bytes else None
+            yield body if len(body) <= max_line_bytes or not body.strip() else None
             continue
+        is_blank = not line.strip()
         while line and not line.endswith(b"\n"):  # skip the rest of an over-long line
             line = f.readline(max_line_bytes + 2)
-        yield None
+            is_blank = is_blank and not line.strip()
+        yield b"" if is_blank else None

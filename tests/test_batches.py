@@ -1011,3 +1011,33 @@ def test_a_form_field_too_long_is_not_reported_as_files_full(tmp_path: Path) -> 
         r = httpx.post(live.url + "/v1/files", content=body, headers=MULTIPART)
         assert r.status_code == 413
         assert r.json()["error"]["message"] == "form field 'purpose' is too long", r.text
+
+
+def test_a_file_too_large_for_any_key_is_not_called_files_full(tmp_path: Path) -> None:
+    """A key near its stored bytes sending a file past --max-batch-file-bytes was told only
+    to delete files, which could not help (found by a review). A body too large for a file
+    of any key says so; one whose file the stream cannot tell names both limits."""
+    one = jsonl(6)
+    with batch_server(tmp_path, max_batch_file_bytes=2000,
+                      max_stored_file_bytes=len(one) + 1500) as live:
+        live.client().files.create(file=("a.jsonl", one), purpose="batch")  # 1,500 left
+        huge = httpx.post(live.url + "/v1/files", files={"file": ("b.jsonl", b"x" * 100_000)},
+                          data={"purpose": "batch"})
+        assert huge.status_code == 413
+        assert huge.json()["error"]["message"] == "file exceeds 2000 bytes", huge.text
+        unsure = httpx.post(live.url + "/v1/files", files={"file": ("c.jsonl", b"x" * 5000)},
+                            data={"purpose": "batch"})
+        assert unsure.status_code == 413
+        message = unsure.json()["error"]["message"]
+        assert "--max-stored-file-bytes" in message and "--max-batch-file-bytes" in message
+
+
+def test_a_blank_line_longer_than_a_frame_is_no_item(tmp_path: Path) -> None:
+    """The upload counts lines holding more than whitespace, and the batch skipped blank
+    lines, but one longer than --max-frame-bytes became a failed item, which pushed the
+    last request of a file at --max-batch-items past it (found by a review)."""
+    lines = [" " * 10_000] + [request_line(f"ok-{i}", "x") for i in range(3)] + ["\t" * 9000]
+    with batch_server(tmp_path, max_frame_bytes=8192, max_batch_items=3) as live:
+        client = live.client()
+        batch = wait_finished(live.url, submit(client, ("\n".join(lines) + "\n").encode()))
+        assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
