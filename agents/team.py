@@ -273,6 +273,7 @@ class Environment:
         self.history: list[Message] = []
         self.calls: list[CallRecord] = []
         self._inbox: dict[str, list[Message]] = {r.name: [] for r in roles}
+        self._opened: list[Role] = []  # roles whose sessions `open_sessions` made
 
     def subscribers(self, action_name: str) -> list[Role]:
         return [r for r in self.roles if action_name in r.watch]
@@ -283,10 +284,36 @@ class Environment:
             self._inbox[role.name].append(message)
 
     async def open_sessions(self, prefix: str = "") -> None:
-        for role in self.roles:
-            if role.session_id is None:
-                role.session_id = (await self.client.create_session(
-                    f"{prefix}{role.name}")).session_id
+        """A session for each role without one, titled `prefix` and its name; all or none
+        (a failure deletes those this call made: left behind, they counted against the key's
+        `--max-sessions-per-key`, and a retry was refused)."""
+        made: list[Role] = []
+        try:
+            for role in self.roles:
+                if role.session_id is None:
+                    role.session_id = (await self.client.create_session(
+                        f"{prefix}{role.name}")).session_id
+                    made.append(role)
+        except BaseException:
+            await self._delete_sessions(made)
+            raise
+        self._opened.extend(made)
+
+    async def close_sessions(self) -> None:
+        """Delete the sessions `open_sessions` made (those given with the roles stay)."""
+        opened, self._opened = self._opened, []
+        await self._delete_sessions(opened)
+
+    async def _delete_sessions(self, roles: Sequence[Role]) -> None:
+        for role in roles:
+            session_id, role.session_id = role.session_id, None
+            if session_id is None:
+                continue
+            try:
+                await self.client.delete_session(session_id)
+            except AntiphonError as exc:  # (best effort: the error that brought us here counts)
+                logger.warning("could not delete %s's session %s: %s", role.name, session_id,
+                               exc)
 
     async def run(self, requirement: str, max_rounds: int = 20) -> list[Message]:
         """Publish `requirement` and let roles react, round by round (roles with mail in the

@@ -54,9 +54,15 @@ def software_team(max_tokens: int = 96, rounds_back: int = 2) -> list[Role]:
 
 async def run_workflow(client: AsyncAntiphon, task: str, *, hints: bool = True,
                        max_tokens: int = 96, title_prefix: str = "") -> Environment:
-    """Run the team on `task`; the environment holds the messages and per-call records."""
+    """Run the team on `task`; the environment holds the messages and per-call records. A
+    run that fails deletes the sessions it opened (the caller has no environment to find
+    them by: they counted against the key's `--max-sessions-per-key` for good)."""
     env = Environment(client, software_team(max_tokens),
                       CallGraphHooks(client, send_advisories=hints))
     await env.open_sessions(title_prefix)
-    await env.run(task)
+    try:
+        await env.run(task)
+    except BaseException:
+        await env.close_sessions()
+        raise
     return env

@@ -539,6 +539,37 @@ async def test_a_slow_advisory_does_not_hold_up_the_next_round() -> None:
         Environment(client, roles, advisory_wait_s=-1)  # type: ignore[arg-type]
 
 
+async def test_a_failed_workflow_leaves_no_session_behind(tmp_path: Path) -> None:
+    """A workflow whose run failed, or whose sessions could not all be opened, left the
+    sessions it had made, with no environment returned to find them by: they counted against
+    --max-sessions-per-key, and the corrected retry was refused (found by a review)."""
+    from antiphon.agents.team import Environment
+    from antiphon.agents.workflows import software_team
+
+    config = scripted_config(tmp_path, max_sessions_per_key=4, max_tokens_limit=100,
+                             default_max_tokens=100)
+    with live_server(config, ScriptedEngine()) as url:
+        async with AsyncAntiphon(url) as client:
+            with pytest.raises(InvalidRequestError):  # max_tokens past the server's limit
+                await run_workflow(client, "a todo app", max_tokens=500)
+            assert await client.list_sessions() == []
+            kept = (await client.create_session("mine")).session_id
+            for title in ("x", "y"):
+                await client.create_session(title)
+            team = Environment(client, software_team())  # 3 sessions, room for 1
+            with pytest.raises(InvalidRequestError, match="too_many_sessions"):
+                await team.open_sessions()
+            assert len(await client.list_sessions()) == 3
+            assert all(role.session_id is None for role in team.roles)
+            for session in await client.list_sessions():
+                if session.session_id != kept:
+                    await client.delete_session(session.session_id)
+            env = await run_workflow(client, "a todo app", max_tokens=20)  # the retry
+            assert len(env.calls) == 7
+            await env.close_sessions()
+            assert [s.session_id for s in await client.list_sessions()] == [kept]
+
+
 async def test_a_refresh_that_fails_keeps_the_lead_of_the_advisory_that_went_out() -> None:
     from types import SimpleNamespace
 
