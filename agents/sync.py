@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import threading
+import weakref
 from typing import Any
 
 from antiphon.agents.client import AsyncAntiphon
@@ -30,14 +31,17 @@ class Antiphon:
         self._waiting: set[threading.Event] = set()  # the calls' wake-ups, set at close too
         self._closed = threading.Event()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="antiphon-client",
-                                        daemon=True)
+        dropped = threading.Event()  # set once dropped unclosed (`_close_dropped`)
+        self._thread = threading.Thread(target=_serve, args=(self._loop, dropped),
+                                        name="antiphon-client", daemon=True)
         self._thread.start()
         try:
             self.aio: AsyncAntiphon = self._run(self._make(base_url, api_key, options))
         except BaseException:  # bad options: leave no thread behind
             self._stop_loop()
             raise
+        # Dropped without `close`, its thread, loop and connections stayed for good.
+        self._finalizer = weakref.finalize(self, _close_dropped, self._loop, self.aio, dropped)
 
     @staticmethod
     async def _make(base_url: str, api_key: str | None, options: dict[str, Any]
@@ -111,6 +115,7 @@ class Antiphon:
         with self._lock:
             first = not self._is_closing
             self._is_closing = True
+        self._finalizer.detach()
         if not first:
             self._closed.wait(timeout=2 * CANCEL_WAIT_S + 10)
             return
@@ -149,3 +154,25 @@ class Antiphon:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def _serve(loop: asyncio.AbstractEventLoop, dropped: threading.Event) -> None:
+    """The client's thread: its loop, until stopped (by `close`, which then closes it, or
+    once the client was dropped unclosed: then closed here)."""
+    loop.run_forever()
+    if dropped.is_set():
+        loop.close()
+
+
+def _close_dropped(loop: asyncio.AbstractEventLoop, aio: AsyncAntiphon,
+                   dropped: threading.Event) -> None:
+    """Close the connections of a client dropped without `close`, then stop its thread."""
+    async def close() -> None:
+        with contextlib.suppress(Exception):
+            await aio.close()
+        dropped.set()
+        loop.stop()
+
+    with contextlib.suppress(RuntimeError):  # (its loop closed already)
+        asyncio.run_coroutine_threadsafe(close(), loop)
+

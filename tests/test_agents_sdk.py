@@ -219,6 +219,23 @@ def test_blocking_client(scripted: Scripted) -> None:
     assert threading.active_count() == threads  # its loop's thread is gone
 
 
+def test_a_blocking_client_dropped_unclosed_leaves_no_thread(scripted: Scripted) -> None:
+    """Each blocking client runs a loop in a thread of its own: one dropped without `close`
+    kept its thread, loop and connections for good (found by a review)."""
+    import gc
+
+    before = {t.ident for t in threading.enumerate()}
+    for _ in range(5):
+        client = Antiphon(scripted.url)
+        client.create_session()
+        del client
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while [t for t in threading.enumerate() if t.ident not in before]:
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        time.sleep(0.05)
+
+
 def test_closing_the_blocking_client_ends_the_calls_other_threads_wait_on(
         scripted: Scripted) -> None:
     """Its loop stopped under a call still running (waiting for a batch, or for the server to
