@@ -175,4 +175,3 @@ def _close_dropped(loop: asyncio.AbstractEventLoop, aio: AsyncAntiphon,
 
     with contextlib.suppress(RuntimeError):  # (its loop closed already)
         asyncio.run_coroutine_threadsafe(close(), loop)
-
