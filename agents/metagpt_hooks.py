@@ -24,7 +24,6 @@ and before running the team.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import time
@@ -32,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
 from typing import Any
 
 from antiphon.agents.client import AsyncAntiphon
-from antiphon.agents.team import Advising, CallGraphHooks, stop_all
+from antiphon.agents.team import Advising, CallGraphHooks, create_sessions, stop_all
 
 # The attribute a hooked `completions.create` carries (`MetaGPTAdvisor.attach` hooks one once).
 _HOOKED = "_antiphon_advisor_hook"
@@ -135,20 +134,12 @@ class MetaGPTAdvisor:
             if getattr(completions.create, _HOOKED, False):
                 raise ValueError(f"role {role.name}'s LLM client is hooked by an advisor "
                                  "already: attach one advisor to a team")
-        views = []
-        try:
-            for role in env.roles.values():
-                view = TeamRole(role.name, frozenset(role.rc.watch), addresses=frozenset(
-                    getattr(role, "addresses", None) or {role.name}))
-                session = await self.client.create_session(f"{self.session_prefix}{role.name}")
-                view.session_id = session.session_id
-                views.append(view)
-        except BaseException:
-            for view in views:  # (a retry opened them all again, beside these)
-                assert view.session_id is not None
-                with contextlib.suppress(Exception):
-                    await self.client.delete_session(view.session_id)
-            raise
+        views = [TeamRole(role.name, frozenset(role.rc.watch), addresses=frozenset(
+            getattr(role, "addresses", None) or {role.name})) for role in env.roles.values()]
+        ids = await create_sessions(self.client, [f"{self.session_prefix}{role.name}"
+                                                  for role in env.roles.values()])
+        for view, session_id in zip(views, ids, strict=True):
+            view.session_id = session_id
         for role, view in zip(env.roles.values(), views, strict=True):
             self.graph.roles.append(view)
             self._hook_calls(role, view)

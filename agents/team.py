@@ -251,6 +251,30 @@ async def stop_all(advisings: Sequence[Advising]) -> None:
             logger.error("an advising failed", exc_info=result)
 
 
+async def create_sessions(client: AsyncAntiphon, titles: Sequence[str]) -> list[str]:
+    """One new session per title, their ids in order; all or none (a failure deletes those
+    made: left behind, they counted against the key's `--max-sessions-per-key`, and a retry,
+    opening them all again beside them, was refused)."""
+    ids: list[str] = []
+    try:
+        for title in titles:
+            ids.append((await client.create_session(title)).session_id)
+    except BaseException:
+        await delete_sessions(client, ids)
+        raise
+    return ids
+
+
+async def delete_sessions(client: AsyncAntiphon, session_ids: Sequence[str]) -> None:
+    """Delete each of `session_ids`, as far as possible (a failure is logged, not raised: the
+    error that brought the caller here is the one to tell)."""
+    for session_id in session_ids:
+        try:
+            await client.delete_session(session_id)
+        except Exception as exc:
+            logger.warning("could not delete session %s: %s", session_id, exc)
+
+
 class Environment:
     """Routes published messages to watching roles and runs them until nobody has work."""
 
@@ -287,33 +311,19 @@ class Environment:
         """A session for each role without one, titled `prefix` and its name; all or none
         (a failure deletes those this call made: left behind, they counted against the key's
         `--max-sessions-per-key`, and a retry was refused)."""
-        made: list[Role] = []
-        try:
-            for role in self.roles:
-                if role.session_id is None:
-                    role.session_id = (await self.client.create_session(
-                        f"{prefix}{role.name}")).session_id
-                    made.append(role)
-        except BaseException:
-            await self._delete_sessions(made)
-            raise
-        self._opened.extend(made)
+        roles = [role for role in self.roles if role.session_id is None]
+        ids = await create_sessions(self.client, [f"{prefix}{role.name}" for role in roles])
+        for role, session_id in zip(roles, ids, strict=True):
+            role.session_id = session_id
+        self._opened.extend(roles)
 
     async def close_sessions(self) -> None:
         """Delete the sessions `open_sessions` made (those given with the roles stay)."""
         opened, self._opened = self._opened, []
-        await self._delete_sessions(opened)
-
-    async def _delete_sessions(self, roles: Sequence[Role]) -> None:
-        for role in roles:
-            session_id, role.session_id = role.session_id, None
-            if session_id is None:
-                continue
-            try:
-                await self.client.delete_session(session_id)
-            except AntiphonError as exc:  # (best effort: the error that brought us here counts)
-                logger.warning("could not delete %s's session %s: %s", role.name, session_id,
-                               exc)
+        ids = [role.session_id for role in opened if role.session_id is not None]
+        for role in opened:
+            role.session_id = None
+        await delete_sessions(self.client, ids)
 
     async def run(self, requirement: str, max_rounds: int = 20) -> list[Message]:
         """Publish `requirement` and let roles react, round by round (roles with mail in the

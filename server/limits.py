@@ -25,6 +25,12 @@ class Slot:
             self._limit.give_back(self._owner, self._count)
             self._limit = None
 
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.release()
+
 
 class PerKeyLimit:
     """At most `limit` uses at once per owner (when `applies`)."""

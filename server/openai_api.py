@@ -142,12 +142,9 @@ async def tokenize_route(request: Request) -> dict[str, Any]:
     ctx: AppContext = request.app.state.ctx
     owner = authorize(request)
     body = await read_model(request, TokenizeRequest)
-    slot = ctx.tokenizing_per_key.take(owner)  # (a render: it queues with chat turns')
-    try:
+    with ctx.tokenizing_per_key.take(owner):  # (a render: it queues with chat turns')
         return await ctx.chat.off_loop(tokenize, ctx.chat, body,
                                        request_class=ctx.chat.render_class(owner))
-    finally:
-        slot.release()
 
 
 @router.post("/detokenize")
@@ -156,11 +153,8 @@ async def detokenize_route(request: Request) -> dict[str, Any]:
     ctx: AppContext = request.app.state.ctx
     owner = authorize(request)
     body = await read_model(request, DetokenizeRequest)
-    slot = ctx.tokenizing_per_key.take(owner)
-    try:
+    with ctx.tokenizing_per_key.take(owner):
         return await ctx.chat.off_loop(detokenize, ctx.chat, body)
-    finally:
-        slot.release()
 
 
 async def _respond(request: Request, gens: list[Generation], slot: Slot,

@@ -118,20 +118,19 @@ class TieredStore:
         """Write each of `keys` through, unpinning each once written; a write that raises
         unpins the rest too (they stayed pinned for good, and the error went unseen in the
         executor's future)."""
-        tier, num_done = self.tiers[from_tier], 0
-        try:
-            for key in keys:
-                try:
-                    self.write_through(key, from_tier, owner=owner)
-                finally:
-                    num_done += 1
-                    tier.unpin(key)
-        except Exception:
-            log.exception("writing %d chunks down from %s failed; %d left in it unwritten",
-                          len(keys), tier.name, len(keys) - num_done)
-        finally:
-            for key in keys[num_done:]:
-                tier.unpin(key)
+        tier = self.tiers[from_tier]
+        for index, key in enumerate(keys):
+            try:
+                self.write_through(key, from_tier, owner=owner)
+            except BaseException as exc:
+                for rest in keys[index:]:
+                    tier.unpin(rest)
+                if not isinstance(exc, Exception):
+                    raise
+                log.exception("writing %d chunks down from %s failed; %d left in it unwritten",
+                              len(keys), tier.name, len(keys) - index - 1)
+                return
+            tier.unpin(key)
 
     def get(self, key: ChunkKey) -> bytes | memoryview | None:
         """The payload from the fastest tier holding `key`, or None.
